@@ -1,0 +1,9 @@
+"""nixl-twisted: a Twisted proxy for vLLM prefill/decode serving over NIXL.
+
+Importing the package does no work: the reactor, sockets and pools are built
+only by :func:`nixl_twisted.tap.makeService`.
+"""
+
+from nixl_twisted.identity import ID, VERSION, ProxyMeta, meta
+
+__all__ = ["ID", "VERSION", "ProxyMeta", "meta"]

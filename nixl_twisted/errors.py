@@ -1,0 +1,42 @@
+"""The errors a client can see, rendered as OpenAI-style JSON bodies."""
+
+from __future__ import annotations
+
+import json
+
+
+class ProxyError(Exception):
+    """A request ended in an answer the proxy itself composes.
+
+    ``error_type`` and ``code`` follow the OpenAI error body: a broad class
+    (``invalid_request_error``, ``upstream_error``, ...) and a stable
+    machine-readable code that operators can alert on.
+    """
+
+    def __init__(self, status: int, message: str, error_type: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.code = code
+
+    def body(self) -> bytes:
+        """The JSON body sent to the client."""
+        return error_body(self.message, self.error_type, self.code)
+
+
+def error_body(message: str, error_type: str, code: str) -> bytes:
+    """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return json.dumps(
+        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    ).encode("utf-8")
+
+
+def invalid_request(message: str, code: str) -> ProxyError:
+    """A 400: the client's request cannot be served as sent."""
+    return ProxyError(400, message, "invalid_request_error", code)
+
+
+def bad_gateway(message: str, code: str) -> ProxyError:
+    """A 502: a backend could not be reached or answered something unusable."""
+    return ProxyError(502, message, "upstream_error", code)

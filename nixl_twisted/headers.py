@@ -1,0 +1,86 @@
+"""Which headers cross the proxy, in each direction (RFC 9110 section 7.6.1).
+
+Pure functions over ``twisted.web.http_headers.Headers``: what the client sent
+goes on to both legs except what is hop-by-hop or owned by the proxy, and
+what decode answered comes back except what is hop-by-hop.
+"""
+
+from __future__ import annotations
+
+from twisted.web.http_headers import Headers
+
+#: Hop-by-hop headers: they describe one connection, never the message.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+#: Request headers the proxy sets itself on each leg. ``accept-encoding`` is
+#: dropped so that prefill answers in identity encoding the proxy can parse.
+_PROXY_OWNED_REQUEST = frozenset(
+    {b"host", b"content-length", b"content-type", b"accept-encoding", b"x-request-id"}
+)
+
+REQUEST_ID = b"X-Request-Id"
+AUTHORIZATION = b"Authorization"
+
+
+def _connection_tokens(headers: Headers) -> frozenset[bytes]:
+    """Header names a ``Connection`` header declares hop-by-hop."""
+    tokens: set[bytes] = set()
+    for value in headers.getRawHeaders(b"connection", []):
+        tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return frozenset(tokens)
+
+
+def _end_to_end(headers: Headers, also_drop: frozenset[bytes]) -> Headers:
+    drop = HOP_BY_HOP | _connection_tokens(headers) | also_drop
+    kept = Headers()
+    for name, values in headers.getAllRawHeaders():
+        lowered = name.lower()
+        if lowered in drop:
+            continue
+        if lowered == b"content-encoding" and not any(v.strip() for v in values):
+            # Twisted's content decoder leaves an empty value behind when
+            # there was nothing to decode; an empty coding is not a header.
+            continue
+        kept.setRawHeaders(name, list(values))
+    return kept
+
+
+def backend_request_headers(
+    client: Headers,
+    request_id: str,
+    backend_api_key: str | None,
+    json_body: bool = True,
+) -> Headers:
+    """The headers a backend call carries: the client's end-to-end ones plus ours.
+
+    The client's ``Authorization`` wins; the operator's backend key is used
+    only when the client sent none.
+    """
+    headers = _end_to_end(client, _PROXY_OWNED_REQUEST)
+    if json_body:
+        headers.setRawHeaders(b"Content-Type", [b"application/json"])
+    headers.setRawHeaders(REQUEST_ID, [request_id.encode("ascii")])
+    if backend_api_key and not headers.hasHeader(AUTHORIZATION):
+        headers.setRawHeaders(AUTHORIZATION, [b"Bearer " + backend_api_key.encode("utf-8")])
+    return headers
+
+
+def client_response_headers(backend: Headers) -> Headers:
+    """The headers of a backend answer that are relayed to the client.
+
+    ``Content-Length`` is kept: the body is relayed byte for byte, and a body
+    cut short aborts the client connection, so the length never lies.
+    """
+    return _end_to_end(backend, frozenset())

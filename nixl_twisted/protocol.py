@@ -1,0 +1,143 @@
+"""The NIXL prefill/decode protocol as pure functions: no I/O, no reactor.
+
+Everything here follows ``PROTOCOL.md`` to the letter; the lowering is part of
+the proxy's identity (``nixl_twisted.identity.VERSION``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, NoReturn
+
+from nixl_twisted.errors import bad_gateway, invalid_request
+
+JSONObject = dict[str, Any]
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+
+#: Fields the prefill leg must not carry: they would make prefill stream,
+#: or generate past its single token.
+_PREFILL_REMOVED_FIELDS = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def new_request_id() -> str:
+    """A request id unique across processes and restarts (random, 122 bits)."""
+    return uuid.uuid4().hex
+
+
+def prefill_kv_transfer_params(request_id: str) -> JSONObject:
+    """The ``kv_transfer_params`` that ask a vLLM instance to act as prefill."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": f"xfer-{request_id}",
+    }
+
+
+def _reject_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_client_body(raw: bytes) -> JSONObject:
+    """Parse a client's body; anything but a JSON object is a 400.
+
+    ``NaN`` and ``Infinity`` are refused: they are not JSON, and vLLM's
+    parser would refuse them on a leg the client never sees.
+    """
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise invalid_request(f"request body is not valid JSON: {error}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid_request(
+            "OpenAI completion request body must be a JSON object", "invalid_body"
+        )
+    return body
+
+
+def prompt_count(prompt: object) -> int:
+    """How many prompts a ``/v1/completions`` ``prompt`` field holds.
+
+    The OpenAI forms are a string, a list of token ids, a list of strings and
+    a list of token-id lists; only the last two can hold several prompts.
+    """
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(item, (str, list)) for item in prompt)
+    ):
+        return len(prompt)
+    return 1
+
+
+def check_servable(path: str, body: JSONObject) -> None:
+    """Refuse what must not reach decode as one request (PROTOCOL.md).
+
+    A batch of prompts gets one ``kv_transfer_params`` for the whole batch
+    from prefill, and decode's worker crashes on it ("block marked busy").
+    """
+    if path == COMPLETIONS_PATH and prompt_count(body.get("prompt")) > 1:
+        raise invalid_request(
+            "this proxy serves one prompt per request: 'prompt' holds "
+            f"{prompt_count(body.get('prompt'))} prompts; send one request per prompt",
+            "multiple_prompts",
+        )
+
+
+def prefill_body(body: JSONObject, request_id: str) -> JSONObject:
+    """Lower a client's body for the prefill leg, exactly as the seed does."""
+    lowered = dict(body)
+    lowered["kv_transfer_params"] = prefill_kv_transfer_params(request_id)
+    lowered["stream"] = False
+    lowered["max_tokens"] = 1
+    if "max_completion_tokens" in lowered:
+        lowered["max_completion_tokens"] = 1
+    for field in _PREFILL_REMOVED_FIELDS:
+        lowered.pop(field, None)
+    return lowered
+
+
+def decode_body(body: JSONObject, kv_transfer_params: object) -> JSONObject:
+    """The client's body plus prefill's ``kv_transfer_params``, verbatim."""
+    completed = dict(body)
+    completed["kv_transfer_params"] = kv_transfer_params
+    return completed
+
+
+def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
+    """Take ``kv_transfer_params`` from a prefill answer, or explain with a 502.
+
+    The value is returned as parsed, never rebuilt: decode needs every key
+    current vLLM puts there, including keys that do not exist yet.
+    """
+    try:
+        answer = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_gateway(
+            f"prefill instance {instance} answered with a body that is not JSON",
+            "prefill_invalid_response",
+        ) from None
+    if not isinstance(answer, dict) or "kv_transfer_params" not in answer:
+        raise bad_gateway(
+            f"prefill response did not include kv_transfer_params (prefill instance {instance})",
+            "missing_kv_transfer_params",
+        )
+    params = answer["kv_transfer_params"]
+    if not isinstance(params, dict):
+        raise bad_gateway(
+            "prefill response kv_transfer_params is not a JSON object "
+            f"(prefill instance {instance})",
+            "invalid_kv_transfer_params",
+        )
+    return params
+
+
+def encode(body: JSONObject) -> bytes:
+    """Serialize a leg's body; non-ASCII stays UTF-8 as the client sent it."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,41 @@
+"""Packaging for nixl-twisted: the package, its twistd plugin and extras."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="nixl-twisted",
+    version="0.1.0",
+    description=(
+        "A Twisted proxy for vLLM disaggregated prefill/decode serving over NIXL"
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="MIT",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nixl_twisted", "nixl_twisted.*"])
+    + ["twisted.plugins"],
+    package_data={"nixl_twisted": ["py.typed"]},
+    install_requires=[
+        # 24.10 sets TCP_NODELAY on HTTP server and client sockets.
+        "twisted>=24.10.0",
+        "treq>=24.9.1",
+        "klein>=24.8.0",
+    ],
+    extras_require={
+        "demo": ["openai>=1.0"],
+        "test": [
+            "openai>=1.0",
+            "pytest>=8",
+            "pytest-twisted>=1.14",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "mypy>=1.10",
+            "ruff>=0.5",
+        ],
+    },
+    entry_points={"console_scripts": ["nixlproxy-demo=nixl_twisted.demo:main"]},
+    classifiers=[
+        "Framework :: Twisted",
+        "Programming Language :: Python :: 3",
+    ],
+)
