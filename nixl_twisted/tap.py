@@ -11,17 +11,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IStreamServerEndpoint
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
-from twisted.web.server import Site
 
 from nixl_twisted import identity
 from nixl_twisted.app import ProxyApp
 from nixl_twisted.pools import BackendPool, BackendService, InvalidBackendURL
+from nixl_twisted.site import TrackingSite
 from nixl_twisted.upstream import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -164,7 +164,7 @@ def _endpoint(reactor: Any, description: str) -> IStreamServerEndpoint:
 class ListenService(Service):
     """Serves a site on one endpoint, and logs the address once it is bound."""
 
-    def __init__(self, endpoint: IStreamServerEndpoint, site: Site) -> None:
+    def __init__(self, endpoint: IStreamServerEndpoint, site: TrackingSite) -> None:
         self.endpoint = endpoint
         self.site = site
         self.port: IListeningPort | None = None
@@ -198,12 +198,14 @@ class ListenService(Service):
 
         reactor.stop()
 
-    def stopService(self) -> Deferred[None] | None:
+    def stopService(self) -> Deferred[Any]:
+        """Stop accepting, then close the connections still open."""
         super().stopService()
+        stopped: Deferred[Any] = succeed(None)
         if self.port is not None:
             port, self.port = self.port, None
-            return port.stopListening()
-        return None
+            stopped = maybeDeferred(port.stopListening)
+        return stopped.addCallback(lambda _: self.site.close_connections())
 
 
 def _address(port: IListeningPort) -> str:
@@ -213,11 +215,9 @@ def _address(port: IListeningPort) -> str:
     return str(getattr(host, "name", host))
 
 
-def proxy_site(app: ProxyApp) -> Site:
+def proxy_site(app: ProxyApp) -> TrackingSite:
     """The Twisted Web site for the app; tracebacks never reach a client."""
-    site = Site(app.resource())
-    site.displayTracebacks = False
-    return site
+    return TrackingSite(app.resource())
 
 
 def makeService(options: Options) -> IService:

@@ -24,16 +24,19 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from klein import Klein
+from twisted.application.service import IService, MultiService
 from twisted.internet.address import IPv4Address, IPv6Address
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.web.http_headers import Headers
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
+
+from nixl_twisted.site import TrackingSite
 
 JSONObject = dict[str, Any]
 
@@ -52,6 +55,7 @@ class ReceivedRequest:
     headers: Headers
     body: JSONObject | None
     role: str  # "prefill", "decode", "plain" or "other"
+    query: bytes = b""
 
     @property
     def request_id(self) -> str | None:
@@ -139,6 +143,8 @@ class FakeVLLM:
     requests: list[ReceivedRequest] = field(default_factory=list)
     #: Streams whose client went away before the stream ended.
     disconnects: int = 0
+    #: Headers added to every generation answer, e.g. to test header rules.
+    extra_headers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._failures: list[_Failure] = []
@@ -146,6 +152,8 @@ class FakeVLLM:
         self._release: Deferred[None] = Deferred()
         self._held: list[Deferred[None]] = []
         self._port: IListeningPort | None = None
+        #: The fake's site: its open connections, and how many it accepted.
+        self.site = TrackingSite(self.resource())
         self.url = ""
         self._kv_port = 5600
 
@@ -194,23 +202,23 @@ class FakeVLLM:
             reactor = default_reactor
         if self.clock is None:
             self.clock = reactor
-        site = Site(self.resource())
-        site.displayTracebacks = False
-        self._port = await serverFromString(reactor, description).listen(site)
+        self._port = await serverFromString(reactor, description).listen(self.site)
         host = self._port.getHost()
         assert isinstance(host, IPv4Address | IPv6Address)
         self.url = f"http://{host.host}:{host.port}"
         self._kv_port = 5600 + host.port % 1000
         return self.url
 
-    def stop(self) -> Deferred[None]:
-        """Stop listening (and release held streams so none hangs)."""
+    def stop(self) -> Deferred[Any]:
+        """Stop listening and close open connections (held streams are released)."""
         if self._hold_after is not None:
             self.release()
         if self._port is None:
             return succeed(None)
         port, self._port = self._port, None
-        return port.stopListening()  # type: ignore[return-value]
+        return maybeDeferred(port.stopListening).addCallback(
+            lambda _: self.site.close_connections()
+        )
 
     def resource(self) -> Any:
         app = Klein()
@@ -228,6 +236,7 @@ class FakeVLLM:
                 headers=request.requestHeaders.copy(),
                 body=body,
                 role=role,
+                query=request.uri.partition(b"?")[2],
             )
         )
 
@@ -259,6 +268,8 @@ class FakeVLLM:
         self._record(request, body, role)
         chat = request.path.endswith(b"/chat/completions")
         request.setHeader(b"Content-Type", b"application/json")
+        for name, value in self.extra_headers.items():
+            request.setHeader(name.encode("ascii"), value.encode("utf-8"))
 
         failure = self._failures.pop(0) if self._failures else None
         if failure is not None and not failure.omit_kv_transfer_params:
@@ -472,6 +483,46 @@ async def start_pair(
     await pair.prefill.listen(prefill_listen, reactor)
     await pair.decode.listen(decode_listen, reactor)
     return pair
+
+
+@dataclass
+class RunningProxy:
+    """A real nixl-twisted service tree, started in this process on loopback."""
+
+    service: IService
+    url: str
+    #: The site of the first listening endpoint: the proxy's client connections.
+    site: TrackingSite
+
+    def stop(self) -> Deferred[Any]:
+        return maybeDeferred(self.service.stopService)
+
+
+def start_proxy(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    extra_args: Sequence[str] = (),
+    listen: str = "tcp:0:interface=127.0.0.1",
+) -> RunningProxy:
+    """Build the proxy exactly as ``twistd nixlproxy`` would, and start it.
+
+    ``extra_args`` are more ``twistd nixlproxy`` options. Stop it with
+    :meth:`RunningProxy.stop` (a trial ``addCleanup`` is the usual place).
+    """
+    from nixl_twisted.tap import ListenService, build
+
+    args = ["--listen", listen]
+    for url in prefill:
+        args += ["--prefill", url]
+    for url in decode:
+        args += ["--decode", url]
+    service = build([*args, *extra_args])
+    service.startService()
+    listener = next(s for s in cast(MultiService, service) if isinstance(s, ListenService))
+    assert listener.port is not None
+    host = listener.port.getHost()
+    assert isinstance(host, IPv4Address | IPv6Address)
+    return RunningProxy(service, f"http://{host.host}:{host.port}", listener.site)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,159 @@
+"""What the integration tests share: fakes and a proxy on loopback, and a client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from treq.client import HTTPClient
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.iweb import IResponse
+
+from nixl_twisted.testing import FakeVLLM, RunningProxy, TransferLedger, start_proxy
+
+T = TypeVar("T")
+
+CHAT = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "hello there"}],
+    "temperature": 1.0,
+    "reasoning_effort": "high",
+    "chat_template_kwargs": {"enable_thinking": True},
+}
+
+
+class ProxyCase(TestCase):
+    """A trial test with fake prefill and decode instances and a real proxy."""
+
+    timeout = 30
+
+    async def start(
+        self,
+        prefills: int = 1,
+        decodes: int = 1,
+        args: Sequence[str] = (),
+        **fake_options: Any,
+    ) -> None:
+        self.ledger = TransferLedger()
+        self.prefills = [
+            FakeVLLM(name=f"prefill-{i}", ledger=self.ledger, **fake_options)
+            for i in range(prefills)
+        ]
+        self.decodes = [
+            FakeVLLM(name=f"decode-{i}", ledger=self.ledger, **fake_options) for i in range(decodes)
+        ]
+        for fake in self.prefills + self.decodes:
+            await fake.listen()
+            self.addCleanup(fake.stop)
+        self.proxy = self.start_proxy(
+            [f.url for f in self.prefills], [f.url for f in self.decodes], args
+        )
+        pool = HTTPConnectionPool(reactor, persistent=True)
+        self.addCleanup(pool.closeCachedConnections)
+        self.agent = Agent(reactor, pool=pool)
+        self.http = HTTPClient(self.agent)
+
+    def start_proxy(
+        self, prefill: Sequence[str], decode: Sequence[str], args: Sequence[str] = ()
+    ) -> RunningProxy:
+        proxy = start_proxy(prefill, decode, args)
+        self.addCleanup(proxy.stop)
+        return proxy
+
+    def ensure(self, coroutine: Coroutine[Any, Any, T]) -> Deferred[T]:
+        return ensureDeferred(coroutine)
+
+    @property
+    def prefill(self) -> FakeVLLM:
+        return self.prefills[0]
+
+    @property
+    def decode(self) -> FakeVLLM:
+        return self.decodes[0]
+
+    def post(self, path: str, body: object, headers: dict[str, str] | None = None) -> Deferred[Any]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
+        return self.http.post(
+            self.proxy.url + path,
+            data=raw,
+            headers={"Content-Type": "application/json", **(headers or {})},
+            unbuffered=True,
+        )
+
+    async def post_json(
+        self, path: str, body: object, headers: dict[str, str] | None = None
+    ) -> tuple[IResponse, Any]:
+        response = await self.post(path, body, headers)
+        return response, json.loads(await response.content())
+
+    def assertError(self, response: IResponse, answer: Any, status: int, code: str) -> None:
+        """An OpenAI-style error body with the status and code expected."""
+        self.assertEqual(response.code, status)
+        self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
+        self.assertEqual(set(answer["error"]), {"message", "type", "param", "code"})
+        self.assertEqual(answer["error"]["code"], code)
+        self.assertTrue(answer["error"]["message"])
+
+
+class ChunkCollector(Protocol):
+    """Collects a streamed body, telling the test about each chunk as it comes."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.done: Deferred[list[bytes]] = Deferred()
+        self._waiting: list[tuple[bytes, Deferred[None]]] = []
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    def received(self, marker: bytes) -> Deferred[None]:
+        """Fires once the body so far contains ``marker``."""
+        waiting: Deferred[None] = Deferred()
+        if marker in self.body:
+            waiting.callback(None)
+        else:
+            self._waiting.append((marker, waiting))
+        return waiting
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(data)
+        body = self.body
+        ready = [w for w in self._waiting if w[0] in body]
+        self._waiting = [w for w in self._waiting if w not in ready]
+        for _, waiting in ready:
+            waiting.callback(None)
+
+    def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.done.callback(self.chunks)
+        else:
+            self.done.errback(reason)
+
+
+def sse_events(body: bytes) -> list[Any]:
+    """The JSON payloads of an SSE body, ``[DONE]`` as the string."""
+    events: list[Any] = []
+    for block in body.decode("utf-8").split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: ") :]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+async def closed_port_url() -> str:
+    """A loopback URL nothing listens on: connecting to it is refused."""
+    from twisted.internet.endpoints import TCP4ServerEndpoint
+    from twisted.internet.protocol import Factory
+
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Factory())
+    number = port.getHost().port
+    await port.stopListening()
+    return f"http://127.0.0.1:{number}"

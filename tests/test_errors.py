@@ -1,0 +1,128 @@
+"""Every error a client can get, and that no backend is called when none should be."""
+
+from __future__ import annotations
+
+import json
+
+from tests.support import CHAT, ProxyCase, closed_port_url
+
+
+class ClientErrorTests(ProxyCase):
+    async def test_invalid_json_is_400_and_no_backend_called(self) -> None:
+        await self.start()
+        for raw in (b"{not json", b"", b'{"prompt": NaN}', b"\xff\xfe"):
+            response, answer = await self.post_json("/v1/completions", raw)
+            self.assertError(response, answer, 400, "invalid_json")
+        self.assertEqual(self.prefill.requests + self.decode.requests, [])
+
+    async def test_body_that_is_not_an_object_is_400(self) -> None:
+        await self.start()
+        for body in ([CHAT], "text", 3, None):
+            response, answer = await self.post_json("/v1/chat/completions", body)
+            self.assertError(response, answer, 400, "invalid_body")
+            self.assertIn("JSON object", answer["error"]["message"])
+        self.assertEqual(self.prefill.requests, [])
+
+    async def test_batched_prompts_never_reach_a_backend(self) -> None:
+        await self.start()
+        for prompt in (["a", "b"], [[1, 2], [3, 4]]):
+            response, answer = await self.post_json(
+                "/v1/completions", {"model": "m", "prompt": prompt}
+            )
+            self.assertError(response, answer, 400, "multiple_prompts")
+            self.assertIn("one prompt per request", answer["error"]["message"])
+        self.assertEqual(self.prefill.requests + self.decode.requests, [])
+
+    async def test_single_prompt_lists_are_served(self) -> None:
+        await self.start()
+        for prompt in (["just one"], [1, 2, 3], [[1, 2, 3]]):
+            response = await self.post("/v1/completions", {"model": "m", "prompt": prompt})
+            await response.content()
+            self.assertEqual(response.code, 200)
+        self.assertEqual(len(self.decode.requests), 3)
+
+    async def test_unknown_path_and_wrong_method_are_json_4xx(self) -> None:
+        await self.start()
+        response = await self.http.get(self.proxy.url + "/v1/embeddings")
+        self.assertError(response, json.loads(await response.content()), 404, "not_found")
+        response = await self.http.get(self.proxy.url + "/v1/completions")
+        self.assertError(response, json.loads(await response.content()), 405, "method_not_allowed")
+        self.assertEqual(response.headers.getRawHeaders(b"allow"), [b"POST"])
+
+
+class PrefillErrorTests(ProxyCase):
+    async def test_prefill_4xx_is_relayed_with_its_status_and_body(self) -> None:
+        await self.start()
+        self.prefill.refuse_next(400, "This model's maximum context length is 8 tokens")
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 400)
+        self.assertEqual(
+            answer["error"]["message"], "This model's maximum context length is 8 tokens"
+        )
+        self.assertEqual(answer["error"]["type"], "BadRequestError")
+        self.assertEqual(self.decode.requests, [])
+
+    async def test_prefill_5xx_is_502_naming_leg_and_instance(self) -> None:
+        await self.start()
+        self.prefill.crash_next(500)
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertError(response, answer, 502, "prefill_failed")
+        self.assertIn("prefill instance " + self.prefill.url, answer["error"]["message"])
+        self.assertIn("500", answer["error"]["message"])
+        self.assertEqual(self.decode.requests, [])
+
+    async def test_unreachable_prefill_is_502(self) -> None:
+        await self.start()
+        dead = await closed_port_url()
+        self.proxy = self.start_proxy([dead], [self.decode.url])
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertError(response, answer, 502, "prefill_unreachable")
+        self.assertIn(f"prefill instance {dead} could not be reached", answer["error"]["message"])
+        self.assertEqual(self.decode.requests, [])
+
+    async def test_missing_kv_transfer_params_is_502_as_the_seed_says(self) -> None:
+        await self.start()
+        self.prefill.omit_kv_transfer_params_next()
+        response, answer = await self.post_json("/v1/completions", {"model": "m", "prompt": "x"})
+        self.assertError(response, answer, 502, "missing_kv_transfer_params")
+        self.assertIn(
+            "prefill response did not include kv_transfer_params", answer["error"]["message"]
+        )
+        self.assertIn(self.prefill.url, answer["error"]["message"])
+        self.assertEqual(self.decode.requests, [])
+
+
+class DecodeErrorTests(ProxyCase):
+    async def test_unreachable_decode_is_502(self) -> None:
+        await self.start()
+        dead = await closed_port_url()
+        self.proxy = self.start_proxy([self.prefill.url], [dead])
+        response, answer = await self.post_json("/v1/chat/completions", dict(CHAT, stream=True))
+        self.assertError(response, answer, 502, "decode_unreachable")
+        self.assertIn(f"decode instance {dead}", answer["error"]["message"])
+        self.assertEqual(len(self.prefill.requests), 1)
+
+    async def test_decode_error_answers_are_relayed_as_they_are(self) -> None:
+        await self.start()
+        for status in (400, 500):
+            self.decode.crash_next(status, f"decode says {status}")
+            response, answer = await self.post_json("/v1/chat/completions", CHAT)
+            self.assertEqual(response.code, status)
+            self.assertEqual(answer["error"]["message"], f"decode says {status}")
+            self.assertEqual(answer["error"]["code"], status)
+
+    async def test_kv_load_failure_on_decode_reaches_client(self) -> None:
+        # Decode refuses params that no prefill issued (as a failed KV load).
+        await self.start()
+        self.ledger.issued.clear()
+        original = self.ledger.issue
+
+        def issue_then_forget(*args: object) -> dict[str, object]:
+            params = original(*args)  # type: ignore[arg-type]
+            self.ledger.issued.clear()
+            return params
+
+        self.ledger.issue = issue_then_forget  # type: ignore[method-assign]
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 500)
+        self.assertIn("KV load failed", answer["error"]["message"])
