@@ -1,16 +1,19 @@
 """Packaging for nixl-twisted: the package, its twistd plugin and extras."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="nixl-twisted",
     version="0.1.0",
-    description=("A Twisted proxy for vLLM disaggregated prefill/decode serving over NIXL"),
-    long_description=open("README.md", encoding="utf-8").read(),
+    description="A Twisted proxy for vLLM disaggregated prefill/decode serving over NIXL",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",
-    packages=find_packages(include=["nixl_twisted", "nixl_twisted.*"]) + ["twisted.plugins"],
+    # twisted.plugins has no __init__.py of ours: it is Twisted's package.
+    packages=[*find_packages(include=["nixl_twisted", "nixl_twisted.*"]), "twisted.plugins"],
     package_data={"nixl_twisted": ["py.typed"]},
     install_requires=[
         # 24.10 sets TCP_NODELAY on HTTP server and client sockets.

@@ -117,7 +117,7 @@ def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
     current vLLM puts there, including keys that do not exist yet.
     """
     try:
-        answer = json.loads(raw)
+        answer = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError):
         raise bad_gateway(
             f"prefill instance {instance} answered with a body that is not JSON",
@@ -139,5 +139,12 @@ def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
 
 
 def encode(body: JSONObject) -> bytes:
-    """Serialize a leg's body; non-ASCII stays UTF-8 as the client sent it."""
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """Serialize a leg's body; non-ASCII stays UTF-8 as the client sent it.
+
+    A lone surrogate (valid as a JSON escape, not as UTF-8) is sent escaped.
+    """
+    text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(body, allow_nan=False, separators=(",", ":")).encode("ascii")

@@ -212,7 +212,8 @@ def _address(port: IListeningPort) -> str:
     host = port.getHost()
     if hasattr(host, "port"):
         return f"{host.host}:{host.port}"  # type: ignore[attr-defined]
-    return str(getattr(host, "name", host))
+    name = getattr(host, "name", host)
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
 
 
 def proxy_site(app: ProxyApp) -> TrackingSite:

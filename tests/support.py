@@ -80,12 +80,9 @@ class ProxyCase(TestCase):
 
     def post(self, path: str, body: object, headers: dict[str, str] | None = None) -> Deferred[Any]:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
-        return self.http.post(
-            self.proxy.url + path,
-            data=raw,
-            headers={"Content-Type": "application/json", **(headers or {})},
-            unbuffered=True,
-        )
+        sent: dict[str | bytes, str | bytes] = {"Content-Type": "application/json"}
+        sent.update(headers or {})
+        return self.http.post(self.proxy.url + path, data=raw, headers=sent, unbuffered=True)
 
     async def post_json(
         self, path: str, body: object, headers: dict[str, str] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from nixl_twisted.testing import TransferLedger
 from tests.support import CHAT, ProxyCase, closed_port_url
 
 
@@ -112,17 +113,10 @@ class DecodeErrorTests(ProxyCase):
             self.assertEqual(answer["error"]["code"], status)
 
     async def test_kv_load_failure_on_decode_reaches_client(self) -> None:
-        # Decode refuses params that no prefill issued (as a failed KV load).
+        # A decode that cannot load the KV blocks (here: it never heard of
+        # them) answers 500, and the client gets that answer.
         await self.start()
-        self.ledger.issued.clear()
-        original = self.ledger.issue
-
-        def issue_then_forget(*args: object) -> dict[str, object]:
-            params = original(*args)  # type: ignore[arg-type]
-            self.ledger.issued.clear()
-            return params
-
-        self.ledger.issue = issue_then_forget  # type: ignore[method-assign]
+        self.decode.ledger = TransferLedger()
         response, answer = await self.post_json("/v1/chat/completions", CHAT)
         self.assertEqual(response.code, 500)
         self.assertIn("KV load failed", answer["error"]["message"])

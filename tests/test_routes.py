@@ -6,6 +6,7 @@ import json
 from io import BytesIO
 
 import treq
+from twisted.internet import reactor
 from twisted.internet.defer import gatherResults
 from twisted.internet.interfaces import ITCPTransport
 from twisted.web.client import FileBodyProducer
@@ -170,6 +171,20 @@ class ConnectionTests(ProxyCase):
         # The proxy closes the idle connection itself, long before vLLM would.
         await self.decode.site.connection_lost(channel)
         self.assertEqual(self.decode.site.channels(), [])
+
+    async def test_backend_sockets_have_nagle_off(self) -> None:
+        await self.start()
+        response = await self.post("/v1/chat/completions", CHAT)
+        await response.content()
+        for fake in (self.prefill, self.decode):
+            (channel,) = fake.site.channels()
+            proxy_end = channel.transport.getPeer()  # type: ignore[union-attr]
+            (socket,) = [
+                reader
+                for reader in reactor.getReaders()  # type: ignore[attr-defined]
+                if ITCPTransport.providedBy(reader) and reader.getHost() == proxy_end
+            ]
+            self.assertTrue(socket.getTcpNoDelay())
 
     async def test_client_sockets_have_nagle_off(self) -> None:
         await self.start()

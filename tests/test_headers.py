@@ -1,0 +1,73 @@
+"""Header rules in both directions."""
+
+from __future__ import annotations
+
+from twisted.web.http_headers import Headers
+
+from nixl_twisted.headers import backend_request_headers, client_response_headers
+
+
+def client(**headers: str) -> Headers:
+    return Headers({k.replace("_", "-").encode(): [v.encode()] for k, v in headers.items()})
+
+
+def test_hop_by_hop_and_proxy_owned_request_headers_are_not_forwarded() -> None:
+    sent = backend_request_headers(
+        client(
+            connection="close, x-private",
+            x_private="1",
+            te="trailers",
+            upgrade="h2c",
+            proxy_authorization="Basic x",
+            host="proxy:8000",
+            content_length="12",
+            accept_encoding="br",
+            x_request_id="theirs",
+            user_agent="openai-python",
+        ),
+        "r-1",
+        None,
+    )
+    assert dict(sent.getAllRawHeaders()) == {
+        b"User-Agent": [b"openai-python"],
+        b"Content-Type": [b"application/json"],
+        b"X-Request-Id": [b"r-1"],
+    }
+
+
+def test_client_authorization_wins_over_the_operator_key() -> None:
+    sent = backend_request_headers(client(authorization="Bearer c"), "r", "op")
+    assert sent.getRawHeaders(b"authorization") == [b"Bearer c"]
+
+
+def test_operator_key_sent_when_client_has_none() -> None:
+    sent = backend_request_headers(client(), "r", "op")
+    assert sent.getRawHeaders(b"authorization") == [b"Bearer op"]
+
+
+def test_no_content_type_on_a_get() -> None:
+    sent = backend_request_headers(client(), "r", None, json_body=False)
+    assert sent.getRawHeaders(b"content-type") is None
+
+
+def test_response_headers_keep_end_to_end_ones_only() -> None:
+    kept = client_response_headers(
+        client(
+            connection="keep-alive, x-conn",
+            x_conn="1",
+            keep_alive="timeout=5",
+            transfer_encoding="chunked",
+            content_type="text/event-stream",
+            x_request_id="abc",
+            content_encoding="",
+        )
+    )
+    assert dict(kept.getAllRawHeaders()) == {
+        b"Content-Type": [b"text/event-stream"],
+        b"X-Request-Id": [b"abc"],
+    }
+
+
+def test_a_real_content_encoding_is_kept() -> None:
+    kept = client_response_headers(client(content_encoding="gzip"))
+    assert kept.getRawHeaders(b"content-encoding") == [b"gzip"]

@@ -1,0 +1,94 @@
+"""The official ``openai`` client as the caller, streaming and not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+from twisted.internet.threads import deferToThread
+
+from tests.support import ProxyCase
+
+EXPECTED = "Hello from the fake decode instance: "
+
+
+class OpenAIClientTests(ProxyCase):
+    async def client(self, **fake_options: Any) -> openai.OpenAI:
+        await self.start(tokens=6, **fake_options)
+        client = openai.OpenAI(
+            base_url=self.proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=20
+        )
+        self.addCleanup(client.close)
+        return client
+
+    async def test_streaming_chat(self) -> None:
+        client = await self.client()
+
+        def call() -> tuple[str, Any]:
+            stream = client.chat.completions.create(
+                model="fake-model",
+                messages=[{"role": "user", "content": "hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, usage = "", None
+            for chunk in stream:
+                for choice in chunk.choices:
+                    text += choice.delta.content or ""
+                usage = chunk.usage or usage
+            return text, usage
+
+        text, usage = await deferToThread(call)
+        self.assertEqual(text, EXPECTED)
+        self.assertEqual(usage.completion_tokens, 6)
+        self.assertEqual(self.prefill.requests[0].authorization, "Bearer sk-client")
+        self.assertEqual(self.decode.requests[0].authorization, "Bearer sk-client")
+
+    async def test_chat(self) -> None:
+        client = await self.client()
+
+        def call() -> Any:
+            return client.chat.completions.with_raw_response.create(
+                model="fake-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+
+        raw = await deferToThread(call)
+        completion = raw.parse()
+        self.assertEqual(completion.choices[0].message.content, "Hello from the ")
+        self.assertEqual(completion.choices[0].finish_reason, "length")
+        self.assertEqual(raw.headers["x-request-id"], self.decode.requests[0].request_id)
+
+    async def test_streaming_completions(self) -> None:
+        client = await self.client()
+
+        def call() -> str:
+            stream = client.completions.create(model="fake-model", prompt="hi", stream=True)
+            return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+
+        self.assertEqual(await deferToThread(call), EXPECTED)
+
+    async def test_completions(self) -> None:
+        client = await self.client()
+
+        def call() -> Any:
+            return client.completions.create(model="fake-model", prompt="one two three four")
+
+        completion = await deferToThread(call)
+        self.assertEqual(completion.choices[0].text, EXPECTED)
+        self.assertEqual(completion.usage.prompt_tokens_details.cached_tokens, 2)
+
+    async def test_batched_prompts_raise_bad_request(self) -> None:
+        client = await self.client()
+
+        def call() -> Any:
+            return client.completions.create(model="fake-model", prompt=["a", "b"])
+
+        with self.assertRaises(openai.BadRequestError) as caught:
+            await deferToThread(call)
+        self.assertIn("one prompt per request", str(caught.exception))
+        self.assertEqual(self.prefill.requests, [])
+
+    async def test_models(self) -> None:
+        client = await self.client()
+        models = await deferToThread(lambda: client.models.list())
+        self.assertEqual([m.id for m in models.data], ["fake-model"])

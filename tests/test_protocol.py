@@ -1,0 +1,213 @@
+"""The pure protocol: the seed's cases, and properties over any client body."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nixl_twisted import ID, VERSION, meta
+from nixl_twisted.errors import ProxyError
+from nixl_twisted.protocol import (
+    CHAT_COMPLETIONS_PATH,
+    COMPLETIONS_PATH,
+    check_servable,
+    decode_body,
+    encode,
+    extract_kv_transfer_params,
+    new_request_id,
+    parse_client_body,
+    prefill_body,
+    prompt_count,
+)
+
+OWNED = {
+    "kv_transfer_params",
+    "stream",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream_options",
+    "min_tokens",
+    "min_completion_tokens",
+}
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+bodies = st.dictionaries(
+    st.sampled_from(sorted(OWNED)) | st.text(max_size=12), json_values, max_size=10
+)
+
+
+def test_identity_is_byte_stable() -> None:
+    # Recorded by users as evidence of which proxy produced a result.
+    assert ID == "inferlab-vllm-nixl-proxy"
+    assert VERSION == 1
+    assert meta().id == ID
+    assert meta().version == VERSION
+
+
+def test_prefill_body_sets_nixl_prefill_transfer_params() -> None:
+    # The seed's own case.
+    body = {
+        "model": "m",
+        "prompt": "hello",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 64,
+        "max_completion_tokens": 64,
+        "min_tokens": 4,
+    }
+    lowered = prefill_body(body, "request-1")
+    assert lowered["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": "xfer-request-1",
+    }
+    assert lowered["stream"] is False
+    assert lowered["max_tokens"] == 1
+    assert lowered["max_completion_tokens"] == 1
+    assert "stream_options" not in lowered
+    assert "min_tokens" not in lowered
+    assert body["stream"] is True, "the client's body is not changed in place"
+
+
+def test_max_completion_tokens_set_only_if_sent() -> None:
+    lowered = prefill_body({"prompt": "x"}, "r")
+    assert lowered["max_tokens"] == 1
+    assert "max_completion_tokens" not in lowered
+
+
+def test_decode_body_forwards_prefill_kv_transfer_params() -> None:
+    params = {"remote_engine_id": "engine-p", "remote_host": "10.0.0.1", "remote_port": 5600}
+    assert decode_body({"model": "m"}, params) == {"model": "m", "kv_transfer_params": params}
+
+
+@given(bodies, st.text(min_size=1, max_size=40))
+def test_prefill_lowering_keeps_every_field_it_does_not_own(body: dict[str, Any], rid: str) -> None:
+    lowered = prefill_body(body, rid)
+    for key, value in body.items():
+        if key not in OWNED:
+            assert lowered[key] == value
+    assert set(lowered) - OWNED == set(body) - OWNED
+    assert lowered["kv_transfer_params"]["transfer_id"] == f"xfer-{rid}"
+    assert lowered["stream"] is False and lowered["max_tokens"] == 1
+    assert ("max_completion_tokens" in lowered) == ("max_completion_tokens" in body)
+
+
+@given(bodies, st.dictionaries(st.text(max_size=8), json_values, max_size=6))
+def test_decode_body_is_client_body_plus_params_verbatim(
+    body: dict[str, Any], params: dict[str, Any]
+) -> None:
+    completed = decode_body(body, params)
+    assert completed["kv_transfer_params"] is params
+    assert {k: v for k, v in completed.items() if k != "kv_transfer_params"} == {
+        k: v for k, v in body.items() if k != "kv_transfer_params"
+    }
+
+
+@given(bodies)
+def test_encode_round_trips(body: dict[str, Any]) -> None:
+    assert parse_client_body(encode(body)) == body
+
+
+def test_encode_keeps_non_ascii_as_utf8() -> None:
+    assert encode({"prompt": "naïve 日本"}) == '{"prompt":"naïve 日本"}'.encode()
+
+
+def test_a_lone_surrogate_from_the_client_is_sent_escaped() -> None:
+    body = parse_client_body(b'{"prompt": "a\\ud800b"}')
+    assert encode(body) == b'{"prompt":"a\\ud800b"}'
+    assert parse_client_body(encode(body)) == body
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b"", "invalid_json"),
+        (b"{", "invalid_json"),
+        (b'{"a": NaN}', "invalid_json"),
+        (b'{"a": Infinity}', "invalid_json"),
+        (b"\xff", "invalid_json"),
+        (b"[]", "invalid_body"),
+        (b'"text"', "invalid_body"),
+        (b"null", "invalid_body"),
+    ],
+)
+def test_parse_client_body_refuses_with_400(raw: bytes, code: str) -> None:
+    with pytest.raises(ProxyError) as caught:
+        parse_client_body(raw)
+    assert caught.value.status == 400
+    assert caught.value.code == code
+    assert json.loads(caught.value.body())["error"]["code"] == code
+
+
+@pytest.mark.parametrize(
+    ("prompt", "count"),
+    [
+        ("one", 1),
+        ([1, 2, 3], 1),
+        (["one"], 1),
+        ([[1, 2]], 1),
+        (["a", "b"], 2),
+        ([[1], [2], [3]], 3),
+        (None, 1),
+        ([], 1),
+    ],
+)
+def test_prompt_count(prompt: object, count: int) -> None:
+    assert prompt_count(prompt) == count
+
+
+def test_batched_prompts_refused_only_on_completions() -> None:
+    with pytest.raises(ProxyError) as caught:
+        check_servable(COMPLETIONS_PATH, {"prompt": ["a", "b"]})
+    assert caught.value.status == 400
+    assert "one prompt per request" in caught.value.message
+    check_servable(COMPLETIONS_PATH, {"prompt": "a"})
+    check_servable(CHAT_COMPLETIONS_PATH, {"messages": [{"role": "user", "content": "a"}]})
+
+
+def test_kv_transfer_params_extracted_verbatim() -> None:
+    params = {"remote_block_ids": [[1, 2], [3]], "remote_prefill_cached_tokens": 7, "new": {}}
+    raw = json.dumps({"id": "x", "kv_transfer_params": params}).encode()
+    assert extract_kv_transfer_params(raw, "http://p") == params
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b"<html>", "prefill_invalid_response"),
+        (b'{"id": "x"}', "missing_kv_transfer_params"),
+        (b"[1]", "missing_kv_transfer_params"),
+        (b'{"kv_transfer_params": {"x": NaN}}', "prefill_invalid_response"),
+        (b'{"kv_transfer_params": null}', "invalid_kv_transfer_params"),
+        (b'{"kv_transfer_params": [1]}', "invalid_kv_transfer_params"),
+    ],
+)
+def test_unusable_prefill_answers_are_502(raw: bytes, code: str) -> None:
+    with pytest.raises(ProxyError) as caught:
+        extract_kv_transfer_params(raw, "http://p:1")
+    assert caught.value.status == 502
+    assert caught.value.code == code
+    assert "http://p:1" in caught.value.message
+
+
+def test_request_ids_are_fresh() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000

@@ -1,0 +1,139 @@
+"""A real ``twistd nixlproxy`` process between fake vLLM instances."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import tempfile
+from typing import Any, cast
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+
+from tests.support import CHAT, ProxyCase, sse_events
+
+TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
+LISTENING = re.compile(rb"nixlproxy listening on (\S+)")
+
+
+class TwistdProcess(ProcessProtocol):
+    """Runs twistd; tells the test where it listens and how it exited."""
+
+    def __init__(self) -> None:
+        self.output = b""
+        self.listening: Deferred[str] = Deferred()
+        self.ended: Deferred[int | None] = Deferred()
+        self.signal: int | None = None
+
+    def outReceived(self, data: bytes) -> None:
+        self.output += data
+        match = LISTENING.search(self.output)
+        if match and not self.listening.called:
+            self.listening.callback(match.group(1).decode())
+
+    errReceived = outReceived
+
+    def processEnded(self, reason: Failure) -> None:
+        if not self.listening.called:
+            self.listening.errback(RuntimeError(self.output.decode(errors="replace")))
+        if reason.check(ProcessDone, ProcessTerminated):
+            ended = cast(ProcessTerminated, reason.value)
+            self.signal = ended.signal
+            self.ended.callback(ended.exitCode)
+        else:
+            self.ended.errback(reason)
+
+
+class TwistdTests(ProxyCase):
+    timeout = 60
+
+    def spawn(self, *args: str) -> TwistdProcess:
+        process = TwistdProcess()
+        # Outside the source tree: the installed package and plugin serve.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        transport = reactor.spawnProcess(
+            process,
+            sys.executable,
+            [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy", *args],
+            env=env,
+            path=tempfile.gettempdir(),
+        )
+
+        def stop_if_running(_: Any = None) -> Deferred[int | None]:
+            if not process.ended.called:
+                transport.signalProcess("KILL")
+            return process.ended
+
+        self.addCleanup(lambda: stop_if_running().addErrback(lambda _: None))
+        return process
+
+    async def terminate(self, process: TwistdProcess) -> None:
+        """SIGTERM: twistd stops its services, then ends by that signal."""
+        os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        await process.ended
+        self.assertEqual(process.signal, signal.SIGTERM, process.output.decode())
+        self.assertIn(b"Server Shut Down.", process.output)
+        self.assertNotIn(b"Traceback", process.output)
+
+    async def test_serves_a_stream_and_shuts_down_cleanly_on_sigterm(self) -> None:
+        await self.start(tokens=4)
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+        )  # fmt: skip
+        address = await process.listening
+        url = f"http://{address}"
+
+        response = await self.http.get(url + "/healthcheck")
+        self.assertEqual(response.code, 200)
+        await response.content()
+        response = await self.http.post(
+            url + "/v1/chat/completions",
+            json=dict(CHAT, stream=True),
+            unbuffered=True,
+        )
+        self.assertEqual(response.code, 200)
+        events = sse_events(await response.content())
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual(len(self.ledger.redeemed), 1)
+
+        await self.terminate(process)
+
+    async def test_serves_on_a_unix_socket(self) -> None:
+        await self.start()
+        path = os.path.join(tempfile.mkdtemp(), "nixlproxy.sock")
+        process = self.spawn(
+            "--listen", f"unix:{path}", "--prefill", self.prefill.url, "--decode", self.decode.url
+        )  # fmt: skip
+        self.assertEqual(await process.listening, path)
+        from twisted.internet.endpoints import UNIXClientEndpoint
+        from twisted.web.client import Agent
+
+        class UNIXEndpoints:
+            def endpointForURI(self, uri: Any) -> UNIXClientEndpoint:
+                return UNIXClientEndpoint(reactor, path)
+
+        agent = Agent.usingEndpointFactory(reactor, UNIXEndpoints())
+        response = await agent.request(b"GET", b"http://proxy/healthcheck")
+        import treq
+
+        self.assertIn(b'"ready": true', await treq.content(response))
+        await self.terminate(process)
+
+    async def test_a_port_in_use_is_a_clear_failure(self) -> None:
+        await self.start()
+        taken = self.proxy.url.rsplit(":", 1)[1]
+        process = self.spawn(
+            "--listen", f"tcp:{taken}:interface=127.0.0.1",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+        )  # fmt: skip
+        with self.assertRaises(RuntimeError):
+            await process.listening
+        code = await process.ended
+        self.assertNotEqual(code, 0, process.output.decode())
+        self.assertIn(b"Address already in use", process.output)
