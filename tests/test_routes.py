@@ -181,7 +181,7 @@ class ConnectionTests(ProxyCase):
             proxy_end = channel.transport.getPeer()  # type: ignore[union-attr]
             (socket,) = [
                 reader
-                for reader in reactor.getReaders()  # type: ignore[attr-defined]
+                for reader in reactor.getReaders()
                 if ITCPTransport.providedBy(reader) and reader.getHost() == proxy_end
             ]
             self.assertTrue(socket.getTcpNoDelay())
