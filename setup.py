@@ -30,6 +30,7 @@ setup(
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "mypy>=1.10",
+            "mypy-zope>=1.0.5",
             "ruff>=0.5",
         ],
     },
