@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, cast
+from typing import Any
 
 from klein import Klein
 from twisted.internet.defer import CancelledError
-from twisted.internet.interfaces import ITCPTransport
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest, IResponse
@@ -95,10 +94,11 @@ class ProxyApp:
     # -- the two legs -----------------------------------------------------
 
     async def _two_legs(self, request: Request, path: str) -> None:
-        body = protocol.parse_client_body(_client_body(request))
-        protocol.check_servable(path, body)
+        # The id comes first, so that every answer, refusals included, has one.
         request_id = protocol.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
+        body = protocol.parse_client_body(_client_body(request))
+        protocol.check_servable(path, body)
         headers = backend_request_headers(request.requestHeaders, request_id, self.backend_api_key)
         target = path + _query(request)
 
@@ -259,8 +259,9 @@ def _error(request: IRequest, status: int, body: bytes) -> bytes:
 async def _break_off(request: Request) -> None:
     """End a response whose backend body broke off, so the client can tell.
 
-    An event stream gets an in-band error event first; then the connection is
-    closed without the final chunk, and Klein must not finish the request.
+    An event stream gets an in-band error event first. Then the connection
+    is closed without the final chunk (or short of the announced length),
+    and Klein must not finish the request as if it were complete.
     """
     channel = request.channel
     if channel is None:
@@ -276,8 +277,7 @@ async def _break_off(request: Request) -> None:
             )
             + b"\n\n"
         )
-        channel.loseConnection()
-    else:
-        cast(ITCPTransport, channel.transport).abortConnection()
+    lost = request.notifyFinish()
+    channel.loseConnection()
     with contextlib.suppress(Exception):
-        await request.notifyFinish()
+        await lost

@@ -77,10 +77,11 @@ def backend_request_headers(
     return headers
 
 
-def client_response_headers(backend: Headers) -> Headers:
-    """The headers of a backend answer that are relayed to the client.
+#: Response headers the proxy sets itself: its request id wins over one a
+#: backend echoes back (vLLM may append a suffix of its own).
+_PROXY_OWNED_RESPONSE = frozenset({b"x-request-id"})
 
-    ``Content-Length`` is kept: the body is relayed byte for byte, and a body
-    cut short aborts the client connection, so the length never lies.
-    """
-    return _end_to_end(backend, frozenset())
+
+def client_response_headers(backend: Headers) -> Headers:
+    """The headers of a backend answer that are relayed to the client."""
+    return _end_to_end(backend, _PROXY_OWNED_RESPONSE)

@@ -18,6 +18,7 @@ it, and can be told to fail the ways vLLM fails. Start a pair with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -124,9 +125,10 @@ class TransferLedger:
 
 @dataclass
 class _Failure:
-    status: int
-    message: str
-    omit_kv_transfer_params: bool = False
+    kind: str  # "error", "omit_kv_transfer_params" or "break"
+    status: int = 200
+    message: str = ""
+    after_events: int = 0
 
 
 @dataclass
@@ -161,15 +163,20 @@ class FakeVLLM:
 
     def refuse_next(self, status: int = 400, message: str = "bad request") -> None:
         """Answer the next request with a 4xx and vLLM's OpenAI error body."""
-        self._failures.append(_Failure(status, message))
+        self._failures.append(_Failure("error", status, message))
 
     def crash_next(self, status: int = 500, message: str = "engine error") -> None:
         """Answer the next request with a 5xx, as a failing engine does."""
-        self._failures.append(_Failure(status, message))
+        self._failures.append(_Failure("error", status, message))
 
     def omit_kv_transfer_params_next(self) -> None:
         """Answer the next prefill leg without ``kv_transfer_params``."""
-        self._failures.append(_Failure(200, "", omit_kv_transfer_params=True))
+        self._failures.append(_Failure("omit_kv_transfer_params"))
+
+    def break_next(self, after_events: int = 1) -> None:
+        """Cut the next answer off: a stream after ``after_events`` events, a
+        JSON answer halfway through its announced ``Content-Length``."""
+        self._failures.append(_Failure("break", after_events=after_events))
 
     def hold_streams_after(self, chunks: int) -> None:
         """Let streams write ``chunks`` events, then wait for :meth:`release`."""
@@ -272,13 +279,13 @@ class FakeVLLM:
             request.setHeader(name.encode("ascii"), value.encode("utf-8"))
 
         failure = self._failures.pop(0) if self._failures else None
-        if failure is not None and not failure.omit_kv_transfer_params:
+        if failure is not None and failure.kind == "error":
             return _vllm_error(request, failure.status, failure.message)
 
         prompt_tokens = _prompt_tokens(body, chat)
         cached = 0
         kv_answer: JSONObject | None = None
-        if role == "prefill" and failure is None:
+        if role == "prefill" and (failure is None or failure.kind != "omit_kv_transfer_params"):
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
             kv_answer = self.ledger.issue(self.name, request_id, prompt_tokens, self._kv_port)
         elif role == "decode":
@@ -302,13 +309,26 @@ class FakeVLLM:
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
         )
+        broken = failure is not None and failure.kind == "break"
         if not body.get("stream"):
             whole = answer.whole()
             if kv_answer is not None:
                 whole["kv_transfer_params"] = kv_answer
-            return _json(whole)
+            raw = _json(whole)
+            if not broken:
+                return raw
+            request.setHeader(b"Content-Length", str(len(raw)).encode("ascii"))
+            request.write(raw[: len(raw) // 2])
+            await _cut_off(request)
+            return None
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        await self._stream(request, answer.events(include_usage))
+        events = answer.events(include_usage)
+        if broken:
+            assert failure is not None
+            await self._stream(request, events[: failure.after_events])
+            await _cut_off(request)
+            return None
+        await self._stream(request, events)
         return None
 
     async def _stream(self, request: Request, events: list[bytes]) -> None:
@@ -419,6 +439,16 @@ class _Answer:
             events.append(self._chunk({}, self.usage))
         events.append(b"data: [DONE]\n\n")
         return events
+
+
+async def _cut_off(request: Request) -> None:
+    """Close the connection mid-answer, as a crashing backend would."""
+    if request.channel is None:
+        return
+    lost: Deferred[None] = request.notifyFinish()
+    request.channel.loseConnection()
+    with contextlib.suppress(Exception):
+        await lost
 
 
 def _json(value: object) -> bytes:

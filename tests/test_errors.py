@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+from typing import cast
+
+from twisted.internet.interfaces import IPushProducer
+from twisted.web.client import ResponseFailed
 
 from nixl_twisted.testing import TransferLedger
-from tests.support import CHAT, ProxyCase, closed_port_url
+from tests.support import CHAT, ChunkCollector, ProxyCase, closed_port_url, sse_events
 
 
 class ClientErrorTests(ProxyCase):
@@ -120,3 +124,64 @@ class DecodeErrorTests(ProxyCase):
         response, answer = await self.post_json("/v1/chat/completions", CHAT)
         self.assertEqual(response.code, 500)
         self.assertIn("KV load failed", answer["error"]["message"])
+
+
+class BrokenBodyTests(ProxyCase):
+    async def test_a_stream_cut_off_ends_with_an_error_event_not_a_clean_end(self) -> None:
+        await self.start(tokens=5)
+        self.decode.break_next(after_events=2)
+        response = await self.post("/v1/chat/completions", dict(CHAT, stream=True))
+        self.assertEqual(response.code, 200)
+        collector = ChunkCollector()
+        response.deliverBody(collector)
+        with self.assertRaises(ResponseFailed):
+            await collector.done
+        events = sse_events(collector.body)
+        self.assertEqual(len(events), 3)
+        self.assertEqual(events[-1]["error"]["code"], "decode_stream_broken")
+        self.assertNotIn("[DONE]", events)
+
+    async def test_a_json_body_cut_off_is_never_finished_as_complete(self) -> None:
+        await self.start()
+        self.decode.break_next()
+        response = await self.post("/v1/completions", {"model": "m", "prompt": "x"})
+        self.assertEqual(response.code, 200)
+        with self.assertRaises(ResponseFailed):
+            await response.content()
+
+    async def test_a_prefill_answer_cut_off_is_502(self) -> None:
+        await self.start()
+        self.prefill.break_next()
+        response, answer = await self.post_json("/v1/completions", {"model": "m", "prompt": "x"})
+        self.assertError(response, answer, 502, "prefill_invalid_response")
+        self.assertEqual(self.decode.requests, [])
+
+    async def test_the_proxy_serves_on_after_a_broken_backend(self) -> None:
+        await self.start()
+        self.decode.break_next()
+        broken = await self.post("/v1/completions", {"model": "m", "prompt": "x"})
+        with self.assertRaises(ResponseFailed):
+            await broken.content()
+        response, answer = await self.post_json("/v1/completions", {"model": "m", "prompt": "x"})
+        self.assertEqual(response.code, 200)
+        self.assertEqual(answer["object"], "text_completion")
+
+
+class DisconnectTests(ProxyCase):
+    async def test_client_leaving_mid_stream_closes_the_decode_connection(self) -> None:
+        await self.start(tokens=5)
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        response = await self.post("/v1/chat/completions", dict(CHAT, stream=True))
+        collector = ChunkCollector()
+        response.deliverBody(collector)
+        await held
+        (decode_channel,) = self.decode.site.channels()
+        decode_closed = self.decode.site.connection_lost(decode_channel)
+
+        cast(IPushProducer, collector.transport).stopProducing()  # the client goes away
+        with self.assertRaises(ResponseFailed):
+            await collector.done
+        await decode_closed
+        self.decode.release()
+        self.assertEqual(self.decode.disconnects, 1)

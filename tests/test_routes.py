@@ -18,6 +18,8 @@ from tests.support import CHAT, ChunkCollector, ProxyCase
 class RequestIdTests(ProxyCase):
     async def test_one_fresh_id_on_both_legs_in_transfer_id_and_to_the_client(self) -> None:
         await self.start()
+        # vLLM can echo an id of its own; the client still gets the proxy's.
+        self.decode.extra_headers["X-Request-Id"] = "decode-echo"
         seen = set()
         for _ in range(3):
             response = await self.post(
@@ -27,7 +29,7 @@ class RequestIdTests(ProxyCase):
             (echoed,) = response.headers.getRawHeaders(b"x-request-id")
             seen.add(echoed.decode())
         self.assertEqual(len(seen), 3)
-        self.assertNotIn("client-chosen", seen)
+        self.assertFalse({"client-chosen", "decode-echo"} & seen)
         for prefill, decode in zip(self.prefill.requests, self.decode.requests, strict=True):
             self.assertIn(prefill.request_id, seen)
             self.assertEqual(prefill.request_id, decode.request_id)
@@ -35,6 +37,18 @@ class RequestIdTests(ProxyCase):
                 prefill.body["kv_transfer_params"]["transfer_id"],  # type: ignore[index]
                 f"xfer-{prefill.request_id}",
             )
+
+    async def test_refusals_carry_a_request_id_too(self) -> None:
+        await self.start()
+        self.prefill.extra_headers["X-Request-Id"] = "prefill-echo"
+        self.prefill.refuse_next(400)
+        refused = await self.post("/v1/chat/completions", CHAT)
+        await refused.content()
+        invalid = await self.post("/v1/chat/completions", b"[]")
+        await invalid.content()
+        (refused_id,) = refused.headers.getRawHeaders(b"x-request-id")
+        self.assertEqual(refused_id.decode(), self.prefill.requests[0].request_id)
+        self.assertEqual(len(invalid.headers.getRawHeaders(b"x-request-id")), 1)
 
 
 class AuthorizationTests(ProxyCase):
