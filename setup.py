@@ -17,7 +17,7 @@ setup(
     package_data={"nixl_twisted": ["py.typed"]},
     install_requires=[
         # 24.10 sets TCP_NODELAY on HTTP server and client sockets.
-        "twisted>=24.10.0",
+        "twisted[tls]>=24.10.0",
         "treq>=24.9.1",
         "klein>=24.8.0",
     ],

@@ -61,11 +61,21 @@ class ProxyCase(TestCase):
         self.http = HTTPClient(self.agent)
 
     def start_proxy(
-        self, prefill: Sequence[str], decode: Sequence[str], args: Sequence[str] = ()
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        args: Sequence[str] = (),
+        listen: str = "tcp:0:interface=127.0.0.1",
     ) -> RunningProxy:
-        proxy = start_proxy(prefill, decode, args)
+        proxy = start_proxy(prefill, decode, args, listen=listen)
         self.addCleanup(proxy.stop)
         return proxy
+
+    def start_proxy_on(self, listen: str) -> RunningProxy:
+        """Another proxy before the same fakes, on another endpoint."""
+        return self.start_proxy(
+            [f.url for f in self.prefills], [f.url for f in self.decodes], listen=listen
+        )
 
     def ensure(self, coroutine: Coroutine[Any, Any, T]) -> Deferred[T]:
         return ensureDeferred(coroutine)
