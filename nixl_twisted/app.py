@@ -1,47 +1,37 @@
-"""The Klein app: the proxy's routes, input checks and error mapping.
+"""The Klein app: the proxy's routes, input checks, admission and error mapping.
 
-Each completion is two legs: the lowered body to the next prefill instance,
-then the client's body plus prefill's ``kv_transfer_params`` to the next
-decode instance, whose answer is relayed to the client as it arrives.
+Each completion is an ``Exchange`` (``nixl_twisted.exchange``): the lowered
+body to the next prefill instance, then the client's body plus prefill's
+``kv_transfer_params`` to the next decode instance, whose answer is relayed
+to the client as it arrives.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-from typing import Any
+import math
 
 from klein import Klein
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.iweb import IRequest, IResponse
+from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
 from nixl_twisted import protocol
-from nixl_twisted.errors import ProxyError, bad_gateway, error_body
+from nixl_twisted.errors import ProxyError, bad_gateway, error_body, overloaded
+from nixl_twisted.exchange import Exchange, Limits, PrefillRefused, break_off, unavailable
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
-from nixl_twisted.pools import BackendService
-from nixl_twisted.upstream import read_body, relay_body, start_response
+from nixl_twisted.pools import BackendService, NoHealthyInstance
+from nixl_twisted.upstream import relay_body, start_response
 
 log = Logger()
 
 _JSON = b"application/json"
-
-
-class PrefillRefused(Exception):
-    """Prefill answered 4xx: the answer describes the client's request."""
-
-    def __init__(self, response: IResponse, body: bytes) -> None:
-        super().__init__(response.code)
-        self.response = response
-        self.body = body
-
-
-def _describe(failure_or_error: BaseException) -> str:
-    return str(failure_or_error) or type(failure_or_error).__name__
+DEFAULT_MAX_IN_FLIGHT = 1024
 
 
 class ProxyApp:
@@ -49,137 +39,130 @@ class ProxyApp:
 
     app = Klein()
 
-    def __init__(self, backends: BackendService, backend_api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        backends: BackendService,
+        backend_api_key: str | None = None,
+        limits: Limits | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        clock: IReactorTime | None = None,
+    ) -> None:
         self.backends = backends
         self.backend_api_key = backend_api_key
+        self.limits = limits or Limits()
+        self.max_in_flight = max_in_flight
+        self.clock = clock or backends.clock
+        self.in_flight = 0
+        self.draining = False
+        self._idle: list[Deferred[None]] = []
 
     def resource(self) -> IResource:
         """The Twisted Web resource that serves this app."""
         return self.app.resource()
 
+    # -- admission and draining ---------------------------------------------
+
+    def _admit(self) -> None:
+        if self.draining:
+            raise overloaded("the proxy is shutting down", "draining")
+        if self.in_flight >= self.max_in_flight:
+            raise overloaded(
+                f"the proxy is serving its limit of {self.max_in_flight} requests",
+                "too_many_requests_in_flight",
+            )
+        self.in_flight += 1
+
+    def _release(self, result: object) -> object:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            idle, self._idle = self._idle, []
+            for waiting in idle:
+                waiting.callback(None)
+        return result
+
+    def drain(self) -> Deferred[None]:
+        """Refuse new requests; fires when those in flight have ended."""
+        self.draining = True
+        if self.in_flight == 0:
+            return succeed(None)
+        waiting: Deferred[None] = Deferred()
+        self._idle.append(waiting)
+        return waiting
+
     # -- routes -----------------------------------------------------------
 
     @app.route("/healthcheck", methods=["GET"])
     def healthcheck(self, request: Request) -> bytes:
+        ready = self.backends.ready() and not self.draining
+        request.setResponseCode(200 if ready else 503)
         request.setHeader(b"Content-Type", _JSON)
         return json.dumps(
             {
-                "ready": True,
+                "ready": ready,
                 "prefill_instances": len(self.backends.prefill),
                 "decode_instances": len(self.backends.decode),
+                "draining": self.draining,
+                "in_flight": self.in_flight,
+                "instances": {
+                    pool.role: [i.describe() for i in pool.instances]
+                    for pool in self.backends.pools()
+                },
             }
         ).encode("utf-8")
 
     @app.route("/v1/models", methods=["GET"])
-    async def models(self, request: Request) -> None:
-        instance = self.backends.decode.next()
+    def models(self, request: Request) -> Deferred[None]:
+        self._admit()
+        return Deferred.fromCoroutine(self._models(request)).addBoth(self._release)
+
+    async def _models(self, request: Request) -> None:
         request_id = protocol.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
+        try:
+            instance = self.backends.decode.next()
+        except NoHealthyInstance as error:
+            raise unavailable(error) from None
         headers = backend_request_headers(
             request.requestHeaders, request_id, self.backend_api_key, json_body=False
         )
-        response = await self._reach(
-            "decode", instance, self.backends.upstream.get(instance + "/v1/models", headers)
-        )
-        await self._relay(request, response, request_id)
+        try:
+            response = await self.backends.upstream.get(instance.url + "/v1/models", headers)
+        except CancelledError:
+            raise
+        except Exception as error:
+            self.backends.decode.mark_failed(instance, str(error))
+            raise bad_gateway(
+                f"decode instance {instance.url} could not be reached: {error}",
+                "decode_unreachable",
+            ) from None
+        start_response(request, response)
+        try:
+            await relay_body(request, response, self.clock, self.limits.stream_idle_timeout)
+        except CancelledError:
+            raise
+        except Exception as error:
+            await break_off(request, f"the decode answer broke off: {error}", "decode_broken")
 
     @app.route(protocol.COMPLETIONS_PATH, methods=["POST"])
-    async def completions(self, request: Request) -> None:
-        await self._two_legs(request, protocol.COMPLETIONS_PATH)
+    def completions(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, protocol.COMPLETIONS_PATH)
 
     @app.route(protocol.CHAT_COMPLETIONS_PATH, methods=["POST"])
-    async def chat_completions(self, request: Request) -> None:
-        await self._two_legs(request, protocol.CHAT_COMPLETIONS_PATH)
+    def chat_completions(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, protocol.CHAT_COMPLETIONS_PATH)
 
-    # -- the two legs -----------------------------------------------------
-
-    async def _two_legs(self, request: Request, path: str) -> None:
+    def _two_legs(self, request: Request, path: str) -> Deferred[None]:
         # The id comes first, so that every answer, refusals included, has one.
         request_id = protocol.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         body = protocol.parse_client_body(_client_body(request))
         protocol.check_servable(path, body)
+        self._admit()
         headers = backend_request_headers(request.requestHeaders, request_id, self.backend_api_key)
-        target = path + _query(request)
-
-        prefill = self.backends.prefill.next()
-        prefill_response = await self._reach(
-            "prefill",
-            prefill,
-            self.backends.upstream.post(
-                prefill + target,
-                protocol.encode(protocol.prefill_body(body, request_id)),
-                headers,
-            ),
+        exchange = Exchange(
+            request, path, body, request_id, headers, self.backends, self.limits, self.clock
         )
-        prefill_answer = await self._read("prefill", prefill, prefill_response)
-        if 400 <= prefill_response.code < 500:
-            raise PrefillRefused(prefill_response, prefill_answer)
-        if prefill_response.code >= 300 or prefill_response.code < 200:
-            raise bad_gateway(
-                f"prefill instance {prefill} answered HTTP {prefill_response.code}",
-                "prefill_failed",
-            )
-        kv_transfer_params = protocol.extract_kv_transfer_params(prefill_answer, prefill)
-
-        decode = self.backends.decode.next()
-        decode_response = await self._reach(
-            "decode",
-            decode,
-            self.backends.upstream.post(
-                decode + target,
-                protocol.encode(protocol.decode_body(body, kv_transfer_params)),
-                headers,
-            ),
-        )
-        await self._relay(request, decode_response, request_id)
-        log.info(
-            "relayed {request_id} {path}: prefill {prefill}, decode {decode} answered {status}",
-            request_id=request_id,
-            path=path,
-            prefill=prefill,
-            decode=decode,
-            status=decode_response.code,
-        )
-
-    async def _reach(self, leg: str, instance: str, call: Any) -> IResponse:
-        """Await a backend call; not reaching the instance is a 502 naming it."""
-        try:
-            response: IResponse = await call
-        except CancelledError:
-            raise
-        except Exception as error:
-            raise bad_gateway(
-                f"{leg} instance {instance} could not be reached: {_describe(error)}",
-                f"{leg}_unreachable",
-            ) from None
-        return response
-
-    async def _read(self, leg: str, instance: str, response: IResponse) -> bytes:
-        try:
-            return await read_body(response)
-        except CancelledError:
-            raise
-        except Exception as error:
-            raise bad_gateway(
-                f"{leg} instance {instance} broke off its answer: {_describe(error)}",
-                f"{leg}_invalid_response",
-            ) from None
-
-    async def _relay(self, request: Request, response: IResponse, request_id: str) -> None:
-        """Relay a backend answer; a body cut short is never passed off as whole."""
-        start_response(request, response)
-        try:
-            await relay_body(request, response)
-        except CancelledError:
-            raise
-        except Exception as error:
-            log.error(
-                "backend body for {request_id} broke off: {reason}",
-                request_id=request_id,
-                reason=_describe(error),
-            )
-            await _break_off(request)
+        return exchange.start().addBoth(self._release)
 
     # -- errors -----------------------------------------------------------
 
@@ -189,11 +172,14 @@ class ProxyApp:
         assert isinstance(error, ProxyError)
         if error.status >= 500:
             log.error(
-                "{status} {code}: {message}",
+                "{status} {code} for {request_id}: {message}",
                 status=error.status,
                 code=error.code,
                 message=error.message,
+                request_id=_request_id(request),
             )
+        if error.retry_after is not None:
+            request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
         return _error(request, error.status, error.body())
 
     @app.handle_errors(PrefillRefused)
@@ -217,11 +203,8 @@ class ProxyApp:
         method = request.method.decode("ascii", "replace")
         path = request.path.decode("utf-8", "replace")
         message = f"{method} {path}: {http_error.name}"
-        return _error(
-            request,
-            status,
-            error_body(message, "invalid_request_error", http_error.name.lower().replace(" ", "_")),
-        )
+        code = http_error.name.lower().replace(" ", "_")
+        return _error(request, status, error_body(message, "invalid_request_error", code))
 
     @app.handle_errors(Exception)
     def unexpected(self, request: IRequest, failure: Failure) -> bytes:
@@ -235,10 +218,9 @@ class ProxyApp:
         )
 
 
-def _query(request: Request) -> str:
-    """The client's query string, passed on to both legs."""
-    _, mark, query = request.uri.partition(b"?")
-    return ("?" + query.decode("ascii", "replace")) if mark else ""
+def _request_id(request: IRequest) -> str | None:
+    values = request.responseHeaders.getRawHeaders(REQUEST_ID)
+    return values[0].decode("ascii") if values else None
 
 
 def _client_body(request: Request) -> bytes:
@@ -254,30 +236,3 @@ def _error(request: IRequest, status: int, body: bytes) -> bytes:
     request.setHeader(b"Content-Type", _JSON)
     request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
     return body
-
-
-async def _break_off(request: Request) -> None:
-    """End a response whose backend body broke off, so the client can tell.
-
-    An event stream gets an in-band error event first. Then the connection
-    is closed without the final chunk (or short of the announced length),
-    and Klein must not finish the request as if it were complete.
-    """
-    channel = request.channel
-    if channel is None:
-        return
-    content_type = request.responseHeaders.getRawHeaders(b"content-type", [b""])[0]
-    if content_type.startswith(b"text/event-stream"):
-        request.write(
-            b"data: "
-            + error_body(
-                "the decode stream broke off before it was complete",
-                "upstream_error",
-                "decode_stream_broken",
-            )
-            + b"\n\n"
-        )
-    lost = request.notifyFinish()
-    channel.loseConnection()
-    with contextlib.suppress(Exception):
-        await lost

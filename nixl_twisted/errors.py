@@ -13,12 +13,21 @@ class ProxyError(Exception):
     machine-readable code that operators can alert on.
     """
 
-    def __init__(self, status: int, message: str, error_type: str, code: str) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str,
+        code: str,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.error_type = error_type
         self.code = code
+        #: Seconds after which trying again may succeed (sent as Retry-After).
+        self.retry_after = retry_after
 
     def body(self) -> bytes:
         """The JSON body sent to the client."""
@@ -35,6 +44,11 @@ def error_body(message: str, error_type: str, code: str) -> bytes:
 def invalid_request(message: str, code: str) -> ProxyError:
     """A 400: the client's request cannot be served as sent."""
     return ProxyError(400, message, "invalid_request_error", code)
+
+
+def overloaded(message: str, code: str, retry_after: float = 1.0) -> ProxyError:
+    """A 503: the proxy will not take this request now; try again soon."""
+    return ProxyError(503, message, "overloaded_error", code, retry_after=retry_after)
 
 
 def bad_gateway(message: str, code: str) -> ProxyError:

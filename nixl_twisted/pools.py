@@ -1,23 +1,54 @@
 """The backend pools: which prefill and decode instance serves the next leg.
 
-``BackendService`` is the service object the twistd tree owns: it holds both
-pools and the one long-lived HTTP client, and closes its connections when
-the service stops.
+Each pool hands out its instances round-robin (as the seed does), skipping
+instances marked down. An instance is marked down by a failed leg (passive)
+or a failed ``GET /health`` (active), stays out of rotation for a backoff
+that doubles with each consecutive failure, and is back as soon as a health
+check or a leg succeeds. ``BackendService`` is the service object the twistd
+tree owns: both pools, the health checks, and the one HTTP client.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.web.http_headers import Headers
 
-from nixl_twisted.upstream import Upstream
+from nixl_twisted.upstream import Upstream, read_body
+
+log = Logger()
+
+DEFAULT_HEALTH_INTERVAL = 5.0
+DEFAULT_HEALTH_TIMEOUT = 2.0
+BACKOFF_BASE = 1.0
+BACKOFF_MAX = 30.0
+
+
+def _reactor() -> IReactorTime:
+    from twisted.internet import reactor
+
+    return cast(IReactorTime, reactor)
 
 
 class InvalidBackendURL(ValueError):
     """A backend URL that cannot name a vLLM instance."""
+
+
+class NoHealthyInstance(Exception):
+    """Every instance of a pool is marked down (or already tried)."""
+
+    def __init__(self, role: str, retry_after: float) -> None:
+        super().__init__(f"no healthy {role} instance")
+        self.role = role
+        self.retry_after = retry_after
 
 
 def normalize_backend_url(url: str) -> str:
@@ -43,28 +74,95 @@ def normalize_backend_url(url: str) -> str:
     return url.rstrip("/")
 
 
-class BackendPool:
-    """Instances of one role, handed out in round-robin order (as the seed)."""
+@dataclass(eq=False)
+class Instance:
+    """One vLLM instance and what the proxy knows of its health."""
 
-    def __init__(self, role: str, urls: Sequence[str]) -> None:
+    url: str
+    role: str
+    healthy: bool = True
+    failures: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "healthy": self.healthy, "last_error": self.last_error}
+
+
+class BackendPool:
+    """Instances of one role, handed out round-robin among those not down."""
+
+    def __init__(self, role: str, urls: Sequence[str], clock: IReactorTime | None = None) -> None:
         if not urls:
             raise ValueError(f"the {role} pool needs at least one instance")
         self.role = role
-        self.urls: tuple[str, ...] = tuple(normalize_backend_url(u) for u in urls)
+        self.instances = tuple(Instance(normalize_backend_url(u), role) for u in urls)
         self._cursor = 0
+        self.clock = clock or _reactor()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(i.url for i in self.instances)
 
     def __len__(self) -> int:
-        return len(self.urls)
+        return len(self.instances)
 
-    def next(self) -> str:
-        """The instance for the next leg of this role."""
-        url = self.urls[self._cursor % len(self.urls)]
-        self._cursor += 1
-        return url
+    def _now(self) -> float:
+        return self.clock.seconds()
+
+    def available(self, instance: Instance) -> bool:
+        """Healthy, or down but past its backoff (worth one more try)."""
+        return instance.healthy or self._now() >= instance.retry_at
+
+    def healthy_count(self) -> int:
+        return sum(1 for i in self.instances if self.available(i))
+
+    def next(self, exclude: Collection[Instance] = ()) -> Instance:
+        """The instance for the next leg of this role.
+
+        Raises ``NoHealthyInstance`` at once when none is available, rather
+        than sending a leg to a host known to be dead.
+        """
+        for _ in range(len(self.instances)):
+            instance = self.instances[self._cursor % len(self.instances)]
+            self._cursor += 1
+            if instance not in exclude and self.available(instance):
+                return instance
+        raise NoHealthyInstance(self.role, self.retry_after())
+
+    def retry_after(self) -> float:
+        """Seconds until the first down instance may be tried again."""
+        now = self._now()
+        waits = [max(0.0, i.retry_at - now) for i in self.instances if not i.healthy]
+        return min(waits) if waits else BACKOFF_BASE
+
+    def mark_failed(self, instance: Instance, reason: str) -> None:
+        """Take an instance out of rotation for a backoff that doubles."""
+        instance.failures += 1
+        backoff = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (instance.failures - 1))
+        instance.retry_at = self._now() + backoff
+        instance.last_error = reason
+        if instance.healthy:
+            log.warn(
+                "{role} instance {url} marked down: {reason}",
+                role=self.role,
+                url=instance.url,
+                reason=reason,
+            )
+        instance.healthy = False
+
+    def mark_ok(self, instance: Instance) -> None:
+        """Put an instance (back) in rotation."""
+        if not instance.healthy:
+            log.info("{role} instance {url} is back", role=self.role, url=instance.url)
+        instance.healthy = True
+        instance.failures = 0
+        instance.retry_at = 0.0
+        instance.last_error = None
 
 
 class BackendService(Service):
-    """The prefill and decode pools, and the HTTP client that reaches them."""
+    """The prefill and decode pools, their health checks, and the HTTP client."""
 
     name = "backends"
 
@@ -73,12 +171,60 @@ class BackendService(Service):
         prefill: BackendPool,
         decode: BackendPool,
         upstream: Upstream,
+        clock: IReactorTime | None = None,
+        health_interval: float = DEFAULT_HEALTH_INTERVAL,
+        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.upstream = upstream
+        self.clock = clock or _reactor()
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self._checks: LoopingCall | None = None
+
+    def pools(self) -> tuple[BackendPool, BackendPool]:
+        return (self.prefill, self.decode)
+
+    def ready(self) -> bool:
+        """Both pools have an instance to send a leg to."""
+        return all(pool.healthy_count() > 0 for pool in self.pools())
+
+    def startService(self) -> None:
+        super().startService()
+        if self.health_interval > 0:
+            self._checks = LoopingCall(self.check_health)
+            self._checks.clock = self.clock
+            self._checks.start(self.health_interval, now=True).addErrback(
+                lambda failure: log.failure("health checks stopped", failure)
+            )
+
+    def check_health(self) -> Deferred[Any]:
+        """``GET /health`` on every instance; never fails (the loop must not die)."""
+        checks = [
+            self._check(pool, instance) for pool in self.pools() for instance in pool.instances
+        ]
+        return DeferredList(checks, consumeErrors=True)
+
+    def _check(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
+        async def probe() -> None:
+            response = await self.upstream.get(instance.url + "/health", Headers())
+            await read_body(response)
+            if response.code != 200:
+                raise RuntimeError(f"GET /health answered HTTP {response.code}")
+
+        checking = ensureDeferred(probe()).addTimeout(self.health_timeout, self.clock)
+
+        def failed(failure: Any) -> None:
+            pool.mark_failed(instance, f"health check failed: {failure.getErrorMessage()}")
+
+        checking.addCallbacks(lambda _: pool.mark_ok(instance), failed)
+        checking.addErrback(lambda failure: log.failure("health check error", failure))
+        return checking
 
     def stopService(self) -> Deferred[None]:
-        """Close every pooled backend connection before the process exits."""
+        """Stop the health checks and close every pooled backend connection."""
         super().stopService()
+        if self._checks is not None and self._checks.running:
+            self._checks.stop()
         return self.upstream.close()

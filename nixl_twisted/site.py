@@ -13,7 +13,9 @@ from twisted.internet.defer import Deferred, DeferredList
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
-from twisted.web.server import Site
+from twisted.web.server import Request, Site
+
+from nixl_twisted.errors import error_body
 
 
 class _TrackedChannel(HTTPChannel):
@@ -32,13 +34,72 @@ class _TrackedChannel(HTTPChannel):
             self.factory._closed(self)
 
 
+#: vLLM's own default limit on request bodies.
+DEFAULT_MAX_BODY_SIZE = 32 * 1024 * 1024
+
+
+class LimitedRequest(Request):
+    """A request whose body is refused with 413 as soon as it is too large.
+
+    The check runs on ``Content-Length`` before any byte of the body is
+    read, and on the bytes received for a chunked body, so an oversized body
+    is never buffered whole.
+    """
+
+    _refused = False
+    _received = 0
+
+    def _limit(self) -> int:
+        site = getattr(self.channel, "site", None)
+        return getattr(site, "max_body_size", DEFAULT_MAX_BODY_SIZE)
+
+    def gotLength(self, length: int | None) -> None:
+        if length is not None and length > self._limit():
+            self._refuse()
+            return
+        super().gotLength(length)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self._refused:
+            return
+        self._received += len(data)
+        if self._received > self._limit():
+            self._refuse()
+            return
+        super().handleContentChunk(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if not self._refused:
+            super().requestReceived(command, path, version)
+
+    def _refuse(self) -> None:
+        self._refused = True
+        body = error_body(
+            f"request body is larger than the proxy's limit of {self._limit()} bytes",
+            "invalid_request_error",
+            "request_too_large",
+        )
+        head = (
+            b"HTTP/1.1 413 Payload Too Large\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n"
+            b"Connection: close\r\n\r\n" % len(body)
+        )
+        if self.channel is not None and self.channel.transport is not None:
+            self.channel.transport.write(head + body)
+            self.channel.loseConnection()
+
+
 class TrackingSite(Site):
     """A ``Site`` whose open connections can all be closed, and waited for."""
 
     protocol = _TrackedChannel  # type: ignore[assignment]
 
-    def __init__(self, resource: IResource, **kwargs: Any) -> None:
-        super().__init__(resource, **kwargs)
+    def __init__(
+        self, resource: IResource, max_body_size: int = DEFAULT_MAX_BODY_SIZE, **kwargs: Any
+    ) -> None:
+        super().__init__(resource, requestFactory=LimitedRequest, **kwargs)
+        self.max_body_size = max_body_size
         self.displayTracebacks = False
         self._open: dict[HTTPChannel, list[Deferred[None]]] = {}
         #: Connections accepted since the site was made (open or not).

@@ -1,27 +1,36 @@
 """``twistd nixlproxy``: the options and the service tree they build.
 
-The tree is a ``MultiService`` with the ``BackendService`` (pools and the
-pooled HTTP client) and one listening service per ``--listen`` endpoint.
+The tree is a ``ProxyService`` holding the ``BackendService`` (pools,
+health checks, the pooled HTTP client) and one ``ListenService`` per
+``--listen`` endpoint, all serving one site.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import IListeningPort, IStreamServerEndpoint
+from twisted.internet.interfaces import IListeningPort, IReactorTime, IStreamServerEndpoint
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.failure import Failure
 
 from nixl_twisted import identity
-from nixl_twisted.app import ProxyApp
-from nixl_twisted.pools import BackendPool, BackendService, InvalidBackendURL
-from nixl_twisted.site import TrackingSite
+from nixl_twisted.app import DEFAULT_MAX_IN_FLIGHT, ProxyApp
+from nixl_twisted.exchange import Limits
+from nixl_twisted.pools import (
+    DEFAULT_HEALTH_INTERVAL,
+    DEFAULT_HEALTH_TIMEOUT,
+    BackendPool,
+    BackendService,
+    InvalidBackendURL,
+)
+from nixl_twisted.site import DEFAULT_MAX_BODY_SIZE, TrackingSite
 from nixl_twisted.upstream import (
     DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_IDLE_TIMEOUT,
@@ -34,6 +43,7 @@ log = Logger()
 #: The environment variable that holds the backend API key, so that the key
 #: need not appear in a process listing.
 BACKEND_API_KEY_ENV = "NIXLPROXY_BACKEND_API_KEY"
+DEFAULT_DRAIN_TIMEOUT = 30.0
 
 
 def _positive_float(name: str) -> Any:
@@ -49,17 +59,34 @@ def _positive_float(name: str) -> Any:
     return parse
 
 
-def _positive_int(name: str) -> Any:
+def _seconds_or_off(name: str) -> Any:
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"--{name} must be a number of seconds, not {value!r}") from None
+        if number < 0:
+            raise ValueError(f"--{name} must be 0 (off) or more, not {value!r}")
+        return number
+
+    return parse
+
+
+def _whole(name: str, least: int = 1) -> Any:
     def parse(value: str) -> int:
         try:
             number = int(value)
         except ValueError:
             raise ValueError(f"--{name} must be a whole number, not {value!r}") from None
-        if number < 1:
-            raise ValueError(f"--{name} must be at least 1, not {value!r}")
+        if number < least:
+            raise ValueError(f"--{name} must be at least {least}, not {value!r}")
         return number
 
     return parse
+
+
+def _positive_int(name: str) -> Any:
+    return _whole(name, 1)
 
 
 class Options(usage.Options):
@@ -103,6 +130,79 @@ class Options(usage.Options):
             DEFAULT_MAX_IDLE_PER_INSTANCE,
             "Idle keep-alive connections kept per backend instance.",
             _positive_int("max-idle-per-backend"),
+        ],
+        [
+            "prefill-timeout",
+            None,
+            Limits.prefill_timeout,
+            "Seconds to wait for a prefill instance's whole answer (504 after).",
+            _positive_float("prefill-timeout"),
+        ],
+        [
+            "decode-timeout",
+            None,
+            Limits.decode_timeout,
+            "Seconds to wait for a decode instance's response headers; a "
+            "non-streaming answer sends them when generation ends (504 after).",
+            _positive_float("decode-timeout"),
+        ],
+        [
+            "stream-idle-timeout",
+            None,
+            Limits.stream_idle_timeout,
+            "Seconds of silence allowed between two chunks of a decode body; a "
+            "long generation that keeps producing tokens is never cut.",
+            _positive_float("stream-idle-timeout"),
+        ],
+        [
+            "prefill-retries",
+            None,
+            Limits.prefill_retries,
+            "Other prefill instances tried when one cannot be reached or answers 502, 503 or 504.",
+            _whole("prefill-retries", 0),
+        ],
+        [
+            "decode-retries",
+            None,
+            Limits.decode_retries,
+            "Other decode instances tried, with the same kv_transfer_params, when "
+            "one cannot be reached.",
+            _whole("decode-retries", 0),
+        ],
+        [
+            "health-interval",
+            None,
+            DEFAULT_HEALTH_INTERVAL,
+            "Seconds between GET /health checks of every instance (0: off).",
+            _seconds_or_off("health-interval"),
+        ],
+        [
+            "health-timeout",
+            None,
+            DEFAULT_HEALTH_TIMEOUT,
+            "Seconds a health check may take before it counts as failed.",
+            _positive_float("health-timeout"),
+        ],
+        [
+            "max-in-flight",
+            None,
+            DEFAULT_MAX_IN_FLIGHT,
+            "Requests served at once; past it, 503 with Retry-After at once.",
+            _positive_int("max-in-flight"),
+        ],
+        [
+            "max-body-size",
+            None,
+            DEFAULT_MAX_BODY_SIZE,
+            "Largest request body in bytes (413 past it; vLLM's default too).",
+            _positive_int("max-body-size"),
+        ],
+        [
+            "drain-timeout",
+            None,
+            DEFAULT_DRAIN_TIMEOUT,
+            "On SIGTERM, seconds to let requests in flight finish before closing them.",
+            _seconds_or_off("drain-timeout"),
         ],
     ]
 
@@ -199,13 +299,12 @@ class ListenService(Service):
         reactor.stop()
 
     def stopService(self) -> Deferred[Any]:
-        """Stop accepting, then close the connections still open."""
+        """Stop accepting connections (those open are the ``ProxyService``'s)."""
         super().stopService()
-        stopped: Deferred[Any] = succeed(None)
-        if self.port is not None:
-            port, self.port = self.port, None
-            stopped = maybeDeferred(port.stopListening)
-        return stopped.addCallback(lambda _: self.site.close_connections())
+        if self.port is None:
+            return succeed(None)
+        port, self.port = self.port, None
+        return maybeDeferred(port.stopListening)
 
 
 def _address(port: IListeningPort) -> str:
@@ -216,13 +315,83 @@ def _address(port: IListeningPort) -> str:
     return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
 
 
-def proxy_site(app: ProxyApp) -> TrackingSite:
-    """The Twisted Web site for the app; tracebacks never reach a client."""
-    return TrackingSite(app.resource())
+class ProxyService(MultiService):
+    """The whole proxy; stops in order: accept, drain, close, backends.
+
+    Under twistd it also takes over SIGTERM, so that a drained shutdown
+    exits 0 (twistd would re-raise the signal and exit with it).
+    """
+
+    def __init__(
+        self,
+        app: ProxyApp,
+        site: TrackingSite,
+        backends: BackendService,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        handle_sigterm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.app = app
+        self.site = site
+        self.backends = backends
+        self.drain_timeout = drain_timeout
+        self.handle_sigterm = handle_sigterm
+        backends.setServiceParent(self)
+
+    def listeners(self) -> list[ListenService]:
+        return [s for s in self if isinstance(s, ListenService)]
+
+    def startService(self) -> None:
+        super().startService()
+        if self.handle_sigterm:
+            from twisted.internet import reactor
+
+            reactor.callWhenRunning(self._take_sigterm)
+
+    def _take_sigterm(self) -> None:
+        from twisted.internet import reactor
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            log.info("SIGTERM: draining requests in flight, then stopping")
+            reactor.callFromThread(reactor.stop)  # type: ignore[attr-defined]
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def stopService(self) -> Deferred[Any]:
+        Service.stopService(self)
+        stopped = DeferredList([maybeDeferred(s.stopService) for s in self.listeners()])
+        stopped.addCallback(lambda _: self._drain())
+        stopped.addCallback(lambda _: self.site.close_connections())
+        stopped.addCallback(lambda _: self.backends.stopService())
+        return stopped
+
+    def _drain(self) -> Deferred[None]:
+        in_flight = self.app.in_flight
+        if in_flight:
+            log.info("draining {in_flight} requests in flight", in_flight=in_flight)
+        drained = self.app.drain().addTimeout(self.drain_timeout, self.backends.clock)
+
+        def timed_out(failure: Failure) -> None:
+            failure.trap(TimeoutError)
+            log.warn(
+                "drain timeout of {seconds} s: closing {in_flight} requests still in flight",
+                seconds=self.drain_timeout,
+                in_flight=self.app.in_flight,
+            )
+
+        return drained.addErrback(timed_out)
 
 
-def makeService(options: Options) -> IService:
+def makeService(
+    options: Options, clock: IReactorTime | None = None, handle_sigterm: bool = True
+) -> ProxyService:
     """Build the service tree that ``twistd nixlproxy`` runs."""
+    if clock is None:
+        from twisted.internet import reactor
+
+        clock = cast(IReactorTime, reactor)
+    for pool in (options["prefill_pool"], options["decode_pool"]):
+        pool.clock = clock
     backends = BackendService(
         options["prefill_pool"],
         options["decode_pool"],
@@ -231,17 +400,37 @@ def makeService(options: Options) -> IService:
             idle_timeout=options["backend-idle-timeout"],
             connect_timeout=options["connect-timeout"],
         ),
+        clock=clock,
+        health_interval=options["health-interval"],
+        health_timeout=options["health-timeout"],
     )
-    site = proxy_site(ProxyApp(backends, backend_api_key=options["backend-api-key"]))
-    root = MultiService()
-    backends.setServiceParent(root)
+    limits = Limits(
+        prefill_timeout=options["prefill-timeout"],
+        decode_timeout=options["decode-timeout"],
+        stream_idle_timeout=options["stream-idle-timeout"],
+        prefill_retries=options["prefill-retries"],
+        decode_retries=options["decode-retries"],
+    )
+    app = ProxyApp(
+        backends,
+        backend_api_key=options["backend-api-key"],
+        limits=limits,
+        max_in_flight=options["max-in-flight"],
+        clock=clock,
+    )
+    site = TrackingSite(app.resource(), max_body_size=options["max-body-size"])
+    root = ProxyService(
+        app, site, backends, drain_timeout=options["drain-timeout"], handle_sigterm=handle_sigterm
+    )
     for endpoint in options["endpoints"]:
         ListenService(endpoint, site).setServiceParent(root)
     return root
 
 
-def build(args: Sequence[str]) -> IService:
+def build(
+    args: Sequence[str], clock: IReactorTime | None = None, handle_sigterm: bool = True
+) -> ProxyService:
     """Parse ``args`` as ``twistd nixlproxy`` would and build its service tree."""
     options = Options()
     options.parseOptions(list(args))
-    return makeService(options)
+    return makeService(options, clock=clock, handle_sigterm=handle_sigterm)

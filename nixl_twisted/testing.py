@@ -25,12 +25,11 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 from klein import Klein
-from twisted.application.service import IService, MultiService
 from twisted.internet.address import IPv4Address, IPv6Address
-from twisted.internet.defer import Deferred, maybeDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.internet.task import deferLater
@@ -38,6 +37,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.site import TrackingSite
+
+if TYPE_CHECKING:
+    from nixl_twisted.app import ProxyApp
+    from nixl_twisted.tap import ProxyService
 
 JSONObject = dict[str, Any]
 
@@ -147,6 +150,9 @@ class FakeVLLM:
     disconnects: int = 0
     #: Headers added to every generation answer, e.g. to test header rules.
     extra_headers: dict[str, str] = field(default_factory=dict)
+    #: ``GET /health`` checks received, and the status they are answered with.
+    health_checks: int = 0
+    health_status: int = 200
 
     def __post_init__(self) -> None:
         self._failures: list[_Failure] = []
@@ -181,6 +187,10 @@ class FakeVLLM:
     def hold_streams_after(self, chunks: int) -> None:
         """Let streams write ``chunks`` events, then wait for :meth:`release`."""
         self._hold_after = chunks
+
+    def hold_answers(self) -> None:
+        """Hold every answer, JSON or stream, before its first byte."""
+        self._hold_after = 0
 
     def stream_held(self) -> Deferred[None]:
         """Fires when a stream reaches the hold point."""
@@ -248,7 +258,9 @@ class FakeVLLM:
         )
 
     def _health(self, request: Request) -> bytes:
-        self._record(request, None, "other")
+        # Counted apart: health checks are not the API requests tests assert on.
+        self.health_checks += 1
+        request.setResponseCode(self.health_status)
         return b""
 
     def _models(self, request: Request) -> bytes:
@@ -264,6 +276,14 @@ class FakeVLLM:
         )
 
     async def _generate(self, request: Request) -> bytes | None:
+        try:
+            return await self._answer(request)
+        except CancelledError:
+            # Klein cancels the handler when the client goes away.
+            self.disconnects += 1
+            raise
+
+    async def _answer(self, request: Request) -> bytes | None:
         assert request.content is not None
         body = json.loads(request.content.read())
         kv = body.get("kv_transfer_params")
@@ -310,6 +330,8 @@ class FakeVLLM:
             },
         )
         broken = failure is not None and failure.kind == "break"
+        if not body.get("stream") and self._hold_after is not None:
+            await self._wait_at_hold()
         if not body.get("stream"):
             whole = answer.whole()
             if kv_answer is not None:
@@ -333,26 +355,18 @@ class FakeVLLM:
 
     async def _stream(self, request: Request, events: list[bytes]) -> None:
         request.setHeader(b"Content-Type", b"text/event-stream")
-        finished = [False]
-        request.notifyFinish().addBoth(lambda _: finished.__setitem__(0, True))
-        try:
-            for index, event in enumerate(events):
-                if self._hold_after is not None and index >= self._hold_after:
-                    held, self._held = self._held, []
-                    for waiting in held:
-                        waiting.callback(None)
-                    await self._release_signal()
-                if finished[0]:
-                    break
-                request.write(event)
-                if self.token_interval > 0 and index < len(events) - 1:
-                    await deferLater(self.clock, self.token_interval)  # type: ignore[arg-type]
-        except Exception:
-            # Klein cancels the handler when the client goes away.
-            self.disconnects += 1
-            raise
-        if finished[0]:
-            self.disconnects += 1
+        for index, event in enumerate(events):
+            if self._hold_after is not None and index >= self._hold_after:
+                await self._wait_at_hold()
+            request.write(event)
+            if self.token_interval > 0 and index < len(events) - 1:
+                await deferLater(self.clock, self.token_interval)  # type: ignore[arg-type]
+
+    async def _wait_at_hold(self) -> None:
+        held, self._held = self._held, []
+        for waiting in held:
+            waiting.callback(None)
+        await self._release_signal()
 
     def _release_signal(self) -> Deferred[None]:
         waiting: Deferred[None] = Deferred()
@@ -519,10 +533,14 @@ async def start_pair(
 class RunningProxy:
     """A real nixl-twisted service tree, started in this process on loopback."""
 
-    service: IService
+    service: ProxyService
     url: str
-    #: The site of the first listening endpoint: the proxy's client connections.
+    #: The proxy's site: its client connections.
     site: TrackingSite
+
+    @property
+    def app(self) -> ProxyApp:
+        return self.service.app
 
     def stop(self) -> Deferred[Any]:
         return maybeDeferred(self.service.stopService)
@@ -533,10 +551,13 @@ def start_proxy(
     decode: Sequence[str],
     extra_args: Sequence[str] = (),
     listen: str = "tcp:0:interface=127.0.0.1",
+    clock: IReactorTime | None = None,
 ) -> RunningProxy:
     """Build the proxy exactly as ``twistd nixlproxy`` would, and start it.
 
-    ``extra_args`` are more ``twistd nixlproxy`` options. Stop it with
+    ``extra_args`` are more ``twistd nixlproxy`` options. A ``clock`` (such
+    as ``twisted.internet.task.Clock``) drives its timeouts, backoffs and
+    health checks, so a test can advance time by hand. Stop it with
     :meth:`RunningProxy.stop` (a trial ``addCleanup`` is the usual place).
     """
     from nixl_twisted.tap import ListenService, build
@@ -546,9 +567,9 @@ def start_proxy(
         args += ["--prefill", url]
     for url in decode:
         args += ["--decode", url]
-    service = build([*args, *extra_args])
+    service = build([*args, *extra_args], clock=clock, handle_sigterm=False)
     service.startService()
-    listener = next(s for s in cast(MultiService, service) if isinstance(s, ListenService))
+    listener = next(s for s in service if isinstance(s, ListenService))
     assert listener.port is not None
     host = listener.port.getHost()
     assert isinstance(host, IPv4Address | IPv6Address)

@@ -14,7 +14,7 @@ from treq import content
 from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IPushProducer, IReactorTCP
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTCP, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (
@@ -92,22 +92,64 @@ class Upstream:
 _DONE = Failure(ResponseDone())
 
 
-class _BodyRelay(Protocol):
-    """Writes each chunk of a backend body to the client as it arrives."""
+class StreamSilent(Exception):
+    """A backend body went silent for longer than the idle timeout."""
 
-    def __init__(self, request: Request, finished: Deferred[None]) -> None:
+
+class _BodyRelay(Protocol):
+    """Writes each chunk of a backend body to the client as it arrives.
+
+    A timer restarted by every chunk ends the relay when the backend goes
+    silent: a long generation is never cut, a stalled one is.
+    """
+
+    def __init__(
+        self,
+        request: Request,
+        finished: Deferred[None],
+        clock: IReactorTime,
+        idle_timeout: float | None,
+    ) -> None:
         self._request = request
         self._finished = finished
+        self._clock = clock
+        self._idle_timeout = idle_timeout
+        self._timer: IDelayedCall | None = None
 
     def connectionMade(self) -> None:
         if self._request.channel is not None:
             self._request.registerProducer(self.transport, True)
+        self._restart_timer()
 
     def dataReceived(self, data: bytes) -> None:
+        self._restart_timer()
         self._request.write(data)
 
+    def _restart_timer(self) -> None:
+        if self._idle_timeout is None:
+            return
+        if self._timer is not None and self._timer.active():
+            self._timer.reset(self._idle_timeout)
+        else:
+            self._timer = self._clock.callLater(self._idle_timeout, self._silent)
+
+    def _silent(self) -> None:
+        self._timer = None
+        self.stop()
+        if not self._finished.called:
+            self._finished.errback(
+                StreamSilent(f"no data from the backend for {self._idle_timeout:g} s")
+            )
+
+    def stop(self) -> None:
+        """Close the backend connection (vLLM then aborts the request)."""
+        if self.transport is not None:
+            cast(IPushProducer, self.transport).stopProducing()
+
     def connectionLost(self, reason: Failure = _DONE) -> None:
-        if self._request.channel is not None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        if self._request.channel is not None and self._request.producer is not None:
             self._request.unregisterProducer()
         if self._finished.called:
             return
@@ -133,21 +175,36 @@ def start_response(request: IRequest, response: IResponse) -> None:
         )
 
 
-def relay_body(request: Request, response: IResponse) -> Deferred[None]:
+def relay_body(
+    request: Request,
+    response: IResponse,
+    clock: IReactorTime | None = None,
+    idle_timeout: float | None = None,
+) -> Deferred[None]:
     """Relay a backend body to the client; fires when the backend's body ended.
 
-    Cancelling the Deferred (Klein does when the client goes away) closes the
-    backend connection, which makes vLLM abort the request.
+    Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data.
+    Cancelling the Deferred closes the backend connection, which makes vLLM
+    abort the request and free its KV blocks.
     """
+    if clock is None:
+        from twisted.internet import reactor as default_clock
 
-    def stop_backend(_: Deferred[None]) -> None:
-        if relay.transport is not None:
-            cast(IPushProducer, relay.transport).stopProducing()
-
-    finished: Deferred[None] = Deferred(stop_backend)
-    relay = _BodyRelay(request, finished)
+        clock = cast(IReactorTime, default_clock)
+    finished: Deferred[None] = Deferred(lambda _: relay.stop())
+    relay = _BodyRelay(request, finished, clock, idle_timeout)
     response.deliverBody(relay)
     return finished
+
+
+class _Discard(Protocol):
+    def connectionMade(self) -> None:
+        cast(IPushProducer, self.transport).stopProducing()
+
+
+def abandon(response: IResponse) -> None:
+    """Close a backend response nobody will read (its client has left)."""
+    response.deliverBody(_Discard())
 
 
 def read_body(response: IResponse) -> Deferred[bytes]:

@@ -10,6 +10,7 @@ from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import Protocol
+from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
@@ -52,6 +53,9 @@ class ProxyCase(TestCase):
         for fake in self.prefills + self.decodes:
             await fake.listen()
             self.addCleanup(fake.stop)
+        #: Drives the proxy's timeouts, backoffs and health checks: tests
+        #: advance it by hand, so nothing waits on the wall clock.
+        self.clock = Clock()
         self.proxy = self.start_proxy(
             [f.url for f in self.prefills], [f.url for f in self.decodes], args
         )
@@ -67,7 +71,11 @@ class ProxyCase(TestCase):
         args: Sequence[str] = (),
         listen: str = "tcp:0:interface=127.0.0.1",
     ) -> RunningProxy:
-        proxy = start_proxy(prefill, decode, args, listen=listen)
+        # Active health checks are off unless a test turns them on: they
+        # would race the requests a test sends.
+        proxy = start_proxy(
+            prefill, decode, ["--health-interval", "0", *args], listen=listen, clock=self.clock
+        )
         self.addCleanup(proxy.stop)
         return proxy
 

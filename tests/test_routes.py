@@ -127,10 +127,16 @@ class SeedRouteTests(ProxyCase):
         await self.start(prefills=2, decodes=1)
         response = await self.http.get(self.proxy.url + "/healthcheck")
         self.assertEqual(response.code, 200)
+        answer = json.loads(await response.content())
+        # The seed's three keys, as the seed has them.
         self.assertEqual(
-            json.loads(await response.content()),
+            {k: answer[k] for k in ("ready", "prefill_instances", "decode_instances")},
             {"ready": True, "prefill_instances": 2, "decode_instances": 1},
         )
+        self.assertEqual(
+            [i["url"] for i in answer["instances"]["prefill"]], [p.url for p in self.prefills]
+        )
+        self.assertFalse(answer["draining"])
         self.assertEqual(self.prefill.requests, [])
 
     async def test_models_relayed_from_the_next_decode_instance(self) -> None:
