@@ -53,6 +53,8 @@ class ProxyApp:
         self.max_in_flight = max_in_flight
         self.clock = clock or backends.clock
         self.in_flight = 0
+        #: The completions being served now.
+        self.exchanges: set[Exchange] = set()
         self.draining = False
         self._idle: list[Deferred[None]] = []
 
@@ -162,7 +164,13 @@ class ProxyApp:
         exchange = Exchange(
             request, path, body, request_id, headers, self.backends, self.limits, self.clock
         )
-        return exchange.start().addBoth(self._release)
+        self.exchanges.add(exchange)
+
+        def ended(result: object) -> object:
+            self.exchanges.discard(exchange)
+            return self._release(result)
+
+        return exchange.start().addBoth(ended)
 
     # -- errors -----------------------------------------------------------
 

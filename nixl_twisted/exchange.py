@@ -106,6 +106,7 @@ class Exchange:
         self.limits = limits
         self.clock = clock
         self.phase = "prefill"
+        self._phase_waiters: list[tuple[str, Deferred[None]]] = []
         self.client_gone = False
         self._current: Deferred[Any] | None = None
         self.prefill: Instance | None = None
@@ -128,6 +129,22 @@ class Exchange:
 
         running.addBoth(settle)
         return outcome
+
+    def _enter(self, phase: str) -> None:
+        self.phase = phase
+        ready = [w for w in self._phase_waiters if w[0] == phase]
+        self._phase_waiters = [w for w in self._phase_waiters if w[0] != phase]
+        for _, waiting in ready:
+            waiting.callback(None)
+
+    def reached(self, phase: str) -> Deferred[None]:
+        """Fires when the exchange enters ``phase`` (for tests and operators)."""
+        waiting: Deferred[None] = Deferred()
+        if self.phase == phase:
+            waiting.callback(None)
+        else:
+            self._phase_waiters.append((phase, waiting))
+        return waiting
 
     def _client_left(self, _: Deferred[None]) -> None:
         self.client_gone = True
@@ -156,7 +173,7 @@ class Exchange:
 
     async def _run(self) -> None:
         kv_transfer_params = await self._prefill_leg()
-        self.phase = "handoff"
+        self._enter("handoff")
         response = await self._decode_leg(kv_transfer_params)
         if self.client_gone:
             abandon(response)
@@ -165,7 +182,7 @@ class Exchange:
                 request_id=self.request_id,
             )
             return
-        self.phase = "relay"
+        self._enter("relay")
         await self._relay(response)
         log.info(
             "relayed {request_id} {path}: prefill {prefill}, decode {decode} answered "
@@ -196,7 +213,7 @@ class Exchange:
         for _ in range(1 + self.limits.prefill_retries):
             instance = self._next(pool, tried, last)
             self.prefill = instance
-            self.phase = "prefill"
+            self._enter("prefill")
             attempt = ensureDeferred(self._prefill_attempt(instance, lowered))
             try:
                 status, answer = await self._track(
@@ -242,7 +259,7 @@ class Exchange:
         except Exception as error:
             raise _Unreachable(_describe(error)) from None
         # Prefill has answered: from here a disconnect must not stop decode.
-        self.phase = "handoff"
+        self._enter("handoff")
         try:
             answer = await read_body(response)
         except (CancelledError, TimeoutError):

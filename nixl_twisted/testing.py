@@ -31,10 +31,11 @@ from klein import Klein
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.interfaces import IListeningPort, IReactorTime
+from twisted.internet.interfaces import IListeningPort, IPushProducer, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
+from zope.interface import implementer
 
 from nixl_twisted.site import TrackingSite
 
@@ -157,6 +158,11 @@ class FakeVLLM:
     def __post_init__(self) -> None:
         self._failures: list[_Failure] = []
         self._hold_after: int | None = None
+        self._hold_midway = False
+        self._firehose: tuple[int, int] | None = None
+        self._paused_waiters: list[Deferred[None]] = []
+        self._health_waiters: list[Deferred[None]] = []
+        self.firehose_written = 0
         self._release: Deferred[None] = Deferred()
         self._held: list[Deferred[None]] = []
         self._port: IListeningPort | None = None
@@ -191,6 +197,32 @@ class FakeVLLM:
     def hold_answers(self) -> None:
         """Hold every answer, JSON or stream, before its first byte."""
         self._hold_after = 0
+        self._hold_midway = False
+
+    def hold_answers_midway(self) -> None:
+        """Send JSON answers' headers and first half, then hold the rest."""
+        self._hold_after = 0
+        self._hold_midway = True
+
+    def firehose(self, event_bytes: int = 64 * 1024, total_bytes: int = 64 * 1024 * 1024) -> None:
+        """Make streams write big events as fast as the connection takes them.
+
+        The fake writes only while its connection is not paused, so what it
+        has written (``firehose_written``) shows whether backpressure reached
+        it; ``firehose_paused()`` fires the first time it is paused.
+        """
+        self._firehose = (event_bytes, total_bytes)
+
+    def firehose_paused(self) -> Deferred[None]:
+        waiting: Deferred[None] = Deferred()
+        self._paused_waiters.append(waiting)
+        return waiting
+
+    def next_health_check(self) -> Deferred[None]:
+        """Fires when the next ``GET /health`` arrives."""
+        waiting: Deferred[None] = Deferred()
+        self._health_waiters.append(waiting)
+        return waiting
 
     def stream_held(self) -> Deferred[None]:
         """Fires when a stream reaches the hold point."""
@@ -261,6 +293,9 @@ class FakeVLLM:
         # Counted apart: health checks are not the API requests tests assert on.
         self.health_checks += 1
         request.setResponseCode(self.health_status)
+        waiters, self._health_waiters = self._health_waiters, []
+        for waiting in waiters:
+            waiting.callback(None)
         return b""
 
     def _models(self, request: Request) -> bytes:
@@ -330,18 +365,27 @@ class FakeVLLM:
             },
         )
         broken = failure is not None and failure.kind == "break"
-        if not body.get("stream") and self._hold_after is not None:
+        if not body.get("stream") and self._hold_after is not None and not self._hold_midway:
             await self._wait_at_hold()
         if not body.get("stream"):
             whole = answer.whole()
             if kv_answer is not None:
                 whole["kv_transfer_params"] = kv_answer
             raw = _json(whole)
+            if self._hold_after is not None and self._hold_midway:
+                request.setHeader(b"Content-Length", str(len(raw)).encode("ascii"))
+                request.write(raw[: len(raw) // 2])
+                await self._wait_at_hold()
+                request.write(raw[len(raw) // 2 :])
+                return None
             if not broken:
                 return raw
             request.setHeader(b"Content-Length", str(len(raw)).encode("ascii"))
             request.write(raw[: len(raw) // 2])
             await _cut_off(request)
+            return None
+        if self._firehose is not None:
+            await self._pour(request, *self._firehose)
             return None
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         events = answer.events(include_usage)
@@ -362,6 +406,19 @@ class FakeVLLM:
             if self.token_interval > 0 and index < len(events) - 1:
                 await deferLater(self.clock, self.token_interval)  # type: ignore[arg-type]
 
+    async def _pour(self, request: Request, event_bytes: int, total_bytes: int) -> None:
+        request.setHeader(b"Content-Type", b"text/event-stream")
+        pour = _Pour(self, request, event_bytes, total_bytes)
+        request.registerProducer(pour, True)
+        pour.resumeProducing()
+        await pour.done
+        request.unregisterProducer()
+
+    def _paused(self) -> None:
+        waiters, self._paused_waiters = self._paused_waiters, []
+        for waiting in waiters:
+            waiting.callback(None)
+
     async def _wait_at_hold(self) -> None:
         held, self._held = self._held, []
         for waiting in held:
@@ -372,6 +429,36 @@ class FakeVLLM:
         waiting: Deferred[None] = Deferred()
         self._release.addBoth(lambda _: waiting.callback(None) if not waiting.called else None)
         return waiting
+
+
+@implementer(IPushProducer)
+class _Pour:
+    """Writes SSE events of ``event_bytes`` while the connection is not paused."""
+
+    def __init__(self, fake: FakeVLLM, request: Request, event_bytes: int, total: int) -> None:
+        self.fake = fake
+        self.request = request
+        self.event = b"data: " + b"x" * (event_bytes - 8) + b"\n\n"
+        self.total = total
+        self.paused = False
+        self.done: Deferred[None] = Deferred()
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        while not self.paused and self.fake.firehose_written < self.total:
+            self.fake.firehose_written += len(self.event)
+            self.request.write(self.event)
+        if self.fake.firehose_written >= self.total and not self.done.called:
+            self.done.callback(None)
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+        self.fake._paused()
+
+    def stopProducing(self) -> None:
+        self.paused = True
+        if not self.done.called:
+            self.done.errback(CancelledError("the client went away"))
 
 
 @dataclass

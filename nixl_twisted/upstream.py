@@ -10,10 +10,9 @@ from __future__ import annotations
 from http.cookiejar import DefaultCookiePolicy
 from typing import cast
 
-from treq import content
 from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTCP, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
@@ -37,6 +36,16 @@ DEFAULT_IDLE_TIMEOUT = 4.0
 #: every burst above 2 concurrent legs open (and soon close) new sockets.
 DEFAULT_MAX_IDLE_PER_INSTANCE = 512
 DEFAULT_CONNECT_TIMEOUT = 10.0
+
+
+def _as_cancelled(failure: Failure) -> Failure:
+    """Twisted reports a cancelled request as one that failed *because* it was
+    cancelled; say plainly that it was cancelled, so that callers (and
+    ``Deferred.addTimeout``) can tell it from a backend that failed."""
+    reasons = getattr(failure.value, "reasons", None) or []
+    if any(isinstance(r, Failure) and r.check(CancelledError) for r in reasons):
+        return Failure(CancelledError())
+    return failure
 
 
 class _NoCookies(DefaultCookiePolicy):
@@ -68,8 +77,11 @@ class Upstream:
         self._http = HTTPClient(agent, cookiejar=IndexableCookieJar(policy=_NoCookies()))
 
     def post(self, url: str, body: bytes, headers: Headers) -> Deferred[IResponse]:
-        """POST a JSON body; the response's body is left unread for the caller."""
-        return self._http.request(  # type: ignore[return-value]
+        """POST a JSON body; the response's body is left unread for the caller.
+
+        Cancelling closes the connection and fails with ``CancelledError``.
+        """
+        sent = self._http.request(
             "POST",
             url,
             data=body,
@@ -77,12 +89,14 @@ class Upstream:
             allow_redirects=False,
             unbuffered=True,
         )
+        return sent.addErrback(_as_cancelled)  # type: ignore[return-value]
 
     def get(self, url: str, headers: Headers) -> Deferred[IResponse]:
         """GET a resource; the response's body is left unread for the caller."""
-        return self._http.request(  # type: ignore[return-value]
+        sent = self._http.request(
             "GET", url, headers=headers, allow_redirects=False, unbuffered=True
         )
+        return sent.addErrback(_as_cancelled)  # type: ignore[return-value]
 
     def close(self) -> Deferred[None]:
         """Close every idle pooled connection (on service stop)."""
@@ -207,6 +221,50 @@ def abandon(response: IResponse) -> None:
     response.deliverBody(_Discard())
 
 
-def read_body(response: IResponse) -> Deferred[bytes]:
-    """Read a whole (small) backend body: prefill answers and errors."""
-    return content(response)
+class BodyTooLarge(Exception):
+    """A backend body that should be small (prefill, errors) was not."""
+
+
+class _Collector(Protocol):
+    def __init__(self, finished: Deferred[bytes], limit: int) -> None:
+        self._finished = finished
+        self._limit = limit
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def dataReceived(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._limit:
+            self.stop()
+            if not self._finished.called:
+                self._finished.errback(BodyTooLarge(f"more than {self._limit} bytes"))
+            return
+        self._parts.append(data)
+
+    def stop(self) -> None:
+        if self.transport is not None:
+            cast(IPushProducer, self.transport).stopProducing()
+
+    def connectionLost(self, reason: Failure = _DONE) -> None:
+        if self._finished.called:
+            return
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self._finished.callback(b"".join(self._parts))
+        else:
+            self._finished.errback(reason)
+
+
+#: A prefill answer is one token and its kv_transfer_params: far below this.
+MAX_SMALL_BODY = 16 * 1024 * 1024
+
+
+def read_body(response: IResponse, limit: int = MAX_SMALL_BODY) -> Deferred[bytes]:
+    """Read a whole small backend body (a prefill answer, an error).
+
+    Cancelling it closes the backend connection (treq's ``content`` would
+    leave the body streaming in).
+    """
+    finished: Deferred[bytes] = Deferred(lambda _: collector.stop())
+    collector = _Collector(finished, limit)
+    response.deliverBody(collector)
+    return finished

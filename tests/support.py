@@ -33,7 +33,7 @@ CHAT = {
 class ProxyCase(TestCase):
     """A trial test with fake prefill and decode instances and a real proxy."""
 
-    timeout = 30
+    timeout = 8
 
     async def start(
         self,
@@ -140,6 +140,8 @@ class ChunkCollector(Protocol):
 
     def dataReceived(self, data: bytes) -> None:
         self.chunks.append(data)
+        if not self._waiting:
+            return
         body = self.body
         ready = [w for w in self._waiting if w[0] in body]
         self._waiting = [w for w in self._waiting if w not in ready]
