@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from urllib.parse import unquote_to_bytes
 
 from klein import Klein
 from twisted.internet.defer import CancelledError, Deferred, succeed
@@ -17,7 +18,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
-from twisted.web.resource import IResource
+from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException
 
@@ -60,7 +61,7 @@ class ProxyApp:
 
     def resource(self) -> IResource:
         """The Twisted Web resource that serves this app."""
-        return self.app.resource()
+        return _UTF8Only(self.app.resource())
 
     # -- admission and draining ---------------------------------------------
 
@@ -82,9 +83,13 @@ class ProxyApp:
                 waiting.callback(None)
         return result
 
+    def start_draining(self) -> None:
+        """Refuse new requests from now on; /healthcheck says not ready."""
+        self.draining = True
+
     def drain(self) -> Deferred[None]:
         """Refuse new requests; fires when those in flight have ended."""
-        self.draining = True
+        self.start_draining()
         if self.in_flight == 0:
             return succeed(None)
         waiting: Deferred[None] = Deferred()
@@ -224,6 +229,30 @@ class ProxyApp:
                 "the proxy failed unexpectedly; see its log", "proxy_error", "internal_error"
             ),
         )
+
+
+class _UTF8Only(Resource):
+    """Refuses a URL that is not UTF-8 with a JSON 400 before Klein sees it.
+
+    Klein would answer a plain-text 400 and log a traceback for every such
+    request: client garbage is not the operator's error.
+    """
+
+    isLeaf = True
+
+    def __init__(self, app: IResource) -> None:
+        super().__init__()
+        self._app = app
+
+    def render(self, request: IRequest) -> bytes | int:
+        try:
+            unquote_to_bytes(request.path).decode("utf-8")
+        except UnicodeDecodeError:
+            body = error_body(
+                "the request URL is not valid UTF-8", "invalid_request_error", "invalid_url"
+            )
+            return _error(request, 400, body)
+        return self._app.render(request)
 
 
 def _request_id(request: IRequest) -> str | None:

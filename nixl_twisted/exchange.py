@@ -172,6 +172,10 @@ class Exchange:
     # -- the legs -------------------------------------------------------------
 
     async def _run(self) -> None:
+        # Prefill is not spent on a request that no decode instance could take.
+        for pool in self.backends.pools():
+            if pool.healthy_count() == 0:
+                raise unavailable(NoHealthyInstance(pool.role, pool.retry_after()))
         kv_transfer_params = await self._prefill_leg()
         self._enter("handoff")
         response = await self._decode_leg(kv_transfer_params)

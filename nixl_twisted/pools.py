@@ -20,6 +20,7 @@ from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.upstream import Upstream, read_body
@@ -182,6 +183,7 @@ class BackendService(Service):
         self.health_interval = health_interval
         self.health_timeout = health_timeout
         self._checks: LoopingCall | None = None
+        self._probes: set[Deferred[None]] = set()
 
     def pools(self) -> tuple[BackendPool, BackendPool]:
         return (self.prefill, self.decode)
@@ -195,7 +197,7 @@ class BackendService(Service):
         if self.health_interval > 0:
             self._checks = LoopingCall(self.check_health)
             self._checks.clock = self.clock
-            self._checks.start(self.health_interval, now=True).addErrback(
+            self._checks.start(self.health_interval, now=False).addErrback(
                 lambda failure: log.failure("health checks stopped", failure)
             )
 
@@ -214,10 +216,18 @@ class BackendService(Service):
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
 
         checking = ensureDeferred(probe()).addTimeout(self.health_timeout, self.clock)
+        self._probes.add(checking)
 
-        def failed(failure: Any) -> None:
+        def done(result: object) -> object:
+            self._probes.discard(checking)
+            return result
+
+        def failed(failure: Failure) -> None:
+            if not self.running:
+                return  # cancelled by stopService
             pool.mark_failed(instance, f"health check failed: {failure.getErrorMessage()}")
 
+        checking.addBoth(done)
         checking.addCallbacks(lambda _: pool.mark_ok(instance), failed)
         checking.addErrback(lambda failure: log.failure("health check error", failure))
         return checking
@@ -227,4 +237,6 @@ class BackendService(Service):
         super().stopService()
         if self._checks is not None and self._checks.running:
             self._checks.stop()
+        for probe in list(self._probes):
+            probe.cancel()
         return self.upstream.close()

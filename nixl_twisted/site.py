@@ -27,6 +27,21 @@ class _TrackedChannel(HTTPChannel):
         super().connectionMade()
         self.factory._opened(self)
 
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request line or header line too long: 431, not a silent close."""
+        body = error_body(
+            "a request line or header is longer than the proxy accepts",
+            "invalid_request_error",
+            "request_header_too_large",
+        )
+        if self.transport is not None:
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%s" % (len(body), body)
+            )
+        self.loseConnection()
+
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
         try:
             super().connectionLost(reason)
@@ -115,11 +130,18 @@ class TrackingSite(Site):
         self._open[channel].append(waiting)
         return waiting
 
-    def close_connections(self) -> Deferred[Any]:
-        """Abort every open connection; fires when all are gone."""
+    def close_connections(self, abort: bool = True) -> Deferred[Any]:
+        """Close every open connection; fires when all are gone.
+
+        ``abort=False`` lets each connection send what it has buffered
+        first (an answer just finished); ``abort=True`` drops it at once.
+        """
         waiting = [self.connection_lost(channel) for channel in self._open]
         for channel in list(self._open):
-            channel.transport.abortConnection()  # type: ignore[union-attr]
+            if abort:
+                channel.transport.abortConnection()  # type: ignore[union-attr]
+            else:
+                channel.loseConnection()
         return DeferredList(waiting)
 
     def _opened(self, channel: HTTPChannel) -> None:

@@ -44,6 +44,8 @@ log = Logger()
 #: need not appear in a process listing.
 BACKEND_API_KEY_ENV = "NIXLPROXY_BACKEND_API_KEY"
 DEFAULT_DRAIN_TIMEOUT = 30.0
+#: Seconds drained connections get to send what they have buffered.
+CLOSE_GRACE = 5.0
 
 
 def _positive_float(name: str) -> Any:
@@ -336,6 +338,8 @@ class ProxyService(MultiService):
         self.backends = backends
         self.drain_timeout = drain_timeout
         self.handle_sigterm = handle_sigterm
+        self._closed_ports = False
+        self._port_waiters: list[Deferred[None]] = []
         backends.setServiceParent(self)
 
     def listeners(self) -> list[ListenService]:
@@ -357,29 +361,61 @@ class ProxyService(MultiService):
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
-    def stopService(self) -> Deferred[Any]:
+    def stopService(self) -> Deferred[None]:
         Service.stopService(self)
-        stopped = DeferredList([maybeDeferred(s.stopService) for s in self.listeners()])
-        stopped.addCallback(lambda _: self._drain())
-        stopped.addCallback(lambda _: self.site.close_connections())
-        stopped.addCallback(lambda _: self.backends.stopService())
-        return stopped
+        return Deferred.fromCoroutine(self._stop())
 
-    def _drain(self) -> Deferred[None]:
+    async def _stop(self) -> None:
+        self.app.start_draining()
+        await DeferredList([maybeDeferred(s.stopService) for s in self.listeners()])
+        draining = self._drain()  # its timeout runs from now
+        self._ports_closed()
+        drained = await draining
+        await self._close_connections(drained)
+        await self.backends.stopService()
+
+    async def _close_connections(self, drained: bool) -> None:
+        """Close client connections: gently if drained, at once if not."""
+        if drained:
+            closing = self.site.close_connections(abort=False)
+            try:
+                await closing.addTimeout(CLOSE_GRACE, self.backends.clock)
+                return
+            except TimeoutError:
+                pass
+        await self.site.close_connections(abort=True)
+
+    def when_ports_closed(self) -> Deferred[None]:
+        """Fires once a stopping proxy accepts no more connections."""
+        waiting: Deferred[None] = Deferred()
+        if self._closed_ports:
+            waiting.callback(None)
+        else:
+            self._port_waiters.append(waiting)
+        return waiting
+
+    def _ports_closed(self) -> None:
+        self._closed_ports = True
+        waiters, self._port_waiters = self._port_waiters, []
+        for waiting in waiters:
+            waiting.callback(None)
+
+    def _drain(self) -> Deferred[bool]:
         in_flight = self.app.in_flight
         if in_flight:
             log.info("draining {in_flight} requests in flight", in_flight=in_flight)
         drained = self.app.drain().addTimeout(self.drain_timeout, self.backends.clock)
 
-        def timed_out(failure: Failure) -> None:
+        def timed_out(failure: Failure) -> bool:
             failure.trap(TimeoutError)
             log.warn(
                 "drain timeout of {seconds} s: closing {in_flight} requests still in flight",
                 seconds=self.drain_timeout,
                 in_flight=self.app.in_flight,
             )
+            return False
 
-        return drained.addErrback(timed_out)
+        return drained.addCallbacks(lambda _: True, timed_out)
 
 
 def makeService(

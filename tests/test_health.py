@@ -1,0 +1,150 @@
+"""Instances that die and come back: passive marks, active checks, retries, 503s."""
+
+from __future__ import annotations
+
+import json
+
+from nixl_twisted.pools import BACKOFF_BASE
+from tests.support import CHAT, ProxyCase
+
+
+class InstanceDeathTests(ProxyCase):
+    async def completion(self) -> int:
+        response = await self.post("/v1/chat/completions", CHAT)
+        await response.content()
+        return int(response.code)
+
+    async def test_a_dead_decode_is_retried_elsewhere_then_left_out(self) -> None:
+        await self.start(decodes=2)
+        dead = self.decodes[1]
+        await dead.stop()
+        codes = [await self.completion() for _ in range(4)]
+        self.assertEqual(codes, [200] * 4)
+        # The one attempt on the dead instance was retried on the live one
+        # with the same kv_transfer_params; after that it is out of rotation.
+        self.assertEqual(len(self.decodes[0].requests), 4)
+        self.assertEqual(len(self.ledger.redeemed), 4)
+        (live, down) = self.proxy.service.backends.decode.instances
+        self.assertTrue(live.healthy)
+        self.assertFalse(down.healthy)
+
+    async def test_an_instance_comes_back_when_its_health_check_passes(self) -> None:
+        await self.start(prefills=2)
+        dead = self.prefills[1]
+        port = dead.url.rsplit(":", 1)[1]
+        await dead.stop()
+        for _ in range(3):
+            self.assertEqual(await self.completion(), 200)
+        backends = self.proxy.service.backends
+        self.assertFalse(backends.prefill.instances[1].healthy)
+
+        await dead.listen(f"tcp:{port}:interface=127.0.0.1")
+        await backends.check_health()
+        self.assertTrue(backends.prefill.instances[1].healthy)
+        for _ in range(4):
+            self.assertEqual(await self.completion(), 200)
+        self.assertEqual(len(dead.requests), 2)
+
+    async def test_health_checks_run_on_the_interval(self) -> None:
+        await self.start(args=["--health-interval", "5"])
+        checked = self.decode.next_health_check()
+        self.clock.advance(5)
+        await checked
+        self.assertEqual(self.decode.health_checks, 1)
+        self.assertEqual(self.prefill.health_checks, 1)
+
+    async def test_a_failing_health_check_takes_an_instance_out(self) -> None:
+        await self.start(decodes=2)
+        self.decodes[1].health_status = 503
+        backends = self.proxy.service.backends
+        await backends.check_health()
+        self.assertEqual([i.healthy for i in backends.decode.instances], [True, False])
+        for _ in range(4):
+            self.assertEqual(await self.completion(), 200)
+        self.assertEqual(self.decodes[1].requests, [])
+
+    async def test_no_healthy_instance_is_503_at_once_and_not_ready(self) -> None:
+        await self.start()
+        await self.decode.stop()
+        backends = self.proxy.service.backends
+        await backends.check_health()
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertError(response, answer, 503, "no_healthy_decode")
+        self.assertEqual(response.headers.getRawHeaders(b"retry-after"), [b"1"])
+        # Prefill was not spent on a request decode could not take.
+        self.assertEqual(self.prefill.requests, [])
+
+        health = await self.http.get(self.proxy.url + "/healthcheck")
+        self.assertEqual(health.code, 503)
+        report = json.loads(await health.content())
+        self.assertFalse(report["ready"])
+        self.assertEqual((report["prefill_instances"], report["decode_instances"]), (1, 1))
+        self.assertFalse(report["instances"]["decode"][0]["healthy"])
+        self.assertIn("health check failed", report["instances"]["decode"][0]["last_error"])
+
+        models = await self.http.get(self.proxy.url + "/v1/models")
+        self.assertEqual(models.code, 503)
+        await models.content()
+
+    async def test_models_skips_an_unhealthy_decode(self) -> None:
+        await self.start(decodes=2)
+        self.decodes[0].health_status = 500
+        await self.proxy.service.backends.check_health()
+        for _ in range(3):
+            response = await self.http.get(self.proxy.url + "/v1/models")
+            self.assertEqual(response.code, 200)
+            await response.content()
+        self.assertEqual(self.decodes[0].health_checks, 1)
+        self.assertEqual(self.decodes[1].health_checks, 1)
+
+    async def test_after_its_backoff_a_down_instance_gets_another_try(self) -> None:
+        await self.start(decodes=2)
+        self.decodes[1].health_status = 503
+        backends = self.proxy.service.backends
+        await backends.check_health()
+        self.decodes[1].health_status = 200
+        self.clock.advance(BACKOFF_BASE)
+        for _ in range(2):
+            self.assertEqual(await self.completion(), 200)
+        self.assertEqual(len(self.decodes[1].requests), 1)
+        self.assertTrue(backends.decode.instances[1].healthy)
+
+
+class RetryTests(ProxyCase):
+    async def test_prefill_503_is_retried_on_the_next_instance(self) -> None:
+        await self.start(prefills=2)
+        self.prefills[0].crash_next(503, "engine restarting")
+        response, _ = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 200)
+        self.assertEqual([len(p.requests) for p in self.prefills], [1, 1])
+        self.assertEqual(len(self.decode.requests), 1)
+
+    async def test_prefill_retries_are_bounded(self) -> None:
+        await self.start(prefills=3, args=["--prefill-retries", "1"])
+        for prefill in self.prefills:
+            prefill.crash_next(502)
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertError(response, answer, 502, "prefill_failed")
+        self.assertEqual([len(p.requests) for p in self.prefills], [1, 1, 0])
+        self.assertEqual(self.decode.requests, [])
+
+    async def test_prefill_4xx_and_plain_500_are_never_retried(self) -> None:
+        await self.start(prefills=2)
+        self.prefills[0].refuse_next(400)
+        response = await self.post("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 400)
+        await response.content()
+        self.prefills[1].crash_next(500)
+        response = await self.post("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 502)
+        await response.content()
+        self.assertEqual([len(p.requests) for p in self.prefills], [1, 1])
+        self.assertEqual(self.decode.requests, [])
+
+    async def test_decode_error_answers_are_not_retried(self) -> None:
+        await self.start(decodes=2)
+        self.decodes[0].crash_next(500, "KV load failed")
+        response = await self.post("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 500)
+        await response.content()
+        self.assertEqual([len(d.requests) for d in self.decodes], [1, 0])

@@ -1,0 +1,194 @@
+"""Admission limits, abusive requests, secrets, and a drained shutdown."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.protocol import Protocol
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.python.failure import Failure
+from twisted.web.client import ResponseFailed
+from zope.interface import provider
+
+from nixl_twisted.exchange import Limits
+from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
+
+STREAM = dict(CHAT, stream=True)
+
+
+class RawClient(Protocol):
+    """Sends bytes as they are and collects the raw answer until close."""
+
+    def __init__(self) -> None:
+        self.received = b""
+        self.closed: Deferred[bytes] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+
+    def connectionLost(self, reason: Failure | None = None) -> None:
+        self.closed.callback(self.received)
+
+
+class AbuseTests(ProxyCase):
+    async def raw(self, data: bytes) -> bytes:
+        host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
+        client = RawClient()
+        await connectProtocol(TCP4ClientEndpoint(reactor, host, int(port)), client)
+        client.transport.write(data)  # type: ignore[union-attr]
+        return await client.closed
+
+    async def test_a_body_over_the_limit_is_413_before_it_is_read(self) -> None:
+        await self.start(args=["--max-body-size", "1000"])
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50000000\r\n\r\n"
+        )
+        answer = await self.raw(head + b'{"prompt": "')  # 50 MB announced, 12 bytes sent
+        status, _, body = answer.partition(b"\r\n\r\n")
+        self.assertTrue(status.startswith(b"HTTP/1.1 413 "), status)
+        self.assertEqual(json.loads(body)["error"]["code"], "request_too_large")
+        self.assertEqual(self.prefill.requests, [])
+
+    async def test_a_chunked_body_over_the_limit_is_413(self) -> None:
+        await self.start(args=["--max-body-size", "1000"])
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        chunk = b"%x\r\n%s\r\n" % (600, b"x" * 600)
+        answer = await self.raw(head + chunk + chunk)
+        self.assertTrue(answer.startswith(b"HTTP/1.1 413 "), answer[:40])
+        self.assertEqual(self.prefill.requests, [])
+
+    async def test_a_body_under_the_limit_is_served(self) -> None:
+        await self.start(args=["--max-body-size", "1000"])
+        response = await self.post("/v1/completions", {"model": "m", "prompt": "x" * 500})
+        self.assertEqual(response.code, 200)
+        await response.content()
+
+    async def test_huge_headers_odd_methods_and_paths_get_4xx(self) -> None:
+        await self.start()
+        long_line = b"GET /healthcheck HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n"
+        answer = await self.raw(long_line)
+        self.assertTrue(answer.startswith(b"HTTP/1.1 431 "), answer[:60])
+        many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(200))
+        answer = await self.raw(b"GET /healthcheck HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+        self.assertTrue(answer.startswith(b"HTTP/1.1 400 "), answer[:60])
+        for method in (b"BREW", b"DELETE", b"PUT"):
+            answer = await self.raw(
+                method + b" /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            self.assertTrue(answer.startswith(b"HTTP/1.1 405 "), answer[:40])
+        answer = await self.raw(b"GET /%ff%fe HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        self.assertTrue(answer.startswith(b"HTTP/1.1 4"), answer[:40])
+        # ... and the proxy serves on.
+        response = await self.post("/v1/completions", {"model": "m", "prompt": "x"})
+        self.assertEqual(response.code, 200)
+        await response.content()
+
+
+class AdmissionTests(ProxyCase):
+    async def test_past_the_in_flight_limit_503_at_once(self) -> None:
+        await self.start(args=["--max-in-flight", "1"])
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        first = await self.post("/v1/chat/completions", STREAM)
+        collector = ChunkCollector()
+        first.deliverBody(collector)
+        await held
+
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertError(response, answer, 503, "too_many_requests_in_flight")
+        self.assertEqual(response.headers.getRawHeaders(b"retry-after"), [b"1"])
+        self.assertEqual(len(self.prefill.requests), 1)
+
+        self.decode.release()
+        await collector.done
+        response, _ = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 200)
+
+
+class SecretTests(ProxyCase):
+    async def test_authorization_never_reaches_a_log_line_or_an_error_body(self) -> None:
+        secret = "sk-very-secret-value"
+        lines: list[str] = []
+
+        @provider(ILogObserver)
+        def observe(event: dict[str, Any]) -> None:
+            lines.append(formatEvent(event) + repr(event.get("log_failure", "")))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        await self.start(args=["--backend-api-key", "sk-operator-secret"])
+        auth = {"Authorization": f"Bearer {secret}"}
+        bodies = []
+        self.prefill.crash_next(500)
+        self.decode.break_next()
+        for body in (CHAT, b"{nope", STREAM, CHAT):
+            response = await self.post("/v1/chat/completions", body, auth)
+            try:
+                bodies.append(await response.content())
+            except Exception as error:  # the cut-off answer
+                bodies.append(repr(error).encode())
+        self.assertTrue(lines)
+        for text in [*lines, *(b.decode("utf-8", "replace") for b in bodies)]:
+            self.assertNotIn(secret, text)
+            self.assertNotIn("sk-operator-secret", text)
+
+
+class DrainTests(ProxyCase):
+    async def raw_connect(self) -> None:
+        host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
+        await connectProtocol(TCP4ClientEndpoint(reactor, host, int(port)), Protocol())
+
+    async def test_stopping_lets_requests_in_flight_finish_and_refuses_new_ones(self) -> None:
+        await self.start(tokens=3)
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        response = await self.post("/v1/chat/completions", STREAM)
+        collector = ChunkCollector()
+        response.deliverBody(collector)
+        await held
+
+        stopped = self.proxy.stop()
+        self.assertFalse(stopped.called)
+        self.assertTrue(self.proxy.app.draining)
+        await self.proxy.service.when_ports_closed()
+        # No new connection is accepted; the stream in flight goes on.
+        with self.assertRaises(ConnectionRefusedError):
+            await self.raw_connect()
+        self.decode.release()
+        events = sse_events(b"".join(await collector.done))
+        self.assertEqual(events[-1], "[DONE]")
+        await stopped
+        self.assertEqual(self.proxy.site.channels(), [])
+
+    async def test_past_the_drain_timeout_what_is_left_is_closed(self) -> None:
+        await self.start()
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        response = await self.post("/v1/chat/completions", STREAM)
+        collector = ChunkCollector()
+        response.deliverBody(collector)
+        await held
+        stopped = self.proxy.stop()
+        await self.proxy.service.when_ports_closed()
+        self.clock.advance(30)
+        with self.assertRaises(ResponseFailed):
+            await collector.done
+        await stopped
+        self.assertEqual(self.proxy.site.channels(), [])
+        self.decode.release()
+
+
+class LimitsDefaultsTests(ProxyCase):
+    async def test_defaults_let_a_long_generation_through(self) -> None:
+        # A sanity check of the defaults: prefill may take minutes on long
+        # prompts, decode headers come at the end of a non-streaming answer.
+        defaults = Limits()
+        self.assertGreaterEqual(defaults.prefill_timeout, 120)
+        self.assertGreaterEqual(defaults.decode_timeout, defaults.prefill_timeout)
+        self.assertGreaterEqual(defaults.stream_idle_timeout, 30)
