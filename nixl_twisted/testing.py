@@ -129,10 +129,12 @@ class TransferLedger:
 
 @dataclass
 class _Failure:
-    kind: str  # "error", "omit_kv_transfer_params" or "break"
+    kind: str  # "error", "omit_kv_transfer_params", "break" or "raw"
     status: int = 200
     message: str = ""
     after_events: int = 0
+    body: bytes = b""
+    content_type: bytes = b"application/json"
 
 
 @dataclass
@@ -184,6 +186,12 @@ class FakeVLLM:
     def omit_kv_transfer_params_next(self) -> None:
         """Answer the next prefill leg without ``kv_transfer_params``."""
         self._failures.append(_Failure("omit_kv_transfer_params"))
+
+    def answer_next_with(
+        self, status: int, body: bytes, content_type: bytes = b"application/json"
+    ) -> None:
+        """Answer the next request with exactly these bytes (garbage included)."""
+        self._failures.append(_Failure("raw", status, body=body, content_type=content_type))
 
     def break_next(self, after_events: int = 1) -> None:
         """Cut the next answer off: a stream after ``after_events`` events, a
@@ -336,6 +344,10 @@ class FakeVLLM:
         failure = self._failures.pop(0) if self._failures else None
         if failure is not None and failure.kind == "error":
             return _vllm_error(request, failure.status, failure.message)
+        if failure is not None and failure.kind == "raw":
+            request.setResponseCode(failure.status)
+            request.setHeader(b"Content-Type", failure.content_type)
+            return failure.body
 
         prompt_tokens = _prompt_tokens(body, chat)
         cached = 0

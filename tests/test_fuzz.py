@@ -1,0 +1,158 @@
+"""Property-based: whatever clients send and backends answer, the proxy answers
+with a status and an OpenAI error body, never a traceback, and serves on."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from twisted.internet import reactor
+from twisted.internet.threads import blockingCallFromThread, deferToThread
+
+from tests.support import CHAT, ProxyCase
+
+EXAMPLES = settings(
+    max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None
+)
+
+json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=20)
+not_objects = st.recursive(
+    json_scalars, lambda c: st.lists(c, max_size=3), max_leaves=6
+).map(lambda v: json.dumps(v).encode())
+garbage = st.binary(max_size=200).filter(lambda b: not _is_object(b))
+header_names = st.text(
+    alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E, blacklist_characters=":"),
+    min_size=1,
+    max_size=20,
+)
+header_values = st.text(
+    alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=60
+).map(str.strip)
+
+
+def _is_object(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except ValueError:
+        return False
+
+
+class Client:
+    """A blocking HTTP client for the hypothesis thread."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
+
+    def post(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, Any]:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=20)
+        try:
+            connection.request("POST", path, body=body, headers=headers)
+            response = connection.getresponse()
+            data = response.read()
+            return response.status, (response.getheader("Content-Type"), data)
+        finally:
+            connection.close()
+
+
+def assert_openai_error(status: int, answer: tuple[str | None, bytes]) -> None:
+    content_type, data = answer
+    assert 400 <= status < 600, status
+    assert content_type == "application/json", (status, content_type, data)
+    error = json.loads(data)["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+
+
+class FuzzTests(ProxyCase):
+    timeout = 180
+
+    async def serves_on(self) -> None:
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(answer["object"], "chat.completion")
+
+    async def test_malformed_client_bodies(self) -> None:
+        await self.start()
+        client = Client(self.proxy.url)
+
+        @EXAMPLES
+        @given(
+            path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+            body=not_objects | garbage,
+        )
+        def check(path: str, body: bytes) -> None:
+            status, answer = client.post(path, body, {"Content-Type": "application/json"})
+            assert status == 400, status
+            assert_openai_error(status, answer)
+
+        await deferToThread(check)
+        self.assertEqual(self.prefill.requests, [])
+        await self.serves_on()
+
+    async def test_odd_headers_never_break_a_request(self) -> None:
+        await self.start()
+        client = Client(self.proxy.url)
+        body = json.dumps(CHAT).encode()
+
+        @EXAMPLES
+        @given(headers=st.dictionaries(header_names, header_values, max_size=6))
+        def check(headers: dict[str, str]) -> None:
+            status, answer = client.post("/v1/chat/completions", body, headers)
+            if status != 200:
+                assert 400 <= status < 500, (status, headers)
+                assert_openai_error(status, answer)
+
+        await deferToThread(check)
+        await self.serves_on()
+
+    async def test_whatever_prefill_answers(self) -> None:
+        await self.start()
+        client = Client(self.proxy.url)
+        body = json.dumps(CHAT).encode()
+
+        @EXAMPLES
+        @given(
+            status=st.sampled_from([200, 201, 204, 301, 400, 404, 422, 500, 502, 503]),
+            answer=garbage | not_objects | st.just(b'{"kv_transfer_params": 7}'),
+        )
+        def check(status: int, answer: bytes) -> None:
+            blockingCallFromThread(reactor, self.prefill.answer_next_with, status, answer)
+            got, answered = client.post("/v1/chat/completions", body, {})
+            if 400 <= status < 500:
+                assert got == status and answered[1] == answer  # relayed
+            else:
+                assert got in (502, 503), (status, answer, got)
+                assert_openai_error(got, answered)
+            # A failed prefill may take it out of rotation: put it back.
+            blockingCallFromThread(reactor, self._reset_health)
+
+        await deferToThread(check)
+        self.assertEqual(self.decode.requests, [])
+        await self.serves_on()
+
+    async def test_whatever_decode_answers_is_relayed_as_it_is(self) -> None:
+        await self.start()
+        client = Client(self.proxy.url)
+        body = json.dumps(CHAT).encode()
+
+        @EXAMPLES
+        @given(status=st.sampled_from([200, 400, 404, 500, 503]), answer=st.binary(max_size=200))
+        def check(status: int, answer: bytes) -> None:
+            blockingCallFromThread(
+                reactor, self.decode.answer_next_with, status, answer, b"text/plain"
+            )
+            got, answered = client.post("/v1/chat/completions", body, {})
+            assert (got, answered) == (status, ("text/plain", answer))
+            blockingCallFromThread(reactor, self._reset_health)
+
+        await deferToThread(check)
+        await self.serves_on()
+
+    def _reset_health(self) -> None:
+        for pool in self.proxy.service.backends.pools():
+            for instance in pool.instances:
+                pool.mark_ok(instance)
