@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import http.client
 import json
-from typing import Any
+from typing import Any, cast
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.internet import reactor
+from twisted.internet.interfaces import IReactorFromThreads
 from twisted.internet.threads import blockingCallFromThread, deferToThread
 
 from tests.support import CHAT, ProxyCase
 
+REACTOR = cast(IReactorFromThreads, reactor)
 EXAMPLES = settings(
     max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None
 )
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.text(max_size=20)
-not_objects = st.recursive(
-    json_scalars, lambda c: st.lists(c, max_size=3), max_leaves=6
-).map(lambda v: json.dumps(v).encode())
+not_objects = st.recursive(json_scalars, lambda c: st.lists(c, max_size=3), max_leaves=6).map(
+    lambda v: json.dumps(v).encode()
+)
 garbage = st.binary(max_size=200).filter(lambda b: not _is_object(b))
 header_names = st.text(
     alphabet=st.characters(min_codepoint=0x21, max_codepoint=0x7E, blacklist_characters=":"),
@@ -120,7 +122,7 @@ class FuzzTests(ProxyCase):
             answer=garbage | not_objects | st.just(b'{"kv_transfer_params": 7}'),
         )
         def check(status: int, answer: bytes) -> None:
-            blockingCallFromThread(reactor, self.prefill.answer_next_with, status, answer)
+            blockingCallFromThread(REACTOR, self.prefill.answer_next_with, status, answer)
             got, answered = client.post("/v1/chat/completions", body, {})
             if 400 <= status < 500:
                 assert got == status and answered[1] == answer  # relayed
@@ -128,7 +130,7 @@ class FuzzTests(ProxyCase):
                 assert got in (502, 503), (status, answer, got)
                 assert_openai_error(got, answered)
             # A failed prefill may take it out of rotation: put it back.
-            blockingCallFromThread(reactor, self._reset_health)
+            blockingCallFromThread(REACTOR, self._reset_health)
 
         await deferToThread(check)
         self.assertEqual(self.decode.requests, [])
@@ -143,11 +145,11 @@ class FuzzTests(ProxyCase):
         @given(status=st.sampled_from([200, 400, 404, 500, 503]), answer=st.binary(max_size=200))
         def check(status: int, answer: bytes) -> None:
             blockingCallFromThread(
-                reactor, self.decode.answer_next_with, status, answer, b"text/plain"
+                REACTOR, self.decode.answer_next_with, status, answer, b"text/plain"
             )
             got, answered = client.post("/v1/chat/completions", body, {})
             assert (got, answered) == (status, ("text/plain", answer))
-            blockingCallFromThread(reactor, self._reset_health)
+            blockingCallFromThread(REACTOR, self._reset_health)
 
         await deferToThread(check)
         await self.serves_on()
