@@ -6,7 +6,9 @@ import json
 from typing import cast
 
 from twisted.internet.interfaces import IPushProducer
+from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 from twisted.web.client import ResponseFailed
+from zope.interface import provider
 
 from nixl_twisted.testing import TransferLedger
 from tests.support import CHAT, ChunkCollector, ProxyCase, closed_port_url, sse_events
@@ -185,3 +187,27 @@ class DisconnectTests(ProxyCase):
         await decode_closed
         self.decode.release()
         self.assertEqual(self.decode.disconnects, 1)
+
+
+class BadBackendLogTests(ProxyCase):
+    async def test_garbage_from_prefill_is_502_with_an_error_line_naming_the_request(self) -> None:
+        events: list[dict[str, object]] = []
+
+        @provider(ILogObserver)
+        def observe(event: dict[str, object]) -> None:
+            events.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        await self.start()
+        self.prefill.answer_next_with(200, b"<html>oops</html>", b"text/html")
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertError(response, answer, 502, "prefill_invalid_response")
+        (request_id,) = response.headers.getRawHeaders(b"x-request-id")
+        errors = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.error]
+        self.assertTrue(any(request_id.decode() in line for line in errors), errors)
+        await self.serves_on()
+
+    async def serves_on(self) -> None:
+        response, _ = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 200)

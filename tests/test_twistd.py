@@ -15,7 +15,7 @@ from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from tests.support import CHAT, ProxyCase, sse_events
+from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
 
 TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
 LISTENING = re.compile(rb"nixlproxy listening on (\S+)")
@@ -29,12 +29,26 @@ class TwistdProcess(ProcessProtocol):
         self.listening: Deferred[str] = Deferred()
         self.ended: Deferred[int | None] = Deferred()
         self.signal: int | None = None
+        self._markers: list[tuple[bytes, Deferred[None]]] = []
+
+    def said(self, marker: bytes) -> Deferred[None]:
+        """Fires once the process has written ``marker``."""
+        waiting: Deferred[None] = Deferred()
+        if marker in self.output:
+            waiting.callback(None)
+        else:
+            self._markers.append((marker, waiting))
+        return waiting
 
     def outReceived(self, data: bytes) -> None:
         self.output += data
         match = LISTENING.search(self.output)
         if match and not self.listening.called:
             self.listening.callback(match.group(1).decode())
+        ready = [m for m in self._markers if m[0] in self.output]
+        self._markers = [m for m in self._markers if m not in ready]
+        for _, waiting in ready:
+            waiting.callback(None)
 
     errReceived = outReceived
 
@@ -104,6 +118,30 @@ class TwistdTests(ProxyCase):
         self.assertEqual(len(self.ledger.redeemed), 1)
 
         await self.terminate(process)
+
+    async def test_sigterm_lets_a_stream_in_flight_finish_then_exits_0(self) -> None:
+        await self.start(tokens=3)
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+        )  # fmt: skip
+        url = f"http://{await process.listening}"
+        response = await self.http.post(
+            url + "/v1/chat/completions", json=dict(CHAT, stream=True), unbuffered=True
+        )
+        collector = ChunkCollector()
+        response.deliverBody(collector)
+        await held
+
+        os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        await process.said(b"draining 1 requests in flight")
+        self.assertFalse(process.ended.called)
+        self.decode.release()
+        events = sse_events(b"".join(await collector.done))
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertEqual(await process.ended, 0, process.output.decode())
 
     async def test_serves_on_a_unix_socket(self) -> None:
         await self.start()
