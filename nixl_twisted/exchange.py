@@ -244,7 +244,7 @@ class Exchange:
                 )
                 continue
             if status >= 500:
-                pool.mark_failed(instance, f"answered HTTP {status}")
+                # It answered: the error is this request's, not the instance's.
                 raise bad_gateway(
                     f"prefill instance {instance.url} answered HTTP {status}", "prefill_failed"
                 )
@@ -315,10 +315,9 @@ class Exchange:
                     "decode_unreachable",
                 )
                 continue
-            if response.code >= 500:
-                pool.mark_failed(instance, f"answered HTTP {response.code}")
-            else:
-                pool.mark_ok(instance)
+            # An answer, even an error (a KV-load failure is a 500), shows
+            # the instance is up: only silence and refusals take it out.
+            pool.mark_ok(instance)
             return response
         assert last is not None
         raise last

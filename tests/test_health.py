@@ -148,3 +148,5 @@ class RetryTests(ProxyCase):
         self.assertEqual(response.code, 500)
         await response.content()
         self.assertEqual([len(d.requests) for d in self.decodes], [1, 0])
+        # One request's KV-load failure does not take the instance away.
+        self.assertTrue(self.proxy.service.backends.decode.instances[0].healthy)
