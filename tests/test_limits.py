@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
@@ -12,7 +13,7 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import Protocol
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseFailed
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from zope.interface import provider
 
 from nixl_twisted.exchange import Limits
@@ -146,6 +147,13 @@ class DrainTests(ProxyCase):
 
     async def test_stopping_lets_requests_in_flight_finish_and_refuses_new_ones(self) -> None:
         await self.start(tokens=3)
+        # A load balancer's kept-alive connection, opened before the stop.
+        balancer_pool = HTTPConnectionPool(reactor)
+        self.addCleanup(balancer_pool.closeCachedConnections)
+        balancer = HTTPClient(Agent(reactor, pool=balancer_pool))
+        ready = await balancer.get(self.proxy.url + "/healthcheck")
+        self.assertEqual(ready.code, 200)
+        await ready.content()
         self.decode.hold_streams_after(1)
         held = self.decode.stream_held()
         response = await self.post("/v1/chat/completions", STREAM)
@@ -160,6 +168,14 @@ class DrainTests(ProxyCase):
         # No new connection is accepted; the stream in flight goes on.
         with self.assertRaises(ConnectionRefusedError):
             await self.raw_connect()
+        # On a connection still open, a load balancer hears "not ready" ...
+        health = await balancer.get(self.proxy.url + "/healthcheck")
+        self.assertEqual(health.code, 503)
+        report = json.loads(await health.content())
+        self.assertEqual((report["ready"], report["draining"]), (False, True))
+        # ... and a new request is refused at once.
+        refused = await balancer.post(self.proxy.url + "/v1/chat/completions", json=CHAT)
+        self.assertError(refused, json.loads(await refused.content()), 503, "draining")
         self.decode.release()
         events = sse_events(b"".join(await collector.done))
         self.assertEqual(events[-1], "[DONE]")
