@@ -20,6 +20,7 @@ setup(
         "twisted[tls]>=24.10.0",
         "treq>=24.9.1",
         "klein>=24.8.0",
+        "prometheus-client>=0.20",
     ],
     extras_require={
         "demo": ["openai>=1.0"],

@@ -20,12 +20,14 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted import protocol
+from nixl_twisted.access import record_of
 from nixl_twisted.errors import ProxyError, bad_gateway, error_body, overloaded
 from nixl_twisted.exchange import Exchange, Limits, PrefillRefused, break_off, unavailable
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
+from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.pools import BackendService, NoHealthyInstance
 from nixl_twisted.upstream import relay_body, start_response
 
@@ -47,13 +49,19 @@ class ProxyApp:
         limits: Limits | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         clock: IReactorTime | None = None,
+        metrics: ProxyMetrics | None = None,
+        serve_metrics: bool = True,
     ) -> None:
         self.backends = backends
         self.backend_api_key = backend_api_key
         self.limits = limits or Limits()
         self.max_in_flight = max_in_flight
         self.clock = clock or backends.clock
-        self.in_flight = 0
+        self.metrics = metrics or ProxyMetrics(backends.pools())
+        #: Off when /metrics is served on its own --metrics-listen endpoint.
+        self.serve_metrics = serve_metrics
+        self._in_flight = 0
+        self.metrics.in_flight.set_function(lambda: self._in_flight)
         #: The completions being served now.
         self.exchanges: set[Exchange] = set()
         self.draining = False
@@ -63,21 +71,26 @@ class ProxyApp:
         """The Twisted Web resource that serves this app."""
         return _UTF8Only(self.app.resource())
 
+    @property
+    def in_flight(self) -> int:
+        """Requests being served now."""
+        return self._in_flight
+
     # -- admission and draining ---------------------------------------------
 
     def _admit(self) -> None:
         if self.draining:
             raise overloaded("the proxy is shutting down", "draining")
-        if self.in_flight >= self.max_in_flight:
+        if self._in_flight >= self.max_in_flight:
             raise overloaded(
                 f"the proxy is serving its limit of {self.max_in_flight} requests",
                 "too_many_requests_in_flight",
             )
-        self.in_flight += 1
+        self._in_flight += 1
 
     def _release(self, result: object) -> object:
-        self.in_flight -= 1
-        if self.in_flight == 0:
+        self._in_flight -= 1
+        if self._in_flight == 0:
             idle, self._idle = self._idle, []
             for waiting in idle:
                 waiting.callback(None)
@@ -90,7 +103,7 @@ class ProxyApp:
     def drain(self) -> Deferred[None]:
         """Refuse new requests; fires when those in flight have ended."""
         self.start_draining()
-        if self.in_flight == 0:
+        if self._in_flight == 0:
             return succeed(None)
         waiting: Deferred[None] = Deferred()
         self._idle.append(waiting)
@@ -117,6 +130,13 @@ class ProxyApp:
             }
         ).encode("utf-8")
 
+    @app.route("/metrics", methods=["GET"])
+    def prometheus(self, request: Request) -> bytes:
+        if not self.serve_metrics:
+            raise NotFound()
+        request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))
+        return self.metrics.exposition()
+
     @app.route("/v1/models", methods=["GET"])
     def models(self, request: Request) -> Deferred[None]:
         self._admit()
@@ -125,10 +145,12 @@ class ProxyApp:
     async def _models(self, request: Request) -> None:
         request_id = protocol.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
+        record_of(request).request_id = request_id
         try:
             instance = self.backends.decode.next()
         except NoHealthyInstance as error:
             raise unavailable(error) from None
+        record_of(request).decode = instance.url
         headers = backend_request_headers(
             request.requestHeaders, request_id, self.backend_api_key, json_body=False
         )
@@ -162,12 +184,21 @@ class ProxyApp:
         # The id comes first, so that every answer, refusals included, has one.
         request_id = protocol.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
+        record_of(request).request_id = request_id
         body = protocol.parse_client_body(_client_body(request))
         protocol.check_servable(path, body)
         self._admit()
         headers = backend_request_headers(request.requestHeaders, request_id, self.backend_api_key)
         exchange = Exchange(
-            request, path, body, request_id, headers, self.backends, self.limits, self.clock
+            request,
+            path,
+            body,
+            request_id,
+            headers,
+            self.backends,
+            self.limits,
+            self.clock,
+            self.metrics,
         )
         self.exchanges.add(exchange)
 

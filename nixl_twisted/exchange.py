@@ -31,8 +31,10 @@ from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 
 from nixl_twisted import protocol
+from nixl_twisted.access import record_of
 from nixl_twisted.errors import ProxyError, bad_gateway, error_body
 from nixl_twisted.headers import REQUEST_ID
+from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, BackendService, Instance, NoHealthyInstance
 from nixl_twisted.upstream import StreamSilent, abandon, read_body, relay_body, start_response
 
@@ -95,6 +97,7 @@ class Exchange:
         backends: BackendService,
         limits: Limits,
         clock: IReactorTime,
+        metrics: ProxyMetrics,
     ) -> None:
         self.request = request
         self.path = path
@@ -109,8 +112,12 @@ class Exchange:
         self._phase_waiters: list[tuple[str, Deferred[None]]] = []
         self.client_gone = False
         self._current: Deferred[Any] | None = None
-        self.prefill: Instance | None = None
-        self.decode: Instance | None = None
+        self.metrics = metrics
+        self.record = record_of(request)
+        self.record.request_id = request_id
+        self.prefill: str | None = None
+        self.decode: str | None = None
+        self._decode_sent = 0.0
         self._started = time.monotonic()
 
     def start(self) -> Deferred[None]:
@@ -148,6 +155,7 @@ class Exchange:
 
     def _client_left(self, _: Deferred[None]) -> None:
         self.client_gone = True
+        self.metrics.client_disconnects.labels(self.phase).inc()
         log.info(
             "client left {request_id} during {phase}",
             request_id=self.request_id,
@@ -193,8 +201,8 @@ class Exchange:
             "{status} in {elapsed_ms} ms",
             request_id=self.request_id,
             path=self.path,
-            prefill=self.prefill.url if self.prefill else None,
-            decode=self.decode.url if self.decode else None,
+            prefill=self.prefill,
+            decode=self.decode,
             status=response.code,
             elapsed_ms=round((time.monotonic() - self._started) * 1000),
         )
@@ -209,47 +217,71 @@ class Exchange:
         tried.append(instance)
         return instance
 
+    def _account(
+        self, pool: BackendPool, instance: Instance, outcome: str, down: str | None = None
+    ) -> None:
+        """Count a leg's outcome, and take the instance out when ``down`` says why."""
+        self.metrics.backend_requests.labels(pool.role, instance.url, outcome).inc()
+        if down is None:
+            pool.mark_ok(instance)
+        else:
+            pool.mark_failed(instance, down)
+
+    def _retrying(self, pool: BackendPool, tried: list[Instance]) -> None:
+        if tried:
+            self.metrics.retries.labels(pool.role).inc()
+
     async def _prefill_leg(self) -> protocol.JSONObject:
         pool = self.backends.prefill
         lowered = protocol.encode(protocol.prefill_body(self.body, self.request_id))
         tried: list[Instance] = []
         last: ProxyError | None = None
         for _ in range(1 + self.limits.prefill_retries):
+            self._retrying(pool, tried)
             instance = self._next(pool, tried, last)
-            self.prefill = instance
+            self.prefill = self.record.prefill = instance.url
             self._enter("prefill")
+            started = self.clock.seconds()
             attempt = ensureDeferred(self._prefill_attempt(instance, lowered))
             try:
                 status, answer = await self._track(
                     attempt.addTimeout(self.limits.prefill_timeout, self.clock)
                 )
             except TimeoutError:
-                pool.mark_failed(instance, "prefill timed out")
+                self._account(pool, instance, "timeout", "prefill timed out")
                 raise gateway_timeout(
                     f"prefill instance {instance.url} did not answer within "
                     f"{self.limits.prefill_timeout:g} s",
                     "prefill_timeout",
                 ) from None
             except _Unreachable as error:
-                pool.mark_failed(instance, str(error))
+                self._account(pool, instance, "unreachable", str(error))
                 last = bad_gateway(
                     f"prefill instance {instance.url} could not be reached: {error}",
                     "prefill_unreachable",
                 )
                 continue
             if status in RETRYABLE_STATUSES:
-                pool.mark_failed(instance, f"answered HTTP {status}")
+                self._account(pool, instance, "error_status", f"answered HTTP {status}")
                 last = bad_gateway(
                     f"prefill instance {instance.url} answered HTTP {status}", "prefill_failed"
                 )
                 continue
+            # It answered: an error here is this request's, not the instance's.
+            self._account(pool, instance, "answered" if status < 400 else "error_status")
             if status >= 500:
-                # It answered: the error is this request's, not the instance's.
                 raise bad_gateway(
                     f"prefill instance {instance.url} answered HTTP {status}", "prefill_failed"
                 )
-            pool.mark_ok(instance)
-            return protocol.extract_kv_transfer_params(answer, instance.url)
+            try:
+                params = protocol.extract_kv_transfer_params(answer, instance.url)
+            except ProxyError as error:
+                if error.code in ("missing_kv_transfer_params", "invalid_kv_transfer_params"):
+                    self.metrics.missing_kv_transfer_params.inc()
+                raise
+            self.record.prefill_seconds = self.clock.seconds() - started
+            self.metrics.prefill_seconds.observe(self.record.prefill_seconds)
+            return params
         assert last is not None
         raise last
 
@@ -264,6 +296,7 @@ class Exchange:
             raise _Unreachable(_describe(error)) from None
         # Prefill has answered: from here a disconnect must not stop decode.
         self._enter("handoff")
+        self.record.prefill_status = response.code
         try:
             answer = await read_body(response)
         except (CancelledError, TimeoutError):
@@ -274,6 +307,7 @@ class Exchange:
                 "prefill_invalid_response",
             ) from None
         if 300 <= response.code < 500 or response.code < 200:
+            self._account(self.backends.prefill, instance, "error_status")
             if response.code >= 400:
                 raise PrefillRefused(response, answer)
             raise bad_gateway(
@@ -288,8 +322,10 @@ class Exchange:
         tried: list[Instance] = []
         last: ProxyError | None = None
         for _ in range(1 + self.limits.decode_retries):
+            self._retrying(pool, tried)
             instance = self._next(pool, tried, last)
-            self.decode = instance
+            self.decode = self.record.decode = instance.url
+            self._decode_sent = self.clock.seconds()
             posting = self.backends.upstream.post(
                 instance.url + self.target, completed, self.headers
             )
@@ -298,7 +334,7 @@ class Exchange:
                     posting.addTimeout(self.limits.decode_timeout, self.clock)
                 )
             except TimeoutError:
-                pool.mark_failed(instance, "decode timed out")
+                self._account(pool, instance, "timeout", "decode timed out")
                 raise gateway_timeout(
                     f"decode instance {instance.url} did not answer within "
                     f"{self.limits.decode_timeout:g} s",
@@ -309,7 +345,7 @@ class Exchange:
             except Exception as error:
                 # Nothing reached the client yet: the same params may go to
                 # another decode instance.
-                pool.mark_failed(instance, _describe(error))
+                self._account(pool, instance, "unreachable", _describe(error))
                 last = bad_gateway(
                     f"decode instance {instance.url} could not be reached: {_describe(error)}",
                     "decode_unreachable",
@@ -317,16 +353,27 @@ class Exchange:
                 continue
             # An answer, even an error (a KV-load failure is a 500), shows
             # the instance is up: only silence and refusals take it out.
-            pool.mark_ok(instance)
+            self._account(pool, instance, "answered" if response.code < 400 else "error_status")
+            self.record.decode_status = response.code
             return response
         assert last is not None
         raise last
+
+    def _first_byte(self) -> None:
+        self.record.decode_first_byte_seconds = self.clock.seconds() - self._decode_sent
+        self.metrics.decode_first_byte_seconds.observe(self.record.decode_first_byte_seconds)
 
     async def _relay(self, response: IResponse) -> None:
         start_response(self.request, response)
         try:
             await self._track(
-                relay_body(self.request, response, self.clock, self.limits.stream_idle_timeout)
+                relay_body(
+                    self.request,
+                    response,
+                    self.clock,
+                    self.limits.stream_idle_timeout,
+                    on_first_byte=self._first_byte,
+                )
             )
         except CancelledError:
             raise
@@ -334,8 +381,7 @@ class Exchange:
             if isinstance(error, StreamSilent) and not self.request.startedWriting:
                 _reset_headers(self.request, self.request_id)
                 raise gateway_timeout(
-                    f"decode instance {self.decode.url if self.decode else '?'} sent "
-                    f"headers, then nothing: {error}",
+                    f"decode instance {self.decode} sent headers, then nothing: {error}",
                     "decode_timeout",
                 ) from None
             log.error(
@@ -344,6 +390,7 @@ class Exchange:
                 reason=_describe(error),
             )
             code = "decode_timeout" if isinstance(error, StreamSilent) else "decode_stream_broken"
+            self.record.ended = "broken"
             await break_off(self.request, f"the decode stream broke off: {_describe(error)}", code)
 
 

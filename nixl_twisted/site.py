@@ -11,10 +11,12 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.python.failure import Failure
+from twisted.web import http
 from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from nixl_twisted.access import AccessLog
 from nixl_twisted.errors import error_body
 
 
@@ -96,6 +98,13 @@ class LimitedRequest(Request):
         if not self._refused:
             super().requestReceived(command, path, version)
 
+    def connectionLost(self, reason: Any) -> None:
+        site = getattr(self.channel, "site", None)
+        abandoned = not self.finished and not self._refused and self.method != b"(no method yet)"
+        super().connectionLost(reason)
+        if abandoned and isinstance(site, TrackingSite) and site.access_log is not None:
+            site.access_log.request_ended(self, client_left=True)
+
     def _refuse(self) -> None:
         self._refused = True
         channel = self.channel
@@ -113,14 +122,26 @@ class TrackingSite(Site):
     protocol = _TrackedChannel  # type: ignore[assignment]
 
     def __init__(
-        self, resource: IResource, max_body_size: int = DEFAULT_MAX_BODY_SIZE, **kwargs: Any
+        self,
+        resource: IResource,
+        max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+        access_log: AccessLog | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(resource, requestFactory=LimitedRequest, **kwargs)
         self.max_body_size = max_body_size
+        #: When set, replaces Twisted's access line with one structured event.
+        self.access_log = access_log
         self.displayTracebacks = False
         self._open: dict[HTTPChannel, list[Deferred[None]]] = {}
         #: Connections accepted since the site was made (open or not).
         self.connections_accepted = 0
+
+    def log(self, request: http.Request) -> None:
+        if self.access_log is None:
+            super().log(request)
+        else:
+            self.access_log.request_ended(request)
 
     def channels(self) -> list[HTTPChannel]:
         """The HTTP channels open now."""

@@ -21,8 +21,10 @@ from twisted.python import usage
 from twisted.python.failure import Failure
 
 from nixl_twisted import identity
+from nixl_twisted.access import AccessLog
 from nixl_twisted.app import DEFAULT_MAX_IN_FLIGHT, ProxyApp
 from nixl_twisted.exchange import Limits
+from nixl_twisted.metrics import MetricsResource, ProxyMetrics
 from nixl_twisted.pools import (
     DEFAULT_HEALTH_INTERVAL,
     DEFAULT_HEALTH_TIMEOUT,
@@ -200,6 +202,13 @@ class Options(usage.Options):
             _positive_int("max-body-size"),
         ],
         [
+            "metrics-listen",
+            None,
+            None,
+            "Serve GET /metrics on this endpoint (e.g. tcp:9100:interface=127.0.0.1) "
+            "instead of on every --listen endpoint.",
+        ],
+        [
             "drain-timeout",
             None,
             DEFAULT_DRAIN_TIMEOUT,
@@ -252,14 +261,19 @@ class Options(usage.Options):
         from twisted.internet import reactor
 
         self["endpoints"] = [_endpoint(reactor, desc) for desc in self["listen"]]
+        self["metrics_endpoint"] = (
+            _endpoint(reactor, self["metrics-listen"], "--metrics-listen")
+            if self["metrics-listen"]
+            else None
+        )
 
 
-def _endpoint(reactor: Any, description: str) -> IStreamServerEndpoint:
+def _endpoint(reactor: Any, description: str, option: str = "--listen") -> IStreamServerEndpoint:
     try:
         return serverFromString(reactor, description)
     except (ValueError, KeyError, TypeError) as error:
         raise usage.UsageError(
-            f"--listen {description!r} is not a usable endpoint: {error}"
+            f"{option} {description!r} is not a usable endpoint: {error}"
         ) from None
 
 
@@ -376,14 +390,15 @@ class ProxyService(MultiService):
 
     async def _close_connections(self, drained: bool) -> None:
         """Close client connections: gently if drained, at once if not."""
+        sites = {listener.site for listener in self.listeners()}
         if drained:
-            closing = self.site.close_connections(abort=False)
+            closing = DeferredList([site.close_connections(abort=False) for site in sites])
             try:
                 await closing.addTimeout(CLOSE_GRACE, self.backends.clock)
                 return
             except TimeoutError:
                 pass
-        await self.site.close_connections(abort=True)
+        await DeferredList([site.close_connections(abort=True) for site in sites])
 
     def when_ports_closed(self) -> Deferred[None]:
         """Fires once a stopping proxy accepts no more connections."""
@@ -447,19 +462,27 @@ def makeService(
         prefill_retries=options["prefill-retries"],
         decode_retries=options["decode-retries"],
     )
+    metrics = ProxyMetrics(backends.pools())
     app = ProxyApp(
         backends,
         backend_api_key=options["backend-api-key"],
         limits=limits,
         max_in_flight=options["max-in-flight"],
         clock=clock,
+        metrics=metrics,
+        serve_metrics=options["metrics_endpoint"] is None,
     )
-    site = TrackingSite(app.resource(), max_body_size=options["max-body-size"])
+    site = TrackingSite(
+        app.resource(), max_body_size=options["max-body-size"], access_log=AccessLog(metrics)
+    )
     root = ProxyService(
         app, site, backends, drain_timeout=options["drain-timeout"], handle_sigterm=handle_sigterm
     )
     for endpoint in options["endpoints"]:
         ListenService(endpoint, site).setServiceParent(root)
+    if options["metrics_endpoint"] is not None:
+        metrics_site = TrackingSite(MetricsResource(metrics))
+        ListenService(options["metrics_endpoint"], metrics_site).setServiceParent(root)
     return root
 
 

@@ -7,6 +7,7 @@ the proxy's memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from http.cookiejar import DefaultCookiePolicy
 from typing import cast
 
@@ -123,7 +124,9 @@ class _BodyRelay(Protocol):
         finished: Deferred[None],
         clock: IReactorTime,
         idle_timeout: float | None,
+        on_first_byte: Callable[[], None] | None = None,
     ) -> None:
+        self._on_first_byte = on_first_byte
         self._request = request
         self._finished = finished
         self._clock = clock
@@ -136,6 +139,9 @@ class _BodyRelay(Protocol):
         self._restart_timer()
 
     def dataReceived(self, data: bytes) -> None:
+        if self._on_first_byte is not None:
+            first, self._on_first_byte = self._on_first_byte, None
+            first()
         self._restart_timer()
         self._request.write(data)
 
@@ -194,6 +200,7 @@ def relay_body(
     response: IResponse,
     clock: IReactorTime | None = None,
     idle_timeout: float | None = None,
+    on_first_byte: Callable[[], None] | None = None,
 ) -> Deferred[None]:
     """Relay a backend body to the client; fires when the backend's body ended.
 
@@ -206,7 +213,7 @@ def relay_body(
 
         clock = cast(IReactorTime, default_clock)
     finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    relay = _BodyRelay(request, finished, clock, idle_timeout)
+    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte)
     response.deliverBody(relay)
     return finished
 

@@ -125,7 +125,10 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     for option in (
         "--listen", "--prefill", "--decode", "--backend-api-key", "--connect-timeout",
-        "--backend-idle-timeout", "--max-idle-per-backend", "--version",
+        "--backend-idle-timeout", "--max-idle-per-backend", "--prefill-timeout",
+        "--decode-timeout", "--stream-idle-timeout", "--prefill-retries", "--decode-retries",
+        "--health-interval", "--health-timeout", "--max-in-flight", "--max-body-size",
+        "--metrics-listen", "--drain-timeout", "--version",
     ):  # fmt: skip
         assert option in result.stdout
     assert nixl_twisted.ID in result.stdout

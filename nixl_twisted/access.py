@@ -1,0 +1,98 @@
+"""One structured access-log event per client request, and its request metrics.
+
+The exchange writes what it learns (instances, statuses, leg timings) into
+the request's ``AccessRecord``; the site emits the event when the request
+ends, finished or abandoned by its client, so every request gets exactly one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from twisted.logger import Logger
+from twisted.web.http import Request
+
+from nixl_twisted.metrics import ProxyMetrics, route_label
+
+log = Logger(namespace="nixlproxy.access")
+
+COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+_FORMAT = (
+    "{client} {method} {route} {status} {bytes_sent}B {elapsed_ms}ms "
+    "request_id={request_id} prefill={prefill} ({prefill_status}, {prefill_ms}ms) "
+    "decode={decode} ({decode_status}, first byte {decode_first_byte_ms}ms) ended={ended}"
+)
+
+
+@dataclass
+class AccessRecord:
+    """What one request did, filled in as it goes."""
+
+    request_id: str | None = None
+    prefill: str | None = None
+    prefill_status: int | None = None
+    prefill_seconds: float | None = None
+    decode: str | None = None
+    decode_status: int | None = None
+    decode_first_byte_seconds: float | None = None
+    #: How it ended, when not simply answered: "broken", "client_left".
+    ended: str = "answered"
+    started: float = field(default_factory=time.monotonic)
+
+
+def record_of(request: Request) -> AccessRecord:
+    """The request's record (made on first use)."""
+    record: AccessRecord | None = getattr(request, "nixl_access", None)
+    if record is None:
+        record = AccessRecord()
+        request.nixl_access = record  # type: ignore[attr-defined]
+    return record
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
+
+
+class AccessLog:
+    """Emits the access event and counts the request in the metrics."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.metrics = metrics
+
+    def request_ended(self, request: Request, client_left: bool = False) -> None:
+        record = record_of(request)
+        if client_left:
+            record.ended = "client_left"
+        elapsed = time.monotonic() - record.started
+        route = route_label(request.path)
+        status = "client_left" if client_left else str(request.code)
+        self.metrics.requests.labels(route, status).inc()
+        if route in COMPLETION_ROUTES and not client_left:
+            self.metrics.request_seconds.observe(elapsed)
+        fields: dict[str, Any] = {
+            "client": _client(request),
+            "method": request.method.decode("ascii", "replace"),
+            "route": route,
+            "path": request.path.decode("utf-8", "replace"),
+            "status": request.code,
+            "bytes_sent": getattr(request, "sentLength", 0),
+            "elapsed_ms": _ms(elapsed),
+            "request_id": record.request_id,
+            "prefill": record.prefill,
+            "prefill_status": record.prefill_status,
+            "prefill_ms": _ms(record.prefill_seconds),
+            "decode": record.decode,
+            "decode_status": record.decode_status,
+            "decode_first_byte_ms": _ms(record.decode_first_byte_seconds),
+            "ended": record.ended,
+        }
+        log.info(_FORMAT, **fields)
+
+
+def _client(request: Request) -> str:
+    address = request.getClientAddress()
+    host = getattr(address, "host", None)
+    return f"{host}:{getattr(address, 'port', '')}" if host else str(getattr(address, "name", "-"))

@@ -1,0 +1,126 @@
+"""Prometheus metrics of one proxy: a registry of its own, exposed at /metrics.
+
+Labels are bounded: routes are the proxy's own (anything else is
+``other``), instances are the configured backend URLs. A request id or a
+prompt is never a label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from twisted.web.iweb import IRequest
+from twisted.web.resource import Resource
+
+if TYPE_CHECKING:
+    from nixl_twisted.pools import BackendPool
+
+ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/healthcheck", "/metrics"}
+)
+#: Seconds, from a fast loopback leg to a long prefill or generation.
+LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def route_label(path: bytes) -> str:
+    """The route as a bounded label."""
+    text = path.decode("utf-8", "replace")
+    return text if text in ROUTES else "other"
+
+
+class _InstanceHealth(Collector):
+    """Reads the pools at scrape time: 1 for an instance in rotation, else 0."""
+
+    def __init__(self, pools: Iterable[BackendPool]) -> None:
+        self._pools = list(pools)
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "nixlproxy_backend_healthy",
+            "Whether a backend instance is in rotation (1) or marked down (0).",
+            labels=["pool", "instance"],
+        )
+        for pool in self._pools:
+            for instance in pool.instances:
+                family.add_metric([pool.role, instance.url], 1.0 if instance.healthy else 0.0)
+        yield family
+
+
+class MetricsResource(Resource):
+    """``GET /metrics`` alone, for a separate ``--metrics-listen`` endpoint."""
+
+    isLeaf = True
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def render_GET(self, request: IRequest) -> bytes:
+        if request.path != b"/metrics":
+            request.setResponseCode(404)
+            return b"metrics are at /metrics\n"
+        request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))
+        return self._metrics.exposition()
+
+
+class ProxyMetrics:
+    """Every metric the proxy exports, and the events that move them."""
+
+    def __init__(self, pools: Iterable[BackendPool] = ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "nixlproxy_requests", "Client requests by route and final status.",
+            ["route", "status"], registry=r,
+        )  # fmt: skip
+        self.backend_requests = Counter(
+            "nixlproxy_backend_requests",
+            "Legs sent to each backend instance, by outcome "
+            "(answered, error_status, unreachable, timeout).",
+            ["pool", "instance", "outcome"], registry=r,
+        )  # fmt: skip
+        self.prefill_seconds = Histogram(
+            "nixlproxy_prefill_seconds", "Prefill leg, request sent to params read.",
+            registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.decode_first_byte_seconds = Histogram(
+            "nixlproxy_decode_first_byte_seconds",
+            "Decode leg, request sent to the first byte of its body.",
+            registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "nixlproxy_request_seconds", "Completions end to end, as the proxy saw them.",
+            registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "nixlproxy_requests_in_flight", "Requests being served now.", registry=r
+        )
+        self.missing_kv_transfer_params = Counter(
+            "nixlproxy_prefill_missing_kv_transfer_params",
+            "Prefill answers without usable kv_transfer_params.", registry=r,
+        )  # fmt: skip
+        self.client_disconnects = Counter(
+            "nixlproxy_client_disconnects", "Clients that left before their answer ended.",
+            ["phase"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
+        )
+        r.register(_InstanceHealth(pools))
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)

@@ -1,0 +1,177 @@
+"""/metrics after real requests, and the one access-log event per request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.interfaces import IPushProducer
+from twisted.logger import ILogObserver, globalLogPublisher
+from twisted.web.client import ResponseFailed
+from zope.interface import provider
+
+from tests.support import CHAT, ChunkCollector, ProxyCase
+
+STREAM = dict(CHAT, stream=True)
+Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+class MetricsTests(ProxyCase):
+    async def scrape(
+        self, url: str | None = None
+    ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        response = await self.http.get((url or self.proxy.url) + "/metrics")
+        self.assertEqual(response.code, 200)
+        self.assertTrue(
+            response.headers.getRawHeaders(b"content-type")[0].startswith(b"text/plain")
+        )
+        samples = {}
+        for family in text_string_to_metric_families((await response.content()).decode()):
+            for sample in family.samples:
+                samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+        return samples
+
+    async def test_counters_histograms_and_gauges_move_with_real_requests(self) -> None:
+        await self.start(prefills=2)
+        p0, p1 = (p.url for p in self.prefills)
+        decode = self.decode.url
+        for _ in range(2):
+            response, _ = await self.post_json("/v1/chat/completions", CHAT)
+        self.prefills[0].crash_next(503)  # retried on prefill-1
+        response, _ = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 200)
+        self.prefills[1].omit_kv_transfer_params_next()  # prefill-0 is down now
+        response, _ = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 502)
+        await self.post_json("/v1/completions", b"[]")
+
+        # One stream held open, then left by its client.
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        streaming = await self.post("/v1/chat/completions", STREAM)
+        collector = ChunkCollector()
+        streaming.deliverBody(collector)
+        await held
+        during = await self.scrape()
+        cast(IPushProducer, collector.transport).stopProducing()
+        with self.assertRaises(ResponseFailed):
+            await collector.done
+        (channel,) = self.decode.site.channels()
+        await self.decode.site.connection_lost(channel)
+        self.decode.release()
+
+        m = await self.scrape()
+
+        def value(name: str, **labels: str) -> float:
+            return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+        self.assertEqual(during[("nixlproxy_requests_in_flight", ())], 1)
+        self.assertEqual(value("nixlproxy_requests_in_flight"), 0)
+        chat = "/v1/chat/completions"
+        self.assertEqual(value("nixlproxy_requests_total", route=chat, status="200"), 3)
+        self.assertEqual(value("nixlproxy_requests_total", route=chat, status="502"), 1)
+        self.assertEqual(value("nixlproxy_requests_total", route=chat, status="client_left"), 1)
+        self.assertEqual(
+            value("nixlproxy_requests_total", route="/v1/completions", status="400"), 1
+        )
+
+        def legs(pool: str, instance: str, outcome: str) -> float:
+            return value(
+                "nixlproxy_backend_requests_total", pool=pool, instance=instance, outcome=outcome
+            )
+
+        self.assertEqual(legs("prefill", p0, "answered"), 1)
+        self.assertEqual(legs("prefill", p0, "error_status"), 1)
+        self.assertEqual(legs("prefill", p1, "answered"), 4)
+        self.assertEqual(legs("decode", decode, "answered"), 4)
+        self.assertEqual(value("nixlproxy_retries_total", pool="prefill"), 1)
+        self.assertEqual(value("nixlproxy_prefill_missing_kv_transfer_params_total"), 1)
+        self.assertEqual(value("nixlproxy_client_disconnects_total", phase="relay"), 1)
+        self.assertEqual(value("nixlproxy_prefill_seconds_count"), 4)
+        self.assertEqual(value("nixlproxy_decode_first_byte_seconds_count"), 4)
+        # Every completion that got an answer: three 200s, the 502 and the 400.
+        self.assertEqual(value("nixlproxy_request_seconds_count"), 5)
+        # prefill-0 answered 503: it is out of rotation, and the gauge says so.
+        self.assertEqual(value("nixlproxy_backend_healthy", pool="prefill", instance=p0), 0)
+        self.assertEqual(value("nixlproxy_backend_healthy", pool="decode", instance=decode), 1)
+        # No request id, no prompt, ever, as a label.
+        labels = {v for key in m for _, v in key[1]}
+        for request in self.decode.requests:
+            self.assertNotIn(request.request_id, labels)
+        self.assertFalse(any("hello there" in label for label in labels))
+
+    async def test_a_separate_metrics_endpoint(self) -> None:
+        await self.start(args=["--metrics-listen", "tcp:0:interface=127.0.0.1"])
+        hidden = await self.http.get(self.proxy.url + "/metrics")
+        self.assertEqual(hidden.code, 404)
+        await hidden.content()
+        (listener,) = [s for s in self.proxy.service.listeners() if s.site is not self.proxy.site]
+        assert listener.port is not None
+        metrics_url = f"http://127.0.0.1:{listener.port.getHost().port}"  # type: ignore[attr-defined]
+        await self.post_json("/v1/completions", {"model": "m", "prompt": "x"})
+        m = await self.scrape(metrics_url)
+        key = ("nixlproxy_requests_total", (("route", "/v1/completions"), ("status", "200")))
+        self.assertEqual(m[key], 1)
+
+
+class AccessLogTests(ProxyCase):
+    def capture(self) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+
+        @provider(ILogObserver)
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_namespace") == "nixlproxy.access":
+                events.append(event)
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        return events
+
+    async def test_one_event_per_request_with_both_legs(self) -> None:
+        events = self.capture()
+        await self.start()
+        response = await self.post("/v1/chat/completions", CHAT)
+        body = await response.content()
+        await self.post_json("/v1/chat/completions", b"{")
+        health = await self.http.get(self.proxy.url + "/healthcheck")
+        await health.content()
+
+        self.assertEqual(len(events), 3)
+        first, second, third = events
+        (request_id,) = response.headers.getRawHeaders(b"x-request-id")
+        self.assertEqual(first["request_id"], request_id.decode())
+        self.assertEqual(first["route"], "/v1/chat/completions")
+        self.assertEqual(first["method"], "POST")
+        self.assertEqual(first["status"], 200)
+        self.assertEqual(first["prefill"], self.prefill.url)
+        self.assertEqual(first["decode"], self.decode.url)
+        self.assertEqual((first["prefill_status"], first["decode_status"]), (200, 200))
+        self.assertIsInstance(first["prefill_ms"], int)
+        self.assertIsInstance(first["decode_first_byte_ms"], int)
+        self.assertEqual(first["bytes_sent"], len(body))
+        self.assertEqual(first["ended"], "answered")
+        self.assertTrue(first["client"].startswith("127.0.0.1:"))
+        self.assertEqual((second["status"], second["prefill"]), (400, None))
+        self.assertEqual(third["route"], "/healthcheck")
+        json.dumps([{k: v for k, v in e.items() if not k.startswith("log_")} for e in events])
+
+    async def test_a_client_that_leaves_gets_its_event_too(self) -> None:
+        events = self.capture()
+        await self.start()
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        response = await self.post("/v1/chat/completions", STREAM)
+        collector = ChunkCollector()
+        response.deliverBody(collector)
+        await held
+        (channel,) = self.proxy.site.channels()
+        lost = self.proxy.site.connection_lost(channel)
+        cast(IPushProducer, collector.transport).stopProducing()
+        with self.assertRaises(ResponseFailed):
+            await collector.done
+        await lost
+        self.decode.release()
+        (event,) = events
+        self.assertEqual(event["ended"], "client_left")
+        self.assertEqual(event["decode"], self.decode.url)
