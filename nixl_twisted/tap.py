@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -16,7 +17,7 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, TimeoutError, maybeDeferred, succeed
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorTime, IStreamServerEndpoint
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger, jsonFileLogObserver
 from twisted.python import usage
 from twisted.python.failure import Failure
 
@@ -85,6 +86,15 @@ def _whole(name: str, least: int = 1) -> Any:
         if number < least:
             raise ValueError(f"--{name} must be at least {least}, not {value!r}")
         return number
+
+    return parse
+
+
+def _choice(name: str, choices: tuple[str, ...]) -> Any:
+    def parse(value: str) -> str:
+        if value not in choices:
+            raise ValueError(f"--{name} must be one of {', '.join(choices)}, not {value!r}")
+        return value
 
     return parse
 
@@ -207,6 +217,13 @@ class Options(usage.Options):
             None,
             "Serve GET /metrics on this endpoint (e.g. tcp:9100:interface=127.0.0.1) "
             "instead of on every --listen endpoint.",
+        ],
+        [
+            "log-format",
+            None,
+            "text",
+            "text (for people) or json (one JSON object per line on stdout, for log pipelines).",
+            _choice("log-format", ("text", "json")),
         ],
         [
             "drain-timeout",
@@ -345,8 +362,10 @@ class ProxyService(MultiService):
         backends: BackendService,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         handle_sigterm: bool = False,
+        log_observer: ILogObserver | None = None,
     ) -> None:
         super().__init__()
+        self.log_observer = log_observer
         self.app = app
         self.site = site
         self.backends = backends
@@ -355,6 +374,16 @@ class ProxyService(MultiService):
         self._closed_ports = False
         self._port_waiters: list[Deferred[None]] = []
         backends.setServiceParent(self)
+
+    def setServiceParent(self, parent: Any) -> None:
+        """Under twistd the parent is the application: hand it our log observer.
+
+        twistd asks the application for an ``ILogObserver`` component before
+        it starts logging, so ``--log-format json`` replaces its text log.
+        """
+        super().setServiceParent(parent)
+        if self.log_observer is not None and hasattr(parent, "setComponent"):
+            parent.setComponent(ILogObserver, self.log_observer)
 
     def listeners(self) -> list[ListenService]:
         return [s for s in self if isinstance(s, ListenService)]
@@ -433,6 +462,11 @@ class ProxyService(MultiService):
         return drained.addCallbacks(lambda _: True, timed_out)
 
 
+def json_lines(out: Any) -> ILogObserver:
+    """Every log event as one JSON object per line (no RFC 7464 separator)."""
+    return jsonFileLogObserver(out, recordSeparator="")
+
+
 def makeService(
     options: Options, clock: IReactorTime | None = None, handle_sigterm: bool = True
 ) -> ProxyService:
@@ -476,7 +510,12 @@ def makeService(
         app.resource(), max_body_size=options["max-body-size"], access_log=AccessLog(metrics)
     )
     root = ProxyService(
-        app, site, backends, drain_timeout=options["drain-timeout"], handle_sigterm=handle_sigterm
+        app,
+        site,
+        backends,
+        drain_timeout=options["drain-timeout"],
+        handle_sigterm=handle_sigterm,
+        log_observer=json_lines(sys.stdout) if options["log-format"] == "json" else None,
     )
     for endpoint in options["endpoints"]:
         ListenService(endpoint, site).setServiceParent(root)

@@ -72,6 +72,8 @@ def test_backend_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
         ([*POOLS, "--connect-timeout", "soon"], "must be a number of seconds"),
         ([*POOLS, "--backend-idle-timeout", "0"], "must be greater than 0"),
         ([*POOLS, "--max-idle-per-backend", "0"], "must be at least 1"),
+        ([*POOLS, "--log-format", "xml"], "must be one of text, json"),
+        ([*POOLS, "--metrics-listen", "nope:1"], "--metrics-listen 'nope:1'"),
     ],
 )
 def test_unusable_options_are_usage_errors_naming_the_problem(
@@ -128,7 +130,7 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         "--backend-idle-timeout", "--max-idle-per-backend", "--prefill-timeout",
         "--decode-timeout", "--stream-idle-timeout", "--prefill-retries", "--decode-retries",
         "--health-interval", "--health-timeout", "--max-in-flight", "--max-body-size",
-        "--metrics-listen", "--drain-timeout", "--version",
+        "--metrics-listen", "--log-format", "--drain-timeout", "--version",
     ):  # fmt: skip
         assert option in result.stdout
     assert nixl_twisted.ID in result.stdout

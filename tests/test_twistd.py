@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,8 @@ from twisted.python.failure import Failure
 from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
 
 TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
-LISTENING = re.compile(rb"nixlproxy listening on (\S+)")
+# The text log says the address; the JSON log has it as a field.
+LISTENING = re.compile(rb'nixlproxy listening on ([^\s{"]+)|"address": "([^"]+)"')
 
 
 class TwistdProcess(ProcessProtocol):
@@ -44,7 +46,7 @@ class TwistdProcess(ProcessProtocol):
         self.output += data
         match = LISTENING.search(self.output)
         if match and not self.listening.called:
-            self.listening.callback(match.group(1).decode())
+            self.listening.callback((match.group(1) or match.group(2)).decode())
         ready = [m for m in self._markers if m[0] in self.output]
         self._markers = [m for m in self._markers if m not in ready]
         for _, waiting in ready:
@@ -142,6 +144,24 @@ class TwistdTests(ProxyCase):
         events = sse_events(b"".join(await collector.done))
         self.assertEqual(events[-1], "[DONE]")
         self.assertEqual(await process.ended, 0, process.output.decode())
+
+    async def test_json_log_lines(self) -> None:
+        await self.start()
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1", "--log-format", "json",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+        )  # fmt: skip
+        url = f"http://{await process.listening}"
+        response = await self.http.post(url + "/v1/chat/completions", json=CHAT)
+        await response.content()
+        (request_id,) = response.headers.getRawHeaders(b"x-request-id")
+        await process.said(request_id)
+        await self.terminate(process)
+        events = [json.loads(line) for line in process.output.splitlines() if line.strip()]
+        (access,) = [e for e in events if e.get("log_namespace") == "nixlproxy.access"]
+        self.assertEqual(access["request_id"], request_id.decode())
+        self.assertEqual(access["status"], 200)
+        self.assertEqual(access["decode"], self.decode.url)
 
     async def test_serves_on_a_unix_socket(self) -> None:
         await self.start()
