@@ -21,6 +21,7 @@ setup(
         "treq>=24.9.1",
         "klein>=24.8.0",
         "prometheus-client>=0.20",
+        'tomli>=2.0; python_version < "3.11"',
     ],
     extras_require={
         "demo": ["openai>=1.0"],
@@ -32,6 +33,7 @@ setup(
             "hypothesis>=6.100",
             "mypy>=1.10",
             "mypy-zope>=1.0.5",
+            "tomli>=2.0",  # lets mypy check the Python 3.10 branch
             "ruff>=0.5",
         ],
     },

@@ -24,6 +24,7 @@ from twisted.python.failure import Failure
 from nixl_twisted import identity
 from nixl_twisted.access import AccessLog
 from nixl_twisted.app import DEFAULT_MAX_IN_FLIGHT, ProxyApp
+from nixl_twisted.config import config_path, file_arguments
 from nixl_twisted.exchange import Limits
 from nixl_twisted.metrics import MetricsResource, ProxyMetrics
 from nixl_twisted.pools import (
@@ -234,8 +235,23 @@ class Options(usage.Options):
         ],
     ]
 
+    def parseOptions(self, options: Sequence[str] | None = None) -> None:
+        """Parse, with a ``--config`` file's settings first (the command line wins)."""
+        args = list(sys.argv[1:] if options is None else options)
+        path = config_path(args)
+        if path is not None:
+            parameters = {p[0]: (p[4] if len(p) > 4 else None) for p in self.optParameters}
+            args = file_arguments(path, args, parameters) + args
+        super().parseOptions(args)
+
+    def opt_config(self, path: str) -> None:
+        """A TOML file with any of these options by their long names; the
+        command line overrides it (see docs/configuration.md)."""
+        self["config"] = path
+
     def __init__(self) -> None:
         super().__init__()
+        self["config"] = None
         self["listen"] = []
         self["prefill"] = []
         self["decode"] = []
