@@ -24,6 +24,7 @@ from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted import protocol
 from nixl_twisted.access import record_of
+from nixl_twisted.admin import AdminAPI
 from nixl_twisted.errors import ProxyError, bad_gateway, error_body, overloaded
 from nixl_twisted.exchange import Exchange, Limits, PrefillRefused, break_off, unavailable
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
@@ -51,6 +52,7 @@ class ProxyApp:
         clock: IReactorTime | None = None,
         metrics: ProxyMetrics | None = None,
         serve_metrics: bool = True,
+        admin_token: str | None = None,
     ) -> None:
         self.backends = backends
         self.backend_api_key = backend_api_key
@@ -60,6 +62,7 @@ class ProxyApp:
         self.metrics = metrics or ProxyMetrics(backends.pools())
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = serve_metrics
+        self.admin = AdminAPI(backends, admin_token)
         self._in_flight = 0
         self.metrics.in_flight.set_function(lambda: self._in_flight)
         #: The completions being served now.
@@ -136,6 +139,20 @@ class ProxyApp:
             raise NotFound()
         request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))
         return self.metrics.exposition()
+
+    @app.route("/admin/backends", methods=["GET", "POST", "DELETE"])
+    def admin_backends(self, request: Request) -> bytes:
+        self.admin.authorize(request)
+        if request.method == b"GET":
+            return _json(request, 200, self.admin.listing())
+        if request.method == b"POST":
+            return _json(request, 201, self.admin.add(_client_body(request)))
+        return _json(request, 200, self.admin.remove(_client_body(request)))
+
+    @app.route("/admin/backends/drain", methods=["POST"])
+    def admin_drain(self, request: Request) -> bytes:
+        self.admin.authorize(request)
+        return _json(request, 202, self.admin.drain(_client_body(request)))
 
     @app.route("/v1/models", methods=["GET"])
     def models(self, request: Request) -> Deferred[None]:
@@ -297,6 +314,12 @@ def _client_body(request: Request) -> bytes:
         return b""
     content.seek(0)
     return bytes(content.read())
+
+
+def _json(request: IRequest, status: int, value: object) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"Content-Type", _JSON)
+    return json.dumps(value).encode("utf-8")
 
 
 def _error(request: IRequest, status: int, body: bytes) -> bytes:

@@ -24,6 +24,29 @@ LIST_OPTIONS = ("listen", "prefill", "decode")
 NOT_IN_FILE = ("config", "version", "help")
 
 
+def _load(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as error:
+        raise usage.UsageError(f"--config {path}: cannot read it: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise usage.UsageError(f"--config {path}: not valid TOML: {error}") from None
+
+
+def pools_from_file(path: str) -> dict[str, list[str]]:
+    """The ``prefill`` and ``decode`` lists the file has now (for SIGHUP)."""
+    table = {key.replace("_", "-"): value for key, value in _load(path).items()}
+    pools: dict[str, list[str]] = {}
+    for role in ("prefill", "decode"):
+        if role in table:
+            urls = table[role]
+            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                raise usage.UsageError(f"--config {path}: {role!r} must be a list of strings")
+            pools[role] = urls
+    return pools
+
+
 def config_path(args: Sequence[str]) -> str | None:
     """The ``--config`` value among command-line arguments, if any."""
     for index, arg in enumerate(args):
@@ -49,14 +72,7 @@ def file_arguments(
     ``parameters`` maps each valued option to its coerce function, used here
     to check values so that an error can name the key.
     """
-    try:
-        with open(path, "rb") as file:
-            table = tomllib.load(file)
-    except OSError as error:
-        raise usage.UsageError(f"--config {path}: cannot read it: {error.strerror}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise usage.UsageError(f"--config {path}: not valid TOML: {error}") from None
-
+    table = _load(path)
     known = set(parameters) | set(LIST_OPTIONS)
     args: list[str] = []
     for raw_key, value in table.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -118,6 +119,7 @@ class Exchange:
         self.prefill: str | None = None
         self.decode: str | None = None
         self._decode_sent = 0.0
+        self._serving_decode: Instance | None = None
         self._started = time.monotonic()
 
     def start(self) -> Deferred[None]:
@@ -179,7 +181,18 @@ class Exchange:
 
     # -- the legs -------------------------------------------------------------
 
+    def _release_decode(self) -> None:
+        if self._serving_decode is not None:
+            instance, self._serving_decode = self._serving_decode, None
+            self.backends.decode.release(instance)
+
     async def _run(self) -> None:
+        try:
+            await self._legs()
+        finally:
+            self._release_decode()
+
+    async def _legs(self) -> None:
         # Prefill is not spent on a request that no decode instance could take.
         for pool in self.backends.pools():
             if pool.healthy_count() == 0:
@@ -242,7 +255,9 @@ class Exchange:
             self.prefill = self.record.prefill = instance.url
             self._enter("prefill")
             started = self.clock.seconds()
+            pool.acquire(instance)
             attempt = ensureDeferred(self._prefill_attempt(instance, lowered))
+            attempt.addBoth(_passing(pool.release, instance))
             try:
                 status, answer = await self._track(
                     attempt.addTimeout(self.limits.prefill_timeout, self.clock)
@@ -329,22 +344,28 @@ class Exchange:
             posting = self.backends.upstream.post(
                 instance.url + self.target, completed, self.headers
             )
+            # Held until the relay ends (released in _run), or this attempt fails.
+            pool.acquire(instance)
+            self._serving_decode = instance
             try:
                 response = await self._track(
                     posting.addTimeout(self.limits.decode_timeout, self.clock)
                 )
             except TimeoutError:
                 self._account(pool, instance, "timeout", "decode timed out")
+                self._release_decode()
                 raise gateway_timeout(
                     f"decode instance {instance.url} did not answer within "
                     f"{self.limits.decode_timeout:g} s",
                     "decode_timeout",
                 ) from None
             except CancelledError:
+                self._release_decode()
                 raise
             except Exception as error:
                 # Nothing reached the client yet: the same params may go to
                 # another decode instance.
+                self._release_decode()
                 self._account(pool, instance, "unreachable", _describe(error))
                 last = bad_gateway(
                     f"decode instance {instance.url} could not be reached: {_describe(error)}",
@@ -392,6 +413,16 @@ class Exchange:
             code = "decode_timeout" if isinstance(error, StreamSilent) else "decode_stream_broken"
             self.record.ended = "broken"
             await break_off(self.request, f"the decode stream broke off: {_describe(error)}", code)
+
+
+def _passing(release: Callable[[Instance], None], instance: Instance) -> Callable[[T], T]:
+    """A callback that releases an instance and passes the result on."""
+
+    def passing(result: T) -> T:
+        release(instance)
+        return result
+
+    return passing
 
 
 class _Unreachable(Exception):

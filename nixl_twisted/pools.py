@@ -85,9 +85,23 @@ class Instance:
     failures: int = 0
     retry_at: float = 0.0
     last_error: str | None = None
+    #: Legs being served by this instance now.
+    in_flight: int = 0
+    #: No new legs; the instance leaves its pool when its last leg ends.
+    draining: bool = False
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "healthy": self.healthy, "last_error": self.last_error}
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "in_flight": self.in_flight,
+            "last_error": self.last_error,
+        }
+
+
+class PoolChangeRefused(ValueError):
+    """A change that would leave a pool with no instance to send legs to."""
 
 
 class BackendPool:
@@ -97,7 +111,7 @@ class BackendPool:
         if not urls:
             raise ValueError(f"the {role} pool needs at least one instance")
         self.role = role
-        self.instances = tuple(Instance(normalize_backend_url(u), role) for u in urls)
+        self.instances = [Instance(normalize_backend_url(u), role) for u in urls]
         self._cursor = 0
         self.clock = clock or _reactor()
 
@@ -112,7 +126,9 @@ class BackendPool:
         return self.clock.seconds()
 
     def available(self, instance: Instance) -> bool:
-        """Healthy, or down but past its backoff (worth one more try)."""
+        """Not draining, and healthy or down but past its backoff (worth one more try)."""
+        if instance.draining:
+            return False
         return instance.healthy or self._now() >= instance.retry_at
 
     def healthy_count(self) -> int:
@@ -126,10 +142,80 @@ class BackendPool:
         """
         for _ in range(len(self.instances)):
             instance = self.instances[self._cursor % len(self.instances)]
+            # (A pool is never empty: changes that would empty it are refused.)
             self._cursor += 1
             if instance not in exclude and self.available(instance):
                 return instance
         raise NoHealthyInstance(self.role, self.retry_after())
+
+    # -- legs in flight, and live changes ----------------------------------
+
+    def acquire(self, instance: Instance) -> None:
+        instance.in_flight += 1
+
+    def release(self, instance: Instance) -> None:
+        """A leg ended; a draining instance with none left leaves the pool."""
+        instance.in_flight -= 1
+        if instance.draining and instance.in_flight == 0 and instance in self.instances:
+            self.instances.remove(instance)
+            log.info("{role} instance {url} drained and removed", role=self.role, url=instance.url)
+
+    def find(self, url: str) -> Instance | None:
+        url = normalize_backend_url(url)
+        return next((i for i in self.instances if i.url == url), None)
+
+    def add(self, url: str) -> Instance:
+        """Put an instance in rotation (a draining one is taken back)."""
+        instance = self.find(url)
+        if instance is None:
+            instance = Instance(normalize_backend_url(url), self.role)
+            self.instances.append(instance)
+            log.info("{role} instance {url} added", role=self.role, url=instance.url)
+        instance.draining = False
+        return instance
+
+    def _refuse_emptying(self, leaving: Instance) -> None:
+        if not any(i is not leaving and not i.draining for i in self.instances):
+            raise PoolChangeRefused(
+                f"{leaving.url} is the last {self.role} instance in rotation; "
+                "add another before taking it out"
+            )
+
+    def drain(self, url: str) -> Instance | None:
+        """No new legs for an instance; it leaves when its last leg ends."""
+        instance = self.find(url)
+        if instance is None:
+            return None
+        self._refuse_emptying(instance)
+        instance.draining = True
+        log.info("{role} instance {url} draining", role=self.role, url=instance.url)
+        if instance.in_flight == 0:
+            self.instances.remove(instance)
+        return instance
+
+    def remove(self, url: str) -> Instance | None:
+        """Take an instance out now; legs it is serving finish undisturbed."""
+        instance = self.find(url)
+        if instance is None:
+            return None
+        self._refuse_emptying(instance)
+        instance.draining = True
+        self.instances.remove(instance)
+        log.info("{role} instance {url} removed", role=self.role, url=instance.url)
+        return instance
+
+    def update(self, urls: Sequence[str]) -> None:
+        """Make the pool these URLs: add the new, drain those no longer listed."""
+        if not urls:
+            raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
+        wanted = [normalize_backend_url(u) for u in urls]
+        for url in wanted:
+            self.add(url)
+        for instance in list(self.instances):
+            if instance.url not in wanted:
+                instance.draining = True
+                if instance.in_flight == 0:
+                    self.instances.remove(instance)
 
     def retry_after(self) -> float:
         """Seconds until the first down instance may be tried again."""
@@ -204,7 +290,9 @@ class BackendService(Service):
     def check_health(self) -> Deferred[Any]:
         """``GET /health`` on every instance; never fails (the loop must not die)."""
         checks = [
-            self._check(pool, instance) for pool in self.pools() for instance in pool.instances
+            self._check(pool, instance)
+            for pool in self.pools()
+            for instance in list(pool.instances)
         ]
         return DeferredList(checks, consumeErrors=True)
 

@@ -23,8 +23,9 @@ from twisted.python.failure import Failure
 
 from nixl_twisted import identity
 from nixl_twisted.access import AccessLog
+from nixl_twisted.admin import ADMIN_TOKEN_ENV
 from nixl_twisted.app import DEFAULT_MAX_IN_FLIGHT, ProxyApp
-from nixl_twisted.config import config_path, file_arguments
+from nixl_twisted.config import config_path, file_arguments, pools_from_file
 from nixl_twisted.exchange import Limits
 from nixl_twisted.metrics import MetricsResource, ProxyMetrics
 from nixl_twisted.pools import (
@@ -213,6 +214,13 @@ class Options(usage.Options):
             _positive_int("max-body-size"),
         ],
         [
+            "admin-token",
+            None,
+            None,
+            "Bearer token that enables the admin API (/admin/backends); without "
+            f"one there is none (default: ${ADMIN_TOKEN_ENV}).",
+        ],
+        [
             "metrics-listen",
             None,
             None,
@@ -291,6 +299,8 @@ class Options(usage.Options):
                 raise usage.UsageError(f"--{role}: {error}") from None
         if self["backend-api-key"] is None:
             self["backend-api-key"] = os.environ.get(BACKEND_API_KEY_ENV) or None
+        if self["admin-token"] is None:
+            self["admin-token"] = os.environ.get(ADMIN_TOKEN_ENV) or None
         from twisted.internet import reactor
 
         self["endpoints"] = [_endpoint(reactor, desc) for desc in self["listen"]]
@@ -379,9 +389,12 @@ class ProxyService(MultiService):
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         handle_sigterm: bool = False,
         log_observer: ILogObserver | None = None,
+        config_path: str | None = None,
     ) -> None:
         super().__init__()
         self.log_observer = log_observer
+        #: The --config file whose pools SIGHUP reloads.
+        self.config_path = config_path
         self.app = app
         self.site = site
         self.backends = backends
@@ -418,7 +431,34 @@ class ProxyService(MultiService):
             log.info("SIGTERM: draining requests in flight, then stopping")
             reactor.callFromThread(reactor.stop)  # type: ignore[attr-defined]
 
+        def on_sighup(signum: int, frame: Any) -> None:
+            reactor.callFromThread(self.reload_pools)  # type: ignore[attr-defined]
+
         signal.signal(signal.SIGTERM, on_sigterm)
+        signal.signal(signal.SIGHUP, on_sighup)
+
+    def reload_pools(self) -> None:
+        """Make the pools what the config file says now; keep them on an error."""
+        if self.config_path is None:
+            log.warn("SIGHUP: there is no --config file to reload pools from")
+            return
+        try:
+            pools = pools_from_file(self.config_path)
+            for pool in self.backends.pools():
+                if pool.role in pools:
+                    BackendPool(pool.role, pools[pool.role])  # checks every URL first
+            for pool in self.backends.pools():
+                if pool.role in pools:
+                    pool.update(pools[pool.role])
+        except (usage.UsageError, ValueError) as error:
+            log.error("SIGHUP: pools not reloaded, kept as they were: {error}", error=str(error))
+            return
+        log.info(
+            "SIGHUP: pools reloaded from {path}: prefill {prefill}, decode {decode}",
+            path=self.config_path,
+            prefill=[i.url for i in self.backends.prefill.instances if not i.draining],
+            decode=[i.url for i in self.backends.decode.instances if not i.draining],
+        )
 
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)
@@ -521,6 +561,7 @@ def makeService(
         clock=clock,
         metrics=metrics,
         serve_metrics=options["metrics_endpoint"] is None,
+        admin_token=options["admin-token"],
     )
     site = TrackingSite(
         app.resource(), max_body_size=options["max-body-size"], access_log=AccessLog(metrics)
@@ -532,6 +573,7 @@ def makeService(
         drain_timeout=options["drain-timeout"],
         handle_sigterm=handle_sigterm,
         log_observer=json_lines(sys.stdout) if options["log-format"] == "json" else None,
+        config_path=options["config"],
     )
     for endpoint in options["endpoints"]:
         ListenService(endpoint, site).setServiceParent(root)

@@ -1,0 +1,108 @@
+"""The admin API: list, add, drain and remove backend instances while serving.
+
+Guarded by a bearer token (``--admin-token`` or ``NIXLPROXY_ADMIN_TOKEN``);
+without one configured the API does not exist (404). A missing or wrong
+token is a 401, logged without the token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from twisted.logger import Logger
+from twisted.web.iweb import IRequest
+
+from nixl_twisted.errors import ProxyError, invalid_request
+from nixl_twisted.pools import (
+    BackendPool,
+    BackendService,
+    InvalidBackendURL,
+    PoolChangeRefused,
+)
+
+log = Logger()
+
+ADMIN_TOKEN_ENV = "NIXLPROXY_ADMIN_TOKEN"
+
+
+class AdminAPI:
+    """What ``/admin/backends`` does, apart from the routing (``ProxyApp``)."""
+
+    def __init__(self, backends: BackendService, token: str | None) -> None:
+        self.backends = backends
+        self._token = token.encode("utf-8") if token else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._token is not None
+
+    def authorize(self, request: IRequest) -> None:
+        if self._token is None:
+            raise ProxyError(
+                404, "there is no admin API here", "invalid_request_error", "not_found"
+            )
+        sent = (request.getHeader(b"authorization") or b"").removeprefix(b"Bearer ")
+        if not hmac.compare_digest(sent, self._token):
+            log.warn(
+                "admin API refused {method} {path} from {client}: missing or wrong token",
+                method=request.method.decode("ascii", "replace"),
+                path=request.path.decode("utf-8", "replace"),
+                client=str(request.getClientAddress()),
+            )
+            raise ProxyError(
+                401,
+                "a valid admin bearer token is required",
+                "authentication_error",
+                "unauthorized",
+            )
+
+    def listing(self) -> dict[str, Any]:
+        return {pool.role: [i.describe() for i in pool.instances] for pool in self.backends.pools()}
+
+    def _target(self, body: bytes) -> tuple[BackendPool, str]:
+        try:
+            change = json.loads(body)
+        except ValueError:
+            raise invalid_request(
+                'the body must be JSON: {"pool": ..., "url": ...}', "invalid_json"
+            ) from None
+        if not isinstance(change, dict) or not isinstance(change.get("url"), str):
+            raise invalid_request('the body must name a "url"', "invalid_body")
+        pools = {pool.role: pool for pool in self.backends.pools()}
+        pool = pools.get(change.get("pool"))  # type: ignore[arg-type]
+        if pool is None:
+            raise invalid_request('"pool" must be "prefill" or "decode"', "invalid_pool")
+        return pool, change["url"]
+
+    def add(self, body: bytes) -> dict[str, Any]:
+        pool, url = self._target(body)
+        try:
+            return pool.add(url).describe()
+        except InvalidBackendURL as error:
+            raise invalid_request(str(error), "invalid_url") from None
+
+    def drain(self, body: bytes) -> dict[str, Any]:
+        return self._change(body, remove=False)
+
+    def remove(self, body: bytes) -> dict[str, Any]:
+        return self._change(body, remove=True)
+
+    def _change(self, body: bytes, remove: bool) -> dict[str, Any]:
+        pool, url = self._target(body)
+        try:
+            instance = pool.remove(url) if remove else pool.drain(url)
+        except InvalidBackendURL as error:
+            raise invalid_request(str(error), "invalid_url") from None
+        except PoolChangeRefused as error:
+            raise ProxyError(409, str(error), "invalid_request_error", "last_instance") from None
+        if instance is None:
+            raise ProxyError(
+                404, f"no {pool.role} instance {url}", "invalid_request_error", "not_found"
+            )
+        return instance.describe()
+
+
+def _refused(status: int, message: str, code: str) -> ProxyError:
+    return ProxyError(status, message, "invalid_request_error", code)
