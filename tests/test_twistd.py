@@ -11,7 +11,7 @@ import tempfile
 from typing import Any, cast
 
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
@@ -162,6 +162,45 @@ class TwistdTests(ProxyCase):
         self.assertEqual(access["request_id"], request_id.decode())
         self.assertEqual(access["status"], 200)
         self.assertEqual(access["decode"], self.decode.url)
+
+    async def test_sighup_reloads_pools_under_load_with_no_failed_request(self) -> None:
+        await self.start(decodes=2)
+        old, new = self.decodes
+        config = os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
+
+        def write(decode: str) -> None:
+            with open(config, "w", encoding="utf-8") as file:
+                file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n')
+
+        write(old.url)
+        process = self.spawn("--listen", "tcp:0:interface=127.0.0.1", "--config", config)
+        url = f"http://{await process.listening}"
+
+        async def load(requests: int = 5) -> list[int]:
+            codes = []
+            for _ in range(requests):
+                response = await self.http.post(url + "/v1/chat/completions", json=CHAT)
+                await response.content()
+                codes.append(response.code)
+            return codes
+
+        def batch() -> Deferred[list[list[int]]]:
+            return gatherResults([self.ensure(load()) for _ in range(4)])
+
+        first = await batch()
+        write(new.url)
+        during = batch()
+        os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await process.said(b"SIGHUP: pools reloaded")
+        second = await during
+        old_count = len(old.requests)
+        third = await batch()
+
+        self.assertEqual({c for codes in first + second + third for c in codes}, {200})
+        self.assertEqual(len(old.requests), old_count)  # nothing new after the reload
+        self.assertGreaterEqual(len(new.requests), 20)
+        self.assertEqual(len(old.requests) + len(new.requests), 60)
+        await self.terminate(process)
 
     async def test_serves_on_a_unix_socket(self) -> None:
         await self.start()
