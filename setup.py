@@ -34,6 +34,8 @@ setup(
             "mypy>=1.10",
             "mypy-zope>=1.0.5",
             "tomli>=2.0",  # lets mypy check the Python 3.10 branch
+            "sphinx>=7",
+            "myst-parser>=2",
             "ruff>=0.5",
         ],
     },
