@@ -130,7 +130,8 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         "--backend-idle-timeout", "--max-idle-per-backend", "--prefill-timeout",
         "--decode-timeout", "--stream-idle-timeout", "--prefill-retries", "--decode-retries",
         "--health-interval", "--health-timeout", "--max-in-flight", "--max-body-size",
-        "--metrics-listen", "--log-format", "--drain-timeout", "--config", "--admin-token", "--version",
+        "--metrics-listen", "--log-format", "--drain-timeout", "--config", "--admin-token",
+        "--version",
     ):  # fmt: skip
         assert option in result.stdout
     assert nixl_twisted.ID in result.stdout
