@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from twisted.internet.defer import gatherResults
+
 from nixl_twisted.pools import BACKOFF_BASE
 from tests.support import CHAT, ProxyCase
 
@@ -47,11 +49,11 @@ class InstanceDeathTests(ProxyCase):
 
     async def test_health_checks_run_on_the_interval(self) -> None:
         await self.start(args=["--health-interval", "5"])
-        checked = self.decode.next_health_check()
+        checked = gatherResults([f.next_health_check() for f in (self.prefill, self.decode)])
+        self.assertEqual(self.decode.health_checks, 0)  # none before the first interval
         self.clock.advance(5)
         await checked
-        self.assertEqual(self.decode.health_checks, 1)
-        self.assertEqual(self.prefill.health_checks, 1)
+        self.assertEqual((self.prefill.health_checks, self.decode.health_checks), (1, 1))
 
     async def test_a_failing_health_check_takes_an_instance_out(self) -> None:
         await self.start(decodes=2)
