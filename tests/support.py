@@ -85,6 +85,26 @@ class ProxyCase(TestCase):
             [f.url for f in self.prefills], [f.url for f in self.decodes], listen=listen
         )
 
+    async def held_stream(
+        self,
+        fake: FakeVLLM | None = None,
+        after: int = 1,
+        path: str = "/v1/chat/completions",
+        body: object = None,
+    ) -> ChunkCollector:
+        """A streaming request whose decode holds after ``after`` events.
+
+        Returns once the fake holds the stream; ``fake.release()`` lets it go on.
+        """
+        fake = fake or self.decode
+        fake.hold_streams_after(after)
+        held = fake.stream_held()
+        response = await self.post(path, body if body is not None else dict(CHAT, stream=True))
+        collector = ChunkCollector()
+        response.deliverBody(collector)
+        await held
+        return collector
+
     def ensure(self, coroutine: Coroutine[Any, Any, T]) -> Deferred[T]:
         return ensureDeferred(coroutine)
 

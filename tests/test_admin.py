@@ -148,12 +148,7 @@ class PoolUpdateTests(AdminCase):
     async def test_an_update_adds_new_and_drains_old_without_failing_in_flight(self) -> None:
         await self.start(tokens=3)
         fresh = await self.new_decode()
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        response = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
 
         self.proxy.service.backends.decode.update([fresh.url])
         for _ in range(3):

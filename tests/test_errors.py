@@ -172,12 +172,7 @@ class BrokenBodyTests(ProxyCase):
 class DisconnectTests(ProxyCase):
     async def test_client_leaving_mid_stream_closes_the_decode_connection(self) -> None:
         await self.start(tokens=5)
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        response = await self.post("/v1/chat/completions", dict(CHAT, stream=True))
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
         (decode_channel,) = self.decode.site.channels()
         decode_closed = self.decode.site.connection_lost(decode_channel)
 

@@ -68,12 +68,7 @@ class ClientLeavesTests(ProxyCase):
 
     async def test_while_decode_streams_closes_the_decode_connection(self) -> None:
         await self.start(tokens=5)
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        response = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
         (decode_channel,) = self.decode.site.channels()
         decode_closed = self.decode.site.connection_lost(decode_channel)
         await self.leave(collector)
@@ -113,12 +108,7 @@ class TimeoutTests(ProxyCase):
 
     async def test_a_silent_stream_ends_with_an_error_event(self) -> None:
         await self.start(tokens=5)
-        self.decode.hold_streams_after(2)
-        held = self.decode.stream_held()
-        response = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        await held
+        collector = await self.held_stream(after=2)
         await collector.received(b'"content": "Hello "')
         self.clock.advance(LIMITS.stream_idle_timeout)
         with self.assertRaises(ResponseFailed):

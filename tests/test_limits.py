@@ -17,7 +17,7 @@ from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from zope.interface import provider
 
 from nixl_twisted.exchange import Limits
-from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
+from tests.support import CHAT, ProxyCase, sse_events
 
 STREAM = dict(CHAT, stream=True)
 
@@ -94,12 +94,7 @@ class AbuseTests(ProxyCase):
 class AdmissionTests(ProxyCase):
     async def test_past_the_in_flight_limit_503_at_once(self) -> None:
         await self.start(args=["--max-in-flight", "1"])
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        first = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        first.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
 
         response, answer = await self.post_json("/v1/chat/completions", CHAT)
         self.assertError(response, answer, 503, "too_many_requests_in_flight")
@@ -154,12 +149,7 @@ class DrainTests(ProxyCase):
         ready = await balancer.get(self.proxy.url + "/healthcheck")
         self.assertEqual(ready.code, 200)
         await ready.content()
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        response = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
 
         stopped = self.proxy.stop()
         self.assertFalse(stopped.called)
@@ -184,12 +174,7 @@ class DrainTests(ProxyCase):
 
     async def test_past_the_drain_timeout_what_is_left_is_closed(self) -> None:
         await self.start()
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        response = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
         stopped = self.proxy.stop()
         await self.proxy.service.when_ports_closed()
         self.clock.advance(30)

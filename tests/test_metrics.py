@@ -11,7 +11,7 @@ from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.web.client import ResponseFailed
 from zope.interface import provider
 
-from tests.support import CHAT, ChunkCollector, ProxyCase
+from tests.support import CHAT, ProxyCase
 
 STREAM = dict(CHAT, stream=True)
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -47,12 +47,7 @@ class MetricsTests(ProxyCase):
         await self.post_json("/v1/completions", b"[]")
 
         # One stream held open, then left by its client.
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        streaming = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        streaming.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
         during = await self.scrape()
         cast(IPushProducer, collector.transport).stopProducing()
         with self.assertRaises(ResponseFailed):
@@ -159,12 +154,7 @@ class AccessLogTests(ProxyCase):
     async def test_a_client_that_leaves_gets_its_event_too(self) -> None:
         events = self.capture()
         await self.start()
-        self.decode.hold_streams_after(1)
-        held = self.decode.stream_held()
-        response = await self.post("/v1/chat/completions", STREAM)
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        await held
+        collector = await self.held_stream()
         (channel,) = self.proxy.site.channels()
         lost = self.proxy.site.connection_lost(channel)
         cast(IPushProducer, collector.transport).stopProducing()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from cryptography import x509
@@ -53,7 +55,9 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
 class TLSTests(ProxyCase):
     async def test_streams_over_tls(self) -> None:
         await self.start(tokens=3)
-        cert, key = self_signed(Path(self.mktemp()).resolve().parent)
+        directory = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, directory)
+        cert, key = self_signed(directory)
         proxy = self.start_proxy_on(f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}")
         trust = ssl.Certificate.loadPEM(cert.read_bytes())
         pool = HTTPConnectionPool(reactor)
