@@ -1,0 +1,140 @@
+"""A load generator: C keep-alive connections, each sending requests back to back.
+
+Measures throughput, latency p50/p99 and, for streams, time to first token
+and the gaps between tokens. Plain asyncio and just enough HTTP/1.1, so that
+it costs little next to what it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Results:
+    latencies: list[float] = field(default_factory=list)
+    first_tokens: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _response(reader: asyncio.StreamReader, started: float, results: Results) -> int:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = None
+    chunked = False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding" and b"chunked" in value.lower():
+            chunked = True
+    if not chunked:
+        await reader.readexactly(length or 0)
+        return status
+    last = None
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            await reader.readline()
+            return status
+        await reader.readexactly(size + 2)
+        now = time.perf_counter()
+        if last is None:
+            results.first_tokens.append(now - started)
+        else:
+            results.gaps.append(now - last)
+        last = now
+
+
+async def _connection(
+    host: str, port: int, request: bytes, deadline: float, results: Results
+) -> None:
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        while time.perf_counter() < deadline:
+            started = time.perf_counter()
+            writer.write(request)
+            status = await _response(reader, started, results)
+            if status != 200:
+                results.errors += 1
+            results.latencies.append(time.perf_counter() - started)
+    except (ConnectionError, asyncio.IncompleteReadError):
+        results.errors += 1
+    finally:
+        writer.close()
+
+
+def request_bytes(path: str, body: dict[str, Any]) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(raw), raw)
+    )
+
+
+async def run(
+    host: str, port: int, request: bytes, connections: int, seconds: float
+) -> dict[str, Any]:
+    results = Results()
+    started = time.perf_counter()
+    deadline = started + seconds
+    await asyncio.gather(
+        *(_connection(host, port, request, deadline, results) for _ in range(connections))
+    )
+    elapsed = time.perf_counter() - started
+    ms = 1000.0
+
+    def scaled(values: list[float], q: float) -> float | None:
+        value = _percentile(values, q)
+        return None if value is None else round(value * ms, 3)
+
+    return {
+        "requests": len(results.latencies),
+        "errors": results.errors,
+        "per_second": round(len(results.latencies) / elapsed, 1),
+        "p50_ms": scaled(results.latencies, 0.5),
+        "p99_ms": scaled(results.latencies, 0.99),
+        "ttft_p50_ms": scaled(results.first_tokens, 0.5),
+        "ttft_p99_ms": scaled(results.first_tokens, 0.99),
+        "gap_p99_ms": scaled(results.gaps, 0.99),
+        "mean_ms": round(statistics.fmean(results.latencies) * ms, 3)
+        if results.latencies
+        else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="http://host:port")
+    parser.add_argument("--connections", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    host, port = args.url.removeprefix("http://").rsplit(":", 1)
+    if args.stream:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                "stream": True, "max_tokens": args.tokens}  # fmt: skip
+        request = request_bytes("/v1/chat/completions", body)
+    else:
+        request = request_bytes("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 16})
+    print(json.dumps(asyncio.run(run(host, int(port), request, args.connections, args.seconds))))
+
+
+if __name__ == "__main__":
+    main()

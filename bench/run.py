@@ -1,0 +1,175 @@
+"""One command for the four loads of issue 5, against the proxy and direct to decode.
+
+The proxy (a real ``twistd nixlproxy``) is pinned to core 0; the fast fake
+backends and the load generator to the other cores (``taskset``). Every
+process listens on loopback and is stopped at the end. Prints a table with
+the ratios to the direct baseline, the proxy's CPU seconds per 1,000
+requests and its peak RSS.
+
+    python -m bench.run                 # 8 s per load, as in docs/performance.md
+    python -m bench.run --seconds 1     # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    connections: int
+    stream: bool
+    token_interval: float = 0.0
+
+
+LOADS = (
+    Load("non-streaming completions, 1 connection", 1, False),
+    Load("non-streaming completions, 64 connections", 64, False),
+    Load("streaming chat, 64 tokens back to back, 64 connections", 64, True),
+    Load("streaming chat, 64 tokens at 5 ms, 64 connections", 64, True, 0.005),
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _pinned(cores: str, command: Sequence[str]) -> list[str]:
+    return ["taskset", "-c", cores, *command] if shutil.which("taskset") else list(command)
+
+
+def _wait_for_port(port: int, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listened on 127.0.0.1:{port}")
+
+
+@contextmanager
+def _process(command: Sequence[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen(list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_port(port, time.monotonic() + 30)
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _load(url: str, load: Load, seconds: float, cores: str) -> dict[str, Any]:
+    command = [sys.executable, "-m", "bench.load", "--url", url,
+               "--connections", str(load.connections), "--seconds", str(seconds)]  # fmt: skip
+    if load.stream:
+        command.append("--stream")
+    out = subprocess.run(_pinned(cores, command), capture_output=True, text=True, check=True)
+    return dict(json.loads(out.stdout))
+
+
+def measure(load: Load, seconds: float, backend_processes: int) -> dict[str, Any]:
+    others = "1" if os.cpu_count() == 2 else f"1-{(os.cpu_count() or 2) - 1}"
+    backend_port, proxy_port = _free_port(), _free_port()
+    backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
+               "--processes", str(backend_processes),
+               "--token-interval", str(load.token_interval)]  # fmt: skip
+    proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=/dev/null", "nixlproxy",
+             "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--health-interval", "0",
+             "--prefill", f"http://127.0.0.1:{backend_port}",
+             "--decode", f"http://127.0.0.1:{backend_port}"]  # fmt: skip
+    with _process(_pinned(others, backend), backend_port):
+        direct = _load(f"http://127.0.0.1:{backend_port}", load, seconds, others)
+        with _process(_pinned("0", proxy), proxy_port) as running:
+            cpu_before = _cpu_seconds(running.pid)
+            proxied = _load(f"http://127.0.0.1:{proxy_port}", load, seconds, others)
+            cpu = _cpu_seconds(running.pid) - cpu_before
+            rss = _peak_rss_mb(running.pid)
+    requests = max(1, proxied["requests"])
+    return {
+        "load": load.name,
+        "direct": direct,
+        "proxy": proxied,
+        "cpu_s_per_1000": round(cpu / requests * 1000, 3),
+        "peak_rss_mb": round(rss, 1),
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| load | direct | proxy | ratio | p50 added | p99 proxy | TTFT p50 added | TTFT p99 | "
+        "gap p99 | CPU s/1k | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        d, p = row["direct"], row["proxy"]
+        added = round(p["p50_ms"] - d["p50_ms"], 2) if p["p50_ms"] and d["p50_ms"] else "-"
+        ttft = (
+            round(p["ttft_p50_ms"] - d["ttft_p50_ms"], 2)
+            if p["ttft_p50_ms"] is not None and d["ttft_p50_ms"] is not None
+            else "-"
+        )
+        lines.append(
+            f"| {row['load']} | {d['per_second']}/s | {p['per_second']}/s "
+            f"| {_ratio(p['per_second'], d['per_second'])} | +{added} ms | {p['p99_ms']} ms "
+            f"| {ttft} ms | {p['ttft_p99_ms']} ms | {p['gap_p99_ms']} ms "
+            f"| {row['cpu_s_per_1000']} | {row['peak_rss_mb']} MB |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--backend-processes", type=int, default=2)
+    parser.add_argument("--loads", type=int, default=len(LOADS), help="run the first N loads")
+    parser.add_argument("--json", action="store_true", help="print the raw results too")
+    args = parser.parse_args(argv)
+    rows = [measure(load, args.seconds, args.backend_processes) for load in LOADS[: args.loads]]
+    print(table(rows))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    failed = [row["load"] for row in rows if row["proxy"]["errors"] or not row["proxy"]["requests"]]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

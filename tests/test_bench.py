@@ -1,0 +1,20 @@
+"""The benchmark command keeps working (a smoke run; numbers are not asserted)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_short_benchmark_run_prints_its_table() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--seconds", "0.5", "--loads", "1",
+         "--backend-processes", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| non-streaming completions, 1 connection |" in result.stdout
+    assert "/s |" in result.stdout
