@@ -18,7 +18,6 @@ connection is closed short) and is never passed off as complete.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -120,7 +119,6 @@ class Exchange:
         self.decode: str | None = None
         self._decode_sent = 0.0
         self._serving_decode: Instance | None = None
-        self._started = time.monotonic()
 
     def start(self) -> Deferred[None]:
         """Run the exchange; the Deferred is the one Klein cancels on disconnect."""
@@ -208,17 +206,8 @@ class Exchange:
             )
             return
         self._enter("relay")
+        # The access event (nixl_twisted.access) reports how it went.
         await self._relay(response)
-        log.info(
-            "relayed {request_id} {path}: prefill {prefill}, decode {decode} answered "
-            "{status} in {elapsed_ms} ms",
-            request_id=self.request_id,
-            path=self.path,
-            prefill=self.prefill,
-            decode=self.decode,
-            status=response.code,
-            elapsed_ms=round((time.monotonic() - self._started) * 1000),
-        )
 
     def _next(self, pool: BackendPool, tried: list[Instance], last: ProxyError | None) -> Instance:
         try:
