@@ -239,6 +239,9 @@ class Exchange:
         tried: list[Instance] = []
         last: ProxyError | None = None
         for _ in range(1 + self.limits.prefill_retries):
+            if self.client_gone:
+                # Nobody to answer and no blocks held yet: no more prefill attempts.
+                raise CancelledError()
             self._retrying(pool, tried)
             instance = self._next(pool, tried, last)
             self.prefill = self.record.prefill = instance.url

@@ -157,3 +157,4 @@ class BackpressureTests(ProxyCase):
         cast(IPushProducer, collector.transport).resumeProducing()
         chunks = await collector.done
         self.assertEqual(sum(map(len, chunks)), total)
+
