@@ -157,4 +157,3 @@ class BackpressureTests(ProxyCase):
         cast(IPushProducer, collector.transport).resumeProducing()
         chunks = await collector.done
         self.assertEqual(sum(map(len, chunks)), total)
-
