@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
@@ -126,6 +127,7 @@ class ProxyApp:
                 "decode_instances": len(self.backends.decode),
                 "draining": self.draining,
                 "in_flight": self.in_flight,
+                "pid": os.getpid(),
                 "instances": {
                     pool.role: [i.describe() for i in pool.instances]
                     for pool in self.backends.pools()

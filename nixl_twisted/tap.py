@@ -42,6 +42,14 @@ from nixl_twisted.upstream import (
     DEFAULT_MAX_IDLE_PER_INSTANCE,
     Upstream,
 )
+from nixl_twisted.workers import (
+    ReusePortEndpoint,
+    WorkerSupervisor,
+    reserve,
+    take_sigterm,
+    tcp_address,
+    worker_args,
+)
 
 log = Logger()
 
@@ -116,6 +124,10 @@ class Options(usage.Options):
         f"Identity: {identity.ID} version {identity.VERSION}. The backend API key "
         f"may also be given in the {BACKEND_API_KEY_ENV} environment variable."
     )
+
+    optFlags: list[Any] = [
+        ["reuse-port", None, "Listen with SO_REUSEPORT (how --workers start their workers)."],
+    ]
 
     optParameters: list[Any] = [
         [
@@ -228,6 +240,14 @@ class Options(usage.Options):
             "instead of on every --listen endpoint.",
         ],
         [
+            "workers",
+            None,
+            1,
+            "Proxy processes sharing each TCP --listen port (SO_REUSEPORT), each "
+            "with its own pools and health state, supervised by this one.",
+            _positive_int("workers"),
+        ],
+        [
             "log-format",
             None,
             "text",
@@ -246,6 +266,8 @@ class Options(usage.Options):
     def parseOptions(self, options: Sequence[str] | None = None) -> None:
         """Parse, with a ``--config`` file's settings first (the command line wins)."""
         args = list(sys.argv[1:] if options is None else options)
+        #: The command line as given: --workers hands it on to its workers.
+        self.command_line = list(args)
         path = config_path(args)
         if path is not None:
             parameters = {p[0]: (p[4] if len(p) > 4 else None) for p in self.optParameters}
@@ -304,6 +326,19 @@ class Options(usage.Options):
         from twisted.internet import reactor
 
         self["endpoints"] = [_endpoint(reactor, desc) for desc in self["listen"]]
+        if self["reuse-port"]:
+            self["workers"] = 1  # a worker never starts workers of its own
+        if self["workers"] > 1 or self["reuse-port"]:
+            self["tcp_addresses"] = [tcp_address(e) for e in self["endpoints"]]
+            if None in self["tcp_addresses"]:
+                raise usage.UsageError(
+                    "--workers and --reuse-port need every --listen to be tcp:PORT[:interface=...]"
+                )
+            if self["metrics-listen"]:
+                raise usage.UsageError(
+                    "--metrics-listen cannot be shared by several workers; "
+                    "scrape /metrics on the --listen endpoint"
+                )
         self["metrics_endpoint"] = (
             _endpoint(reactor, self["metrics-listen"], "--metrics-listen")
             if self["metrics-listen"]
@@ -427,14 +462,10 @@ class ProxyService(MultiService):
     def _take_sigterm(self) -> None:
         from twisted.internet import reactor
 
-        def on_sigterm(signum: int, frame: Any) -> None:
-            log.info("SIGTERM: draining requests in flight, then stopping")
-            reactor.callFromThread(reactor.stop)  # type: ignore[attr-defined]
-
         def on_sighup(signum: int, frame: Any) -> None:
             reactor.callFromThread(self.reload_pools)  # type: ignore[attr-defined]
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        take_sigterm(reactor)
         signal.signal(signal.SIGHUP, on_sighup)
 
     def reload_pools(self) -> None:
@@ -523,14 +554,50 @@ def json_lines(out: Any) -> ILogObserver:
     return jsonFileLogObserver(out, recordSeparator="")
 
 
+class SupervisorService(MultiService):
+    """The parent of ``--workers``: its one child supervises the workers."""
+
+    def __init__(self, supervisor: WorkerSupervisor, handle_sigterm: bool) -> None:
+        super().__init__()
+        self.handle_sigterm = handle_sigterm
+        supervisor.setServiceParent(self)
+
+    def startService(self) -> None:
+        super().startService()
+        if self.handle_sigterm:
+            from twisted.internet import reactor
+
+            reactor.callWhenRunning(take_sigterm, reactor)
+
+
 def makeService(
     options: Options, clock: IReactorTime | None = None, handle_sigterm: bool = True
-) -> ProxyService:
+) -> MultiService:
     """Build the service tree that ``twistd nixlproxy`` runs."""
+    if options["workers"] > 1:
+        reserved = reserve(options["tcp_addresses"])
+        for sock in reserved:
+            host, port = sock.getsockname()[:2]
+            log.info("nixlproxy workers share {host}:{port}", host=host, port=port)
+        supervisor = WorkerSupervisor(
+            worker_args(options.command_line, reserved), options["workers"], reserved
+        )
+        return SupervisorService(supervisor, handle_sigterm)
+    return _proxy(options, clock, handle_sigterm)
+
+
+def _proxy(options: Options, clock: IReactorTime | None, handle_sigterm: bool) -> ProxyService:
     if clock is None:
         from twisted.internet import reactor
 
         clock = cast(IReactorTime, reactor)
+    if options["reuse-port"]:
+        from twisted.internet import reactor as listening_reactor
+
+        options["endpoints"] = [
+            ReusePortEndpoint(listening_reactor, host, port)
+            for host, port in options["tcp_addresses"]
+        ]
     for pool in (options["prefill_pool"], options["decode_pool"]):
         pool.clock = clock
     backends = BackendService(
@@ -586,7 +653,7 @@ def makeService(
 def build(
     args: Sequence[str], clock: IReactorTime | None = None, handle_sigterm: bool = True
 ) -> ProxyService:
-    """Parse ``args`` as ``twistd nixlproxy`` would and build its service tree."""
+    """Parse ``args`` as ``twistd nixlproxy`` would and build one proxy's service tree."""
     options = Options()
     options.parseOptions(list(args))
-    return makeService(options, clock=clock, handle_sigterm=handle_sigterm)
+    return _proxy(options, clock, handle_sigterm)

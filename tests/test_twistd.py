@@ -10,11 +10,13 @@ import sys
 import tempfile
 from typing import Any, cast
 
+from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool
 
 from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
 
@@ -31,15 +33,15 @@ class TwistdProcess(ProcessProtocol):
         self.listening: Deferred[str] = Deferred()
         self.ended: Deferred[int | None] = Deferred()
         self.signal: int | None = None
-        self._markers: list[tuple[bytes, Deferred[None]]] = []
+        self._markers: list[tuple[bytes, int, Deferred[None]]] = []
 
-    def said(self, marker: bytes) -> Deferred[None]:
-        """Fires once the process has written ``marker``."""
+    def said(self, marker: bytes, times: int = 1) -> Deferred[None]:
+        """Fires once the process has written ``marker`` ``times`` times."""
         waiting: Deferred[None] = Deferred()
-        if marker in self.output:
+        if self.output.count(marker) >= times:
             waiting.callback(None)
         else:
-            self._markers.append((marker, waiting))
+            self._markers.append((marker, times, waiting))
         return waiting
 
     def outReceived(self, data: bytes) -> None:
@@ -47,9 +49,9 @@ class TwistdProcess(ProcessProtocol):
         match = LISTENING.search(self.output)
         if match and not self.listening.called:
             self.listening.callback((match.group(1) or match.group(2)).decode())
-        ready = [m for m in self._markers if m[0] in self.output]
+        ready = [m for m in self._markers if self.output.count(m[0]) >= m[1]]
         self._markers = [m for m in self._markers if m not in ready]
-        for _, waiting in ready:
+        for _, _, waiting in ready:
             waiting.callback(None)
 
     errReceived = outReceived
@@ -201,6 +203,42 @@ class TwistdTests(ProxyCase):
         self.assertGreaterEqual(len(new.requests), 20)
         self.assertEqual(len(old.requests) + len(new.requests), 60)
         await self.terminate(process)
+
+    async def test_workers_share_the_port_are_restarted_and_drain_together(self) -> None:
+        await self.start()
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1", "--workers", "2",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+        )  # fmt: skip
+        await process.said(b"nixlproxy listening on", times=2)
+        match = re.search(rb"workers share (\S+)", process.output)
+        assert match is not None
+        url = f"http://{match.group(1).decode()}"
+        once = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
+
+        async def pids(count: int = 40) -> set[int]:
+            seen = set()
+            for _ in range(count):  # each on a new connection
+                response = await once.get(url + "/healthcheck")
+                seen.add(json.loads(await response.content())["pid"])
+            return seen
+
+        first = await pids()
+        self.assertEqual(len(first), 2, process.output.decode())
+        response = await once.post(url + "/v1/chat/completions", json=CHAT)
+        self.assertEqual(response.code, 200)
+        await response.content()
+
+        os.kill(min(first), signal.SIGKILL)
+        await process.said(b"restarting it")
+        await process.said(b"nixlproxy listening on", times=3)
+        second = await pids()
+        self.assertEqual(len(second), 2)
+        self.assertNotIn(min(first), second)
+        await self.terminate(process)
+        for pid in second:
+            with self.assertRaises(ProcessLookupError):
+                os.kill(pid, 0)
 
     async def test_serves_on_a_unix_socket(self) -> None:
         await self.start()
