@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -102,8 +103,32 @@ def _load(url: str, load: Load, seconds: float, cores: str) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
-def measure(load: Load, seconds: float, backend_processes: int) -> dict[str, Any]:
-    others = "1" if os.cpu_count() == 2 else f"1-{(os.cpu_count() or 2) - 1}"
+def _wait_for_workers(port: int, workers: int, deadline: float) -> None:
+    """Until /healthcheck has answered from ``workers`` distinct processes."""
+    seen: set[int] = set()
+    while len(seen) < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(seen)} of {workers} workers answered")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=5) as answer:
+            seen.add(json.loads(answer.read())["pid"])
+
+
+def _descendants(pid: int) -> list[int]:
+    """A process and all its children (the --workers of a proxy)."""
+    found = [pid]
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as children:
+            for child in children.read().split():
+                found += _descendants(int(child))
+    except OSError:
+        pass
+    return found
+
+
+def measure(load: Load, seconds: float, backend_processes: int, workers: int = 1) -> dict[str, Any]:
+    cores = os.cpu_count() or 2
+    others = "1" if cores == 2 else f"1-{cores - 1}"
+    proxy_cores = "0" if workers == 1 else f"0-{min(workers, cores) - 1}"
     backend_port, proxy_port = _free_port(), _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
                "--processes", str(backend_processes),
@@ -111,14 +136,17 @@ def measure(load: Load, seconds: float, backend_processes: int) -> dict[str, Any
     proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=/dev/null", "nixlproxy",
              "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--health-interval", "0",
              "--prefill", f"http://127.0.0.1:{backend_port}",
-             "--decode", f"http://127.0.0.1:{backend_port}"]  # fmt: skip
+             "--decode", f"http://127.0.0.1:{backend_port}",
+             "--workers", str(workers)]  # fmt: skip
     with _process(_pinned(others, backend), backend_port):
         direct = _load(f"http://127.0.0.1:{backend_port}", load, seconds, others)
-        with _process(_pinned("0", proxy), proxy_port) as running:
-            cpu_before = _cpu_seconds(running.pid)
+        with _process(_pinned(proxy_cores, proxy), proxy_port) as running:
+            _wait_for_workers(proxy_port, workers, time.monotonic() + 30)
+            pids = _descendants(running.pid)
+            cpu_before = sum(_cpu_seconds(pid) for pid in pids)
             proxied = _load(f"http://127.0.0.1:{proxy_port}", load, seconds, others)
-            cpu = _cpu_seconds(running.pid) - cpu_before
-            rss = _peak_rss_mb(running.pid)
+            cpu = sum(_cpu_seconds(pid) for pid in pids) - cpu_before
+            rss = max(_peak_rss_mb(pid) for pid in pids)
     requests = max(1, proxied["requests"])
     return {
         "load": load.name,
@@ -162,8 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backend-processes", type=int, default=2)
     parser.add_argument("--loads", type=int, default=len(LOADS), help="run the first N loads")
     parser.add_argument("--json", action="store_true", help="print the raw results too")
+    parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
     args = parser.parse_args(argv)
-    rows = [measure(load, args.seconds, args.backend_processes) for load in LOADS[: args.loads]]
+    rows = [
+        measure(load, args.seconds, args.backend_processes, args.workers)
+        for load in LOADS[: args.loads]
+    ]
     print(table(rows))
     if args.json:
         print(json.dumps(rows, indent=2))
