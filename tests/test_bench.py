@@ -18,3 +18,12 @@ def test_a_short_benchmark_run_prints_its_table() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| non-streaming completions, 1 connection |" in result.stdout
     assert "/s |" in result.stdout
+
+
+def test_a_short_memory_run_prints_its_table() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.memory", "--streams", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "| 20 |" in result.stdout
