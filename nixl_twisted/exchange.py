@@ -115,8 +115,6 @@ class Exchange:
         self.metrics = metrics
         self.record = record_of(request)
         self.record.request_id = request_id
-        self.prefill: str | None = None
-        self.decode: str | None = None
         self._decode_sent = 0.0
         self._serving_decode: Instance | None = None
 
@@ -244,7 +242,7 @@ class Exchange:
                 raise CancelledError()
             self._retrying(pool, tried)
             instance = self._next(pool, tried, last)
-            self.prefill = self.record.prefill = instance.url
+            self.record.prefill = instance.url
             self._enter("prefill")
             started = self.clock.seconds()
             pool.acquire(instance)
@@ -331,7 +329,7 @@ class Exchange:
         for _ in range(1 + self.limits.decode_retries):
             self._retrying(pool, tried)
             instance = self._next(pool, tried, last)
-            self.decode = self.record.decode = instance.url
+            self.record.decode = instance.url
             self._decode_sent = self.clock.seconds()
             posting = self.backends.upstream.post(
                 instance.url + self.target, completed, self.headers
@@ -394,7 +392,7 @@ class Exchange:
             if isinstance(error, StreamSilent) and not self.request.startedWriting:
                 _reset_headers(self.request, self.request_id)
                 raise gateway_timeout(
-                    f"decode instance {self.decode} sent headers, then nothing: {error}",
+                    f"decode instance {self.record.decode} sent headers, then nothing: {error}",
                     "decode_timeout",
                 ) from None
             log.error(
