@@ -33,6 +33,7 @@ from twisted.web.server import Request
 from nixl_twisted import protocol
 from nixl_twisted.access import record_of
 from nixl_twisted.errors import ProxyError, bad_gateway, error_body
+from nixl_twisted.events import Happened
 from nixl_twisted.headers import REQUEST_ID
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, BackendService, Instance, NoHealthyInstance
@@ -109,7 +110,8 @@ class Exchange:
         self.limits = limits
         self.clock = clock
         self.phase = "prefill"
-        self._phase_waiters: list[tuple[str, Deferred[None]]] = []
+        self._reached = {phase: Happened() for phase in ("prefill", "handoff", "relay")}
+        self._reached["prefill"].fire()
         self.client_gone = False
         self._current: Deferred[Any] | None = None
         self.metrics = metrics
@@ -137,19 +139,11 @@ class Exchange:
 
     def _enter(self, phase: str) -> None:
         self.phase = phase
-        ready = [w for w in self._phase_waiters if w[0] == phase]
-        self._phase_waiters = [w for w in self._phase_waiters if w[0] != phase]
-        for _, waiting in ready:
-            waiting.callback(None)
+        self._reached[phase].fire()
 
     def reached(self, phase: str) -> Deferred[None]:
-        """Fires when the exchange enters ``phase`` (for tests and operators)."""
-        waiting: Deferred[None] = Deferred()
-        if self.phase == phase:
-            waiting.callback(None)
-        else:
-            self._phase_waiters.append((phase, waiting))
-        return waiting
+        """Fires once the exchange has entered ``phase`` (for tests and operators)."""
+        return self._reached[phase].wait()
 
     def _client_left(self, _: Deferred[None]) -> None:
         self.client_gone = True

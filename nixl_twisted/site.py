@@ -18,6 +18,7 @@ from twisted.web.server import Request, Site
 
 from nixl_twisted.access import AccessLog
 from nixl_twisted.errors import error_body
+from nixl_twisted.events import Happened
 
 
 class _TrackedChannel(HTTPChannel):
@@ -133,7 +134,7 @@ class TrackingSite(Site):
         #: When set, replaces Twisted's access line with one structured event.
         self.access_log = access_log
         self.displayTracebacks = False
-        self._open: dict[HTTPChannel, list[Deferred[None]]] = {}
+        self._open: dict[HTTPChannel, Happened] = {}
         #: Connections accepted since the site was made (open or not).
         self.connections_accepted = 0
 
@@ -149,9 +150,7 @@ class TrackingSite(Site):
 
     def connection_lost(self, channel: HTTPChannel) -> Deferred[None]:
         """Fires when an open channel's connection is gone."""
-        waiting: Deferred[None] = Deferred()
-        self._open[channel].append(waiting)
-        return waiting
+        return self._open[channel].wait()
 
     def close_connections(self, abort: bool = True) -> Deferred[Any]:
         """Close every open connection; fires when all are gone.
@@ -168,9 +167,10 @@ class TrackingSite(Site):
         return DeferredList(waiting)
 
     def _opened(self, channel: HTTPChannel) -> None:
-        self._open[channel] = []
+        self._open[channel] = Happened()
         self.connections_accepted += 1
 
     def _closed(self, channel: HTTPChannel) -> None:
-        for waiting in self._open.pop(channel, []):
-            waiting.callback(None)
+        lost = self._open.pop(channel, None)
+        if lost is not None:
+            lost.fire()

@@ -26,6 +26,7 @@ from nixl_twisted.access import AccessLog
 from nixl_twisted.admin import ADMIN_TOKEN_ENV
 from nixl_twisted.app import DEFAULT_MAX_IN_FLIGHT, ProxyApp
 from nixl_twisted.config import config_path, file_arguments, pools_from_file
+from nixl_twisted.events import Happened
 from nixl_twisted.exchange import Limits
 from nixl_twisted.metrics import MetricsResource, ProxyMetrics
 from nixl_twisted.pools import (
@@ -435,8 +436,7 @@ class ProxyService(MultiService):
         self.backends = backends
         self.drain_timeout = drain_timeout
         self.handle_sigterm = handle_sigterm
-        self._closed_ports = False
-        self._port_waiters: list[Deferred[None]] = []
+        self._ports_closed = Happened()
         backends.setServiceParent(self)
 
     def setServiceParent(self, parent: Any) -> None:
@@ -499,7 +499,7 @@ class ProxyService(MultiService):
         self.app.start_draining()
         await DeferredList([maybeDeferred(s.stopService) for s in self.listeners()])
         draining = self._drain()  # its timeout runs from now
-        self._ports_closed()
+        self._ports_closed.fire()
         drained = await draining
         await self._close_connections(drained)
         await self.backends.stopService()
@@ -518,18 +518,7 @@ class ProxyService(MultiService):
 
     def when_ports_closed(self) -> Deferred[None]:
         """Fires once a stopping proxy accepts no more connections."""
-        waiting: Deferred[None] = Deferred()
-        if self._closed_ports:
-            waiting.callback(None)
-        else:
-            self._port_waiters.append(waiting)
-        return waiting
-
-    def _ports_closed(self) -> None:
-        self._closed_ports = True
-        waiters, self._port_waiters = self._port_waiters, []
-        for waiting in waiters:
-            waiting.callback(None)
+        return self._ports_closed.wait()
 
     def _drain(self) -> Deferred[bool]:
         in_flight = self.app.in_flight

@@ -83,7 +83,7 @@ def test_unusable_options_are_usage_errors_naming_the_problem(
         parse(*args)
 
 
-def installed_env(tmp_path: Path) -> dict[str, str]:
+def installed_env() -> dict[str, str]:
     """An environment in which Python cannot see the source tree."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
@@ -94,7 +94,7 @@ def run_installed(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str
     return subprocess.run(
         list(args),
         cwd=tmp_path,
-        env=installed_env(tmp_path),
+        env=installed_env(),
         capture_output=True,
         text=True,
         timeout=60,
