@@ -16,8 +16,9 @@ setup(
     packages=[*find_packages(include=["nixl_twisted", "nixl_twisted.*"]), "twisted.plugins"],
     package_data={"nixl_twisted": ["py.typed"]},
     install_requires=[
-        # 24.10 sets TCP_NODELAY on HTTP server and client sockets.
-        "twisted[tls]>=24.10.0",
+        # 24.10 sets TCP_NODELAY on HTTP server and client sockets; 25.5 lets
+        # a Site skip form parsing (parsePOSTFormSubmission).
+        "twisted[tls]>=25.5.0",
         "treq>=24.9.1",
         "klein>=24.8.0",
         "prometheus-client>=0.20",

@@ -89,7 +89,9 @@ class AccessLog:
             "decode_first_byte_ms": _ms(record.decode_first_byte_seconds),
             "ended": record.ended,
         }
-        log.info(_FORMAT, **fields)
+        # Rendered here with str.format: Twisted's own formatting of fifteen
+        # fields costs several times more, on every request.
+        log.info("{access_line}", access_line=_FORMAT.format(**fields), **fields)
 
 
 def _client(request: Request) -> str:

@@ -129,7 +129,11 @@ class TrackingSite(Site):
         access_log: AccessLog | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(resource, requestFactory=LimitedRequest, **kwargs)
+        # No form parsing: the proxy reads JSON bodies, and Twisted would
+        # parse every POST's Content-Type through ``email`` to look for forms.
+        super().__init__(
+            resource, requestFactory=LimitedRequest, parsePOSTFormSubmission=False, **kwargs
+        )
         self.max_body_size = max_body_size
         #: When set, replaces Twisted's access line with one structured event.
         self.access_log = access_log

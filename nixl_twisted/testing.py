@@ -262,7 +262,8 @@ class FakeVLLM:
         self._port = await serverFromString(reactor, description).listen(self.site)
         host = self._port.getHost()
         assert isinstance(host, IPv4Address | IPv6Address)
-        self.url = f"http://{host.host}:{host.port}"
+        scheme = "https" if description.startswith("ssl:") else "http"
+        self.url = f"{scheme}://{host.host}:{host.port}"
         self._kv_port = 5600 + host.port % 1000
         return self.url
 

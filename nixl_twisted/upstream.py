@@ -8,25 +8,43 @@ the proxy's memory.
 from __future__ import annotations
 
 from collections.abc import Callable
-from http.cookiejar import DefaultCookiePolicy
-from typing import cast
+from functools import lru_cache
+from typing import Any, cast
 
+from hyperlink import EncodedURL
 from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
-from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTCP, IReactorTime
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import (
+    IConsumer,
+    IDelayedCall,
+    IPushProducer,
+    IReactorTCP,
+    IReactorTime,
+    IStreamClientEndpoint,
+)
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (
     UNKNOWN_LENGTH,
+    URI,
     Agent,
+    BrowserLikePolicyForHTTPS,
     HTTPConnectionPool,
     ResponseDone,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IRequest, IResponse
+from twisted.web.iweb import (
+    IAgentEndpointFactory,
+    IBodyProducer,
+    IPolicyForHTTPS,
+    IRequest,
+    IResponse,
+)
 from twisted.web.server import Request
+from zope.interface import implementer
 
 from nixl_twisted.headers import client_response_headers
 
@@ -49,11 +67,102 @@ def _as_cancelled(failure: Failure) -> Failure:
     return failure
 
 
-class _NoCookies(DefaultCookiePolicy):
-    """A proxy serves many clients: no backend cookie may leak between them."""
+class _NoCookies(IndexableCookieJar):
+    """A proxy serves many clients: no backend cookie may leak between them.
 
-    def set_ok(self, cookie: object, request: object) -> bool:
-        return False
+    treq wraps every request in a ``CookieAgent``; a jar that neither adds
+    nor stores a cookie also spares the per-request ``http.cookiejar`` work.
+    """
+
+    def add_cookie_header(self, request: Any) -> None:
+        return None
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+
+class _ReadyURL(EncodedURL):
+    """A backend URL already in URI form, rendered once.
+
+    treq turns every URL it is given into a URI (``to_uri()``, which
+    IDNA-encodes the host) and back into text on each call; for the few
+    URLs a proxy calls over and over, that is done once here.
+    """
+
+    #: Set by ``backend_url`` only; a URL derived from this one (``replace``)
+    #: has none and behaves as any ``EncodedURL``.
+    _text: str | None = None
+
+    def to_uri(self) -> EncodedURL:
+        return self if self._text is not None else super().to_uri()
+
+    def to_text(self, with_password: bool = False) -> str:
+        if self._text is not None and not with_password:
+            return self._text
+        return str(super().to_text(with_password))
+
+
+@lru_cache(maxsize=1024)
+def backend_url(text: str) -> EncodedURL:
+    """``text`` as the URI treq would send (cached: one per instance and route)."""
+    uri = EncodedURL.from_text(text).to_uri().to_text()
+    ready = cast(_ReadyURL, _ReadyURL.from_text(uri))
+    ready._text = uri
+    return ready
+
+
+@implementer(IBodyProducer)
+class _Body:
+    """A request body already in memory, written in one go.
+
+    treq's default wraps bytes in a ``FileBodyProducer``, which copies them
+    out of a ``BytesIO`` through a cooperator task on a later reactor turn.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+        self.length = len(data)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self._data)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        return None
+
+    def resumeProducing(self) -> None:
+        return None
+
+    def stopProducing(self) -> None:
+        return None
+
+
+@implementer(IAgentEndpointFactory)
+class _Endpoints:
+    """One endpoint per backend, made once.
+
+    ``Agent`` would build a ``HostnameEndpoint`` (IDNA-encoding the host)
+    for every request, only for the pool to reuse an open connection.
+    """
+
+    def __init__(self, reactor: IReactorTCP, connect_timeout: float, tls: IPolicyForHTTPS) -> None:
+        self._reactor = reactor
+        self._connect_timeout = connect_timeout
+        self._tls = tls
+        self._made: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        key = (uri.scheme, uri.host, uri.port)
+        endpoint = self._made.get(key)
+        if endpoint is None:
+            endpoint = HostnameEndpoint(
+                self._reactor, uri.host, uri.port, timeout=self._connect_timeout
+            )
+            if uri.scheme == b"https":
+                creator = self._tls.creatorForNetloc(uri.host, uri.port)
+                endpoint = wrapClientTLS(creator, endpoint)
+            self._made[key] = endpoint
+        return endpoint
 
 
 class Upstream:
@@ -66,7 +175,10 @@ class Upstream:
         max_idle_per_instance: int = DEFAULT_MAX_IDLE_PER_INSTANCE,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        tls: IPolicyForHTTPS | None = None,
     ) -> None:
+        """``tls`` decides which certificates an ``https`` backend may show
+        (by default, the system's trusted roots, as a browser would)."""
         if reactor is None:
             from twisted.internet import reactor as default_reactor
 
@@ -74,8 +186,12 @@ class Upstream:
         self._pool = HTTPConnectionPool(reactor, persistent=True)
         self._pool.maxPersistentPerHost = max_idle_per_instance
         self._pool.cachedConnectionTimeout = idle_timeout  # type: ignore[assignment]
-        agent = Agent(reactor, connectTimeout=connect_timeout, pool=self._pool)
-        self._http = HTTPClient(agent, cookiejar=IndexableCookieJar(policy=_NoCookies()))
+        agent = Agent.usingEndpointFactory(
+            reactor,
+            _Endpoints(reactor, connect_timeout, tls or BrowserLikePolicyForHTTPS()),
+            pool=self._pool,
+        )
+        self._http = HTTPClient(agent, cookiejar=_NoCookies(), data_to_body_producer=_Body)
 
     def post(self, url: str, body: bytes, headers: Headers) -> Deferred[IResponse]:
         """POST a JSON body; the response's body is left unread for the caller.
@@ -84,7 +200,7 @@ class Upstream:
         """
         sent = self._http.request(
             "POST",
-            url,
+            backend_url(url),
             data=body,
             headers=headers,
             allow_redirects=False,
@@ -95,7 +211,7 @@ class Upstream:
     def get(self, url: str, headers: Headers) -> Deferred[IResponse]:
         """GET a resource; the response's body is left unread for the caller."""
         sent = self._http.request(
-            "GET", url, headers=headers, allow_redirects=False, unbuffered=True
+            "GET", backend_url(url), headers=headers, allow_redirects=False, unbuffered=True
         )
         return sent.addErrback(_as_cancelled)  # type: ignore[return-value]
 
