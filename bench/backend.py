@@ -13,6 +13,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 
@@ -108,6 +109,10 @@ def _run(port: int, interval: float) -> None:
     asyncio.run(main())
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
@@ -120,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for worker in workers:
         worker.start()
+    # Stopped with SIGTERM (as bench.run does), the parent must stop its
+    # workers too, or they keep serving the port after the run.
+    signal.signal(signal.SIGTERM, _stop)
     print(
         f"bench backend listening on 127.0.0.1:{args.port} ({args.processes} processes)", flush=True
     )
@@ -131,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for worker in workers:
             worker.terminate()
+        for worker in workers:
+            worker.join()
         sys.stdout.flush()
         os._exit(0)
 

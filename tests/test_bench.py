@@ -27,3 +27,21 @@ def test_a_short_memory_run_prints_its_table() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "| 20 |" in result.stdout
+
+
+def test_a_stopped_backend_stops_its_worker_processes() -> None:
+    backend = subprocess.Popen(
+        [sys.executable, "-m", "bench.backend", "--port", "0", "--processes", "2"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert backend.stdout is not None
+        assert "listening" in backend.stdout.readline()
+        children_file = Path(f"/proc/{backend.pid}/task/{backend.pid}/children")
+        workers = [int(pid) for pid in children_file.read_text().split()]
+        assert len(workers) == 2
+    finally:
+        backend.terminate()
+        backend.wait(timeout=30)
+    assert backend.returncode == 0
+    assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
