@@ -111,6 +111,7 @@ async def run(
         "p99_ms": scaled(results.latencies, 0.99),
         "ttft_p50_ms": scaled(results.first_tokens, 0.5),
         "ttft_p99_ms": scaled(results.first_tokens, 0.99),
+        "gap_p50_ms": scaled(results.gaps, 0.5),
         "gap_p99_ms": scaled(results.gaps, 0.99),
         "mean_ms": round(statistics.fmean(results.latencies) * ms, 3)
         if results.latencies

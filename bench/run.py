@@ -7,6 +7,7 @@ the ratios to the direct baseline, the proxy's CPU seconds per 1,000
 requests and its peak RSS.
 
     python -m bench.run                 # 8 s per load, as in docs/performance.md
+    python -m bench.run --repeat 3      # medians of three runs of each load
     python -m bench.run --seconds 1     # a smoke run
 """
 
@@ -17,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -161,25 +163,52 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:g} ms"
+
+
+def _added(proxy: float | None, direct: float | None) -> str:
+    return "-" if proxy is None or direct is None else f"{proxy - direct:+.2f} ms"
+
+
+def _pair(row: dict[str, Any], key: str) -> str:
+    """``direct / proxy`` for one latency."""
+    direct, proxy = row["direct"][key], row["proxy"][key]
+    return "-" if direct is None and proxy is None else f"{_ms(direct)} / {_ms(proxy)}"
+
+
+def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each number's median over repeated runs of one load (``--repeat``)."""
+
+    def median(values: list[Any]) -> Any:
+        present = [value for value in values if value is not None]
+        return round(statistics.median(present), 3) if present else None
+
+    merged: dict[str, Any] = {"load": runs[0]["load"], "runs": len(runs)}
+    for side in ("direct", "proxy"):
+        merged[side] = {key: median([run[side][key] for run in runs]) for key in runs[0][side]}
+        # An error in any run must not be hidden by the median.
+        merged[side]["errors"] = max(run[side]["errors"] for run in runs)
+    for key in ("cpu_s_per_1000", "peak_rss_mb"):
+        merged[key] = median([run[key] for run in runs])
+    return merged
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| load | direct | proxy | ratio | p50 added | p99 proxy | TTFT p50 added | TTFT p99 | "
-        "gap p99 | CPU s/1k | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load | direct | proxy | ratio | p50 added | p99 direct / proxy | TTFT p50 added "
+        "| TTFT p99 direct / proxy | gap p50 direct / proxy | gap p99 direct / proxy "
+        "| CPU s/1k | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         d, p = row["direct"], row["proxy"]
-        added = round(p["p50_ms"] - d["p50_ms"], 2) if p["p50_ms"] and d["p50_ms"] else "-"
-        ttft = (
-            round(p["ttft_p50_ms"] - d["ttft_p50_ms"], 2)
-            if p["ttft_p50_ms"] is not None and d["ttft_p50_ms"] is not None
-            else "-"
-        )
         lines.append(
             f"| {row['load']} | {d['per_second']}/s | {p['per_second']}/s "
-            f"| {_ratio(p['per_second'], d['per_second'])} | +{added} ms | {p['p99_ms']} ms "
-            f"| {ttft} ms | {p['ttft_p99_ms']} ms | {p['gap_p99_ms']} ms "
-            f"| {row['cpu_s_per_1000']} | {row['peak_rss_mb']} MB |"
+            f"| {_ratio(p['per_second'], d['per_second'])} | {_added(p['p50_ms'], d['p50_ms'])} "
+            f"| {_pair(row, 'p99_ms')} | {_added(p['ttft_p50_ms'], d['ttft_p50_ms'])} "
+            f"| {_pair(row, 'ttft_p99_ms')} | {_pair(row, 'gap_p50_ms')} "
+            f"| {_pair(row, 'gap_p99_ms')} | {row['cpu_s_per_1000']} | {row['peak_rss_mb']} MB |"
         )
     return "\n".join(lines)
 
@@ -191,9 +220,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--loads", type=int, default=len(LOADS), help="run the first N loads")
     parser.add_argument("--json", action="store_true", help="print the raw results too")
     parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run each load N times and report the medians"
+    )
     args = parser.parse_args(argv)
     rows = [
-        measure(load, args.seconds, args.backend_processes, args.workers)
+        median_row(
+            [
+                measure(load, args.seconds, args.backend_processes, args.workers)
+                for _ in range(args.repeat)
+            ]
+        )
         for load in LOADS[: args.loads]
     ]
     print(table(rows))

@@ -45,3 +45,13 @@ def test_a_stopped_backend_stops_its_worker_processes() -> None:
         backend.wait(timeout=30)
     assert backend.returncode == 0
     assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
+
+
+def test_a_short_ceiling_run_prints_its_table() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.ceiling", "--seconds", "0.3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    for server in ("twisted-web", "klein-treq", "nixlproxy"):
+        assert f"| {server} | non-streaming completions, 64 connections |" in result.stdout

@@ -1,0 +1,179 @@
+"""How fast two legs can go on this stack with none of the proxy's work.
+
+Each floor server does only what a completion must: parse the client's JSON,
+POST a lowered copy to prefill, parse its answer, POST the body plus
+``kv_transfer_params`` to decode and return decode's body. No retries, no
+health, no metrics, no access log. Run against the same fast fake backend
+and load as ``bench.run``'s non-streaming loads, pinned the same way:
+
+- ``twisted-web``: a bare ``twisted.web`` resource and ``Agent``, tuned as the
+  proxy is (no form parsing, pooled connections): the floor under Twisted;
+- ``klein-treq``: stock Klein and treq, as a first version would use them;
+- ``nixlproxy``: the real ``twistd nixlproxy``, for comparison.
+
+    python -m bench.ceiling                 # 8 s per load
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, cast
+
+from bench.run import TWISTD, Load, _free_port, _load, _pinned, _process, _wait_for_workers
+
+LOADS = (
+    Load("non-streaming completions, 1 connection", 1, False),
+    Load("non-streaming completions, 64 connections", 64, False),
+)
+KINDS = ("twisted-web", "klein-treq", "nixlproxy")
+_KV = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def _lowered(body: dict[str, Any]) -> bytes:
+    return json.dumps(dict(body, stream=False, max_tokens=1, kv_transfer_params=_KV)).encode()
+
+
+def _completed(body: dict[str, Any], answer: bytes) -> bytes:
+    params = json.loads(answer)["kv_transfer_params"]
+    return json.dumps(dict(body, kv_transfer_params=params)).encode()
+
+
+def serve(kind: str, port: int, backend: str) -> None:
+    """Run one floor server until it is terminated."""
+    from twisted.internet import reactor
+    from twisted.internet.defer import Deferred, succeed
+    from twisted.internet.endpoints import serverFromString
+    from twisted.internet.interfaces import IReactorCore
+    from twisted.web.client import Agent, HTTPConnectionPool, readBody
+    from twisted.web.http_headers import Headers
+    from twisted.web.iweb import IBodyProducer
+    from twisted.web.resource import Resource
+    from twisted.web.server import NOT_DONE_YET, Request, Site
+    from zope.interface import implementer
+
+    class _NoForms(Request):
+        parsePOSTFormSubmission = False
+
+    url = (backend + "/v1/completions").encode()
+    headers = Headers({b"Content-Type": [b"application/json"]})
+    pool = HTTPConnectionPool(reactor)
+    pool.maxPersistentPerHost = 512
+    agent = Agent(reactor, pool=pool)
+
+    if kind == "twisted-web":
+
+        @implementer(IBodyProducer)
+        class _Bytes:
+            """The whole body in one write (FileBodyProducer would add a cooperator)."""
+
+            def __init__(self, data: bytes) -> None:
+                self.data, self.length = data, len(data)
+
+            def startProducing(self, consumer: Any) -> Deferred[None]:
+                consumer.write(self.data)
+                return succeed(None)
+
+            def pauseProducing(self) -> None: ...
+            def stopProducing(self) -> None: ...
+            def resumeProducing(self) -> None: ...
+
+        async def _two_legs(request: Any) -> None:
+            body = json.loads(request.content.read())
+            response = await agent.request(b"POST", url, headers, _Bytes(_lowered(body)))
+            answer = await readBody(response)
+            response = await agent.request(b"POST", url, headers, _Bytes(_completed(body, answer)))
+            request.setHeader(b"Content-Type", b"application/json")
+            request.write(await readBody(response))
+            request.finish()
+
+        class _Completions(Resource):
+            isLeaf = True
+
+            def render_POST(self, request: Any) -> int:
+                Deferred.fromCoroutine(_two_legs(request))
+                return NOT_DONE_YET
+
+        site = Site(_Completions())
+        site.requestFactory = _NoForms
+    else:
+        import treq.client
+        from klein import Klein
+
+        http = treq.client.HTTPClient(agent)
+        app = Klein()
+
+        @app.route("/v1/completions", methods=["POST"])
+        async def completions(request: Any) -> bytes:
+            body = json.loads(request.content.read())
+            response = await http.post(url, data=_lowered(body), headers=headers)
+            answer = await response.content()
+            response = await http.post(url, data=_completed(body, answer), headers=headers)
+            request.setHeader(b"Content-Type", b"application/json")
+            return bytes(await response.content())
+
+        site = Site(app.resource())
+    serverFromString(reactor, f"tcp:{port}:interface=127.0.0.1").listen(site)
+    cast(IReactorCore, reactor).run()
+
+
+def _server(kind: str, port: int, backend: str) -> list[str]:
+    if kind == "nixlproxy":
+        return [*TWISTD, "-n", "--pidfile=", "--logfile=/dev/null", "nixlproxy",
+                "--listen", f"tcp:{port}:interface=127.0.0.1", "--health-interval", "0",
+                "--prefill", backend, "--decode", backend]  # fmt: skip
+    return [sys.executable, "-m", "bench.ceiling", "--serve", kind, "--port", str(port),
+            "--backend", backend]  # fmt: skip
+
+
+def measure(kinds: Sequence[str], seconds: float) -> list[dict[str, Any]]:
+    cores = os.cpu_count() or 2
+    others = "1" if cores == 2 else f"1-{cores - 1}"
+    backend_port = _free_port()
+    backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
+               "--processes", "2"]  # fmt: skip
+    rows = []
+    with _process(_pinned(others, backend), backend_port):
+        for kind in kinds:
+            port = _free_port()
+            command = _server(kind, port, f"http://127.0.0.1:{backend_port}")
+            with _process(_pinned("0", command), port):
+                if kind == "nixlproxy":
+                    _wait_for_workers(port, 1, float("inf"))
+                for load in LOADS:
+                    result = _load(f"http://127.0.0.1:{port}", load, seconds, others)
+                    rows.append({"server": kind, "load": load.name, **result})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| server | load | req/s | p50 | p99 | errors |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['server']} | {row['load']} | {row['per_second']}/s | {row['p50_ms']} ms "
+            f"| {row['p99_ms']} ms | {row['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--servers", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--serve", choices=KINDS[:2], help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--backend", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.serve, args.port, args.backend)
+        return 0
+    rows = measure(args.servers, args.seconds)
+    print(table(rows))
+    return 1 if any(row["errors"] or not row["requests"] for row in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
