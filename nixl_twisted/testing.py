@@ -263,7 +263,7 @@ class FakeVLLM:
         host = self._port.getHost()
         assert isinstance(host, IPv4Address | IPv6Address)
         scheme = "https" if description.startswith("ssl:") else "http"
-        self.url = f"{scheme}://{host.host}:{host.port}"
+        self.url = f"{scheme}://{_netloc(host)}"
         self._kv_port = 5600 + host.port % 1000
         return self.url
 
@@ -646,6 +646,13 @@ class RunningProxy:
         return maybeDeferred(self.service.stopService)
 
 
+def _netloc(address: IPv4Address | IPv6Address) -> str:
+    """``host:port`` for a URL, an IPv6 host in brackets."""
+    if isinstance(address, IPv6Address):
+        return f"[{address.host}]:{address.port}"
+    return f"{address.host}:{address.port}"
+
+
 def start_proxy(
     prefill: Sequence[str],
     decode: Sequence[str],
@@ -673,7 +680,7 @@ def start_proxy(
     assert listener.port is not None
     host = listener.port.getHost()
     assert isinstance(host, IPv4Address | IPv6Address)
-    return RunningProxy(service, f"http://{host.host}:{host.port}", listener.site)
+    return RunningProxy(service, f"http://{_netloc(host)}", listener.site)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -105,7 +105,14 @@ class _ReadyURL(EncodedURL):
 @lru_cache(maxsize=1024)
 def backend_url(text: str) -> EncodedURL:
     """``text`` as the URI treq would send (cached: one per instance and route)."""
-    uri = EncodedURL.from_text(text).to_uri().to_text()
+    parsed = EncodedURL.from_text(text)
+    if ":" in parsed.host:
+        # An IPv6 literal: hyperlink would IDNA-encode it and fail
+        # (python-hyper/hyperlink#68); there is nothing in it to encode.
+        placeholder = parsed.replace(host="ipv6-literal.invalid").to_uri()
+        uri = placeholder.replace(host=parsed.host).to_text()
+    else:
+        uri = parsed.to_uri().to_text()
     ready = cast(_ReadyURL, _ReadyURL.from_text(uri))
     ready._text = uri
     return ready

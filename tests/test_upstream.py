@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import tempfile
 from http.cookiejar import DefaultCookiePolicy
 from pathlib import Path
@@ -14,11 +15,12 @@ from hypothesis import strategies as st
 from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet import reactor, ssl
+from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
-from twisted.web.client import BrowserLikePolicyForHTTPS
+from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 
-from nixl_twisted.testing import FakeVLLM
+from nixl_twisted.testing import FakeVLLM, TransferLedger
 from nixl_twisted.upstream import Upstream, backend_url, read_body
 from tests.support import CHAT, ProxyCase
 from tests.test_tls import self_signed
@@ -45,6 +47,11 @@ class BackendURLTests(TestCase):
         self.assertEqual(ready.to_uri().to_text(), expected)
         self.assertEqual(ready.to_text(), expected)
 
+    def test_an_ipv6_literal_host_is_kept_as_it_is(self) -> None:
+        # hyperlink's to_uri() alone fails on it (python-hyper/hyperlink#68).
+        ready = backend_url("http://[fd00::1]:8000/v1/completions?q=\u00e9")
+        self.assertEqual(ready.to_text(), "http://[fd00::1]:8000/v1/completions?q=%C3%A9")
+
     def test_a_derived_url_is_rendered_afresh(self) -> None:
         derived = backend_url("http://127.0.0.1:8000/v1/completions").replace(path=("health",))
         self.assertEqual(derived.to_uri().to_text(), "http://127.0.0.1:8000/health")
@@ -70,6 +77,39 @@ class UpstreamTests(TestCase):
             answer = json.loads(await read_body(response))
             self.assertEqual(answer["object"], "chat.completion")
         self.assertEqual(fake.site.connections_accepted, 1)
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+class IPv6BackendTests(ProxyCase):
+    if not _has_ipv6_loopback():
+        skip = "no IPv6 loopback on this machine"
+
+    async def test_a_completion_through_backends_on_ipv6_literals(self) -> None:
+        ledger = TransferLedger()
+        prefill = FakeVLLM(name="prefill-v6", ledger=ledger)
+        decode = FakeVLLM(name="decode-v6", ledger=ledger)
+        for fake in (prefill, decode):
+            url = await fake.listen(r"tcp6:0:interface=\:\:1")
+            self.addCleanup(fake.stop)
+            self.assertTrue(url.startswith("http://[::1]:"), url)
+        self.clock = Clock()
+        proxy = self.start_proxy([prefill.url], [decode.url])
+        http = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
+        response = await http.post(proxy.url + "/v1/chat/completions", json=CHAT)
+        answer = await response.json()
+        self.assertEqual(response.code, 200)
+        self.assertEqual(answer["object"], "chat.completion")
+        self.assertEqual((len(prefill.requests), len(decode.requests)), (1, 1))
+        # Decode redeemed exactly what prefill issued (the fakes check it).
+        self.assertEqual((len(ledger.redeemed), ledger.issued), (1, {}))
 
 
 class CookieTests(ProxyCase):
