@@ -185,7 +185,7 @@ class Exchange:
     async def _legs(self) -> None:
         # Prefill is not spent on a request that no decode instance could take.
         for pool in self.backends.pools():
-            if pool.healthy_count() == 0:
+            if not pool.has_available():
                 raise unavailable(NoHealthyInstance(pool.role, pool.retry_after()))
         kv_transfer_params = await self._prefill_leg()
         self._enter("handoff")

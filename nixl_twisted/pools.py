@@ -134,6 +134,10 @@ class BackendPool:
     def healthy_count(self) -> int:
         return sum(1 for i in self.instances if self.available(i))
 
+    def has_available(self) -> bool:
+        """Some instance could take a leg now (checked on every request)."""
+        return any(self.available(instance) for instance in self.instances)
+
     def next(self, exclude: Collection[Instance] = ()) -> Instance:
         """The instance for the next leg of this role.
 
@@ -276,7 +280,7 @@ class BackendService(Service):
 
     def ready(self) -> bool:
         """Both pools have an instance to send a leg to."""
-        return all(pool.healthy_count() > 0 for pool in self.pools())
+        return all(pool.has_available() for pool in self.pools())
 
     def startService(self) -> None:
         super().startService()
