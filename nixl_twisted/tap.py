@@ -256,6 +256,14 @@ class Options(usage.Options):
             _choice("log-format", ("text", "json")),
         ],
         [
+            "access-log",
+            None,
+            "on",
+            "on: one info event per request (nixlproxy.access); off: none, "
+            "the request metrics still count every request.",
+            _choice("access-log", ("on", "off")),
+        ],
+        [
             "drain-timeout",
             None,
             DEFAULT_DRAIN_TIMEOUT,
@@ -619,8 +627,9 @@ def _proxy(options: Options, clock: IReactorTime | None, handle_sigterm: bool) -
         serve_metrics=options["metrics_endpoint"] is None,
         admin_token=options["admin-token"],
     )
+    access_log = AccessLog(metrics, emit=options["access-log"] == "on")
     site = TrackingSite(
-        app.resource(), max_body_size=options["max-body-size"], access_log=AccessLog(metrics)
+        app.resource(), max_body_size=options["max-body-size"], access_log=access_log
     )
     root = ProxyService(
         app,

@@ -17,7 +17,7 @@ STREAM = dict(CHAT, stream=True)
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
 
-class MetricsTests(ProxyCase):
+class ScrapingCase(ProxyCase):
     async def scrape(
         self, url: str | None = None
     ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -32,6 +32,8 @@ class MetricsTests(ProxyCase):
                 samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
         return samples
 
+
+class MetricsTests(ScrapingCase):
     async def test_counters_histograms_and_gauges_move_with_real_requests(self) -> None:
         await self.start(prefills=2)
         p0, p1 = (p.url for p in self.prefills)
@@ -110,7 +112,7 @@ class MetricsTests(ProxyCase):
         self.assertEqual(m[key], 1)
 
 
-class AccessLogTests(ProxyCase):
+class AccessLogTests(ScrapingCase):
     def capture(self) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
 
@@ -150,6 +152,20 @@ class AccessLogTests(ProxyCase):
         self.assertEqual((second["status"], second["prefill"]), (400, None))
         self.assertEqual(third["route"], "/healthcheck")
         json.dumps([{k: v for k, v in e.items() if not k.startswith("log_")} for e in events])
+
+    async def test_access_log_off_emits_no_event_and_still_counts(self) -> None:
+        events = self.capture()
+        await self.start(args=["--access-log", "off"])
+        for _ in range(2):
+            response, _ = await self.post_json("/v1/chat/completions", CHAT)
+            self.assertEqual(response.code, 200)
+        samples = await self.scrape()
+        self.assertEqual(events, [])
+        key = (
+            "nixlproxy_requests_total",
+            (("route", "/v1/chat/completions"), ("status", "200")),
+        )
+        self.assertEqual(samples[key], 2)
 
     async def test_a_client_that_leaves_gets_its_event_too(self) -> None:
         events = self.capture()
