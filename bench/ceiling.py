@@ -6,10 +6,13 @@ POST a lowered copy to prefill, parse its answer, POST the body plus
 health, no metrics, no access log. Run against the same fast fake backend
 and load as ``bench.run``'s non-streaming loads, pinned the same way:
 
-- ``twisted-web``: a bare ``twisted.web`` resource and ``Agent``, tuned as the
-  proxy is (no form parsing, pooled connections): the floor under Twisted;
-- ``klein-treq``: stock Klein and treq, as a first version would use them;
+- ``web-agent``: a bare ``twisted.web`` resource and ``Agent``: the floor
+  under Twisted;
+- ``klein-agent`` and ``web-treq``: Klein or treq alone on top of it;
+- ``klein-treq``: Klein and treq, used as a first version would use them;
 - ``nixlproxy``: the real ``twistd nixlproxy``, for comparison.
+
+All four floors parse no forms and pool connections, as the proxy does.
 
     python -m bench.ceiling                 # 8 s per load
 """
@@ -29,7 +32,7 @@ LOADS = (
     Load("non-streaming completions, 1 connection", 1, False),
     Load("non-streaming completions, 64 connections", 64, False),
 )
-KINDS = ("twisted-web", "klein-treq", "nixlproxy")
+KINDS = ("web-agent", "klein-agent", "web-treq", "klein-treq", "nixlproxy")
 _KV = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
@@ -64,58 +67,65 @@ def serve(kind: str, port: int, backend: str) -> None:
     pool.maxPersistentPerHost = 512
     agent = Agent(reactor, pool=pool)
 
-    if kind == "twisted-web":
+    server, client = kind.split("-")
 
-        @implementer(IBodyProducer)
-        class _Bytes:
-            """The whole body in one write (FileBodyProducer would add a cooperator)."""
+    @implementer(IBodyProducer)
+    class _Bytes:
+        """The whole body in one write (FileBodyProducer would add a cooperator)."""
 
-            def __init__(self, data: bytes) -> None:
-                self.data, self.length = data, len(data)
+        def __init__(self, data: bytes) -> None:
+            self.data, self.length = data, len(data)
 
-            def startProducing(self, consumer: Any) -> Deferred[None]:
-                consumer.write(self.data)
-                return succeed(None)
+        def startProducing(self, consumer: Any) -> Deferred[None]:
+            consumer.write(self.data)
+            return succeed(None)
 
-            def pauseProducing(self) -> None: ...
-            def stopProducing(self) -> None: ...
-            def resumeProducing(self) -> None: ...
+        def pauseProducing(self) -> None: ...
+        def stopProducing(self) -> None: ...
+        def resumeProducing(self) -> None: ...
 
-        async def _two_legs(request: Any) -> None:
-            body = json.loads(request.content.read())
-            response = await agent.request(b"POST", url, headers, _Bytes(_lowered(body)))
-            answer = await readBody(response)
-            response = await agent.request(b"POST", url, headers, _Bytes(_completed(body, answer)))
-            request.setHeader(b"Content-Type", b"application/json")
-            request.write(await readBody(response))
+    if client == "agent":
+
+        async def post(data: bytes) -> bytes:
+            response = await agent.request(b"POST", url, headers, _Bytes(data))
+            return bytes(await readBody(response))
+    else:
+        import treq.client
+
+        http = treq.client.HTTPClient(agent)
+
+        async def post(data: bytes) -> bytes:
+            response = await http.post(url, data=data, headers=headers)
+            return bytes(await response.content())
+
+    async def two_legs(request: Any) -> bytes:
+        body = json.loads(request.content.read())
+        answer = await post(_lowered(body))
+        decoded = await post(_completed(body, answer))
+        request.setHeader(b"Content-Type", b"application/json")
+        return decoded
+
+    if server == "web":
+
+        async def respond(request: Any) -> None:
+            request.write(await two_legs(request))
             request.finish()
 
         class _Completions(Resource):
             isLeaf = True
 
             def render_POST(self, request: Any) -> int:
-                Deferred.fromCoroutine(_two_legs(request))
+                Deferred.fromCoroutine(respond(request))
                 return NOT_DONE_YET
 
         site = Site(_Completions())
-        site.requestFactory = _NoForms
     else:
-        import treq.client
         from klein import Klein
 
-        http = treq.client.HTTPClient(agent)
         app = Klein()
-
-        @app.route("/v1/completions", methods=["POST"])
-        async def completions(request: Any) -> bytes:
-            body = json.loads(request.content.read())
-            response = await http.post(url, data=_lowered(body), headers=headers)
-            answer = await response.content()
-            response = await http.post(url, data=_completed(body, answer), headers=headers)
-            request.setHeader(b"Content-Type", b"application/json")
-            return bytes(await response.content())
-
+        app.route("/v1/completions", methods=["POST"])(two_legs)
         site = Site(app.resource())
+    site.requestFactory = _NoForms
     serverFromString(reactor, f"tcp:{port}:interface=127.0.0.1").listen(site)
     cast(IReactorCore, reactor).run()
 
@@ -163,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--servers", nargs="+", choices=KINDS, default=list(KINDS))
-    parser.add_argument("--serve", choices=KINDS[:2], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=KINDS[:4], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -127,7 +127,13 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def measure(load: Load, seconds: float, backend_processes: int, workers: int = 1) -> dict[str, Any]:
+def measure(
+    load: Load,
+    seconds: float,
+    backend_processes: int,
+    workers: int = 1,
+    proxy_args: Sequence[str] = (),
+) -> dict[str, Any]:
     cores = os.cpu_count() or 2
     others = "1" if cores == 2 else f"1-{cores - 1}"
     proxy_cores = "0" if workers == 1 else f"0-{min(workers, cores) - 1}"
@@ -139,7 +145,7 @@ def measure(load: Load, seconds: float, backend_processes: int, workers: int = 1
              "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--health-interval", "0",
              "--prefill", f"http://127.0.0.1:{backend_port}",
              "--decode", f"http://127.0.0.1:{backend_port}",
-             "--workers", str(workers)]  # fmt: skip
+             "--workers", str(workers), *proxy_args]  # fmt: skip
     with _process(_pinned(others, backend), backend_port):
         direct = _load(f"http://127.0.0.1:{backend_port}", load, seconds, others)
         with _process(_pinned(proxy_cores, proxy), proxy_port) as running:
@@ -223,11 +229,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--repeat", type=int, default=1, help="run each load N times and report the medians"
     )
+    parser.add_argument(
+        "--proxy-arg",
+        action="append",
+        default=[],
+        help="one more twistd nixlproxy option, e.g. --proxy-arg=--access-log=off",
+    )
     args = parser.parse_args(argv)
     rows = [
         median_row(
             [
-                measure(load, args.seconds, args.backend_processes, args.workers)
+                measure(load, args.seconds, args.backend_processes, args.workers, args.proxy_arg)
                 for _ in range(args.repeat)
             ]
         )
