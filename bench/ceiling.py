@@ -132,7 +132,7 @@ def serve(kind: str, port: int, backend: str) -> None:
 
 def _server(kind: str, port: int, backend: str) -> list[str]:
     if kind == "nixlproxy":
-        return [*TWISTD, "-n", "--pidfile=", "--logfile=/dev/null", "nixlproxy",
+        return [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy",
                 "--listen", f"tcp:{port}:interface=127.0.0.1", "--health-interval", "0",
                 "--prefill", backend, "--decode", backend]  # fmt: skip
     return [sys.executable, "-m", "bench.ceiling", "--serve", kind, "--port", str(port),

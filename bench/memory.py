@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend_port, proxy_port = _free_port(), _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
                "--token-interval", "3600"]  # fmt: skip
-    proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=/dev/null", "nixlproxy",
+    proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy",
              "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--health-interval", "0",
              "--stream-idle-timeout", "7200", "--max-in-flight", "100000",
              "--prefill", f"http://127.0.0.1:{backend_port}",

@@ -141,7 +141,9 @@ def measure(
     backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
                "--processes", str(backend_processes),
                "--token-interval", str(load.token_interval)]  # fmt: skip
-    proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=/dev/null", "nixlproxy",
+    # The log goes to standard output, which is /dev/null: with
+    # --logfile=/dev/null twistd would rotate (rename) the device at 1 MB.
+    proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy",
              "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--health-interval", "0",
              "--prefill", f"http://127.0.0.1:{backend_port}",
              "--decode", f"http://127.0.0.1:{backend_port}",
