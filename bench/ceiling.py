@@ -10,9 +10,11 @@ and load as ``bench.run``'s non-streaming loads, pinned the same way:
   under Twisted;
 - ``klein-agent`` and ``web-treq``: Klein or treq alone on top of it;
 - ``klein-treq``: Klein and treq, used as a first version would use them;
+- ``klein-upstream``: Klein and the proxy's own treq client
+  (``nixl_twisted.upstream``), to show what is left of treq's cost;
 - ``nixlproxy``: the real ``twistd nixlproxy``, for comparison.
 
-All four floors parse no forms and pool connections, as the proxy does.
+All the floors parse no forms and pool connections, as the proxy does.
 
     python -m bench.ceiling                 # 8 s per load
 """
@@ -32,7 +34,7 @@ LOADS = (
     Load("non-streaming completions, 1 connection", 1, False),
     Load("non-streaming completions, 64 connections", 64, False),
 )
-KINDS = ("web-agent", "klein-agent", "web-treq", "klein-treq", "nixlproxy")
+KINDS = ("web-agent", "klein-agent", "web-treq", "klein-treq", "klein-upstream", "nixlproxy")
 _KV = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
@@ -84,7 +86,16 @@ def serve(kind: str, port: int, backend: str) -> None:
         def stopProducing(self) -> None: ...
         def resumeProducing(self) -> None: ...
 
-    if client == "agent":
+    if client == "upstream":
+        from nixl_twisted.upstream import Upstream, read_body
+
+        upstream = Upstream(reactor)
+
+        async def post(data: bytes) -> bytes:
+            response = await upstream.post(url.decode(), data, headers)
+            return bytes(await read_body(response))
+
+    elif client == "agent":
 
         async def post(data: bytes) -> bytes:
             response = await agent.request(b"POST", url, headers, _Bytes(data))
@@ -173,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--servers", nargs="+", choices=KINDS, default=list(KINDS))
-    parser.add_argument("--serve", choices=KINDS[:4], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=KINDS[:-1], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

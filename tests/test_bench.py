@@ -53,5 +53,12 @@ def test_a_short_ceiling_run_prints_its_table() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    for server in ("web-agent", "klein-agent", "web-treq", "klein-treq", "nixlproxy"):
+    for server in (
+        "web-agent",
+        "klein-agent",
+        "web-treq",
+        "klein-treq",
+        "klein-upstream",
+        "nixlproxy",
+    ):
         assert f"| {server} | non-streaming completions, 64 connections |" in result.stdout
