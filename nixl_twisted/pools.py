@@ -131,9 +131,6 @@ class BackendPool:
             return False
         return instance.healthy or self._now() >= instance.retry_at
 
-    def healthy_count(self) -> int:
-        return sum(1 for i in self.instances if self.available(i))
-
     def has_available(self) -> bool:
         """Some instance could take a leg now (checked on every request)."""
         return any(self.available(instance) for instance in self.instances)

@@ -73,7 +73,8 @@ def test_an_instance_marked_down_is_skipped_until_its_backoff_ends() -> None:
     a, b = pool.instances
     pool.mark_failed(a, "connection refused")
     assert [pool.next() for _ in range(3)] == [b, b, b]
-    assert pool.healthy_count() == 1
+    assert [pool.available(i) for i in (a, b)] == [False, True]
+    assert pool.has_available()
     clock.advance(1.0)
     # Past its backoff it gets one more chance (half-open).
     assert {pool.next(), pool.next()} == {a, b}
