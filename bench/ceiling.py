@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -163,7 +164,7 @@ def measure(kinds: Sequence[str], seconds: float) -> list[dict[str, Any]]:
             command = _server(kind, port, f"http://127.0.0.1:{backend_port}")
             with _process(_pinned("0", command), port):
                 if kind == "nixlproxy":
-                    _wait_for_workers(port, 1, float("inf"))
+                    _wait_for_workers(port, 1, time.monotonic() + 30)
                 for load in LOADS:
                     result = _load(f"http://127.0.0.1:{port}", load, seconds, others)
                     rows.append({"server": kind, "load": load.name, **result})
