@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+from multiprocessing.connection import Connection
 
 PARAMS = {
     "do_remote_prefill": True,
@@ -98,19 +99,35 @@ async def _serve(
         writer.close()
 
 
-def _run(port: int, interval: float) -> None:
+def _run(port: int, interval: float, ready: Connection) -> None:
+    # Forked with the parent's signals blocked: a worker stops on SIGTERM as usual.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
     async def main() -> None:
         server = await asyncio.start_server(
             lambda r, w: _serve(r, w, interval), "127.0.0.1", port, reuse_port=True, backlog=1024
         )
+        ready.send(port)
+        ready.close()
         async with server:
             await server.serve_forever()
 
     asyncio.run(main())
 
 
-def _stop(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+#: Forked, so that the workers are this process's own children (signalled and joined here).
+_FORK = multiprocessing.get_context("fork")
+
+#: What stops the parent: an operator's signal, or a worker that died.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGCHLD}
+
+
+def _reserve(port: int) -> socket.socket:
+    """Bind (not listen) the port, resolving 0 once so every worker shares one port."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -119,30 +136,38 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--token-interval", type=float, default=0.0)
     args = parser.parse_args(argv)
+    # Blocked before anything else and collected with sigwait: a SIGTERM at
+    # any moment from here on (even while readiness is being announced) is
+    # handled by the one wait below, never by a handler raising mid-print.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    reserved = _reserve(args.port)
+    port = reserved.getsockname()[1]
+    pipes = [_FORK.Pipe(duplex=False) for _ in range(args.processes)]
     workers = [
-        multiprocessing.Process(target=_run, args=(args.port, args.token_interval), daemon=True)
-        for _ in range(args.processes)
+        _FORK.Process(target=_run, args=(port, args.token_interval, sender), daemon=True)
+        for _, sender in pipes
     ]
-    for worker in workers:
-        worker.start()
-    # Stopped with SIGTERM (as bench.run does), the parent must stop its
-    # workers too, or they keep serving the port after the run.
-    signal.signal(signal.SIGTERM, _stop)
-    print(
-        f"bench backend listening on 127.0.0.1:{args.port} ({args.processes} processes)", flush=True
-    )
+    code = 0
     try:
         for worker in workers:
-            worker.join()
-    except KeyboardInterrupt:
-        pass
+            worker.start()
+        for receiver, sender in pipes:
+            sender.close()
+            receiver.recv()  # EOFError if that worker died before it could listen
+        # Announced once every worker listens: whoever reads it may connect.
+        print(f"bench backend listening on 127.0.0.1:{port} ({args.processes} processes)", flush=True)
+        if signal.sigwait(_STOP_SIGNALS) == signal.SIGCHLD:
+            code = 1  # a worker died: stop the rest rather than serve short
     finally:
         for worker in workers:
-            worker.terminate()
+            if worker.pid is not None:
+                worker.terminate()
         for worker in workers:
-            worker.join()
+            if worker.pid is not None:
+                worker.join()
+        reserved.close()
         sys.stdout.flush()
-        os._exit(0)
+        os._exit(code)
 
 
 if __name__ == "__main__":

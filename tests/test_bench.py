@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +32,17 @@ def test_a_short_memory_run_prints_its_table() -> None:
 
 
 def test_a_stopped_backend_stops_its_worker_processes() -> None:
+    """SIGTERM the moment readiness is announced: every worker stops, exit 0."""
     backend = subprocess.Popen(
         [sys.executable, "-m", "bench.backend", "--port", "0", "--processes", "2"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert backend.stdout is not None
-        assert "listening" in backend.stdout.readline()
+        line = backend.stdout.readline()
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        assert match is not None, line
+        assert int(match.group(1)) > 0  # port 0 resolved once, for both workers
         children_file = Path(f"/proc/{backend.pid}/task/{backend.pid}/children")
         workers = [int(pid) for pid in children_file.read_text().split()]
         assert len(workers) == 2
@@ -45,6 +51,40 @@ def test_a_stopped_backend_stops_its_worker_processes() -> None:
         backend.wait(timeout=30)
     assert backend.returncode == 0
     assert [pid for pid in workers if Path(f"/proc/{pid}").exists()] == []
+
+
+def test_every_backend_worker_serves_the_one_announced_port() -> None:
+    backend = subprocess.Popen(
+        [sys.executable, "-m", "bench.backend", "--port", "0", "--processes", "2"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert backend.stdout is not None
+        match = re.search(r":(\d+) ", backend.stdout.readline())
+        assert match is not None
+        port = int(match.group(1))
+        children_file = Path(f"/proc/{backend.pid}/task/{backend.pid}/children")
+        workers = [int(pid) for pid in children_file.read_text().split()]
+        # Announced only once both listen: each socket, as the kernel reports it.
+        assert {_listening_port(pid) for pid in workers} == {port}
+    finally:
+        backend.terminate()
+        backend.wait(timeout=30)
+    assert backend.returncode == 0
+
+
+def _listening_port(pid: int) -> int | None:
+    """The TCP port a process listens on, from /proc."""
+    inodes = {
+        target[len("socket:[") : -1]
+        for target in (os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir())
+        if target.startswith("socket:[")
+    }
+    for row in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        fields = row.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+            return int(fields[1].split(":")[1], 16)
+    return None
 
 
 def test_a_short_ceiling_run_prints_its_table() -> None:
