@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
             sender.close()
             receiver.recv()  # EOFError if that worker died before it could listen
         # Announced once every worker listens: whoever reads it may connect.
-        print(f"bench backend listening on 127.0.0.1:{port} ({args.processes} processes)", flush=True)
+        processes = args.processes
+        print(f"bench backend listening on 127.0.0.1:{port} ({processes} processes)", flush=True)
         if signal.sigwait(_STOP_SIGNALS) == signal.SIGCHLD:
             code = 1  # a worker died: stop the rest rather than serve short
     finally:
