@@ -25,11 +25,11 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
 
-from bench.run import TWISTD, Load, _free_port, _load, _pinned, _process, _wait_for_workers
+from bench.run import Load, _free_port, _load, _pinned, _process, nixlproxy
 
 LOADS = (
     Load("non-streaming completions, 1 connection", 1, False),
@@ -88,9 +88,14 @@ def serve(kind: str, port: int, backend: str) -> None:
         def resumeProducing(self) -> None: ...
 
     if client == "upstream":
-        from nixl_twisted.upstream import Upstream, read_body
+        from twisted.web.client import HTTPConnectionPool
 
-        upstream = Upstream(reactor)
+        from nixl_twisted.relay import read_body
+        from nixl_twisted.upstream import Upstream, backend_agent
+
+        connections = HTTPConnectionPool(reactor)
+        connections.maxPersistentPerHost = 512
+        upstream = Upstream(backend_agent(reactor, connections, 10.0), connections)
 
         async def post(data: bytes) -> bytes:
             response = await upstream.post(url.decode(), data, headers)
@@ -143,12 +148,21 @@ def serve(kind: str, port: int, backend: str) -> None:
 
 
 def _server(kind: str, port: int, backend: str) -> list[str]:
-    if kind == "nixlproxy":
-        return [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy",
-                "--listen", f"tcp:{port}:interface=127.0.0.1", "--health-interval", "0",
-                "--prefill", backend, "--decode", backend]  # fmt: skip
     return [sys.executable, "-m", "bench.ceiling", "--serve", kind, "--port", str(port),
             "--backend", backend]  # fmt: skip
+
+
+@contextmanager
+def _serving(kind: str, backend: str) -> Iterator[str]:
+    """One floor server (or nixlproxy itself) on core 0, and its URL."""
+    if kind == "nixlproxy":
+        with nixlproxy(["--health-interval", "0", "--prefill", backend, "--decode", backend],
+                       "0") as (_, url):  # fmt: skip
+            yield url
+        return
+    port = _free_port()
+    with _process(_pinned("0", _server(kind, port, backend)), port):
+        yield f"http://127.0.0.1:{port}"
 
 
 def measure(kinds: Sequence[str], seconds: float) -> list[dict[str, Any]]:
@@ -160,13 +174,9 @@ def measure(kinds: Sequence[str], seconds: float) -> list[dict[str, Any]]:
     rows = []
     with _process(_pinned(others, backend), backend_port):
         for kind in kinds:
-            port = _free_port()
-            command = _server(kind, port, f"http://127.0.0.1:{backend_port}")
-            with _process(_pinned("0", command), port):
-                if kind == "nixlproxy":
-                    _wait_for_workers(port, 1, time.monotonic() + 30)
+            with _serving(kind, f"http://127.0.0.1:{backend_port}") as url:
                 for load in LOADS:
-                    result = _load(f"http://127.0.0.1:{port}", load, seconds, others)
+                    result = _load(url, load, seconds, others)
                     rows.append({"server": kind, "load": load.name, **result})
     return rows
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from bench.load import request_bytes
-from bench.run import TWISTD, _free_port, _pinned, _process
+from bench.run import _free_port, _pinned, _process, nixlproxy
 
 
 def _rss_mb(pid: int) -> float:
@@ -57,20 +57,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[250, 500, 1000])
     args = parser.parse_args(argv)
-    backend_port, proxy_port = _free_port(), _free_port()
+    backend_port = _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
                "--token-interval", "3600"]  # fmt: skip
-    proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy",
-             "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--health-interval", "0",
+    proxy = ["--health-interval", "0",
              "--stream-idle-timeout", "7200", "--max-in-flight", "100000",
              "--prefill", f"http://127.0.0.1:{backend_port}",
              "--decode", f"http://127.0.0.1:{backend_port}"]  # fmt: skip
     with (
         _process(_pinned("1", backend), backend_port),
-        _process(_pinned("0", proxy), proxy_port) as running,
+        nixlproxy(proxy, "0") as (running, url),
     ):
         started = time.monotonic()
-        results = asyncio.run(measure(proxy_port, running.pid, args.streams))
+        proxy_port = int(url.rsplit(":", 1)[1])
+        results = asyncio.run(measure(proxy_port, running.process.pid, args.streams))
     baseline = results[0][1]
     print("| idle streams | proxy RSS | per stream |")
     print("|---|---|---|")

@@ -22,13 +22,13 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
+from nixl_twisted.testing.process import Twistd
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -105,14 +105,18 @@ def _load(url: str, load: Load, seconds: float, cores: str) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
-def _wait_for_workers(port: int, workers: int, deadline: float) -> None:
-    """Until /healthcheck has answered from ``workers`` distinct processes."""
-    seen: set[int] = set()
-    while len(seen) < workers:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {len(seen)} of {workers} workers answered")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=5) as answer:
-            seen.add(json.loads(answer.read())["pid"])
+@contextmanager
+def nixlproxy(args: Sequence[str], cores: str, workers: int = 1) -> Iterator[tuple[Twistd, str]]:
+    """A real ``twistd nixlproxy`` pinned to ``cores``, and its URL once every worker listens.
+
+    Its log goes to a pipe the helper drains (with --logfile=/dev/null
+    twistd would rotate, that is rename, the device at 1 MB).
+    """
+    proxy = Twistd(["--listen", "tcp:0:interface=127.0.0.1", *args], prefix=_pinned(cores, []))
+    try:
+        yield proxy, f"http://{proxy.address(count=workers)}"
+    finally:
+        proxy.stop(timeout=15)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -137,24 +141,20 @@ def measure(
     cores = os.cpu_count() or 2
     others = "1" if cores == 2 else f"1-{cores - 1}"
     proxy_cores = "0" if workers == 1 else f"0-{min(workers, cores) - 1}"
-    backend_port, proxy_port = _free_port(), _free_port()
+    backend_port = _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
                "--processes", str(backend_processes),
                "--token-interval", str(load.token_interval)]  # fmt: skip
-    # The log goes to standard output, which is /dev/null: with
-    # --logfile=/dev/null twistd would rotate (rename) the device at 1 MB.
-    proxy = [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy",
-             "--listen", f"tcp:{proxy_port}:interface=127.0.0.1", "--health-interval", "0",
+    proxy = ["--health-interval", "0",
              "--prefill", f"http://127.0.0.1:{backend_port}",
              "--decode", f"http://127.0.0.1:{backend_port}",
              "--workers", str(workers), *proxy_args]  # fmt: skip
     with _process(_pinned(others, backend), backend_port):
         direct = _load(f"http://127.0.0.1:{backend_port}", load, seconds, others)
-        with _process(_pinned(proxy_cores, proxy), proxy_port) as running:
-            _wait_for_workers(proxy_port, workers, time.monotonic() + 30)
-            pids = _descendants(running.pid)
+        with nixlproxy(proxy, proxy_cores, workers) as (running, url):
+            pids = _descendants(running.process.pid)
             cpu_before = sum(_cpu_seconds(pid) for pid in pids)
-            proxied = _load(f"http://127.0.0.1:{proxy_port}", load, seconds, others)
+            proxied = _load(url, load, seconds, others)
             cpu = sum(_cpu_seconds(pid) for pid in pids) - cpu_before
             rss = max(_peak_rss_mb(pid) for pid in pids)
     requests = max(1, proxied["requests"])

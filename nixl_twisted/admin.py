@@ -14,17 +14,12 @@ from typing import Any
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
+from nixl_twisted.backends import BackendService
 from nixl_twisted.errors import ProxyError, invalid_request
-from nixl_twisted.pools import (
-    BackendPool,
-    BackendService,
-    InvalidBackendURL,
-    PoolChangeRefused,
-)
+from nixl_twisted.pools import BackendPool, PoolChangeRefused
+from nixl_twisted.settings import InvalidValue, backend_url
 
 log = Logger()
-
-ADMIN_TOKEN_ENV = "NIXLPROXY_ADMIN_TOKEN"
 
 
 class AdminAPI:
@@ -33,10 +28,6 @@ class AdminAPI:
     def __init__(self, backends: BackendService, token: str | None) -> None:
         self.backends = backends
         self._token = token.encode("utf-8") if token else None
-
-    @property
-    def enabled(self) -> bool:
-        return self._token is not None
 
     def authorize(self, request: IRequest) -> None:
         if self._token is None:
@@ -70,18 +61,18 @@ class AdminAPI:
             ) from None
         if not isinstance(change, dict) or not isinstance(change.get("url"), str):
             raise invalid_request('the body must name a "url"', "invalid_body")
-        pools = {pool.role: pool for pool in self.backends.pools()}
-        pool = pools.get(change.get("pool"))  # type: ignore[arg-type]
+        pool = self.backends.pool(str(change.get("pool")))
         if pool is None:
             raise invalid_request('"pool" must be "prefill" or "decode"', "invalid_pool")
-        return pool, change["url"]
+        try:
+            # The same check as a --prefill or --decode URL gets.
+            return pool, backend_url(change["url"])
+        except InvalidValue as error:
+            raise invalid_request(str(error), "invalid_url") from None
 
     def add(self, body: bytes) -> dict[str, Any]:
         pool, url = self._target(body)
-        try:
-            return pool.add(url).describe()
-        except InvalidBackendURL as error:
-            raise invalid_request(str(error), "invalid_url") from None
+        return pool.add(url).describe()
 
     def drain(self, body: bytes) -> dict[str, Any]:
         return self._change(body, remove=False)
@@ -93,8 +84,6 @@ class AdminAPI:
         pool, url = self._target(body)
         try:
             instance = pool.remove(url) if remove else pool.drain(url)
-        except InvalidBackendURL as error:
-            raise invalid_request(str(error), "invalid_url") from None
         except PoolChangeRefused as error:
             raise ProxyError(409, str(error), "invalid_request_error", "last_instance") from None
         if instance is None:
@@ -102,7 +91,3 @@ class AdminAPI:
                 404, f"no {pool.role} instance {url}", "invalid_request_error", "not_found"
             )
         return instance.describe()
-
-
-def _refused(status: int, message: str, code: str) -> ProxyError:
-    return ProxyError(status, message, "invalid_request_error", code)

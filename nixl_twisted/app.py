@@ -1,4 +1,4 @@
-"""The Klein app: the proxy's routes, input checks, admission and error mapping.
+"""The Klein app: the proxy's routes, input checks and error mapping.
 
 Each completion is an ``Exchange`` (``nixl_twisted.exchange``): the lowered
 body to the next prefill instance, then the client's body plus prefill's
@@ -14,62 +14,58 @@ import os
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.iweb import IRequest
+from twisted.web.iweb import IRequest, IResponse
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
-from nixl_twisted import protocol
+from nixl_twisted import lowering
 from nixl_twisted.access import record_of
 from nixl_twisted.admin import AdminAPI
-from nixl_twisted.errors import ProxyError, bad_gateway, error_body, overloaded
-from nixl_twisted.exchange import Exchange, Limits, PrefillRefused, break_off, unavailable
+from nixl_twisted.admission import Admission
+from nixl_twisted.backends import BackendService
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.errors import ProxyError, bad_gateway, error_body
+from nixl_twisted.exchange import Exchange
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
+from nixl_twisted.legs import PrefillRefused, Retry, describe, send_leg
 from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
-from nixl_twisted.pools import BackendService, NoHealthyInstance
-from nixl_twisted.upstream import relay_body, start_response
+from nixl_twisted.pools import Instance
+from nixl_twisted.relay import break_off, relay_body, start_response
 
 log = Logger()
 
 _JSON = b"application/json"
-DEFAULT_MAX_IN_FLIGHT = 1024
 
 
 class ProxyApp:
-    """The proxy's HTTP face, handed the service that owns the backends."""
+    """The proxy's HTTP face, handed what it serves with by the composition root."""
 
     app = Klein()
 
     def __init__(
         self,
+        config: ProxyConfig,
         backends: BackendService,
-        backend_api_key: str | None = None,
-        limits: Limits | None = None,
-        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-        clock: IReactorTime | None = None,
-        metrics: ProxyMetrics | None = None,
-        serve_metrics: bool = True,
-        admin_token: str | None = None,
+        admission: Admission,
+        metrics: ProxyMetrics,
+        clock: IReactorTime,
     ) -> None:
+        self.config = config
         self.backends = backends
-        self.backend_api_key = backend_api_key
-        self.limits = limits or Limits()
-        self.max_in_flight = max_in_flight
-        self.clock = clock or backends.clock
-        self.metrics = metrics or ProxyMetrics(backends.pools())
+        self.admission = admission
+        self.metrics = metrics
+        self.clock = clock
         #: Off when /metrics is served on its own --metrics-listen endpoint.
-        self.serve_metrics = serve_metrics
-        self.admin = AdminAPI(backends, admin_token)
-        self._in_flight = 0
-        self.metrics.in_flight.set_function(lambda: self._in_flight)
+        self.serve_metrics = config.metrics_listen is None
+        self.admin = AdminAPI(backends, config.admin_token)
+        self.metrics.in_flight.set_function(lambda: self.admission.in_flight)
         #: The completions being served now.
         self.exchanges: set[Exchange] = set()
-        self.draining = False
-        self._idle: list[Deferred[None]] = []
 
     def resource(self) -> IResource:
         """The Twisted Web resource that serves this app."""
@@ -78,46 +74,17 @@ class ProxyApp:
     @property
     def in_flight(self) -> int:
         """Requests being served now."""
-        return self._in_flight
+        return self.admission.in_flight
 
-    # -- admission and draining ---------------------------------------------
-
-    def _admit(self) -> None:
-        if self.draining:
-            raise overloaded("the proxy is shutting down", "draining")
-        if self._in_flight >= self.max_in_flight:
-            raise overloaded(
-                f"the proxy is serving its limit of {self.max_in_flight} requests",
-                "too_many_requests_in_flight",
-            )
-        self._in_flight += 1
-
-    def _release(self, result: object) -> object:
-        self._in_flight -= 1
-        if self._in_flight == 0:
-            idle, self._idle = self._idle, []
-            for waiting in idle:
-                waiting.callback(None)
-        return result
-
-    def start_draining(self) -> None:
-        """Refuse new requests from now on; /healthcheck says not ready."""
-        self.draining = True
-
-    def drain(self) -> Deferred[None]:
-        """Refuse new requests; fires when those in flight have ended."""
-        self.start_draining()
-        if self._in_flight == 0:
-            return succeed(None)
-        waiting: Deferred[None] = Deferred()
-        self._idle.append(waiting)
-        return waiting
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
 
     # -- routes -----------------------------------------------------------
 
     @app.route("/healthcheck", methods=["GET"])
     def healthcheck(self, request: Request) -> bytes:
-        ready = self.backends.ready() and not self.draining
+        ready = self.backends.ready() and not self.admission.draining
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"Content-Type", _JSON)
         return json.dumps(
@@ -125,7 +92,7 @@ class ProxyApp:
                 "ready": ready,
                 "prefill_instances": len(self.backends.prefill),
                 "decode_instances": len(self.backends.decode),
-                "draining": self.draining,
+                "draining": self.admission.draining,
                 "in_flight": self.in_flight,
                 "pid": os.getpid(),
                 "instances": {
@@ -158,72 +125,70 @@ class ProxyApp:
 
     @app.route("/v1/models", methods=["GET"])
     def models(self, request: Request) -> Deferred[None]:
-        self._admit()
-        return Deferred.fromCoroutine(self._models(request)).addBoth(self._release)
+        self.admission.admit()
+        return Deferred.fromCoroutine(self._models(request)).addBoth(self.admission.release)
 
     async def _models(self, request: Request) -> None:
-        request_id = protocol.new_request_id()
+        request_id = lowering.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
-        try:
-            instance = self.backends.decode.next()
-        except NoHealthyInstance as error:
-            raise unavailable(error) from None
-        record_of(request).decode = instance.url
         headers = backend_request_headers(
-            request.requestHeaders, request_id, self.backend_api_key, json_body=False
+            request.requestHeaders, request_id, self.config.backend_api_key, json_body=False
         )
+
+        async def attempt(instance: Instance) -> IResponse:
+            record_of(request).decode = instance.url
+            try:
+                return await self.backends.upstream.get(instance.url + "/v1/models", headers)
+            except CancelledError:
+                raise
+            except Exception as error:
+                message = f"decode instance {instance.url} could not be reached: {describe(error)}"
+                raise Retry(
+                    bad_gateway(message, "decode_unreachable"), "unreachable", describe(error)
+                ) from None
+
+        pool = self.backends.decode
+        lease, response = await send_leg(pool, self.config.retries.decode, self.metrics, attempt)
         try:
-            response = await self.backends.upstream.get(instance.url + "/v1/models", headers)
-        except CancelledError:
-            raise
-        except Exception as error:
-            self.backends.decode.mark_failed(instance, str(error))
-            raise bad_gateway(
-                f"decode instance {instance.url} could not be reached: {error}",
-                "decode_unreachable",
-            ) from None
-        start_response(request, response)
-        try:
-            await relay_body(request, response, self.clock, self.limits.stream_idle_timeout)
+            start_response(request, response)
+            await relay_body(request, response, self.clock, self.config.timeouts.stream_idle)
         except CancelledError:
             raise
         except Exception as error:
             await break_off(request, f"the decode answer broke off: {error}", "decode_broken")
+        finally:
+            lease.release()
 
-    @app.route(protocol.COMPLETIONS_PATH, methods=["POST"])
+    @app.route(lowering.COMPLETIONS_PATH, methods=["POST"])
     def completions(self, request: Request) -> Deferred[None]:
-        return self._two_legs(request, protocol.COMPLETIONS_PATH)
+        return self._two_legs(request, lowering.COMPLETIONS_PATH)
 
-    @app.route(protocol.CHAT_COMPLETIONS_PATH, methods=["POST"])
+    @app.route(lowering.CHAT_COMPLETIONS_PATH, methods=["POST"])
     def chat_completions(self, request: Request) -> Deferred[None]:
-        return self._two_legs(request, protocol.CHAT_COMPLETIONS_PATH)
+        return self._two_legs(request, lowering.CHAT_COMPLETIONS_PATH)
 
     def _two_legs(self, request: Request, path: str) -> Deferred[None]:
         # The id comes first, so that every answer, refusals included, has one.
-        request_id = protocol.new_request_id()
+        request_id = lowering.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
-        body = protocol.parse_client_body(_client_body(request))
-        protocol.check_servable(path, body)
-        self._admit()
-        headers = backend_request_headers(request.requestHeaders, request_id, self.backend_api_key)
-        exchange = Exchange(
-            request,
-            path,
-            body,
-            request_id,
-            headers,
-            self.backends,
-            self.limits,
-            self.clock,
-            self.metrics,
+        body = lowering.parse_client_body(_client_body(request))
+        lowering.check_servable(path, body)
+        self.admission.admit()
+        config = self.config
+        headers = backend_request_headers(
+            request.requestHeaders, request_id, config.backend_api_key
         )
+        exchange = Exchange(
+            request, path, body, request_id, headers, self.backends,
+            config.timeouts, config.retries, self.clock, self.metrics,
+        )  # fmt: skip
         self.exchanges.add(exchange)
 
         def ended(result: object) -> object:
             self.exchanges.discard(exchange)
-            return self._release(result)
+            return self.admission.release(result)
 
         return exchange.start().addBoth(ended)
 

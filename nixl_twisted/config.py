@@ -1,102 +1,277 @@
-"""The TOML config file: every option of ``twistd nixlproxy``, by its long name.
+"""``ProxyConfig``: the proxy's whole configuration as one frozen value.
 
-Values from the file come first; the command line overrides them (a list
-option given on the command line replaces the file's list). The file is
-checked at start, and every error names the file and the key.
+Every source reaches the proxy through :func:`resolve` or
+:meth:`ProxyConfig.from_settings`: the command line, the ``--config`` TOML
+file (the command line wins; a list given there replaces the file's),
+the environment for secrets, SIGHUP reloads (:meth:`ProxyConfig.reloaded`)
+and the workers (:meth:`ProxyConfig.to_json` / :meth:`ProxyConfig.from_json`).
+Each value passes the parser of its ``settings.Setting``; an error is a
+``ConfigError`` that names where the value came from and the key.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from twisted.python import usage
+from nixl_twisted.settings import BY_NAME, SETTINGS, InvalidValue, tcp_address
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 
-#: Options that may be repeated on the command line; lists in the file.
-LIST_OPTIONS = ("listen", "prefill", "decode")
-#: Not a config key: the file cannot name itself, and the version is not config.
-NOT_IN_FILE = ("config", "version", "help")
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used: ``key`` is the setting at fault."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
 
 
-def _load(path: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Pools:
+    """The backend base URLs of each role (checked, normalized, never empty)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+    def of(self, role: str) -> tuple[str, ...]:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds, for each thing the proxy waits on."""
+
+    connect: float
+    backend_idle: float
+    prefill: float
+    decode: float
+    stream_idle: float
+    drain: float
+
+
+@dataclass(frozen=True)
+class Retries:
+    """Other instances tried per leg."""
+
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True)
+class Health:
+    """Active ``GET /health`` checks; ``interval`` 0 turns them off."""
+
+    interval: float
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the proxy accepts at once, and keeps."""
+
+    max_in_flight: int
+    max_body_size: int
+    max_idle_per_backend: int
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """One proxy's configuration; made only from settings, so always valid."""
+
+    listen: tuple[str, ...]
+    pools: Pools
+    timeouts: Timeouts
+    retries: Retries
+    health: Health
+    limits: Limits
+    metrics_listen: str | None
+    workers: int
+    log_format: str
+    access_log: bool
+    backend_api_key: str | None = field(repr=False)
+    admin_token: str | None = field(repr=False)
+    #: The ``--config`` file, whose pools SIGHUP reloads.
+    config_path: str | None = None
+    #: Set in a ``--workers`` worker: its number; its TCP ports are shared.
+    worker: int | None = None
+
+    @classmethod
+    def from_settings(
+        cls,
+        values: Mapping[str, object],
+        config_path: str | None = None,
+        worker: int | None = None,
+    ) -> ProxyConfig:
+        """Build from parsed settings by long name; defaults fill the rest."""
+        unknown = set(values) - set(BY_NAME)
+        if unknown:
+            key = sorted(unknown)[0]
+            raise ConfigError(key, f"there is no setting {key!r}")
+        # Every value has passed its setting's parser, so its type is the setting's.
+        v: dict[str, Any] = {s.name: values.get(s.name, s.default) for s in SETTINGS}
+        for role in ("prefill", "decode"):
+            if not v[role]:
+                raise ConfigError(
+                    role, f"at least one --{role} URL is required (a vLLM {role} instance)"
+                )
+        if v["workers"] > 1 and worker is None and None in map(tcp_address, v["listen"]):
+            raise ConfigError(
+                "listen", "--workers needs every --listen to be tcp:PORT[:interface=...]"
+            )
+        if v["workers"] > 1 and worker is None and v["metrics-listen"]:
+            raise ConfigError(
+                "metrics-listen",
+                "--metrics-listen cannot be shared by several workers; "
+                "scrape /metrics on the --listen endpoint",
+            )
+        return cls(
+            listen=tuple(v["listen"]),
+            pools=Pools(tuple(v["prefill"]), tuple(v["decode"])),
+            timeouts=Timeouts(
+                connect=v["connect-timeout"],
+                backend_idle=v["backend-idle-timeout"],
+                prefill=v["prefill-timeout"],
+                decode=v["decode-timeout"],
+                stream_idle=v["stream-idle-timeout"],
+                drain=v["drain-timeout"],
+            ),
+            retries=Retries(prefill=v["prefill-retries"], decode=v["decode-retries"]),
+            health=Health(interval=v["health-interval"], timeout=v["health-timeout"]),
+            limits=Limits(
+                max_in_flight=v["max-in-flight"],
+                max_body_size=v["max-body-size"],
+                max_idle_per_backend=v["max-idle-per-backend"],
+            ),
+            metrics_listen=v["metrics-listen"],
+            workers=1 if worker is not None else v["workers"],
+            log_format=v["log-format"],
+            access_log=v["access-log"] == "on",
+            backend_api_key=v["backend-api-key"],
+            admin_token=v["admin-token"],
+            config_path=config_path,
+            worker=worker,
+        )
+
+    @classmethod
+    def create(cls, **values: object) -> ProxyConfig:
+        """Build from Python values (``max_in_flight=8``), checked like any source."""
+        named = {key.replace("_", "-"): value for key, value in values.items()}
+        return cls.from_settings(parse(named, lambda key: f"{key}: "))
+
+    def settings(self) -> dict[str, object]:
+        """The settings this configuration was made of, by long name."""
+        return {
+            "listen": list(self.listen),
+            "prefill": list(self.pools.prefill),
+            "decode": list(self.pools.decode),
+            "backend-api-key": self.backend_api_key,
+            "connect-timeout": self.timeouts.connect,
+            "backend-idle-timeout": self.timeouts.backend_idle,
+            "max-idle-per-backend": self.limits.max_idle_per_backend,
+            "prefill-timeout": self.timeouts.prefill,
+            "decode-timeout": self.timeouts.decode,
+            "stream-idle-timeout": self.timeouts.stream_idle,
+            "prefill-retries": self.retries.prefill,
+            "decode-retries": self.retries.decode,
+            "health-interval": self.health.interval,
+            "health-timeout": self.health.timeout,
+            "max-in-flight": self.limits.max_in_flight,
+            "max-body-size": self.limits.max_body_size,
+            "admin-token": self.admin_token,
+            "metrics-listen": self.metrics_listen,
+            "workers": self.workers,
+            "log-format": self.log_format,
+            "access-log": "on" if self.access_log else "off",
+            "drain-timeout": self.timeouts.drain,
+        }
+
+    def to_json(self) -> str:
+        """What a worker is handed: every setting, resolved."""
+        return json.dumps(
+            {"settings": self.settings(), "config_path": self.config_path, "worker": self.worker}
+        )
+
+    @classmethod
+    def from_json(cls, raw: str) -> ProxyConfig:
+        """A worker's configuration, checked as every other source is."""
+        data = json.loads(raw)
+        given = {key: value for key, value in data["settings"].items() if value is not None}
+        values = parse(given, lambda key: f"{key}: ")
+        return cls.from_settings(values, data["config_path"], data["worker"])
+
+    def for_worker(self, number: int, listen: tuple[str, ...]) -> ProxyConfig:
+        """This configuration for worker ``number``, serving ``listen``."""
+        return replace(self, listen=listen, workers=1, worker=number)
+
+    def reloaded(self) -> ProxyConfig:
+        """This configuration with the pools the ``--config`` file lists now.
+
+        Raises ``ConfigError`` (naming the file and key) and changes nothing
+        when the file cannot be read or its pools are not valid.
+        """
+        if self.config_path is None:
+            raise ConfigError("config", "there is no --config file to reload pools from")
+        values = read_file(self.config_path)
+        pools = {role: values.get(role, self.pools.of(role)) for role in ("prefill", "decode")}
+        for role, urls in pools.items():
+            if not urls:
+                raise ConfigError(role, f"--config {self.config_path}: {role!r} must not be empty")
+        return replace(self, pools=Pools(tuple(pools["prefill"]), tuple(pools["decode"])))  # type: ignore[arg-type]
+
+
+def parse(raw: Mapping[str, object], where: Callable[[str], str]) -> dict[str, object]:
+    """Parse raw values by long name; ``where(key)`` starts each error message."""
+    parsed: dict[str, object] = {}
+    for key, value in raw.items():
+        setting = BY_NAME.get(key)
+        if setting is None:
+            known = ", ".join(sorted(BY_NAME))
+            raise ConfigError(key, f"{where(key)}unknown key (keys are: {known})")
+        try:
+            if setting.many:
+                if not isinstance(value, list | tuple):
+                    raise InvalidValue("must be a list of strings")
+                parsed[key] = tuple(setting.parse(item) for item in value)
+            else:
+                parsed[key] = setting.parse(value)
+        except InvalidValue as error:
+            raise ConfigError(key, f"{where(key)}{error}") from None
+    return parsed
+
+
+def read_file(path: str) -> dict[str, object]:
+    """The settings a TOML file holds (keys with dashes or underscores), parsed."""
     try:
         with open(path, "rb") as file:
-            return tomllib.load(file)
+            table = tomllib.load(file)
     except OSError as error:
-        raise usage.UsageError(f"--config {path}: cannot read it: {error.strerror}") from None
+        raise ConfigError("config", f"--config {path}: cannot read it: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
-        raise usage.UsageError(f"--config {path}: not valid TOML: {error}") from None
+        raise ConfigError("config", f"--config {path}: not valid TOML: {error}") from None
+    named = {key.replace("_", "-"): (key, value) for key, value in table.items()}
+    raw = {name: value for name, (_, value) in named.items()}
+    return parse(raw, lambda name: f"--config {path}: {named[name][0]!r} ")
 
 
-def pools_from_file(path: str) -> dict[str, list[str]]:
-    """The ``prefill`` and ``decode`` lists the file has now (for SIGHUP)."""
-    table = {key.replace("_", "-"): value for key, value in _load(path).items()}
-    pools: dict[str, list[str]] = {}
-    for role in ("prefill", "decode"):
-        if role in table:
-            urls = table[role]
-            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
-                raise usage.UsageError(f"--config {path}: {role!r} must be a list of strings")
-            pools[role] = urls
-    return pools
-
-
-def config_path(args: Sequence[str]) -> str | None:
-    """The ``--config`` value among command-line arguments, if any."""
-    for index, arg in enumerate(args):
-        if arg == "--config" and index + 1 < len(args):
-            return args[index + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _given(args: Sequence[str], name: str) -> bool:
-    flag = f"--{name}"
-    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
-
-
-def file_arguments(
-    path: str,
-    cli_args: Sequence[str],
-    parameters: dict[str, Callable[[str], Any] | None],
-) -> list[str]:
-    """The file's settings as command-line arguments to put before ``cli_args``.
-
-    ``parameters`` maps each valued option to its coerce function, used here
-    to check values so that an error can name the key.
-    """
-    table = _load(path)
-    known = set(parameters) | set(LIST_OPTIONS)
-    args: list[str] = []
-    for raw_key, value in table.items():
-        key = raw_key.replace("_", "-")
-        if key not in known or key in NOT_IN_FILE:
-            raise usage.UsageError(
-                f"--config {path}: unknown key {raw_key!r} "
-                f"(keys are the long option names: {', '.join(sorted(known))})"
-            )
-        if key in LIST_OPTIONS:
-            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-                raise usage.UsageError(f"--config {path}: {raw_key!r} must be a list of strings")
-            if not _given(cli_args, key):
-                args += [arg for item in value for arg in (f"--{key}", item)]
-            continue
-        if isinstance(value, bool) or not isinstance(value, str | int | float):
-            raise usage.UsageError(
-                f"--config {path}: {raw_key!r} must be a string or a number, not {value!r}"
-            )
-        coerce = parameters[key]
-        if coerce is not None:
-            try:
-                coerce(str(value))
-            except ValueError as error:
-                raise usage.UsageError(f"--config {path}: {raw_key!r}: {error}") from None
-        args.append(f"--{key}={value}")
-    return args
+def resolve(
+    command_line: Mapping[str, object],
+    config_path: str | None,
+    environ: Mapping[str, str],
+) -> ProxyConfig:
+    """The configuration from the command line over the file, secrets from the environment."""
+    given = parse(command_line, lambda key: f"--{key} ")
+    values = read_file(config_path) if config_path is not None else {}
+    values.update(given)
+    for setting in SETTINGS:
+        if setting.env is not None and values.get(setting.name) is None:
+            secret = environ.get(setting.env)
+            if secret:
+                values[setting.name] = secret
+    return ProxyConfig.from_settings(values, config_path)

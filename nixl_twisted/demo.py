@@ -10,17 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import re
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from typing import IO
 
-#: ``twistd`` run by this very interpreter, wherever its script was installed.
-TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
+from nixl_twisted.testing.process import Twistd, TwistdFailed
 
 _URL = re.compile(r"listening on (http://)?(?P<address>\S+)")
 
@@ -29,47 +24,27 @@ class DemoFailed(RuntimeError):
     """A demo process did not start, or the request failed."""
 
 
-def _lines(stream: IO[str]) -> queue.Queue[str | None]:
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def pump() -> None:
-        for line in stream:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return lines
-
-
-def _wait_for(
-    lines: queue.Queue[str | None], marker: str, count: int, deadline: float
-) -> list[str]:
-    """Addresses from the first ``count`` lines that say ``marker``."""
-    found: list[str] = []
-    seen: list[str] = []
-    while len(found) < count:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise DemoFailed(f"timed out waiting for {marker!r}:\n" + "".join(seen)) from None
-        if line is None:
-            raise DemoFailed(f"process exited before {marker!r}:\n" + "".join(seen))
-        seen.append(line)
-        if marker in line:
-            match = _URL.search(line)
-            if match:
-                found.append(match.group("address"))
-    return found
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+def _fakes(tokens: int, token_interval: float) -> tuple[subprocess.Popen[str], str, str]:
+    """``python -m nixl_twisted.testing`` on ports the OS picks, and its two URLs."""
+    fakes = subprocess.Popen(
+        [
+            sys.executable, "-m", "nixl_twisted.testing",
+            "--prefill-listen", "tcp:0:interface=127.0.0.1",
+            "--decode-listen", "tcp:0:interface=127.0.0.1",
+            "--tokens", str(tokens), "--token-interval", str(token_interval),
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
+    urls: list[str] = []
+    assert fakes.stdout is not None
+    for line in fakes.stdout:
+        match = _URL.search(line)
+        if match:
+            urls.append(match.group("address"))
+        if len(urls) == 2:
+            return fakes, f"http://{urls[0]}", f"http://{urls[1]}"
+    raise DemoFailed("the fake vLLM pair exited before it listened")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,46 +56,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    start = time.monotonic()
-    processes: list[subprocess.Popen[str]] = []
+    fakes: subprocess.Popen[str] | None = None
+    proxy: Twistd | None = None
     try:
-        fakes = subprocess.Popen(
-            [
-                sys.executable, "-m", "nixl_twisted.testing",
-                "--prefill-listen", "tcp:0:interface=127.0.0.1",
-                "--decode-listen", "tcp:0:interface=127.0.0.1",
-                "--tokens", str(args.tokens),
-                "--token-interval", str(args.token_interval),
-            ],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )  # fmt: skip
-        processes.append(fakes)
-        prefill, decode = _wait_for(_lines(fakes.stdout), "listening on", 2, start + 30)  # type: ignore[arg-type]
-        print(f"fake prefill instance: http://{prefill}")
-        print(f"fake decode instance:  http://{decode}")
-
-        proxy = subprocess.Popen(
-            [
-                *TWISTD, "-n", "--pidfile=", "nixlproxy",
-                "--listen", "tcp:0:interface=127.0.0.1",
-                "--prefill", f"http://{prefill}", "--decode", f"http://{decode}",
-            ],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        )  # fmt: skip
-        processes.append(proxy)
-        (address,) = _wait_for(_lines(proxy.stdout), "nixlproxy listening on", 1, start + 30)  # type: ignore[arg-type]
+        fakes, prefill, decode = _fakes(args.tokens, args.token_interval)
+        print(f"fake prefill instance: {prefill}")
+        print(f"fake decode instance:  {decode}")
+        proxy = Twistd(
+            ["--listen", "tcp:0:interface=127.0.0.1", "--prefill", prefill, "--decode", decode]
+        )
+        address = proxy.address()
         print(f"twistd nixlproxy:      http://{address}")
         print(f"\nuser> {args.prompt}\nassistant> ", end="", flush=True)
         _chat(f"http://{address}/v1", args.prompt)
         print()
         return 0
-    except DemoFailed as error:
+    except (DemoFailed, TwistdFailed) as error:
         print(f"\ndemo failed: {error}", file=sys.stderr)
         return 1
     finally:
-        for process in reversed(processes):
-            _stop(process)
+        if proxy is not None:
+            proxy.stop()
+        if fakes is not None:
+            fakes.terminate()
+            fakes.wait(timeout=10)
 
 
 def _chat(base_url: str, prompt: str) -> None:

@@ -54,3 +54,8 @@ def overloaded(message: str, code: str, retry_after: float = 1.0) -> ProxyError:
 def bad_gateway(message: str, code: str) -> ProxyError:
     """A 502: a backend could not be reached or answered something unusable."""
     return ProxyError(502, message, "upstream_error", code)
+
+
+def gateway_timeout(message: str, code: str) -> ProxyError:
+    """A 504: a backend did not answer in time."""
+    return ProxyError(504, message, "upstream_error", code)

@@ -2,45 +2,27 @@
 
 Each pool hands out its instances round-robin (as the seed does), skipping
 instances marked down. An instance is marked down by a failed leg (passive)
-or a failed ``GET /health`` (active), stays out of rotation for a backoff
-that doubles with each consecutive failure, and is back as soon as a health
-check or a leg succeeds. ``BackendService`` is the service object the twistd
-tree owns: both pools, the health checks, and the one HTTP client.
+or a failed ``GET /health`` (active, ``nixl_twisted.backends``), stays out
+of rotation for a backoff that doubles with each consecutive failure, and is
+back as soon as a health check or a leg succeeds. A leg holds its instance
+through a ``Lease``, the one way legs take and give back an instance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
-from urllib.parse import urlsplit
+from typing import Any
 
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
-from twisted.python.failure import Failure
-from twisted.web.http_headers import Headers
 
-from nixl_twisted.upstream import Upstream, read_body
+from nixl_twisted.settings import backend_url
 
 log = Logger()
 
-DEFAULT_HEALTH_INTERVAL = 5.0
-DEFAULT_HEALTH_TIMEOUT = 2.0
 BACKOFF_BASE = 1.0
 BACKOFF_MAX = 30.0
-
-
-def _reactor() -> IReactorTime:
-    from twisted.internet import reactor
-
-    return cast(IReactorTime, reactor)
-
-
-class InvalidBackendURL(ValueError):
-    """A backend URL that cannot name a vLLM instance."""
 
 
 class NoHealthyInstance(Exception):
@@ -50,29 +32,6 @@ class NoHealthyInstance(Exception):
         super().__init__(f"no healthy {role} instance")
         self.role = role
         self.retry_after = retry_after
-
-
-def normalize_backend_url(url: str) -> str:
-    """Check a backend base URL and return it without a trailing slash.
-
-    A path prefix is allowed (an instance behind a path-routing ingress);
-    query strings, fragments and credentials are not, since every leg
-    appends its own path.
-    """
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # raises ValueError for a port that is not a number
-    except ValueError as error:
-        raise InvalidBackendURL(f"{url!r} is not a valid URL: {error}") from None
-    if parts.scheme not in ("http", "https"):
-        raise InvalidBackendURL(f"{url!r} must start with http:// or https://")
-    if not parts.hostname:
-        raise InvalidBackendURL(f"{url!r} has no host")
-    if parts.query or parts.fragment:
-        raise InvalidBackendURL(f"{url!r} must not have a query or a fragment")
-    if parts.username is not None or parts.password is not None:
-        raise InvalidBackendURL(f"{url!r} must not carry credentials; use --backend-api-key")
-    return url.rstrip("/")
 
 
 @dataclass(eq=False)
@@ -107,13 +66,13 @@ class PoolChangeRefused(ValueError):
 class BackendPool:
     """Instances of one role, handed out round-robin among those not down."""
 
-    def __init__(self, role: str, urls: Sequence[str], clock: IReactorTime | None = None) -> None:
+    def __init__(self, role: str, urls: Sequence[str], clock: IReactorTime) -> None:
         if not urls:
             raise ValueError(f"the {role} pool needs at least one instance")
         self.role = role
-        self.instances = [Instance(normalize_backend_url(u), role) for u in urls]
+        self.instances = [Instance(backend_url(u), role) for u in urls]
         self._cursor = 0
-        self.clock = clock or _reactor()
+        self.clock = clock
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -151,10 +110,12 @@ class BackendPool:
 
     # -- legs in flight, and live changes ----------------------------------
 
-    def acquire(self, instance: Instance) -> None:
+    def lease(self, instance: Instance) -> Lease:
+        """Hold ``instance`` for one leg, until the lease is released."""
         instance.in_flight += 1
+        return Lease(self, instance)
 
-    def release(self, instance: Instance) -> None:
+    def _released(self, instance: Instance) -> None:
         """A leg ended; a draining instance with none left leaves the pool."""
         instance.in_flight -= 1
         if instance.draining and instance.in_flight == 0 and instance in self.instances:
@@ -162,14 +123,14 @@ class BackendPool:
             log.info("{role} instance {url} drained and removed", role=self.role, url=instance.url)
 
     def find(self, url: str) -> Instance | None:
-        url = normalize_backend_url(url)
+        url = backend_url(url)
         return next((i for i in self.instances if i.url == url), None)
 
     def add(self, url: str) -> Instance:
         """Put an instance in rotation (a draining one is taken back)."""
         instance = self.find(url)
         if instance is None:
-            instance = Instance(normalize_backend_url(url), self.role)
+            instance = Instance(backend_url(url), self.role)
             self.instances.append(instance)
             log.info("{role} instance {url} added", role=self.role, url=instance.url)
         instance.draining = False
@@ -209,7 +170,7 @@ class BackendPool:
         """Make the pool these URLs: add the new, drain those no longer listed."""
         if not urls:
             raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
-        wanted = [normalize_backend_url(u) for u in urls]
+        wanted = [backend_url(u) for u in urls]
         for url in wanted:
             self.add(url)
         for instance in list(self.instances):
@@ -249,83 +210,17 @@ class BackendPool:
         instance.last_error = None
 
 
-class BackendService(Service):
-    """The prefill and decode pools, their health checks, and the HTTP client."""
+class Lease:
+    """One leg's hold on an instance; released exactly once, however the leg ends."""
 
-    name = "backends"
+    def __init__(self, pool: BackendPool, instance: Instance) -> None:
+        self.pool = pool
+        self.instance = instance
+        self.held = True
 
-    def __init__(
-        self,
-        prefill: BackendPool,
-        decode: BackendPool,
-        upstream: Upstream,
-        clock: IReactorTime | None = None,
-        health_interval: float = DEFAULT_HEALTH_INTERVAL,
-        health_timeout: float = DEFAULT_HEALTH_TIMEOUT,
-    ) -> None:
-        self.prefill = prefill
-        self.decode = decode
-        self.upstream = upstream
-        self.clock = clock or _reactor()
-        self.health_interval = health_interval
-        self.health_timeout = health_timeout
-        self._checks: LoopingCall | None = None
-        self._probes: set[Deferred[None]] = set()
-
-    def pools(self) -> tuple[BackendPool, BackendPool]:
-        return (self.prefill, self.decode)
-
-    def ready(self) -> bool:
-        """Both pools have an instance to send a leg to."""
-        return all(pool.has_available() for pool in self.pools())
-
-    def startService(self) -> None:
-        super().startService()
-        if self.health_interval > 0:
-            self._checks = LoopingCall(self.check_health)
-            self._checks.clock = self.clock
-            self._checks.start(self.health_interval, now=False).addErrback(
-                lambda failure: log.failure("health checks stopped", failure)
-            )
-
-    def check_health(self) -> Deferred[Any]:
-        """``GET /health`` on every instance; never fails (the loop must not die)."""
-        checks = [
-            self._check(pool, instance)
-            for pool in self.pools()
-            for instance in list(pool.instances)
-        ]
-        return DeferredList(checks, consumeErrors=True)
-
-    def _check(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
-        async def probe() -> None:
-            response = await self.upstream.get(instance.url + "/health", Headers())
-            await read_body(response)
-            if response.code != 200:
-                raise RuntimeError(f"GET /health answered HTTP {response.code}")
-
-        checking = ensureDeferred(probe()).addTimeout(self.health_timeout, self.clock)
-        self._probes.add(checking)
-
-        def done(result: object) -> object:
-            self._probes.discard(checking)
-            return result
-
-        def failed(failure: Failure) -> None:
-            if not self.running:
-                return  # cancelled by stopService
-            pool.mark_failed(instance, f"health check failed: {failure.getErrorMessage()}")
-
-        checking.addBoth(done)
-        checking.addCallbacks(lambda _: pool.mark_ok(instance), failed)
-        checking.addErrback(lambda failure: log.failure("health check error", failure))
-        return checking
-
-    def stopService(self) -> Deferred[None]:
-        """Stop the health checks and close every pooled backend connection."""
-        super().stopService()
-        if self._checks is not None and self._checks.running:
-            self._checks.stop()
-        for probe in list(self._probes):
-            probe.cancel()
-        return self.upstream.close()
+    def release(self, result: object = None) -> object:
+        """Give the instance back (usable as a callback: passes ``result`` on)."""
+        if self.held:
+            self.held = False
+            self.pool._released(self.instance)
+        return result

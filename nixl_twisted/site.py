@@ -7,7 +7,7 @@ finds a clean reactor after each test).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.python.failure import Failure
@@ -61,10 +61,6 @@ class _TrackedChannel(HTTPChannel):
             self.factory._closed(self)
 
 
-#: vLLM's own default limit on request bodies.
-DEFAULT_MAX_BODY_SIZE = 32 * 1024 * 1024
-
-
 class LimitedRequest(Request):
     """A request whose body is refused with 413 as soon as it is too large.
 
@@ -77,8 +73,7 @@ class LimitedRequest(Request):
     _received = 0
 
     def _limit(self) -> int:
-        site = getattr(self.channel, "site", None)
-        return getattr(site, "max_body_size", DEFAULT_MAX_BODY_SIZE)
+        return cast(TrackingSite, self.channel.site).max_body_size  # type: ignore[attr-defined]
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._limit():
@@ -125,7 +120,7 @@ class TrackingSite(Site):
     def __init__(
         self,
         resource: IResource,
-        max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+        max_body_size: int,
         access_log: AccessLog | None = None,
         **kwargs: Any,
     ) -> None:

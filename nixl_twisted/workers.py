@@ -2,42 +2,39 @@
 
 Each worker is a whole ``twistd nixlproxy`` with its own pools, health state
 and metrics, listening with ``SO_REUSEPORT`` so that the kernel spreads new
-connections among them. The parent keeps every port reserved, restarts a
-worker that dies, and on SIGTERM passes the signal on and waits for all of
-them to drain.
+connections among them. The parent binds every port first (so ``tcp:0``
+becomes one real port for all), hands each worker its resolved
+``ProxyConfig`` as JSON on standard input, restarts a worker that dies,
+passes SIGHUP on (each worker reloads its pools), and on SIGTERM passes the
+signal on and waits for all of them to drain.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from twisted.application.service import Service
+from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
-from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.interfaces import IListeningPort, IStreamServerEndpoint
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.logs import offer_observer
+from nixl_twisted.settings import tcp_address, tcp_endpoint
+from nixl_twisted.signals import SignalService
+
 log = Logger()
 
 TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
 RESTART_DELAY = 1.0
-
-
-def tcp_address(endpoint: IStreamServerEndpoint) -> tuple[str, int] | None:
-    """The (interface, port) of a plain TCP server endpoint, else None."""
-    if isinstance(endpoint, TCP4ServerEndpoint | TCP6ServerEndpoint):
-        return endpoint._interface or "", endpoint._port  # Twisted keeps no public accessor
-    return None
 
 
 def _socket(host: str, port: int) -> socket.socket:
@@ -59,8 +56,8 @@ class ReusePortEndpoint:
         self.port = port
         self.backlog = backlog
 
-    def listen(self, factory: Any) -> Deferred[IListeningPort]:
-        sock = _socket(self.host, self.port)
+    def listen(self, factory: IProtocolFactory) -> Deferred[IListeningPort]:
+        sock = _socket(self.host, self.port)  # a bind error is raised here, at once
         sock.listen(self.backlog)
         sock.setblocking(False)
         try:
@@ -70,44 +67,22 @@ class ReusePortEndpoint:
         return succeed(port)
 
 
-def reserve(addresses: Sequence[tuple[str, int]]) -> list[socket.socket]:
-    """Bind (without listening) each address, resolving port 0 to a real port."""
-    return [_socket(host, port) for host, port in addresses]
-
-
-def worker_args(args: Sequence[str], reserved: Sequence[socket.socket]) -> list[str]:
-    """A worker's ``nixlproxy`` arguments: the parent's, its ports made explicit."""
-    kept: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg in ("--workers", "--listen"):
-            skip = True
-            continue
-        if arg.startswith(("--workers=", "--listen=")):
-            continue
-        kept.append(arg)
-    for sock in reserved:
-        host, port = sock.getsockname()[:2]
-        interface = f":interface={host}" if host not in ("0.0.0.0", "::") else ""
-        kept += ["--listen", f"tcp:{port}{interface}"]
-    return [*kept, "--reuse-port"]
-
-
 class _Worker(ProcessProtocol):
-    def __init__(self, supervisor: WorkerSupervisor, number: int) -> None:
+    def __init__(self, supervisor: WorkerSupervisor, number: int, config: str) -> None:
         self.supervisor = supervisor
         self.number = number
+        self.config = config
         self.ended: Deferred[None] = Deferred()
 
     def connectionMade(self) -> None:
-        log.info(
-            "worker {number} started, pid {pid}",
-            number=self.number,
-            pid=self.transport.pid,  # type: ignore[union-attr]
-        )
+        assert self.transport is not None
+        self.transport.write(self.config.encode("utf-8"))
+        self.transport.closeStdin()
+        log.info("worker {number} started, pid {pid}", number=self.number, pid=self.transport.pid)
+
+    def signal(self, name: str) -> None:
+        with contextlib.suppress(ProcessExitedAlready):
+            self.transport.signalProcess(name)  # type: ignore[union-attr]
 
     def processEnded(self, reason: Failure) -> None:
         self.ended.callback(None)
@@ -115,35 +90,43 @@ class _Worker(ProcessProtocol):
 
 
 class WorkerSupervisor(Service):
-    """Starts N workers, restarts those that die, and stops them all together."""
+    """Binds the shared ports, starts N workers, restarts those that die, stops them all."""
 
-    def __init__(
-        self, args: Sequence[str], count: int, reserved: list[socket.socket], reactor: Any = None
-    ) -> None:
-        if reactor is None:
-            from twisted.internet import reactor as default_reactor
+    name = "workers"
 
-            reactor = default_reactor
+    def __init__(self, config: ProxyConfig, reactor: Any) -> None:
+        self.config = config
         self.reactor = reactor
-        self.args = list(args)
-        self.count = count
-        self.reserved = reserved
         self.workers: dict[int, _Worker] = {}
+        self._reserved: list[socket.socket] = []
+        self._listen: tuple[str, ...] = ()
+
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        addresses = [tcp_address(description) for description in self.config.listen]
+        self._reserved = [_socket(*address) for address in addresses if address is not None]
+        shared = [sock.getsockname()[:2] for sock in self._reserved]
+        for host, port in shared:
+            log.info("nixlproxy workers share {host}:{port}", host=host, port=port)
+        self._listen = tuple(tcp_endpoint(host, port) for host, port in shared)
 
     def startService(self) -> None:
+        if not self._reserved:
+            self.privilegedStartService()
         super().startService()
-        for number in range(self.count):
+        for number in range(self.config.workers):
             self._spawn(number)
 
     def _spawn(self, number: int) -> None:
         if not self.running:
             return
-        worker = _Worker(self, number)
+        config = self.config.for_worker(number, self._listen)
+        worker = _Worker(self, number, config.to_json())
         self.workers[number] = worker
         self.reactor.spawnProcess(
             worker,
             sys.executable,
-            [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy", *self.args],
+            [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy", "--worker", str(number)],
             env=dict(os.environ),
             childFDs={0: "w", 1: 1, 2: 2},
         )
@@ -159,31 +142,49 @@ class WorkerSupervisor(Service):
             )
             self.reactor.callLater(RESTART_DELAY, self._spawn, worker.number)
 
-    def pids(self) -> list[int]:
-        return [w.transport.pid for w in self.workers.values() if w.transport is not None]
+    def hangup(self) -> None:
+        """SIGHUP: every worker reloads its pools; a restarted one gets them too."""
+        try:
+            self.config = self.config.reloaded()
+        except ConfigError as error:
+            log.error("SIGHUP: {error} (the workers keep their pools too)", error=str(error))
+        for worker in self.workers.values():
+            worker.signal("HUP")
+        log.info("SIGHUP: passed on to {count} workers", count=len(self.workers))
 
     def stopService(self) -> Deferred[Any]:
         """SIGTERM every worker (each drains) and wait for all of them."""
         super().stopService()
         waiting = [w.ended for w in self.workers.values()]
         for worker in list(self.workers.values()):
-            with contextlib.suppress(ProcessExitedAlready):
-                worker.transport.signalProcess("TERM")  # type: ignore[union-attr]
-        stopped = DeferredList(waiting)
+            worker.signal("TERM")
 
         def release_ports(result: object) -> object:
-            for sock in self.reserved:
+            for sock in self._reserved:
                 sock.close()
             return result
 
-        return stopped.addBoth(release_ports)
+        return DeferredList(waiting).addBoth(release_ports)
 
 
-def take_sigterm(reactor: Any) -> None:
-    """Stop the reactor on SIGTERM without twistd re-raising it: exit 0 after a drain."""
+class SupervisorService(MultiService):
+    """The parent of ``--workers``: the supervisor and the signals it takes."""
 
-    def on_sigterm(signum: int, frame: Any) -> None:
-        log.info("SIGTERM: draining requests in flight, then stopping")
-        reactor.callFromThread(reactor.stop)
+    def __init__(self, config: ProxyConfig, supervisor: WorkerSupervisor) -> None:
+        super().__init__()
+        self.config = config
+        self.supervisor = supervisor
+        supervisor.setServiceParent(self)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    def setServiceParent(self, parent: Any) -> None:
+        super().setServiceParent(parent)
+        offer_observer(parent, self.config.log_format)
+
+
+def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:
+    """The service tree of a ``--workers`` parent."""
+    supervisor = WorkerSupervisor(config, reactor)
+    root = SupervisorService(config, supervisor)
+    if take_signals:
+        SignalService(reactor, supervisor.hangup).setServiceParent(root)
+    return root

@@ -39,7 +39,7 @@ class ProxyCase(TestCase):
         self,
         prefills: int = 1,
         decodes: int = 1,
-        args: Sequence[str] = (),
+        proxy: dict[str, object] | None = None,
         **fake_options: Any,
     ) -> None:
         self.ledger = TransferLedger()
@@ -57,7 +57,9 @@ class ProxyCase(TestCase):
         #: advance it by hand, so nothing waits on the wall clock.
         self.clock = Clock()
         self.proxy = self.start_proxy(
-            [f.url for f in self.prefills], [f.url for f in self.decodes], args
+            [f.url for f in self.prefills],
+            [f.url for f in self.decodes],
+            **(proxy or {}),  # type: ignore[arg-type]
         )
         pool = HTTPConnectionPool(reactor, persistent=True)
         self.addCleanup(pool.closeCachedConnections)
@@ -68,14 +70,13 @@ class ProxyCase(TestCase):
         self,
         prefill: Sequence[str],
         decode: Sequence[str],
-        args: Sequence[str] = (),
         listen: str = "tcp:0:interface=127.0.0.1",
+        **settings: object,
     ) -> RunningProxy:
         # Active health checks are off unless a test turns them on: they
         # would race the requests a test sends.
-        proxy = start_proxy(
-            prefill, decode, ["--health-interval", "0", *args], listen=listen, clock=self.clock
-        )
+        settings.setdefault("health_interval", 0)
+        proxy = start_proxy(prefill, decode, listen=listen, clock=self.clock, **settings)
         self.addCleanup(proxy.stop)
         return proxy
 

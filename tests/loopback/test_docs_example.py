@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-_DOC = Path(__file__).resolve().parent.parent / "docs" / "testing.md"
+_DOC = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 _EXAMPLE = re.search(
     r"## A trial test of your own\s+```python\n(.*?)```", _DOC.read_text(encoding="utf-8"), re.S
 )

@@ -57,7 +57,7 @@ class AdminAuthTests(AdminCase):
 
         globalLogPublisher.addObserver(observe)
         self.addCleanup(globalLogPublisher.removeObserver, observe)
-        await self.start(args=["--admin-token", TOKEN])
+        await self.start(proxy=dict(admin_token=TOKEN))
         for token in (None, "wrong-token"):
             code, answer = await self.admin("GET", "/admin/backends", token=token)
             self.assertEqual(code, 401)
@@ -67,7 +67,7 @@ class AdminAuthTests(AdminCase):
         self.assertFalse(any("wrong-token" in line or TOKEN in line for line in lines))
 
     async def test_the_right_token_lists_instances(self) -> None:
-        await self.start(decodes=2, args=["--admin-token", TOKEN])
+        await self.start(decodes=2, proxy=dict(admin_token=TOKEN))
         code, answer = await self.admin("GET", "/admin/backends")
         self.assertEqual(code, 200)
         self.assertEqual([i["url"] for i in answer["decode"]], [d.url for d in self.decodes])
@@ -77,7 +77,7 @@ class AdminAuthTests(AdminCase):
 
 class AdminChangeTests(AdminCase):
     async def test_add_then_remove_a_decode_instance(self) -> None:
-        await self.start(args=["--admin-token", TOKEN])
+        await self.start(proxy=dict(admin_token=TOKEN))
         fresh = await self.new_decode()
         code, added = await self.admin(
             "POST", "/admin/backends", {"pool": "decode", "url": fresh.url}
@@ -96,7 +96,7 @@ class AdminChangeTests(AdminCase):
         self.assertEqual(len(fresh.requests), 2)
 
     async def test_a_drained_instance_finishes_its_stream_then_leaves(self) -> None:
-        await self.start(decodes=2, tokens=3, args=["--admin-token", TOKEN])
+        await self.start(decodes=2, tokens=3, proxy=dict(admin_token=TOKEN))
         busy, other = self.decodes
         busy.hold_streams_after(1)
         held = busy.stream_held()
@@ -121,7 +121,7 @@ class AdminChangeTests(AdminCase):
         self.assertEqual([i["url"] for i in listing["decode"]], [other.url])
 
     async def test_the_last_instance_cannot_be_taken_out(self) -> None:
-        await self.start(args=["--admin-token", TOKEN])
+        await self.start(proxy=dict(admin_token=TOKEN))
         for method, path in (("DELETE", "/admin/backends"), ("POST", "/admin/backends/drain")):
             code, answer = await self.admin(
                 method, path, {"pool": "decode", "url": self.decode.url}
@@ -130,7 +130,7 @@ class AdminChangeTests(AdminCase):
         self.assertEqual(await self.completion(), 200)
 
     async def test_bad_changes_are_4xx(self) -> None:
-        await self.start(args=["--admin-token", TOKEN])
+        await self.start(proxy=dict(admin_token=TOKEN))
         for body, status in (
             ({"pool": "decode", "url": "nope"}, 400),
             ({"pool": "cache", "url": "http://x:1"}, 400),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from nixl_twisted import ID, VERSION, meta
 from nixl_twisted.errors import ProxyError
-from nixl_twisted.protocol import (
+from nixl_twisted.lowering import (
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
     check_servable,

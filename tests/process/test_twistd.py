@@ -6,91 +6,36 @@ import json
 import os
 import re
 import signal
-import sys
 import tempfile
-from typing import Any, cast
+from typing import Any
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, gatherResults
-from twisted.internet.error import ProcessDone, ProcessTerminated
-from twisted.internet.protocol import ProcessProtocol
-from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 
+from nixl_twisted.testing import TwistdProtocol, spawn_twistd
+from nixl_twisted.testing.process import TwistdFailed
 from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
-
-TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
-# The text log says the address; the JSON log has it as a field.
-LISTENING = re.compile(rb'nixlproxy listening on ([^\s{"]+)|"address": "([^"]+)"')
-
-
-class TwistdProcess(ProcessProtocol):
-    """Runs twistd; tells the test where it listens and how it exited."""
-
-    def __init__(self) -> None:
-        self.output = b""
-        self.listening: Deferred[str] = Deferred()
-        self.ended: Deferred[int | None] = Deferred()
-        self.signal: int | None = None
-        self._markers: list[tuple[bytes, int, Deferred[None]]] = []
-
-    def said(self, marker: bytes, times: int = 1) -> Deferred[None]:
-        """Fires once the process has written ``marker`` ``times`` times."""
-        waiting: Deferred[None] = Deferred()
-        if self.output.count(marker) >= times:
-            waiting.callback(None)
-        else:
-            self._markers.append((marker, times, waiting))
-        return waiting
-
-    def outReceived(self, data: bytes) -> None:
-        self.output += data
-        match = LISTENING.search(self.output)
-        if match and not self.listening.called:
-            self.listening.callback((match.group(1) or match.group(2)).decode())
-        ready = [m for m in self._markers if self.output.count(m[0]) >= m[1]]
-        self._markers = [m for m in self._markers if m not in ready]
-        for _, _, waiting in ready:
-            waiting.callback(None)
-
-    errReceived = outReceived
-
-    def processEnded(self, reason: Failure) -> None:
-        if not self.listening.called:
-            self.listening.errback(RuntimeError(self.output.decode(errors="replace")))
-        if reason.check(ProcessDone, ProcessTerminated):
-            ended = cast(ProcessTerminated, reason.value)
-            self.signal = ended.signal
-            self.ended.callback(ended.exitCode)
-        else:
-            self.ended.errback(reason)
 
 
 class TwistdTests(ProxyCase):
     timeout = 60
 
-    def spawn(self, *args: str) -> TwistdProcess:
-        process = TwistdProcess()
+    def spawn(self, *args: str) -> TwistdProtocol:
         # Outside the source tree: the installed package and plugin serve.
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        transport = reactor.spawnProcess(
-            process,
-            sys.executable,
-            [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy", *args],
-            env=env,
-            path=tempfile.gettempdir(),
-        )
+        process = spawn_twistd(reactor, args, env=env, path=tempfile.gettempdir())
 
         def stop_if_running(_: Any = None) -> Deferred[int | None]:
             if not process.ended.called:
-                transport.signalProcess("KILL")
+                process.transport.signalProcess("KILL")  # type: ignore[union-attr]
             return process.ended
 
         self.addCleanup(lambda: stop_if_running().addErrback(lambda _: None))
         return process
 
-    async def terminate(self, process: TwistdProcess) -> None:
+    async def terminate(self, process: TwistdProtocol) -> None:
         """SIGTERM: the proxy drains, stops its services and exits 0."""
         os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
         code = await process.ended
@@ -240,6 +185,55 @@ class TwistdTests(ProxyCase):
             with self.assertRaises(ProcessLookupError):
                 os.kill(pid, 0)
 
+    async def test_sighup_to_a_workers_parent_reloads_every_worker_and_the_parent_lives(
+        self,
+    ) -> None:
+        await self.start(decodes=2)
+        old, new = self.decodes
+        config = os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
+
+        def write(decode: str) -> None:
+            with open(config, "w", encoding="utf-8") as file:
+                file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n')
+
+        write(old.url)
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1", "--workers", "2", "--config", config
+        )  # fmt: skip
+        await process.said(b"nixlproxy listening on", times=2)
+        match = re.search(rb"workers share (\S+)", process.output)
+        assert match is not None
+        url = f"http://{match.group(1).decode()}"
+        once = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
+
+        async def load(requests: int) -> tuple[list[int], set[int]]:
+            codes, pids = [], set()
+            for _ in range(requests):  # each on a new connection: both workers serve
+                response = await once.post(url + "/v1/chat/completions", json=CHAT)
+                await response.content()
+                codes.append(response.code)
+                health = await once.get(url + "/healthcheck")
+                pids.add(json.loads(await health.content())["pid"])
+            return codes, pids
+
+        before, _ = await load(10)
+        write(new.url)
+        during = self.ensure(load(10))
+        os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await process.said(b"SIGHUP: passed on to 2 workers")
+        await process.said(b"SIGHUP: pools reloaded", times=2)  # each worker, once
+        while_reloading, _ = await during
+        old_count = len(old.requests)
+        after, pids = await load(40)
+
+        self.assertFalse(process.ended.called, process.output.decode())
+        os.kill(process.transport.pid, 0)  # type: ignore[union-attr]  # the parent lives
+        self.assertEqual(len(pids), 2)  # both workers answered after the reload
+        self.assertEqual(set(before + while_reloading + after), {200})
+        self.assertEqual(len(old.requests), old_count)  # nothing new to the old pool
+        self.assertGreaterEqual(len(new.requests), 40)
+        await self.terminate(process)
+
     async def test_serves_on_a_unix_socket(self) -> None:
         await self.start()
         path = os.path.join(tempfile.mkdtemp(), "nixlproxy.sock")
@@ -268,7 +262,7 @@ class TwistdTests(ProxyCase):
             "--listen", f"tcp:{taken}:interface=127.0.0.1",
             "--prefill", self.prefill.url, "--decode", self.decode.url,
         )  # fmt: skip
-        with self.assertRaises(RuntimeError):
+        with self.assertRaises(TwistdFailed):
             await process.listening
         code = await process.ended
         self.assertNotEqual(code, 0, process.output.decode())

@@ -7,11 +7,12 @@ from typing import cast
 from twisted.internet.interfaces import IPushProducer
 from twisted.web.client import ResponseFailed
 
-from nixl_twisted.exchange import Limits
+from nixl_twisted.config import ProxyConfig
 from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
 
 STREAM = dict(CHAT, stream=True)
-LIMITS = Limits()
+#: The default timeouts, which these tests run with.
+TIMEOUTS = ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"]).timeouts
 
 
 class ClientLeavesTests(ProxyCase):
@@ -86,7 +87,7 @@ class TimeoutTests(ProxyCase):
         await held
         (channel,) = self.prefill.site.channels()
         closed = self.prefill.site.connection_lost(channel)
-        self.clock.advance(LIMITS.prefill_timeout)
+        self.clock.advance(TIMEOUTS.prefill)
         response, answer = await sent
         self.assertError(response, answer, 504, "prefill_timeout")
         self.assertIn(self.prefill.url, answer["error"]["message"])
@@ -101,7 +102,7 @@ class TimeoutTests(ProxyCase):
         await held
         (channel,) = self.decode.site.channels()
         closed = self.decode.site.connection_lost(channel)
-        self.clock.advance(LIMITS.decode_timeout)
+        self.clock.advance(TIMEOUTS.decode)
         response, answer = await sent
         self.assertError(response, answer, 504, "decode_timeout")
         await closed  # vLLM aborts the request and frees its blocks
@@ -110,7 +111,7 @@ class TimeoutTests(ProxyCase):
         await self.start(tokens=5)
         collector = await self.held_stream(after=2)
         await collector.received(b'"content": "Hello "')
-        self.clock.advance(LIMITS.stream_idle_timeout)
+        self.clock.advance(TIMEOUTS.stream_idle)
         with self.assertRaises(ResponseFailed):
             await collector.done
         events = sse_events(collector.body)
@@ -120,7 +121,7 @@ class TimeoutTests(ProxyCase):
     async def test_a_long_generation_that_keeps_producing_is_never_cut(self) -> None:
         await self.start(tokens=6)
         self.decode.clock = self.clock  # the fake's tokens come on the same clock
-        self.decode.token_interval = LIMITS.stream_idle_timeout * 0.9
+        self.decode.token_interval = TIMEOUTS.stream_idle * 0.9
         response = await self.post("/v1/completions", {"model": "m", "prompt": "x", "stream": True})
         collector = ChunkCollector()
         response.deliverBody(collector)

@@ -53,7 +53,7 @@ class RequestIdTests(ProxyCase):
 
 class AuthorizationTests(ProxyCase):
     async def test_client_authorization_reaches_both_legs(self) -> None:
-        await self.start(args=["--backend-api-key", "operator-key"])
+        await self.start(proxy=dict(backend_api_key="operator-key"))
         response = await self.post(
             "/v1/chat/completions", CHAT, headers={"Authorization": "Bearer client-key"}
         )
@@ -62,7 +62,7 @@ class AuthorizationTests(ProxyCase):
         self.assertEqual(self.decode.requests[0].authorization, "Bearer client-key")
 
     async def test_operator_key_used_when_client_sends_none(self) -> None:
-        await self.start(args=["--backend-api-key", "operator-key"])
+        await self.start(proxy=dict(backend_api_key="operator-key"))
         response = await self.post("/v1/chat/completions", CHAT)
         await response.content()
         models = await self.http.get(self.proxy.url + "/v1/models")
@@ -184,7 +184,7 @@ class ConnectionTests(ProxyCase):
         self.assertEqual(self.decode.site.connections_accepted, 8)
 
     async def test_idle_backend_connections_are_retired_after_the_idle_timeout(self) -> None:
-        await self.start(args=["--backend-idle-timeout", "0.2"])
+        await self.start(proxy=dict(backend_idle_timeout=0.2))
         response = await self.post("/v1/chat/completions", CHAT)
         await response.content()
         (channel,) = self.decode.site.channels()

@@ -20,10 +20,11 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 
+from nixl_twisted.relay import read_body
 from nixl_twisted.testing import FakeVLLM, TransferLedger
-from nixl_twisted.upstream import Upstream, backend_url, read_body
+from nixl_twisted.upstream import Upstream, backend_agent, backend_url
+from tests.loopback.test_tls import self_signed
 from tests.support import CHAT, ProxyCase
-from tests.test_tls import self_signed
 
 _HOSTS = st.sampled_from(["127.0.0.1", "decode-0.vllm.svc", "bücher.example"])
 _PATHS = st.sampled_from(["/v1/completions", "/v1/chat/completions", "/health"])
@@ -67,7 +68,9 @@ class UpstreamTests(TestCase):
         self.addCleanup(fake.stop)
         self.assertTrue(url.startswith("https://"))
         trust = ssl.Certificate.loadPEM(cert.read_bytes())
-        upstream = Upstream(reactor, tls=BrowserLikePolicyForHTTPS(trust))
+        connections = HTTPConnectionPool(reactor)
+        tls = BrowserLikePolicyForHTTPS(trust)
+        upstream = Upstream(backend_agent(reactor, connections, 10.0, tls), connections)
         self.addCleanup(upstream.close)
         body = json.dumps({**CHAT, "kv_transfer_params": None}).encode()
         headers = Headers({b"Content-Type": [b"application/json"]})

@@ -3,84 +3,85 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IServiceCollection
-from twisted.python import usage
+from twisted.internet import reactor
+from twisted.internet.error import CannotListenError
 
 import nixl_twisted
-from nixl_twisted.pools import BackendService
-from nixl_twisted.tap import BACKEND_API_KEY_ENV, ListenService, Options, makeService
+from nixl_twisted.backends import BackendService
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.service import ProxyService, build
+from nixl_twisted.signals import SignalService
+from nixl_twisted.tap import Options, makeService
+from nixl_twisted.workers import SupervisorService, WorkerSupervisor
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
 TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def parse(*args: str) -> Options:
-    options = Options()
-    options.parseOptions(list(args))
-    return options
+def options(*args: str) -> Options:
+    parsed = Options()
+    parsed.parseOptions(list(args))
+    return parsed
 
 
-def test_defaults() -> None:
-    options = parse(*POOLS)
-    assert options["listen"] == ["tcp:8000"]
-    # Below vLLM's 5 s keep-alive close, and well above Twisted's 2 idle.
-    assert options["backend-idle-timeout"] < 5
-    assert options["max-idle-per-backend"] >= 256
-    assert options["backend-api-key"] is None
-
-
-def test_repeatable_pools_and_listen() -> None:
-    options = parse(
-        "--listen", "tcp:0:interface=127.0.0.1", "--listen", "unix:/tmp/nixlproxy-test.sock",
-        "--prefill", "http://p1:8100", "--prefill", "http://p2:8100", "--decode", "http://d1:8200",
-    )  # fmt: skip
-    assert options["prefill_pool"].urls == ("http://p1:8100", "http://p2:8100")
-    assert options["decode_pool"].urls == ("http://d1:8200",)
-    assert len(options["endpoints"]) == 2
-
-
-def test_service_tree_has_backends_and_one_listener_per_endpoint() -> None:
+def test_service_tree_has_backends_one_listener_per_endpoint_and_signals() -> None:
     service = makeService(
-        parse("--listen", "tcp:0", "--listen", "tcp:0:interface=127.0.0.1", *POOLS)
+        options("--listen", "tcp:0", "--listen", "tcp:0:interface=127.0.0.1", *POOLS)
     )
     assert IServiceCollection.providedBy(service)
-    children = list(service)
-    assert [type(c) for c in children] == [BackendService, ListenService, ListenService]
+    assert [type(c) for c in service] == [
+        BackendService, StreamServerEndpointService, StreamServerEndpointService, SignalService,
+    ]  # fmt: skip
 
 
-def test_backend_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(BACKEND_API_KEY_ENV, "from-env")
-    assert parse(*POOLS)["backend-api-key"] == "from-env"
-    assert parse(*POOLS, "--backend-api-key", "from-flag")["backend-api-key"] == "from-flag"
+def test_workers_make_a_supervisor_tree() -> None:
+    service = makeService(options("--workers", "2", "--listen", "tcp:0", *POOLS))
+    assert isinstance(service, SupervisorService)
+    assert [type(c) for c in service] == [WorkerSupervisor, SignalService]
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--decode", "http://d:1"], "at least one --prefill URL is required"),
-        (["--prefill", "http://p:1"], "at least one --decode URL is required"),
-        (["--prefill", "p1:8100", "--decode", "http://d:1"], "--prefill: 'p1:8100' must start"),
-        (["--prefill", "http://p:1", "--decode", "http://d:x"], "--decode: 'http://d:x'"),
-        ([*POOLS, "--listen", "bogus:1"], "--listen 'bogus:1' is not a usable endpoint"),
-        ([*POOLS, "--listen", "tcp:notaport"], "--listen 'tcp:notaport'"),
-        ([*POOLS, "--connect-timeout", "soon"], "must be a number of seconds"),
-        ([*POOLS, "--backend-idle-timeout", "0"], "must be greater than 0"),
-        ([*POOLS, "--max-idle-per-backend", "0"], "must be at least 1"),
-        ([*POOLS, "--log-format", "xml"], "must be one of text, json"),
-        ([*POOLS, "--metrics-listen", "nope:1"], "--metrics-listen 'nope:1'"),
-    ],
-)
-def test_unusable_options_are_usage_errors_naming_the_problem(
-    args: list[str], message: str
-) -> None:
-    with pytest.raises(usage.UsageError, match=message.replace("?", r"\?")):
-        parse(*args)
+def test_ports_are_bound_in_privileged_start_before_privileges_are_shed() -> None:
+    """twistd binds in privilegedStartService, then sheds --uid, then starts."""
+    config = ProxyConfig.create(
+        listen=["tcp:0:interface=127.0.0.1"], prefill=["http://p:1"], decode=["http://d:1"]
+    )
+    service = build(config, reactor)
+    assert isinstance(service, ProxyService)
+    service.privilegedStartService()
+    try:
+        (port,) = service.ports()
+        assert port.getHost().port > 0  # type: ignore[attr-defined]
+        assert not service.running  # bound, not started
+    finally:
+        for listener in service.listeners():
+            listener.stopService()
+
+
+def test_a_bind_error_is_raised_at_once() -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        config = ProxyConfig.create(
+            listen=[f"tcp:{port}:interface=127.0.0.1"],
+            prefill=["http://p:1"],
+            decode=["http://d:1"],
+        )
+        service = build(config, reactor)
+        with pytest.raises(CannotListenError):
+            service.privilegedStartService()
+    finally:
+        taken.close()
 
 
 def installed_env() -> dict[str, str]:
@@ -131,7 +132,7 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
         "--decode-timeout", "--stream-idle-timeout", "--prefill-retries", "--decode-retries",
         "--health-interval", "--health-timeout", "--max-in-flight", "--max-body-size",
         "--metrics-listen", "--log-format", "--drain-timeout", "--config", "--admin-token",
-        "--version",
+        "--version", "--workers", "--access-log",
     ):  # fmt: skip
         assert option in result.stdout
     assert nixl_twisted.ID in result.stdout

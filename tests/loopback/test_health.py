@@ -48,7 +48,7 @@ class InstanceDeathTests(ProxyCase):
         self.assertEqual(len(dead.requests), 2)
 
     async def test_health_checks_run_on_the_interval(self) -> None:
-        await self.start(args=["--health-interval", "5"])
+        await self.start(proxy=dict(health_interval=5))
         checked = gatherResults([f.next_health_check() for f in (self.prefill, self.decode)])
         self.assertEqual(self.decode.health_checks, 0)  # none before the first interval
         self.clock.advance(5)
@@ -122,7 +122,7 @@ class RetryTests(ProxyCase):
         self.assertEqual(len(self.decode.requests), 1)
 
     async def test_prefill_retries_are_bounded(self) -> None:
-        await self.start(prefills=3, args=["--prefill-retries", "1"])
+        await self.start(prefills=3, proxy=dict(prefill_retries=1))
         for prefill in self.prefills:
             prefill.crash_next(502)
         response, answer = await self.post_json("/v1/chat/completions", CHAT)

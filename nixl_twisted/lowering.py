@@ -1,4 +1,4 @@
-"""The NIXL prefill/decode protocol as pure functions: no I/O, no reactor.
+"""Lowering: the NIXL prefill/decode bodies as pure functions (no I/O, no reactor).
 
 Everything here follows ``PROTOCOL.md`` to the letter; the lowering is part of
 the proxy's identity (``nixl_twisted.identity.VERSION``).

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.pools import (
-    BACKOFF_MAX,
-    BackendPool,
-    InvalidBackendURL,
-    NoHealthyInstance,
-    normalize_backend_url,
-)
+from nixl_twisted.pools import BACKOFF_MAX, BackendPool, NoHealthyInstance
+from nixl_twisted.settings import InvalidValue, backend_url
 
 
 def test_round_robin_in_order_and_wraps() -> None:
@@ -30,7 +25,7 @@ def test_round_robin_in_order_and_wraps() -> None:
 
 def test_a_pool_needs_an_instance() -> None:
     with pytest.raises(ValueError, match="at least one"):
-        BackendPool("prefill", [])
+        BackendPool("prefill", [], Clock())
 
 
 @pytest.mark.parametrize(
@@ -43,7 +38,7 @@ def test_a_pool_needs_an_instance() -> None:
     ],
 )
 def test_valid_urls(url: str, normal: str) -> None:
-    assert normalize_backend_url(url) == normal
+    assert backend_url(url) == normal
 
 
 @pytest.mark.parametrize(
@@ -59,8 +54,8 @@ def test_valid_urls(url: str, normal: str) -> None:
     ],
 )
 def test_invalid_urls_say_why(url: str, why: str) -> None:
-    with pytest.raises(InvalidBackendURL, match=why):
-        normalize_backend_url(url)
+    with pytest.raises(InvalidValue, match=why):
+        backend_url(url)
 
 
 def pool_of(*urls: str) -> tuple[BackendPool, Clock]:

@@ -16,7 +16,6 @@ from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 from zope.interface import provider
 
-from nixl_twisted.exchange import Limits
 from tests.support import CHAT, ProxyCase, sse_events
 
 STREAM = dict(CHAT, stream=True)
@@ -45,7 +44,7 @@ class AbuseTests(ProxyCase):
         return await client.closed
 
     async def test_a_body_over_the_limit_is_413_before_it_is_read(self) -> None:
-        await self.start(args=["--max-body-size", "1000"])
+        await self.start(proxy=dict(max_body_size=1000))
         head = (
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 50000000\r\n\r\n"
@@ -57,7 +56,7 @@ class AbuseTests(ProxyCase):
         self.assertEqual(self.prefill.requests, [])
 
     async def test_a_chunked_body_over_the_limit_is_413(self) -> None:
-        await self.start(args=["--max-body-size", "1000"])
+        await self.start(proxy=dict(max_body_size=1000))
         head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
         chunk = b"%x\r\n%s\r\n" % (600, b"x" * 600)
         answer = await self.raw(head + chunk + chunk)
@@ -65,7 +64,7 @@ class AbuseTests(ProxyCase):
         self.assertEqual(self.prefill.requests, [])
 
     async def test_a_body_under_the_limit_is_served(self) -> None:
-        await self.start(args=["--max-body-size", "1000"])
+        await self.start(proxy=dict(max_body_size=1000))
         response = await self.post("/v1/completions", {"model": "m", "prompt": "x" * 500})
         self.assertEqual(response.code, 200)
         await response.content()
@@ -93,7 +92,7 @@ class AbuseTests(ProxyCase):
 
 class AdmissionTests(ProxyCase):
     async def test_past_the_in_flight_limit_503_at_once(self) -> None:
-        await self.start(args=["--max-in-flight", "1"])
+        await self.start(proxy=dict(max_in_flight=1))
         collector = await self.held_stream()
 
         response, answer = await self.post_json("/v1/chat/completions", CHAT)
@@ -118,7 +117,7 @@ class SecretTests(ProxyCase):
 
         globalLogPublisher.addObserver(observe)
         self.addCleanup(globalLogPublisher.removeObserver, observe)
-        await self.start(args=["--backend-api-key", "sk-operator-secret"])
+        await self.start(proxy=dict(backend_api_key="sk-operator-secret"))
         auth = {"Authorization": f"Bearer {secret}"}
         bodies = []
         self.prefill.crash_next(500)
@@ -183,13 +182,3 @@ class DrainTests(ProxyCase):
         await stopped
         self.assertEqual(self.proxy.site.channels(), [])
         self.decode.release()
-
-
-class LimitsDefaultsTests(ProxyCase):
-    async def test_defaults_let_a_long_generation_through(self) -> None:
-        # A sanity check of the defaults: prefill may take minutes on long
-        # prompts, decode headers come at the end of a non-streaming answer.
-        defaults = Limits()
-        self.assertGreaterEqual(defaults.prefill_timeout, 120)
-        self.assertGreaterEqual(defaults.decode_timeout, defaults.prefill_timeout)
-        self.assertGreaterEqual(defaults.stream_idle_timeout, 30)

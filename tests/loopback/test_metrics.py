@@ -99,13 +99,12 @@ class MetricsTests(ScrapingCase):
         self.assertFalse(any("hello there" in label for label in labels))
 
     async def test_a_separate_metrics_endpoint(self) -> None:
-        await self.start(args=["--metrics-listen", "tcp:0:interface=127.0.0.1"])
+        await self.start(proxy=dict(metrics_listen="tcp:0:interface=127.0.0.1"))
         hidden = await self.http.get(self.proxy.url + "/metrics")
         self.assertEqual(hidden.code, 404)
         await hidden.content()
-        (listener,) = [s for s in self.proxy.service.listeners() if s.site is not self.proxy.site]
-        assert listener.port is not None
-        metrics_url = f"http://127.0.0.1:{listener.port.getHost().port}"  # type: ignore[attr-defined]
+        _, metrics_port = self.proxy.service.ports()  # --listen first, then --metrics-listen
+        metrics_url = f"http://127.0.0.1:{metrics_port.getHost().port}"  # type: ignore[attr-defined]
         await self.post_json("/v1/completions", {"model": "m", "prompt": "x"})
         m = await self.scrape(metrics_url)
         key = ("nixlproxy_requests_total", (("route", "/v1/completions"), ("status", "200")))
@@ -155,7 +154,7 @@ class AccessLogTests(ScrapingCase):
 
     async def test_access_log_off_emits_no_event_and_still_counts(self) -> None:
         events = self.capture()
-        await self.start(args=["--access-log", "off"])
+        await self.start(proxy=dict(access_log="off"))
         for _ in range(2):
             response, _ = await self.post_json("/v1/chat/completions", CHAT)
             self.assertEqual(response.code, 200)

@@ -1,0 +1,46 @@
+"""Admission: how many requests are served at once, and the drain on shutdown."""
+
+from __future__ import annotations
+
+from twisted.internet.defer import Deferred
+
+from nixl_twisted.errors import overloaded
+from nixl_twisted.events import Happened
+
+
+class Admission:
+    """Counts requests in flight; refuses past the limit, and all while draining."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        self.draining = False
+        self._idle = Happened()
+
+    def admit(self) -> None:
+        """Take one request in, or raise the 503 that says why not."""
+        if self.draining:
+            raise overloaded("the proxy is shutting down", "draining")
+        if self.in_flight >= self.max_in_flight:
+            raise overloaded(
+                f"the proxy is serving its limit of {self.max_in_flight} requests",
+                "too_many_requests_in_flight",
+            )
+        self.in_flight += 1
+
+    def release(self, result: object = None) -> object:
+        """One request ended (usable as a callback: passes ``result`` on)."""
+        self.in_flight -= 1
+        if self.draining and self.in_flight == 0:
+            self._idle.fire()
+        return result
+
+    def start_draining(self) -> None:
+        """Refuse new requests from now on; /healthcheck says not ready."""
+        self.draining = True
+        if self.in_flight == 0:
+            self._idle.fire()
+
+    def drained(self) -> Deferred[None]:
+        """Fires once draining and nothing is in flight."""
+        return self._idle.wait()

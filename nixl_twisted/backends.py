@@ -1,0 +1,114 @@
+"""``BackendService``: the service the tree owns for the backends.
+
+Both pools, the active health checks (``GET /health`` on every instance
+each ``--health-interval``) and the one HTTP client, whose pooled
+connections are closed when the service stops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+
+from nixl_twisted.config import Health, Pools
+from nixl_twisted.pools import BackendPool, Instance
+from nixl_twisted.relay import read_body
+from nixl_twisted.upstream import Upstream
+
+log = Logger()
+
+
+class BackendService(Service):
+    """The prefill and decode pools, their health checks, and the HTTP client."""
+
+    name = "backends"
+
+    def __init__(
+        self,
+        prefill: BackendPool,
+        decode: BackendPool,
+        upstream: Upstream,
+        clock: IReactorTime,
+        health: Health,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.upstream = upstream
+        self.clock = clock
+        self.health_interval = health.interval
+        self.health_timeout = health.timeout
+        self._checks: LoopingCall | None = None
+        self._probes: set[Deferred[None]] = set()
+
+    def pools(self) -> tuple[BackendPool, BackendPool]:
+        return (self.prefill, self.decode)
+
+    def pool(self, role: str) -> BackendPool | None:
+        return {pool.role: pool for pool in self.pools()}.get(role)
+
+    def use_pools(self, pools: Pools) -> None:
+        """Make each pool these URLs: the new join, those no longer listed drain."""
+        for pool in self.pools():
+            pool.update(pools.of(pool.role))
+
+    def ready(self) -> bool:
+        """Both pools have an instance to send a leg to."""
+        return all(pool.has_available() for pool in self.pools())
+
+    def startService(self) -> None:
+        super().startService()
+        if self.health_interval > 0:
+            self._checks = LoopingCall(self.check_health)
+            self._checks.clock = self.clock
+            self._checks.start(self.health_interval, now=False).addErrback(
+                lambda failure: log.failure("health checks stopped", failure)
+            )
+
+    def check_health(self) -> Deferred[Any]:
+        """``GET /health`` on every instance; never fails (the loop must not die)."""
+        checks = [
+            self._check(pool, instance)
+            for pool in self.pools()
+            for instance in list(pool.instances)
+        ]
+        return DeferredList(checks, consumeErrors=True)
+
+    def _check(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
+        async def probe() -> None:
+            response = await self.upstream.get(instance.url + "/health", Headers())
+            await read_body(response)
+            if response.code != 200:
+                raise RuntimeError(f"GET /health answered HTTP {response.code}")
+
+        checking = ensureDeferred(probe()).addTimeout(self.health_timeout, self.clock)
+        self._probes.add(checking)
+
+        def done(result: object) -> object:
+            self._probes.discard(checking)
+            return result
+
+        def failed(failure: Failure) -> None:
+            if not self.running:
+                return  # cancelled by stopService
+            pool.mark_failed(instance, f"health check failed: {failure.getErrorMessage()}")
+
+        checking.addBoth(done)
+        checking.addCallbacks(lambda _: pool.mark_ok(instance), failed)
+        checking.addErrback(lambda failure: log.failure("health check error", failure))
+        return checking
+
+    def stopService(self) -> Deferred[None]:
+        """Stop the health checks and close every pooled backend connection."""
+        super().stopService()
+        if self._checks is not None and self._checks.running:
+            self._checks.stop()
+        for probe in list(self._probes):
+            probe.cancel()
+        return self.upstream.close()

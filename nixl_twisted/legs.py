@@ -1,0 +1,139 @@
+"""One leg over a pool: choose an instance, hold it, send, and try another when it failed.
+
+``send_leg`` serves the prefill leg, the decode leg and the single-leg
+routes (``/v1/models``) alike. An attempt raises ``Retry`` when the instance,
+not the request, failed (nothing usable was answered): the instance is
+accounted for, its lease released, and the next instance tried, up to the
+leg's retries. Any other outcome ends the leg. What a prefill status means
+is decided in one place, :func:`classify_prefill`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from twisted.internet.defer import CancelledError
+from twisted.web.iweb import IResponse
+
+from nixl_twisted.errors import ProxyError
+from nixl_twisted.metrics import ProxyMetrics
+from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
+
+T = TypeVar("T")
+
+
+class Retry(Exception):
+    """The instance failed (``down`` says why): another may serve the same leg."""
+
+    def __init__(self, error: ProxyError, outcome: str, down: str) -> None:
+        super().__init__(error.message)
+        #: What the client sees if no other instance serves the leg.
+        self.error = error
+        self.outcome = outcome
+        self.down = down
+
+
+class PrefillRefused(Exception):
+    """Prefill answered 4xx: the answer describes the client's request, relayed as it is."""
+
+    def __init__(self, response: IResponse, body: bytes) -> None:
+        super().__init__(response.code)
+        self.response = response
+        self.body = body
+
+
+class PrefillVerdict(enum.Enum):
+    """What a prefill instance's status says, and so what the proxy does next."""
+
+    #: 2xx: read ``kv_transfer_params`` and go on to decode.
+    PARAMS = "params"
+    #: 502, 503, 504: vLLM is overloaded or restarting; mark it down, try another.
+    RETRY = "retry"
+    #: 4xx: the request is at fault; relay prefill's answer, no decode.
+    REFUSED = "refused"
+    #: Anything else (1xx, 3xx, another 5xx): 502, the instance stays up.
+    FAILED = "failed"
+
+
+def classify_prefill(status: int) -> PrefillVerdict:
+    """The one place that decides what a prefill answer's status means."""
+    if 200 <= status < 300:
+        return PrefillVerdict.PARAMS
+    if status in (502, 503, 504):
+        return PrefillVerdict.RETRY
+    if 400 <= status < 500:
+        return PrefillVerdict.REFUSED
+    return PrefillVerdict.FAILED
+
+
+def unavailable(error: NoHealthyInstance) -> ProxyError:
+    """503 with Retry-After: the pool has no instance to send a leg to now."""
+    return ProxyError(
+        503,
+        f"no healthy {error.role} instance: try again shortly",
+        "upstream_error",
+        f"no_healthy_{error.role}",
+        retry_after=error.retry_after,
+    )
+
+
+def account(
+    metrics: ProxyMetrics,
+    pool: BackendPool,
+    instance: Instance,
+    outcome: str,
+    down: str | None = None,
+) -> None:
+    """Count a leg's outcome; take the instance out of rotation when ``down`` says why."""
+    metrics.backend_requests.labels(pool.role, instance.url, outcome).inc()
+    if down is None:
+        pool.mark_ok(instance)
+    else:
+        pool.mark_failed(instance, down)
+
+
+async def send_leg(
+    pool: BackendPool,
+    retries: int,
+    metrics: ProxyMetrics,
+    attempt: Callable[[Instance], Awaitable[T]],
+    go_on: Callable[[], bool] = lambda: True,
+) -> tuple[Lease, T]:
+    """Run ``attempt`` on the pool's next instances until one does not ``Retry``.
+
+    Returns the lease of the instance that served the leg (the caller
+    releases it when the leg is over, a relay included) and what the attempt
+    returned. ``go_on`` is asked before each attempt: when it says no, the
+    leg ends with ``CancelledError``.
+    """
+    tried: list[Instance] = []
+    last: ProxyError | None = None
+    for _ in range(1 + retries):
+        if not go_on():
+            raise CancelledError()
+        if tried:
+            metrics.retries.labels(pool.role).inc()
+        try:
+            instance = pool.next(exclude=tried)
+        except NoHealthyInstance as error:
+            raise (last or unavailable(error)) from None
+        tried.append(instance)
+        lease = pool.lease(instance)
+        try:
+            return lease, await attempt(instance)
+        except Retry as retry:
+            lease.release()
+            account(metrics, pool, instance, retry.outcome, retry.down)
+            last = retry.error
+        except BaseException:
+            lease.release()
+            raise
+    assert last is not None
+    raise last
+
+
+def describe(error: BaseException) -> str:
+    """An error as a short reason for a log line or an error message."""
+    return str(error) or type(error).__name__

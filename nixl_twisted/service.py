@@ -1,0 +1,237 @@
+"""The composition root: ``build(config, reactor)`` makes one proxy's service tree.
+
+Everything that touches the world (the reactor, the clock, the HTTP agent)
+is resolved here, once, and handed down. The tree::
+
+    ProxyService              stops in one order: accept, drain, close, backends
+    ├── BackendService        pools, health checks, the pooled HTTP client
+    ├── listener x N          strports services, bound in privilegedStartService
+    ├── metrics listener      when --metrics-listen is set
+    └── SignalService         SIGTERM and SIGHUP (under twistd)
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from twisted.application import strports
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError, maybeDeferred
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IProtocolFactory,
+    IReactorTime,
+    IStreamServerEndpoint,
+)
+from twisted.logger import Logger
+from twisted.web.client import HTTPConnectionPool
+from twisted.web.iweb import IAgent
+from zope.interface import implementer
+
+from nixl_twisted.access import AccessLog
+from nixl_twisted.admission import Admission
+from nixl_twisted.app import ProxyApp
+from nixl_twisted.backends import BackendService
+from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.events import Happened
+from nixl_twisted.logs import offer_observer
+from nixl_twisted.metrics import MetricsResource, ProxyMetrics
+from nixl_twisted.pools import BackendPool
+from nixl_twisted.signals import SignalService
+from nixl_twisted.site import TrackingSite
+from nixl_twisted.upstream import Upstream, backend_agent
+from nixl_twisted.workers import ReusePortEndpoint, tcp_address
+
+log = Logger()
+
+#: Seconds drained connections get to send what they have buffered.
+CLOSE_GRACE = 5.0
+
+
+@implementer(IStreamServerEndpoint)
+class Announced:
+    """An endpoint that logs the address it was bound to and keeps the port."""
+
+    def __init__(self, endpoint: IStreamServerEndpoint) -> None:
+        self.endpoint = endpoint
+        self.port: IListeningPort | None = None
+
+    def listen(self, factory: IProtocolFactory) -> Deferred[IListeningPort]:
+        return self.endpoint.listen(factory).addCallback(self._bound)
+
+    def _bound(self, port: IListeningPort) -> IListeningPort:
+        self.port = port
+        log.info("nixlproxy listening on {address}", address=_address(port))
+        return port
+
+
+def _address(port: IListeningPort) -> str:
+    host = port.getHost()
+    if hasattr(host, "port"):
+        return f"{host.host}:{host.port}"  # type: ignore[attr-defined]
+    name = getattr(host, "name", host)
+    return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
+
+
+def listener(
+    description: str, factory: IProtocolFactory, reactor: Any, shared: bool = False
+) -> StreamServerEndpointService:
+    """A stock listening service; ``shared``: a worker's SO_REUSEPORT TCP port."""
+    if shared:
+        address = tcp_address(description)
+        assert address is not None, "a worker is only ever given tcp: endpoints"
+        service = StreamServerEndpointService(ReusePortEndpoint(reactor, *address), factory)
+    else:
+        # strports' service reports a bind error synchronously, so twistd
+        # exits non-zero at once instead of serving nothing.
+        service = strports.service(description, factory, reactor=reactor)
+    service.endpoint = Announced(service.endpoint)
+    return service
+
+
+class ProxyService(MultiService):
+    """One proxy: its children, and the one order they stop in."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        app: ProxyApp,
+        site: TrackingSite,
+        backends: BackendService,
+        clock: IReactorTime,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.app = app
+        self.site = site
+        self.backends = backends
+        self.clock = clock
+        self._ports_closed = Happened()
+        backends.setServiceParent(self)
+
+    def setServiceParent(self, parent: Any) -> None:
+        """Under twistd the parent is the application: offer it our log observer."""
+        super().setServiceParent(parent)
+        offer_observer(parent, self.config.log_format)
+
+    def listeners(self) -> list[StreamServerEndpointService]:
+        return [s for s in self if isinstance(s, StreamServerEndpointService)]
+
+    def ports(self) -> list[IListeningPort]:
+        """The ports bound now, in the order of ``--listen`` (then metrics)."""
+        endpoints = [cast(Announced, s.endpoint) for s in self.listeners()]
+        return [e.port for e in endpoints if e.port is not None]
+
+    def reload_pools(self) -> None:
+        """Make the pools what the config file says now; keep them on any error."""
+        try:
+            config = self.config.reloaded()
+        except ConfigError as error:
+            log.error(
+                "SIGHUP: pools not reloaded, kept as they were ({key}): {error}",
+                key=error.key,
+                error=str(error),
+            )
+            return
+        self.backends.use_pools(config.pools)
+        self.config = config
+        log.info(
+            "SIGHUP: pools reloaded from {path}: prefill {prefill}, decode {decode}",
+            path=config.config_path,
+            prefill=list(config.pools.prefill),
+            decode=list(config.pools.decode),
+        )
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        return Deferred.fromCoroutine(self._stop())
+
+    async def _stop(self) -> None:
+        """Stop accepting, drain, close client connections, then stop the backends."""
+        self.app.admission.start_draining()
+        listeners = self.listeners()
+        await DeferredList([maybeDeferred(s.stopService) for s in listeners])
+        draining = Deferred.fromCoroutine(self._drain())  # its timer runs from now,
+        self._ports_closed.fire()  # before whoever waits on this goes on
+        await self._close_connections(await draining)
+        rest = [s for s in self if s not in listeners and s.running]
+        await DeferredList([maybeDeferred(s.stopService) for s in reversed(rest)])
+
+    def when_ports_closed(self) -> Deferred[None]:
+        """Fires once a stopping proxy accepts no more connections."""
+        return self._ports_closed.wait()
+
+    async def _drain(self) -> bool:
+        admission = self.app.admission
+        if admission.in_flight:
+            log.info("draining {in_flight} requests in flight", in_flight=admission.in_flight)
+        try:
+            await admission.drained().addTimeout(self.config.timeouts.drain, self.clock)
+        except TimeoutError:
+            log.warn(
+                "drain timeout of {seconds} s: closing {in_flight} requests still in flight",
+                seconds=self.config.timeouts.drain,
+                in_flight=admission.in_flight,
+            )
+            return False
+        return True
+
+    async def _close_connections(self, drained: bool) -> None:
+        """Close client connections: gently if drained, at once if not."""
+        sites = {cast(TrackingSite, s.factory) for s in self.listeners()}
+        if drained:
+            closing = DeferredList([site.close_connections(abort=False) for site in sites])
+            try:
+                await closing.addTimeout(CLOSE_GRACE, self.clock)
+                return
+            except TimeoutError:
+                pass
+        await DeferredList([site.close_connections(abort=True) for site in sites])
+
+
+def build(
+    config: ProxyConfig,
+    reactor: Any,
+    *,
+    clock: IReactorTime | None = None,
+    agent: IAgent | None = None,
+    take_signals: bool = True,
+) -> ProxyService:
+    """Make one proxy's whole service tree from its configuration.
+
+    ``clock`` (default: the reactor) drives every timeout, backoff and
+    health check; ``agent`` (default: a pooled ``Agent`` on the reactor)
+    makes every backend call. Tests pass a ``Clock`` and an in-memory agent.
+    """
+    clock = clock if clock is not None else cast(IReactorTime, reactor)
+    connections: HTTPConnectionPool | None = None
+    if agent is None:
+        connections = HTTPConnectionPool(reactor, persistent=True)
+        connections.maxPersistentPerHost = config.limits.max_idle_per_backend
+        connections.cachedConnectionTimeout = config.timeouts.backend_idle  # type: ignore[assignment]
+        agent = backend_agent(reactor, connections, config.timeouts.connect)
+    backends = BackendService(
+        BackendPool("prefill", config.pools.prefill, clock),
+        BackendPool("decode", config.pools.decode, clock),
+        Upstream(agent, connections),
+        clock,
+        config.health,
+    )
+    metrics = ProxyMetrics(backends.pools())
+    app = ProxyApp(config, backends, Admission(config.limits.max_in_flight), metrics, clock)
+    site = TrackingSite(
+        app.resource(),
+        max_body_size=config.limits.max_body_size,
+        access_log=AccessLog(metrics, emit=config.access_log),
+    )
+    root = ProxyService(config, app, site, backends, clock)
+    shared = config.worker is not None
+    for description in config.listen:
+        listener(description, site, reactor, shared).setServiceParent(root)
+    if config.metrics_listen is not None:
+        metrics_site = TrackingSite(MetricsResource(metrics), config.limits.max_body_size)
+        listener(config.metrics_listen, metrics_site, reactor).setServiceParent(root)
+    if take_signals:
+        SignalService(reactor, root.reload_pools).setServiceParent(root)
+    return root

@@ -1,0 +1,247 @@
+"""Every setting of the proxy: its name, default, check and help, in one table.
+
+The command line (``tap.Options`` is generated from this table), the TOML
+file, SIGHUP reloads, the admin API and the workers' configuration all read
+values through these parsers, so a value means the same wherever it came
+from. ``docs/configuration.md`` is checked against this table by the tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from twisted.internet.endpoints import serverFromString
+
+#: Environment variables for the secrets, so they need not appear in a
+#: process listing or a file.
+BACKEND_API_KEY_ENV = "NIXLPROXY_BACKEND_API_KEY"
+ADMIN_TOKEN_ENV = "NIXLPROXY_ADMIN_TOKEN"
+
+
+class InvalidValue(ValueError):
+    """A value a setting cannot take; the message says why, without the setting's name."""
+
+
+def _number(value: object, kind: type[int] | type[float], what: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise InvalidValue(f"must be {what}, not {value!r}")
+    try:
+        number = kind(value)
+    except ValueError:
+        raise InvalidValue(f"must be {what}, not {value!r}") from None
+    if kind is int and isinstance(value, float) and value != number:
+        raise InvalidValue(f"must be {what}, not {value!r}")
+    return number
+
+
+def seconds(value: object) -> float:
+    number = _number(value, float, "a number of seconds")
+    if not number > 0:
+        raise InvalidValue(f"must be greater than 0, not {value!r}")
+    return float(number)
+
+
+def seconds_or_off(value: object) -> float:
+    number = _number(value, float, "a number of seconds")
+    if number < 0:
+        raise InvalidValue(f"must be 0 (off) or more, not {value!r}")
+    return float(number)
+
+
+def count(least: int) -> Callable[[object], int]:
+    def parse(value: object) -> int:
+        number = _number(value, int, "a whole number")
+        if number < least:
+            raise InvalidValue(f"must be at least {least}, not {value!r}")
+        return int(number)
+
+    return parse
+
+
+def choice(*choices: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if value not in choices:
+            raise InvalidValue(f"must be one of {', '.join(choices)}, not {value!r}")
+        return str(value)
+
+    return parse
+
+
+def text(value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidValue(f"must be a string, not {value!r}")
+    return value
+
+
+class _NoReactor:
+    """Endpoint parsing needs a reactor only to listen later; checking needs none."""
+
+
+def endpoint(value: object) -> str:
+    """A Twisted server endpoint string that Twisted can parse (nothing is bound)."""
+    description = text(value)
+    try:
+        serverFromString(_NoReactor(), description)
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        raise InvalidValue(f"{description!r} is not a usable endpoint: {error}") from None
+    return description
+
+
+def backend_url(value: object) -> str:
+    """A backend base URL, without a trailing slash.
+
+    A path prefix is allowed (an instance behind a path-routing ingress);
+    query strings, fragments and credentials are not, since every leg
+    appends its own path.
+    """
+    url = text(value)
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port that is not a number
+    except ValueError as error:
+        raise InvalidValue(f"{url!r} is not a valid URL: {error}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidValue(f"{url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise InvalidValue(f"{url!r} has no host")
+    if parts.query or parts.fragment:
+        raise InvalidValue(f"{url!r} must not have a query or a fragment")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One option: ``--name`` on the command line, ``name`` in the TOML file."""
+
+    name: str
+    default: Any
+    parse: Callable[[object], Any]
+    help: str
+    #: Repeatable on the command line, a list in the file.
+    many: bool = False
+    #: Read from this environment variable when neither source gives it.
+    env: str | None = None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("listen", ("tcp:8000",), endpoint, many=True, help=(
+        "Endpoint to serve on, as a Twisted endpoint string (repeatable), e.g. "
+        "tcp:8000:interface=127.0.0.1, ssl:8443:privateKey=key.pem:certKey=cert.pem, "
+        "unix:/run/nixlproxy.sock.")),
+    Setting("prefill", (), backend_url, many=True, help=(
+        "Base URL of a vLLM prefill instance, e.g. http://10.0.0.1:8100 "
+        "(repeatable; at least one).")),
+    Setting("decode", (), backend_url, many=True, help=(
+        "Base URL of a vLLM decode instance, e.g. http://10.0.0.2:8200 "
+        "(repeatable; at least one).")),
+    Setting("backend-api-key", None, text, env=BACKEND_API_KEY_ENV, help=(
+        "API key sent to the backends as 'Authorization: Bearer KEY' when the "
+        f"client sent no Authorization (default: ${BACKEND_API_KEY_ENV}).")),
+    Setting("connect-timeout", 10.0, seconds, help=(
+        "Seconds to wait for a TCP connection to a backend.")),
+    Setting("backend-idle-timeout", 4.0, seconds, help=(
+        "Seconds an idle backend connection is kept for reuse; keep it below "
+        "vLLM's 5 s keep-alive.")),
+    Setting("max-idle-per-backend", 512, count(1), help=(
+        "Idle keep-alive connections kept per backend instance.")),
+    Setting("prefill-timeout", 300.0, seconds, help=(
+        "Seconds to wait for a prefill instance's whole answer (504 after).")),
+    Setting("decode-timeout", 600.0, seconds, help=(
+        "Seconds to wait for a decode instance's response headers; a "
+        "non-streaming answer sends them when generation ends (504 after).")),
+    Setting("stream-idle-timeout", 60.0, seconds, help=(
+        "Seconds of silence allowed between two chunks of a decode body; a "
+        "long generation that keeps producing tokens is never cut.")),
+    Setting("prefill-retries", 2, count(0), help=(
+        "Other prefill instances tried when one cannot be reached or answers 502, 503 or 504.")),
+    Setting("decode-retries", 1, count(0), help=(
+        "Other decode instances tried, with the same kv_transfer_params, when "
+        "one cannot be reached.")),
+    Setting("health-interval", 5.0, seconds_or_off, help=(
+        "Seconds between GET /health checks of every instance (0: off).")),
+    Setting("health-timeout", 2.0, seconds, help=(
+        "Seconds a health check may take before it counts as failed.")),
+    Setting("max-in-flight", 1024, count(1), help=(
+        "Requests served at once; past it, 503 with Retry-After at once.")),
+    Setting("max-body-size", 32 * 1024 * 1024, count(1), help=(
+        "Largest request body in bytes (413 past it; vLLM's default too).")),
+    Setting("admin-token", None, text, env=ADMIN_TOKEN_ENV, help=(
+        "Bearer token that enables the admin API (/admin/backends); without "
+        f"one there is none (default: ${ADMIN_TOKEN_ENV}).")),
+    Setting("metrics-listen", None, endpoint, help=(
+        "Serve GET /metrics on this endpoint (e.g. tcp:9100:interface=127.0.0.1) "
+        "instead of on every --listen endpoint.")),
+    Setting("workers", 1, count(1), help=(
+        "Proxy processes sharing each TCP --listen port (SO_REUSEPORT), each "
+        "with its own pools and health state, supervised by this one.")),
+    Setting("log-format", "text", choice("text", "json"), help=(
+        "text (for people) or json (one JSON object per line on stdout, for log "
+        "pipelines; the same as twistd --logger=nixl_twisted.logs.json_lines).")),
+    Setting("access-log", "on", choice("on", "off"), help=(
+        "on: one info event per request (nixlproxy.access); off: none, "
+        "the request metrics still count every request.")),
+    Setting("drain-timeout", 30.0, seconds_or_off, help=(
+        "On SIGTERM, seconds to let requests in flight finish before closing them.")),
+)  # fmt: skip
+
+BY_NAME: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
+
+
+def default_text(setting: Setting) -> str:
+    """The default as ``--help`` and ``docs/configuration.md`` show it."""
+    if setting.env is not None:
+        return f"${setting.env}"
+    if setting.many:
+        return ", ".join(setting.default) if setting.default else "(required)"
+    if setting.default is None:
+        return "(none)"
+    if isinstance(setting.default, float) and setting.default.is_integer():
+        return str(int(setting.default))
+    return str(setting.default)
+
+
+def _fields(description: str) -> list[str]:
+    """An endpoint string's fields: split on ':' unless escaped as '\\:'."""
+    fields, current, escaped = [], "", False
+    for char in description:
+        if escaped:
+            current, escaped = current + char, False
+        elif char == "\\":
+            escaped = True
+        elif char == ":":
+            fields.append(current)
+            current = ""
+        else:
+            current += char
+    return [*fields, current]
+
+
+def tcp_address(description: str) -> tuple[str, int] | None:
+    """The (interface, port) of a ``tcp:`` or ``tcp6:`` endpoint string, else None.
+
+    ``--workers`` shares these ports between processes; it reads the string
+    itself because Twisted's TCP endpoints keep no public accessor for them.
+    """
+    kind, *fields = _fields(description)
+    if kind not in ("tcp", "tcp6"):
+        return None
+    arguments = dict(f.split("=", 1) for f in fields if "=" in f)
+    positional = [f for f in fields if "=" not in f]
+    port = arguments.get("port", positional[0] if positional else None)
+    if port is None or not port.isdigit():
+        return None
+    default = "::" if kind == "tcp6" else ""
+    return arguments.get("interface", default), int(port)
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """The endpoint string for a TCP port on ``host`` (every interface when empty)."""
+    if not host or host in ("0.0.0.0", "::"):
+        return f"tcp:{port}" if ":" not in host else f"tcp6:{port}"
+    kind = "tcp6" if ":" in host else "tcp"
+    return f"{kind}:{port}:interface={host.replace(':', chr(92) + ':')}"

@@ -1,0 +1,47 @@
+"""A fake vLLM and a proxy harness for trial tests: yours and ours.
+
+- :class:`FakeVLLM` plays prefill and decode as NIXL-enabled vLLM does
+  (``fake``), sharing a :class:`TransferLedger` (``ledger``), answering in
+  OpenAI's shapes (``answers``), failing as scripted (``behaviours``);
+- :func:`start_pair`, :func:`start_proxy`, :func:`run_proxy` and
+  :class:`InMemoryProxy` (``harness``) put a real proxy before fakes, on
+  loopback or in memory;
+- :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
+  ``twistd nixlproxy`` and learn where it listens.
+
+Serve a pair from a shell with ``python -m nixl_twisted.testing``.
+"""
+
+from nixl_twisted.testing.behaviours import Behaviour, ErrorAnswer, RawAnswer
+from nixl_twisted.testing.fake import FakeSite, FakeVLLM, ReceivedRequest
+from nixl_twisted.testing.harness import (
+    FakePair,
+    InMemoryClient,
+    InMemoryProxy,
+    RunningProxy,
+    run_proxy,
+    start_pair,
+    start_proxy,
+)
+from nixl_twisted.testing.ledger import TransferLedger
+from nixl_twisted.testing.process import Twistd, TwistdProtocol, spawn_twistd
+
+__all__ = [
+    "Behaviour",
+    "ErrorAnswer",
+    "FakePair",
+    "FakeSite",
+    "FakeVLLM",
+    "InMemoryClient",
+    "InMemoryProxy",
+    "RawAnswer",
+    "ReceivedRequest",
+    "RunningProxy",
+    "TransferLedger",
+    "Twistd",
+    "TwistdProtocol",
+    "run_proxy",
+    "spawn_twistd",
+    "start_pair",
+    "start_proxy",
+]

@@ -1,0 +1,134 @@
+"""What vLLM answers look like: OpenAI completions, chat completions, their streams, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+JSONObject = dict[str, Any]
+
+
+def encode(value: object) -> bytes:
+    return json.dumps(value).encode("utf-8")
+
+
+def vllm_error(status: int, message: str) -> bytes:
+    """vLLM's error body: OpenAI's, with the status as ``code``."""
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+
+def models(model: str) -> bytes:
+    """``GET /v1/models`` with one model."""
+    return encode(
+        {
+            "object": "list",
+            "data": [{"id": model, "object": "model", "owned_by": "vllm", "root": model}],
+        }
+    )
+
+
+@dataclass
+class Answer:
+    """One generated answer, whole (JSON) or as the SSE events of a stream."""
+
+    chat: bool
+    model: str
+    words: list[str]
+    finish_reason: str
+    usage: JSONObject
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def whole(self) -> JSONObject:
+        text = "".join(self.words)
+        if self.chat:
+            choice: JSONObject = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": self.finish_reason,
+            }
+            kind = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": self.finish_reason,
+            }
+            kind = "text_completion"
+        return {
+            "id": self._prefixed_id(),
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage,
+        }
+
+    def _prefixed_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def _chunk(self, choice: JSONObject, usage: JSONObject | None = None) -> bytes:
+        event: JSONObject = {
+            "id": self._prefixed_id(),
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice] if choice else [],
+        }
+        if usage is not None:
+            event["usage"] = usage
+        return b"data: " + encode(event) + b"\n\n"
+
+    def events(self, include_usage: bool) -> list[bytes]:
+        events = []
+        if self.chat:
+            events.append(
+                self._chunk(
+                    {
+                        "index": 0,
+                        "delta": {"role": "assistant", "content": ""},
+                        "finish_reason": None,
+                    }
+                )
+            )
+        for index, word in enumerate(self.words):
+            last = index == len(self.words) - 1
+            finish = self.finish_reason if last else None
+            if self.chat:
+                choice: JSONObject = {
+                    "index": 0,
+                    "delta": {"content": word},
+                    "finish_reason": finish,
+                }
+            else:
+                choice = {"index": 0, "text": word, "logprobs": None, "finish_reason": finish}
+            events.append(self._chunk(choice))
+        if include_usage:
+            events.append(self._chunk({}, self.usage))
+        events.append(b"data: [DONE]\n\n")
+        return events
+
+
+def prompt_tokens(body: JSONObject, chat: bool) -> int:
+    """The prompt's length in tokens, a token being a word here."""
+    if chat:
+        text = " ".join(
+            str(m.get("content", "")) for m in body.get("messages", []) if isinstance(m, dict)
+        )
+    else:
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        text = json.dumps(prompt) if not isinstance(prompt, str) else prompt
+    return max(1, len(text.split()))
+
+
+def words(text: str, count: int) -> list[str]:
+    """``count`` tokens of ``text``, from its start again when it runs out."""
+    pieces = text.split()
+    return [pieces[i % len(pieces)] + " " for i in range(count)]

@@ -1,0 +1,58 @@
+"""Scripted behaviours: what a ``FakeVLLM`` does with its next request, as small objects.
+
+A test queues them with ``FakeVLLM.script(...)`` (or the shorthands
+``refuse_next``, ``crash_next``, ...); each request takes the next one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nixl_twisted.testing.answers import vllm_error
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """A normal answer: what every request gets when nothing is scripted."""
+
+    #: A prefill leg answers ``kv_transfer_params``.
+    issues_params: bool = True
+    #: Cut the answer off: a stream after this many events, a JSON answer halfway.
+    cut_after: int | None = None
+
+    def instead(self) -> tuple[int, bytes, bytes] | None:
+        """(status, content type, body) to answer instead of generating, or None."""
+        return None
+
+
+@dataclass(frozen=True)
+class ErrorAnswer(Behaviour):
+    """vLLM's OpenAI error body with this status (4xx: a bad request, 5xx: an engine error)."""
+
+    status: int = 400
+    message: str = "bad request"
+
+    def instead(self) -> tuple[int, bytes, bytes] | None:
+        return self.status, b"application/json", vllm_error(self.status, self.message)
+
+
+@dataclass(frozen=True)
+class RawAnswer(Behaviour):
+    """Exactly these bytes, garbage included."""
+
+    status: int = 200
+    body: bytes = b""
+    content_type: bytes = b"application/json"
+
+    def instead(self) -> tuple[int, bytes, bytes] | None:
+        return self.status, self.content_type, self.body
+
+
+def omit_kv_transfer_params() -> Behaviour:
+    """A prefill answer without ``kv_transfer_params``."""
+    return Behaviour(issues_params=False)
+
+
+def break_off(after_events: int = 1) -> Behaviour:
+    """A stream closed after ``after_events`` events; a JSON answer closed halfway."""
+    return Behaviour(cut_after=after_events)

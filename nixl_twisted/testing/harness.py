@@ -1,0 +1,228 @@
+"""A real proxy built from a ``ProxyConfig``, on loopback or wholly in memory.
+
+- :func:`start_pair` starts a fake prefill and a fake decode sharing a ledger;
+- :func:`start_proxy` / :func:`run_proxy` start the proxy's whole service
+  tree, as ``twistd nixlproxy`` builds it, in the running reactor;
+- :class:`InMemoryProxy` serves the same tree with no socket at all: the
+  fakes behind ``treq.testing.RequestTraversalAgent``, each client on a
+  ``StringTransport``, every timer on a ``Clock``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from treq.testing import RequestTraversalAgent
+from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
+from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
+from twisted.web.resource import IResource, Resource
+
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.service import build
+from nixl_twisted.testing.fake import FakeVLLM, netloc
+from nixl_twisted.testing.ledger import TransferLedger
+
+if TYPE_CHECKING:
+    from nixl_twisted.app import ProxyApp
+    from nixl_twisted.service import ProxyService
+    from nixl_twisted.site import TrackingSite
+
+
+@dataclass
+class FakePair:
+    """A fake prefill and a fake decode sharing one ledger."""
+
+    prefill: FakeVLLM
+    decode: FakeVLLM
+
+    def stop(self) -> Deferred[Any]:
+        return gatherResults([self.prefill.stop(), self.decode.stop()])
+
+
+async def start_pair(
+    reactor: Any = None,
+    prefill_listen: str = "tcp:0:interface=127.0.0.1",
+    decode_listen: str = "tcp:0:interface=127.0.0.1",
+    **fake_options: Any,
+) -> FakePair:
+    """Start a fake prefill and a fake decode on loopback that share a ledger."""
+    ledger = TransferLedger()
+    pair = FakePair(
+        FakeVLLM(name="fake-prefill", ledger=ledger, **fake_options),
+        FakeVLLM(name="fake-decode", ledger=ledger, **fake_options),
+    )
+    await pair.prefill.listen(prefill_listen, reactor)
+    await pair.decode.listen(decode_listen, reactor)
+    return pair
+
+
+@dataclass
+class RunningProxy:
+    """A real nixl-twisted service tree, started in this process on loopback."""
+
+    service: ProxyService
+    url: str
+    #: The proxy's site: its client connections.
+    site: TrackingSite
+
+    @property
+    def app(self) -> ProxyApp:
+        return self.service.app
+
+    def stop(self) -> Deferred[Any]:
+        return maybeDeferred(self.service.stopService)
+
+
+def run_proxy(
+    config: ProxyConfig, clock: IReactorTime | None = None, reactor: Any = None
+) -> RunningProxy:
+    """Build the proxy from ``config`` exactly as ``twistd nixlproxy`` would, and start it.
+
+    A ``clock`` (such as ``twisted.internet.task.Clock``) drives its
+    timeouts, backoffs and health checks, so a test can advance time by
+    hand. Stop it with :meth:`RunningProxy.stop` (a trial ``addCleanup``).
+    """
+    if reactor is None:
+        from twisted.internet import reactor as default_reactor
+
+        reactor = default_reactor
+    service = build(config, reactor, clock=clock, take_signals=False)
+    service.privilegedStartService()
+    service.startService()
+    host = service.ports()[0].getHost()
+    assert isinstance(host, IPv4Address | IPv6Address)
+    return RunningProxy(service, f"http://{netloc(host)}", service.site)
+
+
+def start_proxy(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    listen: str = "tcp:0:interface=127.0.0.1",
+    clock: IReactorTime | None = None,
+    reactor: Any = None,
+    **settings: object,
+) -> RunningProxy:
+    """Start a proxy before these instances; ``settings`` are any other options
+    by name (``max_in_flight=8``, ``health_interval=0``), checked as the
+    command line's are."""
+    config = ProxyConfig.create(
+        listen=[listen], prefill=list(prefill), decode=list(decode), **settings
+    )
+    return run_proxy(config, clock=clock, reactor=reactor)
+
+
+class _ByHost(Resource):
+    """Routes each in-memory request to the fake whose URL names its host."""
+
+    def __init__(self, fakes: dict[bytes, IResource]) -> None:
+        super().__init__()
+        self._fakes = fakes
+
+    def getChildWithDefault(self, path: bytes, request: Any) -> IResource:
+        request.prepath.pop()
+        request.postpath.insert(0, path)
+        return self._fakes[request.getHeader(b"host")]
+
+
+class InMemoryClient:
+    """One client connection to an :class:`InMemoryProxy`, on a ``StringTransport``."""
+
+    def __init__(self, proxy: InMemoryProxy, channel: HTTPChannel) -> None:
+        self.proxy = proxy
+        self.channel = channel
+        self.transport = StringTransport()
+        channel.makeConnection(self.transport)
+        self.lost = False
+
+    def send(self, raw: bytes) -> None:
+        self.channel.dataReceived(raw)
+        self.proxy.flush()
+
+    def received(self) -> bytes:
+        """Every byte the proxy has written to this client so far."""
+        return self.transport.value()
+
+    def disconnect(self) -> None:
+        """The client goes away."""
+        if not self.lost:
+            self.lost = True
+            self.channel.connectionLost(Failure(ConnectionDone()))
+        self.proxy.flush()
+
+
+class InMemoryProxy:
+    """The proxy's service tree with no socket: fakes in memory, time on a ``Clock``."""
+
+    #: Rounds of pumping in :meth:`flush`: every leg of a request and its
+    #: answer move within a few; more rounds cost nothing when idle.
+    ROUNDS = 20
+
+    def __init__(
+        self,
+        prefills: Sequence[FakeVLLM],
+        decodes: Sequence[FakeVLLM],
+        clock: Clock | None = None,
+        **settings: object,
+    ) -> None:
+        self.clock = clock if clock is not None else Clock()
+        hosts: dict[bytes, IResource] = {}
+        for fake in [*prefills, *decodes]:
+            fake.clock = self.clock
+            fake.url = f"http://{fake.name}.memory"
+            hosts[f"{fake.name}.memory".encode()] = fake.resource()
+        self.agent = RequestTraversalAgent(_ByHost(hosts))
+        settings.setdefault("health_interval", 0)
+        config = ProxyConfig.create(
+            prefill=[f.url for f in prefills], decode=[f.url for f in decodes], **settings
+        )
+        self.service = build(
+            config, MemoryReactorClock(), clock=self.clock, agent=self.agent, take_signals=False
+        )
+        self.service.backends.startService()
+        self.clients: list[InMemoryClient] = []
+
+    @property
+    def app(self) -> ProxyApp:
+        return self.service.app
+
+    def connect(self) -> InMemoryClient:
+        channel = self.service.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        assert isinstance(channel, HTTPChannel)
+        client = InMemoryClient(self, channel)
+        self.clients.append(client)
+        return client
+
+    def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> InMemoryClient:
+        """Send one HTTP/1.1 request on a new connection."""
+        lines = [f"{method} {path} HTTP/1.1", "Host: proxy.memory"]
+        lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+        lines.append(f"Content-Length: {len(body)}")
+        client = self.connect()
+        client.send(("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + body)
+        return client
+
+    def advance(self, seconds: float) -> None:
+        """Let ``seconds`` pass on the clock, then move what that set off."""
+        self.clock.advance(seconds)
+        self.flush()
+
+    def flush(self) -> None:
+        """Move every byte waiting between proxy, fakes and clients."""
+        for _ in range(self.ROUNDS):
+            self.agent.flush()
+            for client in self.clients:
+                if client.transport.disconnecting and not client.lost:
+                    # The proxy closed this connection: tell it the close happened.
+                    client.lost = True
+                    client.channel.connectionLost(Failure(ConnectionDone()))

@@ -1,0 +1,158 @@
+"""A real ``twistd nixlproxy`` process, and where it listens.
+
+One way to start it and learn its address, for the demo and the benchmark
+(:class:`Twistd`, blocking, for scripts) and for trial tests
+(:class:`TwistdProtocol`, on the reactor). Both run ``twistd`` with this
+very interpreter and read the address from the proxy's own log line,
+``nixlproxy listening on ADDRESS`` (text) or its ``address`` field (JSON).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO, cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
+
+#: ``twistd`` run by this very interpreter, wherever its script was installed.
+TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
+
+_LISTENING = re.compile(
+    rb'nixlproxy listening on (?:http://)?(?P<text>[^\s{"]+)|"address": "(?P<json>[^"]+)"'
+)
+
+
+def twistd_command(args: Sequence[str], twistd_args: Sequence[str] = ()) -> list[str]:
+    """``twistd -n nixlproxy ARGS`` in the foreground, no pid file, logging to stdout."""
+    return [*TWISTD, "-n", "--pidfile=", "--logfile=-", *twistd_args, "nixlproxy", *args]
+
+
+def listening_addresses(output: bytes) -> list[str]:
+    """Every address the proxy said it listens on, in order."""
+    return [(m["text"] or m["json"]).decode() for m in _LISTENING.finditer(output)]
+
+
+class TwistdFailed(RuntimeError):
+    """The process did not start listening (its output says why)."""
+
+
+class Twistd:
+    """``twistd nixlproxy`` as a child process, for scripts (blocking)."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        twistd_args: Sequence[str] = (),
+        prefix: Sequence[str] = (),
+    ) -> None:
+        """``prefix`` runs before the command (the benchmark pins it: ``taskset -c 0``)."""
+        self.process = subprocess.Popen(
+            [*prefix, *twistd_command(args, twistd_args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1"),
+        )
+        self.output = b""
+        self._lines: queue.Queue[bytes | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in cast(IO[bytes], self.process.stdout):
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def address(self, count: int = 1, timeout: float = 30.0) -> str:
+        """Wait until the proxy has said it listens ``count`` times; its first address."""
+        deadline = time.monotonic() + timeout
+        while len(listening_addresses(self.output)) < count:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TwistdFailed("timed out waiting to listen:\n" + self.text()) from None
+            if line is None:
+                raise TwistdFailed("exited before it listened:\n" + self.text())
+            self.output += line
+        return listening_addresses(self.output)[0]
+
+    def text(self) -> str:
+        return self.output.decode("utf-8", "replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (the proxy drains), then wait; killed if it does not exit in time."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+class TwistdProtocol(ProcessProtocol):
+    """``twistd nixlproxy`` spawned on the reactor: where it listens, what it said, its exit."""
+
+    def __init__(self) -> None:
+        self.output = b""
+        self.listening: Deferred[str] = Deferred()
+        self.ended: Deferred[int | None] = Deferred()
+        self.signal: int | None = None
+        self._markers: list[tuple[bytes, int, Deferred[None]]] = []
+
+    def said(self, marker: bytes, times: int = 1) -> Deferred[None]:
+        """Fires once the process has written ``marker`` ``times`` times."""
+        waiting: Deferred[None] = Deferred()
+        if self.output.count(marker) >= times:
+            waiting.callback(None)
+        else:
+            self._markers.append((marker, times, waiting))
+        return waiting
+
+    def outReceived(self, data: bytes) -> None:
+        self.output += data
+        addresses = listening_addresses(self.output)
+        if addresses and not self.listening.called:
+            self.listening.callback(addresses[0])
+        ready = [m for m in self._markers if self.output.count(m[0]) >= m[1]]
+        self._markers = [m for m in self._markers if m not in ready]
+        for _, _, waiting in ready:
+            waiting.callback(None)
+
+    errReceived = outReceived
+
+    def processEnded(self, reason: Failure) -> None:
+        if not self.listening.called:
+            self.listening.errback(TwistdFailed(self.output.decode(errors="replace")))
+        if reason.check(ProcessDone, ProcessTerminated):
+            ended = cast(ProcessTerminated, reason.value)
+            self.signal = ended.signal
+            self.ended.callback(ended.exitCode)
+        else:
+            self.ended.errback(reason)
+
+
+def spawn_twistd(
+    reactor: object,
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    path: str | None = None,
+    twistd_args: Sequence[str] = (),
+) -> TwistdProtocol:
+    """Start ``twistd nixlproxy ARGS`` on ``reactor`` (an ``IReactorProcess``)."""
+    process = TwistdProtocol()
+    command = twistd_command(args, twistd_args)
+    reactor.spawnProcess(  # type: ignore[attr-defined]
+        process, command[0], command, env=dict(env if env is not None else os.environ), path=path
+    )
+    return process

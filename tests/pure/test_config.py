@@ -1,0 +1,222 @@
+"""``ProxyConfig``: one path for the command line, the TOML file, the environment,
+reloads and workers; every error names where the value came from and its key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from twisted.python import usage
+
+from nixl_twisted.config import ConfigError, ProxyConfig, resolve
+from nixl_twisted.settings import BACKEND_API_KEY_ENV, SETTINGS
+from nixl_twisted.tap import Options
+
+POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
+
+
+def parse(*args: str) -> ProxyConfig:
+    options = Options()
+    options.parseOptions(list(args))
+    assert options.config is not None
+    return options.config
+
+
+def config_file(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "nixlproxy.toml"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+FILE = """
+listen = ["tcp:0:interface=127.0.0.1"]
+prefill = ["http://p1:8100", "http://p2:8100"]
+decode = ["http://d1:8200"]
+prefill-timeout = 120
+stream_idle_timeout = 15.5
+max-in-flight = 64
+log-format = "json"
+"""
+
+
+def test_defaults() -> None:
+    config = parse(*POOLS)
+    assert config.listen == ("tcp:8000",)
+    # Below vLLM's 5 s keep-alive close, and well above Twisted's 2 idle.
+    assert config.timeouts.backend_idle < 5
+    assert config.limits.max_idle_per_backend >= 256
+    assert config.backend_api_key is None
+    assert config.workers == 1 and config.worker is None
+
+
+def test_defaults_let_a_long_generation_through() -> None:
+    # Prefill may take minutes on long prompts; decode headers come at the
+    # end of a non-streaming answer.
+    timeouts = ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"]).timeouts
+    assert timeouts.prefill >= 120
+    assert timeouts.decode >= timeouts.prefill
+    assert timeouts.stream_idle >= 30
+
+
+def test_repeatable_pools_and_listen_normalized() -> None:
+    config = parse(
+        "--listen", "tcp:0:interface=127.0.0.1", "--listen", "unix:/tmp/nixlproxy-test.sock",
+        "--prefill", "http://p1:8100/", "--prefill", "http://p2:8100", "--decode", "http://d1:8200",
+    )  # fmt: skip
+    assert config.pools.prefill == ("http://p1:8100", "http://p2:8100")
+    assert config.pools.decode == ("http://d1:8200",)
+    assert config.listen == ("tcp:0:interface=127.0.0.1", "unix:/tmp/nixlproxy-test.sock")
+
+
+def test_the_value_is_frozen() -> None:
+    config = parse(*POOLS)
+    with pytest.raises(AttributeError):
+        config.workers = 3  # type: ignore[misc]
+
+
+def test_backend_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_API_KEY_ENV, "from-env")
+    assert parse(*POOLS).backend_api_key == "from-env"
+    assert parse(*POOLS, "--backend-api-key", "from-flag").backend_api_key == "from-flag"
+    assert "from-env" not in repr(parse(*POOLS))  # secrets stay out of reprs and logs
+
+
+def test_every_option_can_come_from_the_file(tmp_path: Path) -> None:
+    config = parse("--config", config_file(tmp_path, FILE))
+    assert config.pools.prefill == ("http://p1:8100", "http://p2:8100")
+    assert config.pools.decode == ("http://d1:8200",)
+    assert config.listen == ("tcp:0:interface=127.0.0.1",)
+    assert config.timeouts.prefill == 120
+    assert config.timeouts.stream_idle == 15.5
+    assert config.limits.max_in_flight == 64
+    assert config.log_format == "json"
+
+
+def test_the_command_line_wins(tmp_path: Path) -> None:
+    config = parse(
+        "--config", config_file(tmp_path, FILE),
+        "--max-in-flight", "8", "--decode", "http://d9:8200",
+    )  # fmt: skip
+    assert config.limits.max_in_flight == 8
+    # A list given on the command line replaces the file's list.
+    assert config.pools.decode == ("http://d9:8200",)
+    assert config.pools.prefill == ("http://p1:8100", "http://p2:8100")
+    assert config.timeouts.prefill == 120
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--decode", "http://d:1"], "at least one --prefill URL is required"),
+        (["--prefill", "http://p:1"], "at least one --decode URL is required"),
+        (["--prefill", "p1:8100", "--decode", "http://d:1"], "--prefill 'p1:8100' must start"),
+        (["--prefill", "http://p:1", "--decode", "http://d:x"], "--decode 'http://d:x'"),
+        ([*POOLS, "--listen", "bogus:1"], "--listen 'bogus:1' is not a usable endpoint"),
+        ([*POOLS, "--listen", "tcp:notaport"], "--listen 'tcp:notaport'"),
+        ([*POOLS, "--connect-timeout", "soon"], "--connect-timeout must be a number of seconds"),
+        ([*POOLS, "--backend-idle-timeout", "0"], "must be greater than 0"),
+        ([*POOLS, "--max-idle-per-backend", "0"], "must be at least 1"),
+        ([*POOLS, "--log-format", "xml"], "--log-format must be one of text, json"),
+        ([*POOLS, "--metrics-listen", "nope:1"], "--metrics-listen 'nope:1'"),
+        ([*POOLS, "--workers", "2", "--listen", "unix:/x"], "--workers needs every --listen"),
+        ([*POOLS, "--workers", "2", "--metrics-listen", "tcp:0"], "cannot be shared"),
+    ],
+)
+def test_unusable_options_are_usage_errors_naming_the_problem(
+    args: list[str], message: str
+) -> None:
+    with pytest.raises(usage.UsageError, match=message.replace("?", r"\?")):
+        parse(*args)
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "message"),
+    [
+        ('prefil = ["http://p:1"]', "prefil", "'prefil' unknown key"),
+        ('prefill = "http://p:1"', "prefill", "'prefill' must be a list of strings"),
+        ("prefill-timeout = -1", "prefill-timeout", "'prefill-timeout' must be greater than 0"),
+        ('max-in-flight = "many"', "max-in-flight", "'max-in-flight' must be a whole number"),
+        ("max-in-flight = 2.5", "max-in-flight", "'max-in-flight' must be a whole number"),
+        ("drain-timeout = true", "drain-timeout", "'drain-timeout' must be a number of seconds"),
+        ('log-format = "xml"', "log-format", "'log-format' must be one of text, json"),
+        ("prefill = [", "config", "not valid TOML"),
+        ('version = "2"', "version", "'version' unknown key"),
+        ('config = "other.toml"', "config", "'config' unknown key"),
+    ],
+)
+def test_bad_files_are_refused_naming_the_key(
+    tmp_path: Path, text: str, key: str, message: str
+) -> None:
+    path = config_file(tmp_path, 'decode = ["http://d:1"]\n' + text)
+    with pytest.raises(ConfigError) as caught:
+        resolve({"prefill": ["http://p:1"]}, path, {})
+    assert caught.value.key == key
+    assert message in str(caught.value)
+    assert path in str(caught.value)
+
+
+def test_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(usage.UsageError, match="cannot read it"):
+        parse("--config", str(tmp_path / "absent.toml"))
+
+
+def test_pool_urls_from_the_file_are_checked_like_options(tmp_path: Path) -> None:
+    path = config_file(tmp_path, 'prefill = ["p1:8100"]\ndecode = ["http://d:1"]\n')
+    with pytest.raises(usage.UsageError, match="'prefill' 'p1:8100' must start"):
+        parse("--config", path)
+
+
+def test_a_reload_takes_the_file_pools_and_keeps_the_rest(tmp_path: Path) -> None:
+    path = config_file(tmp_path, FILE)
+    config = parse("--config", path, "--max-in-flight", "8")
+    config_file(tmp_path, 'prefill = ["http://p7:8100"]\ndecode = ["http://d7:8200"]\n')
+    reloaded = config.reloaded()
+    assert reloaded.pools.prefill == ("http://p7:8100",)
+    assert reloaded.pools.decode == ("http://d7:8200",)
+    assert reloaded.limits.max_in_flight == 8
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('prefill = ["nope"]\ndecode = ["http://d:1"]\n', "prefill"),
+        ('prefill = []\ndecode = ["http://d:1"]\n', "prefill"),
+        ('prefill = ["http://p:1"]\ndecode = ["http://d:1"]\nbogus = 1\n', "bogus"),
+        ("prefill = [", "config"),
+    ],
+)
+def test_a_reload_that_fails_is_a_config_error_naming_the_key(
+    tmp_path: Path, text: str, key: str
+) -> None:
+    config = parse("--config", config_file(tmp_path, FILE))
+    config_file(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        config.reloaded()
+    assert caught.value.key == key
+    assert not isinstance(caught.value, usage.UsageError)
+
+
+def test_a_reload_without_a_file_says_so() -> None:
+    with pytest.raises(ConfigError, match="no --config file"):
+        parse(*POOLS).reloaded()
+
+
+def test_a_worker_gets_the_resolved_configuration_back_whole(tmp_path: Path) -> None:
+    path = config_file(tmp_path, FILE)
+    config = parse("--config", path, "--backend-api-key", "k", "--workers", "2")
+    worker = config.for_worker(1, ("tcp:4321:interface=127.0.0.1",))
+    again = ProxyConfig.from_json(worker.to_json())
+    assert again == worker
+    assert (again.worker, again.workers, again.listen) == (1, 1, ("tcp:4321:interface=127.0.0.1",))
+    assert again.backend_api_key == "k"
+    assert again.config_path == config.config_path
+
+
+def test_python_values_are_checked_as_the_command_line_is() -> None:
+    with pytest.raises(ConfigError, match="max-in-flight: must be at least 1"):
+        ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], max_in_flight=0)
+
+
+def test_every_setting_round_trips_through_settings() -> None:
+    config = parse(*POOLS)
+    assert set(config.settings()) == {s.name for s in SETTINGS}

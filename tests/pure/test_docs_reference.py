@@ -1,0 +1,42 @@
+"""The configuration reference in docs/ cannot drift from the settings table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from nixl_twisted.settings import SETTINGS, default_text
+from nixl_twisted.tap import Options
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+ROW = re.compile(r"^\| `--(?P<name>[a-z-]+)[^`]*` \|(?P<default>[^|]*)\|", re.M)
+#: Options of the command line that are not settings of the proxy.
+COMMAND_ONLY = {"config", "version", "worker"}
+
+
+def documented() -> dict[str, str]:
+    table = (DOCS / "configuration.md").read_text(encoding="utf-8")
+    return {m["name"]: m["default"].strip().strip("`") for m in ROW.finditer(table)}
+
+
+def test_every_option_is_documented_and_every_documented_option_exists() -> None:
+    options = Options()
+    real = {p[0] for p in options.optParameters} | {
+        name.removeprefix("opt_").replace("_", "-")
+        for name in dir(options)
+        if name.startswith("opt_") and name != "opt_help"
+    }
+    assert set(documented()) == real
+    assert real == {s.name for s in SETTINGS} | COMMAND_ONLY
+
+
+def test_documented_defaults_are_the_settings_defaults() -> None:
+    docs = documented()
+    for setting in SETTINGS:
+        assert docs[setting.name] == default_text(setting), setting.name
+
+
+def test_help_shows_each_default() -> None:
+    help_text = str(Options())
+    for setting in SETTINGS:
+        assert f"[default: {default_text(setting)}]" in " ".join(help_text.split()), setting.name
