@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint docs install clean
+.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,21 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint
-	$(BIN)/python -m pytest
+# The tests by layer (pure, in memory, loopback, real processes), then the
+# docs build, a benchmark smoke run and the demo, each a step of its own.
+test: lint layers docs-check bench-smoke demo-check
+
+layers: install
+	$(BIN)/python -m pytest tests/pure tests/memory tests/loopback tests/process
+
+docs-check: install
+	$(BIN)/python -m pytest tests/smoke/test_docs.py
+
+bench-smoke: install
+	$(BIN)/python -m pytest tests/smoke/test_bench.py
+
+demo-check: install
+	$(BIN)/python -m pytest tests/smoke/test_demo.py
 
 docs: install
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html

@@ -29,7 +29,6 @@ setup(
         "test": [
             "openai>=1.0",
             "pytest>=8",
-            "pytest-twisted>=1.14",
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
             "mypy>=1.10",

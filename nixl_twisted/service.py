@@ -224,13 +224,16 @@ def build(
         app.resource(),
         max_body_size=config.limits.max_body_size,
         access_log=AccessLog(metrics, emit=config.access_log),
+        reactor=reactor,  # its connections' idle timeouts
     )
     root = ProxyService(config, app, site, backends, clock)
     shared = config.worker is not None
     for description in config.listen:
         listener(description, site, reactor, shared).setServiceParent(root)
     if config.metrics_listen is not None:
-        metrics_site = TrackingSite(MetricsResource(metrics), config.limits.max_body_size)
+        metrics_site = TrackingSite(
+            MetricsResource(metrics), config.limits.max_body_size, reactor=reactor
+        )
         listener(config.metrics_listen, metrics_site, reactor).setServiceParent(root)
     if take_signals:
         SignalService(reactor, root.reload_pools).setServiceParent(root)

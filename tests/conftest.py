@@ -29,15 +29,3 @@ def fail_on_logged_failures(request: pytest.FixtureRequest) -> Iterator[None]:
     finally:
         globalLogPublisher.removeObserver(observe)
     assert not failures, [str(event["log_failure"]) for event in failures]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run trial TestCases before plain tests.
-
-    pytest-twisted runs every plain test inside a reactor it starts in a
-    greenlet and never stops until the session ends; a trial TestCase runs
-    the reactor itself and cannot once that greenlet has started it.
-    """
-    items.sort(
-        key=lambda item: not isinstance(getattr(item, "instance", None), SynchronousTestCase)
-    )

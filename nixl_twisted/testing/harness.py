@@ -10,20 +10,25 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from treq.testing import RequestTraversalAgent
 from twisted.internet.address import IPv4Address, IPv6Address
-from twisted.internet.defer import Deferred, gatherResults, maybeDeferred
+from twisted.internet.defer import Deferred, fail, gatherResults, maybeDeferred
 from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
+from twisted.web.client import URI
 from twisted.web.http import HTTPChannel
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent, IBodyProducer, IResponse
 from twisted.web.resource import IResource, Resource
+from zope.interface import implementer
 
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.service import build
@@ -133,6 +138,59 @@ class _ByHost(Resource):
         return self._fakes[request.getHeader(b"host")]
 
 
+@implementer(IAgent)
+class _InMemoryBackends:
+    """The fakes as an agent: a host no fake serves refuses the connection, as a dead one."""
+
+    def __init__(self, fakes: dict[bytes, IResource]) -> None:
+        self._fakes = fakes
+        self.traversal = RequestTraversalAgent(_ByHost(fakes))
+
+    def request(
+        self,
+        method: bytes,
+        uri: bytes,
+        headers: Headers | None = None,
+        bodyProducer: IBodyProducer | None = None,
+    ) -> Deferred[IResponse]:
+        if URI.fromBytes(uri).netloc not in self._fakes:
+            return fail(ConnectionRefusedError(uri.decode("ascii", "replace")))
+        return self.traversal.request(method, uri, headers, bodyProducer)  # type: ignore[no-any-return]
+
+
+@dataclass
+class Answer:
+    """An HTTP response as a client read it (a chunked body decoded)."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+    #: The body ended as HTTP says it must (last chunk, or the announced length).
+    complete: bool
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def parse_answer(raw: bytes) -> Answer:
+    """Parse the bytes of one HTTP/1.1 response."""
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines)}
+    if headers.get("transfer-encoding") == "chunked":
+        body, complete = b"", False
+        while rest:
+            size_line, _, rest = rest.partition(b"\r\n")
+            size = int(size_line, 16)
+            if size == 0:
+                complete = True
+                break
+            body, rest = body + rest[:size], rest[size + 2 :]
+        return Answer(int(status_line.split()[1]), headers, body, complete)
+    length = int(headers.get("content-length", len(rest)))
+    return Answer(int(status_line.split()[1]), headers, rest[:length], len(rest) >= length)
+
+
 class InMemoryClient:
     """One client connection to an :class:`InMemoryProxy`, on a ``StringTransport``."""
 
@@ -150,6 +208,10 @@ class InMemoryClient:
     def received(self) -> bytes:
         """Every byte the proxy has written to this client so far."""
         return self.transport.value()
+
+    def answer(self) -> Answer:
+        """The response received so far, parsed."""
+        return parse_answer(self.received())
 
     def disconnect(self) -> None:
         """The client goes away."""
@@ -179,7 +241,7 @@ class InMemoryProxy:
             fake.clock = self.clock
             fake.url = f"http://{fake.name}.memory"
             hosts[f"{fake.name}.memory".encode()] = fake.resource()
-        self.agent = RequestTraversalAgent(_ByHost(hosts))
+        self.agent = _InMemoryBackends(hosts)
         settings.setdefault("health_interval", 0)
         config = ProxyConfig.create(
             prefill=[f.url for f in prefills], decode=[f.url for f in decodes], **settings
@@ -220,7 +282,7 @@ class InMemoryProxy:
     def flush(self) -> None:
         """Move every byte waiting between proxy, fakes and clients."""
         for _ in range(self.ROUNDS):
-            self.agent.flush()
+            self.agent.traversal.flush()
             for client in self.clients:
                 if client.transport.disconnecting and not client.lost:
                     # The proxy closed this connection: tell it the close happened.

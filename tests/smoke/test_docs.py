@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 

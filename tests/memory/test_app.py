@@ -1,0 +1,95 @@
+"""The Klein app and its routes in memory: no socket, fakes behind RequestTraversalAgent."""
+
+from __future__ import annotations
+
+import json
+
+from treq.testing import StubTreq
+from twisted.internet.defer import ensureDeferred
+
+from nixl_twisted.testing import FakeVLLM, InMemoryProxy, TransferLedger
+from tests.memory.support import CHAT, Setup, error_code, status
+
+
+def test_a_completion_goes_through_both_legs() -> None:
+    setup = Setup()
+    client = setup.post("/v1/chat/completions", CHAT)
+    assert status(client) == 200
+    assert client.answer().json()["object"] == "chat.completion"
+    assert [r.role for r in setup.prefill.requests] == ["prefill"]
+    assert [r.role for r in setup.decode.requests] == ["decode"]
+    assert len(setup.ledger.redeemed) == 1
+
+
+def test_models_is_one_leg_and_gives_its_instance_back() -> None:
+    setup = Setup()
+    client = setup.proxy.request("GET", "/v1/models")
+    assert status(client) == 200
+    assert client.answer().json()["data"][0]["id"] == "fake-model"
+    (decode,) = setup.proxy.service.backends.decode.instances
+    assert decode.in_flight == 0  # the lease ended with the relay
+
+
+def test_models_tries_the_next_decode_instance_when_one_is_unreachable() -> None:
+    ledger = TransferLedger()
+    live = FakeVLLM(name="decode-live", ledger=ledger)
+    proxy = InMemoryProxy([FakeVLLM(name="prefill-0", ledger=ledger)], [live], decode_retries=1)
+    dead = proxy.service.backends.decode.add("http://dead.invalid:1")
+    proxy.service.backends.decode.instances.reverse()  # the dead one comes first
+    client = proxy.request("GET", "/v1/models")
+    assert status(client) == 200
+    assert not dead.healthy and dead.in_flight == 0
+    assert len(live.requests) == 1
+
+
+def test_a_body_that_is_not_json_is_refused_before_any_backend() -> None:
+    setup = Setup()
+    client = setup.proxy.request("POST", "/v1/completions", b"{nope", {"Content-Type": "x"})
+    assert (status(client), error_code(client)) == (400, "invalid_json")
+    assert setup.prefill.requests == []
+
+
+def test_prefill_4xx_is_relayed_and_no_decode_is_sent() -> None:
+    setup = Setup()
+    setup.prefill.refuse_next(400, "max_tokens is too large")
+    client = setup.post("/v1/completions", {"model": "m", "prompt": "x"})
+    assert status(client) == 400
+    assert client.answer().json()["error"]["message"] == "max_tokens is too large"
+    assert setup.decode.requests == []
+
+
+def test_prefill_503_is_retried_on_the_next_instance_and_marks_the_first_down() -> None:
+    ledger = TransferLedger()
+    busy = FakeVLLM(name="prefill-busy", ledger=ledger)
+    spare = FakeVLLM(name="prefill-spare", ledger=ledger)
+    decode = FakeVLLM(name="decode-0", ledger=ledger)
+    proxy = InMemoryProxy([busy, spare], [decode])
+    busy.crash_next(503, "overloaded")
+    client = proxy.request(
+        "POST", "/v1/completions", json.dumps({"model": "m", "prompt": "x"}).encode()
+    )
+    assert status(client) == 200
+    assert [len(busy.requests), len(spare.requests)] == [1, 1]
+    first, second = proxy.service.backends.prefill.instances
+    assert (first.healthy, second.healthy) == (False, True)
+    assert (first.in_flight, second.in_flight) == (0, 0)
+
+
+def test_unknown_paths_and_methods_get_openai_errors_through_stub_treq() -> None:
+    setup = Setup()
+    stub = StubTreq(setup.proxy.app.resource())
+
+    async def ask() -> None:
+        missing = await stub.get("http://proxy/v2/nothing")
+        assert missing.code == 404
+        assert json.loads(await missing.content())["error"]["code"] == "not_found"
+        wrong = await stub.get("http://proxy/v1/completions")
+        assert wrong.code == 405
+        assert wrong.headers.getRawHeaders(b"allow") == [b"POST"]
+        health = await stub.get("http://proxy/healthcheck")
+        report = json.loads(await health.content())
+        assert (health.code, report["ready"], report["prefill_instances"]) == (200, True, 1)
+
+    done = ensureDeferred(ask())
+    stub.flush()
+    assert done.called and done.result is None, done.result

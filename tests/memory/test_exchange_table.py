@@ -1,0 +1,105 @@
+"""Each row of the exchange's table (``exchange.RULES``, ``docs/failures.md``), in memory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from nixl_twisted.exchange import RULES, OnClientLeft, Phase
+from tests.memory.support import CHAT, STREAM, TIMEOUTS, Setup, error_code, sse_events, status
+
+FAILURES = Path(__file__).resolve().parents[2] / "docs" / "failures.md"
+
+
+def test_the_table_in_the_docs_is_the_table_in_the_code() -> None:
+    rows = re.findall(
+        r"^\| `(\w+)` \|[^|]*\|[^|]*\| `(\w+)`[^|]*\|([^|]*)\|$",
+        FAILURES.read_text(encoding="utf-8"),
+        re.M,
+    )
+    documented = {
+        Phase(phase): (OnClientLeft(reaction), tuple(re.findall(r"`--([a-z-]+)`", timers)))
+        for phase, reaction, timers in rows
+    }
+    assert documented == {phase: (r.on_client_left, r.timers) for phase, r in RULES.items()}
+
+
+# -- the client leaves ---------------------------------------------------------
+
+
+def test_client_leaves_during_prefill_cancels_prefill_and_sends_no_decode() -> None:
+    setup = Setup()
+    setup.prefill.hold_answers()
+    client = setup.post("/v1/chat/completions", CHAT)
+    assert setup.phase() == "prefill"
+    client.disconnect()
+    assert setup.prefill.disconnects == 1  # its connection closed: vLLM frees what it computed
+    assert setup.decode.requests == []
+    assert setup.proxy.app.in_flight == 0
+
+
+def test_client_leaves_during_handoff_still_sends_decode_then_abandons_it() -> None:
+    setup = Setup()
+    setup.prefill.hold_answers_midway()  # prefill's headers are in: it holds KV blocks
+    client = setup.post("/v1/chat/completions", CHAT)
+    assert setup.phase() == "handoff"
+    client.disconnect()
+    setup.prefill.release()
+    setup.proxy.flush()
+    (decode,) = setup.decode.requests
+    assert decode.role == "decode"  # decode loaded the blocks, so prefill frees them
+    assert setup.ledger.redeemed == [decode.body["kv_transfer_params"]]  # type: ignore[index]
+    assert setup.ledger.issued == {}
+    assert setup.proxy.app.in_flight == 0
+    assert setup.proxy.app.exchanges == set()
+
+
+def test_client_leaves_during_relay_closes_the_decode_connection() -> None:
+    setup = Setup()
+    setup.decode.hold_streams_after(2)
+    client = setup.post("/v1/chat/completions", STREAM)
+    assert setup.phase() == "relay"
+    client.disconnect()
+    assert setup.decode.disconnects == 1
+    assert setup.proxy.app.in_flight == 0
+
+
+# -- a timer runs out ----------------------------------------------------------
+
+
+def test_prefill_timeout_is_a_504_and_no_decode() -> None:
+    setup = Setup()
+    setup.prefill.hold_answers()
+    client = setup.post("/v1/chat/completions", CHAT)
+    setup.proxy.advance(TIMEOUTS.prefill - 0.001)
+    assert client.received() == b""  # not yet
+    setup.proxy.advance(0.001)
+    assert (status(client), error_code(client)) == (504, "prefill_timeout")
+    assert setup.prefill.disconnects == 1
+    assert setup.decode.requests == []
+
+
+def test_decode_timeout_in_handoff_is_a_504() -> None:
+    setup = Setup()
+    setup.decode.hold_answers()
+    client = setup.post("/v1/chat/completions", CHAT)
+    assert setup.phase() == "handoff"
+    setup.proxy.advance(TIMEOUTS.decode)
+    assert (status(client), error_code(client)) == (504, "decode_timeout")
+    assert setup.decode.disconnects == 1  # vLLM aborts the request and frees its blocks
+    assert not setup.proxy.service.backends.decode.instances[0].healthy
+
+
+def test_stream_idle_timeout_in_relay_ends_with_an_error_event_and_a_short_close() -> None:
+    setup = Setup()
+    setup.decode.hold_streams_after(2)
+    client = setup.post("/v1/chat/completions", STREAM)
+    setup.proxy.advance(TIMEOUTS.stream_idle - 0.001)
+    assert setup.phase() == "relay"  # a slow stream is not yet a silent one
+    setup.proxy.advance(0.001)
+    events = sse_events(client)
+    assert events[-1]["error"]["code"] == "decode_timeout"
+    assert "[DONE]" not in events
+    assert not client.answer().complete  # no final chunk: never complete-looking
+    assert client.lost
+    assert setup.decode.disconnects == 1

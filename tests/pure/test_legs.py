@@ -1,0 +1,95 @@
+"""One leg over a pool: the prefill status table, retries, and the one lease per leg."""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
+from twisted.internet.task import Clock
+
+from nixl_twisted.errors import bad_gateway
+from nixl_twisted.legs import PrefillVerdict, Retry, classify_prefill, send_leg
+from nixl_twisted.metrics import ProxyMetrics
+from nixl_twisted.pools import BackendPool, Instance
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict"),
+    [
+        (200, PrefillVerdict.PARAMS), (201, PrefillVerdict.PARAMS),
+        (502, PrefillVerdict.RETRY), (503, PrefillVerdict.RETRY), (504, PrefillVerdict.RETRY),
+        (400, PrefillVerdict.REFUSED), (404, PrefillVerdict.REFUSED), (429, PrefillVerdict.REFUSED),
+        (500, PrefillVerdict.FAILED), (501, PrefillVerdict.FAILED), (101, PrefillVerdict.FAILED),
+        (302, PrefillVerdict.FAILED),
+    ],
+)  # fmt: skip
+def test_what_a_prefill_status_means(status: int, verdict: PrefillVerdict) -> None:
+    assert classify_prefill(status) is verdict
+
+
+def pool(*names: str) -> BackendPool:
+    return BackendPool("prefill", [f"http://{n}:1" for n in names], Clock())
+
+
+def run(leg: object) -> object:
+    done = ensureDeferred(leg)  # type: ignore[arg-type]
+    results: list[object] = []
+    done.addBoth(results.append)
+    (result,) = results
+    return result
+
+
+def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
+    backends = pool("a", "b")
+    seen: list[Instance] = []
+
+    def attempt(instance: Instance) -> Deferred[str]:
+        seen.append(instance)
+        assert instance.in_flight == 1  # held while it serves
+        if instance.url == "http://a:1":
+            raise Retry(bad_gateway("a is down", "prefill_unreachable"), "unreachable", "refused")
+        return succeed("answer")
+
+    lease, value = run(send_leg(backends, 2, ProxyMetrics(), attempt))  # type: ignore[misc]
+    assert value == "answer" and lease.instance.url == "http://b:1"
+    a, b = backends.instances
+    assert (a.in_flight, b.in_flight) == (0, 1)  # b is the caller's until it releases
+    assert not a.healthy
+    lease.release()
+    lease.release()  # once only
+    assert b.in_flight == 0
+
+
+def test_when_every_instance_failed_the_last_error_is_the_answer() -> None:
+    backends = pool("a", "b")
+
+    def attempt(instance: Instance) -> Deferred[str]:
+        raise Retry(bad_gateway(f"{instance.url} is down", "prefill_unreachable"), "x", "y")
+
+    failure = run(send_leg(backends, 5, ProxyMetrics(), attempt))
+    assert "http://b:1 is down" in str(failure.value)  # type: ignore[attr-defined]
+    assert [i.in_flight for i in backends.instances] == [0, 0]
+
+
+def test_another_error_ends_the_leg_and_releases_the_instance() -> None:
+    backends = pool("a", "b")
+
+    def attempt(instance: Instance) -> Deferred[str]:
+        raise ValueError("not the instance's fault")
+
+    failure = run(send_leg(backends, 2, ProxyMetrics(), attempt))
+    assert failure.check(ValueError)  # type: ignore[attr-defined]
+    assert [i.in_flight for i in backends.instances] == [0, 0]
+    assert all(i.healthy for i in backends.instances)
+
+
+def test_go_on_stops_the_retries() -> None:
+    backends = pool("a", "b")
+    calls: list[Instance] = []
+
+    def attempt(instance: Instance) -> Deferred[str]:
+        calls.append(instance)
+        raise Retry(bad_gateway("down", "prefill_unreachable"), "x", "y")
+
+    failure = run(send_leg(backends, 2, ProxyMetrics(), attempt, go_on=lambda: not calls))
+    assert failure.check(CancelledError)  # type: ignore[attr-defined]
+    assert len(calls) == 1
