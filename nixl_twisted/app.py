@@ -29,10 +29,10 @@ from nixl_twisted.admin import AdminAPI
 from nixl_twisted.admission import Admission
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.errors import ProxyError, bad_gateway, error_body
+from nixl_twisted.errors import ProxyError, error_body
 from nixl_twisted.exchange import Exchange
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
-from nixl_twisted.legs import PrefillRefused, Retry, describe, send_leg
+from nixl_twisted.legs import PrefillRefused, send_leg, unreachable
 from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.pools import Instance
 from nixl_twisted.relay import break_off, relay_body, start_response
@@ -143,10 +143,7 @@ class ProxyApp:
             except CancelledError:
                 raise
             except Exception as error:
-                message = f"decode instance {instance.url} could not be reached: {describe(error)}"
-                raise Retry(
-                    bad_gateway(message, "decode_unreachable"), "unreachable", describe(error)
-                ) from None
+                raise unreachable(instance, error) from None
 
         pool = self.backends.decode
         lease, response = await send_leg(pool, self.config.retries.decode, self.metrics, attempt)

@@ -45,7 +45,9 @@ from nixl_twisted.legs import (
     classify_prefill,
     describe,
     send_leg,
+    timed_out,
     unavailable,
+    unreachable,
 )
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import Instance, Lease, NoHealthyInstance
@@ -202,11 +204,7 @@ class Exchange:
             answer = await self._track(answering.addTimeout(self.timeouts.prefill, self.clock))
         except TimeoutError:
             account(self.metrics, self.backends.prefill, instance, "timeout", "prefill timed out")
-            raise gateway_timeout(
-                f"prefill instance {instance.url} did not answer within "
-                f"{self.timeouts.prefill:g} s",
-                "prefill_timeout",
-            ) from None
+            raise timed_out(instance, self.timeouts.prefill) from None
         account(self.metrics, self.backends.prefill, instance, "answered")
         try:
             params = lowering.extract_kv_transfer_params(answer, instance.url)
@@ -227,11 +225,7 @@ class Exchange:
         except (CancelledError, TimeoutError):
             raise
         except Exception as error:
-            raise Retry(
-                bad_gateway(f"prefill instance {instance.url} could not be reached: "
-                            f"{describe(error)}", "prefill_unreachable"),
-                "unreachable", describe(error),
-            ) from None  # fmt: skip
+            raise unreachable(instance, error) from None
         # Prefill has answered: from here a disconnect must not stop decode.
         self._enter(Phase.HANDOFF)
         self.record.prefill_status = status = response.code
@@ -263,19 +257,12 @@ class Exchange:
             response = await self._track(posting.addTimeout(self.timeouts.decode, self.clock))
         except TimeoutError:
             account(self.metrics, self.backends.decode, instance, "timeout", "decode timed out")
-            raise gateway_timeout(
-                f"decode instance {instance.url} did not answer within {self.timeouts.decode:g} s",
-                "decode_timeout",
-            ) from None
+            raise timed_out(instance, self.timeouts.decode) from None
         except CancelledError:
             raise
         except Exception as error:
             # Nothing reached the client yet: the same params may go to another instance.
-            raise Retry(
-                bad_gateway(f"decode instance {instance.url} could not be reached: "
-                            f"{describe(error)}", "decode_unreachable"),
-                "unreachable", describe(error),
-            ) from None  # fmt: skip
+            raise unreachable(instance, error) from None
         # An answer, even an error (a KV-load failure is a 500), shows the
         # instance is up: only silence and refusals take it out.
         outcome = "answered" if response.code < 400 else "error_status"

@@ -17,7 +17,7 @@ from typing import TypeVar
 from twisted.internet.defer import CancelledError
 from twisted.web.iweb import IResponse
 
-from nixl_twisted.errors import ProxyError
+from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
 
@@ -66,6 +66,21 @@ def classify_prefill(status: int) -> PrefillVerdict:
     if 400 <= status < 500:
         return PrefillVerdict.REFUSED
     return PrefillVerdict.FAILED
+
+
+def unreachable(instance: Instance, error: BaseException) -> Retry:
+    """The instance could not be reached: nothing was sent, so another may serve the leg."""
+    reason = describe(error)
+    message = f"{instance.role} instance {instance.url} could not be reached: {reason}"
+    return Retry(bad_gateway(message, f"{instance.role}_unreachable"), "unreachable", reason)
+
+
+def timed_out(instance: Instance, seconds: float) -> ProxyError:
+    """A 504: the instance did not answer in time."""
+    return gateway_timeout(
+        f"{instance.role} instance {instance.url} did not answer within {seconds:g} s",
+        f"{instance.role}_timeout",
+    )
 
 
 def unavailable(error: NoHealthyInstance) -> ProxyError:

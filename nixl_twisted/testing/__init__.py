@@ -13,7 +13,7 @@ Serve a pair from a shell with ``python -m nixl_twisted.testing``.
 """
 
 from nixl_twisted.testing.behaviours import Behaviour, ErrorAnswer, RawAnswer
-from nixl_twisted.testing.fake import FakeSite, FakeVLLM, ReceivedRequest
+from nixl_twisted.testing.fake import FakeVLLM, ReceivedRequest
 from nixl_twisted.testing.harness import (
     FakePair,
     InMemoryClient,
@@ -25,6 +25,7 @@ from nixl_twisted.testing.harness import (
 )
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.process import Twistd, TwistdProtocol, spawn_twistd
+from nixl_twisted.testing.site import FakeSite
 
 __all__ = [
     "Behaviour",

@@ -32,8 +32,9 @@ from zope.interface import implementer
 
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.service import build
-from nixl_twisted.testing.fake import FakeVLLM, netloc
+from nixl_twisted.testing.fake import FakeVLLM
 from nixl_twisted.testing.ledger import TransferLedger
+from nixl_twisted.testing.site import netloc
 
 if TYPE_CHECKING:
     from nixl_twisted.app import ProxyApp
@@ -155,7 +156,7 @@ class _InMemoryBackends:
     ) -> Deferred[IResponse]:
         if URI.fromBytes(uri).netloc not in self._fakes:
             return fail(ConnectionRefusedError(uri.decode("ascii", "replace")))
-        return self.traversal.request(method, uri, headers, bodyProducer)  # type: ignore[no-any-return]
+        return self.traversal.request(method, uri, headers, bodyProducer)
 
 
 @dataclass

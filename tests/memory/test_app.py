@@ -78,15 +78,16 @@ def test_prefill_503_is_retried_on_the_next_instance_and_marks_the_first_down() 
 def test_unknown_paths_and_methods_get_openai_errors_through_stub_treq() -> None:
     setup = Setup()
     stub = StubTreq(setup.proxy.app.resource())
+    get = stub.get  # type: ignore[attr-defined]  # StubTreq makes its verbs at run time
 
     async def ask() -> None:
-        missing = await stub.get("http://proxy/v2/nothing")
+        missing = await get("http://proxy/v2/nothing")
         assert missing.code == 404
         assert json.loads(await missing.content())["error"]["code"] == "not_found"
-        wrong = await stub.get("http://proxy/v1/completions")
+        wrong = await get("http://proxy/v1/completions")
         assert wrong.code == 405
         assert wrong.headers.getRawHeaders(b"allow") == [b"POST"]
-        health = await stub.get("http://proxy/healthcheck")
+        health = await get("http://proxy/healthcheck")
         report = json.loads(await health.content())
         assert (health.code, report["ready"], report["prefill_instances"]) == (200, True, 1)
 
