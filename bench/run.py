@@ -105,6 +105,15 @@ def _load(url: str, load: Load, seconds: float, cores: str) -> dict[str, Any]:
     return dict(json.loads(out.stdout))
 
 
+def _cores(cores: str) -> set[int]:
+    """``taskset``'s list (``0``, ``0-1``, ``1,3``) as a set of core numbers."""
+    found: set[int] = set()
+    for part in cores.split(","):
+        first, _, last = part.partition("-")
+        found.update(range(int(first), int(last or first) + 1))
+    return found
+
+
 @contextmanager
 def nixlproxy(args: Sequence[str], cores: str, workers: int = 1) -> Iterator[tuple[Twistd, str]]:
     """A real ``twistd nixlproxy`` pinned to ``cores``, and its URL once every worker listens.
@@ -112,6 +121,12 @@ def nixlproxy(args: Sequence[str], cores: str, workers: int = 1) -> Iterator[tup
     Its log goes to a pipe the helper drains (with --logfile=/dev/null
     twistd would rotate, that is rename, the device at 1 MB).
     """
+    # This process reads the proxy's log (to learn its address, then to drain
+    # the pipe): it must never wake on the proxy's own cores.
+    proxy_cores = _cores(cores)
+    elsewhere = set(range(os.cpu_count() or 2)) - proxy_cores
+    if elsewhere and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, elsewhere)
     proxy = Twistd(["--listen", "tcp:0:interface=127.0.0.1", *args], prefix=_pinned(cores, []))
     try:
         yield proxy, f"http://{proxy.address(count=workers)}"

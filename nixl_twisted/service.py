@@ -51,7 +51,7 @@ CLOSE_GRACE = 5.0
 
 @implementer(IStreamServerEndpoint)
 class Announced:
-    """An endpoint that logs the address it was bound to and keeps the port."""
+    """An endpoint that keeps the port it was bound to, for the readiness line."""
 
     def __init__(self, endpoint: IStreamServerEndpoint) -> None:
         self.endpoint = endpoint
@@ -62,7 +62,6 @@ class Announced:
 
     def _bound(self, port: IListeningPort) -> IListeningPort:
         self.port = port
-        log.info("nixlproxy listening on {address}", address=_address(port))
         return port
 
 
@@ -99,9 +98,11 @@ class ProxyService(MultiService):
         app: ProxyApp,
         site: TrackingSite,
         backends: BackendService,
+        reactor: Any,
         clock: IReactorTime,
     ) -> None:
         super().__init__()
+        self._reactor = reactor
         self.config = config
         self.app = app
         self.site = site
@@ -114,6 +115,16 @@ class ProxyService(MultiService):
         """Under twistd the parent is the application: offer it our log observer."""
         super().setServiceParent(parent)
         offer_observer(parent, self.config.log_format)
+
+    def startService(self) -> None:
+        super().startService()
+        # Said once the reactor runs, after the signal handlers are in (they
+        # go in then too): whoever reads it may send requests, or a SIGTERM.
+        self._reactor.callWhenRunning(self._announce)
+
+    def _announce(self) -> None:
+        for port in self.ports():
+            log.info("nixlproxy listening on {address}", address=_address(port))
 
     def listeners(self) -> list[StreamServerEndpointService]:
         return [s for s in self if isinstance(s, StreamServerEndpointService)]
@@ -226,7 +237,7 @@ def build(
         access_log=AccessLog(metrics, emit=config.access_log),
         reactor=reactor,  # its connections' idle timeouts
     )
-    root = ProxyService(config, app, site, backends, clock)
+    root = ProxyService(config, app, site, backends, reactor, clock)
     shared = config.worker is not None
     for description in config.listen:
         listener(description, site, reactor, shared).setServiceParent(root)

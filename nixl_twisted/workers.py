@@ -114,6 +114,10 @@ class WorkerSupervisor(Service):
         if not self._reserved:
             self.privilegedStartService()
         super().startService()
+        # Once the reactor runs: a worker that is up can be told to stop.
+        self.reactor.callWhenRunning(self._spawn_all)
+
+    def _spawn_all(self) -> None:
         for number in range(self.config.workers):
             self._spawn(number)
 
@@ -170,10 +174,14 @@ class WorkerSupervisor(Service):
 class SupervisorService(MultiService):
     """The parent of ``--workers``: the supervisor and the signals it takes."""
 
-    def __init__(self, config: ProxyConfig, supervisor: WorkerSupervisor) -> None:
+    def __init__(
+        self, config: ProxyConfig, supervisor: WorkerSupervisor, signals: Service | None
+    ) -> None:
         super().__init__()
         self.config = config
         self.supervisor = supervisor
+        if signals is not None:  # first: its handlers go in before any worker is spawned
+            signals.setServiceParent(self)
         supervisor.setServiceParent(self)
 
     def setServiceParent(self, parent: Any) -> None:
@@ -184,7 +192,5 @@ class SupervisorService(MultiService):
 def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:
     """The service tree of a ``--workers`` parent."""
     supervisor = WorkerSupervisor(config, reactor)
-    root = SupervisorService(config, supervisor)
-    if take_signals:
-        SignalService(reactor, supervisor.hangup).setServiceParent(root)
-    return root
+    signals = SignalService(reactor, supervisor.hangup) if take_signals else None
+    return SupervisorService(config, supervisor, signals)

@@ -94,3 +94,14 @@ def test_unknown_paths_and_methods_get_openai_errors_through_stub_treq() -> None
     done = ensureDeferred(ask())
     stub.flush()
     assert done.called and done.result is None, done.result
+
+
+def test_malformed_http_gets_the_openai_error_body() -> None:
+    # Through the private hook HTTPChannel._respondToBadRequestAndDisconnect
+    # (docs/architecture.md): if Twisted renames it, this answer loses its body.
+    setup = Setup()
+    client = setup.proxy.connect()
+    client.send(b"GET /healthcheck HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+    answer = client.answer()
+    assert (answer.status, answer.json()["error"]["code"]) == (400, "malformed_request")
+    assert client.lost

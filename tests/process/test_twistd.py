@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from treq.client import HTTPClient
@@ -22,10 +23,12 @@ from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
 class TwistdTests(ProxyCase):
     timeout = 60
 
-    def spawn(self, *args: str) -> TwistdProtocol:
+    def spawn(self, *args: str, twistd_args: Sequence[str] = ()) -> TwistdProtocol:
         # Outside the source tree: the installed package and plugin serve.
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        process = spawn_twistd(reactor, args, env=env, path=tempfile.gettempdir())
+        process = spawn_twistd(
+            reactor, args, env=env, path=tempfile.gettempdir(), twistd_args=twistd_args
+        )
 
         def stop_if_running(_: Any = None) -> Deferred[int | None]:
             if not process.ended.called:
@@ -109,6 +112,18 @@ class TwistdTests(ProxyCase):
         self.assertEqual(access["request_id"], request_id.decode())
         self.assertEqual(access["status"], 200)
         self.assertEqual(access["decode"], self.decode.url)
+
+    async def test_json_logs_through_twistds_own_logger_option(self) -> None:
+        await self.start()
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            twistd_args=["--logger=nixl_twisted.logs.json_lines"],
+        )  # fmt: skip
+        await process.listening
+        await self.terminate(process)
+        events = [json.loads(line) for line in process.output.splitlines() if line.strip()]
+        self.assertTrue(any(e.get("log_namespace") == "nixl_twisted.service" for e in events))
 
     async def test_sighup_reloads_pools_under_load_with_no_failed_request(self) -> None:
         await self.start(decodes=2)
