@@ -38,6 +38,13 @@ class TwistdTests(ProxyCase):
         self.addCleanup(lambda: stop_if_running().addErrback(lambda _: None))
         return process
 
+    def config_file(self, decode: str, path: str | None = None) -> str:
+        """A --config file with the fake prefill and this decode URL (rewritten at ``path``)."""
+        path = path or os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n')
+        return path
+
     async def terminate(self, process: TwistdProtocol) -> None:
         """SIGTERM: the proxy drains, stops its services and exits 0."""
         os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
@@ -128,13 +135,7 @@ class TwistdTests(ProxyCase):
     async def test_sighup_reloads_pools_under_load_with_no_failed_request(self) -> None:
         await self.start(decodes=2)
         old, new = self.decodes
-        config = os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
-
-        def write(decode: str) -> None:
-            with open(config, "w", encoding="utf-8") as file:
-                file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n')
-
-        write(old.url)
+        config = self.config_file(old.url)
         process = self.spawn("--listen", "tcp:0:interface=127.0.0.1", "--config", config)
         url = f"http://{await process.listening}"
 
@@ -150,7 +151,7 @@ class TwistdTests(ProxyCase):
             return gatherResults([self.ensure(load()) for _ in range(4)])
 
         first = await batch()
-        write(new.url)
+        self.config_file(new.url, config)
         during = batch()
         os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
         await process.said(b"SIGHUP: pools reloaded")
@@ -205,13 +206,7 @@ class TwistdTests(ProxyCase):
     ) -> None:
         await self.start(decodes=2)
         old, new = self.decodes
-        config = os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
-
-        def write(decode: str) -> None:
-            with open(config, "w", encoding="utf-8") as file:
-                file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n')
-
-        write(old.url)
+        config = self.config_file(old.url)
         process = self.spawn(
             "--listen", "tcp:0:interface=127.0.0.1", "--workers", "2", "--config", config
         )  # fmt: skip
@@ -232,7 +227,7 @@ class TwistdTests(ProxyCase):
             return codes, pids
 
         before, _ = await load(10)
-        write(new.url)
+        self.config_file(new.url, config)
         during = self.ensure(load(10))
         os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
         await process.said(b"SIGHUP: passed on to 2 workers")
