@@ -134,8 +134,6 @@ class TrackingSite(Site):
         self.access_log = access_log
         self.displayTracebacks = False
         self._open: dict[HTTPChannel, Happened] = {}
-        #: Connections accepted since the site was made (open or not).
-        self.connections_accepted = 0
 
     def log(self, request: http.Request) -> None:
         if self.access_log is None:
@@ -167,7 +165,6 @@ class TrackingSite(Site):
 
     def _opened(self, channel: HTTPChannel) -> None:
         self._open[channel] = Happened()
-        self.connections_accepted += 1
 
     def _closed(self, channel: HTTPChannel) -> None:
         lost = self._open.pop(channel, None)
