@@ -38,10 +38,11 @@ from nixl_twisted.events import Happened
 from nixl_twisted.logs import offer_observer
 from nixl_twisted.metrics import MetricsResource, ProxyMetrics
 from nixl_twisted.pools import BackendPool
+from nixl_twisted.settings import tcp_address
 from nixl_twisted.signals import SignalService
 from nixl_twisted.site import TrackingSite
 from nixl_twisted.upstream import Upstream, backend_agent
-from nixl_twisted.workers import ReusePortEndpoint, tcp_address
+from nixl_twisted.workers import ReusePortEndpoint, SupervisorWatch
 
 log = Logger()
 
@@ -248,4 +249,6 @@ def build(
         listener(config.metrics_listen, metrics_site, reactor).setServiceParent(root)
     if take_signals:
         SignalService(reactor, root.reload_pools).setServiceParent(root)
+        if shared:
+            SupervisorWatch(reactor).setServiceParent(root)
     return root

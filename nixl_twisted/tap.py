@@ -79,7 +79,8 @@ class Options(usage.Options):
     def postOptions(self) -> None:
         try:
             if self["worker"] is not None:
-                self.config = ProxyConfig.from_json(sys.stdin.read())
+                # One line: the pipe stays open, to tell the worker when its supervisor is gone.
+                self.config = ProxyConfig.from_json(sys.stdin.readline())
                 return
             given = {
                 s.name: self[s.name]

@@ -6,21 +6,30 @@ connections among them. The parent binds every port first (so ``tcp:0``
 becomes one real port for all), hands each worker its resolved
 ``ProxyConfig`` as JSON on standard input, restarts a worker that dies,
 passes SIGHUP on (each worker reloads its pools), and on SIGTERM passes the
-signal on and waits for all of them to drain.
+signal on and waits for all of them to drain. A worker whose supervisor is
+gone (its standard input closed) stops by itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
-from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
+from twisted.internet.error import ConnectionDone, ProcessExitedAlready
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IProtocolFactory,
+    IReadDescriptor,
+    IStreamServerEndpoint,
+)
+from twisted.internet.main import CONNECTION_DONE
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -76,8 +85,9 @@ class _Worker(ProcessProtocol):
 
     def connectionMade(self) -> None:
         assert self.transport is not None
-        self.transport.write(self.config.encode("utf-8"))
-        self.transport.closeStdin()
+        # One line of configuration; the pipe then stays open: its end tells
+        # the worker that this supervisor is gone, however it went.
+        self.transport.write(self.config.encode("utf-8") + b"\n")
         log.info("worker {number} started, pid {pid}", number=self.number, pid=self.transport.pid)
 
     def signal(self, name: str) -> None:
@@ -169,6 +179,49 @@ class WorkerSupervisor(Service):
             return result
 
         return DeferredList(waiting).addBoth(release_ports)
+
+
+@implementer(IReadDescriptor)
+class _SupervisorPipe:
+    """A worker's standard input: the supervisor's end of it closes when it exits."""
+
+    def __init__(self, gone: Callable[[], None]) -> None:
+        self._gone = gone
+
+    def fileno(self) -> int:
+        return 0
+
+    # An exception, as Twisted's own descriptors return (the interface says Failure).
+    def doRead(self) -> ConnectionDone | None:  # type: ignore[override]
+        return None if os.read(0, 4096) else CONNECTION_DONE
+
+    def connectionLost(self, reason: Failure) -> None:
+        self._gone()
+
+    def logPrefix(self) -> str:
+        return "supervisor"
+
+
+class SupervisorWatch(Service):
+    """In a worker: stop, as SIGTERM would (drain, exit 0), once the supervisor is gone.
+
+    Without it a supervisor that was killed leaves its workers serving the
+    shared port with nobody to restart, reload or stop them.
+    """
+
+    name = "supervisor-watch"
+
+    def __init__(self, reactor: Any) -> None:
+        self._reactor = reactor
+
+    def startService(self) -> None:
+        super().startService()
+        self._reactor.callWhenRunning(self._reactor.addReader, _SupervisorPipe(self._gone))
+
+    def _gone(self) -> None:
+        if self.running:
+            log.warn("the supervisor is gone: stopping this worker")
+            os.kill(os.getpid(), signal.SIGTERM)  # the one way a proxy stops (signals.py)
 
 
 class SupervisorService(MultiService):

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -243,6 +244,23 @@ class TwistdTests(ProxyCase):
         self.assertEqual(len(old.requests), old_count)  # nothing new to the old pool
         self.assertGreaterEqual(len(new.requests), 40)
         await self.terminate(process)
+
+    async def test_workers_stop_by_themselves_when_their_supervisor_is_killed(self) -> None:
+        await self.start()
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1", "--workers", "2",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+        )  # fmt: skip
+        await process.said(b"nixlproxy listening on", times=2)
+        match = re.search(rb"workers share \S+:(\d+)", process.output)
+        assert match is not None
+        os.kill(process.transport.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        # The workers share the parent's output: it closes only once both exited.
+        await process.ended
+        self.assertEqual(process.output.count(b"the supervisor is gone"), 2, process.output)
+        self.assertEqual(process.output.count(b"Server Shut Down."), 2)
+        with socket.socket() as probe:  # nobody serves the shared port any more
+            self.assertNotEqual(probe.connect_ex(("127.0.0.1", int(match.group(1)))), 0)
 
     async def test_serves_on_a_unix_socket(self) -> None:
         await self.start()
