@@ -141,7 +141,7 @@ SETTINGS: tuple[Setting, ...] = (
         "(repeatable; at least one).")),
     Setting("backend-api-key", None, text, env=BACKEND_API_KEY_ENV, help=(
         "API key sent to the backends as 'Authorization: Bearer KEY' when the "
-        f"client sent no Authorization (default: ${BACKEND_API_KEY_ENV}).")),
+        "client sent no Authorization.")),
     Setting("connect-timeout", 10.0, seconds, help=(
         "Seconds to wait for a TCP connection to a backend.")),
     Setting("backend-idle-timeout", 4.0, seconds, help=(
@@ -172,7 +172,7 @@ SETTINGS: tuple[Setting, ...] = (
         "Largest request body in bytes (413 past it; vLLM's default too).")),
     Setting("admin-token", None, text, env=ADMIN_TOKEN_ENV, help=(
         "Bearer token that enables the admin API (/admin/backends); without "
-        f"one there is none (default: ${ADMIN_TOKEN_ENV}).")),
+        "one there is none.")),
     Setting("metrics-listen", None, endpoint, help=(
         "Serve GET /metrics on this endpoint (e.g. tcp:9100:interface=127.0.0.1) "
         "instead of on every --listen endpoint.")),

@@ -23,8 +23,14 @@ from nixl_twisted.workers import supervise
 
 
 def _help(name: str) -> str:
+    """A setting's help with its default, as ``docs/configuration.md`` shows it."""
     setting = BY_NAME[name]
-    return f"{setting.help} [default: {default_text(setting)}]"
+    shown = default_text(setting)
+    if shown == "(none)":
+        return setting.help
+    if shown == "(required)":
+        return f"{setting.help} [required]"
+    return f"{setting.help} [default: {shown}]"
 
 
 class Options(usage.Options):
