@@ -109,13 +109,13 @@ class ProxyConfig:
         config_path: str | None = None,
         worker: int | None = None,
     ) -> ProxyConfig:
-        """Build from parsed settings by long name; defaults fill the rest."""
-        unknown = set(values) - set(BY_NAME)
-        if unknown:
-            key = sorted(unknown)[0]
-            raise ConfigError(key, f"there is no setting {key!r}")
-        # Every value has passed its setting's parser, so its type is the setting's.
-        v: dict[str, Any] = {s.name: values.get(s.name, s.default) for s in SETTINGS}
+        """Build from settings by long name; defaults fill the rest.
+
+        Each value goes through its setting's parser here too (they take
+        their own output as input), so no caller can make an invalid one.
+        """
+        parsed = parse(values, lambda key: f"{key}: ")
+        v: dict[str, Any] = {s.name: parsed.get(s.name, s.default) for s in SETTINGS}
         for role in ("prefill", "decode"):
             if not v[role]:
                 raise ConfigError(
@@ -162,8 +162,7 @@ class ProxyConfig:
     @classmethod
     def create(cls, **values: object) -> ProxyConfig:
         """Build from Python values (``max_in_flight=8``), checked like any source."""
-        named = {key.replace("_", "-"): value for key, value in values.items()}
-        return cls.from_settings(parse(named, lambda key: f"{key}: "))
+        return cls.from_settings({key.replace("_", "-"): value for key, value in values.items()})
 
     def settings(self) -> dict[str, object]:
         """The settings this configuration was made of, by long name."""
@@ -203,8 +202,7 @@ class ProxyConfig:
         """A worker's configuration, checked as every other source is."""
         data = json.loads(raw)
         given = {key: value for key, value in data["settings"].items() if value is not None}
-        values = parse(given, lambda key: f"{key}: ")
-        return cls.from_settings(values, data["config_path"], data["worker"])
+        return cls.from_settings(given, data["config_path"], data["worker"])
 
     def for_worker(self, number: int, listen: tuple[str, ...]) -> ProxyConfig:
         """This configuration for worker ``number``, serving ``listen``."""
