@@ -42,6 +42,7 @@ from nixl_twisted.signals import SignalService
 
 log = Logger()
 
+#: ``twistd`` run by this very interpreter, wherever its script was installed.
 TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
 RESTART_DELAY = 1.0
 

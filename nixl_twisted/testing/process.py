@@ -13,7 +13,6 @@ import os
 import queue
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -24,8 +23,7 @@ from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-#: ``twistd`` run by this very interpreter, wherever its script was installed.
-TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
+from nixl_twisted.workers import TWISTD
 
 _LISTENING = re.compile(
     rb'nixlproxy listening on (?:http://)?(?P<text>[^\s{"]+)|"address": "(?P<json>[^"]+)"'
