@@ -39,6 +39,14 @@ class TwistdTests(ProxyCase):
         self.addCleanup(lambda: stop_if_running().addErrback(lambda _: None))
         return process
 
+    async def spawn_workers(self, *args: str) -> tuple[TwistdProtocol, str]:
+        """``--workers 2`` on loopback, once both listen; and the address they share."""
+        process = self.spawn("--listen", "tcp:0:interface=127.0.0.1", "--workers", "2", *args)
+        await process.said(b"nixlproxy listening on", times=2)
+        match = re.search(rb"workers share (\S+)", process.output)
+        assert match is not None, process.output
+        return process, match.group(1).decode()
+
     def config_file(self, decode: str, path: str | None = None) -> str:
         """A --config file with the fake prefill and this decode URL (rewritten at ``path``)."""
         path = path or os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
@@ -168,14 +176,10 @@ class TwistdTests(ProxyCase):
 
     async def test_workers_share_the_port_are_restarted_and_drain_together(self) -> None:
         await self.start()
-        process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1", "--workers", "2",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-        )  # fmt: skip
-        await process.said(b"nixlproxy listening on", times=2)
-        match = re.search(rb"workers share (\S+)", process.output)
-        assert match is not None
-        url = f"http://{match.group(1).decode()}"
+        process, address = await self.spawn_workers(
+            "--prefill", self.prefill.url, "--decode", self.decode.url
+        )
+        url = f"http://{address}"
         once = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
 
         async def pids(count: int = 40) -> set[int]:
@@ -208,13 +212,8 @@ class TwistdTests(ProxyCase):
         await self.start(decodes=2)
         old, new = self.decodes
         config = self.config_file(old.url)
-        process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1", "--workers", "2", "--config", config
-        )  # fmt: skip
-        await process.said(b"nixlproxy listening on", times=2)
-        match = re.search(rb"workers share (\S+)", process.output)
-        assert match is not None
-        url = f"http://{match.group(1).decode()}"
+        process, address = await self.spawn_workers("--config", config)
+        url = f"http://{address}"
         once = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
 
         async def load(requests: int) -> tuple[list[int], set[int]]:
@@ -247,20 +246,16 @@ class TwistdTests(ProxyCase):
 
     async def test_workers_stop_by_themselves_when_their_supervisor_is_killed(self) -> None:
         await self.start()
-        process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1", "--workers", "2",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-        )  # fmt: skip
-        await process.said(b"nixlproxy listening on", times=2)
-        match = re.search(rb"workers share \S+:(\d+)", process.output)
-        assert match is not None
+        process, address = await self.spawn_workers(
+            "--prefill", self.prefill.url, "--decode", self.decode.url
+        )
         os.kill(process.transport.pid, signal.SIGKILL)  # type: ignore[union-attr]
         # The workers share the parent's output: it closes only once both exited.
         await process.ended
         self.assertEqual(process.output.count(b"the supervisor is gone"), 2, process.output)
         self.assertEqual(process.output.count(b"Server Shut Down."), 2)
         with socket.socket() as probe:  # nobody serves the shared port any more
-            self.assertNotEqual(probe.connect_ex(("127.0.0.1", int(match.group(1)))), 0)
+            self.assertNotEqual(probe.connect_ex(("127.0.0.1", int(address.rsplit(":", 1)[1]))), 0)
 
     async def test_serves_on_a_unix_socket(self) -> None:
         await self.start()
