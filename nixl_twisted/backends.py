@@ -1,8 +1,10 @@
 """``BackendService``: the service the tree owns for the backends.
 
 Both pools, the active health checks (``GET /health`` on every instance
-each ``--health-interval``) and the one HTTP client, whose pooled
-connections are closed when the service stops.
+each ``--health-interval``, the first round as the service starts) and the
+HTTP clients, whose pooled connections are closed when the service stops.
+Health checks have a client of their own, whose one connection per instance
+outlives the interval, so that a check does not open a connection each time.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -18,6 +20,7 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.config import Health, Pools
+from nixl_twisted.events import Happened
 from nixl_twisted.pools import BackendPool, Instance
 from nixl_twisted.relay import read_body
 from nixl_twisted.upstream import Upstream
@@ -37,15 +40,19 @@ class BackendService(Service):
         upstream: Upstream,
         clock: IReactorTime,
         health: Health,
+        checks: Upstream | None = None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.upstream = upstream
+        #: The health checks' own client (by default the legs' one).
+        self.checks = checks if checks is not None else upstream
         self.clock = clock
         self.health_interval = health.interval
         self.health_timeout = health.timeout
         self._checks: LoopingCall | None = None
         self._probes: set[Deferred[None]] = set()
+        self._first_round = Happened()
 
     def pools(self) -> tuple[BackendPool, BackendPool]:
         return (self.prefill, self.decode)
@@ -59,17 +66,23 @@ class BackendService(Service):
             pool.update(pools.of(pool.role))
 
     def ready(self) -> bool:
-        """Both pools have an instance to send a leg to."""
-        return all(pool.has_available() for pool in self.pools())
+        """Both pools have an instance that is up now."""
+        return all(pool.ready() for pool in self.pools())
 
     def startService(self) -> None:
         super().startService()
         if self.health_interval > 0:
             self._checks = LoopingCall(self.check_health)
             self._checks.clock = self.clock
+            # The first round now: until it answers, /healthcheck says not ready.
+            self.check_health().addCallback(lambda _: self._first_round.fire())
             self._checks.start(self.health_interval, now=False).addErrback(
                 lambda failure: log.failure("health checks stopped", failure)
             )
+
+    def first_round(self) -> Deferred[None]:
+        """Fires once the first round of health checks has answered (or failed)."""
+        return self._first_round.wait()
 
     def check_health(self) -> Deferred[Any]:
         """``GET /health`` on every instance; never fails (the loop must not die)."""
@@ -82,7 +95,7 @@ class BackendService(Service):
 
     def _check(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
         async def probe() -> None:
-            response = await self.upstream.get(instance.url + "/health", Headers())
+            response = await self.checks.get(instance.url + "/health", Headers())
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
@@ -97,10 +110,11 @@ class BackendService(Service):
         def failed(failure: Failure) -> None:
             if not self.running:
                 return  # cancelled by stopService
-            pool.mark_failed(instance, f"health check failed: {failure.getErrorMessage()}")
+            reason = "timed out" if failure.check(TimeoutError) else failure.getErrorMessage()
+            pool.record_failure(instance, f"health check failed: {reason}")
 
         checking.addBoth(done)
-        checking.addCallbacks(lambda _: pool.mark_ok(instance), failed)
+        checking.addCallbacks(lambda _: pool.record_success(instance), failed)
         checking.addErrback(lambda failure: log.failure("health check error", failure))
         return checking
 
@@ -111,4 +125,7 @@ class BackendService(Service):
             self._checks.stop()
         for probe in list(self._probes):
             probe.cancel()
-        return self.upstream.close()
+        closing = [self.upstream.close()]
+        if self.checks is not self.upstream:
+            closing.append(self.checks.close())
+        return DeferredList(closing).addCallback(lambda _: None)

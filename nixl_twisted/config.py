@@ -70,6 +70,9 @@ class Health:
 
     interval: float
     timeout: float
+    #: Failures in a row that mark an instance down, successes that bring it back.
+    unhealthy_threshold: int = 3
+    healthy_threshold: int = 2
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,12 @@ class ProxyConfig:
                 drain=v["drain-timeout"],
             ),
             retries=Retries(prefill=v["prefill-retries"], decode=v["decode-retries"]),
-            health=Health(interval=v["health-interval"], timeout=v["health-timeout"]),
+            health=Health(
+                interval=v["health-interval"],
+                timeout=v["health-timeout"],
+                unhealthy_threshold=v["unhealthy-threshold"],
+                healthy_threshold=v["healthy-threshold"],
+            ),
             limits=Limits(
                 max_in_flight=v["max-in-flight"],
                 max_body_size=v["max-body-size"],
@@ -181,6 +189,8 @@ class ProxyConfig:
             "decode-retries": self.retries.decode,
             "health-interval": self.health.interval,
             "health-timeout": self.health.timeout,
+            "unhealthy-threshold": self.health.unhealthy_threshold,
+            "healthy-threshold": self.health.healthy_threshold,
             "max-in-flight": self.limits.max_in_flight,
             "max-body-size": self.limits.max_body_size,
             "admin-token": self.admin_token,

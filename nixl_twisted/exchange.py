@@ -46,11 +46,10 @@ from nixl_twisted.legs import (
     describe,
     send_leg,
     timed_out,
-    unavailable,
     unreachable,
 )
 from nixl_twisted.metrics import ProxyMetrics
-from nixl_twisted.pools import Instance, Lease, NoHealthyInstance
+from nixl_twisted.pools import Instance, Lease
 from nixl_twisted.relay import (
     StreamSilent,
     abandon,
@@ -166,10 +165,6 @@ class Exchange:
         return waiting
 
     async def _run(self) -> None:
-        # Prefill is not spent on a request that no decode instance could take.
-        for pool in self.backends.pools():
-            if not pool.has_available():
-                raise unavailable(NoHealthyInstance(pool.role, pool.retry_after()))
         lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id))
         prefill, params = await send_leg(
             self.backends.prefill, self.retries.prefill, self.metrics,

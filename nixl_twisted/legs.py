@@ -101,12 +101,12 @@ def account(
     outcome: str,
     down: str | None = None,
 ) -> None:
-    """Count a leg's outcome; take the instance out of rotation when ``down`` says why."""
+    """Count a leg's outcome; ``down`` (why the instance failed) counts toward marking it down."""
     metrics.backend_requests.labels(pool.role, instance.url, outcome).inc()
     if down is None:
-        pool.mark_ok(instance)
+        pool.record_success(instance)
     else:
-        pool.mark_failed(instance, down)
+        pool.record_failure(instance, down)
 
 
 async def send_leg(
@@ -134,6 +134,8 @@ async def send_leg(
             instance = pool.next(exclude=tried)
         except NoHealthyInstance as error:
             raise (last or unavailable(error)) from None
+        if pool.panicking:
+            metrics.panic_legs.labels(pool.role).inc()
         tried.append(instance)
         lease = pool.lease(instance)
         try:

@@ -50,7 +50,7 @@ class _InstanceHealth(Collector):
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "nixlproxy_backend_healthy",
-            "Whether a backend instance is in rotation (1) or marked down (0).",
+            "Whether a backend instance is up (1), or down or not yet checked (0).",
             labels=["pool", "instance"],
         )
         for pool in self._pools:
@@ -115,6 +115,11 @@ class ProxyMetrics:
         self.client_disconnects = Counter(
             "nixlproxy_client_disconnects", "Clients that left before their answer ended.",
             ["phase"], registry=r,
+        )  # fmt: skip
+        self.panic_legs = Counter(
+            "nixlproxy_panic_legs",
+            "Legs sent while every instance of their pool was marked down (best effort).",
+            ["pool"], registry=r,
         )  # fmt: skip
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r

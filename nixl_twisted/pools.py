@@ -1,16 +1,29 @@
 """The backend pools: which prefill and decode instance serves the next leg.
 
 Each pool hands out its instances round-robin (as the seed does), skipping
-instances marked down. An instance is marked down by a failed leg (passive)
-or a failed ``GET /health`` (active, ``nixl_twisted.backends``), stays out
-of rotation for a backoff that doubles with each consecutive failure, and is
-back as soon as a health check or a leg succeeds. A leg holds its instance
-through a ``Lease``, the one way legs take and give back an instance.
+those that are down or draining. What the proxy believes of an instance is
+its ``State``, moved by the outcomes of health checks and legs as Envoy
+moves it:
+
+- a new instance is ``PENDING`` until its first health check (or leg)
+  answers, which decides at once; with health checks off it starts ``UP``;
+- ``UP`` turns ``DOWN`` after ``unhealthy`` failures in a row (a refused
+  connection, a timeout, a failed check): one slow request ejects nothing;
+- ``DOWN`` turns ``UP`` after ``healthy`` successes in a row. Past a
+  backoff that doubles with each failure, a down instance may get a trial
+  leg, so that it can come back even with health checks off;
+- panic: when every instance not draining is down, legs go to them anyway
+  (best effort) rather than refusing everything.
+
+A leg holds its instance through a ``Lease``, the one way legs take and give
+back an instance. Under ``--workers`` the supervisor owns these states: a
+worker's pool reports its outcomes (``report``) and adopts what it is told.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import enum
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +38,26 @@ BACKOFF_BASE = 1.0
 BACKOFF_MAX = 30.0
 
 
+class State(enum.Enum):
+    PENDING = "pending"
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Outcomes in a row that turn an instance down, and back up."""
+
+    unhealthy: int = 3
+    healthy: int = 2
+
+
+#: (role, url, failure reason or None for a success): an outcome sent elsewhere.
+Report = Callable[[str, str, "str | None"], None]
+
+
 class NoHealthyInstance(Exception):
-    """Every instance of a pool is marked down (or already tried)."""
+    """Every instance of a pool is draining or was already tried for this leg."""
 
     def __init__(self, role: str, retry_after: float) -> None:
         super().__init__(f"no healthy {role} instance")
@@ -40,8 +71,10 @@ class Instance:
 
     url: str
     role: str
-    healthy: bool = True
+    state: State = State.PENDING
+    #: Failures in a row, and successes in a row.
     failures: int = 0
+    successes: int = 0
     retry_at: float = 0.0
     last_error: str | None = None
     #: Legs being served by this instance now.
@@ -49,12 +82,30 @@ class Instance:
     #: No new legs; the instance leaves its pool when its last leg ends.
     draining: bool = False
 
+    @property
+    def healthy(self) -> bool:
+        return self.state is State.UP
+
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
+            "state": self.state.value,
             "healthy": self.healthy,
             "draining": self.draining,
             "in_flight": self.in_flight,
+            "failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+    def health(self) -> dict[str, Any]:
+        """What a supervisor tells its workers of this instance."""
+        return {
+            "pool": self.role,
+            "url": self.url,
+            "state": self.state.value,
+            "failures": self.failures,
+            "successes": self.successes,
+            "retry_at": self.retry_at,
             "last_error": self.last_error,
         }
 
@@ -66,13 +117,32 @@ class PoolChangeRefused(ValueError):
 class BackendPool:
     """Instances of one role, handed out round-robin among those not down."""
 
-    def __init__(self, role: str, urls: Sequence[str], clock: IReactorTime) -> None:
+    def __init__(
+        self,
+        role: str,
+        urls: Sequence[str],
+        clock: IReactorTime,
+        thresholds: Thresholds = Thresholds(),
+        checked: bool = False,
+    ) -> None:
+        """``checked``: health checks run, so new instances wait for the first one."""
         if not urls:
             raise ValueError(f"the {role} pool needs at least one instance")
         self.role = role
-        self.instances = [Instance(backend_url(u), role) for u in urls]
-        self._cursor = 0
         self.clock = clock
+        self.thresholds = thresholds
+        self._initial = State.PENDING if checked else State.UP
+        self.instances = [self._new(u) for u in urls]
+        self._cursor = 0
+        #: Set in a worker: outcomes go to the supervisor, which decides.
+        self.report: Report | None = None
+        #: Called when an instance's health changed (the supervisor tells its workers).
+        self.on_change: Callable[[Instance], None] | None = None
+        #: True while every instance not draining is down (legs go to them anyway).
+        self.panicking = False
+
+    def _new(self, url: str) -> Instance:
+        return Instance(backend_url(url), self.role, state=self._initial)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -85,28 +155,46 @@ class BackendPool:
         return self.clock.seconds()
 
     def available(self, instance: Instance) -> bool:
-        """Not draining, and healthy or down but past its backoff (worth one more try)."""
+        """Not draining, and not down (or down but past its backoff: a trial leg)."""
         if instance.draining:
             return False
-        return instance.healthy or self._now() >= instance.retry_at
+        return instance.state is not State.DOWN or self._now() >= instance.retry_at
 
-    def has_available(self) -> bool:
-        """Some instance could take a leg now (checked on every request)."""
-        return any(self.available(instance) for instance in self.instances)
+    def ready(self) -> bool:
+        """An instance not draining is up now: what /healthcheck reports."""
+        return any(i.healthy and not i.draining for i in self.instances)
 
     def next(self, exclude: Collection[Instance] = ()) -> Instance:
         """The instance for the next leg of this role.
 
-        Raises ``NoHealthyInstance`` at once when none is available, rather
-        than sending a leg to a host known to be dead.
+        Round-robin among the available instances; when none is, among
+        those not draining (panic, logged once). Raises
+        ``NoHealthyInstance`` when every instance was tried or is draining.
         """
+        chosen = self._round_robin(exclude, self.available)
+        panic = chosen is None
+        if chosen is None:
+            chosen = self._round_robin(exclude, lambda i: not i.draining)
+        if chosen is None:
+            raise NoHealthyInstance(self.role, self.retry_after())
+        if panic and not self.panicking:
+            log.warn("{role} pool in panic: every instance is down, legs go to them anyway",
+                     role=self.role)  # fmt: skip
+        elif not panic and self.panicking:
+            log.info("{role} pool out of panic", role=self.role)
+        self.panicking = panic
+        return chosen
+
+    def _round_robin(
+        self, exclude: Collection[Instance], eligible: Callable[[Instance], bool]
+    ) -> Instance | None:
         for _ in range(len(self.instances)):
             instance = self.instances[self._cursor % len(self.instances)]
             # (A pool is never empty: changes that would empty it are refused.)
             self._cursor += 1
-            if instance not in exclude and self.available(instance):
+            if instance not in exclude and eligible(instance):
                 return instance
-        raise NoHealthyInstance(self.role, self.retry_after())
+        return None
 
     # -- legs in flight, and live changes ----------------------------------
 
@@ -130,7 +218,7 @@ class BackendPool:
         """Put an instance in rotation (a draining one is taken back)."""
         instance = self.find(url)
         if instance is None:
-            instance = Instance(backend_url(url), self.role)
+            instance = self._new(url)
             self.instances.append(instance)
             log.info("{role} instance {url} added", role=self.role, url=instance.url)
         instance.draining = False
@@ -179,35 +267,71 @@ class BackendPool:
                 if instance.in_flight == 0:
                     self.instances.remove(instance)
 
+    # -- what legs and health checks learn ---------------------------------
+
+    def record_failure(self, instance: Instance, reason: str) -> None:
+        """A failed check or leg: down at once if pending, after ``unhealthy`` in a row if up."""
+        if self.report is not None:
+            self.report(self.role, instance.url, reason)
+            return
+        instance.failures += 1
+        instance.successes = 0
+        instance.last_error = reason
+        exponent = max(0, instance.failures - self.thresholds.unhealthy)
+        instance.retry_at = self._now() + min(BACKOFF_MAX, BACKOFF_BASE * 2**exponent)
+        if instance.state is State.PENDING or (
+            instance.state is State.UP and instance.failures >= self.thresholds.unhealthy
+        ):
+            instance.state = State.DOWN
+            log.warn(
+                "{role} instance {url} marked down after {failures} failures in a row: {reason}",
+                role=self.role, url=instance.url, failures=instance.failures, reason=reason,
+            )  # fmt: skip
+        self._changed(instance)
+
+    def record_success(self, instance: Instance) -> None:
+        """A check or leg that worked: up at once if pending, after ``healthy`` in a row if down."""
+        if instance.state is State.UP and instance.failures == 0:
+            return  # the common case: nothing to learn, nothing to report
+        if self.report is not None:
+            self.report(self.role, instance.url, None)
+            return
+        instance.failures = 0
+        instance.successes += 1
+        if instance.state is State.PENDING or (
+            instance.state is State.DOWN and instance.successes >= self.thresholds.healthy
+        ):
+            if instance.state is State.DOWN:
+                log.info("{role} instance {url} is back", role=self.role, url=instance.url)
+            instance.state = State.UP
+            instance.retry_at = 0.0
+            instance.last_error = None
+        self._changed(instance)
+
+    def _changed(self, instance: Instance) -> None:
+        if self.on_change is not None:
+            self.on_change(instance)
+
+    def adopt(self, health: dict[str, Any]) -> None:
+        """Take an instance's health as the supervisor decided it (``Instance.health``)."""
+        instance = self.find(str(health["url"]))
+        if instance is None:
+            return
+        was = instance.state
+        instance.state = State(health["state"])
+        instance.failures = int(health["failures"])
+        instance.successes = int(health["successes"])
+        instance.retry_at = float(health["retry_at"])
+        instance.last_error = health["last_error"]
+        if was is not instance.state:
+            log.info("{role} instance {url} is {state} (from the supervisor)",
+                     role=self.role, url=instance.url, state=instance.state.value)  # fmt: skip
+
     def retry_after(self) -> float:
         """Seconds until the first down instance may be tried again."""
         now = self._now()
-        waits = [max(0.0, i.retry_at - now) for i in self.instances if not i.healthy]
+        waits = [max(0.0, i.retry_at - now) for i in self.instances if i.state is State.DOWN]
         return min(waits) if waits else BACKOFF_BASE
-
-    def mark_failed(self, instance: Instance, reason: str) -> None:
-        """Take an instance out of rotation for a backoff that doubles."""
-        instance.failures += 1
-        backoff = min(BACKOFF_MAX, BACKOFF_BASE * 2 ** (instance.failures - 1))
-        instance.retry_at = self._now() + backoff
-        instance.last_error = reason
-        if instance.healthy:
-            log.warn(
-                "{role} instance {url} marked down: {reason}",
-                role=self.role,
-                url=instance.url,
-                reason=reason,
-            )
-        instance.healthy = False
-
-    def mark_ok(self, instance: Instance) -> None:
-        """Put an instance (back) in rotation."""
-        if not instance.healthy:
-            log.info("{role} instance {url} is back", role=self.role, url=instance.url)
-        instance.healthy = True
-        instance.failures = 0
-        instance.retry_at = 0.0
-        instance.last_error = None
 
 
 class Lease:

@@ -37,7 +37,7 @@ from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.logs import offer_observer
 from nixl_twisted.metrics import MetricsResource, ProxyMetrics
-from nixl_twisted.pools import BackendPool
+from nixl_twisted.pools import BackendPool, Thresholds
 from nixl_twisted.settings import tcp_address
 from nixl_twisted.signals import SignalService
 from nixl_twisted.site import TrackingSite
@@ -202,6 +202,14 @@ class ProxyService(MultiService):
         await DeferredList([site.close_connections(abort=True) for site in sites])
 
 
+def _upstream(reactor: Any, config: ProxyConfig, idle_per_host: int, idle: float) -> Upstream:
+    """A pooled HTTP client on the reactor, keeping ``idle_per_host`` connections ``idle`` s."""
+    connections = HTTPConnectionPool(reactor, persistent=True)
+    connections.maxPersistentPerHost = idle_per_host
+    connections.cachedConnectionTimeout = idle  # type: ignore[assignment]
+    return Upstream(backend_agent(reactor, connections, config.timeouts.connect), connections)
+
+
 def build(
     config: ProxyConfig,
     reactor: Any,
@@ -217,18 +225,23 @@ def build(
     makes every backend call. Tests pass a ``Clock`` and an in-memory agent.
     """
     clock = clock if clock is not None else cast(IReactorTime, reactor)
-    connections: HTTPConnectionPool | None = None
     if agent is None:
-        connections = HTTPConnectionPool(reactor, persistent=True)
-        connections.maxPersistentPerHost = config.limits.max_idle_per_backend
-        connections.cachedConnectionTimeout = config.timeouts.backend_idle  # type: ignore[assignment]
-        agent = backend_agent(reactor, connections, config.timeouts.connect)
+        legs = _upstream(reactor, config, config.limits.max_idle_per_backend,
+                         config.timeouts.backend_idle)  # fmt: skip
+        # One connection per instance, kept longer than the interval between checks.
+        checks = _upstream(reactor, config, 1, config.health.interval + config.health.timeout + 1)
+    else:
+        legs = checks = Upstream(agent)
+    health = config.health
+    thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+    checked = health.interval > 0
     backends = BackendService(
-        BackendPool("prefill", config.pools.prefill, clock),
-        BackendPool("decode", config.pools.decode, clock),
-        Upstream(agent, connections),
+        BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
+        BackendPool("decode", config.pools.decode, clock, thresholds, checked),
+        legs,
         clock,
-        config.health,
+        health,
+        checks,
     )
     metrics = ProxyMetrics(backends.pools())
     app = ProxyApp(config, backends, Admission(config.limits.max_in_flight), metrics, clock)

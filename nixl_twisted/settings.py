@@ -162,10 +162,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("decode-retries", 1, count(0), help=(
         "Other decode instances tried, with the same kv_transfer_params, when "
         "one cannot be reached.")),
-    Setting("health-interval", 5.0, seconds_or_off, help=(
-        "Seconds between GET /health checks of every instance (0: off).")),
+    Setting("health-interval", 3.0, seconds_or_off, help=(
+        "Seconds between GET /health checks of every instance, the first round at "
+        "startup (0: off); below vLLM's 5 s keep-alive, each check reuses its connection.")),
     Setting("health-timeout", 2.0, seconds, help=(
         "Seconds a health check may take before it counts as failed.")),
+    Setting("unhealthy-threshold", 3, count(1), help=(
+        "Failures in a row (checks, refused connections, timeouts) that mark an "
+        "instance down.")),
+    Setting("healthy-threshold", 2, count(1), help=(
+        "Successes in a row (checks or legs) that bring a down instance back.")),
     Setting("max-in-flight", 1024, count(1), help=(
         "Requests served at once; past it, 503 with Retry-After at once.")),
     Setting("max-body-size", 32 * 1024 * 1024, count(1), help=(

@@ -157,4 +157,5 @@ class FuzzTests(ProxyCase):
     def _reset_health(self) -> None:
         for pool in self.proxy.service.backends.pools():
             for instance in pool.instances:
-                pool.mark_ok(instance)
+                while not instance.healthy or instance.failures:
+                    pool.record_success(instance)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+from twisted.internet import reactor
 from twisted.internet.defer import gatherResults
 
 from nixl_twisted.pools import BACKOFF_BASE
+from nixl_twisted.testing import start_proxy
 from tests.support import CHAT, ProxyCase
 
 
@@ -17,7 +19,7 @@ class InstanceDeathTests(ProxyCase):
         return int(response.code)
 
     async def test_a_dead_decode_is_retried_elsewhere_then_left_out(self) -> None:
-        await self.start(decodes=2)
+        await self.start(decodes=2, proxy=dict(unhealthy_threshold=1))
         dead = self.decodes[1]
         await dead.stop()
         codes = [await self.completion() for _ in range(4)]
@@ -30,8 +32,8 @@ class InstanceDeathTests(ProxyCase):
         self.assertTrue(live.healthy)
         self.assertFalse(down.healthy)
 
-    async def test_an_instance_comes_back_when_its_health_check_passes(self) -> None:
-        await self.start(prefills=2)
+    async def test_an_instance_comes_back_when_its_health_checks_pass(self) -> None:
+        await self.start(prefills=2, proxy=dict(unhealthy_threshold=1))
         dead = self.prefills[1]
         port = dead.url.rsplit(":", 1)[1]
         await dead.stop()
@@ -42,21 +44,25 @@ class InstanceDeathTests(ProxyCase):
 
         await dead.listen(f"tcp:{port}:interface=127.0.0.1")
         await backends.check_health()
+        self.assertFalse(backends.prefill.instances[1].healthy)  # two in a row bring it back
+        await backends.check_health()
         self.assertTrue(backends.prefill.instances[1].healthy)
         for _ in range(4):
             self.assertEqual(await self.completion(), 200)
         self.assertEqual(len(dead.requests), 2)
 
-    async def test_health_checks_run_on_the_interval(self) -> None:
+    async def test_the_first_round_runs_at_startup_then_on_the_interval(self) -> None:
         await self.start(proxy=dict(health_interval=5))
-        checked = gatherResults([f.next_health_check() for f in (self.prefill, self.decode)])
-        self.assertEqual(self.decode.health_checks, 0)  # none before the first interval
+        fakes = (self.prefill, self.decode)
+        await self.proxy.service.backends.first_round()
+        self.assertEqual([f.health_checks for f in fakes], [1, 1])  # before any interval
+        checked = gatherResults([f.next_health_check() for f in fakes])
         self.clock.advance(5)
         await checked
-        self.assertEqual((self.prefill.health_checks, self.decode.health_checks), (1, 1))
+        self.assertEqual([f.health_checks for f in fakes], [2, 2])
 
     async def test_a_failing_health_check_takes_an_instance_out(self) -> None:
-        await self.start(decodes=2)
+        await self.start(decodes=2, proxy=dict(unhealthy_threshold=1))
         self.decodes[1].health_status = 503
         backends = self.proxy.service.backends
         await backends.check_health()
@@ -65,31 +71,40 @@ class InstanceDeathTests(ProxyCase):
             self.assertEqual(await self.completion(), 200)
         self.assertEqual(self.decodes[1].requests, [])
 
-    async def test_no_healthy_instance_is_503_at_once_and_not_ready(self) -> None:
-        await self.start()
-        await self.decode.stop()
+    async def test_when_every_decode_is_down_legs_still_go_to_it(self) -> None:
+        await self.start(proxy=dict(unhealthy_threshold=1))
+        self.decode.health_status = 503
         backends = self.proxy.service.backends
         await backends.check_health()
-        response, answer = await self.post_json("/v1/chat/completions", CHAT)
-        self.assertError(response, answer, 503, "no_healthy_decode")
-        self.assertEqual(response.headers.getRawHeaders(b"retry-after"), [b"1"])
-        # Prefill was not spent on a request decode could not take.
-        self.assertEqual(self.prefill.requests, [])
+        self.assertFalse(backends.decode.instances[0].healthy)
 
         health = await self.http.get(self.proxy.url + "/healthcheck")
         self.assertEqual(health.code, 503)
         report = json.loads(await health.content())
         self.assertFalse(report["ready"])
         self.assertEqual((report["prefill_instances"], report["decode_instances"]), (1, 1))
-        self.assertFalse(report["instances"]["decode"][0]["healthy"])
+        self.assertEqual(report["instances"]["decode"][0]["state"], "down")
         self.assertIn("health check failed", report["instances"]["decode"][0]["last_error"])
 
+        # Panic: its /health says 503, but it may still serve; refusing all would be worse.
+        self.assertEqual(await self.completion(), 200)
+        self.assertEqual(len(self.decode.requests), 1)
+        self.assertTrue(backends.decode.panicking)
+        metrics = await (await self.http.get(self.proxy.url + "/metrics")).text()
+        self.assertIn('nixlproxy_panic_legs_total{pool="decode"} 1.0', metrics)
+
+    async def test_a_dead_pool_in_panic_answers_502_not_a_hang(self) -> None:
+        await self.start(proxy=dict(unhealthy_threshold=1))
+        await self.decode.stop()
+        await self.proxy.service.backends.check_health()
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertError(response, answer, 502, "decode_unreachable")
         models = await self.http.get(self.proxy.url + "/v1/models")
-        self.assertEqual(models.code, 503)
+        self.assertEqual(models.code, 502)
         await models.content()
 
     async def test_models_skips_an_unhealthy_decode(self) -> None:
-        await self.start(decodes=2)
+        await self.start(decodes=2, proxy=dict(unhealthy_threshold=1))
         self.decodes[0].health_status = 500
         await self.proxy.service.backends.check_health()
         for _ in range(3):
@@ -100,7 +115,7 @@ class InstanceDeathTests(ProxyCase):
         self.assertEqual(self.decodes[1].health_checks, 1)
 
     async def test_after_its_backoff_a_down_instance_gets_another_try(self) -> None:
-        await self.start(decodes=2)
+        await self.start(decodes=2, proxy=dict(unhealthy_threshold=1))
         self.decodes[1].health_status = 503
         backends = self.proxy.service.backends
         await backends.check_health()
@@ -109,7 +124,8 @@ class InstanceDeathTests(ProxyCase):
         for _ in range(2):
             self.assertEqual(await self.completion(), 200)
         self.assertEqual(len(self.decodes[1].requests), 1)
-        self.assertTrue(backends.decode.instances[1].healthy)
+        trial = backends.decode.instances[1]
+        self.assertEqual((trial.healthy, trial.successes), (False, 1))  # one of the two
 
 
 class RetryTests(ProxyCase):
@@ -152,3 +168,45 @@ class RetryTests(ProxyCase):
         self.assertEqual([len(d.requests) for d in self.decodes], [1, 0])
         # One request's KV-load failure does not take the instance away.
         self.assertTrue(self.proxy.service.backends.decode.instances[0].healthy)
+
+
+class StartupHealthTests(ProxyCase):
+    async def readiness(self) -> tuple[int, bool]:
+        response = await self.http.get(self.proxy.url + "/healthcheck")
+        return response.code, json.loads(await response.content())["ready"]
+
+    async def test_with_every_backend_dead_it_is_never_ready_and_never_flaps(self) -> None:
+        await self.start(proxy=dict(health_interval=5))
+        await self.proxy.stop()
+        for fake in (self.prefill, self.decode):
+            await fake.stop()
+        self.proxy = self.start_proxy([self.prefill.url], [self.decode.url], health_interval=5)
+        backends = self.proxy.service.backends
+        # Before the first round has answered: not known to be up, so not ready.
+        self.assertEqual(await self.readiness(), (503, False))
+        await backends.first_round()
+        seen = []
+        for _ in range(12):  # a minute of rounds, each awaited: down, backoffs past
+            seen.append(await self.readiness())
+            self.clock.advance(5)
+            await backends.check_health()
+        self.assertEqual(set(seen), {(503, False)})
+
+    async def test_ready_once_the_first_round_answers(self) -> None:
+        await self.start(proxy=dict(health_interval=5))
+        await self.proxy.service.backends.first_round()
+        self.assertEqual(await self.readiness(), (200, True))
+
+    async def test_health_checks_reuse_their_connection(self) -> None:
+        await self.start()
+        await self.proxy.stop()
+        # Real time here: legs' connections idle out after 50 ms, checks come every 200 ms.
+        self.proxy = start_proxy(
+            [self.prefill.url], [self.decode.url], listen="tcp:0:interface=127.0.0.1",
+            clock=reactor, health_interval=0.2, backend_idle_timeout=0.05,
+        )  # fmt: skip
+        self.addCleanup(self.proxy.stop)
+        for _ in range(4):
+            await self.decode.next_health_check()
+        self.assertGreaterEqual(self.decode.health_checks, 4)
+        self.assertEqual(self.decode.site.connections_accepted, 1)

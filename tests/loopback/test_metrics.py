@@ -35,7 +35,7 @@ class ScrapingCase(ProxyCase):
 
 class MetricsTests(ScrapingCase):
     async def test_counters_histograms_and_gauges_move_with_real_requests(self) -> None:
-        await self.start(prefills=2)
+        await self.start(prefills=2, proxy=dict(unhealthy_threshold=1))
         p0, p1 = (p.url for p in self.prefills)
         decode = self.decode.url
         for _ in range(2):

@@ -38,7 +38,7 @@ def test_models_tries_the_next_decode_instance_when_one_is_unreachable() -> None
     proxy.service.backends.decode.instances.reverse()  # the dead one comes first
     client = proxy.request("GET", "/v1/models")
     assert status(client) == 200
-    assert not dead.healthy and dead.in_flight == 0
+    assert dead.failures == 1 and dead.in_flight == 0  # one of the three that mark it down
     assert len(live.requests) == 1
 
 
@@ -58,12 +58,12 @@ def test_prefill_4xx_is_relayed_and_no_decode_is_sent() -> None:
     assert setup.decode.requests == []
 
 
-def test_prefill_503_is_retried_on_the_next_instance_and_marks_the_first_down() -> None:
+def test_prefill_503_is_retried_on_the_next_instance_and_counts_against_the_first() -> None:
     ledger = TransferLedger()
     busy = FakeVLLM(name="prefill-busy", ledger=ledger)
     spare = FakeVLLM(name="prefill-spare", ledger=ledger)
     decode = FakeVLLM(name="decode-0", ledger=ledger)
-    proxy = InMemoryProxy([busy, spare], [decode])
+    proxy = InMemoryProxy([busy, spare], [decode], unhealthy_threshold=1)
     busy.crash_next(503, "overloaded")
     client = proxy.request(
         "POST", "/v1/completions", json.dumps({"model": "m", "prompt": "x"}).encode()

@@ -87,7 +87,9 @@ def test_decode_timeout_in_handoff_is_a_504() -> None:
     setup.proxy.advance(TIMEOUTS.decode)
     assert (status(client), error_code(client)) == (504, "decode_timeout")
     assert setup.decode.disconnects == 1  # vLLM aborts the request and frees its blocks
-    assert not setup.proxy.service.backends.decode.instances[0].healthy
+    (decode,) = setup.proxy.service.backends.decode.instances
+    # A slow answer, not a dead instance: one failure of the three that mark it down.
+    assert (decode.healthy, decode.failures) == (True, 1)
 
 
 def test_stream_idle_timeout_in_relay_ends_with_an_error_event_and_a_short_close() -> None:

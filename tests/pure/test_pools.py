@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.pools import BACKOFF_MAX, BackendPool, NoHealthyInstance
+from nixl_twisted.pools import BACKOFF_MAX, BackendPool, NoHealthyInstance, State, Thresholds
 from nixl_twisted.settings import InvalidValue, backend_url
 
 
@@ -58,45 +58,129 @@ def test_invalid_urls_say_why(url: str, why: str) -> None:
         backend_url(url)
 
 
-def pool_of(*urls: str) -> tuple[BackendPool, Clock]:
+def pool_of(*urls: str, checked: bool = False) -> tuple[BackendPool, Clock]:
     clock = Clock()
-    return BackendPool("prefill", list(urls), clock), clock
+    return BackendPool("prefill", list(urls), clock, Thresholds(3, 2), checked), clock
 
 
-def test_an_instance_marked_down_is_skipped_until_its_backoff_ends() -> None:
+def test_one_failure_ejects_nothing_three_in_a_row_do() -> None:
+    pool, _ = pool_of("http://a:1", "http://b:2")
+    a, b = pool.instances
+    pool.record_failure(a, "timed out")
+    pool.record_failure(a, "timed out")
+    assert a.state is State.UP and a.failures == 2
+    pool.record_success(a)  # a success in between starts the count again
+    for _ in range(2):
+        pool.record_failure(a, "timed out")
+    assert a.state is State.UP
+    pool.record_failure(a, "connection refused")
+    assert a.state is State.DOWN and a.last_error == "connection refused"
+    assert [pool.next() for _ in range(3)] == [b, b, b]
+    assert not pool.panicking
+
+
+def test_a_down_instance_needs_two_successes_in_a_row_to_come_back() -> None:
+    pool, _ = pool_of("http://a:1")
+    (a,) = pool.instances
+    for _ in range(3):
+        pool.record_failure(a, "refused")
+    pool.record_success(a)
+    assert a.state is State.DOWN
+    pool.record_failure(a, "refused")
+    pool.record_success(a)
+    assert a.state is State.DOWN
+    pool.record_success(a)
+    assert a.state is State.UP and a.failures == 0 and a.last_error is None
+
+
+def test_a_new_instance_is_pending_until_its_first_check_decides() -> None:
+    pool, _ = pool_of("http://a:1", "http://b:2", checked=True)
+    a, b = pool.instances
+    assert (a.state, b.state) == (State.PENDING, State.PENDING)
+    assert not pool.ready()  # nothing is known to be up yet
+    pool.record_failure(a, "refused")  # the first answer decides: no threshold
+    pool.record_success(b)
+    assert (a.state, b.state) == (State.DOWN, State.UP)
+    assert pool.ready()
+    assert pool.add("http://c:3").state is State.PENDING
+
+
+def test_without_health_checks_instances_start_up() -> None:
+    pool, _ = pool_of("http://a:1")
+    assert pool.instances[0].state is State.UP and pool.ready()
+
+
+def test_past_its_backoff_a_down_instance_gets_a_trial_leg() -> None:
     pool, clock = pool_of("http://a:1", "http://b:2")
     a, b = pool.instances
-    pool.mark_failed(a, "connection refused")
-    assert [pool.next() for _ in range(3)] == [b, b, b]
+    for _ in range(3):
+        pool.record_failure(a, "refused")
     assert [pool.available(i) for i in (a, b)] == [False, True]
-    assert pool.has_available()
     clock.advance(1.0)
-    # Past its backoff it gets one more chance (half-open).
     assert {pool.next(), pool.next()} == {a, b}
+    assert pool.ready()  # b is up
 
 
-def test_backoff_doubles_with_each_failure_and_is_capped() -> None:
-    pool, clock = pool_of("http://a:1")
-    (a,) = pool.instances
+def test_backoff_doubles_with_each_failure_past_the_threshold_and_is_capped() -> None:
+    pool, clock = pool_of("http://a:1", "http://b:2")
+    a, _ = pool.instances
+    for _ in range(2):
+        pool.record_failure(a, "refused")
     waits = []
     for _ in range(8):
-        pool.mark_failed(a, "refused")
+        pool.record_failure(a, "refused")
         waits.append(pool.retry_after())
         clock.advance(waits[-1])
     assert waits == [1, 2, 4, 8, 16, BACKOFF_MAX, BACKOFF_MAX, BACKOFF_MAX]
-    pool.mark_ok(a)
-    assert a.healthy and a.failures == 0 and a.last_error is None
 
 
-def test_no_healthy_instance_is_said_at_once_with_retry_after() -> None:
+def test_panic_when_every_instance_is_down_legs_still_go_to_them() -> None:
     pool, clock = pool_of("http://a:1", "http://b:2")
-    pool.mark_failed(pool.instances[0], "refused")
-    clock.advance(0.5)
-    pool.mark_failed(pool.instances[1], "refused")
+    a, b = pool.instances
+    for instance in (a, b):
+        for _ in range(3):
+            pool.record_failure(instance, "refused")
+    assert not pool.ready()  # /healthcheck: not ready, and it stays so
+    assert [pool.next(), pool.next(), pool.next()] == [a, b, a]
+    assert pool.panicking
     with pytest.raises(NoHealthyInstance) as caught:
-        pool.next()
+        pool.next(exclude=[a, b])  # every one already tried for this leg
     assert caught.value.role == "prefill"
-    assert caught.value.retry_after == pytest.approx(0.5)
+    for _ in range(2):
+        pool.record_success(b)
+    clock.advance(0.1)
+    assert pool.next() is b and not pool.panicking
+
+
+def test_draining_instances_are_not_used_even_in_panic() -> None:
+    pool, _ = pool_of("http://a:1", "http://b:2")
+    a, b = pool.instances
+    a.in_flight = 1
+    pool.drain(a.url)
+    for _ in range(3):
+        pool.record_failure(b, "refused")
+    assert [pool.next(), pool.next()] == [b, b]
+
+
+def test_a_worker_pool_reports_outcomes_and_adopts_the_verdict() -> None:
+    supervisor, _ = pool_of("http://a:1")
+    worker, _ = pool_of("http://a:1")
+    reports: list[tuple[str, str, str | None]] = []
+    worker.report = lambda *outcome: reports.append(outcome)
+    changes: list[dict[str, object]] = []
+    supervisor.on_change = lambda instance: changes.append(instance.health())
+    (mine,) = worker.instances
+    worker.record_success(mine)  # up, no failures: nothing worth a message
+    worker.record_failure(mine, "refused")
+    assert reports == [("prefill", "http://a:1", "refused")]
+    assert mine.failures == 0  # not judged here
+    (theirs,) = supervisor.instances
+    for _ in range(3):
+        supervisor.record_failure(theirs, "refused")
+    worker.adopt(changes[-1])
+    assert mine.state is State.DOWN and mine.failures == 3
+    worker.record_success(mine)  # now worth reporting: it may bring the instance back
+    assert reports[-1] == ("prefill", "http://a:1", None)
 
 
 def test_next_skips_instances_already_tried() -> None:
