@@ -20,11 +20,8 @@ log = Logger(namespace="nixlproxy.access")
 
 COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
-_FORMAT = (
-    "{client} {method} {route} {status} {bytes_sent}B {elapsed_ms}ms "
-    "request_id={request_id} prefill={prefill} ({prefill_status}, {prefill_ms}ms) "
-    "decode={decode} ({decode_status}, first byte {decode_first_byte_ms}ms) ended={ended}"
-)
+#: The longest path an access event keeps (a 404 for a long URL stays one short line).
+MAX_PATH = 200
 
 
 @dataclass
@@ -77,13 +74,13 @@ class AccessLog:
             self.metrics.request_seconds.observe(elapsed)
         if not self.emit:
             return
+        path = request.path.decode("utf-8", "replace")
         fields: dict[str, Any] = {
             "client": _client(request),
             "method": request.method.decode("ascii", "replace"),
-            "route": route,
-            "path": request.path.decode("utf-8", "replace"),
+            "path": path if len(path) <= MAX_PATH else path[:MAX_PATH] + "...",
             "status": request.code,
-            "bytes_sent": getattr(request, "sentLength", 0),
+            "bytes": getattr(request, "sentLength", 0),
             "elapsed_ms": _ms(elapsed),
             "request_id": record.request_id,
             "prefill": record.prefill,
@@ -91,12 +88,32 @@ class AccessLog:
             "prefill_ms": _ms(record.prefill_seconds),
             "decode": record.decode,
             "decode_status": record.decode_status,
-            "decode_first_byte_ms": _ms(record.decode_first_byte_seconds),
+            "decode_ttfb_ms": _ms(record.decode_first_byte_seconds),
             "ended": record.ended,
         }
-        # Rendered here with str.format: Twisted's own formatting of fifteen
-        # fields costs several times more, on every request.
-        log.info("{access_line}", access_line=_FORMAT.format(**fields), **fields)
+        # What did not happen is left out, and so is the usual ending.
+        fields = {k: v for k, v in fields.items() if v is not None and v != "answered"}
+        # Rendered here: Twisted's own formatting of fifteen fields costs
+        # several times more, on every request.
+        log.info("{access_line}", access_line=access_line(fields), access=fields)
+
+
+def access_line(f: dict[str, Any]) -> str:
+    """The text access line: what did not happen (no prefill, no decode) is left out."""
+    parts = [f"{f['client']} {f['method']} {f['path']} {f['status']} "
+             f"{f['bytes']}B {f['elapsed_ms']}ms"]  # fmt: skip
+    if "request_id" in f:
+        parts.append(f"request_id={f['request_id']}")
+    for leg, timing in (("prefill", "prefill_ms"), ("decode", "decode_ttfb_ms")):
+        if leg not in f:
+            continue
+        details = [str(f[f"{leg}_status"])] if f"{leg}_status" in f else []
+        if timing in f:
+            details.append(f"{f[timing]}ms" if leg == "prefill" else f"first byte {f[timing]}ms")
+        parts.append(f"{leg}={f[leg]}" + (f" ({', '.join(details)})" if details else ""))
+    if "ended" in f:
+        parts.append(f"ended={f['ended']}")
+    return " ".join(parts)
 
 
 def _client(request: Request) -> str:

@@ -71,7 +71,9 @@ class BackendService(Service):
 
     def startService(self) -> None:
         super().startService()
-        if self.health_interval > 0:
+        if self.health_interval <= 0:
+            self._first_round.fire()  # nothing to wait for
+        else:
             self._checks = LoopingCall(self.check_health)
             self._checks.clock = self.clock
             # The first round now: until it answers, /healthcheck says not ready.

@@ -97,6 +97,7 @@ class ProxyConfig:
     metrics_listen: str | None
     workers: int
     log_format: str
+    log_level: str
     access_log: bool
     backend_api_key: str | None = field(repr=False)
     admin_token: str | None = field(repr=False)
@@ -160,6 +161,7 @@ class ProxyConfig:
             metrics_listen=v["metrics-listen"],
             workers=1 if worker is not None else v["workers"],
             log_format=v["log-format"],
+            log_level=v["log-level"],
             access_log=v["access-log"] == "on",
             backend_api_key=v["backend-api-key"],
             admin_token=v["admin-token"],
@@ -197,6 +199,7 @@ class ProxyConfig:
             "metrics-listen": self.metrics_listen,
             "workers": self.workers,
             "log-format": self.log_format,
+            "log-level": self.log_level,
             "access-log": "on" if self.access_log else "off",
             "drain-timeout": self.timeouts.drain,
         }

@@ -1,24 +1,159 @@
-"""Log observers: JSON lines for log pipelines.
+"""Log observers: text for people, flat JSON lines for log pipelines, both filtered by level.
 
-``json_lines`` is an ``ILogObserver`` factory that twistd takes as it is
-(``twistd --logger=nixl_twisted.logs.json_lines nixlproxy ...``);
-``--log-format json`` is the shorthand that installs the same observer.
+twistd asks its application for an ``ILogObserver`` before it logs; the
+proxy offers one (``offer``) when the defaults are not enough: JSON, a
+``--log-level`` other than ``info``, or a ``--workers`` worker, whose every
+line carries its index. ``json_lines`` is the same JSON observer as an
+``ILogObserver`` factory for ``twistd --logger=nixl_twisted.logs.json_lines``.
+
+A JSON line is one flat object (documented in ``docs/operations.md``):
+``time`` (RFC 3339, UTC), ``level``, ``logger``, ``message`` (rendered),
+``worker`` in a worker, ``error`` for a failure, then the event's own
+scalar fields; an access event's fields are top-level keys.
 """
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import IO
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import IO, Any
 
-from twisted.logger import ILogObserver, jsonFileLogObserver
+from twisted.logger import (
+    FilteringLogObserver,
+    ILogObserver,
+    LogLevel,
+    LogLevelFilterPredicate,
+    formatEvent,
+    textFileLogObserver,
+)
+from twisted.python.logfile import LogFile
+from zope.interface import implementer
+
+LEVELS: dict[str, LogLevel] = {
+    "debug": LogLevel.debug,
+    "info": LogLevel.info,
+    "warn": LogLevel.warn,
+    "error": LogLevel.error,
+    "critical": LogLevel.critical,
+}
+
+#: Keys of legacy (``twisted.python.log``) and logger events that are not the event's fields.
+_NOT_FIELDS = frozenset(
+    {"message", "system", "isError", "format", "time", "why", "failure", "access_line", "access"}
+)
+_TOP = ("time", "level", "logger", "message", "worker")
+
+
+def _time(event: dict[str, Any]) -> str:
+    moment = datetime.fromtimestamp(event.get("log_time", 0.0), timezone.utc)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def flat(event: dict[str, Any]) -> dict[str, Any]:
+    """An event as one flat, JSON-able object."""
+    level = event.get("log_level", LogLevel.info)
+    access = event.get("access")
+    line: dict[str, Any] = {
+        "time": _time(event),
+        "level": getattr(level, "name", str(level)),
+        "logger": event.get("log_namespace", "-"),
+    }
+    if isinstance(access, dict):
+        line["message"] = f"{access.get('method')} {access.get('path')} {access.get('status')}"
+    else:
+        line["message"] = formatEvent(event)
+    if "worker" in event:
+        line["worker"] = event["worker"]
+    failure = event.get("log_failure")
+    if failure is not None:
+        line["error"] = failure.getTraceback()
+    fields = access if isinstance(access, dict) else event
+    for key, value in fields.items():
+        if key in _TOP or key in _NOT_FIELDS or key.startswith("log_") or key in line:
+            continue
+        if value is None or isinstance(value, (str, int, float, bool)):
+            line[key] = value
+    return line
+
+
+@implementer(ILogObserver)
+class JSONLines:
+    """One flat JSON object per line."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self._out = out
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self._out.write(json.dumps(flat(event), default=str, separators=(",", ":")) + "\n")
+        self._out.flush()
 
 
 def json_lines(out: IO[str] | None = None) -> ILogObserver:
-    """Every log event as one JSON object per line (no RFC 7464 separator), on stdout."""
-    return jsonFileLogObserver(out if out is not None else sys.stdout, recordSeparator="")
+    """Every log event as one flat JSON object per line, on stdout (a ``--logger`` factory)."""
+    return JSONLines(out if out is not None else sys.stdout)
 
 
-def offer_observer(application: object, log_format: str) -> None:
-    """``--log-format json``: twistd asks its application for an observer before it logs."""
-    if log_format == "json" and hasattr(application, "setComponent"):
-        application.setComponent(ILogObserver, json_lines())
+@implementer(ILogObserver)
+class WorkerTagged:
+    """Adds the worker's index to every event: ``worker`` in JSON, ``[worker N ...]`` in text."""
+
+    def __init__(self, observer: ILogObserver, worker: int) -> None:
+        self._observer = observer
+        self._worker = worker
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        system = event.get("log_system")
+        if system is None:
+            name = getattr(event.get("log_level"), "name", "-")
+            system = f"{event.get('log_namespace', '-')}#{name}"
+        self._observer(
+            dict(event, worker=self._worker, log_system=f"worker {self._worker} {system}")
+        )
+
+
+def log_file(twistd_options: Any) -> IO[str] | None:
+    """Where twistd would write its text log (``--logfile``); None: leave it to twistd (syslog)."""
+    options = twistd_options if twistd_options is not None else {}
+    if options.get("syslog"):
+        return None
+    path = options.get("logfile")
+    if not path and not options.get("nodaemon", True):
+        path = "twistd.log"  # where a daemonized twistd logs by default
+    if not path or path == "-":
+        return sys.stdout
+    return LogFile.fromFullPath(path)
+
+
+def observer(
+    log_format: str,
+    level: str,
+    worker: int | None,
+    target: Callable[[], IO[str] | None],
+) -> ILogObserver | None:
+    """The observer these settings need, or None where twistd's own does (text at info).
+
+    ``target`` opens where twistd would log (``log_file``); JSON goes to
+    stdout when that is syslog.
+    """
+    if log_format == "json":
+        chosen: ILogObserver = json_lines(target())
+    elif level == "info" and worker is None:
+        return None
+    else:
+        out = target()
+        if out is None:
+            return None  # syslog: twistd's own observer, unfiltered
+        chosen = textFileLogObserver(out)
+    if worker is not None:
+        chosen = WorkerTagged(chosen, worker)
+    if level != "info":
+        chosen = FilteringLogObserver(chosen, [LogLevelFilterPredicate(LEVELS[level])])
+    return chosen
+
+
+def offer(application: object, chosen: ILogObserver | None) -> None:
+    """twistd asks its application for an observer before it logs anything."""
+    if chosen is not None and hasattr(application, "setComponent"):
+        application.setComponent(ILogObserver, chosen)

@@ -24,18 +24,18 @@ from twisted.internet.interfaces import (
     IReactorTime,
     IStreamServerEndpoint,
 )
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
 from twisted.web.client import HTTPConnectionPool
 from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
+from nixl_twisted import logs
 from nixl_twisted.access import AccessLog
 from nixl_twisted.admission import Admission
 from nixl_twisted.app import ProxyApp
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.events import Happened
-from nixl_twisted.logs import offer_observer
 from nixl_twisted.metrics import MetricsResource, ProxyMetrics
 from nixl_twisted.pools import BackendPool, Thresholds
 from nixl_twisted.settings import tcp_address
@@ -93,6 +93,9 @@ def listener(
 class ProxyService(MultiService):
     """One proxy: its children, and the one order they stop in."""
 
+    #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
+    log_observer: ILogObserver | None = None
+
     def __init__(
         self,
         config: ProxyConfig,
@@ -115,15 +118,20 @@ class ProxyService(MultiService):
     def setServiceParent(self, parent: Any) -> None:
         """Under twistd the parent is the application: offer it our log observer."""
         super().setServiceParent(parent)
-        offer_observer(parent, self.config.log_format)
+        logs.offer(parent, self.log_observer)
 
     def startService(self) -> None:
         super().startService()
         # Said once the reactor runs, after the signal handlers are in (they
-        # go in then too): whoever reads it may send requests, or a SIGTERM.
-        self._reactor.callWhenRunning(self._announce)
+        # go in then too), and once the first health round has answered:
+        # whoever reads it may send requests, or a SIGTERM.
+        self._reactor.callWhenRunning(
+            lambda: self.backends.first_round().addCallback(lambda _: self._announce())
+        )
 
     def _announce(self) -> None:
+        if not self.running:
+            return  # stopped before its first health round answered
         for port in self.ports():
             log.info("nixlproxy listening on {address}", address=_address(port))
 

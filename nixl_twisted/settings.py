@@ -186,8 +186,11 @@ SETTINGS: tuple[Setting, ...] = (
         "Proxy processes sharing each TCP --listen port (SO_REUSEPORT), each "
         "with its own pools and health state, supervised by this one.")),
     Setting("log-format", "text", choice("text", "json"), help=(
-        "text (for people) or json (one JSON object per line on stdout, for log "
+        "text (for people) or json (one flat JSON object per line on stdout, for log "
         "pipelines; the same as twistd --logger=nixl_twisted.logs.json_lines).")),
+    Setting("log-level", "info", choice("debug", "info", "warn", "error", "critical"), help=(
+        "Least severe events logged; warn keeps marks down, errors and failures "
+        "and drops the access events.")),
     Setting("access-log", "on", choice("on", "off"), help=(
         "on: one info event per request (nixlproxy.access); off: none, "
         "the request metrics still count every request.")),

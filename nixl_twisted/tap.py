@@ -15,7 +15,7 @@ from typing import Any
 from twisted.application.service import IService
 from twisted.python import usage
 
-from nixl_twisted import identity
+from nixl_twisted import identity, logs
 from nixl_twisted.config import ConfigError, ProxyConfig, resolve
 from nixl_twisted.service import build
 from nixl_twisted.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
@@ -104,6 +104,10 @@ def makeService(options: Options) -> IService:
 
     config = options.config
     assert config is not None, "Options.parseOptions makes the configuration"
-    if config.workers > 1:
-        return supervise(config, reactor)
-    return build(config, reactor)
+    tree = supervise(config, reactor) if config.workers > 1 else build(config, reactor)
+    twistd_options = getattr(options, "parent", None)
+    tree.log_observer = logs.observer(
+        config.log_format, config.log_level, config.worker,
+        lambda: logs.log_file(twistd_options),
+    )  # fmt: skip
+    return tree

@@ -27,6 +27,7 @@ from twisted.web.client import (
     Agent,
     BrowserLikePolicyForHTTPS,
     HTTPConnectionPool,
+    _HTTP11ClientFactory,
 )
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import (
@@ -166,7 +167,19 @@ def backend_agent(
     default, the system's trusted roots, as a browser would).
     """
     endpoints = _Endpoints(reactor, connect_timeout, tls or BrowserLikePolicyForHTTPS())
+    connections._factory = _QuietFactory
     return Agent.usingEndpointFactory(reactor, endpoints, pool=connections)
+
+
+class _QuietFactory(_HTTP11ClientFactory):
+    """Twisted's factory for one pooled connection, without its "Starting factory" line.
+
+    Each backend connection logged two info lines (starting, stopping),
+    most of a busy proxy's log. (A private class and hook of
+    ``HTTPConnectionPool``: ``test_no_factory_chatter`` notices if they go.)
+    """
+
+    noisy = False
 
 
 class Upstream:

@@ -31,12 +31,12 @@ from twisted.internet.interfaces import (
 )
 from twisted.internet.main import CONNECTION_DONE
 from twisted.internet.protocol import ProcessProtocol
-from twisted.logger import Logger
+from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from nixl_twisted import logs
 from nixl_twisted.config import ConfigError, ProxyConfig
-from nixl_twisted.logs import offer_observer
 from nixl_twisted.settings import tcp_address, tcp_endpoint
 from nixl_twisted.signals import SignalService
 
@@ -238,9 +238,12 @@ class SupervisorService(MultiService):
             signals.setServiceParent(self)
         supervisor.setServiceParent(self)
 
+    #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
+    log_observer: ILogObserver | None = None
+
     def setServiceParent(self, parent: Any) -> None:
         super().setServiceParent(parent)
-        offer_observer(parent, self.config.log_format)
+        logs.offer(parent, self.log_observer)
 
 
 def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:

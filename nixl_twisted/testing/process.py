@@ -26,7 +26,7 @@ from twisted.python.failure import Failure
 from nixl_twisted.workers import TWISTD
 
 _LISTENING = re.compile(
-    rb'nixlproxy listening on (?:http://)?(?P<text>[^\s{"]+)|"address": "(?P<json>[^"]+)"'
+    rb'nixlproxy listening on (?:http://)?(?P<text>[^\s{"]+)|"address": ?"(?P<json>[^"]+)"'
 )
 
 

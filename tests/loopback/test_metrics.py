@@ -7,7 +7,7 @@ from typing import Any, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.interfaces import IPushProducer
-from twisted.logger import ILogObserver, globalLogPublisher
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.web.client import ResponseFailed
 from zope.interface import provider
 
@@ -118,7 +118,7 @@ class AccessLogTests(ScrapingCase):
         @provider(ILogObserver)
         def observe(event: dict[str, Any]) -> None:
             if event.get("log_namespace") == "nixlproxy.access":
-                events.append(event)
+                events.append(event["access"])
 
         globalLogPublisher.addObserver(observe)
         self.addCleanup(globalLogPublisher.removeObserver, observe)
@@ -137,20 +137,21 @@ class AccessLogTests(ScrapingCase):
         first, second, third = events
         (request_id,) = response.headers.getRawHeaders(b"x-request-id")
         self.assertEqual(first["request_id"], request_id.decode())
-        self.assertEqual(first["route"], "/v1/chat/completions")
+        self.assertEqual(first["path"], "/v1/chat/completions")
         self.assertEqual(first["method"], "POST")
         self.assertEqual(first["status"], 200)
         self.assertEqual(first["prefill"], self.prefill.url)
         self.assertEqual(first["decode"], self.decode.url)
         self.assertEqual((first["prefill_status"], first["decode_status"]), (200, 200))
         self.assertIsInstance(first["prefill_ms"], int)
-        self.assertIsInstance(first["decode_first_byte_ms"], int)
-        self.assertEqual(first["bytes_sent"], len(body))
-        self.assertEqual(first["ended"], "answered")
+        self.assertIsInstance(first["decode_ttfb_ms"], int)
+        self.assertEqual(first["bytes"], len(body))
+        self.assertNotIn("ended", first)  # answered: the usual ending is not said
         self.assertTrue(first["client"].startswith("127.0.0.1:"))
-        self.assertEqual((second["status"], second["prefill"]), (400, None))
-        self.assertEqual(third["route"], "/healthcheck")
-        json.dumps([{k: v for k, v in e.items() if not k.startswith("log_")} for e in events])
+        self.assertEqual(second["status"], 400)
+        self.assertNotIn("prefill", second)  # what did not happen is left out
+        self.assertEqual(third["path"], "/healthcheck")
+        json.dumps(events)
 
     async def test_access_log_off_emits_no_event_and_still_counts(self) -> None:
         events = self.capture()
@@ -180,3 +181,35 @@ class AccessLogTests(ScrapingCase):
         (event,) = events
         self.assertEqual(event["ended"], "client_left")
         self.assertEqual(event["decode"], self.decode.url)
+
+    async def test_a_404_keeps_its_path_bounded(self) -> None:
+        events = self.capture()
+        await self.start()
+        response = await self.post("/v2/" + "x" * 300, CHAT)
+        await response.content()
+        (event,) = events
+        self.assertEqual(event["status"], 404)
+        self.assertEqual(event["path"], "/v2/" + "x" * 196 + "...")
+
+
+class QuietLogTests(ProxyCase):
+    async def test_no_factory_chatter_for_backend_connections(self) -> None:
+        events: list[str] = []
+
+        @provider(ILogObserver)
+        def observe(event: dict[str, Any]) -> None:
+            events.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        await self.start()
+        for _ in range(2):
+            response, _ = await self.post_json("/v1/chat/completions", CHAT)
+            self.assertEqual(response.code, 200)
+        await self.proxy.stop()  # closing the pooled connections, which logged "Stopping"
+        self.assertTrue(any("nixlproxy" in line for line in events))  # it did log
+        backends = [f.url.removeprefix("http://") for f in (self.prefill, self.decode)]
+        chatter = [
+            e for e in events if "_HTTP11ClientFactory" in e and any(b in e for b in backends)
+        ]
+        self.assertEqual(chatter, [])

@@ -123,11 +123,33 @@ class TwistdTests(ProxyCase):
         (request_id,) = response.headers.getRawHeaders(b"x-request-id")
         await process.said(request_id)
         await self.terminate(process)
-        events = [json.loads(line) for line in process.output.splitlines() if line.strip()]
-        (access,) = [e for e in events if e.get("log_namespace") == "nixlproxy.access"]
+        lines = [line for line in process.output.splitlines() if line.strip()]
+        events = [json.loads(line) for line in lines]
+        for event in events:  # flat: the documented keys, rendered, no Twisted internals
+            self.assertLessEqual({"time", "level", "logger", "message"}, set(event))
+            self.assertIsInstance(event["level"], str)
+            self.assertFalse([key for key in event if key.startswith("log_")])
+        (access,) = [e for e in events if e["logger"] == "nixlproxy.access"]
         self.assertEqual(access["request_id"], request_id.decode())
         self.assertEqual(access["status"], 200)
         self.assertEqual(access["decode"], self.decode.url)
+        self.assertTrue(any(e["message"].startswith("nixlproxy listening on") for e in events))
+        self.assertLess(max(len(line) for line in lines if b"nixlproxy.access" in line), 450)
+
+    async def test_log_level_warn_keeps_warnings_only(self) -> None:
+        await self.start()
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1", "--log-level", "warn",
+            "--prefill", self.prefill.url, "--decode", "http://127.0.0.1:1",
+            "--health-interval", "0.2",
+        )  # fmt: skip
+        await process.said(b"marked down")  # its "listening on" is an info line too
+        os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        self.assertEqual(await process.ended, 0, process.output.decode())
+        self.assertNotIn(b"SIGTERM: draining", process.output)  # an info line
+        with self.assertRaises(TwistdFailed):  # and so is the one it waits for
+            await process.listening
+        self.assertIn(b"[nixl_twisted.pools#warn]", process.output)
 
     async def test_json_logs_through_twistds_own_logger_option(self) -> None:
         await self.start()
@@ -139,7 +161,7 @@ class TwistdTests(ProxyCase):
         await process.listening
         await self.terminate(process)
         events = [json.loads(line) for line in process.output.splitlines() if line.strip()]
-        self.assertTrue(any(e.get("log_namespace") == "nixl_twisted.service" for e in events))
+        self.assertTrue(any(e.get("logger") == "nixl_twisted.service" for e in events))
 
     async def test_sighup_reloads_pools_under_load_with_no_failed_request(self) -> None:
         await self.start(decodes=2)

@@ -1,0 +1,122 @@
+"""Log lines people and pipelines can read: the flat JSON schema, the text access line, levels."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from typing import Any
+
+from twisted.logger import ILogObserver, Logger, LogPublisher
+from twisted.python.failure import Failure
+
+from nixl_twisted import logs
+from nixl_twisted.access import access_line
+
+#: An access event's fields as a completion fills them in.
+COMPLETION = {
+    "client": "10.20.30.40:54321",
+    "method": "POST",
+    "path": "/v1/chat/completions",
+    "status": 200,
+    "bytes": 1834,
+    "elapsed_ms": 1250,
+    "request_id": "5f0c3a2e9b7d4c1e8a6f2b0d9c8e7f6a",
+    "prefill": "http://10.0.0.11:8100",
+    "prefill_status": 200,
+    "prefill_ms": 412,
+    "decode": "http://10.0.0.21:8200",
+    "decode_status": 200,
+    "decode_ttfb_ms": 35,
+}
+
+
+def emitted(observer: ILogObserver, emit: Any) -> None:
+    publisher = LogPublisher(observer)
+    emit(Logger(namespace="nixlproxy.access", observer=publisher))
+
+
+def json_lines_of(emit: Any, worker: int | None = None) -> list[dict[str, Any]]:
+    out = io.StringIO()
+    observer = logs.json_lines(out)
+    emitted(logs.WorkerTagged(observer, worker) if worker is not None else observer, emit)
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+def test_an_access_event_is_one_flat_json_line_under_400_bytes() -> None:
+    out = io.StringIO()
+    emitted(
+        logs.WorkerTagged(logs.json_lines(out), 3),
+        lambda log: log.info(
+            "{access_line}", access_line=access_line(COMPLETION), access=COMPLETION
+        ),
+    )
+    raw = out.getvalue()
+    # From about 1.35 KB as Twisted's eventAsJSON had it (worker, long addresses and all).
+    assert raw.count("\n") == 1 and len(raw.encode()) < 450
+    line = json.loads(raw)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["time"])
+    assert (line["level"], line["logger"], line["worker"]) == ("info", "nixlproxy.access", 3)
+    assert line["message"] == "POST /v1/chat/completions 200"
+    assert {k: line[k] for k in COMPLETION} == COMPLETION  # every field, top level, once
+    assert not [k for k in line if k.startswith("log_") or k in ("access", "access_line")]
+
+
+def test_other_events_have_their_message_rendered_and_their_fields() -> None:
+    (line,) = json_lines_of(
+        lambda log: log.warn("{role} instance {url} marked down", role="decode", url="http://d:1")
+    )
+    assert line["message"] == "decode instance http://d:1 marked down"
+    assert (line["level"], line["role"], line["url"]) == ("warn", "decode", "http://d:1")
+    assert "worker" not in line
+
+
+def test_a_failure_carries_its_traceback_as_error() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        failure = Failure()
+    (line,) = json_lines_of(lambda log: log.failure("serving failed", failure))
+    assert line["level"] == "critical" and line["message"] == "serving failed"
+    assert "ValueError: boom" in line["error"]
+
+
+def test_the_text_access_line_leaves_out_what_did_not_happen() -> None:
+    assert access_line(COMPLETION) == (
+        "10.20.30.40:54321 POST /v1/chat/completions 200 1834B 1250ms "
+        "request_id=5f0c3a2e9b7d4c1e8a6f2b0d9c8e7f6a "
+        "prefill=http://10.0.0.11:8100 (200, 412ms) "
+        "decode=http://10.0.0.21:8200 (200, first byte 35ms)"
+    )
+    not_found = {"client": "1.2.3.4:5", "method": "POST", "path": "/v2/nope", "status": 404,
+                 "bytes": 120, "elapsed_ms": 0}  # fmt: skip
+    assert access_line(not_found) == "1.2.3.4:5 POST /v2/nope 404 120B 0ms"
+    left = dict(COMPLETION, ended="client_left")
+    del left["decode_status"], left["decode_ttfb_ms"]
+    assert access_line(left).endswith("decode=http://10.0.0.21:8200 ended=client_left")
+    assert "None" not in access_line(left)
+
+
+def test_the_level_filter_drops_what_is_less_severe() -> None:
+    out = io.StringIO()
+    chosen = logs.observer("json", "warn", None, lambda: out)
+    assert chosen is not None
+    emitted(chosen, lambda log: (log.info("dropped"), log.warn("kept"), log.error("kept too")))
+    assert [json.loads(line)["message"] for line in out.getvalue().splitlines()] == [
+        "kept",
+        "kept too",
+    ]
+
+
+def test_text_at_info_outside_workers_is_twistds_own() -> None:
+    assert logs.observer("text", "info", None, lambda: io.StringIO()) is None
+    out = io.StringIO()
+    tagged = logs.observer("text", "info", 1, lambda: out)
+    assert tagged is not None
+    emitted(tagged, lambda log: log.info("listening"))
+    assert "[worker 1 nixlproxy.access#info] listening" in out.getvalue()
+
+
+def test_where_twistd_would_log() -> None:
+    assert logs.log_file({"logfile": "-"}) is not None
+    assert logs.log_file({"syslog": True}) is None
