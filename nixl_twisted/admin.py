@@ -1,5 +1,9 @@
 """The admin API: list, add, drain and remove backend instances while serving.
 
+Under ``--workers`` a change is made in the worker that got it, then
+published to the others through the supervisor, and answered once they all
+have it.
+
 Guarded by a bearer token (``--admin-token`` or ``NIXLPROXY_ADMIN_TOKEN``);
 without one configured the API does not exist (404). A missing or wrong
 token is a 401, logged without the token.
@@ -9,14 +13,16 @@ from __future__ import annotations
 
 import hmac
 import json
+from collections.abc import Callable
 from typing import Any
 
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from nixl_twisted.backends import BackendService
 from nixl_twisted.errors import ProxyError, invalid_request
-from nixl_twisted.pools import BackendPool, PoolChangeRefused
+from nixl_twisted.pools import BackendPool, Instance, PoolChangeRefused
 from nixl_twisted.settings import InvalidValue, backend_url
 
 log = Logger()
@@ -28,6 +34,8 @@ class AdminAPI:
     def __init__(self, backends: BackendService, token: str | None) -> None:
         self.backends = backends
         self._token = token.encode("utf-8") if token else None
+        #: Tells the other workers of a change (``nixl_twisted.coordination``); alone, nobody.
+        self.publish: Callable[[dict[str, str]], Deferred[None]] = lambda change: succeed(None)
 
     def authorize(self, request: IRequest) -> None:
         if self._token is None:
@@ -70,24 +78,41 @@ class AdminAPI:
         except InvalidValue as error:
             raise invalid_request(str(error), "invalid_url") from None
 
-    def add(self, body: bytes) -> dict[str, Any]:
-        pool, url = self._target(body)
-        return pool.add(url).describe()
+    def add(self, body: bytes) -> Deferred[dict[str, Any]]:
+        return self._change("add", body)
 
-    def drain(self, body: bytes) -> dict[str, Any]:
-        return self._change(body, remove=False)
+    def drain(self, body: bytes) -> Deferred[dict[str, Any]]:
+        return self._change("drain", body)
 
-    def remove(self, body: bytes) -> dict[str, Any]:
-        return self._change(body, remove=True)
+    def remove(self, body: bytes) -> Deferred[dict[str, Any]]:
+        return self._change("remove", body)
 
-    def _change(self, body: bytes, remove: bool) -> dict[str, Any]:
+    def _change(self, op: str, body: bytes) -> Deferred[dict[str, Any]]:
         pool, url = self._target(body)
         try:
-            instance = pool.remove(url) if remove else pool.drain(url)
+            instance = apply_change(self.backends, {"op": op, "pool": pool.role, "url": url})
         except PoolChangeRefused as error:
             raise ProxyError(409, str(error), "invalid_request_error", "last_instance") from None
         if instance is None:
             raise ProxyError(
                 404, f"no {pool.role} instance {url}", "invalid_request_error", "not_found"
             )
-        return instance.describe()
+        described = instance.describe()
+        # Answered once every worker has the change too.
+        published = self.publish({"op": op, "pool": pool.role, "url": url})
+        return published.addCallback(lambda _: described)
+
+
+def apply_change(backends: BackendService, change: dict[str, str]) -> Instance | None:
+    """Add, drain or remove an instance (``{"op", "pool", "url"}``); None if it is unknown.
+
+    Raises ``PoolChangeRefused`` for a change that would empty a pool.
+    """
+    pool = backends.pool(change["pool"])
+    if pool is None:
+        return None
+    if change["op"] == "add":
+        return pool.add(change["url"])
+    if change["op"] == "drain":
+        return pool.drain(change["url"])
+    return pool.remove(change["url"])

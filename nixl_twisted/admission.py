@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from twisted.internet.defer import Deferred
 
 from nixl_twisted.errors import overloaded
@@ -16,6 +18,8 @@ class Admission:
         self.in_flight = 0
         self.draining = False
         self._idle = Happened()
+        #: Told the new count on every change (the in-flight gauge).
+        self.on_change: Callable[[int], None] = lambda count: None
 
     def admit(self) -> None:
         """Take one request in, or raise the 503 that says why not."""
@@ -27,10 +31,12 @@ class Admission:
                 "too_many_requests_in_flight",
             )
         self.in_flight += 1
+        self.on_change(self.in_flight)
 
     def release(self, result: object = None) -> object:
         """One request ended (usable as a callback: passes ``result`` on)."""
         self.in_flight -= 1
+        self.on_change(self.in_flight)
         if self.draining and self.in_flight == 0:
             self._idle.fire()
         return result

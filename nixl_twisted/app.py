@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from functools import partial
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
@@ -63,7 +64,7 @@ class ProxyApp:
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
-        self.metrics.in_flight.set_function(lambda: self.admission.in_flight)
+        self.admission.on_change = self.metrics.in_flight.set
         #: The completions being served now.
         self.exchanges: set[Exchange] = set()
 
@@ -110,18 +111,19 @@ class ProxyApp:
         return self.metrics.exposition()
 
     @app.route("/admin/backends", methods=["GET", "POST", "DELETE"])
-    def admin_backends(self, request: Request) -> bytes:
+    def admin_backends(self, request: Request) -> bytes | Deferred[bytes]:
         self.admin.authorize(request)
         if request.method == b"GET":
             return _json(request, 200, self.admin.listing())
         if request.method == b"POST":
-            return _json(request, 201, self.admin.add(_client_body(request)))
-        return _json(request, 200, self.admin.remove(_client_body(request)))
+            return self.admin.add(_client_body(request)).addCallback(partial(_json, request, 201))
+        changed = self.admin.remove(_client_body(request))
+        return changed.addCallback(partial(_json, request, 200))
 
     @app.route("/admin/backends/drain", methods=["POST"])
-    def admin_drain(self, request: Request) -> bytes:
+    def admin_drain(self, request: Request) -> Deferred[bytes]:
         self.admin.authorize(request)
-        return _json(request, 202, self.admin.drain(_client_body(request)))
+        return self.admin.drain(_client_body(request)).addCallback(partial(_json, request, 202))
 
     @app.route("/v1/models", methods=["GET"])
     def models(self, request: Request) -> Deferred[None]:

@@ -9,6 +9,7 @@ outlives the interval, so that a check does not open a connection each time.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from twisted.application.service import Service
@@ -17,13 +18,15 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import IAgent
 
-from nixl_twisted.config import Health, Pools
+from nixl_twisted.config import Health, Pools, ProxyConfig
 from nixl_twisted.events import Happened
-from nixl_twisted.pools import BackendPool, Instance
+from nixl_twisted.pools import BackendPool, Instance, Thresholds
 from nixl_twisted.relay import read_body
-from nixl_twisted.upstream import Upstream
+from nixl_twisted.upstream import Upstream, backend_agent
 
 log = Logger()
 
@@ -131,3 +134,45 @@ class BackendService(Service):
         if self.checks is not self.upstream:
             closing.append(self.checks.close())
         return DeferredList(closing).addCallback(lambda _: None)
+
+
+def _upstream(reactor: Any, connect_timeout: float, idle_per_host: int, idle: float) -> Upstream:
+    """A pooled HTTP client on the reactor, keeping ``idle_per_host`` connections ``idle`` s."""
+    connections = HTTPConnectionPool(reactor, persistent=True)
+    connections.maxPersistentPerHost = idle_per_host
+    connections.cachedConnectionTimeout = idle  # type: ignore[assignment]
+    return Upstream(backend_agent(reactor, connections, connect_timeout), connections)
+
+
+def backend_service(
+    config: ProxyConfig,
+    reactor: Any,
+    clock: IReactorTime,
+    agent: IAgent | None = None,
+    checks: bool = True,
+) -> BackendService:
+    """Both pools and their clients, from the configuration.
+
+    ``checks=False``: no health checks here, though the pools still expect
+    them (new instances pending): a ``--workers`` worker, whose supervisor
+    checks and tells it.
+    """
+    health = config.health
+    connect = config.timeouts.connect
+    if agent is None:
+        legs = _upstream(reactor, connect, config.limits.max_idle_per_backend,
+                         config.timeouts.backend_idle)  # fmt: skip
+        # One connection per instance, kept longer than the interval between checks.
+        probes = _upstream(reactor, connect, 1, health.interval + health.timeout + 1)
+    else:
+        legs = probes = Upstream(agent)
+    thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+    checked = health.interval > 0
+    return BackendService(
+        BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
+        BackendPool("decode", config.pools.decode, clock, thresholds, checked),
+        legs,
+        clock,
+        health if checks else replace(health, interval=0.0),
+        probes,
+    )

@@ -129,11 +129,10 @@ class ProxyConfig:
             raise ConfigError(
                 "listen", "--workers needs every --listen to be tcp:PORT[:interface=...]"
             )
-        if v["workers"] > 1 and worker is None and v["metrics-listen"]:
+        shared_metrics = v["workers"] > 1 and worker is None and v["metrics-listen"]
+        if shared_metrics and tcp_address(v["metrics-listen"]) is None:
             raise ConfigError(
-                "metrics-listen",
-                "--metrics-listen cannot be shared by several workers; "
-                "scrape /metrics on the --listen endpoint",
+                "metrics-listen", "--workers needs --metrics-listen to be tcp:PORT[:...]"
             )
         return cls(
             listen=tuple(v["listen"]),
@@ -217,9 +216,11 @@ class ProxyConfig:
         given = {key: value for key, value in data["settings"].items() if value is not None}
         return cls.from_settings(given, data["config_path"], data["worker"])
 
-    def for_worker(self, number: int, listen: tuple[str, ...]) -> ProxyConfig:
-        """This configuration for worker ``number``, serving ``listen``."""
-        return replace(self, listen=listen, workers=1, worker=number)
+    def for_worker(
+        self, number: int, listen: tuple[str, ...], metrics_listen: str | None
+    ) -> ProxyConfig:
+        """This configuration for worker ``number``, serving the supervisor's shared ports."""
+        return replace(self, listen=listen, metrics_listen=metrics_listen, workers=1, worker=number)
 
     def reloaded(self) -> ProxyConfig:
         """This configuration with the pools the ``--config`` file lists now.

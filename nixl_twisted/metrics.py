@@ -19,6 +19,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
@@ -33,6 +34,8 @@ ROUTES = frozenset(
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: Set by a ``--workers`` supervisor for its workers: prometheus_client's multiprocess mode.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def route_label(path: bytes) -> str:
@@ -79,7 +82,10 @@ class MetricsResource(Resource):
 class ProxyMetrics:
     """Every metric the proxy exports, and the events that move them."""
 
-    def __init__(self, pools: Iterable[BackendPool] = ()) -> None:
+    def __init__(self, pools: Iterable[BackendPool] = (), shared_dir: str | None = None) -> None:
+        """``shared_dir``: a worker's; its /metrics then sums every worker's files there."""
+        self._pools = list(pools)
+        self._shared_dir = shared_dir
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -106,8 +112,9 @@ class ProxyMetrics:
             registry=r, buckets=LEG_BUCKETS,
         )  # fmt: skip
         self.in_flight = Gauge(
-            "nixlproxy_requests_in_flight", "Requests being served now.", registry=r
-        )
+            "nixlproxy_requests_in_flight", "Requests being served now.", registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
         self.missing_kv_transfer_params = Counter(
             "nixlproxy_prefill_missing_kv_transfer_params",
             "Prefill answers without usable kv_transfer_params.", registry=r,
@@ -124,8 +131,15 @@ class ProxyMetrics:
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )
-        r.register(_InstanceHealth(pools))
+        r.register(_InstanceHealth(self._pools))
 
     def exposition(self) -> bytes:
-        """The registry in the Prometheus text format."""
-        return generate_latest(self.registry)
+        """The registry in the Prometheus text format; a worker's: the whole proxy's."""
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        # The library's multiprocess collector, read afresh per scrape, as its docs say.
+        scrape = CollectorRegistry()
+        MultiProcessCollector(scrape, path=self._shared_dir)
+        # Health is the supervisor's verdict, the same in every worker: this one's will do.
+        scrape.register(_InstanceHealth(self._pools))
+        return generate_latest(scrape)

@@ -7,11 +7,13 @@ is resolved here, once, and handed down. The tree::
     ├── BackendService        pools, health checks, the pooled HTTP client
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
-    └── SignalService         SIGTERM and SIGHUP (under twistd)
+    ├── SignalService         SIGTERM and SIGHUP (under twistd)
+    └── SupervisorLink        in a --workers worker: pools and health from the supervisor
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, cast
 
 from twisted.application import strports
@@ -25,7 +27,6 @@ from twisted.internet.interfaces import (
     IStreamServerEndpoint,
 )
 from twisted.logger import ILogObserver, Logger
-from twisted.web.client import HTTPConnectionPool
 from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
@@ -33,16 +34,15 @@ from nixl_twisted import logs
 from nixl_twisted.access import AccessLog
 from nixl_twisted.admission import Admission
 from nixl_twisted.app import ProxyApp
-from nixl_twisted.backends import BackendService
+from nixl_twisted.backends import BackendService, backend_service
 from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.coordination import SupervisorLink
 from nixl_twisted.events import Happened
-from nixl_twisted.metrics import MetricsResource, ProxyMetrics
-from nixl_twisted.pools import BackendPool, Thresholds
+from nixl_twisted.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.settings import tcp_address
 from nixl_twisted.signals import SignalService
 from nixl_twisted.site import TrackingSite
-from nixl_twisted.upstream import Upstream, backend_agent
-from nixl_twisted.workers import ReusePortEndpoint, SupervisorWatch
+from nixl_twisted.workers import ReusePortEndpoint
 
 log = Logger()
 
@@ -210,14 +210,6 @@ class ProxyService(MultiService):
         await DeferredList([site.close_connections(abort=True) for site in sites])
 
 
-def _upstream(reactor: Any, config: ProxyConfig, idle_per_host: int, idle: float) -> Upstream:
-    """A pooled HTTP client on the reactor, keeping ``idle_per_host`` connections ``idle`` s."""
-    connections = HTTPConnectionPool(reactor, persistent=True)
-    connections.maxPersistentPerHost = idle_per_host
-    connections.cachedConnectionTimeout = idle  # type: ignore[assignment]
-    return Upstream(backend_agent(reactor, connections, config.timeouts.connect), connections)
-
-
 def build(
     config: ProxyConfig,
     reactor: Any,
@@ -233,25 +225,10 @@ def build(
     makes every backend call. Tests pass a ``Clock`` and an in-memory agent.
     """
     clock = clock if clock is not None else cast(IReactorTime, reactor)
-    if agent is None:
-        legs = _upstream(reactor, config, config.limits.max_idle_per_backend,
-                         config.timeouts.backend_idle)  # fmt: skip
-        # One connection per instance, kept longer than the interval between checks.
-        checks = _upstream(reactor, config, 1, config.health.interval + config.health.timeout + 1)
-    else:
-        legs = checks = Upstream(agent)
-    health = config.health
-    thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
-    checked = health.interval > 0
-    backends = BackendService(
-        BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
-        BackendPool("decode", config.pools.decode, clock, thresholds, checked),
-        legs,
-        clock,
-        health,
-        checks,
-    )
-    metrics = ProxyMetrics(backends.pools())
+    shared = config.worker is not None
+    # A worker's pools take their health from the supervisor, which checks.
+    backends = backend_service(config, reactor, clock, agent, checks=not shared)
+    metrics = ProxyMetrics(backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None)
     app = ProxyApp(config, backends, Admission(config.limits.max_in_flight), metrics, clock)
     site = TrackingSite(
         app.resource(),
@@ -260,16 +237,17 @@ def build(
         reactor=reactor,  # its connections' idle timeouts
     )
     root = ProxyService(config, app, site, backends, reactor, clock)
-    shared = config.worker is not None
     for description in config.listen:
         listener(description, site, reactor, shared).setServiceParent(root)
     if config.metrics_listen is not None:
         metrics_site = TrackingSite(
             MetricsResource(metrics), config.limits.max_body_size, reactor=reactor
         )
-        listener(config.metrics_listen, metrics_site, reactor).setServiceParent(root)
+        listener(config.metrics_listen, metrics_site, reactor, shared).setServiceParent(root)
     if take_signals:
         SignalService(reactor, root.reload_pools).setServiceParent(root)
-        if shared:
-            SupervisorWatch(reactor).setServiceParent(root)
+    if shared:
+        link = SupervisorLink(reactor, backends)
+        app.admin.publish = link.publish
+        link.setServiceParent(root)
     return root

@@ -9,7 +9,6 @@ nothing live. ``makeService`` hands that value to the composition root
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from twisted.application.service import IService
@@ -85,8 +84,7 @@ class Options(usage.Options):
     def postOptions(self) -> None:
         try:
             if self["worker"] is not None:
-                # One line: the pipe stays open, to tell the worker when its supervisor is gone.
-                self.config = ProxyConfig.from_json(sys.stdin.readline())
+                self.config = ProxyConfig.from_json(_first_line(0))
                 return
             given = {
                 s.name: self[s.name]
@@ -96,6 +94,20 @@ class Options(usage.Options):
             self.config = resolve(given, self["config"], os.environ)
         except ConfigError as error:
             raise usage.UsageError(str(error)) from None
+
+
+def _first_line(fd: int) -> str:
+    """One line from ``fd``, read a byte at a time: what follows it is not ours to buffer.
+
+    (A worker's standard input then carries its supervisor's messages.)
+    """
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode("utf-8")
 
 
 def makeService(options: Options) -> IService:

@@ -1,42 +1,55 @@
 """``--workers N``: N proxy processes sharing each TCP port, supervised by the parent.
 
-Each worker is a whole ``twistd nixlproxy`` with its own pools, health state
-and metrics, listening with ``SO_REUSEPORT`` so that the kernel spreads new
-connections among them. The parent binds every port first (so ``tcp:0``
-becomes one real port for all), hands each worker its resolved
-``ProxyConfig`` as JSON on standard input, restarts a worker that dies,
-passes SIGHUP on (each worker reloads its pools), and on SIGTERM passes the
-signal on and waits for all of them to drain. A worker whose supervisor is
-gone (its standard input closed) stops by itself.
+Each worker is a whole ``twistd nixlproxy`` listening with ``SO_REUSEPORT``
+so that the kernel spreads new connections among them. The parent binds
+every port first (``tcp:0`` becomes one real port for all, ``--metrics-listen``
+included), hands each worker its resolved ``ProxyConfig`` as JSON on standard
+input, restarts a worker that dies, and on SIGTERM passes the signal on and
+waits for all of them to drain. What makes them one proxy is in
+``nixl_twisted.coordination`` (pools and health, decided here, over a pipe
+to each worker) and in the metrics, which every worker writes to one
+``prometheus_client`` multiprocess directory, so that any worker's
+``/metrics`` reports the whole proxy. A worker whose supervisor is gone
+(its pipe closed) stops by itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
+import shutil
 import socket
 import sys
-from collections.abc import Callable
+import tempfile
+from dataclasses import replace
 from typing import Any
 
+from prometheus_client.multiprocess import mark_process_dead
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, succeed
-from twisted.internet.error import ConnectionDone, ProcessExitedAlready
+from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.interfaces import (
     IListeningPort,
     IProtocolFactory,
-    IReadDescriptor,
     IStreamServerEndpoint,
 )
-from twisted.internet.main import CONNECTION_DONE
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from nixl_twisted import logs
+from nixl_twisted.backends import BackendService, backend_service
 from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.coordination import (
+    FROM_SUPERVISOR,
+    TO_SUPERVISOR,
+    Coordinator,
+    Lines,
+    Message,
+    encode,
+)
+from nixl_twisted.metrics import METRICS_DIR_ENV
 from nixl_twisted.settings import tcp_address, tcp_endpoint
 from nixl_twisted.signals import SignalService
 
@@ -83,19 +96,32 @@ class _Worker(ProcessProtocol):
         self.number = number
         self.config = config
         self.ended: Deferred[None] = Deferred()
+        self.pid: int | None = None
+        self._lines = Lines(lambda message: supervisor.coordinator.received(self, message))
 
     def connectionMade(self) -> None:
         assert self.transport is not None
-        # One line of configuration; the pipe then stays open: its end tells
-        # the worker that this supervisor is gone, however it went.
+        self.pid = self.transport.pid
+        # One line of configuration, then the coordination's messages; the
+        # pipe stays open: its end tells the worker that this supervisor is gone.
         self.transport.write(self.config.encode("utf-8") + b"\n")
-        log.info("worker {number} started, pid {pid}", number=self.number, pid=self.transport.pid)
+        self.supervisor.coordinator.welcome(self)
+        log.info("worker {number} started, pid {pid}", number=self.number, pid=self.pid)
+
+    def send(self, message: Message) -> None:
+        if self.transport is not None:
+            self.transport.write(encode(message))
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == TO_SUPERVISOR:
+            self._lines.feed(data)
 
     def signal(self, name: str) -> None:
         with contextlib.suppress(ProcessExitedAlready):
             self.transport.signalProcess(name)  # type: ignore[union-attr]
 
     def processEnded(self, reason: Failure) -> None:
+        self.transport = None
         self.ended.callback(None)
         self.supervisor.ended(self, reason)
 
@@ -105,21 +131,32 @@ class WorkerSupervisor(Service):
 
     name = "workers"
 
-    def __init__(self, config: ProxyConfig, reactor: Any) -> None:
+    def __init__(self, config: ProxyConfig, reactor: Any, backends: BackendService) -> None:
         self.config = config
         self.reactor = reactor
         self.workers: dict[int, _Worker] = {}
+        self.coordinator = Coordinator(backends, lambda: list(self.workers.values()))
         self._reserved: list[socket.socket] = []
         self._listen: tuple[str, ...] = ()
+        self._metrics_listen: str | None = None
+        #: Where every worker's metrics are, for whichever worker is scraped.
+        self.metrics_dir: str | None = None
+
+    def _share(self, description: str) -> str:
+        address = tcp_address(description)
+        assert address is not None, "the configuration allows only tcp: with --workers"
+        sock = _socket(*address)
+        self._reserved.append(sock)
+        host, port = sock.getsockname()[:2]
+        log.info("nixlproxy workers share {host}:{port}", host=host, port=port)
+        return tcp_endpoint(host, port)
 
     def privilegedStartService(self) -> None:
         super().privilegedStartService()
-        addresses = [tcp_address(description) for description in self.config.listen]
-        self._reserved = [_socket(*address) for address in addresses if address is not None]
-        shared = [sock.getsockname()[:2] for sock in self._reserved]
-        for host, port in shared:
-            log.info("nixlproxy workers share {host}:{port}", host=host, port=port)
-        self._listen = tuple(tcp_endpoint(host, port) for host, port in shared)
+        self._listen = tuple(self._share(description) for description in self.config.listen)
+        if self.config.metrics_listen is not None:
+            self._metrics_listen = self._share(self.config.metrics_listen)
+        self.metrics_dir = tempfile.mkdtemp(prefix="nixlproxy-metrics-")
 
     def startService(self) -> None:
         if not self._reserved:
@@ -135,20 +172,25 @@ class WorkerSupervisor(Service):
     def _spawn(self, number: int) -> None:
         if not self.running:
             return
-        config = self.config.for_worker(number, self._listen)
+        current = replace(self.config, pools=self.coordinator.pools())
+        config = current.for_worker(number, self._listen, self._metrics_listen)
         worker = _Worker(self, number, config.to_json())
         self.workers[number] = worker
+        assert self.metrics_dir is not None
         self.reactor.spawnProcess(
             worker,
             sys.executable,
             [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy", "--worker", str(number)],
-            env=dict(os.environ),
-            childFDs={0: "w", 1: 1, 2: 2},
+            env=dict(os.environ, **{METRICS_DIR_ENV: self.metrics_dir}),
+            childFDs={FROM_SUPERVISOR: "w", 1: 1, 2: 2, TO_SUPERVISOR: "r"},
         )
 
     def ended(self, worker: _Worker, reason: Failure) -> None:
         if self.workers.get(worker.number) is worker:
             del self.workers[worker.number]
+        if worker.pid is not None and self.metrics_dir is not None:
+            # Its counters stay in the sum; its gauges (in flight) leave it.
+            mark_process_dead(worker.pid, self.metrics_dir)
         if self.running:
             log.error(
                 "worker {number} ended unexpectedly ({reason}); restarting it",
@@ -158,14 +200,20 @@ class WorkerSupervisor(Service):
             self.reactor.callLater(RESTART_DELAY, self._spawn, worker.number)
 
     def hangup(self) -> None:
-        """SIGHUP: every worker reloads its pools; a restarted one gets them too."""
+        """SIGHUP: the config file's pools, here and in every worker."""
         try:
             self.config = self.config.reloaded()
         except ConfigError as error:
-            log.error("SIGHUP: {error} (the workers keep their pools too)", error=str(error))
-        for worker in self.workers.values():
-            worker.signal("HUP")
-        log.info("SIGHUP: passed on to {count} workers", count=len(self.workers))
+            log.error("SIGHUP: pools not reloaded, kept as they were ({key}): {error}",
+                      key=error.key, error=str(error))  # fmt: skip
+            return
+        self.coordinator.reload(self.config.pools)
+        log.info(
+            "SIGHUP: pools reloaded from {path}: prefill {prefill}, decode {decode}; "
+            "sent to {count} workers",
+            path=self.config.config_path, prefill=list(self.config.pools.prefill),
+            decode=list(self.config.pools.decode), count=len(self.workers),
+        )  # fmt: skip
 
     def stopService(self) -> Deferred[Any]:
         """SIGTERM every worker (each drains) and wait for all of them."""
@@ -177,65 +225,29 @@ class WorkerSupervisor(Service):
         def release_ports(result: object) -> object:
             for sock in self._reserved:
                 sock.close()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
             return result
 
         return DeferredList(waiting).addBoth(release_ports)
-
-
-@implementer(IReadDescriptor)
-class _SupervisorPipe:
-    """A worker's standard input: the supervisor's end of it closes when it exits."""
-
-    def __init__(self, gone: Callable[[], None]) -> None:
-        self._gone = gone
-
-    def fileno(self) -> int:
-        return 0
-
-    # An exception, as Twisted's own descriptors return (the interface says Failure).
-    def doRead(self) -> ConnectionDone | None:  # type: ignore[override]
-        return None if os.read(0, 4096) else CONNECTION_DONE
-
-    def connectionLost(self, reason: Failure) -> None:
-        self._gone()
-
-    def logPrefix(self) -> str:
-        return "supervisor"
-
-
-class SupervisorWatch(Service):
-    """In a worker: stop, as SIGTERM would (drain, exit 0), once the supervisor is gone.
-
-    Without it a supervisor that was killed leaves its workers serving the
-    shared port with nobody to restart, reload or stop them.
-    """
-
-    name = "supervisor-watch"
-
-    def __init__(self, reactor: Any) -> None:
-        self._reactor = reactor
-
-    def startService(self) -> None:
-        super().startService()
-        self._reactor.callWhenRunning(self._reactor.addReader, _SupervisorPipe(self._gone))
-
-    def _gone(self) -> None:
-        if self.running:
-            log.warn("the supervisor is gone: stopping this worker")
-            os.kill(os.getpid(), signal.SIGTERM)  # the one way a proxy stops (signals.py)
 
 
 class SupervisorService(MultiService):
     """The parent of ``--workers``: the supervisor and the signals it takes."""
 
     def __init__(
-        self, config: ProxyConfig, supervisor: WorkerSupervisor, signals: Service | None
+        self,
+        config: ProxyConfig,
+        supervisor: WorkerSupervisor,
+        backends: BackendService,
+        signals: Service | None,
     ) -> None:
         super().__init__()
         self.config = config
         self.supervisor = supervisor
         if signals is not None:  # first: its handlers go in before any worker is spawned
             signals.setServiceParent(self)
+        backends.setServiceParent(self)  # stopped after the workers
         supervisor.setServiceParent(self)
 
     #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
@@ -247,7 +259,8 @@ class SupervisorService(MultiService):
 
 
 def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:
-    """The service tree of a ``--workers`` parent."""
-    supervisor = WorkerSupervisor(config, reactor)
+    """The service tree of a ``--workers`` parent: it checks the backends' health for all."""
+    backends = backend_service(config, reactor, reactor)
+    supervisor = WorkerSupervisor(config, reactor, backends)
     signals = SignalService(reactor, supervisor.hangup) if take_signals else None
-    return SupervisorService(config, supervisor, signals)
+    return SupervisorService(config, supervisor, backends, signals)

@@ -46,7 +46,8 @@ def test_service_tree_has_backends_one_listener_per_endpoint_and_signals() -> No
 def test_workers_make_a_supervisor_tree() -> None:
     service = makeService(options("--workers", "2", "--listen", "tcp:0", *POOLS))
     assert isinstance(service, SupervisorService)
-    assert [type(c) for c in service] == [SignalService, WorkerSupervisor]
+    # The backends stop after the workers: their health checks serve all of them.
+    assert [type(c) for c in service] == [SignalService, BackendService, WorkerSupervisor]
 
 
 def test_ports_are_bound_in_privileged_start_before_privileges_are_shed() -> None:

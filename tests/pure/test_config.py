@@ -119,7 +119,7 @@ def test_the_command_line_wins(tmp_path: Path) -> None:
         ([*POOLS, "--log-format", "xml"], "--log-format must be one of text, json"),
         ([*POOLS, "--metrics-listen", "nope:1"], "--metrics-listen 'nope:1'"),
         ([*POOLS, "--workers", "2", "--listen", "unix:/x"], "--workers needs every --listen"),
-        ([*POOLS, "--workers", "2", "--metrics-listen", "tcp:0"], "cannot be shared"),
+        ([*POOLS, "--workers", "2", "--metrics-listen", "unix:/m.sock"], "to be tcp:"),
     ],
 )
 def test_unusable_options_are_usage_errors_naming_the_problem(
@@ -204,7 +204,7 @@ def test_a_reload_without_a_file_says_so() -> None:
 def test_a_worker_gets_the_resolved_configuration_back_whole(tmp_path: Path) -> None:
     path = config_file(tmp_path, FILE)
     config = parse("--config", path, "--backend-api-key", "k", "--workers", "2")
-    worker = config.for_worker(1, ("tcp:4321:interface=127.0.0.1",))
+    worker = config.for_worker(1, ("tcp:4321:interface=127.0.0.1",), "tcp:4322")
     again = ProxyConfig.from_json(worker.to_json())
     assert again == worker
     assert (again.worker, again.workers, again.listen) == (1, 1, ("tcp:4321:interface=127.0.0.1",))

@@ -1,0 +1,65 @@
+"""What the real-process tests share: a twistd spawned outside the tree, and its helpers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from treq.client import HTTPClient
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.web.client import Agent, HTTPConnectionPool
+
+from nixl_twisted.testing import TwistdProtocol, spawn_twistd
+from tests.support import ProxyCase
+
+
+class TwistdCase(ProxyCase):
+    timeout = 60
+
+    def spawn(self, *args: str, twistd_args: Sequence[str] = ()) -> TwistdProtocol:
+        # Outside the source tree: the installed package and plugin serve.
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        process = spawn_twistd(
+            reactor, args, env=env, path=tempfile.gettempdir(), twistd_args=twistd_args
+        )
+
+        def stop_if_running(_: Any = None) -> Deferred[int | None]:
+            if not process.ended.called:
+                process.transport.signalProcess("KILL")  # type: ignore[union-attr]
+            return process.ended
+
+        self.addCleanup(lambda: stop_if_running().addErrback(lambda _: None))
+        return process
+
+    async def spawn_workers(self, *args: str) -> tuple[TwistdProtocol, str]:
+        """``--workers 2`` on loopback, once both listen; and the address they share."""
+        process = self.spawn("--listen", "tcp:0:interface=127.0.0.1", "--workers", "2", *args)
+        await process.said(b"nixlproxy listening on", times=2)
+        match = re.search(rb"workers share (\S+)", process.output)
+        assert match is not None, process.output
+        return process, match.group(1).decode()
+
+    def config_file(self, decode: str, path: str | None = None) -> str:
+        """A --config file with the fake prefill and this decode URL (rewritten at ``path``)."""
+        path = path or os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n')
+        return path
+
+    async def terminate(self, process: TwistdProtocol) -> None:
+        """SIGTERM: the proxy drains, stops its services and exits 0."""
+        os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        code = await process.ended
+        self.assertEqual(code, 0, process.output.decode())
+        self.assertIn(b"SIGTERM: draining", process.output)
+        self.assertIn(b"Server Shut Down.", process.output)
+        self.assertNotIn(b"Traceback", process.output)
+
+    def fresh_connections(self) -> HTTPClient:
+        """A client whose every request is a new connection: the kernel picks a worker each time."""
+        return HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))

@@ -1,0 +1,110 @@
+"""``--workers 2`` acts as one proxy: metrics, admin changes, health and logs agree."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.process.support import TwistdCase
+from tests.support import CHAT
+
+ADMIN: dict[bytes | str, bytes | str] = {"Authorization": "Bearer t"}
+
+
+def chat_requests(exposition: bytes) -> float:
+    for family in text_string_to_metric_families(exposition.decode()):
+        for sample in family.samples:
+            if sample.name == "nixlproxy_requests_total" and sample.labels == {
+                "route": "/v1/chat/completions",
+                "status": "200",
+            }:
+                return float(sample.value)
+    return 0.0
+
+
+class WorkersActAsOneTests(TwistdCase):
+    async def test_metrics_report_the_whole_proxy_on_either_port(self) -> None:
+        await self.start()
+        process, address = await self.spawn_workers(
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            "--metrics-listen", "tcp:0:interface=127.0.0.1",
+        )  # fmt: skip
+        (metrics_address,) = re.findall(rb"workers share (\S+)", process.output)[1:]
+        http = self.fresh_connections()
+        pids = set()
+        for _ in range(20):
+            response = await http.post(f"http://{address}/v1/chat/completions", json=CHAT)
+            self.assertEqual(response.code, 200)
+            await response.content()
+            health = await http.get(f"http://{address}/healthcheck")
+            pids.add(json.loads(await health.content())["pid"])
+        self.assertEqual(len(pids), 2)  # both workers served
+
+        counts = []
+        for _ in range(10):
+            scrape = await http.get(f"http://{metrics_address.decode()}/metrics")
+            counts.append(chat_requests(await scrape.content()))
+        self.assertEqual(counts, [20.0] * 10)  # summed over workers, every scrape
+        self.assertIn(b"[worker 0 ", process.output)
+        self.assertIn(b"[worker 1 ", process.output)
+        await self.terminate(process)
+
+    async def test_an_admin_change_reaches_every_worker_before_its_answer(self) -> None:
+        await self.start(decodes=2)
+        old, new = self.decodes
+        process, address = await self.spawn_workers(
+            "--prefill", self.prefill.url, "--decode", old.url, "--admin-token", "t"
+        )
+        url = f"http://{address}"
+        http = self.fresh_connections()
+        added = await http.post(
+            url + "/admin/backends", json={"pool": "decode", "url": new.url}, headers=ADMIN
+        )
+        self.assertEqual(added.code, 201)
+        await added.content()
+        removed = await http.delete(
+            url + "/admin/backends", json={"pool": "decode", "url": old.url}, headers=ADMIN
+        )
+        self.assertEqual(removed.code, 200)
+        await removed.content()
+
+        codes, pids = [], set()
+        for _ in range(50):
+            response = await http.post(url + "/v1/chat/completions", json=CHAT)
+            codes.append(response.code)
+            await response.content()
+            health = await http.get(url + "/healthcheck")
+            pids.add(json.loads(await health.content())["pid"])
+        self.assertEqual(set(codes), {200})
+        self.assertEqual(len(pids), 2)
+        self.assertEqual((len(old.requests), len(new.requests)), (0, 50))
+        await self.terminate(process)
+
+    async def test_healthcheck_says_the_same_whichever_worker_answers(self) -> None:
+        await self.start()
+        process, address = await self.spawn_workers(
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            "--health-interval", "0.2", "--unhealthy-threshold", "1",
+        )  # fmt: skip
+        http = self.fresh_connections()
+
+        async def readiness(times: int = 20) -> tuple[set[Any], set[int]]:
+            seen, pids = set(), set()
+            for _ in range(times):
+                response = await http.get(f"http://{address}/healthcheck")
+                report = json.loads(await response.content())
+                seen.add((response.code, report["ready"]))
+                pids.add(report["pid"])
+            return seen, pids
+
+        await process.said(b"is up (from the supervisor)", times=4)  # both pools, both workers
+        seen, pids = await readiness()
+        self.assertEqual((seen, len(pids)), ({(200, True)}, 2))
+        await self.decode.stop()
+        await process.said(b"is down (from the supervisor)", times=2)
+        seen, pids = await readiness()
+        self.assertEqual((seen, len(pids)), ({(503, False)}, 2))
+        await self.terminate(process)

@@ -1,0 +1,117 @@
+"""What the supervisor and its workers tell each other, without processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.task import Clock
+
+from nixl_twisted.backends import BackendService
+from nixl_twisted.config import Health, Pools
+from nixl_twisted.coordination import Coordinator, Lines, SupervisorLink, encode
+from nixl_twisted.pools import BackendPool, State, Thresholds
+from nixl_twisted.upstream import Upstream
+
+P, D1, D2 = "http://p:1", "http://d1:1", "http://d2:1"
+
+
+class FakeAgent:
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("no backend call in these tests")
+
+
+def backends(checked: bool = True) -> BackendService:
+    clock = Clock()
+    thresholds = Thresholds(unhealthy=2, healthy=1)
+    return BackendService(
+        BackendPool("prefill", [P], clock, thresholds, checked),
+        BackendPool("decode", [D1], clock, thresholds, checked),
+        Upstream(FakeAgent()),  # type: ignore[arg-type]
+        clock,
+        Health(interval=0, timeout=1),
+    )
+
+
+class Peer:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+
+
+def supervisor() -> tuple[Coordinator, Peer, Peer]:
+    first, second = Peer(), Peer()
+    return Coordinator(backends(), lambda: [first, second]), first, second
+
+
+def test_lines_cut_a_stream_into_messages_whatever_the_chunks() -> None:
+    got: list[dict[str, Any]] = []
+    lines = Lines(got.append)
+    stream = encode({"a": 1}) + b"not json\n" + encode({"b": [2]})
+    for i in range(0, len(stream), 3):
+        lines.feed(stream[i : i + 3])
+    assert got == [{"a": 1}, {"b": [2]}]
+
+
+def test_outcomes_from_any_worker_count_together_and_the_verdict_goes_to_all() -> None:
+    coordinator, first, second = supervisor()
+    (decode,) = coordinator.backends.decode.instances
+    coordinator.backends.decode.record_success(decode)  # pending -> up
+    first.sent.clear()
+    second.sent.clear()
+    coordinator.received(first, {"outcome": {"pool": "decode", "url": D1, "failure": "refused"}})
+    coordinator.received(second, {"outcome": {"pool": "decode", "url": D1, "failure": "refused"}})
+    assert decode.state is State.DOWN  # two in a row, from two workers
+    for peer in (first, second):
+        assert peer.sent[-1]["health"][0]["state"] == "down"
+        assert peer.sent[-1]["health"][0]["url"] == D1
+
+
+def test_a_change_is_applied_copied_to_the_others_then_confirmed_to_its_origin() -> None:
+    coordinator, first, second = supervisor()
+    change = {"op": "add", "pool": "decode", "url": D2}
+    coordinator.received(first, {"change": change, "id": 7})
+    assert coordinator.pools() == Pools((P,), (D1, D2))  # what a restarted worker gets
+    assert second.sent == [{"change": change}]
+    assert first.sent == [{"done": 7}]
+
+
+def test_a_new_worker_is_told_every_instance_health() -> None:
+    coordinator, first, _ = supervisor()
+    coordinator.welcome(first)
+    ((message,),) = [first.sent]
+    assert [(h["pool"], h["url"], h["state"]) for h in message["health"]] == [
+        ("prefill", P, "pending"),
+        ("decode", D1, "pending"),
+    ]
+
+
+def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -> None:
+    worker = backends()
+    link = SupervisorLink(None, worker)
+    sent: list[dict[str, Any]] = []
+    link._send = sent.append  # type: ignore[method-assign,assignment]
+    link.startService = lambda: None  # type: ignore[method-assign]
+    for pool in worker.pools():
+        pool.report = link.report
+    (decode,) = worker.decode.instances
+
+    worker.decode.record_failure(decode, "refused")
+    assert sent == [{"outcome": {"pool": "decode", "url": D1, "failure": "refused"}}]
+    assert decode.state is State.PENDING  # the supervisor decides
+
+    verdict = dict(decode.health(), state="up")
+    link.received({"health": [verdict]})
+    assert decode.state is State.UP
+
+    done: list[object] = []
+    link.publish({"op": "add", "pool": "decode", "url": D2}).addCallback(done.append)
+    assert sent[-1] == {"change": {"op": "add", "pool": "decode", "url": D2}, "id": 1}
+    assert done == []
+    link.received({"done": 1})
+    assert done == [None]
+
+    link.received({"change": {"op": "drain", "pool": "decode", "url": D1}})
+    link.received({"pools": {"prefill": [P], "decode": [D2]}})
+    assert worker.decode.urls == (D2,)
