@@ -35,7 +35,8 @@ class AccessRecord:
     decode: str | None = None
     decode_status: int | None = None
     decode_first_byte_seconds: float | None = None
-    #: How it ended, when not simply answered: "broken", "client_left".
+    #: How it ended, when not simply answered: "broken", "client_left",
+    #: "shutting_down" (cut by the proxy at its drain timeout).
     ended: str = "answered"
     started: float = field(default_factory=time.monotonic)
 
@@ -64,11 +65,12 @@ class AccessLog:
 
     def request_ended(self, request: Request, client_left: bool = False) -> None:
         record = record_of(request)
-        if client_left:
+        if client_left and record.ended == "answered":
             record.ended = "client_left"
+        cut = record.ended in ("client_left", "shutting_down") and client_left
         elapsed = time.monotonic() - record.started
         route = route_label(request.path)
-        status = "client_left" if client_left else str(request.code)
+        status = record.ended if cut else str(request.code)
         self.metrics.requests.labels(route, status).inc()
         if route in COMPLETION_ROUTES and not client_left:
             self.metrics.request_seconds.observe(elapsed)

@@ -17,6 +17,8 @@ class Admission:
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.draining = False
+        #: Stopping soon (``--shutdown-delay``): still admitting, no longer ready.
+        self.leaving = False
         self._idle = Happened()
         #: Told the new count on every change (the in-flight gauge).
         self.on_change: Callable[[int], None] = lambda count: None
@@ -43,6 +45,7 @@ class Admission:
 
     def start_draining(self) -> None:
         """Refuse new requests from now on; /healthcheck says not ready."""
+        self.leaving = True
         self.draining = True
         if self.in_flight == 0:
             self._idle.fire()

@@ -85,7 +85,7 @@ class ProxyApp:
 
     @app.route("/healthcheck", methods=["GET"])
     def healthcheck(self, request: Request) -> bytes:
-        ready = self.backends.ready() and not self.admission.draining
+        ready = self.backends.ready() and not self.admission.leaving
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"Content-Type", _JSON)
         return json.dumps(
@@ -94,6 +94,7 @@ class ProxyApp:
                 "prefill_instances": len(self.backends.prefill),
                 "decode_instances": len(self.backends.decode),
                 "draining": self.admission.draining,
+                "shutting_down": self.admission.leaving,
                 "in_flight": self.in_flight,
                 "pid": os.getpid(),
                 "instances": {
@@ -190,6 +191,11 @@ class ProxyApp:
             return self.admission.release(result)
 
         return exchange.start().addBoth(ended)
+
+    def shut_down(self) -> None:
+        """The drain timeout ended: every completion still running is cut, and told why."""
+        for exchange in list(self.exchanges):
+            exchange.shut_down()
 
     # -- errors -----------------------------------------------------------
 

@@ -54,6 +54,8 @@ class Timeouts:
     decode: float
     stream_idle: float
     drain: float
+    #: On SIGTERM: still accepting, already not ready.
+    shutdown_delay: float
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ class ProxyConfig:
                 decode=v["decode-timeout"],
                 stream_idle=v["stream-idle-timeout"],
                 drain=v["drain-timeout"],
+                shutdown_delay=v["shutdown-delay"],
             ),
             retries=Retries(prefill=v["prefill-retries"], decode=v["decode-retries"]),
             health=Health(
@@ -201,6 +204,7 @@ class ProxyConfig:
             "log-level": self.log_level,
             "access-log": "on" if self.access_log else "off",
             "drain-timeout": self.timeouts.drain,
+            "shutdown-delay": self.timeouts.shutdown_delay,
         }
 
     def to_json(self) -> str:

@@ -34,7 +34,7 @@ from nixl_twisted import lowering
 from nixl_twisted.access import record_of
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import Retries, Timeouts
-from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
+from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout, overloaded
 from nixl_twisted.events import Happened
 from nixl_twisted.headers import REQUEST_ID
 from nixl_twisted.legs import (
@@ -122,6 +122,8 @@ class Exchange:
         self._reached = {phase: Happened() for phase in Phase}
         self._reached[Phase.PREFILL].fire()
         self.client_gone = False
+        #: The drain timeout ended: the proxy itself cuts this request.
+        self.shutting_down = False
         self._current: Deferred[Any] | None = None
         self._decode_sent = 0.0
 
@@ -152,7 +154,16 @@ class Exchange:
         """Fires once the exchange has entered ``phase`` (for tests and operators)."""
         return self._reached[Phase(phase)].wait()
 
+    def shut_down(self) -> None:
+        """Cut this request, saying so: a 503 if nothing was sent, else an error event."""
+        self.shutting_down = True
+        self.record.ended = "shutting_down"
+        if self._current is not None:
+            self._current.cancel()
+
     def _client_left(self, _: Deferred[None]) -> None:
+        if self.shutting_down:
+            return  # the proxy closed the connection, after saying why
         self.client_gone = True
         self.metrics.client_disconnects.labels(self.phase.value).inc()
         log.info("client left {request_id} during {phase}",
@@ -165,6 +176,17 @@ class Exchange:
         return waiting
 
     async def _run(self) -> None:
+        try:
+            await self._legs()
+        except CancelledError:
+            if not self.shutting_down:
+                raise
+            message = "the proxy is shutting down: its drain timeout ended"
+            if not self.request.startedWriting:
+                raise overloaded(message, "shutting_down") from None
+            await break_off(self.request, message, "shutting_down")
+
+    async def _legs(self) -> None:
         lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id))
         prefill, params = await send_leg(
             self.backends.prefill, self.retries.prefill, self.metrics,

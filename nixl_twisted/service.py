@@ -26,6 +26,7 @@ from twisted.internet.interfaces import (
     IReactorTime,
     IStreamServerEndpoint,
 )
+from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, Logger
 from twisted.web.iweb import IAgent
 from zope.interface import implementer
@@ -113,6 +114,7 @@ class ProxyService(MultiService):
         self.backends = backends
         self.clock = clock
         self._ports_closed = Happened()
+        self._stopped: Happened | None = None
         backends.setServiceParent(self)
 
     def setServiceParent(self, parent: Any) -> None:
@@ -164,17 +166,31 @@ class ProxyService(MultiService):
         )
 
     def stopService(self) -> Deferred[None]:
-        Service.stopService(self)
-        return Deferred.fromCoroutine(self._stop())
+        """Stop once; whoever asks again waits for the same stop."""
+        if self._stopped is None:
+            Service.stopService(self)
+            stopped = self._stopped = Happened()
+            stopping = Deferred.fromCoroutine(self._stop())
+            stopping.addErrback(lambda failure: log.failure("stopping failed", failure))
+            stopping.addBoth(lambda _: stopped.fire())
+        return self._stopped.wait()
 
     async def _stop(self) -> None:
-        """Stop accepting, drain, close client connections, then stop the backends."""
+        """Say not ready (and wait), stop accepting, drain, close connections, stop the backends."""
+        delay = self.config.timeouts.shutdown_delay
+        if delay > 0:
+            self.app.admission.leaving = True
+            log.info("not ready now; still serving for {seconds} s before draining",
+                     seconds=delay)  # fmt: skip
+            await deferLater(self.clock, delay)
         self.app.admission.start_draining()
         listeners = self.listeners()
         await DeferredList([maybeDeferred(s.stopService) for s in listeners])
         draining = Deferred.fromCoroutine(self._drain())  # its timer runs from now,
         self._ports_closed.fire()  # before whoever waits on this goes on
-        await self._close_connections(await draining)
+        if not await draining:
+            self.app.shut_down()  # each told in band, before its connection closes
+        await self._close_connections()
         rest = [s for s in self if s not in listeners and s.running]
         await DeferredList([maybeDeferred(s.stopService) for s in reversed(rest)])
 
@@ -197,17 +213,14 @@ class ProxyService(MultiService):
             return False
         return True
 
-    async def _close_connections(self, drained: bool) -> None:
-        """Close client connections: gently if drained, at once if not."""
+    async def _close_connections(self) -> None:
+        """Close client connections: gently (what is buffered is sent), then at once."""
         sites = {cast(TrackingSite, s.factory) for s in self.listeners()}
-        if drained:
-            closing = DeferredList([site.close_connections(abort=False) for site in sites])
-            try:
-                await closing.addTimeout(CLOSE_GRACE, self.clock)
-                return
-            except TimeoutError:
-                pass
-        await DeferredList([site.close_connections(abort=True) for site in sites])
+        closing = DeferredList([site.close_connections(abort=False) for site in sites])
+        try:
+            await closing.addTimeout(CLOSE_GRACE, self.clock)
+        except TimeoutError:
+            await DeferredList([site.close_connections(abort=True) for site in sites])
 
 
 def build(

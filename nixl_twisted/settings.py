@@ -196,6 +196,9 @@ SETTINGS: tuple[Setting, ...] = (
         "the request metrics still count every request.")),
     Setting("drain-timeout", 30.0, seconds_or_off, help=(
         "On SIGTERM, seconds to let requests in flight finish before closing them.")),
+    Setting("shutdown-delay", 0.0, seconds_or_off, help=(
+        "On SIGTERM, seconds to keep accepting while /healthcheck already says not "
+        "ready, so that a load balancer stops sending first.")),
 )  # fmt: skip
 
 BY_NAME: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}

@@ -134,6 +134,20 @@ class SecretTests(ProxyCase):
             self.assertNotIn("sk-operator-secret", text)
 
 
+def capture_access(case: ProxyCase) -> list[dict[str, Any]]:
+    """The access events' fields, as they are emitted."""
+    events: list[dict[str, Any]] = []
+
+    @provider(ILogObserver)
+    def observe(event: dict[str, Any]) -> None:
+        if event.get("log_namespace") == "nixlproxy.access":
+            events.append(event["access"])
+
+    globalLogPublisher.addObserver(observe)
+    case.addCleanup(globalLogPublisher.removeObserver, observe)
+    return events
+
+
 class DrainTests(ProxyCase):
     async def raw_connect(self) -> None:
         host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
@@ -171,14 +185,41 @@ class DrainTests(ProxyCase):
         await stopped
         self.assertEqual(self.proxy.site.channels(), [])
 
-    async def test_past_the_drain_timeout_what_is_left_is_closed(self) -> None:
+    async def test_past_the_drain_timeout_each_request_is_told_then_closed(self) -> None:
+        events = capture_access(self)
         await self.start()
         collector = await self.held_stream()
+        self.prefill.hold_answers()
+        held = self.prefill.stream_held()
+        waiting = self.ensure(self.post_json("/v1/chat/completions", CHAT))
+        await held  # in prefill: nothing sent to its client yet
         stopped = self.proxy.stop()
         await self.proxy.service.when_ports_closed()
         self.clock.advance(30)
-        with self.assertRaises(ResponseFailed):
+        with self.assertRaises(ResponseFailed):  # closed short: never passed off as complete
             await collector.done
+        (error,) = [e for e in sse_events(collector.body) if isinstance(e, dict) and "error" in e]
+        self.assertEqual(error["error"]["code"], "shutting_down")
+        response, answer = await waiting  # not started yet: a plain 503
+        self.assertError(response, answer, 503, "shutting_down")
         await stopped
         self.assertEqual(self.proxy.site.channels(), [])
+        # The proxy's doing, not the clients': counted and logged as such.
+        self.assertEqual(sorted(e.get("ended") for e in events), ["shutting_down"] * 2)
         self.decode.release()
+
+    async def test_shutdown_delay_keeps_serving_while_saying_not_ready(self) -> None:
+        await self.start(proxy=dict(shutdown_delay=5))
+        stopped = self.proxy.stop()
+        health = await self.http.get(self.proxy.url + "/healthcheck")
+        self.assertEqual(health.code, 503)
+        report = json.loads(await health.content())
+        self.assertEqual((report["ready"], report["shutting_down"]), (False, True))
+        response, _ = await self.post_json("/v1/chat/completions", CHAT)  # still accepted
+        self.assertEqual(response.code, 200)
+        self.assertFalse(self.proxy.service.when_ports_closed().called)
+        self.clock.advance(5)
+        await self.proxy.service.when_ports_closed()
+        with self.assertRaises(ConnectionRefusedError):
+            await self.raw_connect()
+        await stopped

@@ -68,6 +68,23 @@ class TwistdTests(TwistdCase):
         self.assertEqual(events[-1], "[DONE]")
         self.assertEqual(await process.ended, 0, process.output.decode())
 
+    async def test_shutdown_delay_serves_while_not_ready_then_exits_0(self) -> None:
+        await self.start()
+        process = self.spawn(
+            "--listen", "tcp:0:interface=127.0.0.1", "--shutdown-delay", "1",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+        )  # fmt: skip
+        url = f"http://{await process.listening}"
+        os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        await process.said(b"not ready now; still serving for 1")
+        health = await self.http.get(url + "/healthcheck")
+        self.assertEqual(health.code, 503)
+        await health.content()
+        response = await self.http.post(url + "/v1/chat/completions", json=CHAT)
+        self.assertEqual(response.code, 200)  # still served
+        await response.content()
+        self.assertEqual(await process.ended, 0, process.output.decode())
+
     async def test_json_log_lines(self) -> None:
         await self.start()
         process = self.spawn(
