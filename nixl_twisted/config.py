@@ -83,6 +83,8 @@ class Limits:
 
     max_in_flight: int
     max_body_size: int
+    #: Bytes of request bodies held at once, all requests together.
+    max_buffered_bodies: int
     max_idle_per_backend: int
 
 
@@ -158,6 +160,7 @@ class ProxyConfig:
             limits=Limits(
                 max_in_flight=v["max-in-flight"],
                 max_body_size=v["max-body-size"],
+                max_buffered_bodies=v["max-buffered-bodies"],
                 max_idle_per_backend=v["max-idle-per-backend"],
             ),
             metrics_listen=v["metrics-listen"],
@@ -197,6 +200,7 @@ class ProxyConfig:
             "healthy-threshold": self.health.healthy_threshold,
             "max-in-flight": self.limits.max_in_flight,
             "max-body-size": self.limits.max_body_size,
+            "max-buffered-bodies": self.limits.max_buffered_bodies,
             "admin-token": self.admin_token,
             "metrics-listen": self.metrics_listen,
             "workers": self.workers,

@@ -187,14 +187,7 @@ class Exchange:
             await break_off(self.request, message, "shutting_down")
 
     async def _legs(self) -> None:
-        lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id))
-        prefill, params = await send_leg(
-            self.backends.prefill, self.retries.prefill, self.metrics,
-            lambda instance: self._prefill(instance, lowered),
-            # Nobody to answer and no blocks held yet: no more prefill attempts.
-            go_on=lambda: not self.client_gone,
-        )  # fmt: skip
-        prefill.release()
+        params = await self._prefill_leg()
         self._enter(Phase.HANDOFF)
         completed = lowering.encode(lowering.decode_body(self.body, params))
         decode, response = await send_leg(
@@ -211,6 +204,18 @@ class Exchange:
             await self._relay(response, decode)
         finally:
             decode.release()
+
+    async def _prefill_leg(self) -> lowering.JSONObject:
+        """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered)."""
+        lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id))
+        prefill, params = await send_leg(
+            self.backends.prefill, self.retries.prefill, self.metrics,
+            lambda instance: self._prefill(instance, lowered),
+            # Nobody to answer and no blocks held yet: no more prefill attempts.
+            go_on=lambda: not self.client_gone,
+        )  # fmt: skip
+        prefill.release()
+        return params
 
     async def _prefill(self, instance: Instance, lowered: bytes) -> lowering.JSONObject:
         self.record.prefill = instance.url

@@ -128,6 +128,12 @@ class ProxyMetrics:
             "Legs sent while every instance of their pool was marked down (best effort).",
             ["pool"], registry=r,
         )  # fmt: skip
+        self.bodies_refused = Counter(
+            "nixlproxy_bodies_refused",
+            "Request bodies refused before they were read: too_large (413), "
+            "buffer_full (503, --max-buffered-bodies).",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )

@@ -42,7 +42,7 @@ from nixl_twisted.events import Happened
 from nixl_twisted.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.settings import tcp_address
 from nixl_twisted.signals import SignalService
-from nixl_twisted.site import TrackingSite
+from nixl_twisted.site import BodyBudget, TrackingSite
 from nixl_twisted.workers import ReusePortEndpoint
 
 log = Logger()
@@ -247,6 +247,7 @@ def build(
         app.resource(),
         max_body_size=config.limits.max_body_size,
         access_log=AccessLog(metrics, emit=config.access_log),
+        body_budget=BodyBudget(config.limits.max_buffered_bodies),
         reactor=reactor,  # its connections' idle timeouts
     )
     root = ProxyService(config, app, site, backends, reactor, clock)

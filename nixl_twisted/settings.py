@@ -176,6 +176,9 @@ SETTINGS: tuple[Setting, ...] = (
         "Requests served at once; past it, 503 with Retry-After at once.")),
     Setting("max-body-size", 32 * 1024 * 1024, count(1), help=(
         "Largest request body in bytes (413 past it; vLLM's default too).")),
+    Setting("max-buffered-bodies", 64 * 1024 * 1024, count(1), help=(
+        "Bytes of request bodies held at once, all requests together; past it, "
+        "503 with Retry-After before the body is read.")),
     Setting("admin-token", None, text, env=ADMIN_TOKEN_ENV, help=(
         "Bearer token that enables the admin API (/admin/backends); without "
         "one there is none.")),

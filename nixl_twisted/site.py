@@ -44,15 +44,29 @@ class _TrackedChannel(HTTPChannel):
         # (A private hook: the fuzz tests notice if Twisted renames it.)
         self.refuse(b"400 Bad Request", "malformed HTTP request", "malformed_request")
 
-    def refuse(self, status: bytes, message: str, code: str) -> None:
+    def refuse(
+        self,
+        status: bytes,
+        message: str,
+        code: str,
+        kind: str = "invalid_request_error",
+        headers: bytes = b"",
+    ) -> None:
         """Answer an OpenAI error body before any resource ran, and close."""
-        body = error_body(message, "invalid_request_error", code)
+        self.answer_early(status, message, code, kind, headers)
+        self.loseConnection()
+
+    def answer_early(
+        self, status: bytes, message: str, code: str, kind: str, headers: bytes = b""
+    ) -> None:
+        """Write an OpenAI error answer (``Connection: close``) before any resource ran."""
+        body = error_body(message, kind, code)
         if self.transport is not None:
             self.transport.write(
-                b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (status, len(body), body)
+                b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n%s"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                % (status, headers, len(body), body)
             )
-        self.loseConnection()
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
         try:
@@ -61,37 +75,81 @@ class _TrackedChannel(HTTPChannel):
             self.factory._closed(self)
 
 
-class LimitedRequest(Request):
-    """A request whose body is refused with 413 as soon as it is too large.
+class BodyBudget:
+    """The bytes of request bodies all requests may hold at once (``--max-buffered-bodies``)."""
 
-    The check runs on ``Content-Length`` before any byte of the body is
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+class LimitedRequest(Request):
+    """A request whose body is refused as soon as it is too large, or too many are held.
+
+    The checks run on ``Content-Length`` before any byte of the body is
     read, and on the bytes received for a chunked body, so an oversized body
-    is never buffered whole.
+    is never buffered whole: 413 past ``--max-body-size`` (and the
+    connection closed), 503 with ``Retry-After`` while the bodies held at
+    once would pass ``--max-buffered-bodies``: answered at once, the body
+    then read and dropped, so that a client still sending it gets the answer
+    rather than a reset connection. What a request holds is given back when
+    it ends.
     """
 
     _refused = False
+    _discarding = False
     _received = 0
+    _held = 0
 
-    def _limit(self) -> int:
-        return cast(TrackingSite, self.channel.site).max_body_size  # type: ignore[attr-defined]
+    def _site(self) -> TrackingSite:
+        return cast(TrackingSite, self.channel.site)  # type: ignore[attr-defined]
 
     def gotLength(self, length: int | None) -> None:
-        if length is not None and length > self._limit():
-            self._refuse()
+        if length is not None and length > self._site().max_body_size:
+            self._refuse_too_large()
+            return
+        if length and not self._hold(length):
+            self._refuse_busy()
             return
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
         if self._refused:
-            return
+            return  # dropped: answered already
         self._received += len(data)
-        if self._received > self._limit():
-            self._refuse()
+        if self._received > self._site().max_body_size:
+            self._refuse_too_large()
+            return
+        if self._received > self._held and not self._hold(self._received - self._held):
+            self._refuse_busy()
             return
         super().handleContentChunk(data)
 
+    def _hold(self, size: int) -> bool:
+        budget = self._site().body_budget
+        if budget is None:
+            return True
+        if not budget.take(size):
+            return False
+        if not self._held:
+            # (Once the request ends it has no channel, so no site: keep the budget.)
+            self.notifyFinish().addBoth(lambda _: budget.give(self._held))
+        self._held += size
+        return True
+
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        if not self._refused:
+        if self._discarding:
+            self.channel.loseConnection()  # the body is read (and dropped): now close
+        elif not self._refused:
             super().requestReceived(command, path, version)
 
     def connectionLost(self, reason: Any) -> None:
@@ -101,15 +159,36 @@ class LimitedRequest(Request):
         if abandoned and isinstance(site, TrackingSite) and site.access_log is not None:
             site.access_log.request_ended(self, client_left=True)
 
-    def _refuse(self) -> None:
+    def _refuse_too_large(self) -> None:
+        limit = self._site().max_body_size
+        self._refuse(b"413 Payload Too Large", "too_large",
+                     f"request body is larger than the proxy's limit of {limit} bytes",
+                     "request_too_large", "invalid_request_error")  # fmt: skip
+
+    def _refuse_busy(self) -> None:
+        self._count_refusal("buffer_full")
+        self._refused = self._discarding = True
+        channel = self.channel
+        if isinstance(channel, _TrackedChannel):
+            channel.answer_early(
+                b"503 Service Unavailable",
+                "the proxy holds as many request bodies as it may now; try again shortly",
+                "request_bodies_buffer_full",
+                "overloaded_error",
+                b"Retry-After: 1\r\n",
+            )
+
+    def _refuse(self, status: bytes, reason: str, message: str, code: str, kind: str) -> None:
+        self._count_refusal(reason)
         self._refused = True
         channel = self.channel
         if isinstance(channel, _TrackedChannel):
-            channel.refuse(
-                b"413 Payload Too Large",
-                f"request body is larger than the proxy's limit of {self._limit()} bytes",
-                "request_too_large",
-            )
+            channel.refuse(status, message, code, kind)
+
+    def _count_refusal(self, reason: str) -> None:
+        site = self._site()
+        if site.access_log is not None:
+            site.access_log.metrics.bodies_refused.labels(reason).inc()
 
 
 class TrackingSite(Site):
@@ -122,6 +201,7 @@ class TrackingSite(Site):
         resource: IResource,
         max_body_size: int,
         access_log: AccessLog | None = None,
+        body_budget: BodyBudget | None = None,
         **kwargs: Any,
     ) -> None:
         # No form parsing: the proxy reads JSON bodies, and Twisted would
@@ -130,6 +210,7 @@ class TrackingSite(Site):
             resource, requestFactory=LimitedRequest, parsePOSTFormSubmission=False, **kwargs
         )
         self.max_body_size = max_body_size
+        self.body_budget = body_budget
         #: When set, replaces Twisted's access line with one structured event.
         self.access_log = access_log
         self.displayTracebacks = False

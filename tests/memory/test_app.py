@@ -105,3 +105,37 @@ def test_malformed_http_gets_the_openai_error_body() -> None:
     answer = client.answer()
     assert (answer.status, answer.json()["error"]["code"]) == (400, "malformed_request")
     assert client.lost
+
+
+def _head(length: int) -> bytes:
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % length
+    )
+
+
+def _body(length: int) -> bytes:
+    """A completion body of exactly ``length`` bytes."""
+    start, end = b'{"model": "m", "prompt": "', b'"}'
+    return start + b"x" * (length - len(start) - len(end)) + end
+
+
+def test_past_the_bodies_buffer_503_before_the_body_is_read_until_one_ends() -> None:
+    setup = Setup(max_body_size=1000, max_buffered_bodies=1500)
+    slow = setup.proxy.connect()
+    slow.send(_head(1000) + _body(1000)[:12])  # announced: 1,000 bytes held from now
+    busy = setup.proxy.connect()
+    busy.send(_head(600))  # 1,600 > 1,500: refused before any byte of its body
+    answer = busy.answer()
+    assert (answer.status, answer.json()["error"]["code"]) == (503, "request_bodies_buffer_full")
+    assert answer.headers["retry-after"] == "1"
+    busy.send(_body(600))  # read and dropped, so that its client gets the answer, then closed
+    assert busy.answer().status == 503 and setup.prefill.requests == []
+    assert busy.transport.disconnecting
+
+    slow.send(_body(1000)[12:])
+    assert slow.answer().status == 200  # its 1,000 bytes are given back as it ends
+    later = setup.proxy.connect()
+    later.send(_head(600) + _body(600))
+    assert later.answer().status == 200
+    assert setup.proxy.service.site.body_budget.held == 0  # type: ignore[union-attr]
