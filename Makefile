@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install clean
+.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(BIN)/python:
 install: $(BIN)/python
 	$(BIN)/python -m pip install --quiet ".[test]"
 
-demo: install
+# The demo needs the package and the openai client only, not the test toolchain.
+install-demo: $(BIN)/python
+	$(BIN)/python -m pip install --quiet ".[demo]"
+
+demo: install-demo
 	$(BIN)/nixlproxy-demo
 
 lint: install

@@ -1,14 +1,18 @@
 """Packaging for nixl-twisted: the package, its twistd plugin and extras."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
+HERE = Path(__file__).parent
+VERSION = re.search(r'__version__ = "([^"]+)"', (HERE / "nixl_twisted/__init__.py").read_text())
+
 setup(
     name="nixl-twisted",
-    version="0.1.0",
+    version=VERSION.group(1) if VERSION else "0",
     description="A Twisted proxy for vLLM disaggregated prefill/decode serving over NIXL",
-    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="MIT",
     python_requires=">=3.10",

@@ -33,7 +33,7 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.errors import ProxyError, error_body
 from nixl_twisted.exchange import Exchange
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
-from nixl_twisted.legs import PrefillRefused, send_leg, unreachable
+from nixl_twisted.legs import PrefillRefused, describe, send_leg, unreachable
 from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.pools import Instance
 from nixl_twisted.relay import break_off, relay_body, start_response
@@ -156,7 +156,9 @@ class ProxyApp:
         except CancelledError:
             raise
         except Exception as error:
-            await break_off(request, f"the decode answer broke off: {error}", "decode_broken")
+            log.error("GET /v1/models from {url} broke off: {reason}",
+                      url=lease.instance.url, reason=describe(error))  # fmt: skip
+            await break_off(request, "decode closed its answer early", "decode_broken")
         finally:
             lease.release()
 

@@ -312,9 +312,15 @@ class Exchange:
                 ) from None
             log.error("decode body for {request_id} broke off: {reason}",
                       request_id=self.request_id, reason=describe(error))  # fmt: skip
-            code = "decode_timeout" if isinstance(error, StreamSilent) else "decode_stream_broken"
+            silent = isinstance(error, StreamSilent)
             self.record.ended = "broken"
-            await break_off(self.request, f"the decode stream broke off: {describe(error)}", code)
+            # The client is told what happened; the detail is in the log line above.
+            await break_off(
+                self.request,
+                f"decode went silent mid-stream: {error}" if silent
+                else "decode closed the stream early",
+                "decode_timeout" if silent else "decode_stream_broken",
+            )  # fmt: skip
 
 
 def _query(request: Request) -> str:

@@ -78,8 +78,9 @@ def backend_request_headers(
 
 
 #: Response headers the proxy sets itself: its request id wins over one a
-#: backend echoes back (vLLM may append a suffix of its own).
-_PROXY_OWNED_RESPONSE = frozenset({b"x-request-id"})
+#: backend echoes back (vLLM may append a suffix of its own); ``Server`` and
+#: ``Date`` are the proxy's, as the one that answers (vLLM's say uvicorn).
+_PROXY_OWNED_RESPONSE = frozenset({b"x-request-id", b"server", b"date"})
 
 
 def client_response_headers(backend: Headers) -> Headers:

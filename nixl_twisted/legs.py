@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from twisted.internet.defer import CancelledError
+from twisted.python.failure import Failure
 from twisted.web.iweb import IResponse
 
 from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
@@ -152,5 +153,17 @@ async def send_leg(
 
 
 def describe(error: BaseException) -> str:
-    """An error as a short reason for a log line or an error message."""
+    """An error as a short reason for a log line or an error message.
+
+    Twisted's client errors (``ResponseFailed``, ``ResponseNeverReceived``)
+    carry a list of ``Failure`` s whose ``str`` is a list of Python reprs:
+    each is said by its message instead.
+    """
+    reasons = getattr(error, "reasons", None)
+    if isinstance(reasons, list) and reasons:
+        said = [
+            describe(r.value) if isinstance(r, Failure) and r.value is not None else str(r)
+            for r in reasons
+        ]
+        return "; ".join(dict.fromkeys(said))
     return str(error) or type(error).__name__

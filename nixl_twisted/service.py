@@ -20,6 +20,7 @@ from twisted.application import strports
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, TimeoutError, maybeDeferred
+from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import (
     IListeningPort,
     IProtocolFactory,
@@ -65,6 +66,13 @@ class Announced:
     def _bound(self, port: IListeningPort) -> IListeningPort:
         self.port = port
         return port
+
+
+def cannot_listen(error: CannotListenError) -> str:
+    """A bind error as one line: where, and why."""
+    reason = error.socketError
+    why = reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)
+    return f"cannot listen on {error.interface or '*'}:{error.port}: {why.lower()}"
 
 
 def _address(port: IListeningPort) -> str:
@@ -121,6 +129,13 @@ class ProxyService(MultiService):
         """Under twistd the parent is the application: offer it our log observer."""
         super().setServiceParent(parent)
         logs.offer(parent, self.log_observer)
+
+    def privilegedStartService(self) -> None:
+        """Bind every port now (before twistd sheds privileges); one that cannot be, one line."""
+        try:
+            super().privilegedStartService()
+        except CannotListenError as error:
+            raise SystemExit(f"nixlproxy: {cannot_listen(error)}") from None
 
     def startService(self) -> None:
         super().startService()

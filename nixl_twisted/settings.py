@@ -186,8 +186,8 @@ SETTINGS: tuple[Setting, ...] = (
         "Serve GET /metrics on this endpoint (e.g. tcp:9100:interface=127.0.0.1) "
         "instead of on every --listen endpoint.")),
     Setting("workers", 1, count(1), help=(
-        "Proxy processes sharing each TCP --listen port (SO_REUSEPORT), each "
-        "with its own pools and health state, supervised by this one.")),
+        "Proxy processes sharing each TCP port (SO_REUSEPORT), supervised by "
+        "this one, which checks health for all: they act as one proxy.")),
     Setting("log-format", "text", choice("text", "json"), help=(
         "text (for people) or json (one flat JSON object per line on stdout, for log "
         "pipelines; the same as twistd --logger=nixl_twisted.logs.json_lines).")),

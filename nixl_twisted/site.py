@@ -16,6 +16,7 @@ from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from nixl_twisted import __version__
 from nixl_twisted.access import AccessLog
 from nixl_twisted.errors import error_body
 from nixl_twisted.events import Happened
@@ -75,6 +76,10 @@ class _TrackedChannel(HTTPChannel):
             self.factory._closed(self)
 
 
+#: The ``Server`` header of every answer.
+SERVER = f"nixl-twisted/{__version__}".encode("ascii")
+
+
 class BodyBudget:
     """The bytes of request bodies all requests may hold at once (``--max-buffered-bodies``)."""
 
@@ -109,6 +114,12 @@ class LimitedRequest(Request):
     _discarding = False
     _received = 0
     _held = 0
+
+    def setHeader(self, name: bytes | str, value: bytes | str) -> None:
+        # Twisted's Request.process sets "Server: TwistedWeb/x.y" on every answer.
+        if (name.lower() if isinstance(name, bytes) else name.lower().encode()) == b"server":
+            value = SERVER
+        super().setHeader(name, value)
 
     def _site(self) -> TrackingSite:
         return cast(TrackingSite, self.channel.site)  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ from typing import Any
 from twisted.application.service import IService
 from twisted.python import usage
 
-from nixl_twisted import identity, logs
+from nixl_twisted import __version__, identity, logs
 from nixl_twisted.config import ConfigError, ProxyConfig, resolve
 from nixl_twisted.service import build
 from nixl_twisted.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
@@ -77,9 +77,22 @@ class Options(usage.Options):
     opt_decode.__doc__ = _help("decode")
 
     def opt_version(self) -> None:
-        """Print the proxy's identity and version, then exit."""
-        print(f"{identity.ID} {identity.VERSION}")
+        """Print the package's version and the protocol identity, then exit."""
+        print(f"nixl-twisted {__version__} (protocol {identity.ID} version {identity.VERSION})")
         raise SystemExit(0)
+
+    def full_help(self, width: int | None = None) -> str:
+        """Every option, its help and default: what --help prints."""
+        return str(usage.Options.getUsage(self, width))
+
+    def opt_help(self) -> None:
+        """Display this help and exit."""
+        print(self.full_help())
+        raise SystemExit(0)
+
+    def getUsage(self, width: int | None = None) -> str:
+        """What twistd prints before a usage error: the synopsis and a hint, not 80 lines."""
+        return f"    nixlproxy {self.synopsis}\nThe options: twistd nixlproxy --help\n"
 
     def postOptions(self) -> None:
         try:

@@ -145,7 +145,12 @@ class WorkerSupervisor(Service):
     def _share(self, description: str) -> str:
         address = tcp_address(description)
         assert address is not None, "the configuration allows only tcp: with --workers"
-        sock = _socket(*address)
+        try:
+            sock = _socket(*address)
+        except OSError as error:
+            why = (error.strerror or str(error)).lower()
+            where = f"{address[0] or '*'}:{address[1]}"
+            raise SystemExit(f"nixlproxy: cannot listen on {where}: {why}") from None
         self._reserved.append(sock)
         host, port = sock.getsockname()[:2]
         log.info("nixlproxy workers share {host}:{port}", host=host, port=port)

@@ -10,6 +10,7 @@ from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublish
 from twisted.web.client import ResponseFailed
 from zope.interface import provider
 
+from nixl_twisted import __version__
 from nixl_twisted.testing import TransferLedger
 from tests.support import CHAT, ChunkCollector, ProxyCase, closed_port_url, sse_events
 
@@ -141,7 +142,20 @@ class BrokenBodyTests(ProxyCase):
         events = sse_events(collector.body)
         self.assertEqual(len(events), 3)
         self.assertEqual(events[-1]["error"]["code"], "decode_stream_broken")
+        # Said for people, no Python reprs (the detail is in the proxy's log).
+        self.assertEqual(events[-1]["error"]["message"], "decode closed the stream early")
         self.assertNotIn("[DONE]", events)
+
+    async def test_every_answer_says_server_nixl_twisted(self) -> None:
+        await self.start()
+        relayed = await self.post("/v1/chat/completions", CHAT)
+        await relayed.content()
+        own = await self.http.get(self.proxy.url + "/healthcheck")
+        await own.content()
+        for response in (relayed, own):
+            self.assertEqual(
+                response.headers.getRawHeaders(b"server"), [f"nixl-twisted/{__version__}".encode()]
+            )
 
     async def test_a_json_body_cut_off_is_never_finished_as_complete(self) -> None:
         await self.start()

@@ -12,7 +12,6 @@ import pytest
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import IServiceCollection
 from twisted.internet import reactor
-from twisted.internet.error import CannotListenError
 
 import nixl_twisted
 from nixl_twisted.backends import BackendService
@@ -79,7 +78,7 @@ def test_a_bind_error_is_raised_at_once() -> None:
             decode=["http://d:1"],
         )
         service = build(config, reactor)
-        with pytest.raises(CannotListenError):
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: address already"):
             service.privilegedStartService()
     finally:
         taken.close()
@@ -147,3 +146,46 @@ def test_a_missing_pool_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     output = result.stdout + result.stderr
     assert "at least one --prefill URL is required" in output
     assert "Traceback" not in output
+
+
+def test_a_usage_error_prints_the_error_and_a_hint_not_the_whole_help(tmp_path: Path) -> None:
+    result = run_installed(
+        tmp_path, *TWISTD, "-n", "--pidfile=", "nixlproxy", "--prefill", "http://p:1"
+    )
+    assert result.returncode != 0
+    output = (result.stdout + result.stderr).strip().splitlines()
+    assert len(output) <= 5, output
+    assert "at least one --decode URL is required" in output[-1]
+    assert any("twistd nixlproxy --help" in line for line in output)
+
+
+def test_a_port_in_use_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        for workers in ("1", "2"):
+            result = run_installed(
+                tmp_path, *TWISTD, "-n", "--pidfile=", "nixlproxy", "--workers", workers,
+                "--listen", f"tcp:{port}:interface=127.0.0.1",
+                "--prefill", "http://p:1", "--decode", "http://d:1",
+            )  # fmt: skip
+            output = result.stdout + result.stderr
+            assert result.returncode != 0
+            assert "Traceback" not in output
+            (line,) = [line for line in output.splitlines() if "cannot listen" in line]
+            assert line.endswith(
+                f"nixlproxy: cannot listen on 127.0.0.1:{port}: address already in use"
+            )
+    finally:
+        taken.close()
+
+
+def test_version_names_the_package_and_the_protocol(tmp_path: Path) -> None:
+    result = run_installed(tmp_path, *TWISTD, "nixlproxy", "--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == (
+        f"nixl-twisted {nixl_twisted.__version__} "
+        f"(protocol {nixl_twisted.ID} version {nixl_twisted.VERSION})"
+    )

@@ -285,4 +285,4 @@ class TwistdTests(TwistdCase):
             await process.listening
         code = await process.ended
         self.assertNotEqual(code, 0, process.output.decode())
-        self.assertIn(b"Address already in use", process.output)
+        self.assertIn(b"address already in use", process.output)

@@ -37,7 +37,7 @@ def test_documented_defaults_are_the_settings_defaults() -> None:
 
 
 def test_help_shows_each_default() -> None:
-    help_text = " ".join(str(Options()).split())
+    help_text = " ".join(Options().full_help().split())
     for setting in SETTINGS:
         shown = default_text(setting)
         if shown == "(none)":
@@ -46,3 +46,23 @@ def test_help_shows_each_default() -> None:
             assert f"{setting.help} [required]" in help_text, setting.name
         else:
             assert f"[default: {shown}]" in help_text, setting.name
+
+
+def test_help_text_has_no_runs_of_spaces_mid_sentence() -> None:
+    for line in Options().full_help(width=100).splitlines():
+        described = line[31:] if line.startswith("      --") or line.startswith(" " * 31) else line
+        assert "  " not in described.strip(), line
+
+
+def test_a_usage_error_gets_a_hint_not_the_whole_help() -> None:
+    short = Options().getUsage()
+    assert len(short.splitlines()) == 2 and "twistd nixlproxy --help" in short
+
+
+def test_the_user_docs_stand_on_their_own() -> None:
+    """Nothing a user cannot see: the team's protocol notes, its issues, the reference proxy."""
+    pages = [DOCS.parent / "README.md", *DOCS.glob("*.md")]
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        for unseen in ("PROTOCOL.md", "the seed", "Rust proxy", "performance issue", "the issue"):
+            assert unseen not in text, f"{page.name} mentions {unseen!r}"

@@ -10,7 +10,7 @@ from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, suc
 from twisted.internet.task import Clock
 
 from nixl_twisted.errors import bad_gateway
-from nixl_twisted.legs import PrefillVerdict, Retry, classify_prefill, send_leg
+from nixl_twisted.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease
 
@@ -96,3 +96,14 @@ def test_go_on_stops_the_retries() -> None:
     failure = run(send_leg(backends, 2, ProxyMetrics(), attempt, go_on=lambda: not calls))
     assert failure.check(CancelledError)
     assert len(calls) == 1
+
+
+def test_twisted_client_errors_are_said_by_their_messages_not_reprs() -> None:
+    from twisted.internet.error import ConnectionDone
+    from twisted.python.failure import Failure
+    from twisted.web.client import ResponseFailed
+
+    error = ResponseFailed([Failure(ConnectionDone()), Failure(ValueError("body short"))])
+    said = describe(error)
+    assert "<" not in said and "Failure" not in said
+    assert said.startswith("Connection was closed cleanly") and said.endswith("; body short")
