@@ -90,6 +90,28 @@ class ReusePortEndpoint:
         return succeed(port)
 
 
+#: A supervisor's metrics directory is ``nixlproxy-metrics-PID-XXXX`` in the temporary directory.
+METRICS_PREFIX = "nixlproxy-metrics-"
+
+
+def remove_stale_metrics(where: str) -> None:
+    """Remove the metrics directories of supervisors that are gone (killed: no stop ran)."""
+    for entry in os.scandir(where):
+        pid = entry.name.removeprefix(METRICS_PREFIX).split("-", 1)[0]
+        if entry.name.startswith(METRICS_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
+
+
 class _Worker(ProcessProtocol):
     def __init__(self, supervisor: WorkerSupervisor, number: int, config: str) -> None:
         self.supervisor = supervisor
@@ -161,7 +183,8 @@ class WorkerSupervisor(Service):
         self._listen = tuple(self._share(description) for description in self.config.listen)
         if self.config.metrics_listen is not None:
             self._metrics_listen = self._share(self.config.metrics_listen)
-        self.metrics_dir = tempfile.mkdtemp(prefix="nixlproxy-metrics-")
+        remove_stale_metrics(tempfile.gettempdir())
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
 
     def startService(self) -> None:
         if not self._reserved:

@@ -115,3 +115,21 @@ def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -
     link.received({"change": {"op": "drain", "pool": "decode", "url": D1}})
     link.received({"pools": {"prefill": [P], "decode": [D2]}})
     assert worker.decode.urls == (D2,)
+
+
+def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path: Any) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from nixl_twisted.workers import METRICS_PREFIX, remove_stale_metrics
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = tmp_path / f"{METRICS_PREFIX}{gone.stdout.strip()}-abcd"
+    live = tmp_path / f"{METRICS_PREFIX}{os.getpid()}-efgh"
+    other = tmp_path / "nixlproxy-metrics-notapid"
+    for directory in (stale, live, other):
+        directory.mkdir()
+    remove_stale_metrics(str(tmp_path))
+    assert (stale.exists(), live.exists(), other.exists()) == (False, True, True)
