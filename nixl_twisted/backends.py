@@ -43,13 +43,13 @@ class BackendService(Service):
         upstream: Upstream,
         clock: IReactorTime,
         health: Health,
-        checks: Upstream | None = None,
+        health_client: Upstream | None = None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.upstream = upstream
         #: The health checks' own client (by default the legs' one).
-        self.checks = checks if checks is not None else upstream
+        self.health_client = health_client if health_client is not None else upstream
         self.clock = clock
         self.health_interval = health.interval
         self.health_timeout = health.timeout
@@ -100,7 +100,7 @@ class BackendService(Service):
 
     def _check(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
         async def probe() -> None:
-            response = await self.checks.get(instance.url + "/health", Headers())
+            response = await self.health_client.get(instance.url + "/health", Headers())
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
@@ -131,8 +131,8 @@ class BackendService(Service):
         for probe in list(self._probes):
             probe.cancel()
         closing = [self.upstream.close()]
-        if self.checks is not self.upstream:
-            closing.append(self.checks.close())
+        if self.health_client is not self.upstream:
+            closing.append(self.health_client.close())
         return DeferredList(closing).addCallback(lambda _: None)
 
 
@@ -149,11 +149,11 @@ def backend_service(
     reactor: Any,
     clock: IReactorTime,
     agent: IAgent | None = None,
-    checks: bool = True,
+    run_checks: bool = True,
 ) -> BackendService:
     """Both pools and their clients, from the configuration.
 
-    ``checks=False``: no health checks here, though the pools still expect
+    ``run_checks=False``: no health checks here, though the pools still expect
     them (new instances pending): a ``--workers`` worker, whose supervisor
     checks and tells it.
     """
@@ -173,6 +173,6 @@ def backend_service(
         BackendPool("decode", config.pools.decode, clock, thresholds, checked),
         legs,
         clock,
-        health if checks else replace(health, interval=0.0),
+        health if run_checks else replace(health, interval=0.0),
         probes,
     )

@@ -238,6 +238,11 @@ class ProxyService(MultiService):
             await DeferredList([site.close_connections(abort=True) for site in sites])
 
 
+def _worker_hangup() -> None:
+    log.warn("SIGHUP to a worker changes nothing: send it to the supervisor, pid {pid}",
+             pid=os.getppid())  # fmt: skip
+
+
 def build(
     config: ProxyConfig,
     reactor: Any,
@@ -255,7 +260,7 @@ def build(
     clock = clock if clock is not None else cast(IReactorTime, reactor)
     shared = config.worker is not None
     # A worker's pools take their health from the supervisor, which checks.
-    backends = backend_service(config, reactor, clock, agent, checks=not shared)
+    backends = backend_service(config, reactor, clock, agent, run_checks=not shared)
     metrics = ProxyMetrics(backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None)
     app = ProxyApp(config, backends, Admission(config.limits.max_in_flight), metrics, clock)
     site = TrackingSite(
@@ -274,7 +279,9 @@ def build(
         )
         listener(config.metrics_listen, metrics_site, reactor, shared).setServiceParent(root)
     if take_signals:
-        SignalService(reactor, root.reload_pools).setServiceParent(root)
+        # A worker's pools are the supervisor's: SIGHUP goes there.
+        hangup = _worker_hangup if shared else root.reload_pools
+        SignalService(reactor, hangup).setServiceParent(root)
     if shared:
         link = SupervisorLink(reactor, backends)
         app.admin.publish = link.publish
