@@ -206,6 +206,8 @@ class TrackingSite(Site):
     """A ``Site`` whose open connections can all be closed, and waited for."""
 
     protocol = _TrackedChannel  # type: ignore[assignment]
+    #: No "Starting factory <...TrackingSite object at 0x...>" line: "listening on" says it.
+    noisy = False
 
     def __init__(
         self,
