@@ -32,9 +32,12 @@ class AccessRecord:
     prefill: str | None = None
     prefill_status: int | None = None
     prefill_seconds: float | None = None
+    #: Why the pool's policy chose that instance (``nixl_twisted.routing``).
+    prefill_route: str | None = None
     decode: str | None = None
     decode_status: int | None = None
     decode_first_byte_seconds: float | None = None
+    decode_route: str | None = None
     #: How it ended, when not simply answered: "broken", "client_left",
     #: "shutting_down" (cut by the proxy at its drain timeout).
     ended: str = "answered"
@@ -88,9 +91,11 @@ class AccessLog:
             "prefill": record.prefill,
             "prefill_status": record.prefill_status,
             "prefill_ms": _ms(record.prefill_seconds),
+            "prefill_route": record.prefill_route,
             "decode": record.decode,
             "decode_status": record.decode_status,
             "decode_ttfb_ms": _ms(record.decode_first_byte_seconds),
+            "decode_route": record.decode_route,
             "ended": record.ended,
         }
         # What did not happen is left out, and so is the usual ending.
@@ -112,6 +117,8 @@ def access_line(f: dict[str, Any]) -> str:
         details = [str(f[f"{leg}_status"])] if f"{leg}_status" in f else []
         if timing in f:
             details.append(f"{f[timing]}ms" if leg == "prefill" else f"first byte {f[timing]}ms")
+        if f"{leg}_route" in f:
+            details.append(f"route {f[f'{leg}_route']}")
         parts.append(f"{leg}={f[leg]}" + (f" ({', '.join(details)})" if details else ""))
     if "ended" in f:
         parts.append(f"ended={f['ended']}")

@@ -24,7 +24,7 @@ from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
-from nixl_twisted import lowering
+from nixl_twisted import lowering, routing
 from nixl_twisted.access import record_of
 from nixl_twisted.admin import AdminAPI
 from nixl_twisted.admission import Admission
@@ -182,9 +182,10 @@ class ProxyApp:
         headers = backend_request_headers(
             request.requestHeaders, request_id, config.backend_api_key
         )
+        route_on = self._routing(request, body)
         exchange = Exchange(
             request, path, body, request_id, headers, self.backends,
-            config.timeouts, config.retries, self.clock, self.metrics,
+            config.timeouts, config.retries, self.clock, self.metrics, route_on,
         )  # fmt: skip
         self.exchanges.add(exchange)
 
@@ -198,6 +199,18 @@ class ProxyApp:
         """The drain timeout ended: every completion still running is cut, and told why."""
         for exchange in list(self.exchanges):
             exchange.shut_down()
+
+    def _routing(self, request: Request, body: lowering.JSONObject) -> routing.Routing:
+        """What the pools' policies route on, worked out only if one of them looks."""
+        names = {pool.policy_name for pool in self.backends.pools()}
+        if not names & {"cache-aware", "session"}:
+            return routing.NO_ROUTING
+        key_bytes = self.config.policies.key_bytes
+        return routing.Routing(
+            prompt=routing.prompt_key(body, key_bytes) if "cache-aware" in names else None,
+            session=routing.session_key(request.getHeader(b"x-session-id"), body)
+            if "session" in names else None,
+        )  # fmt: skip
 
     # -- errors -----------------------------------------------------------
 

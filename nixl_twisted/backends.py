@@ -22,7 +22,8 @@ from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
 
-from nixl_twisted.config import Health, Pools, ProxyConfig
+from nixl_twisted import routing
+from nixl_twisted.config import Health, Policies, Pools, ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.pools import BackendPool, Instance, Thresholds
 from nixl_twisted.relay import read_body
@@ -62,6 +63,13 @@ class BackendService(Service):
 
     def pool(self, role: str) -> BackendPool | None:
         return {pool.role: pool for pool in self.pools()}.get(role)
+
+    def use_policies(self, policies: Policies) -> None:
+        """Each pool chooses its instances by its policy from now on."""
+        for pool in self.pools():
+            name = policies.of(pool.role)
+            pool.policy = routing.policy(name, policies.balance)
+            pool.policy_name = name
 
     def use_pools(self, pools: Pools) -> None:
         """Make each pool these URLs: the new join, those no longer listed drain."""
@@ -168,7 +176,7 @@ def backend_service(
         legs = probes = Upstream(agent)
     thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
     checked = health.interval > 0
-    return BackendService(
+    backends = BackendService(
         BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
         BackendPool("decode", config.pools.decode, clock, thresholds, checked),
         legs,
@@ -176,3 +184,5 @@ def backend_service(
         health if run_checks else replace(health, interval=0.0),
         probes,
     )
+    backends.use_policies(config.policies)
+    return backends

@@ -45,6 +45,19 @@ class Pools:
 
 
 @dataclass(frozen=True)
+class Policies:
+    """How each pool chooses its instance (``nixl_twisted.routing``), and the knobs."""
+
+    prefill: str = "round-robin"
+    decode: str = "round-robin"
+    balance: float = 1.5
+    key_bytes: int = 512
+
+    def of(self, role: str) -> str:
+        return self.prefill if role == "prefill" else self.decode
+
+
+@dataclass(frozen=True)
 class Timeouts:
     """Seconds, for each thing the proxy waits on."""
 
@@ -94,6 +107,7 @@ class ProxyConfig:
 
     listen: tuple[str, ...]
     pools: Pools
+    policies: Policies
     timeouts: Timeouts
     retries: Retries
     health: Health
@@ -141,6 +155,12 @@ class ProxyConfig:
         return cls(
             listen=tuple(v["listen"]),
             pools=Pools(tuple(v["prefill"]), tuple(v["decode"])),
+            policies=Policies(
+                prefill=v["prefill-policy"],
+                decode=v["decode-policy"],
+                balance=v["cache-aware-balance"],
+                key_bytes=v["cache-key-bytes"],
+            ),
             timeouts=Timeouts(
                 connect=v["connect-timeout"],
                 backend_idle=v["backend-idle-timeout"],
@@ -186,6 +206,10 @@ class ProxyConfig:
             "prefill": list(self.pools.prefill),
             "decode": list(self.pools.decode),
             "backend-api-key": self.backend_api_key,
+            "prefill-policy": self.policies.prefill,
+            "decode-policy": self.policies.decode,
+            "cache-aware-balance": self.policies.balance,
+            "cache-key-bytes": self.policies.key_bytes,
             "connect-timeout": self.timeouts.connect,
             "backend-idle-timeout": self.timeouts.backend_idle,
             "max-idle-per-backend": self.limits.max_idle_per_backend,
@@ -231,10 +255,10 @@ class ProxyConfig:
         return replace(self, listen=listen, metrics_listen=metrics_listen, workers=1, worker=number)
 
     def reloaded(self) -> ProxyConfig:
-        """This configuration with the pools the ``--config`` file lists now.
+        """This configuration with the pools and policies the ``--config`` file says now.
 
         Raises ``ConfigError`` (naming the file and key) and changes nothing
-        when the file cannot be read or its pools are not valid.
+        when the file cannot be read or its values are not valid.
         """
         if self.config_path is None:
             raise ConfigError("config", "there is no --config file to reload pools from")
@@ -243,7 +267,19 @@ class ProxyConfig:
         for role, urls in pools.items():
             if not urls:
                 raise ConfigError(role, f"--config {self.config_path}: {role!r} must not be empty")
-        return replace(self, pools=Pools(tuple(pools["prefill"]), tuple(pools["decode"])))  # type: ignore[arg-type]
+        policies = {
+            key: values.get(key, getattr(self.policies, role))
+            for key, role in (("prefill-policy", "prefill"), ("decode-policy", "decode"))
+        }
+        return replace(
+            self,
+            pools=Pools(tuple(pools["prefill"]), tuple(pools["decode"])),  # type: ignore[arg-type]
+            policies=replace(
+                self.policies,
+                prefill=str(policies["prefill-policy"]),
+                decode=str(policies["decode-policy"]),
+            ),
+        )
 
 
 def parse(raw: Mapping[str, object], where: Callable[[str], str]) -> dict[str, object]:

@@ -8,7 +8,7 @@ writes to a worker's standard input (after its configuration line), a
 worker to its file descriptor 3::
 
     supervisor -> worker  {"health": [Instance.health(), ...]}    verdicts
-                          {"pools": {"prefill": [...], ...}}      SIGHUP's reload
+                          {"pools": {...}, "policies": {...}}     SIGHUP's reload
                           {"change": {"op", "pool", "url"}}       made at another worker
                           {"done": N}                             change N reached all
     worker -> supervisor  {"outcome": {"pool", "url", "failure"}} a leg's outcome
@@ -21,6 +21,7 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any, Protocol
 
 from twisted.application.service import Service
@@ -32,7 +33,7 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.admin import apply_change
 from nixl_twisted.backends import BackendService
-from nixl_twisted.config import Pools
+from nixl_twisted.config import Policies, Pools
 from nixl_twisted.pools import Instance, PoolChangeRefused
 
 log = Logger()
@@ -67,8 +68,11 @@ class Lines:
             self._deliver(message)
 
 
-def pools_message(pools: Pools) -> Message:
-    return {"pools": {"prefill": list(pools.prefill), "decode": list(pools.decode)}}
+def pools_message(pools: Pools, policies: Policies) -> Message:
+    return {
+        "pools": {"prefill": list(pools.prefill), "decode": list(pools.decode)},
+        "policies": {"prefill": policies.prefill, "decode": policies.decode},
+    }
 
 
 def _apply(backends: BackendService, change: dict[str, str], where: str) -> None:
@@ -117,10 +121,11 @@ class Coordinator:
                     peer.send({"change": change})
             origin.send({"done": message.get("id")})  # written after the others' copies
 
-    def reload(self, pools: Pools) -> None:
-        """SIGHUP: these pools, here and in every worker."""
+    def reload(self, pools: Pools, policies: Policies) -> None:
+        """SIGHUP: these pools and policies, here and in every worker."""
         self.backends.use_pools(pools)
-        self._send_all(pools_message(pools))
+        self.backends.use_policies(policies)
+        self._send_all(pools_message(pools, policies))
         self.backends.check_health()
 
     def _judge(self, outcome: dict[str, Any]) -> None:
@@ -165,9 +170,11 @@ class SupervisorLink(Service):
 
     name = "supervisor-link"
 
-    def __init__(self, reactor: Any, backends: BackendService) -> None:
+    def __init__(self, reactor: Any, backends: BackendService, policies: Policies) -> None:
         self._reactor = reactor
         self.backends = backends
+        #: The knobs stay the worker's own; the supervisor sends the names.
+        self.policies = policies
         self._wire: _Wire | None = None
         self._io: StandardIO | None = None
         self._waiting: dict[int, Deferred[None]] = {}
@@ -211,6 +218,11 @@ class SupervisorLink(Service):
         elif "pools" in message:
             pools = message["pools"]
             self.backends.use_pools(Pools(tuple(pools["prefill"]), tuple(pools["decode"])))
+            if "policies" in message:
+                named = message["policies"]
+                current = self.policies
+                self.policies = replace(current, prefill=named["prefill"], decode=named["decode"])
+                self.backends.use_policies(self.policies)
             log.info("pools from the supervisor: prefill {prefill}, decode {decode}",
                      prefill=pools["prefill"], decode=pools["decode"])  # fmt: skip
         elif "change" in message:

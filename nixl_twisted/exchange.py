@@ -58,6 +58,7 @@ from nixl_twisted.relay import (
     relay_body,
     start_response,
 )
+from nixl_twisted.routing import NO_ROUTING, Routing
 
 log = Logger()
 
@@ -106,6 +107,7 @@ class Exchange:
         retries: Retries,
         clock: IReactorTime,
         metrics: ProxyMetrics,
+        routing: Routing = NO_ROUTING,
     ) -> None:
         self.request = request
         self.target = path + _query(request)
@@ -118,6 +120,7 @@ class Exchange:
         self.clock = clock
         self.metrics = metrics
         self.record = record_of(request)
+        self.routing = routing
         self.phase = Phase.PREFILL
         self._reached = {phase: Happened() for phase in Phase}
         self._reached[Phase.PREFILL].fire()
@@ -192,8 +195,9 @@ class Exchange:
         completed = lowering.encode(lowering.decode_body(self.body, params))
         decode, response = await send_leg(
             self.backends.decode, self.retries.decode, self.metrics,
-            lambda instance: self._decode(instance, completed),
+            lambda instance: self._decode(instance, completed), routing=self.routing,
         )  # fmt: skip
+        self.record.decode_route = decode.decision
         try:
             if self.client_gone:
                 abandon(response)
@@ -212,8 +216,9 @@ class Exchange:
             self.backends.prefill, self.retries.prefill, self.metrics,
             lambda instance: self._prefill(instance, lowered),
             # Nobody to answer and no blocks held yet: no more prefill attempts.
-            go_on=lambda: not self.client_gone,
+            go_on=lambda: not self.client_gone, routing=self.routing,
         )  # fmt: skip
+        self.record.prefill_route = prefill.decision
         prefill.release()
         return params
 

@@ -21,6 +21,7 @@ from twisted.web.iweb import IResponse
 from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
+from nixl_twisted.routing import NO_ROUTING, Routing
 
 T = TypeVar("T")
 
@@ -116,6 +117,7 @@ async def send_leg(
     metrics: ProxyMetrics,
     attempt: Callable[[Instance], Awaitable[T]],
     go_on: Callable[[], bool] = lambda: True,
+    routing: Routing = NO_ROUTING,
 ) -> tuple[Lease, T]:
     """Run ``attempt`` on the pool's next instances until one does not ``Retry``.
 
@@ -132,13 +134,14 @@ async def send_leg(
         if tried:
             metrics.retries.labels(pool.role).inc()
         try:
-            instance = pool.next(exclude=tried)
+            instance, decision = pool.choose(exclude=tried, routing=routing)
         except NoHealthyInstance as error:
             raise (last or unavailable(error)) from None
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
+        metrics.routing_decisions.labels(pool.role, pool.policy_name, decision).inc()
         tried.append(instance)
-        lease = pool.lease(instance)
+        lease = pool.lease(instance, decision)
         try:
             return lease, await attempt(instance)
         except Retry as retry:

@@ -134,6 +134,11 @@ class ProxyMetrics:
             "buffer_full (503, --max-buffered-bodies).",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.routing_decisions = Counter(
+            "nixlproxy_routing_decisions",
+            "Legs by pool, its policy and the policy's decision (docs/routing.md).",
+            ["pool", "policy", "decision"], registry=r,
+        )  # fmt: skip
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from nixl_twisted.routing import NO_ROUTING, Policy, Routing, round_robin
 from nixl_twisted.settings import backend_url
 
 log = Logger()
@@ -81,6 +82,9 @@ class Instance:
     in_flight: int = 0
     #: No new legs; the instance leaves its pool when its last leg ends.
     draining: bool = False
+    #: vLLM's own load from its ``/metrics`` (``running``, ``waiting``,
+    #: ``kv_cache_usage``) and this proxy's legs then (``ours``); empty if unread.
+    load: dict[str, float] = field(default_factory=dict)
 
     @property
     def healthy(self) -> bool:
@@ -95,6 +99,7 @@ class Instance:
             "in_flight": self.in_flight,
             "failures": self.failures,
             "last_error": self.last_error,
+            "load": self.load or None,
         }
 
     def health(self) -> dict[str, Any]:
@@ -107,6 +112,7 @@ class Instance:
             "successes": self.successes,
             "retry_at": self.retry_at,
             "last_error": self.last_error,
+            "load": self.load,
         }
 
 
@@ -140,6 +146,9 @@ class BackendPool:
         self.on_change: Callable[[Instance], None] | None = None
         #: True while every instance not draining is down (legs go to them anyway).
         self.panicking = False
+        #: Which candidate serves the next leg (``nixl_twisted.routing``).
+        self.policy: Policy = round_robin
+        self.policy_name = "round-robin"
 
     def _new(self, url: str) -> Instance:
         return Instance(backend_url(url), self.role, state=self._initial)
@@ -165,17 +174,23 @@ class BackendPool:
         return any(i.healthy and not i.draining for i in self.instances)
 
     def next(self, exclude: Collection[Instance] = ()) -> Instance:
-        """The instance for the next leg of this role.
+        """The instance for the next leg, by this pool's policy (see :meth:`choose`)."""
+        return self.choose(exclude)[0]
 
-        Round-robin among the available instances; when none is, among
-        those not draining (panic, logged once). Raises
+    def choose(
+        self, exclude: Collection[Instance] = (), routing: Routing = NO_ROUTING
+    ) -> tuple[Instance, str]:
+        """The instance for the next leg of this role, and the policy's decision.
+
+        The policy chooses among the available instances; when none is,
+        among those not draining (panic, logged once). Raises
         ``NoHealthyInstance`` when every instance was tried or is draining.
         """
-        chosen = self._round_robin(exclude, self.available)
-        panic = chosen is None
-        if chosen is None:
-            chosen = self._round_robin(exclude, lambda i: not i.draining)
-        if chosen is None:
+        candidates = [i for i in self.instances if i not in exclude and self.available(i)]
+        panic = not candidates
+        if panic:
+            candidates = [i for i in self.instances if i not in exclude and not i.draining]
+        if not candidates:
             raise NoHealthyInstance(self.role, self.retry_after())
         if panic and not self.panicking:
             log.warn("{role} pool in panic: every instance is down, legs go to them anyway",
@@ -183,25 +198,25 @@ class BackendPool:
         elif not panic and self.panicking:
             log.info("{role} pool out of panic", role=self.role)
         self.panicking = panic
-        return chosen
+        instance, decision = self.policy(self, candidates, routing)
+        return instance, decision
 
-    def _round_robin(
-        self, exclude: Collection[Instance], eligible: Callable[[Instance], bool]
-    ) -> Instance | None:
+    def round_robin(self, candidates: Sequence[Instance]) -> Instance:
+        """The next of ``candidates`` in the pool's rotation."""
         for _ in range(len(self.instances)):
             instance = self.instances[self._cursor % len(self.instances)]
             # (A pool is never empty: changes that would empty it are refused.)
             self._cursor += 1
-            if instance not in exclude and eligible(instance):
+            if instance in candidates:
                 return instance
-        return None
+        return candidates[0]
 
     # -- legs in flight, and live changes ----------------------------------
 
-    def lease(self, instance: Instance) -> Lease:
+    def lease(self, instance: Instance, decision: str = "next") -> Lease:
         """Hold ``instance`` for one leg, until the lease is released."""
         instance.in_flight += 1
-        return Lease(self, instance)
+        return Lease(self, instance, decision)
 
     def _released(self, instance: Instance) -> None:
         """A leg ended; a draining instance with none left leaves the pool."""
@@ -337,9 +352,11 @@ class BackendPool:
 class Lease:
     """One leg's hold on an instance; released exactly once, however the leg ends."""
 
-    def __init__(self, pool: BackendPool, instance: Instance) -> None:
+    def __init__(self, pool: BackendPool, instance: Instance, decision: str = "next") -> None:
         self.pool = pool
         self.instance = instance
+        #: Why the pool's policy chose this instance.
+        self.decision = decision
         self.held = True
 
     def release(self, result: object = None) -> object:

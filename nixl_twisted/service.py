@@ -172,12 +172,16 @@ class ProxyService(MultiService):
             )
             return
         self.backends.use_pools(config.pools)
+        self.backends.use_policies(config.policies)
         self.config = config
         log.info(
-            "SIGHUP: pools reloaded from {path}: prefill {prefill}, decode {decode}",
+            "SIGHUP: pools reloaded from {path}: prefill {prefill} ({prefill_policy}), "
+            "decode {decode} ({decode_policy})",
             path=config.config_path,
             prefill=list(config.pools.prefill),
             decode=list(config.pools.decode),
+            prefill_policy=config.policies.prefill,
+            decode_policy=config.policies.decode,
         )
 
     def stopService(self) -> Deferred[None]:
@@ -283,7 +287,7 @@ def build(
         hangup = _worker_hangup if shared else root.reload_pools
         SignalService(reactor, hangup).setServiceParent(root)
     if shared:
-        link = SupervisorLink(reactor, backends)
+        link = SupervisorLink(reactor, backends, config.policies)
         app.admin.publish = link.publish
         link.setServiceParent(root)
     return root

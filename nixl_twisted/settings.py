@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 from twisted.internet.endpoints import serverFromString
 
+from nixl_twisted.routing import POLICIES
+
 #: Environment variables for the secrets, so they need not appear in a
 #: process listing or a file.
 BACKEND_API_KEY_ENV = "NIXLPROXY_BACKEND_API_KEY"
@@ -35,6 +37,14 @@ def _number(value: object, kind: type[int] | type[float], what: str) -> Any:
     if kind is int and isinstance(value, float) and value != number:
         raise InvalidValue(f"must be {what}, not {value!r}")
     return number
+
+
+def ratio(value: object) -> float:
+    """A number of at least 1."""
+    number = _number(value, float, "a number")
+    if number < 1:
+        raise InvalidValue(f"must be at least 1, not {value!r}")
+    return float(number)
 
 
 def seconds(value: object) -> float:
@@ -172,6 +182,17 @@ SETTINGS: tuple[Setting, ...] = (
         "instance down.")),
     Setting("healthy-threshold", 2, count(1), help=(
         "Successes in a row (checks or legs) that bring a down instance back.")),
+    Setting("prefill-policy", "round-robin", choice(*POLICIES), help=(
+        "How the prefill instance of each request is chosen: round-robin, "
+        "least-loaded, load, cache-aware or session (docs/routing.md).")),
+    Setting("decode-policy", "round-robin", choice(*POLICIES), help=(
+        "How the decode instance of each request is chosen (the same names).")),
+    Setting("cache-aware-balance", 1.5, ratio, help=(
+        "cache-aware: an instance may hold this many times the pool's mean legs "
+        "in flight (plus one) before a conversation goes to its next instance.")),
+    Setting("cache-key-bytes", 512, count(1), help=(
+        "cache-aware: the leading bytes of a completion's prompt that name its "
+        "conversation (about one vLLM block on CPU).")),
     Setting("max-in-flight", 1024, count(1), help=(
         "Requests served at once; past it, 503 with Retry-After at once.")),
     Setting("max-body-size", 32 * 1024 * 1024, count(1), help=(

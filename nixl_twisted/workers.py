@@ -235,7 +235,7 @@ class WorkerSupervisor(Service):
             log.error("SIGHUP: pools not reloaded, kept as they were ({key}): {error}",
                       key=error.key, error=str(error))  # fmt: skip
             return
-        self.coordinator.reload(self.config.pools)
+        self.coordinator.reload(self.config.pools, self.config.policies)
         log.info(
             "SIGHUP: pools reloaded from {path}: prefill {prefill}, decode {decode}; "
             "sent to {count} workers",

@@ -7,7 +7,7 @@ from typing import Any
 from twisted.internet.task import Clock
 
 from nixl_twisted.backends import BackendService
-from nixl_twisted.config import Health, Pools
+from nixl_twisted.config import Health, Policies, Pools
 from nixl_twisted.coordination import Coordinator, Lines, SupervisorLink, encode
 from nixl_twisted.pools import BackendPool, State, Thresholds
 from nixl_twisted.upstream import Upstream
@@ -89,7 +89,7 @@ def test_a_new_worker_is_told_every_instance_health() -> None:
 
 def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -> None:
     worker = backends()
-    link = SupervisorLink(None, worker)
+    link = SupervisorLink(None, worker, Policies())
     sent: list[dict[str, Any]] = []
     link._send = sent.append  # type: ignore[method-assign,assignment]
     link.startService = lambda: None  # type: ignore[method-assign]
