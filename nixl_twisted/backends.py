@@ -112,6 +112,8 @@ class BackendService(Service):
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
+            if pool.policy_name == "load":
+                await self._scrape(pool, instance)
 
         checking = ensureDeferred(probe()).addTimeout(self.health_timeout, self.clock)
         self._probes.add(checking)
@@ -131,6 +133,21 @@ class BackendService(Service):
         checking.addErrback(lambda failure: log.failure("health check error", failure))
         return checking
 
+    async def _scrape(self, pool: BackendPool, instance: Instance) -> None:
+        """vLLM's own load from its ``/metrics``; unreadable: the policy falls back, no mark."""
+        ours = instance.in_flight
+        try:
+            response = await self.health_client.get(instance.url + "/metrics", Headers())
+            text = (await read_body(response)).decode("utf-8", "replace")
+        except Exception as error:
+            instance.load = {}
+            log.debug("no load from {url}: {error}", url=instance.url, error=str(error))
+            return
+        instance.load = vllm_load(text) if response.code == 200 else {}
+        if instance.load:
+            instance.load["ours"] = float(ours)
+        pool.load_changed(instance)
+
     def stopService(self) -> Deferred[None]:
         """Stop the health checks and close every pooled backend connection."""
         super().stopService()
@@ -142,6 +159,32 @@ class BackendService(Service):
         if self.health_client is not self.upstream:
             closing.append(self.health_client.close())
         return DeferredList(closing).addCallback(lambda _: None)
+
+
+#: vLLM's gauges the ``load`` policy reads, summed over its engines (and their
+#: name before vLLM 0.10, ``gpu_cache_usage_perc``).
+_LOAD_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
+}
+
+
+def vllm_load(exposition: str) -> dict[str, float]:
+    """The running and waiting requests and the KV cache use from vLLM's ``/metrics`` text."""
+    load: dict[str, float] = {}
+    for line in exposition.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _LOAD_GAUGES.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        load[key] = load.get(key, 0.0) + value
+    return load
 
 
 def _upstream(reactor: Any, connect_timeout: float, idle_per_host: int, idle: float) -> Upstream:

@@ -323,6 +323,10 @@ class BackendPool:
             instance.last_error = None
         self._changed(instance)
 
+    def load_changed(self, instance: Instance) -> None:
+        """A fresh scrape of vLLM's load (the supervisor tells its workers)."""
+        self._changed(instance)
+
     def _changed(self, instance: Instance) -> None:
         if self.on_change is not None:
             self.on_change(instance)
@@ -338,6 +342,7 @@ class BackendPool:
         instance.successes = int(health["successes"])
         instance.retry_at = float(health["retry_at"])
         instance.last_error = health["last_error"]
+        instance.load = dict(health.get("load") or {})
         if was is not instance.state:
             log.info("{role} instance {url} is {state} (from the supervisor)",
                      role=self.role, url=instance.url, state=instance.state.value)  # fmt: skip

@@ -28,6 +28,7 @@ from twisted.web.server import Request
 from nixl_twisted.testing import answers
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.ledger import TransferLedger
+from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text
 from nixl_twisted.testing.site import FakeSite, cut_off, netloc
 
 JSONObject = dict[str, Any]
@@ -80,6 +81,11 @@ class FakeVLLM(Controls):
     #: ``GET /health`` checks received, and the status they are answered with.
     health_checks: int = 0
     health_status: int = 200
+    #: Seconds of prefill per prompt token not found in the prefix cache (on ``clock``).
+    prefill_cost_per_token: float = 0.0
+    #: The prefix cache: tokens per block, blocks kept (LRU).
+    block_tokens: int = 128
+    cache_blocks: int = 4096
 
     def __post_init__(self) -> None:
         Controls.__init__(self)
@@ -88,6 +94,9 @@ class FakeVLLM(Controls):
         self.site = FakeSite(self.resource())
         self.url = ""
         self._kv_port = 5600
+        self.cache = PrefixCache(self.block_tokens, self.cache_blocks)
+        #: Generation requests being served now (``vllm:num_requests_running``).
+        self.running = 0
 
     def requests_for(self, role: str) -> list[ReceivedRequest]:
         return [r for r in self.requests if r.role == role]
@@ -126,6 +135,7 @@ class FakeVLLM(Controls):
     def resource(self) -> Any:
         app = Klein()
         app.route("/health", methods=["GET"])(self._health)
+        app.route("/metrics", methods=["GET"])(self._metrics)
         app.route("/v1/models", methods=["GET"])(self._models)
         app.route("/v1/completions", methods=["POST"])(self._generate)
         app.route("/v1/chat/completions", methods=["POST"])(self._generate)
@@ -150,18 +160,34 @@ class FakeVLLM(Controls):
         self._health_checked()
         return b""
 
+    def _metrics(self, request: Request) -> bytes:
+        """vLLM's own gauges and prefix-cache counters, as its ``/metrics`` names them."""
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        values = {
+            "vllm:num_requests_running": self.running,
+            "vllm:num_requests_waiting": 0,
+            "vllm:kv_cache_usage_perc": self.cache.usage,
+            "vllm:prefix_cache_queries_total": self.cache.queries,
+            "vllm:prefix_cache_hits_total": self.cache.hits,
+        }
+        request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")
+        return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
+
     def _models(self, request: Request) -> bytes:
         self._record(request, None, "other")
         request.setHeader(b"Content-Type", b"application/json")
         return answers.models(self.model)
 
     async def _generate(self, request: Request) -> bytes | None:
+        self.running += 1
         try:
             return await self._answer(request)
         except CancelledError:
             # Klein cancels the handler when the client goes away.
             self.disconnects += 1
             raise
+        finally:
+            self.running -= 1
 
     async def _answer(self, request: Request) -> bytes | None:
         assert request.content is not None
@@ -188,6 +214,12 @@ class FakeVLLM(Controls):
 
         prompt_tokens = answers.prompt_tokens(body, chat)
         cached = 0
+        if role in ("prefill", "plain"):
+            found, tokens = self.cache.compute(prompt_text(body))
+            cached = found
+            if self.prefill_cost_per_token > 0:
+                computing = self.prefill_cost_per_token * (tokens - found)
+                await deferLater(self.clock, computing)  # type: ignore[arg-type]
         kv_answer: JSONObject | None = None
         if role == "prefill" and behaviour.issues_params:
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
