@@ -81,6 +81,8 @@ class FakeVLLM(Controls):
     #: ``GET /health`` checks received, and the status they are answered with.
     health_checks: int = 0
     health_status: int = 200
+    #: The status ``GET /metrics`` answers (500: vLLM's metrics unreadable).
+    metrics_status: int = 200
     #: Seconds of prefill per prompt token not found in the prefix cache (on ``clock``).
     prefill_cost_per_token: float = 0.0
     #: The prefix cache: tokens per block, blocks kept (LRU).
@@ -170,6 +172,7 @@ class FakeVLLM(Controls):
             "vllm:prefix_cache_queries_total": self.cache.queries,
             "vllm:prefix_cache_hits_total": self.cache.hits,
         }
+        request.setResponseCode(self.metrics_status)
         request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")
         return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
 

@@ -1,0 +1,131 @@
+"""Routing policies as functions: candidates in, an instance and a decision out."""
+
+from __future__ import annotations
+
+import collections
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.internet.task import Clock
+
+from nixl_twisted import routing
+from nixl_twisted.pools import BackendPool, Instance
+from nixl_twisted.routing import Routing, load_score, prompt_key, rendezvous
+
+
+def pool_of(count: int, name: str = "prefill") -> BackendPool:
+    return BackendPool(name, [f"http://p{i}:1" for i in range(count)], Clock())
+
+
+def use(pool: BackendPool, name: str, balance: float = 1.5) -> BackendPool:
+    pool.policy = routing.policy(name, balance)
+    pool.policy_name = name
+    return pool
+
+
+def test_least_loaded_takes_the_fewest_legs_ties_in_rotation() -> None:
+    pool = use(pool_of(3), "least-loaded")
+    a, b, c = pool.instances
+    a.in_flight, b.in_flight, c.in_flight = 2, 0, 0
+    chosen = [pool.choose()[0] for _ in range(4)]
+    assert chosen == [b, c, b, c]
+    assert pool.choose()[1] == "fewest_in_flight"
+
+
+def test_load_prefers_what_vllm_reports_plus_this_proxys_legs_since() -> None:
+    pool = use(pool_of(2), "load")
+    busy, idle = pool.instances
+    busy.load = {"running": 6.0, "waiting": 2.0, "kv_cache_usage": 0.5, "ours": 1.0}
+    idle.load = {"running": 1.0, "waiting": 0.0, "kv_cache_usage": 0.1, "ours": 1.0}
+    assert load_score(busy) > load_score(idle)
+    assert {pool.choose()[0] for _ in range(20)} == {idle}
+    idle.in_flight = 20  # a burst from this proxy since the scrape shows at once
+    assert pool.choose()[0] is busy
+
+
+def test_load_without_metrics_falls_back_to_in_flight() -> None:
+    pool = use(pool_of(2), "load")
+    a, b = pool.instances
+    a.in_flight = 3
+    instance, decision = pool.choose()
+    assert (instance, decision) == (b, "in_flight_only")
+
+
+@given(st.binary(min_size=1, max_size=64))
+def test_rendezvous_moves_only_the_keys_of_a_removed_instance(key: bytes) -> None:
+    instances = [Instance(f"http://p{i}:1", "prefill") for i in range(4)]
+    first = rendezvous(key, instances)[0]
+    removed = instances[2]
+    rest = [i for i in instances if i is not removed]
+    again = rendezvous(key, rest)[0]
+    assert again is first or first is removed
+
+
+def test_cache_aware_keeps_a_conversation_on_one_instance_across_pools_and_processes() -> None:
+    opening = [{"role": "system", "content": "be brief"},
+               {"role": "user", "content": "tell me of NIXL"}]  # fmt: skip
+    conversation = {"model": "m", "messages": opening}
+    later = dict(conversation, messages=[
+        *conversation["messages"],
+        {"role": "assistant", "content": "it moves KV"},
+        {"role": "user", "content": "and then?"},
+    ])  # fmt: skip
+    key, later_key = prompt_key(conversation, 512), prompt_key(later, 512)
+    assert key == later_key  # every turn shares it
+    one, other = use(pool_of(4), "cache-aware"), use(pool_of(4), "cache-aware")
+    for pool in (one, other):
+        pool.instances[1].in_flight = 1  # different load, same answer while balanced
+    assert (
+        one.choose(routing=Routing(prompt=key))[0].url
+        == other.choose(routing=Routing(prompt=later_key))[0].url
+    )
+
+
+def test_the_balance_guard_moves_a_hot_key_to_its_next_instance() -> None:
+    pool = use(pool_of(2), "cache-aware", balance=1.5)
+    key = b"user\nthe same first question\n"
+    home, decision = pool.choose(routing=Routing(prompt=key))
+    assert decision == "affinity"
+    home.in_flight = 4  # cap: ceil(1.5 * 5 / 2) = 4
+    moved, decision = pool.choose(routing=Routing(prompt=key))
+    assert (moved is not home, decision) == (True, "balanced")
+
+
+def test_conversations_sharing_a_system_prompt_still_spread() -> None:
+    pool = use(pool_of(4), "cache-aware")
+    system = {"role": "system", "content": "You are a helpful assistant. " * 40}
+    homes = collections.Counter(
+        pool.choose(routing=Routing(prompt=prompt_key(
+            {"messages": [system, {"role": "user", "content": f"question {n}"}]}, 512)))[0].url
+        for n in range(200)
+    )  # fmt: skip
+    assert len(homes) == 4 and min(homes.values()) > 20
+
+
+def test_a_completion_is_keyed_by_its_leading_bytes() -> None:
+    long = "x" * 600
+    assert prompt_key({"prompt": long}, 512) == prompt_key({"prompt": long + " more"}, 512)
+    assert prompt_key({"prompt": [1, 2, 3]}, 512) == b"1,2,3"
+    assert prompt_key({"prompt": ""}, 512) is None
+
+
+def test_session_follows_the_session_key_else_rotates() -> None:
+    pool = use(pool_of(3, "decode"), "session")
+    chosen = {pool.choose(routing=Routing(session="alice"))[0] for _ in range(10)}
+    assert len(chosen) == 1
+    assert pool.choose()[1] == "no_session"
+    assert routing.session_key(b"s-1", {"user": "bob"}) == "s-1"
+    assert routing.session_key(None, {"user": "bob"}) == "bob"
+
+
+def test_every_policy_skips_down_and_draining_instances() -> None:
+    for name in routing.POLICIES:
+        pool = use(pool_of(3), name)
+        a, b, c = pool.instances
+        for _ in range(3):
+            pool.record_failure(a, "refused")
+        b.in_flight = 1
+        pool.drain(b.url)
+        assert {pool.choose(routing=Routing(prompt=b"k", session="s"))[0] for _ in range(6)} == {
+            c
+        }, name
