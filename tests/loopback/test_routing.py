@@ -40,7 +40,9 @@ class CacheAwareTests(ProxyCase):
         queries = sum(p.cache.queries for p in self.prefills)
         self.assertGreater(hits / queries, 0.6)
         for fake in self.prefills:
-            firsts = {r.body["messages"][1]["content"][:16] for r in fake.requests_for("prefill")}
+            firsts = {
+                (r.body or {})["messages"][1]["content"][:16] for r in fake.requests_for("prefill")
+            }
             # A prefill saw whole conversations: each one it saw, it saw 4 times.
             self.assertEqual(len(fake.requests_for("prefill")), 4 * len(firsts))
 
