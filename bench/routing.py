@@ -1,0 +1,284 @@
+"""Routing policies side by side on a seeded multi-turn chat workload.
+
+Conversations share a system prompt; each turn repeats its whole history
+and adds a user message; turns of different conversations interleave at
+random (seeded), ``--concurrency`` at a time. The fakes (one process, one
+shared ledger, pinned off the proxy's core) model vLLM's prefix cache and
+take ``--cost`` seconds per prompt token they had to compute. For each run
+it prints the prefill prefix-cache hit rate (hits / queries in tokens, from
+the fakes' own ``/metrics``), TTFT p50/p99 as the client saw it (streaming),
+how the legs spread over the prefill instances, and failures:
+
+- ``ideal``: one prefill instance, where every turn finds its history;
+- each policy with 2 prefill instances, and round-robin and cache-aware with 4;
+- cache-aware under ``--workers 2``, and with two proxies taking turns of
+  the same conversations;
+- skew: one of two prefill instances 4x slower (least-loaded and load must
+  send it less than round-robin).
+
+    python -m bench.routing [--conversations 24] [--turns 6] [--concurrency 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from bench.run import _pinned, nixlproxy
+
+SYSTEM = "You are a careful assistant for people who run disaggregated LLM serving. " * 8
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    prefills: int = 2
+    policy: str = "round-robin"
+    workers: int = 1
+    proxies: int = 1
+    slow: bool = False
+
+
+RUNS = (
+    Run("ideal (1 prefill)", prefills=1),
+    *(Run(f"{p}, 2 prefills", policy=p)
+      for p in ("round-robin", "least-loaded", "load", "cache-aware", "session")),
+    Run("round-robin, 4 prefills", prefills=4),
+    Run("cache-aware, 4 prefills", prefills=4, policy="cache-aware"),
+    Run("cache-aware, 2 prefills, --workers 2", policy="cache-aware", workers=2),
+    Run("cache-aware, 2 prefills, 2 proxies", policy="cache-aware", proxies=2),
+    *(Run(f"skew: {p}, one prefill 4x slower", policy=p, slow=True)
+      for p in ("round-robin", "least-loaded", "load")),
+)  # fmt: skip
+
+
+# -- the fakes, served by a child process --------------------------------------
+
+
+def serve_fakes(prefills: int, decodes: int, cost: float, slow: bool) -> None:
+    from twisted.internet import reactor
+    from twisted.internet.defer import ensureDeferred
+
+    from nixl_twisted.testing import FakeVLLM, TransferLedger
+
+    async def serve() -> None:
+        ledger = TransferLedger()
+        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for i in range(prefills):
+            factor = 4 if slow and i == 0 else 1
+            fake = FakeVLLM(name=f"prefill-{i}", ledger=ledger, tokens=16,
+                            prefill_cost_per_token=cost * factor)  # fmt: skip
+            urls["prefill"].append(await fake.listen("tcp:0:interface=127.0.0.1", reactor))
+        for i in range(decodes):
+            fake = FakeVLLM(name=f"decode-{i}", ledger=ledger, tokens=16)
+            urls["decode"].append(await fake.listen("tcp:0:interface=127.0.0.1", reactor))
+        print(json.dumps(urls), flush=True)
+
+    reactor.callWhenRunning(lambda: ensureDeferred(serve()))
+    reactor.run()
+
+
+@contextmanager
+def fakes(run: Run, cost: float) -> Iterator[dict[str, list[str]]]:
+    command = [sys.executable, "-m", "bench.routing", "--serve-fakes", str(run.prefills),
+               "--cost", str(cost)] + (["--slow"] if run.slow else [])  # fmt: skip
+    process = subprocess.Popen(_pinned("1", command), stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        yield json.loads(process.stdout.readline())
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+# -- the workload --------------------------------------------------------------
+
+
+async def _get(url: str) -> str:
+    host, port = url.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    path = "/" + url.removeprefix("http://").split("/", 1)[1]
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    raw = await reader.read()
+    writer.close()
+    return raw.partition(b"\r\n\r\n")[2].decode()
+
+
+def _samples(text: str, name: str) -> list[tuple[str, float]]:
+    found = []
+    for line in text.splitlines():
+        if line.startswith(name):
+            labels, _, value = line.rpartition(" ")
+            found.append((labels, float(value)))
+    return found
+
+
+async def conversations(urls: Sequence[str], count: int, turns: int, concurrency: int,
+                        seed: int) -> dict[str, Any]:  # fmt: skip
+    from openai import AsyncOpenAI
+
+    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0) for url in urls]
+    rng = random.Random(seed)
+    histories: list[list[dict[str, str]]] = [
+        [{"role": "system", "content": SYSTEM},
+         {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * 900}]
+        for n in range(count)
+    ]  # fmt: skip
+    order = [n for n in range(count) for _ in range(turns)]
+    rng.shuffle(order)
+    done_turns = [0] * count
+    busy: set[int] = set()
+    ttfts: list[float] = []
+    failures = 0
+    lock = asyncio.Lock()
+
+    async def one_turn(n: int) -> None:
+        nonlocal failures
+        client = clients[done_turns[n] % len(clients)]  # turns alternate between proxies
+        started = time.monotonic()
+        first: float | None = None
+        text = []
+        try:
+            stream = await client.chat.completions.create(
+                model="m", messages=histories[n], stream=True, max_tokens=16,  # type: ignore[arg-type]
+                user=f"conversation-{n}",
+            )  # fmt: skip
+            async for chunk in stream:  # type: ignore[union-attr]
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = first or time.monotonic()
+                    text.append(chunk.choices[0].delta.content)
+        except Exception:
+            failures += 1
+            return
+        ttfts.append((first or time.monotonic()) - started)
+        follow_up = f"Turn {done_turns[n]}: " + "more " * 80
+        histories[n] += [{"role": "assistant", "content": "".join(text)},
+                         {"role": "user", "content": follow_up}]  # fmt: skip
+        done_turns[n] += 1
+
+    async def worker() -> None:
+        while True:
+            async with lock:
+                pick = next((i for i, n in enumerate(order) if n not in busy), None)
+                if pick is None:
+                    if not order:
+                        return
+                    n = None
+                else:
+                    n = order.pop(pick)
+                    busy.add(n)
+            if n is None:
+                await asyncio.sleep(0.005)
+                continue
+            await one_turn(n)
+            busy.discard(n)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    for client in clients:
+        await client.close()
+    ttfts.sort()
+    return {
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
+        "ttft_p99_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))] * 1000, 1) if ttfts else None,
+        "failures": failures,
+        "turns": len(ttfts),
+    }
+
+
+def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
+    with fakes(run, args.cost) as urls, ExitStack() as stack:
+        proxy_args = [
+            "--health-interval", "1", "--access-log", "off", "--prefill-policy", run.policy,
+            "--workers", str(run.workers),
+            *[a for u in urls["prefill"] for a in ("--prefill", u)],
+            *[a for u in urls["decode"] for a in ("--decode", u)],
+        ]  # fmt: skip
+        proxies = [
+            stack.enter_context(nixlproxy(proxy_args, "0", run.workers))[1]
+            for _ in range(run.proxies)
+        ]
+        result = asyncio.run(conversations(
+            proxies, args.conversations, args.turns, args.concurrency, args.seed))  # fmt: skip
+        hits = queries = 0.0
+        legs = []
+        for url in urls["prefill"]:
+            metrics = asyncio.run(_get(url + "/metrics"))
+            hits += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_hits_total"))
+            queries += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_queries_total"))
+        for proxy in proxies:
+            metrics = asyncio.run(_get(proxy + "/metrics"))
+            for labels, value in _samples(metrics, "nixlproxy_backend_requests_total"):
+                if 'pool="prefill"' in labels:
+                    legs.append((labels.split('instance="')[1].split('"')[0], value))
+    spread: dict[str, float] = {}
+    for instance, value in legs:
+        spread[instance] = spread.get(instance, 0) + value
+    ordered = [int(spread.get(u, 0)) for u in urls["prefill"]]
+    return {"run": run.name, "hit_rate": round(hits / queries, 3) if queries else None,
+            **result, "prefill_legs": ordered}  # fmt: skip
+
+
+def index_memory(prompts: int = 100_000) -> dict[str, Any]:
+    """What cache-aware keeps after choosing for ``prompts`` distinct prompts (tracemalloc)."""
+    import tracemalloc
+
+    from twisted.internet.task import Clock
+
+    from nixl_twisted import routing
+    from nixl_twisted.pools import BackendPool
+
+    pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
+    pool.policy, pool.policy_name = routing.policy("cache-aware"), "cache-aware"
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for n in range(prompts):
+        body = {"messages": [{"role": "user", "content": f"distinct prompt {n} " * 20}]}
+        pool.choose(routing=routing.Routing(prompt=routing.prompt_key(body, 512)))
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return {"prompts": prompts, "retained_bytes": after - before}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--conversations", type=int, default=24)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--cost", type=float, default=0.0001, help="s per uncached token")
+    parser.add_argument("--seed", type=int, default=12)
+    parser.add_argument("--only", default="", help="runs whose name contains this")
+    parser.add_argument("--serve-fakes", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--slow", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index-memory", action="store_true",
+                        help="what cache-aware keeps after 100k distinct prompts")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.index_memory:
+        print(json.dumps(index_memory()))
+        return 0
+    if args.serve_fakes:
+        serve_fakes(args.serve_fakes, 2, args.cost, args.slow)
+        return 0
+    print("| run | prefill hit rate | TTFT p50 | TTFT p99 | prefill legs | failed |")
+    print("|---|---|---|---|---|---|")
+    for run in RUNS:
+        if args.only and args.only not in run.name:
+            continue
+        r = measure(run, args)
+        cells = [r["run"], f"{r['hit_rate']:.1%}", f"{r['ttft_p50_ms']} ms",
+                 f"{r['ttft_p99_ms']} ms", str(r["prefill_legs"]), str(r["failures"])]  # fmt: skip
+        print("| " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
