@@ -58,3 +58,20 @@ def test_a_reload_that_fails_leaves_the_pools_alone_and_logs_the_key(
     (error,) = [e for e in logged if e.get("log_format", "").startswith("SIGHUP: pools not")]
     assert error["key"] == "decode"
     assert "'d9:1' must start with http://" in error["error"]
+
+
+def test_a_reload_changes_the_policies_too(tmp_path: Path) -> None:
+    path = tmp_path / "nixlproxy.toml"
+    path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n')
+    service = proxy_from(path)
+    assert service.backends.prefill.policy_name == "round-robin"
+    path.write_text(
+        'prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n'
+        'prefill-policy = "cache-aware"\ndecode-policy = "least-loaded"\n'
+    )
+    service.reload_pools()
+    pools = service.backends
+    assert (pools.prefill.policy_name, pools.decode.policy_name) == ("cache-aware", "least-loaded")
+    path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\nprefill-policy = "x"\n')
+    service.reload_pools()  # refused, named; the policy stays
+    assert pools.prefill.policy_name == "cache-aware"

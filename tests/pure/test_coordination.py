@@ -113,8 +113,13 @@ def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -
     assert done == [None]
 
     link.received({"change": {"op": "drain", "pool": "decode", "url": D1}})
-    link.received({"pools": {"prefill": [P], "decode": [D2]}})
+    link.received({"pools": {"prefill": [P], "decode": [D2]},
+                   "policies": {"prefill": "cache-aware", "decode": "least-loaded"}})  # fmt: skip
     assert worker.decode.urls == (D2,)
+    assert (worker.prefill.policy_name, worker.decode.policy_name) == (
+        "cache-aware",
+        "least-loaded",
+    )
 
 
 def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path: Any) -> None:

@@ -31,6 +31,25 @@ def test_a_short_memory_run_prints_its_table() -> None:
     assert "| 20 |" in result.stdout
 
 
+def test_a_short_routing_run_prints_its_table() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.routing", "--only", "cache-aware, 2 prefills,",
+         "--conversations", "3", "--turns", "2", "--concurrency", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"\| cache-aware, 2 prefills, --workers 2 \| \d+\.\d%", result.stdout)
+
+
+def test_routing_keeps_nothing_per_prompt() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.routing", "--index-memory"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert '"prompts": 100000' in result.stdout
+
+
 def test_a_backend_announces_one_port_for_all_workers_and_stops_them_all() -> None:
     """SIGTERM the moment readiness is announced: every worker stops, exit 0."""
     backend = subprocess.Popen(
