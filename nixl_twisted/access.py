@@ -20,6 +20,8 @@ log = Logger(namespace="nixlproxy.access")
 
 COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 
+_USUAL = frozenset({"answered", "next"})
+
 #: The longest path an access event keeps (a 404 for a long URL stays one short line).
 MAX_PATH = 200
 
@@ -98,8 +100,9 @@ class AccessLog:
             "decode_route": record.decode_route,
             "ended": record.ended,
         }
-        # What did not happen is left out, and so is the usual ending.
-        fields = {k: v for k, v in fields.items() if v is not None and v != "answered"}
+        # What did not happen is left out, and so are the usual ending and
+        # round-robin's decision ("next"), which say nothing.
+        fields = {k: v for k, v in fields.items() if v is not None and v not in _USUAL}
         # Rendered here: Twisted's own formatting of fifteen fields costs
         # several times more, on every request.
         log.info("{access_line}", access_line=access_line(fields), access=fields)
