@@ -25,7 +25,8 @@ from twisted.web.iweb import IAgent
 from nixl_twisted import routing
 from nixl_twisted.config import Health, Policies, Pools, ProxyConfig
 from nixl_twisted.events import Happened
-from nixl_twisted.pools import BackendPool, Instance, Thresholds
+from nixl_twisted.health import Thresholds
+from nixl_twisted.pools import BackendPool, Instance
 from nixl_twisted.relay import read_body
 from nixl_twisted.upstream import Upstream, backend_agent
 

@@ -1,28 +1,20 @@
 """The backend pools: which prefill and decode instance serves the next leg.
 
-Each pool hands out its instances round-robin (as the seed does), skipping
-those that are down or draining. What the proxy believes of an instance is
-its ``State``, moved by the outcomes of health checks and legs as Envoy
-moves it:
-
-- a new instance is ``PENDING`` until its first health check (or leg)
-  answers, which decides at once; with health checks off it starts ``UP``;
-- ``UP`` turns ``DOWN`` after ``unhealthy`` failures in a row (a refused
-  connection, a timeout, a failed check): one slow request ejects nothing;
-- ``DOWN`` turns ``UP`` after ``healthy`` successes in a row. Past a
-  backoff that doubles with each failure, a down instance may get a trial
-  leg, so that it can come back even with health checks off;
-- panic: when every instance not draining is down, legs go to them anyway
-  (best effort) rather than refusing everything.
+Each pool hands its legs to the instances that are neither down nor
+draining, by its policy (``nixl_twisted.routing``; round-robin as the seed
+does by default), and judges what legs and health checks learn of them by
+the rules of ``nixl_twisted.health``. Panic: when every instance not
+draining is down, legs go to them anyway (best effort) rather than refusing
+everything.
 
 A leg holds its instance through a ``Lease``, the one way legs take and give
-back an instance. Under ``--workers`` the supervisor owns these states: a
-worker's pool reports its outcomes (``report``) and adopts what it is told.
+back an instance. Under ``--workers`` the supervisor owns the instances'
+health: a worker's pool reports its outcomes (``report``) and adopts what it
+is told.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,28 +22,12 @@ from typing import Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
+from nixl_twisted import health
+from nixl_twisted.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.routing import NO_ROUTING, Policy, Routing, round_robin
 from nixl_twisted.settings import backend_url
 
 log = Logger()
-
-BACKOFF_BASE = 1.0
-BACKOFF_MAX = 30.0
-
-
-class State(enum.Enum):
-    PENDING = "pending"
-    UP = "up"
-    DOWN = "down"
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Outcomes in a row that turn an instance down, and back up."""
-
-    unhealthy: int = 3
-    healthy: int = 2
-
 
 #: (role, url, failure reason or None for a success): an outcome sent elsewhere.
 Report = Callable[[str, str, "str | None"], None]
@@ -128,7 +104,7 @@ class BackendPool:
         role: str,
         urls: Sequence[str],
         clock: IReactorTime,
-        thresholds: Thresholds = Thresholds(),
+        thresholds: Thresholds = DEFAULT_THRESHOLDS,
         checked: bool = False,
     ) -> None:
         """``checked``: health checks run, so new instances wait for the first one."""
@@ -285,19 +261,11 @@ class BackendPool:
     # -- what legs and health checks learn ---------------------------------
 
     def record_failure(self, instance: Instance, reason: str) -> None:
-        """A failed check or leg: down at once if pending, after ``unhealthy`` in a row if up."""
+        """A failed check or leg (``nixl_twisted.health`` says what it makes of it)."""
         if self.report is not None:
             self.report(self.role, instance.url, reason)
             return
-        instance.failures += 1
-        instance.successes = 0
-        instance.last_error = reason
-        exponent = max(0, instance.failures - self.thresholds.unhealthy)
-        instance.retry_at = self._now() + min(BACKOFF_MAX, BACKOFF_BASE * 2**exponent)
-        if instance.state is State.PENDING or (
-            instance.state is State.UP and instance.failures >= self.thresholds.unhealthy
-        ):
-            instance.state = State.DOWN
+        if health.failed(instance, reason, self.thresholds, self._now()):
             log.warn(
                 "{role} instance {url} marked down after {failures} failures in a row: {reason}",
                 role=self.role, url=instance.url, failures=instance.failures, reason=reason,
@@ -305,22 +273,14 @@ class BackendPool:
         self._changed(instance)
 
     def record_success(self, instance: Instance) -> None:
-        """A check or leg that worked: up at once if pending, after ``healthy`` in a row if down."""
-        if instance.state is State.UP and instance.failures == 0:
+        """A check or leg that worked."""
+        if not health.worth_judging(instance):
             return  # the common case: nothing to learn, nothing to report
         if self.report is not None:
             self.report(self.role, instance.url, None)
             return
-        instance.failures = 0
-        instance.successes += 1
-        if instance.state is State.PENDING or (
-            instance.state is State.DOWN and instance.successes >= self.thresholds.healthy
-        ):
-            if instance.state is State.DOWN:
-                log.info("{role} instance {url} is back", role=self.role, url=instance.url)
-            instance.state = State.UP
-            instance.retry_at = 0.0
-            instance.last_error = None
+        if health.succeeded(instance, self.thresholds):
+            log.info("{role} instance {url} is back", role=self.role, url=instance.url)
         self._changed(instance)
 
     def load_changed(self, instance: Instance) -> None:
@@ -331,19 +291,10 @@ class BackendPool:
         if self.on_change is not None:
             self.on_change(instance)
 
-    def adopt(self, health: dict[str, Any]) -> None:
+    def adopt(self, verdict: dict[str, Any]) -> None:
         """Take an instance's health as the supervisor decided it (``Instance.health``)."""
-        instance = self.find(str(health["url"]))
-        if instance is None:
-            return
-        was = instance.state
-        instance.state = State(health["state"])
-        instance.failures = int(health["failures"])
-        instance.successes = int(health["successes"])
-        instance.retry_at = float(health["retry_at"])
-        instance.last_error = health["last_error"]
-        instance.load = dict(health.get("load") or {})
-        if was is not instance.state:
+        instance = self.find(str(verdict["url"]))
+        if instance is not None and health.adopt(instance, verdict):
             log.info("{role} instance {url} is {state} (from the supervisor)",
                      role=self.role, url=instance.url, state=instance.state.value)  # fmt: skip
 

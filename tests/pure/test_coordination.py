@@ -9,7 +9,8 @@ from twisted.internet.task import Clock
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import Health, Policies, Pools
 from nixl_twisted.coordination import Coordinator, Lines, SupervisorLink, encode
-from nixl_twisted.pools import BackendPool, State, Thresholds
+from nixl_twisted.health import State, Thresholds
+from nixl_twisted.pools import BackendPool
 from nixl_twisted.upstream import Upstream
 
 P, D1, D2 = "http://p:1", "http://d1:1", "http://d2:1"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.pools import BACKOFF_MAX, BackendPool, NoHealthyInstance, State, Thresholds
+from nixl_twisted.health import BACKOFF_MAX, State, Thresholds
+from nixl_twisted.pools import BackendPool, NoHealthyInstance
 from nixl_twisted.settings import InvalidValue, backend_url
 
 
