@@ -15,11 +15,11 @@ from functools import partial
 from urllib.parse import unquote_to_bytes
 
 from klein import Klein
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.iweb import IRequest, IResponse
+from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
@@ -33,10 +33,10 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.errors import ProxyError, error_body
 from nixl_twisted.exchange import Exchange
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
-from nixl_twisted.legs import PrefillRefused, describe, send_leg, unreachable
+from nixl_twisted.legs import PrefillRefused
 from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
-from nixl_twisted.pools import Instance
-from nixl_twisted.relay import break_off, relay_body, start_response
+from nixl_twisted.passthrough import OneLeg
+from nixl_twisted.relay import start_response
 
 log = Logger()
 
@@ -64,6 +64,7 @@ class ProxyApp:
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
+        self.one_leg = OneLeg(config, backends, metrics, clock)
         self.admission.on_change = self.metrics.in_flight.set
         #: The completions being served now.
         self.exchanges: set[Exchange] = set()
@@ -128,39 +129,20 @@ class ProxyApp:
 
     @app.route("/v1/models", methods=["GET"])
     def models(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, "/v1/models", None)
+
+    @app.route("/tokenize", methods=["POST"])
+    def tokenize(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, "/tokenize", _client_body(request))
+
+    @app.route("/detokenize", methods=["POST"])
+    def detokenize(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, "/detokenize", _client_body(request))
+
+    def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         self.admission.admit()
-        return Deferred.fromCoroutine(self._models(request)).addBoth(self.admission.release)
-
-    async def _models(self, request: Request) -> None:
-        request_id = lowering.new_request_id()
-        request.setHeader(REQUEST_ID, request_id.encode("ascii"))
-        record_of(request).request_id = request_id
-        headers = backend_request_headers(
-            request.requestHeaders, request_id, self.config.backend_api_key, json_body=False
-        )
-
-        async def attempt(instance: Instance) -> IResponse:
-            record_of(request).decode = instance.url
-            try:
-                return await self.backends.upstream.get(instance.url + "/v1/models", headers)
-            except CancelledError:
-                raise
-            except Exception as error:
-                raise unreachable(instance, error) from None
-
-        pool = self.backends.decode
-        lease, response = await send_leg(pool, self.config.retries.decode, self.metrics, attempt)
-        try:
-            start_response(request, response)
-            await relay_body(request, response, self.clock, self.config.timeouts.stream_idle)
-        except CancelledError:
-            raise
-        except Exception as error:
-            log.error("GET /v1/models from {url} broke off: {reason}",
-                      url=lease.instance.url, reason=describe(error))  # fmt: skip
-            await break_off(request, "decode closed its answer early", "decode_broken")
-        finally:
-            lease.release()
+        serving = Deferred.fromCoroutine(self.one_leg.serve(request, path, body))
+        return serving.addBoth(self.admission.release)
 
     @app.route(lowering.COMPLETIONS_PATH, methods=["POST"])
     def completions(self, request: Request) -> Deferred[None]:

@@ -139,6 +139,8 @@ class FakeVLLM(Controls):
         app.route("/health", methods=["GET"])(self._health)
         app.route("/metrics", methods=["GET"])(self._metrics)
         app.route("/v1/models", methods=["GET"])(self._models)
+        app.route("/tokenize", methods=["POST"])(self._tokenize)
+        app.route("/detokenize", methods=["POST"])(self._detokenize)
         app.route("/v1/completions", methods=["POST"])(self._generate)
         app.route("/v1/chat/completions", methods=["POST"])(self._generate)
         return app.resource()
@@ -175,6 +177,24 @@ class FakeVLLM(Controls):
         request.setResponseCode(self.metrics_status)
         request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")
         return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
+
+    def _tokenize(self, request: Request) -> bytes:
+        """vLLM's answer shape; a token is four bytes of the prompt, as the prefix cache counts."""
+        assert request.content is not None
+        body = json.loads(request.content.read())
+        self._record(request, body, "other")
+        count = max(1, len(prompt_text(body).encode("utf-8")) // 4)
+        request.setHeader(b"Content-Type", b"application/json")
+        return answers.encode({"count": count, "max_model_len": 1024,
+                               "tokens": list(range(count)), "token_strs": None})  # fmt: skip
+
+    def _detokenize(self, request: Request) -> bytes:
+        assert request.content is not None
+        body = json.loads(request.content.read())
+        self._record(request, body, "other")
+        request.setHeader(b"Content-Type", b"application/json")
+        tokens = body.get("tokens") or []
+        return answers.encode({"prompt": " ".join(f"t{t}" for t in tokens)})
 
     def _models(self, request: Request) -> bytes:
         self._record(request, None, "other")

@@ -214,3 +214,33 @@ class ConnectionTests(ProxyCase):
         (channel,) = site.channels()
         assert ITCPTransport.providedBy(channel.transport)
         self.assertTrue(channel.transport.getTcpNoDelay())
+
+
+class OneLegRouteTests(ProxyCase):
+    async def test_tokenize_and_detokenize_go_to_a_decode_instance_as_they_are(self) -> None:
+        await self.start(decodes=2)
+        body = {"model": "m", "prompt": "x" * 40, "kv_transfer_params": {"do_remote_decode": True}}
+        response, answer = await self.post_json("/tokenize", body)
+        self.assertEqual(response.code, 200)
+        self.assertEqual(answer["count"], 10)
+        response, answer = await self.post_json("/detokenize", {"model": "m", "tokens": [1, 2]})
+        self.assertEqual((response.code, answer["prompt"]), (200, "t1 t2"))
+        seen = [r for d in self.decodes for r in d.requests]
+        self.assertEqual(sorted(r.path for r in seen), ["/detokenize", "/tokenize"])
+        # The client's kv_transfer_params never reach a backend.
+        self.assertTrue(all("kv_transfer_params" not in (r.body or {}) for r in seen))
+        self.assertEqual(self.prefill.requests, [])
+
+    async def test_a_tokenize_body_that_is_not_json_is_refused_before_any_backend(self) -> None:
+        await self.start()
+        response, answer = await self.post_json("/tokenize", b"{nope")
+        self.assertError(response, answer, 400, "invalid_json")
+        self.assertEqual(self.decode.requests, [])
+
+    async def test_a_dead_decode_is_retried_for_tokenize_too(self) -> None:
+        await self.start(decodes=2, proxy=dict(decode_retries=1))
+        await self.decodes[0].stop()
+        for _ in range(2):
+            response, _ = await self.post_json("/tokenize", {"model": "m", "prompt": "hi"})
+            self.assertEqual(response.code, 200)
+        self.assertEqual(len(self.decodes[1].requests), 2)
