@@ -90,27 +90,30 @@ class AdminAPI:
     def _change(self, op: str, body: bytes) -> Deferred[dict[str, Any]]:
         pool, url = self._target(body)
         try:
-            instance = apply_change(self.backends, {"op": op, "pool": pool.role, "url": url})
+            instances = apply_change(self.backends, {"op": op, "pool": pool.role, "url": url})
         except PoolChangeRefused as error:
             raise ProxyError(409, str(error), "invalid_request_error", "last_instance") from None
-        if instance is None:
+        if not instances:
             raise ProxyError(
                 404, f"no {pool.role} instance {url}", "invalid_request_error", "not_found"
             )
-        described = instance.describe()
+        described = [instance.describe() for instance in instances]
+        # One instance: its description; the ranks of URL#dp=N: each of theirs.
+        answer = described[0] if len(described) == 1 else {"instances": described}
         # Answered once every worker has the change too.
         published = self.publish({"op": op, "pool": pool.role, "url": url})
-        return published.addCallback(lambda _: described)
+        return published.addCallback(lambda _: answer)
 
 
-def apply_change(backends: BackendService, change: dict[str, str]) -> Instance | None:
-    """Add, drain or remove an instance (``{"op", "pool", "url"}``); None if it is unknown.
+def apply_change(backends: BackendService, change: dict[str, str]) -> list[Instance]:
+    """Add, drain or remove an instance (``{"op", "pool", "url"}``); [] if it is unknown.
 
-    Raises ``PoolChangeRefused`` for a change that would empty a pool.
+    A ``URL#dp=N`` names each of its ranks. Raises ``PoolChangeRefused`` for
+    a change that would empty a pool.
     """
     pool = backends.pool(change["pool"])
     if pool is None:
-        return None
+        return []
     if change["op"] == "add":
         return pool.add(change["url"])
     if change["op"] == "drain":

@@ -25,6 +25,7 @@ from twisted.web.iweb import IAgent
 from nixl_twisted import routing
 from nixl_twisted.config import Health, Policies, Pools, ProxyConfig
 from nixl_twisted.events import Happened
+from nixl_twisted.headers import for_rank
 from nixl_twisted.health import Thresholds
 from nixl_twisted.pools import BackendPool, Instance
 from nixl_twisted.relay import read_body
@@ -109,7 +110,8 @@ class BackendService(Service):
 
     def _check(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
         async def probe() -> None:
-            response = await self.health_client.get(instance.url + "/health", Headers())
+            checking = for_rank(Headers(), instance.rank)
+            response = await self.health_client.get(instance.base + "/health", checking)
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
@@ -138,7 +140,7 @@ class BackendService(Service):
         """vLLM's own load from its ``/metrics``; unreadable: the policy falls back, no mark."""
         ours = instance.in_flight
         try:
-            response = await self.health_client.get(instance.url + "/metrics", Headers())
+            response = await self.health_client.get(instance.base + "/metrics", Headers())
             text = (await read_body(response)).decode("utf-8", "replace")
         except Exception as error:
             instance.load = {}

@@ -36,7 +36,7 @@ from nixl_twisted.backends import BackendService
 from nixl_twisted.config import Retries, Timeouts
 from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout, overloaded
 from nixl_twisted.events import Happened
-from nixl_twisted.headers import REQUEST_ID
+from nixl_twisted.headers import REQUEST_ID, for_rank
 from nixl_twisted.legs import (
     PrefillRefused,
     PrefillVerdict,
@@ -247,7 +247,7 @@ class Exchange:
         """Prefill's whole 2xx body, or why not (``Retry``: another instance may serve)."""
         try:
             response = await self.backends.upstream.post(
-                instance.url + self.target, lowered, self.headers
+                instance.base + self.target, lowered, for_rank(self.headers, instance.rank)
             )
         except (CancelledError, TimeoutError):
             raise
@@ -279,7 +279,9 @@ class Exchange:
     async def _decode(self, instance: Instance, completed: bytes) -> IResponse:
         self.record.decode = instance.url
         self._decode_sent = self.clock.seconds()
-        posting = self.backends.upstream.post(instance.url + self.target, completed, self.headers)
+        posting = self.backends.upstream.post(
+            instance.base + self.target, completed, for_rank(self.headers, instance.rank)
+        )
         try:
             response = await self._track(posting.addTimeout(self.timeouts.decode, self.clock))
         except TimeoutError:

@@ -77,6 +77,19 @@ def backend_request_headers(
     return headers
 
 
+#: Which engine of a data-parallel vLLM serves the request.
+DP_RANK = b"X-data-parallel-rank"
+
+
+def for_rank(headers: Headers, rank: int | None) -> Headers:
+    """A leg's headers: to one rank of a data-parallel instance, with its rank header."""
+    if rank is None:
+        return headers
+    ranked = headers.copy()
+    ranked.setRawHeaders(DP_RANK, [str(rank).encode("ascii")])
+    return ranked
+
+
 #: Response headers the proxy sets itself: its request id wins over one a
 #: backend echoes back (vLLM may append a suffix of its own); ``Server`` and
 #: ``Date`` are the proxy's, as the one that answers (vLLM's say uvicorn).

@@ -20,7 +20,7 @@ from nixl_twisted import lowering
 from nixl_twisted.access import record_of
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.headers import REQUEST_ID, backend_request_headers
+from nixl_twisted.headers import REQUEST_ID, backend_request_headers, for_rank
 from nixl_twisted.legs import account, describe, send_leg, timed_out, unreachable
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import Instance
@@ -66,8 +66,8 @@ class OneLeg:
 
         async def attempt(instance: Instance) -> IResponse:
             record_of(request).decode = instance.url
-            url = instance.url + path
-            sent = upstream.get(url, headers) if raw is None else upstream.post(url, raw, headers)
+            url, ranked = instance.base + path, for_rank(headers, instance.rank)
+            sent = upstream.get(url, ranked) if raw is None else upstream.post(url, raw, ranked)
             try:
                 response = await sent.addTimeout(timeout, self.clock)
             except TimeoutError:

@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from nixl_twisted import health
 from nixl_twisted.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.routing import NO_ROUTING, Policy, Routing, round_robin
-from nixl_twisted.settings import backend_url
+from nixl_twisted.settings import backend_url, rank_urls
 
 log = Logger()
 
@@ -66,9 +66,21 @@ class Instance:
     def healthy(self) -> bool:
         return self.state is State.UP
 
+    @property
+    def base(self) -> str:
+        """Where its legs go: the URL without its rank."""
+        return self.url.split("#", 1)[0]
+
+    @property
+    def rank(self) -> int | None:
+        """Its data-parallel rank (``URL#rank=I``), sent as ``X-data-parallel-rank``."""
+        _, _, fragment = self.url.partition("#")
+        return int(fragment.removeprefix("rank=")) if fragment else None
+
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
+            "rank": self.rank,
             "state": self.state.value,
             "healthy": self.healthy,
             "draining": self.draining,
@@ -114,7 +126,7 @@ class BackendPool:
         self.clock = clock
         self.thresholds = thresholds
         self._initial = State.PENDING if checked else State.UP
-        self.instances = [self._new(u) for u in urls]
+        self.instances = [self._new(name) for url in urls for name in rank_urls(url)]
         self._cursor = 0
         #: Set in a worker: outcomes go to the supervisor, which decides.
         self.report: Report | None = None
@@ -205,53 +217,60 @@ class BackendPool:
         url = backend_url(url)
         return next((i for i in self.instances if i.url == url), None)
 
-    def add(self, url: str) -> Instance:
-        """Put an instance in rotation (a draining one is taken back)."""
-        instance = self.find(url)
-        if instance is None:
-            instance = self._new(url)
-            self.instances.append(instance)
-            log.info("{role} instance {url} added", role=self.role, url=instance.url)
-        instance.draining = False
-        return instance
+    def find_all(self, url: str) -> list[Instance]:
+        """The instances a URL names: itself, or each rank of ``URL#dp=N``."""
+        return [i for i in map(self.find, rank_urls(url)) if i is not None]
 
-    def _refuse_emptying(self, leaving: Instance) -> None:
-        if not any(i is not leaving and not i.draining for i in self.instances):
+    def add(self, url: str) -> list[Instance]:
+        """Put an instance (each of its ranks) in rotation; a draining one is taken back."""
+        added = []
+        for name in rank_urls(url):
+            instance = self.find(name)
+            if instance is None:
+                instance = self._new(name)
+                self.instances.append(instance)
+                log.info("{role} instance {url} added", role=self.role, url=instance.url)
+            instance.draining = False
+            added.append(instance)
+        return added
+
+    def _refuse_emptying(self, leaving: list[Instance]) -> None:
+        if not any(i not in leaving and not i.draining for i in self.instances):
             raise PoolChangeRefused(
-                f"{leaving.url} is the last {self.role} instance in rotation; "
+                f"{leaving[0].url} is the last {self.role} instance in rotation; "
                 "add another before taking it out"
             )
 
-    def drain(self, url: str) -> Instance | None:
-        """No new legs for an instance; it leaves when its last leg ends."""
-        instance = self.find(url)
-        if instance is None:
-            return None
-        self._refuse_emptying(instance)
-        instance.draining = True
-        log.info("{role} instance {url} draining", role=self.role, url=instance.url)
-        if instance.in_flight == 0:
-            self.instances.remove(instance)
-        return instance
+    def drain(self, url: str) -> list[Instance]:
+        """No new legs for an instance (each of its ranks); it leaves when its last leg ends."""
+        instances = self.find_all(url)
+        if instances:
+            self._refuse_emptying(instances)
+        for instance in instances:
+            instance.draining = True
+            log.info("{role} instance {url} draining", role=self.role, url=instance.url)
+            if instance.in_flight == 0:
+                self.instances.remove(instance)
+        return instances
 
-    def remove(self, url: str) -> Instance | None:
-        """Take an instance out now; legs it is serving finish undisturbed."""
-        instance = self.find(url)
-        if instance is None:
-            return None
-        self._refuse_emptying(instance)
-        instance.draining = True
-        self.instances.remove(instance)
-        log.info("{role} instance {url} removed", role=self.role, url=instance.url)
-        return instance
+    def remove(self, url: str) -> list[Instance]:
+        """Take an instance (each of its ranks) out now; legs it serves finish undisturbed."""
+        instances = self.find_all(url)
+        if instances:
+            self._refuse_emptying(instances)
+        for instance in instances:
+            instance.draining = True
+            self.instances.remove(instance)
+            log.info("{role} instance {url} removed", role=self.role, url=instance.url)
+        return instances
 
     def update(self, urls: Sequence[str]) -> None:
         """Make the pool these URLs: add the new, drain those no longer listed."""
         if not urls:
             raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
-        wanted = [backend_url(u) for u in urls]
-        for url in wanted:
-            self.add(url)
+        wanted = [name for url in urls for name in rank_urls(url)]
+        for name in wanted:
+            self.add(name)
         for instance in list(self.instances):
             if instance.url not in wanted:
                 instance.draining = True

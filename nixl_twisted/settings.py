@@ -8,6 +8,7 @@ from. ``docs/configuration.md`` is checked against this table by the tests.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -100,12 +101,19 @@ def endpoint(value: object) -> str:
     return description
 
 
+#: ``URL#dp=N``: an instance serving N data-parallel ranks; ``URL#rank=I``: one of them.
+_RANKS = re.compile(r"(dp|rank)=(\d+)")
+
+
 def backend_url(value: object) -> str:
-    """A backend base URL, without a trailing slash.
+    """A backend base URL, without a trailing slash, maybe with its data-parallel ranks.
 
     A path prefix is allowed (an instance behind a path-routing ingress);
-    query strings, fragments and credentials are not, since every leg
-    appends its own path.
+    query strings and credentials are not, since every leg appends its own
+    path. The one fragment allowed says the instance's data-parallel ranks:
+    ``#dp=N`` (it serves N engines behind one port) or ``#rank=I`` (one of
+    them). A fragment is never sent on the wire, so it cannot be mistaken
+    for part of the path.
     """
     url = text(value)
     try:
@@ -117,11 +125,25 @@ def backend_url(value: object) -> str:
         raise InvalidValue(f"{url!r} must start with http:// or https://")
     if not parts.hostname:
         raise InvalidValue(f"{url!r} has no host")
-    if parts.query or parts.fragment:
-        raise InvalidValue(f"{url!r} must not have a query or a fragment")
+    if parts.query:
+        raise InvalidValue(f"{url!r} must not have a query")
+    ranks = _RANKS.fullmatch(parts.fragment) if parts.fragment else None
+    if parts.fragment and (ranks is None or (ranks[1] == "dp" and int(ranks[2]) < 1)):
+        raise InvalidValue(
+            f"{url!r}: the only fragment allowed is #dp=N (N ranks, at least 1) or #rank=I"
+        )
     if parts.username is not None or parts.password is not None:
         raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
-    return url.rstrip("/")
+    base = url.split("#", 1)[0].rstrip("/")
+    return f"{base}#{ranks[1]}={int(ranks[2])}" if ranks else base
+
+
+def rank_urls(url: str) -> list[str]:
+    """The instances a declared URL stands for: ``#dp=N`` is N ranks, ``#rank=I`` each."""
+    base, _, fragment = backend_url(url).partition("#")
+    if fragment.startswith("dp="):
+        return [f"{base}#rank={rank}" for rank in range(int(fragment[3:]))]
+    return [backend_url(url)]
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ def test_models_tries_the_next_decode_instance_when_one_is_unreachable() -> None
     ledger = TransferLedger()
     live = FakeVLLM(name="decode-live", ledger=ledger)
     proxy = InMemoryProxy([FakeVLLM(name="prefill-0", ledger=ledger)], [live], decode_retries=1)
-    dead = proxy.service.backends.decode.add("http://dead.invalid:1")
+    (dead,) = proxy.service.backends.decode.add("http://dead.invalid:1")
     proxy.service.backends.decode.instances.reverse()  # the dead one comes first
     client = proxy.request("GET", "/v1/models")
     assert status(client) == 200

@@ -36,6 +36,8 @@ def test_a_pool_needs_an_instance() -> None:
         ("http://p1:8100/", "http://p1:8100"),
         ("https://p1.example/vllm/", "https://p1.example/vllm"),
         ("http://[::1]:8100", "http://[::1]:8100"),
+        ("http://p1:8100/#dp=02", "http://p1:8100#dp=2"),
+        ("http://p1:8100#rank=1", "http://p1:8100#rank=1"),
     ],
 )
 def test_valid_urls(url: str, normal: str) -> None:
@@ -51,12 +53,25 @@ def test_valid_urls(url: str, normal: str) -> None:
         ("http://p1:port", "not a valid URL"),
         ("http://p1:99999", "not a valid URL"),
         ("http://p1:8100?x=1", "query"),
+        ("http://p1:8100#top", "only fragment allowed"),
+        ("http://p1:8100#dp=0", "at least 1"),
         ("http://user:pw@p1:8100", "credentials"),
     ],
 )
 def test_invalid_urls_say_why(url: str, why: str) -> None:
     with pytest.raises(InvalidValue, match=why):
         backend_url(url)
+
+
+def test_a_data_parallel_instance_is_one_instance_per_rank() -> None:
+    pool = BackendPool("decode", ["http://d:1#dp=2", "http://e:1"], Clock())
+    assert pool.urls == ("http://d:1#rank=0", "http://d:1#rank=1", "http://e:1")
+    assert [(i.base, i.rank) for i in pool.instances] == [
+        ("http://d:1", 0), ("http://d:1", 1), ("http://e:1", None)
+    ]  # fmt: skip
+    removed = pool.remove("http://d:1#dp=2")
+    assert [i.url for i in removed] == ["http://d:1#rank=0", "http://d:1#rank=1"]
+    assert pool.urls == ("http://e:1",)
 
 
 def pool_of(*urls: str, checked: bool = False) -> tuple[BackendPool, Clock]:
@@ -103,7 +118,7 @@ def test_a_new_instance_is_pending_until_its_first_check_decides() -> None:
     pool.record_success(b)
     assert (a.state, b.state) == (State.DOWN, State.UP)
     assert pool.ready()
-    assert pool.add("http://c:3").state is State.PENDING
+    assert pool.add("http://c:3")[0].state is State.PENDING
 
 
 def test_without_health_checks_instances_start_up() -> None:
