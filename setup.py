@@ -32,6 +32,7 @@ setup(
         "demo": ["openai>=1.0"],
         "test": [
             "openai>=1.0",
+            "anthropic>=0.40",
             "pytest>=8",
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",

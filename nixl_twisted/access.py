@@ -18,7 +18,7 @@ from nixl_twisted.metrics import ProxyMetrics, route_label
 
 log = Logger(namespace="nixlproxy.access")
 
-COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
 
 _USUAL = frozenset({"answered", "next"})
 

@@ -30,7 +30,7 @@ from nixl_twisted.admin import AdminAPI
 from nixl_twisted.admission import Admission
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.errors import ProxyError, error_body
+from nixl_twisted.errors import ProxyError, error_body, for_route
 from nixl_twisted.exchange import Exchange
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
 from nixl_twisted.legs import PrefillRefused
@@ -152,6 +152,14 @@ class ProxyApp:
     def chat_completions(self, request: Request) -> Deferred[None]:
         return self._two_legs(request, lowering.CHAT_COMPLETIONS_PATH)
 
+    @app.route(lowering.MESSAGES_PATH, methods=["POST"])
+    def messages(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, lowering.MESSAGES_PATH)
+
+    @app.route("/v1/messages/count_tokens", methods=["POST"])
+    def count_tokens(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, "/v1/messages/count_tokens", _client_body(request))
+
     def _two_legs(self, request: Request, path: str) -> Deferred[None]:
         # The id comes first, so that every answer, refusals included, has one.
         request_id = lowering.new_request_id()
@@ -210,7 +218,8 @@ class ProxyApp:
             )
         if error.retry_after is not None:
             request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
-        return _error(request, error.status, error.body())
+        body = for_route(request.path, error.status, error.message, error.error_type, error.code)
+        return _error(request, error.status, body)
 
     @app.handle_errors(PrefillRefused)
     def prefill_refused(self, request: IRequest, failure: Failure) -> bytes:
@@ -234,17 +243,15 @@ class ProxyApp:
         path = request.path.decode("utf-8", "replace")
         message = f"{method} {path}: {http_error.name}"
         code = http_error.name.lower().replace(" ", "_")
-        return _error(request, status, error_body(message, "invalid_request_error", code))
+        body = for_route(request.path, status, message, "invalid_request_error", code)
+        return _error(request, status, body)
 
     @app.handle_errors(Exception)
     def unexpected(self, request: IRequest, failure: Failure) -> bytes:
         log.failure("unexpected error serving {path}", failure, path=request.path)
+        message = "the proxy failed unexpectedly; see its log"
         return _error(
-            request,
-            500,
-            error_body(
-                "the proxy failed unexpectedly; see its log", "proxy_error", "internal_error"
-            ),
+            request, 500, for_route(request.path, 500, message, "proxy_error", "internal_error")
         )
 
 

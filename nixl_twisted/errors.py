@@ -41,6 +41,32 @@ def error_body(message: str, error_type: str, code: str) -> bytes:
     ).encode("utf-8")
 
 
+#: Anthropic's error types for ours, on the Messages routes.
+_ANTHROPIC_TYPES = {
+    "invalid_request_error": "invalid_request_error",
+    "authentication_error": "authentication_error",
+    "overloaded_error": "overloaded_error",
+}
+
+
+def anthropic_error_body(message: str, error_type: str, status: int) -> bytes:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    if status == 404:
+        kind = "not_found_error"
+    elif status == 413:
+        kind = "request_too_large"
+    else:
+        kind = _ANTHROPIC_TYPES.get(error_type, "api_error")
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+
+
+def for_route(path: bytes, status: int, message: str, error_type: str, code: str) -> bytes:
+    """The proxy's error body in the shape the route's clients parse."""
+    if path.startswith(b"/v1/messages"):
+        return anthropic_error_body(message, error_type, status)
+    return error_body(message, error_type, code)
+
+
 def invalid_request(message: str, code: str) -> ProxyError:
     """A 400: the client's request cannot be served as sent."""
     return ProxyError(400, message, "invalid_request_error", code)

@@ -16,6 +16,10 @@ JSONObject = dict[str, Any]
 
 COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+#: Anthropic's Messages API, which vLLM serves.
+MESSAGES_PATH = "/v1/messages"
+#: The two-leg routes.
+TWO_LEG_PATHS = (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, MESSAGES_PATH)
 
 #: Fields the prefill leg must not carry: they would make prefill stream,
 #: or generate past its single token.

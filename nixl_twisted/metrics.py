@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from nixl_twisted.pools import BackendPool
 
 ROUTES = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-     "/healthcheck", "/metrics"}
+    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+     "/v1/models", "/tokenize", "/detokenize", "/healthcheck", "/metrics"}
 )  # fmt: skip
 #: Seconds, from a fast loopback leg to a long prefill or generation.
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

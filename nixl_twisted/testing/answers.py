@@ -132,3 +132,44 @@ def words(text: str, count: int) -> list[str]:
     """``count`` tokens of ``text``, from its start again when it runs out."""
     pieces = text.split()
     return [pieces[i % len(pieces)] + " " for i in range(count)]
+
+
+def _sse(event: str, data: JSONObject) -> bytes:
+    return f"event: {event}\ndata: ".encode() + encode(data) + b"\n\n"
+
+
+@dataclass
+class Message:
+    """One Anthropic Messages answer, as vLLM gives it: whole, or its typed SSE events."""
+
+    model: str
+    words: list[str]
+    stop_reason: str
+    input_tokens: int
+    id: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+
+    def whole(self) -> JSONObject:
+        return {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [{"type": "text", "text": "".join(self.words)}],
+            "stop_reason": self.stop_reason, "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": len(self.words)},
+        }  # fmt: skip
+
+    def events(self) -> list[bytes]:
+        start = dict(self.whole(), content=[], stop_reason=None)
+        start["usage"] = {"input_tokens": self.input_tokens, "output_tokens": 0}
+        return [
+            _sse("message_start", {"type": "message_start", "message": start}),
+            _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}}),
+            *(_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                           "delta": {"type": "text_delta", "text": word}})
+              for word in self.words),
+            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _sse("message_delta", {"type": "message_delta",
+                                   "delta": {"stop_reason": self.stop_reason,
+                                             "stop_sequence": None},
+                                   "usage": {"output_tokens": len(self.words)}}),
+            _sse("message_stop", {"type": "message_stop"}),
+        ]  # fmt: skip

@@ -143,6 +143,8 @@ class FakeVLLM(Controls):
         app.route("/detokenize", methods=["POST"])(self._detokenize)
         app.route("/v1/completions", methods=["POST"])(self._generate)
         app.route("/v1/chat/completions", methods=["POST"])(self._generate)
+        app.route("/v1/messages", methods=["POST"])(self._generate)
+        app.route("/v1/messages/count_tokens", methods=["POST"])(self._count_tokens)
         return app.resource()
 
     def _record(self, request: Request, body: JSONObject | None, role: str) -> None:
@@ -188,6 +190,13 @@ class FakeVLLM(Controls):
         return answers.encode({"count": count, "max_model_len": 1024,
                                "tokens": list(range(count)), "token_strs": None})  # fmt: skip
 
+    def _count_tokens(self, request: Request) -> bytes:
+        assert request.content is not None
+        body = json.loads(request.content.read())
+        self._record(request, body, "other")
+        request.setHeader(b"Content-Type", b"application/json")
+        return answers.encode({"input_tokens": answers.prompt_tokens(body, True)})
+
     def _detokenize(self, request: Request) -> bytes:
         assert request.content is not None
         body = json.loads(request.content.read())
@@ -223,6 +232,7 @@ class FakeVLLM(Controls):
             role = "decode"
         self._record(request, body, role)
         chat = request.path.endswith(b"/chat/completions")
+        messages_api = request.path.endswith(b"/v1/messages")
         request.setHeader(b"Content-Type", b"application/json")
         for name, value in self.extra_headers.items():
             request.setHeader(name.encode("ascii"), value.encode("utf-8"))
@@ -257,6 +267,24 @@ class FakeVLLM(Controls):
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         count = self.tokens if not isinstance(limit, int) else min(self.tokens, limit)
         words = answers.words(self.text, count)
+        if messages_api:
+            message = answers.Message(
+                model=str(body.get("model", self.model)), words=words,
+                stop_reason="max_tokens" if count == limit else "end_turn",
+                input_tokens=answers.prompt_tokens(body, True),
+            )  # fmt: skip
+            if not body.get("stream"):
+                whole = message.whole()
+                if kv_answer is not None:
+                    whole["kv_transfer_params"] = kv_answer
+                return answers.encode(whole)
+            events = message.events()
+            if behaviour.cut_after is not None:
+                await self._stream(request, events[: behaviour.cut_after])
+                await cut_off(request)
+                return None
+            await self._stream(request, events)
+            return None
         answer = answers.Answer(
             chat=chat,
             model=str(body.get("model", self.model)),
