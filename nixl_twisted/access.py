@@ -18,7 +18,9 @@ from nixl_twisted.metrics import ProxyMetrics, route_label
 
 log = Logger(namespace="nixlproxy.access")
 
-COMPLETION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages"})
+COMPLETION_ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
+)
 
 _USUAL = frozenset({"answered", "next"})
 

@@ -37,6 +37,7 @@ from nixl_twisted.legs import PrefillRefused
 from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.passthrough import OneLeg
 from nixl_twisted.relay import start_response
+from nixl_twisted.responses import ResponseDirectory
 
 log = Logger()
 
@@ -65,6 +66,8 @@ class ProxyApp:
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
         self.one_leg = OneLeg(config, backends, metrics, clock)
+        #: Which decode instance produced each Responses API response.
+        self.responses_seen = ResponseDirectory()
         self.admission.on_change = self.metrics.in_flight.set
         #: The completions being served now.
         self.exchanges: set[Exchange] = set()
@@ -152,6 +155,27 @@ class ProxyApp:
     def chat_completions(self, request: Request) -> Deferred[None]:
         return self._two_legs(request, lowering.CHAT_COMPLETIONS_PATH)
 
+    @app.route(lowering.RESPONSES_PATH, methods=["POST"])
+    def responses(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, lowering.RESPONSES_PATH)
+
+    @app.route("/v1/responses/<string:response_id>", methods=["GET"])
+    def response(self, request: Request, response_id: str) -> Deferred[None]:
+        return self._follow_up(request, f"/v1/responses/{response_id}", response_id, None)
+
+    @app.route("/v1/responses/<string:response_id>/cancel", methods=["POST"])
+    def cancel_response(self, request: Request, response_id: str) -> Deferred[None]:
+        path = f"/v1/responses/{response_id}/cancel"
+        return self._follow_up(request, path, response_id, _client_body(request) or b"{}")
+
+    def _follow_up(
+        self, request: Request, path: str, response_id: str, body: bytes | None
+    ) -> Deferred[None]:
+        self.admission.admit()
+        where = self.responses_seen.where(response_id)
+        serving = Deferred.fromCoroutine(self.one_leg.follow_up(request, path, body, where))
+        return serving.addBoth(self.admission.release)
+
     @app.route(lowering.MESSAGES_PATH, methods=["POST"])
     def messages(self, request: Request) -> Deferred[None]:
         return self._two_legs(request, lowering.MESSAGES_PATH)
@@ -176,6 +200,7 @@ class ProxyApp:
         exchange = Exchange(
             request, path, body, request_id, headers, self.backends,
             config.timeouts, config.retries, self.clock, self.metrics, route_on,
+            self.responses_seen.watcher if path == lowering.RESPONSES_PATH else None,
         )  # fmt: skip
         self.exchanges.add(exchange)
 

@@ -19,6 +19,7 @@ off as complete.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
@@ -108,8 +109,10 @@ class Exchange:
         clock: IReactorTime,
         metrics: ProxyMetrics,
         routing: Routing = NO_ROUTING,
+        watch: Callable[[str], Callable[[bytes], bool]] | None = None,
     ) -> None:
         self.request = request
+        self.path = path
         self.target = path + _query(request)
         self.body = body
         self.request_id = request_id
@@ -121,6 +124,8 @@ class Exchange:
         self.metrics = metrics
         self.record = record_of(request)
         self.routing = routing
+        #: Given the decode instance, what watches its answer pass (the Responses ids).
+        self.watch = watch
         self.phase = Phase.PREFILL
         self._reached = {phase: Happened() for phase in Phase}
         self._reached[Phase.PREFILL].fire()
@@ -211,7 +216,7 @@ class Exchange:
 
     async def _prefill_leg(self) -> lowering.JSONObject:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered)."""
-        lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id))
+        lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id, self.path))
         prefill, params = await send_leg(
             self.backends.prefill, self.retries.prefill, self.metrics,
             lambda instance: self._prefill(instance, lowered),
@@ -306,8 +311,10 @@ class Exchange:
     async def _relay(self, response: IResponse, decode: Lease) -> None:
         start_response(self.request, response)
         try:
+            watching = self.watch(decode.instance.url) if self.watch is not None else None
             await self._track(relay_body(self.request, response, self.clock,
-                                         self.timeouts.stream_idle, self._first_byte))  # fmt: skip
+                                         self.timeouts.stream_idle, self._first_byte,
+                                         watching))  # fmt: skip
         except CancelledError:
             raise
         except Exception as error:

@@ -18,8 +18,8 @@ COMPLETIONS_PATH = "/v1/completions"
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 #: Anthropic's Messages API, which vLLM serves.
 MESSAGES_PATH = "/v1/messages"
-#: The two-leg routes.
-TWO_LEG_PATHS = (COMPLETIONS_PATH, CHAT_COMPLETIONS_PATH, MESSAGES_PATH)
+#: OpenAI's Responses API.
+RESPONSES_PATH = "/v1/responses"
 
 #: Fields the prefill leg must not carry: they would make prefill stream,
 #: or generate past its single token.
@@ -98,6 +98,19 @@ def check_servable(path: str, body: JSONObject) -> None:
     A batch of prompts gets one ``kv_transfer_params`` for the whole batch
     from prefill, and decode's worker crashes on it ("block marked busy").
     """
+    if path == RESPONSES_PATH:
+        if body.get("previous_response_id") is not None:
+            raise invalid_request(
+                "previous_response_id is not served: the stored response lives on one decode "
+                "instance, and prefill would need the whole conversation; send the history "
+                "in 'input' instead",
+                "previous_response_id_unsupported",
+            )
+        if body.get("background") is True:
+            raise invalid_request(
+                "background responses are not served through a prefill/decode proxy",
+                "background_unsupported",
+            )
     if path == COMPLETIONS_PATH and prompt_count(body.get("prompt")) > 1:
         raise invalid_request(
             "this proxy serves one prompt per request: 'prompt' holds "
@@ -106,8 +119,12 @@ def check_servable(path: str, body: JSONObject) -> None:
         )
 
 
-def prefill_body(body: JSONObject, request_id: str) -> JSONObject:
-    """Lower a client's body for the prefill leg, exactly as the seed does."""
+def prefill_body(
+    body: JSONObject, request_id: str, path: str = CHAT_COMPLETIONS_PATH
+) -> JSONObject:
+    """Lower a client's body for the prefill leg of ``path`` (one token, not streamed)."""
+    if path == RESPONSES_PATH:
+        return _responses_prefill_body(body, request_id)
     lowered = dict(body)
     lowered["kv_transfer_params"] = prefill_kv_transfer_params(request_id)
     lowered["stream"] = False
@@ -116,6 +133,18 @@ def prefill_body(body: JSONObject, request_id: str) -> JSONObject:
         lowered["max_completion_tokens"] = 1
     for field in _PREFILL_REMOVED_FIELDS:
         lowered.pop(field, None)
+    return lowered
+
+
+def _responses_prefill_body(body: JSONObject, request_id: str) -> JSONObject:
+    """The Responses API's own names: one output token, nothing stored, nothing in background."""
+    lowered = dict(body)
+    lowered["kv_transfer_params"] = prefill_kv_transfer_params(request_id)
+    lowered["stream"] = False
+    lowered["max_output_tokens"] = 1
+    lowered["store"] = False
+    lowered["background"] = False
+    lowered.pop("stream_options", None)
     return lowered
 
 

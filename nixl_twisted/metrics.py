@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 ROUTES = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-     "/v1/models", "/tokenize", "/detokenize", "/healthcheck", "/metrics"}
+     "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/healthcheck", "/metrics"}
 )  # fmt: skip
 #: Seconds, from a fast loopback leg to a long prefill or generation.
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -42,7 +42,11 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 def route_label(path: bytes) -> str:
     """The route as a bounded label."""
     text = path.decode("utf-8", "replace")
-    return text if text in ROUTES else "other"
+    if text in ROUTES:
+        return text
+    if text.startswith("/v1/responses/"):  # one response: its id is not a label
+        return "/v1/responses/{id}/cancel" if text.endswith("/cancel") else "/v1/responses/{id}"
+    return "other"
 
 
 class _InstanceHealth(Collector):

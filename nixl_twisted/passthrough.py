@@ -10,6 +10,8 @@ the proxy's to set, never the client's: it is dropped before the leg.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from twisted.internet.defer import CancelledError, TimeoutError
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -20,11 +22,12 @@ from nixl_twisted import lowering
 from nixl_twisted.access import record_of
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.errors import ProxyError
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers, for_rank
-from nixl_twisted.legs import account, describe, send_leg, timed_out, unreachable
+from nixl_twisted.legs import Retry, account, describe, send_leg, timed_out, unreachable
 from nixl_twisted.metrics import ProxyMetrics
-from nixl_twisted.pools import Instance
-from nixl_twisted.relay import break_off, relay_body, start_response
+from nixl_twisted.pools import Instance, Lease
+from nixl_twisted.relay import abandon, break_off, relay_body, start_response
 
 log = Logger()
 
@@ -49,6 +52,54 @@ class OneLeg:
 
     async def serve(self, request: Request, path: str, body: bytes | None) -> None:
         """Relay ``request`` to decode's ``path``; ``body`` is JSON to pass on (POST)."""
+        attempt = self._attempt(request, path, body)
+        pool = self.backends.decode
+        lease, response = await send_leg(pool, self.config.retries.decode, self.metrics, attempt)
+        await self._relay(request, path, lease, response)
+
+    async def follow_up(
+        self, request: Request, path: str, body: bytes | None, first: str | None
+    ) -> None:
+        """Relay to the instance that holds the resource (``first``), else ask each in turn.
+
+        An instance that answers 404 does not hold it: the next is asked, and
+        the last one's answer is the client's. Down and draining instances are
+        asked too: what they stored is still theirs.
+        """
+        attempt = self._attempt(request, path, body)
+        pool = self.backends.decode
+        order = sorted(pool.instances, key=lambda instance: instance.url != first)
+        last: Exception | None = None
+        for index, instance in enumerate(order):
+            left = len(order) - 1 - index
+            lease = pool.lease(instance, "holder" if instance.url == first else "asked")
+            try:
+                response = await attempt(instance)
+            except Retry as retry:
+                lease.release()
+                account(self.metrics, pool, instance, retry.outcome, retry.down)
+                last = retry.error
+                continue
+            except BaseException:
+                lease.release()
+                raise
+            if response.code == 404 and left > 0:
+                abandon(response)
+                lease.release()
+                continue
+            await self._relay(request, path, lease, response)
+            return
+        raise (
+            last
+            if last is not None
+            else ProxyError(
+                404, "no decode instance holds it", "invalid_request_error", "not_found"
+            )
+        )
+
+    def _attempt(
+        self, request: Request, path: str, body: bytes | None
+    ) -> Callable[[Instance], Awaitable[IResponse]]:
         request_id = lowering.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
@@ -63,6 +114,7 @@ class OneLeg:
         )  # fmt: skip
         timeout = self.config.timeouts.decode
         upstream = self.backends.upstream
+        pool = self.backends.decode
 
         async def attempt(instance: Instance) -> IResponse:
             record_of(request).decode = instance.url
@@ -77,13 +129,13 @@ class OneLeg:
                 raise
             except Exception as error:
                 raise unreachable(instance, error) from None
-            account(
-                self.metrics, pool, instance, "answered" if response.code < 400 else "error_status"
-            )
+            outcome = "answered" if response.code < 400 else "error_status"
+            account(self.metrics, pool, instance, outcome)
             return response
 
-        pool = self.backends.decode
-        lease, response = await send_leg(pool, self.config.retries.decode, self.metrics, attempt)
+        return attempt
+
+    async def _relay(self, request: Request, path: str, lease: Lease, response: IResponse) -> None:
         record_of(request).decode_status = response.code
         try:
             start_response(request, response)

@@ -45,8 +45,11 @@ class _BodyRelay(Protocol):
         clock: IReactorTime,
         idle_timeout: float | None,
         on_first_byte: Callable[[], None] | None = None,
+        watch: Callable[[bytes], bool] | None = None,
     ) -> None:
         self._on_first_byte = on_first_byte
+        #: Shown each chunk as it passes, until it says it has seen enough.
+        self._watch = watch
         self._request = request
         self._finished = finished
         self._clock = clock
@@ -62,6 +65,8 @@ class _BodyRelay(Protocol):
         if self._on_first_byte is not None:
             first, self._on_first_byte = self._on_first_byte, None
             first()
+        if self._watch is not None and self._watch(data):
+            self._watch = None
         self._restart_timer()
         self._request.write(data)
 
@@ -121,15 +126,18 @@ def relay_body(
     clock: IReactorTime,
     idle_timeout: float | None,
     on_first_byte: Callable[[], None] | None = None,
+    watch: Callable[[bytes], bool] | None = None,
 ) -> Deferred[None]:
     """Relay a backend body to the client; fires when the backend's body ended.
+
+    ``watch`` is shown each chunk as it passes (unchanged), until it returns True.
 
     Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data.
     Cancelling the Deferred closes the backend connection, which makes vLLM
     abort the request and free its KV blocks.
     """
     finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte)
+    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte, watch)
     response.deliverBody(relay)
     return finished
 

@@ -173,3 +173,53 @@ class Message:
                                    "usage": {"output_tokens": len(self.words)}}),
             _sse("message_stop", {"type": "message_stop"}),
         ]  # fmt: skip
+
+
+@dataclass
+class Response:
+    """One OpenAI Responses API answer, as vLLM gives it: whole, or its typed SSE events."""
+
+    model: str
+    words: list[str]
+    input_tokens: int
+    id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex)
+    item: str = field(default_factory=lambda: "msg_" + uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def whole(self, status: str = "completed") -> JSONObject:
+        text = "".join(self.words)
+        done = status == "completed"
+        content = [{"type": "output_text", "text": text, "annotations": []}] if done else []
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+            "status": status, "output": [{"type": "message", "id": self.item, "role": "assistant",
+                                          "status": status, "content": content}] if done else [],
+            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": len(self.words),
+                      "total_tokens": self.input_tokens + len(self.words),
+                      "input_tokens_details": {"cached_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}},
+        }  # fmt: skip
+
+    def events(self) -> list[bytes]:
+        item = {"type": "message", "id": self.item, "role": "assistant",
+                "status": "in_progress", "content": []}  # fmt: skip
+        part = {"type": "output_text", "text": "", "annotations": []}
+        text = "".join(self.words)
+        at = {"item_id": self.item, "output_index": 0, "content_index": 0}
+        typed: list[tuple[str, JSONObject]] = [
+            ("response.created", {"response": self.whole("in_progress")}),
+            ("response.in_progress", {"response": self.whole("in_progress")}),
+            ("response.output_item.added", {"output_index": 0, "item": item}),
+            ("response.content_part.added", {**at, "part": part}),
+            *(("response.output_text.delta", {**at, "delta": word}) for word in self.words),
+            ("response.output_text.done", {**at, "text": text}),
+            ("response.content_part.done", {**at, "part": dict(part, text=text)}),
+            ("response.output_item.done", {"output_index": 0,
+                                           "item": self.whole()["output"][0]}),
+            ("response.completed", {"response": self.whole()}),
+        ]  # fmt: skip
+        return [
+            _sse(kind, {"type": kind, "sequence_number": number, **data})
+            for number, (kind, data) in enumerate(typed)
+        ]

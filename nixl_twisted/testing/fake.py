@@ -99,6 +99,8 @@ class FakeVLLM(Controls):
         self.cache = PrefixCache(self.block_tokens, self.cache_blocks)
         #: Generation requests being served now (``vllm:num_requests_running``).
         self.running = 0
+        #: The Responses API answers this instance produced, by id (as vLLM stores them).
+        self.responses: dict[str, JSONObject] = {}
 
     def requests_for(self, role: str) -> list[ReceivedRequest]:
         return [r for r in self.requests if r.role == role]
@@ -144,6 +146,9 @@ class FakeVLLM(Controls):
         app.route("/v1/completions", methods=["POST"])(self._generate)
         app.route("/v1/chat/completions", methods=["POST"])(self._generate)
         app.route("/v1/messages", methods=["POST"])(self._generate)
+        app.route("/v1/responses", methods=["POST"])(self._generate)
+        app.route("/v1/responses/<string:response_id>", methods=["GET"])(self._stored)
+        app.route("/v1/responses/<string:response_id>/cancel", methods=["POST"])(self._stored)
         app.route("/v1/messages/count_tokens", methods=["POST"])(self._count_tokens)
         return app.resource()
 
@@ -190,6 +195,16 @@ class FakeVLLM(Controls):
         return answers.encode({"count": count, "max_model_len": 1024,
                                "tokens": list(range(count)), "token_strs": None})  # fmt: skip
 
+    def _stored(self, request: Request, response_id: str) -> bytes:
+        """A stored response (cancelling one that is done answers it as it is), or vLLM's 404."""
+        self._record(request, None, "other")
+        request.setHeader(b"Content-Type", b"application/json")
+        stored = self.responses.get(response_id)
+        if stored is None:
+            request.setResponseCode(404)
+            return answers.vllm_error(404, f"Response with id '{response_id}' not found.")
+        return answers.encode(stored)
+
     def _count_tokens(self, request: Request) -> bytes:
         assert request.content is not None
         body = json.loads(request.content.read())
@@ -233,6 +248,7 @@ class FakeVLLM(Controls):
         self._record(request, body, role)
         chat = request.path.endswith(b"/chat/completions")
         messages_api = request.path.endswith(b"/v1/messages")
+        responses_api = request.path.endswith(b"/v1/responses")
         request.setHeader(b"Content-Type", b"application/json")
         for name, value in self.extra_headers.items():
             request.setHeader(name.encode("ascii"), value.encode("utf-8"))
@@ -264,9 +280,25 @@ class FakeVLLM(Controls):
                 return answers.vllm_error(500, f"KV load failed: {problem}")
             cached = int(kv.get("remote_prefill_cached_tokens", 0))
 
-        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        limit = (
+            body.get("max_output_tokens")
+            if responses_api
+            else body.get("max_completion_tokens") or body.get("max_tokens")
+        )
         count = self.tokens if not isinstance(limit, int) else min(self.tokens, limit)
         words = answers.words(self.text, count)
+        if responses_api:
+            reply = answers.Response(model=str(body.get("model", self.model)), words=words,
+                                     input_tokens=prompt_tokens)  # fmt: skip
+            if role != "prefill" and body.get("store", True):
+                self.responses[reply.id] = reply.whole()
+            if not body.get("stream"):
+                whole = reply.whole()
+                if kv_answer is not None:
+                    whole["kv_transfer_params"] = kv_answer
+                return answers.encode(whole)
+            await self._stream(request, reply.events())
+            return None
         if messages_api:
             message = answers.Message(
                 model=str(body.get("model", self.model)), words=words,
