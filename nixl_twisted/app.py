@@ -29,6 +29,7 @@ from nixl_twisted.access import record_of
 from nixl_twisted.admin import AdminAPI
 from nixl_twisted.admission import Admission
 from nixl_twisted.backends import BackendService
+from nixl_twisted.batch import Batch, PartRequest
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.errors import ProxyError, error_body, for_route
 from nixl_twisted.exchange import Exchange
@@ -191,14 +192,28 @@ class ProxyApp:
         record_of(request).request_id = request_id
         body = lowering.parse_client_body(_client_body(request))
         lowering.check_servable(path, body)
+        prompts = lowering.batch_prompts(path, body, self.config.limits.max_batch_prompts)
         self.admission.admit()
+        if prompts is None:
+            serving = self._exchange(request, path, body, request_id)
+        else:
+            # One exchange per prompt, each with its own request id.
+            def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
+                return self._exchange(to, path, one, lowering.new_request_id())
+
+            serving = Batch(request, prompts, body, part).start()
+        return serving.addBoth(self.admission.release)
+
+    def _exchange(
+        self, request: Request | PartRequest, path: str, body: lowering.JSONObject, request_id: str
+    ) -> Deferred[None]:
         config = self.config
         headers = backend_request_headers(
             request.requestHeaders, request_id, config.backend_api_key
         )
         route_on = self._routing(request, body)
         exchange = Exchange(
-            request, path, body, request_id, headers, self.backends,
+            request, path, body, request_id, headers, self.backends,  # type: ignore[arg-type]
             config.timeouts, config.retries, self.clock, self.metrics, route_on,
             self.responses_seen.watcher if path == lowering.RESPONSES_PATH else None,
         )  # fmt: skip
@@ -206,7 +221,7 @@ class ProxyApp:
 
         def ended(result: object) -> object:
             self.exchanges.discard(exchange)
-            return self.admission.release(result)
+            return result
 
         return exchange.start().addBoth(ended)
 
@@ -215,7 +230,9 @@ class ProxyApp:
         for exchange in list(self.exchanges):
             exchange.shut_down()
 
-    def _routing(self, request: Request, body: lowering.JSONObject) -> routing.Routing:
+    def _routing(
+        self, request: Request | PartRequest, body: lowering.JSONObject
+    ) -> routing.Routing:
         """What the pools' policies route on, worked out only if one of them looks."""
         names = {pool.policy_name for pool in self.backends.pools()}
         if not names & {"cache-aware", "session"}:

@@ -98,6 +98,8 @@ class Limits:
     max_body_size: int
     #: Bytes of request bodies held at once, all requests together.
     max_buffered_bodies: int
+    #: Prompts one batched completion may hold.
+    max_batch_prompts: int
     max_idle_per_backend: int
 
 
@@ -181,6 +183,7 @@ class ProxyConfig:
                 max_in_flight=v["max-in-flight"],
                 max_body_size=v["max-body-size"],
                 max_buffered_bodies=v["max-buffered-bodies"],
+                max_batch_prompts=v["max-batch-prompts"],
                 max_idle_per_backend=v["max-idle-per-backend"],
             ),
             metrics_listen=v["metrics-listen"],
@@ -225,6 +228,7 @@ class ProxyConfig:
             "max-in-flight": self.limits.max_in_flight,
             "max-body-size": self.limits.max_body_size,
             "max-buffered-bodies": self.limits.max_buffered_bodies,
+            "max-batch-prompts": self.limits.max_batch_prompts,
             "admin-token": self.admin_token,
             "metrics-listen": self.metrics_listen,
             "workers": self.workers,

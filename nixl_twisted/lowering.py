@@ -111,12 +111,26 @@ def check_servable(path: str, body: JSONObject) -> None:
                 "background responses are not served through a prefill/decode proxy",
                 "background_unsupported",
             )
-    if path == COMPLETIONS_PATH and prompt_count(body.get("prompt")) > 1:
+
+
+def batch_prompts(path: str, body: JSONObject, limit: int) -> list[Any] | None:
+    """A batched completion's prompts (each its own prefill/decode pair), or None.
+
+    A batch in one request would get one ``kv_transfer_params`` for all its
+    prompts, and vLLM's decode worker crashes on it ("block marked busy").
+    """
+    prompt = body.get("prompt")
+    count = prompt_count(prompt)
+    if path != COMPLETIONS_PATH or count == 1:
+        return None
+    if count > limit:
         raise invalid_request(
-            "this proxy serves one prompt per request: 'prompt' holds "
-            f"{prompt_count(body.get('prompt'))} prompts; send one request per prompt",
-            "multiple_prompts",
+            f"'prompt' holds {count} prompts; this proxy serves at most {limit} per "
+            "request (--max-batch-prompts)",
+            "too_many_prompts",
         )
+    assert isinstance(prompt, list)
+    return list(prompt)
 
 
 def prefill_body(

@@ -215,6 +215,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cache-key-bytes", 512, count(1), help=(
         "cache-aware: the leading bytes of a completion's prompt that name its "
         "conversation (about one vLLM block on CPU).")),
+    Setting("max-batch-prompts", 32, count(1), help=(
+        "Prompts one /v1/completions request may hold; each is its own "
+        "prefill/decode pair (400 past it).")),
     Setting("max-in-flight", 1024, count(1), help=(
         "Requests served at once; past it, 503 with Retry-After at once.")),
     Setting("max-body-size", 32 * 1024 * 1024, count(1), help=(

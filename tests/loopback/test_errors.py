@@ -11,6 +11,7 @@ from twisted.web.client import ResponseFailed
 from zope.interface import provider
 
 from nixl_twisted import __version__
+from nixl_twisted.lowering import prompt_count
 from nixl_twisted.testing import TransferLedger
 from tests.support import CHAT, ChunkCollector, ProxyCase, closed_port_url, sse_events
 
@@ -31,15 +32,17 @@ class ClientErrorTests(ProxyCase):
             self.assertIn("JSON object", answer["error"]["message"])
         self.assertEqual(self.prefill.requests, [])
 
-    async def test_batched_prompts_never_reach_a_backend(self) -> None:
+    async def test_a_batch_never_reaches_a_backend_as_one_request(self) -> None:
         await self.start()
         for prompt in (["a", "b"], [[1, 2], [3, 4]]):
-            response, answer = await self.post_json(
-                "/v1/completions", {"model": "m", "prompt": prompt}
-            )
-            self.assertError(response, answer, 400, "multiple_prompts")
-            self.assertIn("one prompt per request", answer["error"]["message"])
-        self.assertEqual(self.prefill.requests + self.decode.requests, [])
+            response, _ = await self.post_json("/v1/completions", {"model": "m", "prompt": prompt})
+            self.assertEqual(response.code, 200)
+        # Each backend request carries one prompt: four parts, never a list of two.
+        for fake in (self.prefill, self.decode):
+            self.assertEqual(len(fake.requests), 4)
+            for received in fake.requests:
+                assert received.body is not None
+                self.assertEqual(prompt_count(received.body["prompt"]), 1)
 
     async def test_single_prompt_lists_are_served(self) -> None:
         await self.start()

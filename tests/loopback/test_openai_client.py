@@ -77,16 +77,15 @@ class OpenAIClientTests(ProxyCase):
         self.assertEqual(completion.choices[0].text, EXPECTED)
         self.assertEqual(completion.usage.prompt_tokens_details.cached_tokens, 2)
 
-    async def test_batched_prompts_raise_bad_request(self) -> None:
+    async def test_batched_prompts_are_served_one_pair_each(self) -> None:
         client = await self.client()
 
         def call() -> Any:
             return client.completions.create(model="fake-model", prompt=["a", "b"])
 
-        with self.assertRaises(openai.BadRequestError) as caught:
-            await deferToThread(call)
-        self.assertIn("one prompt per request", str(caught.exception))
-        self.assertEqual(self.prefill.requests, [])
+        completion = await deferToThread(call)
+        self.assertEqual([c.index for c in completion.choices], [0, 1])
+        self.assertEqual(len(self.prefill.requests), 2)
 
     async def test_models(self) -> None:
         client = await self.client()

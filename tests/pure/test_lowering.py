@@ -14,6 +14,7 @@ from nixl_twisted.errors import ProxyError
 from nixl_twisted.lowering import (
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
+    batch_prompts,
     check_servable,
     decode_body,
     encode,
@@ -174,13 +175,16 @@ def test_prompt_count(prompt: object, count: int) -> None:
     assert prompt_count(prompt) == count
 
 
-def test_batched_prompts_refused_only_on_completions() -> None:
+def test_batched_prompts_are_split_only_on_completions_and_bounded() -> None:
+    assert batch_prompts(COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) == ["a", "b"]
+    assert batch_prompts(COMPLETIONS_PATH, {"prompt": [[1], [2]]}, 4) == [[1], [2]]
+    assert batch_prompts(COMPLETIONS_PATH, {"prompt": "a"}, 4) is None
+    assert batch_prompts(COMPLETIONS_PATH, {"prompt": [1, 2]}, 4) is None  # one token list
+    assert batch_prompts(CHAT_COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) is None
     with pytest.raises(ProxyError) as caught:
-        check_servable(COMPLETIONS_PATH, {"prompt": ["a", "b"]})
-    assert caught.value.status == 400
-    assert "one prompt per request" in caught.value.message
-    check_servable(COMPLETIONS_PATH, {"prompt": "a"})
-    check_servable(CHAT_COMPLETIONS_PATH, {"messages": [{"role": "user", "content": "a"}]})
+        batch_prompts(COMPLETIONS_PATH, {"prompt": ["a", "b", "c"]}, 2)
+    assert (caught.value.status, caught.value.code) == (400, "too_many_prompts")
+    check_servable(COMPLETIONS_PATH, {"prompt": ["a", "b"]})
 
 
 def test_kv_transfer_params_extracted_verbatim() -> None:
