@@ -69,6 +69,8 @@ class Timeouts:
     drain: float
     #: On SIGTERM: still accepting, already not ready.
     shutdown_delay: float
+    #: Prefill answered -> decode sent, past which a request is counted and logged.
+    handoff_warning: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,7 @@ class ProxyConfig:
                 stream_idle=v["stream-idle-timeout"],
                 drain=v["drain-timeout"],
                 shutdown_delay=v["shutdown-delay"],
+                handoff_warning=v["handoff-warning"],
             ),
             retries=Retries(prefill=v["prefill-retries"], decode=v["decode-retries"]),
             health=Health(
@@ -237,6 +240,7 @@ class ProxyConfig:
             "access-log": "on" if self.access_log else "off",
             "drain-timeout": self.timeouts.drain,
             "shutdown-delay": self.timeouts.shutdown_delay,
+            "handoff-warning": self.timeouts.handoff_warning,
         }
 
     def to_json(self) -> str:

@@ -134,6 +134,7 @@ class Exchange:
         self.shutting_down = False
         self._current: Deferred[Any] | None = None
         self._decode_sent = 0.0
+        self._params_at = 0.0
 
     def start(self) -> Deferred[None]:
         """Run the exchange; the Deferred is the one Klein cancels on disconnect."""
@@ -224,6 +225,7 @@ class Exchange:
             go_on=lambda: not self.client_gone, routing=self.routing,
         )  # fmt: skip
         self.record.prefill_route = prefill.decision
+        self._params_at = self.clock.seconds()
         prefill.release()
         return params
 
@@ -297,12 +299,19 @@ class Exchange:
         except Exception as error:
             # Nothing reached the client yet: the same params may go to another instance.
             raise unreachable(instance, error) from None
+        self._handoff_gap(instance)
         # An answer, even an error (a KV-load failure is a 500), shows the
         # instance is up: only silence and refusals take it out.
         outcome = "answered" if response.code < 400 else "error_status"
         account(self.metrics, self.backends.decode, instance, outcome)
         self.record.decode_status = response.code
         return response
+
+    def _handoff_gap(self, instance: Instance) -> None:
+        gap = self._decode_sent - self._params_at
+        note_handoff(
+            self.metrics, gap, self.timeouts.handoff_warning, self.request_id, instance.url
+        )
 
     def _first_byte(self) -> None:
         self.record.decode_first_byte_seconds = self.clock.seconds() - self._decode_sent
@@ -335,6 +344,24 @@ class Exchange:
                 else "decode closed the stream early",
                 "decode_timeout" if silent else "decode_stream_broken",
             )  # fmt: skip
+
+
+def note_handoff(
+    metrics: ProxyMetrics, gap: float, warning: float, request_id: str, url: str
+) -> bool:
+    """Prefill answered -> decode sent: observed; past ``warning``, counted and logged.
+
+    vLLM frees prefill's blocks when its KV lease (30 s) expires: a decode
+    sent later fails to load them or computes them again. Returns whether it warned.
+    """
+    metrics.handoff_gap.observe(gap)
+    if gap <= warning:
+        return False
+    metrics.handoff_gap_over_warning.inc()
+    log.warn("handoff gap of {seconds:.1f} s for {request_id} (decode {url}): past "
+             "--handoff-warning; vLLM's KV lease is 30 s",
+             seconds=gap, request_id=request_id, url=url)  # fmt: skip
+    return True
 
 
 def _query(request: Request) -> str:

@@ -50,21 +50,42 @@ def route_label(path: bytes) -> str:
 
 
 class _InstanceHealth(Collector):
-    """Reads the pools at scrape time: 1 for an instance in rotation, else 0."""
+    """Reads the pools at scrape time: health, legs in flight and vLLM's scraped load.
+
+    Under ``--workers`` these are the answering worker's view: health is the
+    supervisor's verdict (the same in every worker), legs in flight its own.
+    """
 
     def __init__(self, pools: Iterable[BackendPool]) -> None:
         self._pools = list(pools)
 
     def collect(self) -> Iterator[Metric]:
-        family = GaugeMetricFamily(
+        healthy = GaugeMetricFamily(
             "nixlproxy_backend_healthy",
             "Whether a backend instance is up (1), or down or not yet checked (0).",
             labels=["pool", "instance"],
         )
+        in_flight = GaugeMetricFamily(
+            "nixlproxy_backend_in_flight",
+            "Legs being served by each backend instance now (this process's).",
+            labels=["pool", "instance"],
+        )
+        load = GaugeMetricFamily(
+            "nixlproxy_backend_load",
+            "vLLM's own load as last scraped (policy load): running, waiting, kv_cache_usage.",
+            labels=["pool", "instance", "kind"],
+        )
         for pool in self._pools:
             for instance in pool.instances:
-                family.add_metric([pool.role, instance.url], 1.0 if instance.healthy else 0.0)
-        yield family
+                labels = [pool.role, instance.url]
+                healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
+                in_flight.add_metric(labels, float(instance.in_flight))
+                for kind, value in instance.load.items():
+                    if kind != "ours":
+                        load.add_metric([*labels, kind], value)
+        yield healthy
+        yield in_flight
+        yield load
 
 
 class MetricsResource(Resource):
@@ -111,6 +132,21 @@ class ProxyMetrics:
             "nixlproxy_decode_first_byte_seconds",
             "Decode leg, request sent to the first byte of its body.",
             registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.time_to_first_byte = Histogram(
+            "nixlproxy_time_to_first_byte_seconds",
+            "The client's request arriving to the first byte of the answer written to it.",
+            ["route"], registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.handoff_gap = Histogram(
+            "nixlproxy_handoff_gap_seconds",
+            "Prefill answered (its kv_transfer_params read) to decode's request sent.",
+            registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.handoff_gap_over_warning = Counter(
+            "nixlproxy_handoff_gap_over_warning",
+            "Requests whose handoff gap passed --handoff-warning (vLLM's KV lease is 30 s).",
+            registry=r,
         )  # fmt: skip
         self.request_seconds = Histogram(
             "nixlproxy_request_seconds", "Completions end to end, as the proxy saw them.",

@@ -245,6 +245,9 @@ SETTINGS: tuple[Setting, ...] = (
         "the request metrics still count every request.")),
     Setting("drain-timeout", 30.0, seconds_or_off, help=(
         "On SIGTERM, seconds to let requests in flight finish before closing them.")),
+    Setting("handoff-warning", 10.0, seconds, help=(
+        "Seconds between prefill's answer and decode's request past which the "
+        "request is counted and logged: vLLM's KV lease is 30 s.")),
     Setting("shutdown-delay", 0.0, seconds_or_off, help=(
         "On SIGTERM, seconds to keep accepting while /healthcheck already says not "
         "ready, so that a load balancer stops sending first.")),

@@ -7,6 +7,7 @@ finds a clean reactor after each test).
 
 from __future__ import annotations
 
+import time
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred, DeferredList
@@ -20,6 +21,7 @@ from nixl_twisted import __version__
 from nixl_twisted.access import AccessLog
 from nixl_twisted.errors import error_body
 from nixl_twisted.events import Happened
+from nixl_twisted.metrics import route_label
 
 
 class _TrackedChannel(HTTPChannel):
@@ -112,6 +114,8 @@ class LimitedRequest(Request):
 
     _refused = False
     _discarding = False
+    #: When the request arrived, until its first byte is written.
+    _arrived: float | None = None
     _received = 0
     _held = 0
 
@@ -157,7 +161,19 @@ class LimitedRequest(Request):
         self._held += size
         return True
 
+    def write(self, data: bytes) -> None:
+        if data and self._arrived is not None:
+            arrived, self._arrived = self._arrived, None
+            site = self._site()
+            if site.access_log is not None:
+                route = route_label(self.path)
+                site.access_log.metrics.time_to_first_byte.labels(route).observe(
+                    time.monotonic() - arrived
+                )
+        super().write(data)
+
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        self._arrived = time.monotonic()
         if self._discarding:
             self.channel.loseConnection()  # the body is read (and dropped): now close
         elif not self._refused:

@@ -216,3 +216,17 @@ class QuietLogTests(ProxyCase):
             or ("Starting factory" in e and "TrackingSite" in e)
         ]
         self.assertEqual(chatter, [])
+
+
+class TimeToFirstByteTests(ScrapingCase):
+    async def test_the_client_ttfb_and_handoff_gap_are_observed_per_route(self) -> None:
+        await self.start(tokens=3)
+        response = await self.post("/v1/chat/completions", dict(CHAT, stream=True))
+        await response.content()
+        response, _ = await self.post_json("/v1/completions", {"model": "m", "prompt": "x"})
+        m = await self.scrape()
+        for route in ("/v1/chat/completions", "/v1/completions"):
+            key = ("nixlproxy_time_to_first_byte_seconds_count", (("route", route),))
+            self.assertEqual(m[key], 1)
+        self.assertEqual(m[("nixlproxy_handoff_gap_seconds_count", ())], 2)
+        self.assertEqual(m.get(("nixlproxy_handoff_gap_over_warning_total", ()), 0), 0)

@@ -107,3 +107,14 @@ def test_twisted_client_errors_are_said_by_their_messages_not_reprs() -> None:
     said = describe(error)
     assert "<" not in said and "Failure" not in said
     assert said.startswith("Connection was closed cleanly") and said.endswith("; body short")
+
+
+def test_a_handoff_gap_past_the_warning_is_counted_and_logged() -> None:
+    from nixl_twisted.exchange import note_handoff
+
+    metrics = ProxyMetrics()
+    assert not note_handoff(metrics, 0.002, 10.0, "r1", "http://d:1")
+    assert note_handoff(metrics, 12.5, 10.0, "r2", "http://d:1")
+    registry = metrics.registry
+    assert registry.get_sample_value("nixlproxy_handoff_gap_seconds_count") == 2
+    assert registry.get_sample_value("nixlproxy_handoff_gap_over_warning_total") == 1
