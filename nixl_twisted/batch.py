@@ -30,6 +30,7 @@ from twisted.internet.defer import (
     FirstError,
     ensureDeferred,
     gatherResults,
+    succeed,
 )
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
@@ -63,21 +64,9 @@ class PartRequest:
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         self.code = code
 
-    def setHeader(self, name: bytes, value: bytes) -> None:
-        self.responseHeaders.setRawHeaders(name, [value])
-
     def write(self, data: bytes) -> None:
         self.startedWriting = True
         self._on_data(data)
-
-    def registerProducer(self, producer: object, streaming: bool) -> None:
-        pass
-
-    def unregisterProducer(self) -> None:
-        pass
-
-    def notifyFinish(self) -> Deferred[None]:
-        return Deferred()
 
 
 class _Part:
@@ -143,7 +132,7 @@ class Batch:
 
     def _run(self, part: _Part) -> Deferred[None]:
         if self._failed:
-            return Deferred.fromCoroutine(_nothing())
+            return succeed(None)  # the batch failed: the parts not started never are
         return self.exchange(part.request, dict(self.body, prompt=self.prompts[part.index]))
 
     def _cancel(self) -> None:
@@ -242,7 +231,3 @@ def _as_error(part: _Part) -> ProxyError:
 def _reason(failure: Any) -> str:
     value = failure.value
     return value.message if isinstance(value, ProxyError) else str(value)
-
-
-async def _nothing() -> None:
-    return None

@@ -1,16 +1,7 @@
-"""One completion as a small state machine: the phases, and what ends each of them.
+"""One completion as a small state machine: the prefill leg, the decode leg, the relay.
 
-The phases are ``Phase``; what a client disconnect does in each, and which
-timer bounds it, is the one table ``RULES`` (mirrored in
-``docs/failures.md``, and checked against it by the tests):
-
-- ``prefill``: the prefill request is cancelled (its connection closed, so
-  vLLM frees what it computed) and no decode is sent;
-- ``handoff`` (prefill answered, decode not yet): prefill holds KV blocks
-  that only decode can free, so the decode leg is still sent and abandoned
-  as soon as it answers; decode then tells prefill to free them;
-- ``relay``: the decode connection is closed at once.
-
+It moves through the phases of ``nixl_twisted.phases``, whose ``RULES``
+table says what a client disconnect does in each and which timer bounds it.
 Before the client got a byte a timeout is a 504; after, the stream ends
 with an error event (or the connection is closed short) and is never passed
 off as complete.
@@ -18,10 +9,8 @@ off as complete.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
@@ -50,6 +39,7 @@ from nixl_twisted.legs import (
     unreachable,
 )
 from nixl_twisted.metrics import ProxyMetrics
+from nixl_twisted.phases import RULES, OnClientLeft, Phase
 from nixl_twisted.pools import Instance, Lease
 from nixl_twisted.relay import (
     StreamSilent,
@@ -64,33 +54,6 @@ from nixl_twisted.routing import NO_ROUTING, Routing
 log = Logger()
 
 T = TypeVar("T")
-
-
-class Phase(enum.Enum):
-    PREFILL = "prefill"
-    HANDOFF = "handoff"
-    RELAY = "relay"
-
-
-class OnClientLeft(enum.Enum):
-    #: Close the leg's connection now: vLLM aborts the request and frees its blocks.
-    CANCEL = "cancel"
-    #: Send decode anyway and drop its answer: only decode can free prefill's blocks.
-    FINISH_THEN_ABANDON = "finish_then_abandon"
-
-
-@dataclass(frozen=True)
-class Rule:
-    on_client_left: OnClientLeft
-    #: The settings whose timers run in this phase.
-    timers: tuple[str, ...]
-
-
-RULES: Final[dict[Phase, Rule]] = {
-    Phase.PREFILL: Rule(OnClientLeft.CANCEL, ("prefill-timeout",)),
-    Phase.HANDOFF: Rule(OnClientLeft.FINISH_THEN_ABANDON, ("prefill-timeout", "decode-timeout")),
-    Phase.RELAY: Rule(OnClientLeft.CANCEL, ("stream-idle-timeout",)),
-}
 
 
 class Exchange:

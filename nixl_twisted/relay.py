@@ -21,7 +21,7 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IRequest, IResponse
 from twisted.web.server import Request
 
-from nixl_twisted.errors import anthropic_error_body, error_body
+from nixl_twisted.errors import stream_error_event
 from nixl_twisted.headers import client_response_headers
 
 _DONE = Failure(ResponseDone())
@@ -213,11 +213,7 @@ async def break_off(request: Request, message: str, code: str) -> None:
         return
     content_type = request.responseHeaders.getRawHeaders(b"content-type", [b""])[0]
     if content_type.startswith(b"text/event-stream"):
-        if request.path.startswith(b"/v1/messages"):  # Anthropic's stream error event
-            event = anthropic_error_body(message, "upstream_error", 502)
-            request.write(b"event: error\ndata: " + event + b"\n\n")
-        else:
-            request.write(b"data: " + error_body(message, "upstream_error", code) + b"\n\n")
+        request.write(stream_error_event(request.path, message, code))
     lost = request.notifyFinish()
     channel.loseConnection()
     with contextlib.suppress(Exception):

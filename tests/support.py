@@ -11,11 +11,13 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IResponse
+from zope.interface import provider
 
 from nixl_twisted.testing import FakeVLLM, RunningProxy, TransferLedger, start_proxy
 
@@ -65,6 +67,28 @@ class ProxyCase(TestCase):
         self.addCleanup(pool.closeCachedConnections)
         self.agent = Agent(reactor, pool=pool)
         self.http = HTTPClient(self.agent)
+
+    def logged(self) -> list[dict[str, Any]]:
+        """Every log event from now to the end of the test, as emitted."""
+        events: list[dict[str, Any]] = []
+        self._observe(lambda event: events.append(event))
+        return events
+
+    def access_events(self) -> list[dict[str, Any]]:
+        """The fields of each access event from now to the end of the test."""
+        fields: list[dict[str, Any]] = []
+
+        def observe(event: dict[str, Any]) -> None:
+            if event.get("log_namespace") == "nixlproxy.access":
+                fields.append(event["access"])
+
+        self._observe(observe)
+        return fields
+
+    def _observe(self, observe: Any) -> None:
+        observer = provider(ILogObserver)(observe)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def start_proxy(
         self,

@@ -29,6 +29,7 @@ from nixl_twisted.testing import answers
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text
+from nixl_twisted.testing.routes import OtherRoutes
 from nixl_twisted.testing.site import FakeSite, cut_off, netloc
 
 JSONObject = dict[str, Any]
@@ -63,7 +64,7 @@ class ReceivedRequest:
 
 
 @dataclass
-class FakeVLLM(Controls):
+class FakeVLLM(Controls, OtherRoutes):
     """A fake vLLM instance; ``tokens`` per answer, ``token_interval`` s apart."""
 
     name: str = "fake-vllm"
@@ -163,67 +164,6 @@ class FakeVLLM(Controls):
                 query=request.uri.partition(b"?")[2],
             )
         )
-
-    def _health(self, request: Request) -> bytes:
-        # Counted apart: health checks are not the API requests tests assert on.
-        self.health_checks += 1
-        request.setResponseCode(self.health_status)
-        self._health_checked()
-        return b""
-
-    def _metrics(self, request: Request) -> bytes:
-        """vLLM's own gauges and prefix-cache counters, as its ``/metrics`` names them."""
-        labels = f'{{engine="0",model_name="{self.model}"}}'
-        values = {
-            "vllm:num_requests_running": self.running,
-            "vllm:num_requests_waiting": 0,
-            "vllm:kv_cache_usage_perc": self.cache.usage,
-            "vllm:prefix_cache_queries_total": self.cache.queries,
-            "vllm:prefix_cache_hits_total": self.cache.hits,
-        }
-        request.setResponseCode(self.metrics_status)
-        request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")
-        return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
-
-    def _tokenize(self, request: Request) -> bytes:
-        """vLLM's answer shape; a token is four bytes of the prompt, as the prefix cache counts."""
-        assert request.content is not None
-        body = json.loads(request.content.read())
-        self._record(request, body, "other")
-        count = max(1, len(prompt_text(body).encode("utf-8")) // 4)
-        request.setHeader(b"Content-Type", b"application/json")
-        return answers.encode({"count": count, "max_model_len": 1024,
-                               "tokens": list(range(count)), "token_strs": None})  # fmt: skip
-
-    def _stored(self, request: Request, response_id: str) -> bytes:
-        """A stored response (cancelling one that is done answers it as it is), or vLLM's 404."""
-        self._record(request, None, "other")
-        request.setHeader(b"Content-Type", b"application/json")
-        stored = self.responses.get(response_id)
-        if stored is None:
-            request.setResponseCode(404)
-            return answers.vllm_error(404, f"Response with id '{response_id}' not found.")
-        return answers.encode(stored)
-
-    def _count_tokens(self, request: Request) -> bytes:
-        assert request.content is not None
-        body = json.loads(request.content.read())
-        self._record(request, body, "other")
-        request.setHeader(b"Content-Type", b"application/json")
-        return answers.encode({"input_tokens": answers.prompt_tokens(body, True)})
-
-    def _detokenize(self, request: Request) -> bytes:
-        assert request.content is not None
-        body = json.loads(request.content.read())
-        self._record(request, body, "other")
-        request.setHeader(b"Content-Type", b"application/json")
-        tokens = body.get("tokens") or []
-        return answers.encode({"prompt": " ".join(f"t{t}" for t in tokens)})
-
-    def _models(self, request: Request) -> bytes:
-        self._record(request, None, "other")
-        request.setHeader(b"Content-Type", b"application/json")
-        return answers.models(self.model)
 
     async def _generate(self, request: Request) -> bytes | None:
         self.running += 1

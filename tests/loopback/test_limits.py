@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
@@ -11,10 +10,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import Protocol
-from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
-from zope.interface import provider
 
 from tests.support import CHAT, ProxyCase, sse_events
 
@@ -109,14 +107,7 @@ class AdmissionTests(ProxyCase):
 class SecretTests(ProxyCase):
     async def test_authorization_never_reaches_a_log_line_or_an_error_body(self) -> None:
         secret = "sk-very-secret-value"
-        lines: list[str] = []
-
-        @provider(ILogObserver)
-        def observe(event: dict[str, Any]) -> None:
-            lines.append(formatEvent(event) + repr(event.get("log_failure", "")))
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        logged = self.logged()
         await self.start(proxy=dict(backend_api_key="sk-operator-secret"))
         auth = {"Authorization": f"Bearer {secret}"}
         bodies = []
@@ -128,24 +119,11 @@ class SecretTests(ProxyCase):
                 bodies.append(await response.content())
             except Exception as error:  # the cut-off answer
                 bodies.append(repr(error).encode())
+        lines = [formatEvent(e) + repr(e.get("log_failure", "")) for e in logged]
         self.assertTrue(lines)
         for text in [*lines, *(b.decode("utf-8", "replace") for b in bodies)]:
             self.assertNotIn(secret, text)
             self.assertNotIn("sk-operator-secret", text)
-
-
-def capture_access(case: ProxyCase) -> list[dict[str, Any]]:
-    """The access events' fields, as they are emitted."""
-    events: list[dict[str, Any]] = []
-
-    @provider(ILogObserver)
-    def observe(event: dict[str, Any]) -> None:
-        if event.get("log_namespace") == "nixlproxy.access":
-            events.append(event["access"])
-
-    globalLogPublisher.addObserver(observe)
-    case.addCleanup(globalLogPublisher.removeObserver, observe)
-    return events
 
 
 class DrainTests(ProxyCase):
@@ -186,7 +164,7 @@ class DrainTests(ProxyCase):
         self.assertEqual(self.proxy.site.channels(), [])
 
     async def test_past_the_drain_timeout_each_request_is_told_then_closed(self) -> None:
-        events = capture_access(self)
+        events = self.access_events()
         await self.start()
         collector = await self.held_stream()
         self.prefill.hold_answers()

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from typing import Any, cast
+from typing import cast
 
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.interfaces import IPushProducer
-from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.logger import formatEvent
 from twisted.web.client import ResponseFailed
-from zope.interface import provider
 
 from tests.support import CHAT, ProxyCase
 
@@ -112,20 +111,8 @@ class MetricsTests(ScrapingCase):
 
 
 class AccessLogTests(ScrapingCase):
-    def capture(self) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-
-        @provider(ILogObserver)
-        def observe(event: dict[str, Any]) -> None:
-            if event.get("log_namespace") == "nixlproxy.access":
-                events.append(event["access"])
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
-        return events
-
     async def test_one_event_per_request_with_both_legs(self) -> None:
-        events = self.capture()
+        events = self.access_events()
         await self.start()
         response = await self.post("/v1/chat/completions", CHAT)
         body = await response.content()
@@ -154,7 +141,7 @@ class AccessLogTests(ScrapingCase):
         json.dumps(events)
 
     async def test_access_log_off_emits_no_event_and_still_counts(self) -> None:
-        events = self.capture()
+        events = self.access_events()
         await self.start(proxy=dict(access_log="off"))
         for _ in range(2):
             response, _ = await self.post_json("/v1/chat/completions", CHAT)
@@ -168,7 +155,7 @@ class AccessLogTests(ScrapingCase):
         self.assertEqual(samples[key], 2)
 
     async def test_a_client_that_leaves_gets_its_event_too(self) -> None:
-        events = self.capture()
+        events = self.access_events()
         await self.start()
         collector = await self.held_stream()
         (channel,) = self.proxy.site.channels()
@@ -183,7 +170,7 @@ class AccessLogTests(ScrapingCase):
         self.assertEqual(event["decode"], self.decode.url)
 
     async def test_a_404_keeps_its_path_bounded(self) -> None:
-        events = self.capture()
+        events = self.access_events()
         await self.start()
         response = await self.post("/v2/" + "x" * 300, CHAT)
         await response.content()
@@ -194,19 +181,13 @@ class AccessLogTests(ScrapingCase):
 
 class QuietLogTests(ProxyCase):
     async def test_no_factory_chatter_for_backend_connections(self) -> None:
-        events: list[str] = []
-
-        @provider(ILogObserver)
-        def observe(event: dict[str, Any]) -> None:
-            events.append(formatEvent(event))
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        logged = self.logged()
         await self.start()
         for _ in range(2):
             response, _ = await self.post_json("/v1/chat/completions", CHAT)
             self.assertEqual(response.code, 200)
         await self.proxy.stop()  # closing the pooled connections, which logged "Stopping"
+        events = [formatEvent(event) for event in logged]
         self.assertTrue(any("nixlproxy" in line for line in events))  # it did log
         backends = [f.url.removeprefix("http://") for f in (self.prefill, self.decode)]
         chatter = [

@@ -47,18 +47,7 @@ class CacheAwareTests(ProxyCase):
             self.assertEqual(len(fake.requests_for("prefill")), 4 * len(firsts))
 
     async def test_the_decision_is_in_the_access_event_and_the_metrics(self) -> None:
-        from twisted.logger import ILogObserver, globalLogPublisher
-        from zope.interface import provider
-
-        events: list[dict[str, Any]] = []
-
-        @provider(ILogObserver)
-        def observe(event: dict[str, Any]) -> None:
-            if event.get("log_namespace") == "nixlproxy.access":
-                events.append(event["access"])
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        events = self.access_events()
         await self.start(prefills=2, proxy=dict(prefill_policy="cache-aware"))
         response, _ = await self.post_json("/v1/chat/completions", turn(1, []))
         self.assertEqual(response.code, 200)

@@ -1,11 +1,11 @@
-"""Each row of the exchange's table (``exchange.RULES``, ``docs/failures.md``), in memory."""
+"""Each row of the exchange's table (``phases.RULES``, ``docs/failures.md``), in memory."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from nixl_twisted.exchange import RULES, OnClientLeft, Phase
+from nixl_twisted.phases import RULES, OnClientLeft, Phase
 from tests.memory.support import CHAT, STREAM, TIMEOUTS, Setup, error_code, sse_events, status
 
 FAILURES = Path(__file__).resolve().parents[2] / "docs" / "failures.md"

@@ -41,13 +41,13 @@ def test_a_short_routing_run_prints_its_table() -> None:
     assert re.search(r"\| cache-aware, 2 prefills, --workers 2 \| \d+\.\d%", result.stdout)
 
 
-def test_routing_keeps_nothing_per_prompt() -> None:
+def test_the_routing_index_memory_run_prints_its_figures() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench.routing", "--index-memory"],
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    assert '"prompts": 100000' in result.stdout
+    assert '"prompts": 100000' in result.stdout and '"retained_bytes": ' in result.stdout
 
 
 def test_a_backend_announces_one_port_for_all_workers_and_stops_them_all() -> None:

@@ -1,0 +1,93 @@
+"""The fake's routes besides generation: health, metrics, models, tokens, stored responses.
+
+Each answers as vLLM 0.32 does, and records the request (role ``other``)
+so that tests see what reached the instance.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.web.server import Request
+
+from nixl_twisted.testing import answers
+from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text
+
+JSONObject = dict[str, Any]
+
+
+class OtherRoutes:
+    """Mixed into ``FakeVLLM``, whose state these read."""
+
+    model: str
+    health_checks: int
+    health_status: int
+    metrics_status: int
+    running: int
+    cache: PrefixCache
+    responses: dict[str, JSONObject]
+
+    def _record(self, request: Request, body: JSONObject | None, role: str) -> None:
+        raise NotImplementedError
+
+    def _health_checked(self) -> None:
+        raise NotImplementedError
+
+    def _json(self, request: Request) -> JSONObject:
+        """The request's JSON body, recorded; the answer will be JSON too."""
+        assert request.content is not None
+        body: JSONObject = json.loads(request.content.read())
+        self._record(request, body, "other")
+        request.setHeader(b"Content-Type", b"application/json")
+        return body
+
+    def _health(self, request: Request) -> bytes:
+        # Counted apart: health checks are not the API requests tests assert on.
+        self.health_checks += 1
+        request.setResponseCode(self.health_status)
+        self._health_checked()
+        return b""
+
+    def _metrics(self, request: Request) -> bytes:
+        """vLLM's own gauges and prefix-cache counters, as its ``/metrics`` names them."""
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        values = {
+            "vllm:num_requests_running": self.running,
+            "vllm:num_requests_waiting": 0,
+            "vllm:kv_cache_usage_perc": self.cache.usage,
+            "vllm:prefix_cache_queries_total": self.cache.queries,
+            "vllm:prefix_cache_hits_total": self.cache.hits,
+        }
+        request.setResponseCode(self.metrics_status)
+        request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")
+        return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
+
+    def _models(self, request: Request) -> bytes:
+        self._record(request, None, "other")
+        request.setHeader(b"Content-Type", b"application/json")
+        return answers.models(self.model)
+
+    def _tokenize(self, request: Request) -> bytes:
+        """vLLM's answer shape; a token is four bytes of the prompt, as the prefix cache counts."""
+        count = max(1, len(prompt_text(self._json(request)).encode("utf-8")) // 4)
+        return answers.encode({"count": count, "max_model_len": 1024,
+                               "tokens": list(range(count)), "token_strs": None})  # fmt: skip
+
+    def _detokenize(self, request: Request) -> bytes:
+        tokens = self._json(request).get("tokens") or []
+        return answers.encode({"prompt": " ".join(f"t{t}" for t in tokens)})
+
+    def _count_tokens(self, request: Request) -> bytes:
+        body = self._json(request)
+        return answers.encode({"input_tokens": answers.prompt_tokens(body, True)})
+
+    def _stored(self, request: Request, response_id: str) -> bytes:
+        """A stored response (cancelling one that is done answers it as it is), or vLLM's 404."""
+        self._record(request, None, "other")
+        request.setHeader(b"Content-Type", b"application/json")
+        stored = self.responses.get(response_id)
+        if stored is None:
+            request.setResponseCode(404)
+            return answers.vllm_error(404, f"Response with id '{response_id}' not found.")
+        return answers.encode(stored)
