@@ -26,13 +26,22 @@ setup(
         "treq>=24.9.1",
         "klein>=24.8.0",
         "prometheus-client>=0.20",
+        # Tracing (off unless an OTLP endpoint is given): the official SDK and
+        # its OTLP/HTTP exporter; the SDK's own modules load only when on.
+        "opentelemetry-api>=1.27",
+        "opentelemetry-sdk>=1.27",
+        "opentelemetry-exporter-otlp-proto-http>=1.27",
         'tomli>=2.0; python_version < "3.11"',
     ],
     extras_require={
         "demo": ["openai>=1.0"],
+        # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc: the SDK's gRPC exporter (grpcio).
+        "otlp-grpc": ["opentelemetry-exporter-otlp-proto-grpc>=1.27"],
         "test": [
             "openai>=1.0",
             "anthropic>=0.40",
+            # The tests' OTLP receiver decodes what the exporter sent.
+            "opentelemetry-proto>=1.27",
             "pytest>=8",
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",

@@ -6,6 +6,8 @@
 - :func:`start_pair`, :func:`start_proxy`, :func:`run_proxy` and
   :class:`InMemoryProxy` (``harness``) put a real proxy before fakes, on
   loopback or in memory;
+- :class:`FakeCollector` (``collector``) receives OTLP/HTTP trace exports
+  and decodes their spans;
 - :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
   ``twistd nixlproxy`` and learn where it listens.
 
@@ -13,6 +15,7 @@ Serve a pair from a shell with ``python -m nixl_twisted.testing``.
 """
 
 from nixl_twisted.testing.behaviours import Behaviour, ErrorAnswer, RawAnswer
+from nixl_twisted.testing.collector import FakeCollector, ReceivedSpan
 from nixl_twisted.testing.fake import FakeVLLM, ReceivedRequest
 from nixl_twisted.testing.harness import (
     FakePair,
@@ -30,6 +33,7 @@ from nixl_twisted.testing.site import FakeSite
 __all__ = [
     "Behaviour",
     "ErrorAnswer",
+    "FakeCollector",
     "FakePair",
     "FakeSite",
     "FakeVLLM",
@@ -37,6 +41,7 @@ __all__ = [
     "InMemoryProxy",
     "RawAnswer",
     "ReceivedRequest",
+    "ReceivedSpan",
     "RunningProxy",
     "TransferLedger",
     "Twistd",

@@ -18,7 +18,7 @@ from typing import Any
 
 from klein import Klein
 from twisted.internet.address import IPv4Address, IPv6Address
-from twisted.internet.defer import CancelledError, Deferred, maybeDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.internet.task import deferLater
@@ -130,12 +130,8 @@ class FakeVLLM(Controls, OtherRoutes):
         """Stop listening and close open connections (held streams are released)."""
         if self._hold_after is not None:
             self.release()
-        if self._port is None:
-            return succeed(None)
         port, self._port = self._port, None
-        return maybeDeferred(port.stopListening).addCallback(
-            lambda _: self.site.close_connections()
-        )
+        return self.site.stop(port)
 
     def resource(self) -> Any:
         app = Klein()

@@ -6,7 +6,8 @@ import contextlib
 from typing import Any
 
 from twisted.internet.address import IPv4Address, IPv6Address
-from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
+from twisted.internet.interfaces import IListeningPort
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request, Site
@@ -61,6 +62,12 @@ class FakeSite(Site):
     def _closed(self, channel: HTTPChannel) -> None:
         for waiting in self._open.pop(channel, []):
             waiting.callback(None)
+
+    def stop(self, port: IListeningPort | None) -> Deferred[Any]:
+        """Stop listening on ``port`` (if any), then close every open connection."""
+        if port is None:
+            return succeed(None)
+        return maybeDeferred(port.stopListening).addCallback(lambda _: self.close_connections())
 
 
 async def cut_off(request: Request) -> None:
