@@ -1,8 +1,9 @@
-"""One structured access-log event per client request, and its request metrics.
+"""One structured access-log event per client request, its request metrics, its span's end.
 
 The exchange writes what it learns (instances, statuses, leg timings) into
 the request's ``AccessRecord``; the site emits the event when the request
-ends, finished or abandoned by its client, so every request gets exactly one.
+ends, finished or abandoned by its client, so every request gets exactly one,
+and its trace (``nixl_twisted.tracing``) ends with the same figures.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from twisted.logger import Logger
 from twisted.web.http import Request
 
 from nixl_twisted.metrics import ProxyMetrics, route_label
+from nixl_twisted.tracing import NO_TRACE, RequestTrace
 
 log = Logger(namespace="nixlproxy.access")
 
@@ -42,6 +44,15 @@ class AccessRecord:
     decode_status: int | None = None
     decode_first_byte_seconds: float | None = None
     decode_route: str | None = None
+    #: Prefill's params read -> decode's request sent.
+    handoff_gap_seconds: float | None = None
+    #: The request's arrival -> the first byte written to the client.
+    time_to_first_byte_seconds: float | None = None
+    #: The last phase a completion entered (``nixl_twisted.phases``).
+    phase: str | None = None
+    #: What went wrong, in words, when the proxy answered 5xx or broke off.
+    error: str | None = None
+    trace: RequestTrace = NO_TRACE
     #: How it ended, when not simply answered: "broken", "client_left",
     #: "shutting_down" (cut by the proxy at its drain timeout).
     ended: str = "answered"
@@ -81,6 +92,7 @@ class AccessLog:
         self.metrics.requests.labels(route, status).inc()
         if route in COMPLETION_ROUTES and not client_left:
             self.metrics.request_seconds.observe(elapsed)
+        record.trace.end(request, record)
         if not self.emit:
             return
         path = request.path.decode("utf-8", "replace")

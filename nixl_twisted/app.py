@@ -39,6 +39,7 @@ from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.passthrough import OneLeg
 from nixl_twisted.relay import start_response
 from nixl_twisted.responses import ResponseDirectory
+from nixl_twisted.tracing import NO_TRACE, RequestTrace, Tracing
 
 log = Logger()
 
@@ -57,12 +58,15 @@ class ProxyApp:
         admission: Admission,
         metrics: ProxyMetrics,
         clock: IReactorTime,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.backends = backends
         self.admission = admission
         self.metrics = metrics
         self.clock = clock
+        #: Each request to a backend route is a trace (when tracing is on).
+        self.tracing = tracing if tracing is not None else Tracing(None)
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
@@ -144,8 +148,9 @@ class ProxyApp:
         return self._one_leg(request, "/detokenize", _client_body(request))
 
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
+        trace = self._trace(request)
         self.admission.admit()
-        serving = Deferred.fromCoroutine(self.one_leg.serve(request, path, body))
+        serving = Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace))
         return serving.addBoth(self.admission.release)
 
     @app.route(lowering.COMPLETIONS_PATH, methods=["POST"])
@@ -172,9 +177,10 @@ class ProxyApp:
     def _follow_up(
         self, request: Request, path: str, response_id: str, body: bytes | None
     ) -> Deferred[None]:
+        trace = self._trace(request)
         self.admission.admit()
         where = self.responses_seen.where(response_id)
-        serving = Deferred.fromCoroutine(self.one_leg.follow_up(request, path, body, where))
+        serving = Deferred.fromCoroutine(self.one_leg.follow_up(request, path, body, where, trace))
         return serving.addBoth(self.admission.release)
 
     @app.route(lowering.MESSAGES_PATH, methods=["POST"])
@@ -185,27 +191,42 @@ class ProxyApp:
     def count_tokens(self, request: Request) -> Deferred[None]:
         return self._one_leg(request, "/v1/messages/count_tokens", _client_body(request))
 
+    def _trace(self, request: Request) -> RequestTrace:
+        """The request's trace, begun at its arrival; ended with its access event."""
+        if not self.tracing.enabled:
+            return NO_TRACE
+        record = record_of(request)
+        record.trace = self.tracing.request(request, record.started)
+        return record.trace
+
     def _two_legs(self, request: Request, path: str) -> Deferred[None]:
+        trace = self._trace(request)
         # The id comes first, so that every answer, refusals included, has one.
         request_id = lowering.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
         body = lowering.parse_client_body(_client_body(request))
+        trace.describe(body)
         lowering.check_servable(path, body)
         prompts = lowering.batch_prompts(path, body, self.config.limits.max_batch_prompts)
         self.admission.admit()
         if prompts is None:
-            serving = self._exchange(request, path, body, request_id)
+            serving = self._exchange(request, path, body, request_id, trace)
         else:
-            # One exchange per prompt, each with its own request id.
+            # One exchange per prompt, each with its own request id, all in one trace.
             def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
-                return self._exchange(to, path, one, lowering.new_request_id())
+                return self._exchange(to, path, one, lowering.new_request_id(), trace)
 
             serving = Batch(request, prompts, body, part).start()
         return serving.addBoth(self.admission.release)
 
     def _exchange(
-        self, request: Request | PartRequest, path: str, body: lowering.JSONObject, request_id: str
+        self,
+        request: Request | PartRequest,
+        path: str,
+        body: lowering.JSONObject,
+        request_id: str,
+        trace: RequestTrace,
     ) -> Deferred[None]:
         config = self.config
         headers = backend_request_headers(
@@ -215,7 +236,7 @@ class ProxyApp:
         exchange = Exchange(
             request, path, body, request_id, headers, self.backends,  # type: ignore[arg-type]
             config.timeouts, config.retries, self.clock, self.metrics, route_on,
-            self.responses_seen.watcher if path == lowering.RESPONSES_PATH else None,
+            self.responses_seen.watcher if path == lowering.RESPONSES_PATH else None, trace,
         )  # fmt: skip
         self.exchanges.add(exchange)
 
@@ -250,6 +271,7 @@ class ProxyApp:
     def proxy_error(self, request: IRequest, failure: Failure) -> bytes:
         error = failure.value
         assert isinstance(error, ProxyError)
+        record_of(request).error = error.message  # type: ignore[arg-type]
         if error.status >= 500:
             log.error(
                 "{status} {code} for {request_id}: {message}",
@@ -292,6 +314,7 @@ class ProxyApp:
     def unexpected(self, request: IRequest, failure: Failure) -> bytes:
         log.failure("unexpected error serving {path}", failure, path=request.path)
         message = "the proxy failed unexpectedly; see its log"
+        record_of(request).error = f"{message}: {failure.getErrorMessage()}"  # type: ignore[arg-type]
         return _error(
             request, 500, for_route(request.path, 500, message, "proxy_error", "internal_error")
         )

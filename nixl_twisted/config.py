@@ -106,6 +106,17 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Traces:
+    """OpenTelemetry tracing (``nixl_twisted.tracing``): where to, how, how much."""
+
+    #: The OTLP collector's URL, as given; None: the SDK's environment decides.
+    endpoint: str | None = None
+    protocol: str = "http/protobuf"
+    #: Parent-based share of new traces; None: the SDK's OTEL_TRACES_SAMPLER.
+    sampling_ratio: float | None = None
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
     """One proxy's configuration; made only from settings, so always valid."""
 
@@ -116,6 +127,7 @@ class ProxyConfig:
     retries: Retries
     health: Health
     limits: Limits
+    traces: Traces
     metrics_listen: str | None
     workers: int
     log_format: str
@@ -189,6 +201,11 @@ class ProxyConfig:
                 max_batch_prompts=v["max-batch-prompts"],
                 max_idle_per_backend=v["max-idle-per-backend"],
             ),
+            traces=Traces(
+                endpoint=v["otlp-traces-endpoint"],
+                protocol=v["otlp-traces-protocol"],
+                sampling_ratio=v["otel-sampling-ratio"],
+            ),
             metrics_listen=v["metrics-listen"],
             workers=1 if worker is not None else v["workers"],
             log_format=v["log-format"],
@@ -241,6 +258,9 @@ class ProxyConfig:
             "drain-timeout": self.timeouts.drain,
             "shutdown-delay": self.timeouts.shutdown_delay,
             "handoff-warning": self.timeouts.handoff_warning,
+            "otlp-traces-endpoint": self.traces.endpoint,
+            "otlp-traces-protocol": self.traces.protocol,
+            "otel-sampling-ratio": self.traces.sampling_ratio,
         }
 
     def to_json(self) -> str:
@@ -310,6 +330,11 @@ def parse(raw: Mapping[str, object], where: Callable[[str], str]) -> dict[str, o
     return parsed
 
 
+def _from_variable(name: str) -> Callable[[str], str]:
+    """Where a value read from the environment came from, for its error."""
+    return lambda key: f"{name} (for --{key}) "
+
+
 def read_file(path: str) -> dict[str, object]:
     """The settings a TOML file holds (keys with dashes or underscores), parsed."""
     try:
@@ -329,13 +354,18 @@ def resolve(
     config_path: str | None,
     environ: Mapping[str, str],
 ) -> ProxyConfig:
-    """The configuration from the command line over the file, secrets from the environment."""
+    """The configuration: the command line over the file over the environment.
+
+    The environment gives the secrets and the OpenTelemetry SDK's variables
+    (each setting's ``env``), and only what neither other source gave.
+    """
     given = parse(command_line, lambda key: f"--{key} ")
     values = read_file(config_path) if config_path is not None else {}
     values.update(given)
     for setting in SETTINGS:
-        if setting.env is not None and values.get(setting.name) is None:
-            secret = environ.get(setting.env)
-            if secret:
-                values[setting.name] = secret
+        if values.get(setting.name) is not None:
+            continue
+        name = next((name for name in setting.env if environ.get(name)), None)
+        if name is not None:
+            values.update(parse({setting.name: environ[name]}, _from_variable(name)))
     return ProxyConfig.from_settings(values, config_path)

@@ -50,6 +50,7 @@ from nixl_twisted.relay import (
     start_response,
 )
 from nixl_twisted.routing import NO_ROUTING, Routing
+from nixl_twisted.tracing import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 
 log = Logger()
 
@@ -73,6 +74,7 @@ class Exchange:
         metrics: ProxyMetrics,
         routing: Routing = NO_ROUTING,
         watch: Callable[[str], Callable[[bytes], bool]] | None = None,
+        trace: RequestTrace = NO_TRACE,
     ) -> None:
         self.request = request
         self.path = path
@@ -89,9 +91,13 @@ class Exchange:
         self.routing = routing
         #: Given the decode instance, what watches its answer pass (the Responses ids).
         self.watch = watch
+        self.trace = trace
+        #: The span of the leg attempt out now (a no-op when not traced).
+        self._leg: LegTrace = NO_LEG
         self.phase = Phase.PREFILL
         self._reached = {phase: Happened() for phase in Phase}
         self._reached[Phase.PREFILL].fire()
+        self.record.phase = Phase.PREFILL.value
         self.client_gone = False
         #: The drain timeout ended: the proxy itself cuts this request.
         self.shutting_down = False
@@ -120,6 +126,7 @@ class Exchange:
 
     def _enter(self, phase: Phase) -> None:
         self.phase = phase
+        self.record.phase = phase.value
         self._reached[phase].fire()
 
     def reached(self, phase: Phase | str) -> Deferred[None]:
@@ -130,6 +137,7 @@ class Exchange:
         """Cut this request, saying so: a 503 if nothing was sent, else an error event."""
         self.shutting_down = True
         self.record.ended = "shutting_down"
+        self._leg.fail("the proxy is shutting down: its drain timeout ended", self.phase.value)
         if self._current is not None:
             self._current.cancel()
 
@@ -141,6 +149,7 @@ class Exchange:
         log.info("client left {request_id} during {phase}",
                  request_id=self.request_id, phase=self.phase.value)  # fmt: skip
         if RULES[self.phase].on_client_left is OnClientLeft.CANCEL and self._current is not None:
+            self._leg.fail(f"client left during {self.phase.value}", self.phase.value)
             self._current.cancel()
 
     def _track(self, waiting: Deferred[T]) -> Deferred[T]:
@@ -164,11 +173,13 @@ class Exchange:
         completed = lowering.encode(lowering.decode_body(self.body, params))
         decode, response = await send_leg(
             self.backends.decode, self.retries.decode, self.metrics,
-            lambda instance: self._decode(instance, completed), routing=self.routing,
+            lambda instance, leg: self._decode(instance, leg, completed),
+            routing=self.routing, trace=self.trace,
         )  # fmt: skip
         self.record.decode_route = decode.decision
         try:
             if self.client_gone:
+                self._leg.fail("client left during handoff: decode's answer abandoned", "handoff")
                 abandon(response)
                 log.info("decode for {request_id} abandoned: its client left before decode "
                          "answered", request_id=self.request_id)  # fmt: skip
@@ -183,20 +194,23 @@ class Exchange:
         lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id, self.path))
         prefill, params = await send_leg(
             self.backends.prefill, self.retries.prefill, self.metrics,
-            lambda instance: self._prefill(instance, lowered),
+            lambda instance, leg: self._prefill(instance, leg, lowered),
             # Nobody to answer and no blocks held yet: no more prefill attempts.
-            go_on=lambda: not self.client_gone, routing=self.routing,
+            go_on=lambda: not self.client_gone, routing=self.routing, trace=self.trace,
         )  # fmt: skip
         self.record.prefill_route = prefill.decision
         self._params_at = self.clock.seconds()
         prefill.release()
         return params
 
-    async def _prefill(self, instance: Instance, lowered: bytes) -> lowering.JSONObject:
+    async def _prefill(
+        self, instance: Instance, leg: LegTrace, lowered: bytes
+    ) -> lowering.JSONObject:
         self.record.prefill = instance.url
+        self._leg = leg
         self._enter(Phase.PREFILL)
         started = self.clock.seconds()
-        answering = ensureDeferred(self._prefill_answer(instance, lowered))
+        answering = ensureDeferred(self._prefill_answer(instance, leg, lowered))
         try:
             answer = await self._track(answering.addTimeout(self.timeouts.prefill, self.clock))
         except TimeoutError:
@@ -213,11 +227,13 @@ class Exchange:
         self.metrics.prefill_seconds.observe(self.record.prefill_seconds)
         return params
 
-    async def _prefill_answer(self, instance: Instance, lowered: bytes) -> bytes:
+    async def _prefill_answer(self, instance: Instance, leg: LegTrace, lowered: bytes) -> bytes:
         """Prefill's whole 2xx body, or why not (``Retry``: another instance may serve)."""
         try:
             response = await self.backends.upstream.post(
-                instance.base + self.target, lowered, for_rank(self.headers, instance.rank)
+                instance.base + self.target,
+                lowered,
+                leg.headers(for_rank(self.headers, instance.rank)),
             )
         except (CancelledError, TimeoutError):
             raise
@@ -226,6 +242,7 @@ class Exchange:
         # Prefill has answered: from here a disconnect must not stop decode.
         self._enter(Phase.HANDOFF)
         self.record.prefill_status = status = response.code
+        leg.answered(status)
         try:
             answer = await read_body(response)
         except (CancelledError, TimeoutError):
@@ -246,11 +263,14 @@ class Exchange:
             raise PrefillRefused(response, answer) if verdict is PrefillVerdict.REFUSED else failed
         return answer
 
-    async def _decode(self, instance: Instance, completed: bytes) -> IResponse:
+    async def _decode(self, instance: Instance, leg: LegTrace, completed: bytes) -> IResponse:
         self.record.decode = instance.url
+        self._leg = leg
         self._decode_sent = self.clock.seconds()
         posting = self.backends.upstream.post(
-            instance.base + self.target, completed, for_rank(self.headers, instance.rank)
+            instance.base + self.target,
+            completed,
+            leg.headers(for_rank(self.headers, instance.rank)),
         )
         try:
             response = await self._track(posting.addTimeout(self.timeouts.decode, self.clock))
@@ -263,6 +283,7 @@ class Exchange:
             # Nothing reached the client yet: the same params may go to another instance.
             raise unreachable(instance, error) from None
         self._handoff_gap(instance)
+        leg.answered(response.code)
         # An answer, even an error (a KV-load failure is a 500), shows the
         # instance is up: only silence and refusals take it out.
         outcome = "answered" if response.code < 400 else "error_status"
@@ -272,6 +293,7 @@ class Exchange:
 
     def _handoff_gap(self, instance: Instance) -> None:
         gap = self._decode_sent - self._params_at
+        self.record.handoff_gap_seconds = gap
         note_handoff(
             self.metrics, gap, self.timeouts.handoff_warning, self.request_id, instance.url
         )
@@ -290,7 +312,9 @@ class Exchange:
         except CancelledError:
             raise
         except Exception as error:
-            if isinstance(error, StreamSilent) and not self.request.startedWriting:
+            silent = isinstance(error, StreamSilent)
+            self._leg.fail(str(error) if silent else f"broke off: {describe(error)}", "relay")
+            if silent and not self.request.startedWriting:
                 self.request.responseHeaders = Headers({REQUEST_ID: [self.request_id.encode()]})
                 raise gateway_timeout(
                     f"decode instance {decode.instance.url} sent headers, then nothing: {error}",
@@ -298,15 +322,14 @@ class Exchange:
                 ) from None
             log.error("decode body for {request_id} broke off: {reason}",
                       request_id=self.request_id, reason=describe(error))  # fmt: skip
-            silent = isinstance(error, StreamSilent)
             self.record.ended = "broken"
+            said = (f"decode went silent mid-stream: {error}" if silent
+                    else "decode closed the stream early")  # fmt: skip
+            self.record.error = said
             # The client is told what happened; the detail is in the log line above.
             await break_off(
-                self.request,
-                f"decode went silent mid-stream: {error}" if silent
-                else "decode closed the stream early",
-                "decode_timeout" if silent else "decode_stream_broken",
-            )  # fmt: skip
+                self.request, said, "decode_timeout" if silent else "decode_stream_broken"
+            )
 
 
 def note_handoff(

@@ -22,6 +22,7 @@ from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
 from nixl_twisted.routing import NO_ROUTING, Routing
+from nixl_twisted.tracing import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 
 T = TypeVar("T")
 
@@ -111,20 +112,33 @@ def account(
         pool.record_failure(instance, down)
 
 
+def hold(
+    pool: BackendPool, instance: Instance, decision: str, trace: RequestTrace, attempt: int
+) -> tuple[Lease, LegTrace]:
+    """Lease ``instance`` for one attempt, its span (if traced) ending with the lease."""
+    lease = pool.lease(instance, decision)
+    leg = trace.leg(instance, decision, pool.policy_name, attempt)
+    if leg is not NO_LEG:
+        lease.on_release = leg.end
+    return lease, leg
+
+
 async def send_leg(
     pool: BackendPool,
     retries: int,
     metrics: ProxyMetrics,
-    attempt: Callable[[Instance], Awaitable[T]],
+    attempt: Callable[[Instance, LegTrace], Awaitable[T]],
     go_on: Callable[[], bool] = lambda: True,
     routing: Routing = NO_ROUTING,
+    trace: RequestTrace = NO_TRACE,
 ) -> tuple[Lease, T]:
     """Run ``attempt`` on the pool's next instances until one does not ``Retry``.
 
     Returns the lease of the instance that served the leg (the caller
     releases it when the leg is over, a relay included) and what the attempt
     returned. ``go_on`` is asked before each attempt: when it says no, the
-    leg ends with ``CancelledError``.
+    leg ends with ``CancelledError``. Each attempt is its own span of
+    ``trace`` (a retry is a sibling), handed to ``attempt`` for its headers.
     """
     tried: list[Instance] = []
     last: ProxyError | None = None
@@ -141,14 +155,17 @@ async def send_leg(
             metrics.panic_legs.labels(pool.role).inc()
         metrics.routing_decisions.labels(pool.role, pool.policy_name, decision).inc()
         tried.append(instance)
-        lease = pool.lease(instance, decision)
+        lease, leg = hold(pool, instance, decision, trace, len(tried))
         try:
-            return lease, await attempt(instance)
+            return lease, await attempt(instance, leg)
         except Retry as retry:
+            leg.fail(f"{retry.down}; another instance is tried" if len(tried) <= retries
+                     else retry.down)  # fmt: skip
             lease.release()
             account(metrics, pool, instance, retry.outcome, retry.down)
             last = retry.error
-        except BaseException:
+        except BaseException as error:
+            leg.fail(describe(error))
             lease.release()
             raise
     assert last is not None

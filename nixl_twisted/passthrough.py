@@ -24,10 +24,11 @@ from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.errors import ProxyError
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers, for_rank
-from nixl_twisted.legs import Retry, account, describe, send_leg, timed_out, unreachable
+from nixl_twisted.legs import Retry, account, describe, hold, send_leg, timed_out, unreachable
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import Instance, Lease
 from nixl_twisted.relay import abandon, break_off, relay_body, start_response
+from nixl_twisted.tracing import LegTrace, RequestTrace
 
 log = Logger()
 
@@ -50,15 +51,24 @@ class OneLeg:
         self.metrics = metrics
         self.clock = clock
 
-    async def serve(self, request: Request, path: str, body: bytes | None) -> None:
+    async def serve(
+        self, request: Request, path: str, body: bytes | None, trace: RequestTrace
+    ) -> None:
         """Relay ``request`` to decode's ``path``; ``body`` is JSON to pass on (POST)."""
-        attempt = self._attempt(request, path, body)
+        legs: list[LegTrace] = []
+        attempt = self._attempt(request, path, body, legs.append)
         pool = self.backends.decode
-        lease, response = await send_leg(pool, self.config.retries.decode, self.metrics, attempt)
-        await self._relay(request, path, lease, response)
+        retries = self.config.retries.decode
+        lease, response = await send_leg(pool, retries, self.metrics, attempt, trace=trace)
+        await self._relay(request, path, lease, response, legs[-1])
 
     async def follow_up(
-        self, request: Request, path: str, body: bytes | None, first: str | None
+        self,
+        request: Request,
+        path: str,
+        body: bytes | None,
+        first: str | None,
+        trace: RequestTrace,
     ) -> None:
         """Relay to the instance that holds the resource (``first``), else ask each in turn.
 
@@ -66,28 +76,31 @@ class OneLeg:
         the last one's answer is the client's. Down and draining instances are
         asked too: what they stored is still theirs.
         """
-        attempt = self._attempt(request, path, body)
+        attempt = self._attempt(request, path, body, lambda _: None)
         pool = self.backends.decode
         order = sorted(pool.instances, key=lambda instance: instance.url != first)
         last: Exception | None = None
         for index, instance in enumerate(order):
             left = len(order) - 1 - index
-            lease = pool.lease(instance, "holder" if instance.url == first else "asked")
+            decision = "holder" if instance.url == first else "asked"
+            lease, leg = hold(pool, instance, decision, trace, index + 1)
             try:
-                response = await attempt(instance)
+                response = await attempt(instance, leg)
             except Retry as retry:
+                leg.fail(retry.down)
                 lease.release()
                 account(self.metrics, pool, instance, retry.outcome, retry.down)
                 last = retry.error
                 continue
-            except BaseException:
+            except BaseException as error:
+                leg.fail(describe(error))
                 lease.release()
                 raise
             if response.code == 404 and left > 0:
                 abandon(response)
                 lease.release()
                 continue
-            await self._relay(request, path, lease, response)
+            await self._relay(request, path, lease, response, leg)
             return
         raise (
             last
@@ -98,8 +111,12 @@ class OneLeg:
         )
 
     def _attempt(
-        self, request: Request, path: str, body: bytes | None
-    ) -> Callable[[Instance], Awaitable[IResponse]]:
+        self,
+        request: Request,
+        path: str,
+        body: bytes | None,
+        seen: Callable[[LegTrace], None],
+    ) -> Callable[[Instance, LegTrace], Awaitable[IResponse]]:
         request_id = lowering.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
@@ -116,9 +133,10 @@ class OneLeg:
         upstream = self.backends.upstream
         pool = self.backends.decode
 
-        async def attempt(instance: Instance) -> IResponse:
+        async def attempt(instance: Instance, leg: LegTrace) -> IResponse:
+            seen(leg)
             record_of(request).decode = instance.url
-            url, ranked = instance.base + path, for_rank(headers, instance.rank)
+            url, ranked = instance.base + path, leg.headers(for_rank(headers, instance.rank))
             sent = upstream.get(url, ranked) if raw is None else upstream.post(url, raw, ranked)
             try:
                 response = await sent.addTimeout(timeout, self.clock)
@@ -131,20 +149,27 @@ class OneLeg:
                 raise unreachable(instance, error) from None
             outcome = "answered" if response.code < 400 else "error_status"
             account(self.metrics, pool, instance, outcome)
+            leg.answered(response.code)
             return response
 
         return attempt
 
-    async def _relay(self, request: Request, path: str, lease: Lease, response: IResponse) -> None:
-        record_of(request).decode_status = response.code
+    async def _relay(
+        self, request: Request, path: str, lease: Lease, response: IResponse, leg: LegTrace
+    ) -> None:
+        record = record_of(request)
+        record.decode_status = response.code
         try:
             start_response(request, response)
             await relay_body(request, response, self.clock, self.config.timeouts.stream_idle)
         except CancelledError:
+            leg.fail("client left during relay", "relay")
             raise
         except Exception as error:
             log.error("{path} from {url} broke off: {reason}",
                       path=path, url=lease.instance.url, reason=describe(error))  # fmt: skip
-            await break_off(request, "decode closed its answer early", "decode_broken")
+            leg.fail(f"broke off: {describe(error)}", "relay")
+            record.ended, record.error = "broken", "decode closed its answer early"
+            await break_off(request, record.error, "decode_broken")
         finally:
             lease.release()

@@ -333,10 +333,14 @@ class Lease:
         #: Why the pool's policy chose this instance.
         self.decision = decision
         self.held = True
+        #: What else ends with the leg (its trace span).
+        self.on_release: Callable[[], object] | None = None
 
     def release(self, result: object = None) -> object:
         """Give the instance back (usable as a callback: passes ``result`` on)."""
         if self.held:
             self.held = False
             self.pool._released(self.instance)
+            if self.on_release is not None:
+                self.on_release()
         return result

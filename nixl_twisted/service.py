@@ -7,6 +7,7 @@ is resolved here, once, and handed down. The tree::
     ├── BackendService        pools, health checks, the pooled HTTP client
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
+    ├── Tracing               when tracing is on: flushes queued spans at stop
     ├── SignalService         SIGTERM and SIGHUP (under twistd)
     └── SupervisorLink        in a --workers worker: pools and health from the supervisor
 """
@@ -14,7 +15,7 @@ is resolved here, once, and handed down. The tree::
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from twisted.application import strports
 from twisted.application.internet import StreamServerEndpointService
@@ -32,7 +33,7 @@ from twisted.logger import ILogObserver, Logger
 from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
-from nixl_twisted import logs
+from nixl_twisted import logs, tracing
 from nixl_twisted.access import AccessLog
 from nixl_twisted.admission import Admission
 from nixl_twisted.app import ProxyApp
@@ -45,6 +46,9 @@ from nixl_twisted.settings import tcp_address
 from nixl_twisted.signals import SignalService
 from nixl_twisted.site import BodyBudget, TrackingSite
 from nixl_twisted.workers import ReusePortEndpoint
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 log = Logger()
 
@@ -254,19 +258,26 @@ def build(
     clock: IReactorTime | None = None,
     agent: IAgent | None = None,
     take_signals: bool = True,
+    tracer_provider: TracerProvider | None = None,
 ) -> ProxyService:
     """Make one proxy's whole service tree from its configuration.
 
     ``clock`` (default: the reactor) drives every timeout, backoff and
     health check; ``agent`` (default: a pooled ``Agent`` on the reactor)
     makes every backend call. Tests pass a ``Clock`` and an in-memory agent.
+    ``tracer_provider`` traces with that provider (a test's in-memory
+    exporter) whatever the configuration says.
     """
     clock = clock if clock is not None else cast(IReactorTime, reactor)
     shared = config.worker is not None
     # A worker's pools take their health from the supervisor, which checks.
     backends = backend_service(config, reactor, clock, agent, run_checks=not shared)
     metrics = ProxyMetrics(backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None)
-    app = ProxyApp(config, backends, Admission(config.limits.max_in_flight), metrics, clock)
+    if tracer_provider is None and tracing.enabled(config.traces, os.environ):
+        tracer_provider = tracing.provider_for(config.traces, config.worker)
+    traces = tracing.Tracing(tracer_provider, reactor, clock)
+    admission = Admission(config.limits.max_in_flight)
+    app = ProxyApp(config, backends, admission, metrics, clock, traces)
     site = TrackingSite(
         app.resource(),
         max_body_size=config.limits.max_body_size,
@@ -275,6 +286,8 @@ def build(
         reactor=reactor,  # its connections' idle timeouts
     )
     root = ProxyService(config, app, site, backends, reactor, clock)
+    if traces.enabled:
+        traces.setServiceParent(root)
     for description in config.listen:
         listener(description, site, reactor, shared).setServiceParent(root)
     if config.metrics_listen is not None:

@@ -22,6 +22,9 @@ from nixl_twisted.routing import POLICIES
 #: process listing or a file.
 BACKEND_API_KEY_ENV = "NIXLPROXY_BACKEND_API_KEY"
 ADMIN_TOKEN_ENV = "NIXLPROXY_ADMIN_TOKEN"
+#: The OpenTelemetry SDK's own variables, read as the SDK reads them.
+TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+TRACES_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
 
 class InvalidValue(ValueError):
@@ -79,6 +82,23 @@ def choice(*choices: str) -> Callable[[object], str]:
         return str(value)
 
     return parse
+
+
+def fraction(value: object) -> float:
+    """A number from 0 to 1."""
+    number = _number(value, float, "a number from 0 to 1")
+    if not 0 <= number <= 1:
+        raise InvalidValue(f"must be from 0 to 1, not {value!r}")
+    return float(number)
+
+
+def collector_url(value: object) -> str:
+    """An OTLP collector's URL: http or https, with a host."""
+    url = text(value)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidValue(f"{url!r} must be an http:// or https:// URL with a host")
+    return url
 
 
 def text(value: object) -> str:
@@ -156,8 +176,9 @@ class Setting:
     help: str
     #: Repeatable on the command line, a list in the file.
     many: bool = False
-    #: Read from this environment variable when neither source gives it.
-    env: str | None = None
+    #: Read from the first of these environment variables that is set, when
+    #: neither the command line nor the file gives it.
+    env: tuple[str, ...] = ()
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -171,7 +192,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("decode", (), backend_url, many=True, help=(
         "Base URL of a vLLM decode instance, e.g. http://10.0.0.2:8200 "
         "(repeatable; at least one).")),
-    Setting("backend-api-key", None, text, env=BACKEND_API_KEY_ENV, help=(
+    Setting("backend-api-key", None, text, env=(BACKEND_API_KEY_ENV,), help=(
         "API key sent to the backends as 'Authorization: Bearer KEY' when the "
         "client sent no Authorization.")),
     Setting("connect-timeout", 10.0, seconds, help=(
@@ -225,7 +246,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max-buffered-bodies", 64 * 1024 * 1024, count(1), help=(
         "Bytes of request bodies held at once, all requests together; past it, "
         "503 with Retry-After before the body is read.")),
-    Setting("admin-token", None, text, env=ADMIN_TOKEN_ENV, help=(
+    Setting("admin-token", None, text, env=(ADMIN_TOKEN_ENV,), help=(
         "Bearer token that enables the admin API (/admin/backends); without "
         "one there is none.")),
     Setting("metrics-listen", None, endpoint, help=(
@@ -248,6 +269,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("handoff-warning", 10.0, seconds, help=(
         "Seconds between prefill's answer and decode's request past which the "
         "request is counted and logged: vLLM's KV lease is 30 s.")),
+    Setting("otlp-traces-endpoint", None, collector_url, env=(TRACES_ENDPOINT_ENV,), help=(
+        "OTLP collector URL that turns tracing on, used as given (http/protobuf: "
+        "e.g. http://collector:4318/v1/traces); OTEL_EXPORTER_OTLP_ENDPOINT turns it on too.")),
+    Setting("otlp-traces-protocol", "http/protobuf", choice("http/protobuf", "grpc"),
+            env=(TRACES_PROTOCOL_ENV, "OTEL_EXPORTER_OTLP_PROTOCOL"), help=(
+        "http/protobuf (the default) or grpc (pip install 'nixl-twisted[otlp-grpc]').")),
+    Setting("otel-sampling-ratio", None, fraction, help=(
+        "Share of new traces recorded, 0 to 1, parent-based: a client's sampled "
+        "traceparent is always followed. Unset: the SDK's OTEL_TRACES_SAMPLER "
+        "(all, by default).")),
     Setting("shutdown-delay", 0.0, seconds_or_off, help=(
         "On SIGTERM, seconds to keep accepting while /healthcheck already says not "
         "ready, so that a load balancer stops sending first.")),
@@ -258,8 +289,9 @@ BY_NAME: dict[str, Setting] = {setting.name: setting for setting in SETTINGS}
 
 def default_text(setting: Setting) -> str:
     """The default as ``--help`` and ``docs/configuration.md`` show it."""
-    if setting.env is not None:
-        return f"${setting.env}"
+    if setting.env:
+        names = " or ".join(f"${name}" for name in setting.env)
+        return names if setting.default is None else f"{names}, else {setting.default}"
     if setting.many:
         return ", ".join(setting.default) if setting.default else "(required)"
     if setting.default is None:

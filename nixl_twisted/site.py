@@ -18,7 +18,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from nixl_twisted import __version__
-from nixl_twisted.access import AccessLog
+from nixl_twisted.access import AccessLog, record_of
 from nixl_twisted.errors import error_body
 from nixl_twisted.events import Happened
 from nixl_twisted.metrics import route_label
@@ -166,14 +166,14 @@ class LimitedRequest(Request):
             arrived, self._arrived = self._arrived, None
             site = self._site()
             if site.access_log is not None:
+                waited = time.monotonic() - arrived
+                record_of(self).time_to_first_byte_seconds = waited
                 route = route_label(self.path)
-                site.access_log.metrics.time_to_first_byte.labels(route).observe(
-                    time.monotonic() - arrived
-                )
+                site.access_log.metrics.time_to_first_byte.labels(route).observe(waited)
         super().write(data)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
-        self._arrived = time.monotonic()
+        self._arrived = record_of(self).started = time.monotonic()
         if self._discarding:
             self.channel.loseConnection()  # the body is read (and dropped): now close
         elif not self._refused:

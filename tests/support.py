@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
@@ -100,7 +100,9 @@ class ProxyCase(TestCase):
         # Active health checks are off unless a test turns them on: they
         # would race the requests a test sends.
         settings.setdefault("health_interval", 0)
-        proxy = start_proxy(prefill, decode, listen=listen, clock=self.clock, **settings)
+        proxy = start_proxy(
+            prefill, decode, listen=listen, clock=self.clock, **cast(dict[str, Any], settings)
+        )
         self.addCleanup(proxy.stop)
         return proxy
 

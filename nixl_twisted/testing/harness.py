@@ -37,6 +37,8 @@ from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.site import netloc
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
     from nixl_twisted.app import ProxyApp
     from nixl_twisted.service import ProxyService
     from nixl_twisted.site import TrackingSite
@@ -88,7 +90,10 @@ class RunningProxy:
 
 
 def run_proxy(
-    config: ProxyConfig, clock: IReactorTime | None = None, reactor: Any = None
+    config: ProxyConfig,
+    clock: IReactorTime | None = None,
+    reactor: Any = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> RunningProxy:
     """Build the proxy from ``config`` exactly as ``twistd nixlproxy`` would, and start it.
 
@@ -100,7 +105,9 @@ def run_proxy(
         from twisted.internet import reactor as default_reactor
 
         reactor = default_reactor
-    service = build(config, reactor, clock=clock, take_signals=False)
+    service = build(
+        config, reactor, clock=clock, take_signals=False, tracer_provider=tracer_provider
+    )
     service.privilegedStartService()
     service.startService()
     host = service.ports()[0].getHost()
@@ -115,15 +122,16 @@ def start_proxy(
     listen: str = "tcp:0:interface=127.0.0.1",
     clock: IReactorTime | None = None,
     reactor: Any = None,
+    tracer_provider: TracerProvider | None = None,
     **settings: object,
 ) -> RunningProxy:
     """Start a proxy before these instances; ``settings`` are any other options
     by name (``max_in_flight=8``, ``health_interval=0``), checked as the
-    command line's are."""
+    command line's are. ``tracer_provider``: trace with it (an in-memory exporter's)."""
     config = ProxyConfig.create(
         listen=[listen], prefill=list(prefill), decode=list(decode), **settings
     )
-    return run_proxy(config, clock=clock, reactor=reactor)
+    return run_proxy(config, clock=clock, reactor=reactor, tracer_provider=tracer_provider)
 
 
 class _ByHost(Resource):

@@ -21,9 +21,12 @@ from tests.support import ProxyCase
 class TwistdCase(ProxyCase):
     timeout = 60
 
-    def spawn(self, *args: str, twistd_args: Sequence[str] = ()) -> TwistdProtocol:
+    def spawn(
+        self, *args: str, twistd_args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> TwistdProtocol:
+        """``twistd nixlproxy ARGS``; ``env``: more environment variables for it."""
         # Outside the source tree: the installed package and plugin serve.
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})
         process = spawn_twistd(
             reactor, args, env=env, path=tempfile.gettempdir(), twistd_args=twistd_args
         )

@@ -13,6 +13,7 @@ from nixl_twisted.errors import bad_gateway
 from nixl_twisted.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease
+from nixl_twisted.tracing import LegTrace
 
 
 @pytest.mark.parametrize(
@@ -45,7 +46,7 @@ def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
     backends = pool("a", "b")
     seen: list[Instance] = []
 
-    def attempt(instance: Instance) -> Deferred[str]:
+    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         seen.append(instance)
         assert instance.in_flight == 1  # held while it serves
         if instance.url == "http://a:1":
@@ -65,7 +66,7 @@ def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
 def test_when_every_instance_failed_the_last_error_is_the_answer() -> None:
     backends = pool("a", "b")
 
-    def attempt(instance: Instance) -> Deferred[str]:
+    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         raise Retry(bad_gateway(f"{instance.url} is down", "prefill_unreachable"), "x", "y")
 
     failure = run(send_leg(backends, 5, ProxyMetrics(), attempt))
@@ -76,7 +77,7 @@ def test_when_every_instance_failed_the_last_error_is_the_answer() -> None:
 def test_another_error_ends_the_leg_and_releases_the_instance() -> None:
     backends = pool("a", "b")
 
-    def attempt(instance: Instance) -> Deferred[str]:
+    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         raise ValueError("not the instance's fault")
 
     failure = run(send_leg(backends, 2, ProxyMetrics(), attempt))
@@ -89,7 +90,7 @@ def test_go_on_stops_the_retries() -> None:
     backends = pool("a", "b")
     calls: list[Instance] = []
 
-    def attempt(instance: Instance) -> Deferred[str]:
+    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         calls.append(instance)
         raise Retry(bad_gateway("down", "prefill_unreachable"), "x", "y")
 

@@ -1,0 +1,339 @@
+"""OpenTelemetry traces: a server span per client request, a client span per leg attempt.
+
+Off unless an OTLP endpoint is configured (``docs/tracing.md``). Off, every
+call lands on the shared no-op ``RequestTrace`` / ``LegTrace`` below: no span,
+no header touched, nothing allocated per request.
+
+On, the SDK's ``BatchSpanProcessor`` takes each ended span into a bounded
+queue and exports from its own thread, so a slow or dead collector never
+holds the reactor (a full queue drops spans; it never waits). Contexts are
+passed explicitly, span to span, never through ``contextvars`` across
+Deferreds: each leg attempt's span is the parent named in the
+``traceparent`` that attempt sends, so vLLM's own spans nest under it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter, Setter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.web.http import Request
+from twisted.web.http_headers import Headers
+
+from nixl_twisted import __version__
+from nixl_twisted.metrics import route_label
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from nixl_twisted.access import AccessRecord
+    from nixl_twisted.config import Traces
+    from nixl_twisted.pools import Instance
+
+log = Logger()
+
+#: Seconds a stopping proxy gives the exporter thread to send what is queued.
+FLUSH_TIMEOUT = 5.0
+#: The standard variable that also turns tracing on (the exporter adds /v1/traces).
+GENERIC_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+SERVICE_NAME = "nixl-twisted"
+
+
+class _HeadersGetter(Getter[Headers]):
+    def get(self, carrier: Headers, key: str) -> list[str] | None:
+        values = carrier.getRawHeaders(key)  # a str name: str values
+        return None if values is None else list(values)
+
+    def keys(self, carrier: Headers) -> list[str]:
+        return [_text(name) for name, _ in carrier.getAllRawHeaders()]
+
+
+class _HeadersSetter(Setter[Headers]):
+    def set(self, carrier: Headers, key: str, value: str) -> None:
+        carrier.setRawHeaders(key.encode("latin-1"), [value.encode("latin-1")])
+
+
+def _text(name: bytes | str) -> str:
+    return name.decode("latin-1") if isinstance(name, bytes) else name
+
+
+_GETTER = _HeadersGetter()
+_SETTER = _HeadersSetter()
+
+
+class LegTrace:
+    """One attempt of a leg, as a span; this base is tracing off, and does nothing."""
+
+    def headers(self, headers: Headers) -> Headers:
+        """The attempt's headers, carrying its trace context when traced."""
+        return headers
+
+    def answered(self, status: int) -> None:
+        """The instance answered ``status`` (an error from 400 on)."""
+
+    def fail(self, reason: str, phase: str | None = None) -> None:
+        """The attempt failed; the first reason given is the one kept."""
+
+    def end(self) -> None:
+        """The leg is over (its lease released)."""
+
+
+class RequestTrace:
+    """One client request, as a server span; this base is tracing off, and does nothing."""
+
+    def describe(self, body: Mapping[str, Any]) -> None:
+        """What the request asks for: its model, streamed or not."""
+
+    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
+        """A span for one attempt of a leg to ``instance``, started now."""
+        return NO_LEG
+
+    def end(self, request: Request, record: AccessRecord) -> None:
+        """The request is over: its figures, its status, and the span ended."""
+
+
+NO_LEG = LegTrace()
+NO_TRACE = RequestTrace()
+
+
+class _LegSpan(LegTrace):
+    def __init__(self, span: trace.Span, context: Context) -> None:
+        self._span = span
+        self._context = trace.set_span_in_context(span, context)
+        self._failed = False
+        self._ended = False
+
+    def headers(self, headers: Headers) -> Headers:
+        carried = headers.copy()
+        # Replaces the client's traceparent/tracestate: vLLM's parent is this attempt.
+        propagate.inject(carried, context=self._context, setter=_SETTER)
+        return carried
+
+    def answered(self, status: int) -> None:
+        self._span.set_attribute("http.response.status_code", status)
+        if status >= 400:
+            self.fail(f"answered HTTP {status}")
+
+    @property
+    def open(self) -> bool:
+        return not self._ended
+
+    def fail(self, reason: str, phase: str | None = None) -> None:
+        if self._failed or self._ended:
+            return
+        self._failed = True
+        self._span.set_status(Status(StatusCode.ERROR, reason))
+        if phase is not None:
+            self._span.set_attribute("nixlproxy.phase", phase)
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._span.end()
+
+
+def _figures(record: AccessRecord) -> Iterable[tuple[str, float | None]]:
+    return (
+        ("nixlproxy.prefill_seconds", record.prefill_seconds),
+        ("nixlproxy.handoff_gap_seconds", record.handoff_gap_seconds),
+        ("nixlproxy.decode_first_byte_seconds", record.decode_first_byte_seconds),
+        ("nixlproxy.time_to_first_byte_seconds", record.time_to_first_byte_seconds),
+    )
+
+
+class _ServerSpan(RequestTrace):
+    def __init__(self, tracer: trace.Tracer, request: Request, arrived: float) -> None:
+        self._tracer = tracer
+        #: The client's context (its traceparent, tracestate, baggage), if it sent one.
+        self._parent = propagate.extract(request.requestHeaders, getter=_GETTER)
+        method = request.method.decode("ascii", "replace")
+        route = route_label(request.path)
+        started = time.time_ns() - int((time.monotonic() - arrived) * 1e9)
+        self._span = tracer.start_span(
+            f"{method} {route}",
+            context=self._parent,
+            kind=SpanKind.SERVER,
+            start_time=started,
+            attributes={
+                "http.request.method": method,
+                "http.route": route,
+                "url.path": request.path.decode("utf-8", "replace")[:200],
+            },
+        )
+        self._context = trace.set_span_in_context(self._span, self._parent)
+        self._legs: list[_LegSpan] = []
+
+    def describe(self, body: Mapping[str, Any]) -> None:
+        model = body.get("model")
+        if isinstance(model, str):
+            self._span.set_attribute("gen_ai.request.model", model)
+        self._span.set_attribute("nixlproxy.stream", body.get("stream") is True)
+
+    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
+        attributes: dict[str, str | int] = {
+            "nixlproxy.instance": instance.url,
+            "server.address": instance.base,
+            "nixlproxy.policy": policy,
+            "nixlproxy.decision": decision,
+            "nixlproxy.attempt": attempt,
+        }
+        if instance.rank is not None:
+            attributes["nixlproxy.dp_rank"] = instance.rank
+        span = self._tracer.start_span(
+            instance.role, context=self._context, kind=SpanKind.CLIENT, attributes=attributes
+        )
+        leg = _LegSpan(span, self._parent)
+        self._legs.append(leg)
+        return leg
+
+    def end(self, request: Request, record: AccessRecord) -> None:
+        span = self._span
+        if record.request_id is not None:
+            span.set_attribute("nixlproxy.request_id", record.request_id)
+        if request.startedWriting:
+            span.set_attribute("http.response.status_code", request.code)
+        for name, value in _figures(record):
+            if value is not None:
+                span.set_attribute(name, value)
+        span.set_attribute("nixlproxy.total_seconds", time.monotonic() - record.started)
+        if record.phase is not None:
+            span.set_attribute("nixlproxy.phase", record.phase)
+        span.set_attribute("nixlproxy.ended", record.ended)
+        failure = _failure(request, record)
+        if failure is not None:
+            span.set_status(Status(StatusCode.ERROR, failure))
+        for leg in self._legs:
+            if leg.open:  # a leg still out when its request ended
+                if failure is not None:
+                    leg.fail(failure, record.phase)
+                leg.end()
+        span.end()
+
+
+def _failure(request: Request, record: AccessRecord) -> str | None:
+    """Why the request failed, as the server span's error status says; None if it did not."""
+    during = f" during {record.phase}" if record.phase else ""
+    if record.ended == "client_left":
+        return f"client left{during}"
+    if record.ended == "shutting_down":
+        return "the proxy is shutting down: its drain timeout ended"
+    if record.ended == "broken":
+        return record.error or f"the answer broke off{during}"
+    if request.code >= 500:
+        return record.error or f"HTTP {request.code}"
+    return None
+
+
+class Tracing(Service):
+    """The proxy's tracer, or none: starts each request's trace, flushes at stop."""
+
+    def __init__(
+        self,
+        provider: TracerProvider | None,
+        reactor: Any = None,
+        clock: IReactorTime | None = None,
+    ) -> None:
+        self._provider = provider
+        self._reactor = reactor
+        self._clock = clock
+        self._tracer = (
+            None if provider is None else provider.get_tracer("nixl_twisted", __version__)
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    def request(self, request: Request, arrived: float) -> RequestTrace:
+        """The trace of a client request that arrived at ``arrived`` (``time.monotonic``)."""
+        if self._tracer is None:
+            return NO_TRACE
+        return _ServerSpan(self._tracer, request, arrived)
+
+    def stopService(self) -> Deferred[None] | None:
+        """Send what is queued, from a thread of its own, for at most ``FLUSH_TIMEOUT``."""
+        super().stopService()
+        provider = self._provider
+        if provider is None or self._reactor is None:
+            return None
+        flushed: Deferred[None] = Deferred()
+
+        def done() -> None:
+            if not flushed.called:  # else the wait timed out already
+                flushed.callback(None)
+
+        def flush() -> None:
+            try:
+                provider.shutdown()
+            finally:
+                self._reactor.callFromThread(done)
+
+        # A daemon thread: a collector that never answers cannot keep the process alive.
+        threading.Thread(target=flush, name="nixlproxy-trace-flush", daemon=True).start()
+        clock = self._clock if self._clock is not None else self._reactor
+        flushed.addTimeout(FLUSH_TIMEOUT, clock)
+        flushed.addErrback(self._unsent)
+        return flushed
+
+    def _unsent(self, _: object) -> None:
+        log.warn("traces not all sent: the collector did not take them within {seconds} s",
+                 seconds=FLUSH_TIMEOUT)  # fmt: skip
+
+
+def enabled(traces: Traces, environ: Mapping[str, str]) -> bool:
+    """Whether to trace: an endpoint given, or the SDK's generic one set; never when disabled."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return traces.endpoint is not None or bool(environ.get(GENERIC_ENDPOINT_ENV))
+
+
+def provider_for(traces: Traces, worker: int | None) -> TracerProvider:
+    """The SDK's provider: the configured sampler, a batching processor, the OTLP exporter."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    attributes: dict[str, str | int] = {"service.version": __version__}
+    if worker is not None:
+        attributes["nixlproxy.worker"] = worker
+    resource = Resource.create(attributes)
+    # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES win over our name.
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": SERVICE_NAME}))
+    sampler = None
+    if traces.sampling_ratio is not None:
+        sampler = ParentBased(TraceIdRatioBased(traces.sampling_ratio))
+    # No sampler given: the SDK reads OTEL_TRACES_SAMPLER (parentbased_always_on by default).
+    provider = TracerProvider(resource=resource, sampler=sampler, shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(exporter_for(traces)))
+    return provider
+
+
+def exporter_for(traces: Traces) -> Any:
+    """The SDK's OTLP span exporter for the configured protocol."""
+    if traces.protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GRPCExporter,
+            )
+        except ImportError:
+            raise SystemExit(
+                "nixlproxy: OTLP over grpc needs the SDK's gRPC exporter: "
+                "pip install 'nixl-twisted[otlp-grpc]'"
+            ) from None
+        return GRPCExporter(endpoint=traces.endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    # None: the exporter reads OTEL_EXPORTER_OTLP_ENDPOINT and adds /v1/traces.
+    return OTLPSpanExporter(endpoint=traces.endpoint)

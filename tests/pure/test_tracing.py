@@ -1,0 +1,138 @@
+"""Tracing's configuration and its off state: from the command line and the SDK's variables."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.trace import SpanContext, TraceFlags, set_span_in_context
+from opentelemetry.trace.span import NonRecordingSpan
+from twisted.python import usage
+from twisted.web.http_headers import Headers
+from twisted.web.test.requesthelper import DummyRequest
+
+from nixl_twisted import tracing
+from nixl_twisted.config import ProxyConfig, Traces
+from nixl_twisted.tap import Options
+
+POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
+COLLECTOR = "http://collector:4318/v1/traces"
+
+
+def parse(*args: str) -> ProxyConfig:
+    options = Options()
+    options.parseOptions(list(args))
+    assert options.config is not None
+    return options.config
+
+
+@pytest.fixture(autouse=True)
+def no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test says which of the SDK's variables are set."""
+    for name in (
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES",
+    ):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_off_by_default() -> None:
+    traces = parse(*POOLS).traces
+    assert traces == Traces(endpoint=None, protocol="http/protobuf", sampling_ratio=None)
+    assert not tracing.enabled(traces, {})
+
+
+def test_the_options_and_their_checks() -> None:
+    traces = parse(*POOLS, "--otlp-traces-endpoint", COLLECTOR, "--otel-sampling-ratio", "0.1",
+                   "--otlp-traces-protocol", "grpc").traces  # fmt: skip
+    assert traces == Traces(endpoint=COLLECTOR, protocol="grpc", sampling_ratio=0.1)
+    assert tracing.enabled(traces, {})
+    for args, message in (
+        (["--otel-sampling-ratio", "1.5"], "--otel-sampling-ratio must be from 0 to 1"),
+        (["--otlp-traces-endpoint", "collector:4318"], "must be an http:// or https:// URL"),
+        (["--otlp-traces-protocol", "http/json"], "must be one of http/protobuf, grpc"),
+    ):
+        with pytest.raises(usage.UsageError, match=message):
+            parse(*POOLS, *args)
+
+
+def test_the_sdks_variables_are_read_and_the_command_line_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", COLLECTOR)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    assert parse(*POOLS).traces == Traces(endpoint=COLLECTOR, protocol="grpc")
+    given = parse(*POOLS, "--otlp-traces-endpoint", "http://other:4318/v1/traces").traces
+    assert given.endpoint == "http://other:4318/v1/traces"
+    # The signal's own variable wins over the generic one.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert parse(*POOLS).traces.protocol == "http/protobuf"
+
+
+def test_a_bad_variable_is_a_usage_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with pytest.raises(usage.UsageError, match=r"OTEL_EXPORTER_OTLP_PROTOCOL \(for "
+                       r"--otlp-traces-protocol\) must be one of"):  # fmt: skip
+        parse(*POOLS)
+
+
+def test_the_generic_endpoint_turns_it_on_and_sdk_disabled_off() -> None:
+    traces = Traces()
+    assert tracing.enabled(traces, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    disabled = {"OTEL_SDK_DISABLED": "true"}
+    assert not tracing.enabled(Traces(endpoint=COLLECTOR), disabled)
+
+
+def test_a_worker_gets_the_tracing_settings() -> None:
+    config = parse(*POOLS, "--otlp-traces-endpoint", COLLECTOR, "--otel-sampling-ratio", "0.5")
+    worker = config.for_worker(0, ("tcp:4321",), None)
+    assert ProxyConfig.from_json(worker.to_json()).traces == config.traces
+
+
+def test_the_sampler_is_parent_based_on_the_ratio() -> None:
+    provider = tracing.provider_for(Traces(COLLECTOR, sampling_ratio=0.0), None)
+    sampler = provider.sampler
+    assert "ParentBased" in sampler.get_description()
+    trace_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+    assert sampler.should_sample(None, trace_id, "new").decision is Decision.DROP
+    flags = TraceFlags(TraceFlags.SAMPLED)
+    parent = NonRecordingSpan(SpanContext(trace_id, 0xF067AA0BA902B7, True, trace_flags=flags))
+    followed = sampler.should_sample(set_span_in_context(parent), trace_id, "child")
+    assert followed.decision is Decision.RECORD_AND_SAMPLE
+
+
+def test_unset_the_sdk_chooses_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    provider = tracing.provider_for(Traces(COLLECTOR), None)
+    assert provider.sampler.get_description() == "AlwaysOffSampler"
+
+
+def test_the_service_is_named_unless_the_environment_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ours = tracing.provider_for(Traces(COLLECTOR), 3).resource.attributes
+    assert (ours["service.name"], ours["nixlproxy.worker"]) == ("nixl-twisted", 3)
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge")
+    assert tracing.provider_for(Traces(COLLECTOR), None).resource.attributes["service.name"] == (
+        "edge"
+    )
+
+
+def test_grpc_without_its_exporter_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    with pytest.raises(SystemExit, match=r"pip install 'nixl-twisted\[otlp-grpc\]'"):
+        tracing.exporter_for(Traces(COLLECTOR, protocol="grpc"))
+
+
+def test_off_is_the_same_no_op_objects_every_time() -> None:
+    off = tracing.Tracing(None)
+    assert not off.enabled
+    request = DummyRequest([b"v1", b"chat", b"completions"])
+    trace = off.request(request, 0.0)  # type: ignore[arg-type]
+    assert trace is tracing.NO_TRACE
+    leg = trace.leg(None, "next", "round-robin", 1)  # type: ignore[arg-type]
+    assert leg is tracing.NO_LEG
+    headers = Headers({b"traceparent": [b"00-client-trace-01"]})
+    assert leg.headers(headers) is headers  # untouched, not even copied
