@@ -9,6 +9,7 @@ requests and its peak RSS.
     python -m bench.run                 # 8 s per load, as in docs/performance.md
     python -m bench.run --repeat 3      # medians of three runs of each load
     python -m bench.run --seconds 1     # a smoke run
+    python -m bench.run --traced        # every request traced, to a collector process
 """
 
 from __future__ import annotations
@@ -68,8 +69,10 @@ def _wait_for_port(port: int, deadline: float) -> None:
 
 
 @contextmanager
-def _process(command: Sequence[str], port: int) -> Iterator[subprocess.Popen[bytes]]:
-    process = subprocess.Popen(list(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def _process(
+    command: Sequence[str], port: int, output: Any = subprocess.DEVNULL
+) -> Iterator[subprocess.Popen[bytes]]:
+    process = subprocess.Popen(list(command), stdout=output, stderr=subprocess.DEVNULL)
     try:
         _wait_for_port(port, time.monotonic() + 30)
         yield process
@@ -146,12 +149,29 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+@contextmanager
+def _collector(cores: str, traced: bool) -> Iterator[tuple[list[str], dict[str, int]]]:
+    """With ``traced``: a collector process, the proxy's options to trace to it, and
+    (once it stopped) what it received."""
+    received: dict[str, int] = {}
+    if not traced:
+        yield [], received
+        return
+    port = _free_port()
+    command = [sys.executable, "-m", "bench.collector", "--port", str(port)]
+    with _process(_pinned(cores, command), port, subprocess.PIPE) as collector:
+        yield ["--otlp-traces-endpoint", f"http://127.0.0.1:{port}/v1/traces"], received
+    assert collector.stdout is not None
+    received.update(json.loads(collector.stdout.read() or "{}"))
+
+
 def measure(
     load: Load,
     seconds: float,
     backend_processes: int,
     workers: int = 1,
     proxy_args: Sequence[str] = (),
+    traced: bool = False,
 ) -> dict[str, Any]:
     cores = os.cpu_count() or 2
     others = "1" if cores == 2 else f"1-{cores - 1}"
@@ -164,9 +184,12 @@ def measure(
              "--prefill", f"http://127.0.0.1:{backend_port}",
              "--decode", f"http://127.0.0.1:{backend_port}",
              "--workers", str(workers), *proxy_args]  # fmt: skip
-    with _process(_pinned(others, backend), backend_port):
+    with (
+        _process(_pinned(others, backend), backend_port),
+        _collector(others, traced) as (tracing, spans),
+    ):
         direct = _load(f"http://127.0.0.1:{backend_port}", load, seconds, others)
-        with nixlproxy(proxy, proxy_cores, workers) as (running, url):
+        with nixlproxy([*proxy, *tracing], proxy_cores, workers) as (running, url):
             pids = _descendants(running.process.pid)
             cpu_before = sum(_cpu_seconds(pid) for pid in pids)
             proxied = _load(url, load, seconds, others)
@@ -179,6 +202,7 @@ def measure(
         "proxy": proxied,
         "cpu_s_per_1000": round(cpu / requests * 1000, 3),
         "peak_rss_mb": round(rss, 1),
+        **({"spans": spans.get("spans", 0)} if traced else {}),
     }
 
 
@@ -212,8 +236,9 @@ def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         merged[side] = {key: median([run[side][key] for run in runs]) for key in runs[0][side]}
         # An error in any run must not be hidden by the median.
         merged[side]["errors"] = max(run[side]["errors"] for run in runs)
-    for key in ("cpu_s_per_1000", "peak_rss_mb"):
-        merged[key] = median([run[key] for run in runs])
+    for key in ("cpu_s_per_1000", "peak_rss_mb", "spans"):
+        if key in runs[0]:
+            merged[key] = median([run[key] for run in runs])
     return merged
 
 
@@ -252,17 +277,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=[],
         help="one more twistd nixlproxy option, e.g. --proxy-arg=--access-log=off",
     )
+    parser.add_argument(
+        "--traced",
+        action="store_true",
+        help="trace every request to a collector process (bench.collector) on the other cores",
+    )
     args = parser.parse_args(argv)
     rows = [
         median_row(
             [
-                measure(load, args.seconds, args.backend_processes, args.workers, args.proxy_arg)
+                measure(
+                    load,
+                    args.seconds,
+                    args.backend_processes,
+                    args.workers,
+                    args.proxy_arg,
+                    args.traced,
+                )
                 for _ in range(args.repeat)
             ]
         )
         for load in LOADS[: args.loads]
     ]
     print(table(rows))
+    for row in rows:
+        if "spans" in row:
+            print(f"spans the collector received, {row['load']}: {row['spans']:g}")
     if args.json:
         print(json.dumps(rows, indent=2))
     failed = [row["load"] for row in rows if row["proxy"]["errors"] or not row["proxy"]["requests"]]

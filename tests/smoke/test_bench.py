@@ -22,6 +22,17 @@ def test_a_short_benchmark_run_prints_its_table() -> None:
     assert "/s |" in result.stdout
 
 
+def test_a_short_traced_run_sends_its_spans_to_the_collector() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--seconds", "0.5", "--loads", "1",
+         "--backend-processes", "1", "--traced"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    received = re.search(r"spans the collector received, [^:]+: (\d+)", result.stdout)
+    assert received is not None and int(received.group(1)) > 0, result.stdout
+
+
 def test_a_short_memory_run_prints_its_table() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "bench.memory", "--streams", "20"],
