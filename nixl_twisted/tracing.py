@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
@@ -142,13 +142,21 @@ class _LegSpan(LegTrace):
             self._span.end()
 
 
-def _figures(record: AccessRecord) -> Iterable[tuple[str, float | None]]:
-    return (
-        ("nixlproxy.prefill_seconds", record.prefill_seconds),
-        ("nixlproxy.handoff_gap_seconds", record.handoff_gap_seconds),
-        ("nixlproxy.decode_first_byte_seconds", record.decode_first_byte_seconds),
-        ("nixlproxy.time_to_first_byte_seconds", record.time_to_first_byte_seconds),
-    )
+def _outcome(request: Request, record: AccessRecord) -> dict[str, str | int | float]:
+    """What the server span says once its request is over (what did not happen is left out)."""
+    said: dict[str, str | int | float | None] = {
+        "nixlproxy.request_id": record.request_id,
+        # Only once an answer was begun: a client that left before has none.
+        "http.response.status_code": request.code if request.startedWriting else None,
+        "nixlproxy.prefill_seconds": record.prefill_seconds,
+        "nixlproxy.handoff_gap_seconds": record.handoff_gap_seconds,
+        "nixlproxy.decode_first_byte_seconds": record.decode_first_byte_seconds,
+        "nixlproxy.time_to_first_byte_seconds": record.time_to_first_byte_seconds,
+        "nixlproxy.total_seconds": time.monotonic() - record.started,
+        "nixlproxy.phase": record.phase,
+        "nixlproxy.ended": record.ended,
+    }
+    return {name: value for name, value in said.items() if value is not None}
 
 
 class _ServerSpan(RequestTrace):
@@ -175,9 +183,10 @@ class _ServerSpan(RequestTrace):
 
     def describe(self, body: Mapping[str, Any]) -> None:
         model = body.get("model")
+        described: dict[str, str | bool] = {"nixlproxy.stream": body.get("stream") is True}
         if isinstance(model, str):
-            self._span.set_attribute("gen_ai.request.model", model)
-        self._span.set_attribute("nixlproxy.stream", body.get("stream") is True)
+            described["gen_ai.request.model"] = model
+        self._span.set_attributes(described)
 
     def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
         attributes: dict[str, str | int] = {
@@ -198,17 +207,7 @@ class _ServerSpan(RequestTrace):
 
     def end(self, request: Request, record: AccessRecord) -> None:
         span = self._span
-        if record.request_id is not None:
-            span.set_attribute("nixlproxy.request_id", record.request_id)
-        if request.startedWriting:
-            span.set_attribute("http.response.status_code", request.code)
-        for name, value in _figures(record):
-            if value is not None:
-                span.set_attribute(name, value)
-        span.set_attribute("nixlproxy.total_seconds", time.monotonic() - record.started)
-        if record.phase is not None:
-            span.set_attribute("nixlproxy.phase", record.phase)
-        span.set_attribute("nixlproxy.ended", record.ended)
+        span.set_attributes(_outcome(request, record))
         failure = _failure(request, record)
         if failure is not None:
             span.set_status(Status(StatusCode.ERROR, failure))
