@@ -142,6 +142,25 @@ class _LegSpan(LegTrace):
             self._span.end()
 
 
+class _UnsampledLeg(LegTrace):
+    """A leg of a request not recorded: it records nothing, and only tells vLLM so.
+
+    Its headers carry the request's own context, flagged unsampled, so that
+    vLLM records nothing either; no span of its own is made for it.
+    """
+
+    def __init__(self, context: Context) -> None:
+        carrier = Headers()
+        propagate.inject(carrier, context=context, setter=_SETTER)
+        self._carried = list(carrier.getAllRawHeaders())
+
+    def headers(self, headers: Headers) -> Headers:
+        carried = headers.copy()
+        for name, values in self._carried:
+            carried.setRawHeaders(name, list(values))
+        return carried
+
+
 def _outcome(request: Request, record: AccessRecord) -> dict[str, str | int | float]:
     """What the server span says once its request is over (what did not happen is left out)."""
     said: dict[str, str | int | float | None] = {
@@ -180,8 +199,12 @@ class _ServerSpan(RequestTrace):
         )
         self._context = trace.set_span_in_context(self._span, self._parent)
         self._legs: list[_LegSpan] = []
+        #: Not sampled: its legs make no spans, only say so to vLLM (a cheap path).
+        self._unsampled = None if self._span.is_recording() else _UnsampledLeg(self._context)
 
     def describe(self, body: Mapping[str, Any]) -> None:
+        if self._unsampled is not None:
+            return
         model = body.get("model")
         described: dict[str, str | bool] = {"nixlproxy.stream": body.get("stream") is True}
         if isinstance(model, str):
@@ -189,6 +212,8 @@ class _ServerSpan(RequestTrace):
         self._span.set_attributes(described)
 
     def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
+        if self._unsampled is not None:
+            return self._unsampled
         attributes: dict[str, str | int] = {
             "nixlproxy.instance": instance.url,
             "server.address": instance.base,
@@ -207,6 +232,8 @@ class _ServerSpan(RequestTrace):
 
     def end(self, request: Request, record: AccessRecord) -> None:
         span = self._span
+        if self._unsampled is not None:
+            return  # a span not recorded has nothing to end
         span.set_attributes(_outcome(request, record))
         failure = _failure(request, record)
         if failure is not None:
