@@ -16,6 +16,7 @@ from twisted.logger import Logger
 from twisted.web.http import Request
 
 from nixl_twisted.metrics import ProxyMetrics, route_label
+from nixl_twisted.phases import Phase
 from nixl_twisted.tracing import NO_TRACE, RequestTrace
 
 log = Logger(namespace="nixlproxy.access")
@@ -48,8 +49,8 @@ class AccessRecord:
     handoff_gap_seconds: float | None = None
     #: The request's arrival -> the first byte written to the client.
     time_to_first_byte_seconds: float | None = None
-    #: The last phase a completion entered (``nixl_twisted.phases``).
-    phase: str | None = None
+    #: The last phase a completion entered.
+    phase: Phase | None = None
     #: What went wrong, in words, when the proxy answered 5xx or broke off.
     error: str | None = None
     trace: RequestTrace = NO_TRACE

@@ -97,7 +97,7 @@ class Exchange:
         self.phase = Phase.PREFILL
         self._reached = {phase: Happened() for phase in Phase}
         self._reached[Phase.PREFILL].fire()
-        self.record.phase = Phase.PREFILL.value
+        self.record.phase = Phase.PREFILL
         self.client_gone = False
         #: The drain timeout ended: the proxy itself cuts this request.
         self.shutting_down = False
@@ -126,7 +126,7 @@ class Exchange:
 
     def _enter(self, phase: Phase) -> None:
         self.phase = phase
-        self.record.phase = phase.value
+        self.record.phase = phase
         self._reached[phase].fire()
 
     def reached(self, phase: Phase | str) -> Deferred[None]:

@@ -142,7 +142,7 @@ async def send_leg(
     """
     tried: list[Instance] = []
     last: ProxyError | None = None
-    for _ in range(1 + retries):
+    for number in range(1, 2 + retries):
         if not go_on():
             raise CancelledError()
         if tried:
@@ -155,11 +155,11 @@ async def send_leg(
             metrics.panic_legs.labels(pool.role).inc()
         metrics.routing_decisions.labels(pool.role, pool.policy_name, decision).inc()
         tried.append(instance)
-        lease, leg = hold(pool, instance, decision, trace, len(tried))
+        lease, leg = hold(pool, instance, decision, trace, number)
         try:
             return lease, await attempt(instance, leg)
         except Retry as retry:
-            leg.fail(f"{retry.down}; another instance is tried" if len(tried) <= retries
+            leg.fail(f"{retry.down}; another instance is tried" if number <= retries
                      else retry.down)  # fmt: skip
             lease.release()
             account(metrics, pool, instance, retry.outcome, retry.down)

@@ -172,7 +172,7 @@ def _outcome(request: Request, record: AccessRecord) -> dict[str, str | int | fl
         "nixlproxy.decode_first_byte_seconds": record.decode_first_byte_seconds,
         "nixlproxy.time_to_first_byte_seconds": record.time_to_first_byte_seconds,
         "nixlproxy.total_seconds": time.monotonic() - record.started,
-        "nixlproxy.phase": record.phase,
+        "nixlproxy.phase": None if record.phase is None else record.phase.value,
         "nixlproxy.ended": record.ended,
     }
     return {name: value for name, value in said.items() if value is not None}
@@ -241,14 +241,14 @@ class _ServerSpan(RequestTrace):
         for leg in self._legs:
             if leg.open:  # a leg still out when its request ended
                 if failure is not None:
-                    leg.fail(failure, record.phase)
+                    leg.fail(failure, None if record.phase is None else record.phase.value)
                 leg.end()
         span.end()
 
 
 def _failure(request: Request, record: AccessRecord) -> str | None:
     """Why the request failed, as the server span's error status says; None if it did not."""
-    during = f" during {record.phase}" if record.phase else ""
+    during = f" during {record.phase.value}" if record.phase is not None else ""
     if record.ended == "client_left":
         return f"client left{during}"
     if record.ended == "shutting_down":

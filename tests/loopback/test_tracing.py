@@ -384,17 +384,27 @@ class CollectorTests(ProxyCase):
 
 
 class FlushTests(ProxyCase):
-    async def test_a_dead_collector_holds_the_stop_for_the_flush_timeout_at_most(self) -> None:
+    async def test_a_silent_collector_holds_the_stop_for_the_flush_timeout_at_most(self) -> None:
         from twisted.internet import reactor
 
+        collector = FakeCollector()
+        await collector.listen()
+        self.addCleanup(collector.stop)
+        collector.hold_answers()
         clock = Clock()
-        provider = tracing.provider_for(Traces(await closed_port_url()), None)
+        provider = tracing.provider_for(Traces(collector.url), None)
         provider.get_tracer("test").start_span("queued").end()
         service = tracing.Tracing(provider, reactor, clock)
         service.startService()
         logged = self.logged()
         stopping = service.stopService()
         assert stopping is not None
+        await collector.received(lambda spans: len(spans) == 1)  # and not answered
         clock.advance(tracing.FLUSH_TIMEOUT)
         await stopping
         self.assertIn("traces not all sent", " ".join(str(e.get("log_format", "")) for e in logged))
+        # Answered now, the exporter's thread finishes: it closes its connection as it shuts down.
+        (exporting,) = collector.site.channels()
+        closed = collector.site.connection_lost(exporting)
+        collector.release()
+        await closed
