@@ -42,7 +42,9 @@ class TwistdCase(ProxyCase):
     async def spawn_workers(self, *args: str) -> tuple[TwistdProtocol, str]:
         """``--workers 2`` on loopback, once both listen; and the address they share."""
         process = self.spawn("--listen", "tcp:0:interface=127.0.0.1", "--workers", "2", *args)
-        await process.said(b"nixlproxy listening on", times=2)
+        # Each worker's own line: with --metrics-listen one worker alone says two.
+        for worker in (b"[worker 0 ", b"[worker 1 "):
+            await process.said(worker + b"nixl_twisted.service#info] nixlproxy listening on")
         match = re.search(rb"workers share (\S+)", process.output)
         assert match is not None, process.output
         return process, match.group(1).decode()
