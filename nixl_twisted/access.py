@@ -17,7 +17,7 @@ from twisted.web.http import Request
 
 from nixl_twisted.metrics import ProxyMetrics, route_label
 from nixl_twisted.phases import Phase
-from nixl_twisted.tracing import NO_TRACE, RequestTrace
+from nixl_twisted.spans import NO_TRACE, RequestTrace
 
 log = Logger(namespace="nixlproxy.access")
 

@@ -39,7 +39,8 @@ from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.passthrough import OneLeg
 from nixl_twisted.relay import start_response
 from nixl_twisted.responses import ResponseDirectory
-from nixl_twisted.tracing import NO_TRACE, RequestTrace, Tracing
+from nixl_twisted.spans import NO_TRACE, RequestTrace
+from nixl_twisted.tracing import Tracing
 
 log = Logger()
 

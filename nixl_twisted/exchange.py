@@ -50,7 +50,7 @@ from nixl_twisted.relay import (
     start_response,
 )
 from nixl_twisted.routing import NO_ROUTING, Routing
-from nixl_twisted.tracing import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+from nixl_twisted.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 
 log = Logger()
 

@@ -22,7 +22,7 @@ from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
 from nixl_twisted.routing import NO_ROUTING, Routing
-from nixl_twisted.tracing import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+from nixl_twisted.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 
 T = TypeVar("T")
 

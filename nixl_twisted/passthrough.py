@@ -28,7 +28,7 @@ from nixl_twisted.legs import Retry, account, describe, hold, send_leg, timed_ou
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import Instance, Lease
 from nixl_twisted.relay import abandon, break_off, relay_body, start_response
-from nixl_twisted.tracing import LegTrace, RequestTrace
+from nixl_twisted.spans import LegTrace, RequestTrace
 
 log = Logger()
 

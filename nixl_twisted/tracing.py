@@ -1,44 +1,31 @@
-"""OpenTelemetry traces: a server span per client request, a client span per leg attempt.
+"""OpenTelemetry for the proxy: the tracer, its SDK set up from the configuration, its flush.
 
-Off unless an OTLP endpoint is configured (``docs/tracing.md``). Off, every
-call lands on the shared no-op ``RequestTrace`` / ``LegTrace`` below: no span,
-no header touched, nothing allocated per request.
-
-On, the SDK's ``BatchSpanProcessor`` takes each ended span into a bounded
-queue and exports from its own thread, so a slow or dead collector never
-holds the reactor (a full queue drops spans; it never waits). Contexts are
-passed explicitly, span to span, never through ``contextvars`` across
-Deferreds: each leg attempt's span is the parent named in the
-``traceparent`` that attempt sends, so vLLM's own spans nest under it.
+Off unless an OTLP endpoint is configured (``docs/tracing.md``): then every
+request gets the no-op trace of ``nixl_twisted.spans`` and the SDK is never
+imported. On, the SDK's ``BatchSpanProcessor`` takes each ended span into a
+bounded queue and exports from its own thread, so a slow or dead collector
+never holds the reactor (a full queue drops spans; it never waits).
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import propagate, trace
-from opentelemetry.context import Context
-from opentelemetry.propagators.textmap import Getter, Setter
-from opentelemetry.trace import SpanKind, Status, StatusCode
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.http import Request
-from twisted.web.http_headers import Headers
 
 from nixl_twisted import __version__
-from nixl_twisted.metrics import route_label
+from nixl_twisted.spans import NO_TRACE, RequestTrace, ServerSpan
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from nixl_twisted.access import AccessRecord
     from nixl_twisted.config import Traces
-    from nixl_twisted.pools import Instance
 
 log = Logger()
 
@@ -47,217 +34,6 @@ FLUSH_TIMEOUT = 5.0
 #: The standard variable that also turns tracing on (the exporter adds /v1/traces).
 GENERIC_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 SERVICE_NAME = "nixl-twisted"
-
-
-class _HeadersGetter(Getter[Headers]):
-    def get(self, carrier: Headers, key: str) -> list[str] | None:
-        values = carrier.getRawHeaders(key)  # a str name: str values
-        return None if values is None else list(values)
-
-    def keys(self, carrier: Headers) -> list[str]:
-        return [_text(name) for name, _ in carrier.getAllRawHeaders()]
-
-
-class _HeadersSetter(Setter[Headers]):
-    def set(self, carrier: Headers, key: str, value: str) -> None:
-        carrier.setRawHeaders(key.encode("latin-1"), [value.encode("latin-1")])
-
-
-def _text(name: bytes | str) -> str:
-    return name.decode("latin-1") if isinstance(name, bytes) else name
-
-
-_GETTER = _HeadersGetter()
-_SETTER = _HeadersSetter()
-
-
-class LegTrace:
-    """One attempt of a leg, as a span; this base is tracing off, and does nothing."""
-
-    def headers(self, headers: Headers) -> Headers:
-        """The attempt's headers, carrying its trace context when traced."""
-        return headers
-
-    def answered(self, status: int) -> None:
-        """The instance answered ``status`` (an error from 400 on)."""
-
-    def fail(self, reason: str, phase: str | None = None) -> None:
-        """The attempt failed; the first reason given is the one kept."""
-
-    def end(self) -> None:
-        """The leg is over (its lease released)."""
-
-
-class RequestTrace:
-    """One client request, as a server span; this base is tracing off, and does nothing."""
-
-    def describe(self, body: Mapping[str, Any]) -> None:
-        """What the request asks for: its model, streamed or not."""
-
-    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
-        """A span for one attempt of a leg to ``instance``, started now."""
-        return NO_LEG
-
-    def end(self, request: Request, record: AccessRecord) -> None:
-        """The request is over: its figures, its status, and the span ended."""
-
-
-NO_LEG = LegTrace()
-NO_TRACE = RequestTrace()
-
-
-class _LegSpan(LegTrace):
-    def __init__(self, span: trace.Span, context: Context) -> None:
-        self._span = span
-        self._context = trace.set_span_in_context(span, context)
-        self._failed = False
-        self._ended = False
-
-    def headers(self, headers: Headers) -> Headers:
-        carried = headers.copy()
-        # Replaces the client's traceparent/tracestate: vLLM's parent is this attempt.
-        propagate.inject(carried, context=self._context, setter=_SETTER)
-        return carried
-
-    def answered(self, status: int) -> None:
-        self._span.set_attribute("http.response.status_code", status)
-        if status >= 400:
-            self.fail(f"answered HTTP {status}")
-
-    @property
-    def open(self) -> bool:
-        return not self._ended
-
-    def fail(self, reason: str, phase: str | None = None) -> None:
-        if self._failed or self._ended:
-            return
-        self._failed = True
-        self._span.set_status(Status(StatusCode.ERROR, reason))
-        if phase is not None:
-            self._span.set_attribute("nixlproxy.phase", phase)
-
-    def end(self) -> None:
-        if not self._ended:
-            self._ended = True
-            self._span.end()
-
-
-class _UnsampledLeg(LegTrace):
-    """A leg of a request not recorded: it records nothing, and only tells vLLM so.
-
-    Its headers carry the request's own context, flagged unsampled, so that
-    vLLM records nothing either; no span of its own is made for it.
-    """
-
-    def __init__(self, context: Context) -> None:
-        carrier = Headers()
-        propagate.inject(carrier, context=context, setter=_SETTER)
-        self._carried = list(carrier.getAllRawHeaders())
-
-    def headers(self, headers: Headers) -> Headers:
-        carried = headers.copy()
-        for name, values in self._carried:
-            carried.setRawHeaders(name, list(values))
-        return carried
-
-
-def _outcome(request: Request, record: AccessRecord) -> dict[str, str | int | float]:
-    """What the server span says once its request is over (what did not happen is left out)."""
-    said: dict[str, str | int | float | None] = {
-        "nixlproxy.request_id": record.request_id,
-        # Only once an answer was begun: a client that left before has none.
-        "http.response.status_code": request.code if request.startedWriting else None,
-        "nixlproxy.prefill_seconds": record.prefill_seconds,
-        "nixlproxy.handoff_gap_seconds": record.handoff_gap_seconds,
-        "nixlproxy.decode_first_byte_seconds": record.decode_first_byte_seconds,
-        "nixlproxy.time_to_first_byte_seconds": record.time_to_first_byte_seconds,
-        "nixlproxy.total_seconds": time.monotonic() - record.started,
-        "nixlproxy.phase": None if record.phase is None else record.phase.value,
-        "nixlproxy.ended": record.ended,
-    }
-    return {name: value for name, value in said.items() if value is not None}
-
-
-class _ServerSpan(RequestTrace):
-    def __init__(self, tracer: trace.Tracer, request: Request, arrived: float) -> None:
-        self._tracer = tracer
-        #: The client's context (its traceparent, tracestate, baggage), if it sent one.
-        self._parent = propagate.extract(request.requestHeaders, getter=_GETTER)
-        method = request.method.decode("ascii", "replace")
-        route = route_label(request.path)
-        started = time.time_ns() - int((time.monotonic() - arrived) * 1e9)
-        self._span = tracer.start_span(
-            f"{method} {route}",
-            context=self._parent,
-            kind=SpanKind.SERVER,
-            start_time=started,
-            attributes={
-                "http.request.method": method,
-                "http.route": route,
-                "url.path": request.path.decode("utf-8", "replace")[:200],
-            },
-        )
-        self._context = trace.set_span_in_context(self._span, self._parent)
-        self._legs: list[_LegSpan] = []
-        #: Not sampled: its legs make no spans, only say so to vLLM (a cheap path).
-        self._unsampled = None if self._span.is_recording() else _UnsampledLeg(self._context)
-
-    def describe(self, body: Mapping[str, Any]) -> None:
-        if self._unsampled is not None:
-            return
-        model = body.get("model")
-        described: dict[str, str | bool] = {"nixlproxy.stream": body.get("stream") is True}
-        if isinstance(model, str):
-            described["gen_ai.request.model"] = model
-        self._span.set_attributes(described)
-
-    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
-        if self._unsampled is not None:
-            return self._unsampled
-        attributes: dict[str, str | int] = {
-            "nixlproxy.instance": instance.url,
-            "server.address": instance.base,
-            "nixlproxy.policy": policy,
-            "nixlproxy.decision": decision,
-            "nixlproxy.attempt": attempt,
-        }
-        if instance.rank is not None:
-            attributes["nixlproxy.dp_rank"] = instance.rank
-        span = self._tracer.start_span(
-            instance.role, context=self._context, kind=SpanKind.CLIENT, attributes=attributes
-        )
-        leg = _LegSpan(span, self._parent)
-        self._legs.append(leg)
-        return leg
-
-    def end(self, request: Request, record: AccessRecord) -> None:
-        span = self._span
-        if self._unsampled is not None:
-            return  # a span not recorded has nothing to end
-        span.set_attributes(_outcome(request, record))
-        failure = _failure(request, record)
-        if failure is not None:
-            span.set_status(Status(StatusCode.ERROR, failure))
-        for leg in self._legs:
-            if leg.open:  # a leg still out when its request ended
-                if failure is not None:
-                    leg.fail(failure, None if record.phase is None else record.phase.value)
-                leg.end()
-        span.end()
-
-
-def _failure(request: Request, record: AccessRecord) -> str | None:
-    """Why the request failed, as the server span's error status says; None if it did not."""
-    during = f" during {record.phase.value}" if record.phase is not None else ""
-    if record.ended == "client_left":
-        return f"client left{during}"
-    if record.ended == "shutting_down":
-        return "the proxy is shutting down: its drain timeout ended"
-    if record.ended == "broken":
-        return record.error or f"the answer broke off{during}"
-    if request.code >= 500:
-        return record.error or f"HTTP {request.code}"
-    return None
 
 
 class Tracing(Service):
@@ -284,7 +60,7 @@ class Tracing(Service):
         """The trace of a client request that arrived at ``arrived`` (``time.monotonic``)."""
         if self._tracer is None:
             return NO_TRACE
-        return _ServerSpan(self._tracer, request, arrived)
+        return ServerSpan(self._tracer, request, arrived)
 
     def stopService(self) -> Deferred[None] | None:
         """Send what is queued, from a thread of its own, for at most ``FLUSH_TIMEOUT``."""

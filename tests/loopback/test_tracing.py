@@ -228,6 +228,34 @@ class FailureSpanTests(TracedCase):
         self.assertFailed(self.only("prefill"), "client left during prefill")
         self.assertEqual([s.name for s in self.finished() if s.name == "decode"], [])
 
+    async def test_a_client_that_leaves_during_the_handoff(self) -> None:
+        await self.start_traced()
+        self.decode.hold_answers()  # decode has the leg, and has not answered yet
+        decode_held = self.decode.stream_held()
+        sent = self.post("/v1/chat/completions", CHAT)
+        await decode_held
+        (exchange,) = self.proxy.app.exchanges
+        self.assertEqual(exchange.phase.value, "handoff")
+        gone = self.client_gone()
+        cast(Any, self.proxy.site.channels()[0].transport).abortConnection()
+        with self.assertRaises(ResponseFailed):
+            await sent
+        await gone
+        server = self.server()
+        self.assertFailed(server, "client left during handoff")
+        # Decode (which alone can free prefill's blocks) is let finish: its span
+        # lasts until it has answered and its answer was dropped.
+        self.assertEqual([s.name for s in self.finished() if s.name == "decode"], [])
+        (decode_channel,) = self.decode.site.channels()
+        dropped = self.decode.site.connection_lost(decode_channel)
+        self.decode.release()
+        await dropped
+        decode = self.only("decode")
+        self.assertFailed(decode, "client left during handoff: decode's answer abandoned")
+        assert decode.end_time is not None and server.end_time is not None
+        self.assertGreater(decode.end_time, server.end_time)
+        self.assertChild(decode, server)
+
     async def test_a_client_that_leaves_during_the_relay(self) -> None:
         await self.start_traced(tokens=5)
         collector = await self.held_stream()

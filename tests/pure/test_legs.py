@@ -13,7 +13,7 @@ from nixl_twisted.errors import bad_gateway
 from nixl_twisted.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease
-from nixl_twisted.tracing import LegTrace
+from nixl_twisted.spans import LegTrace
 
 
 @pytest.mark.parametrize(

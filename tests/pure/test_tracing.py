@@ -12,7 +12,7 @@ from twisted.python import usage
 from twisted.web.http_headers import Headers
 from twisted.web.test.requesthelper import DummyRequest
 
-from nixl_twisted import tracing
+from nixl_twisted import spans, tracing
 from nixl_twisted.config import ProxyConfig, Traces
 from nixl_twisted.tap import Options
 
@@ -131,8 +131,8 @@ def test_off_is_the_same_no_op_objects_every_time() -> None:
     assert not off.enabled
     request = DummyRequest([b"v1", b"chat", b"completions"])
     trace = off.request(request, 0.0)  # type: ignore[arg-type]
-    assert trace is tracing.NO_TRACE
+    assert trace is spans.NO_TRACE
     leg = trace.leg(None, "next", "round-robin", 1)  # type: ignore[arg-type]
-    assert leg is tracing.NO_LEG
+    assert leg is spans.NO_LEG
     headers = Headers({b"traceparent": [b"00-client-trace-01"]})
     assert leg.headers(headers) is headers  # untouched, not even copied
