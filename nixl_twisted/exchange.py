@@ -34,6 +34,7 @@ from nixl_twisted.legs import (
     account,
     classify_prefill,
     describe,
+    note_handoff,
     send_leg,
     timed_out,
     unreachable,
@@ -94,10 +95,8 @@ class Exchange:
         self.trace = trace
         #: The span of the leg attempt out now (a no-op when not traced).
         self._leg: LegTrace = NO_LEG
-        self.phase = Phase.PREFILL
         self._reached = {phase: Happened() for phase in Phase}
-        self._reached[Phase.PREFILL].fire()
-        self.record.phase = Phase.PREFILL
+        self._enter(Phase.PREFILL)
         self.client_gone = False
         #: The drain timeout ended: the proxy itself cuts this request.
         self.shutting_down = False
@@ -330,24 +329,6 @@ class Exchange:
             await break_off(
                 self.request, said, "decode_timeout" if silent else "decode_stream_broken"
             )
-
-
-def note_handoff(
-    metrics: ProxyMetrics, gap: float, warning: float, request_id: str, url: str
-) -> bool:
-    """Prefill answered -> decode sent: observed; past ``warning``, counted and logged.
-
-    vLLM frees prefill's blocks when its KV lease (30 s) expires: a decode
-    sent later fails to load them or computes them again. Returns whether it warned.
-    """
-    metrics.handoff_gap.observe(gap)
-    if gap <= warning:
-        return False
-    metrics.handoff_gap_over_warning.inc()
-    log.warn("handoff gap of {seconds:.1f} s for {request_id} (decode {url}): past "
-             "--handoff-warning; vLLM's KV lease is 30 s",
-             seconds=gap, request_id=request_id, url=url)  # fmt: skip
-    return True
 
 
 def _query(request: Request) -> str:

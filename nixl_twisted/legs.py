@@ -5,7 +5,9 @@ routes (``/v1/models``) alike. An attempt raises ``Retry`` when the instance,
 not the request, failed (nothing usable was answered): the instance is
 accounted for, its lease released, and the next instance tried, up to the
 leg's retries. Any other outcome ends the leg. What a prefill status means
-is decided in one place, :func:`classify_prefill`.
+is decided in one place, :func:`classify_prefill`; a leg's outcome and the
+gap between the two legs are counted here too (:func:`account`,
+:func:`note_handoff`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IResponse
 
@@ -23,6 +26,8 @@ from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
 from nixl_twisted.routing import NO_ROUTING, Routing
 from nixl_twisted.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+
+log = Logger()
 
 T = TypeVar("T")
 
@@ -170,6 +175,24 @@ async def send_leg(
             raise
     assert last is not None
     raise last
+
+
+def note_handoff(
+    metrics: ProxyMetrics, gap: float, warning: float, request_id: str, url: str
+) -> bool:
+    """Prefill answered -> decode sent: observed; past ``warning``, counted and logged.
+
+    vLLM frees prefill's blocks when its KV lease (30 s) expires: a decode
+    sent later fails to load them or computes them again. Returns whether it warned.
+    """
+    metrics.handoff_gap.observe(gap)
+    if gap <= warning:
+        return False
+    metrics.handoff_gap_over_warning.inc()
+    log.warn("handoff gap of {seconds:.1f} s for {request_id} (decode {url}): past "
+             "--handoff-warning; vLLM's KV lease is 30 s",
+             seconds=gap, request_id=request_id, url=url)  # fmt: skip
+    return True
 
 
 def describe(error: BaseException) -> str:

@@ -55,12 +55,11 @@ class OneLeg:
         self, request: Request, path: str, body: bytes | None, trace: RequestTrace
     ) -> None:
         """Relay ``request`` to decode's ``path``; ``body`` is JSON to pass on (POST)."""
-        legs: list[LegTrace] = []
-        attempt = self._attempt(request, path, body, legs.append)
+        attempt = self._attempt(request, path, body)
         pool = self.backends.decode
         retries = self.config.retries.decode
-        lease, response = await send_leg(pool, retries, self.metrics, attempt, trace=trace)
-        await self._relay(request, path, lease, response, legs[-1])
+        lease, (response, leg) = await send_leg(pool, retries, self.metrics, attempt, trace=trace)
+        await self._relay(request, path, lease, response, leg)
 
     async def follow_up(
         self,
@@ -76,7 +75,7 @@ class OneLeg:
         the last one's answer is the client's. Down and draining instances are
         asked too: what they stored is still theirs.
         """
-        attempt = self._attempt(request, path, body, lambda _: None)
+        attempt = self._attempt(request, path, body)
         pool = self.backends.decode
         order = sorted(pool.instances, key=lambda instance: instance.url != first)
         last: Exception | None = None
@@ -85,7 +84,7 @@ class OneLeg:
             decision = "holder" if instance.url == first else "asked"
             lease, leg = hold(pool, instance, decision, trace, index + 1)
             try:
-                response = await attempt(instance, leg)
+                response, _ = await attempt(instance, leg)
             except Retry as retry:
                 leg.fail(retry.down)
                 lease.release()
@@ -111,12 +110,9 @@ class OneLeg:
         )
 
     def _attempt(
-        self,
-        request: Request,
-        path: str,
-        body: bytes | None,
-        seen: Callable[[LegTrace], None],
-    ) -> Callable[[Instance, LegTrace], Awaitable[IResponse]]:
+        self, request: Request, path: str, body: bytes | None
+    ) -> Callable[[Instance, LegTrace], Awaitable[tuple[IResponse, LegTrace]]]:
+        """One attempt at the leg: decode's response, and the span it goes on in."""
         request_id = lowering.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
@@ -133,8 +129,7 @@ class OneLeg:
         upstream = self.backends.upstream
         pool = self.backends.decode
 
-        async def attempt(instance: Instance, leg: LegTrace) -> IResponse:
-            seen(leg)
+        async def attempt(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
             record_of(request).decode = instance.url
             url, ranked = instance.base + path, leg.headers(for_rank(headers, instance.rank))
             sent = upstream.get(url, ranked) if raw is None else upstream.post(url, raw, ranked)
@@ -150,7 +145,7 @@ class OneLeg:
             outcome = "answered" if response.code < 400 else "error_status"
             account(self.metrics, pool, instance, outcome)
             leg.answered(response.code)
-            return response
+            return response, leg
 
         return attempt
 

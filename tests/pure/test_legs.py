@@ -111,7 +111,7 @@ def test_twisted_client_errors_are_said_by_their_messages_not_reprs() -> None:
 
 
 def test_a_handoff_gap_past_the_warning_is_counted_and_logged() -> None:
-    from nixl_twisted.exchange import note_handoff
+    from nixl_twisted.legs import note_handoff
 
     metrics = ProxyMetrics()
     assert not note_handoff(metrics, 0.002, 10.0, "r1", "http://d:1")
