@@ -12,7 +12,6 @@ import json
 import math
 import os
 from functools import partial
-from urllib.parse import unquote_to_bytes
 
 from klein import Klein
 from twisted.internet.defer import Deferred
@@ -20,7 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
-from twisted.web.resource import IResource, Resource
+from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
@@ -31,7 +30,7 @@ from nixl_twisted.admission import Admission
 from nixl_twisted.backends import BackendService
 from nixl_twisted.batch import Batch, PartRequest
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.errors import ProxyError, error_body, for_route
+from nixl_twisted.errors import ProxyError, for_route, json_answer
 from nixl_twisted.exchange import Exchange
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
 from nixl_twisted.legs import PrefillRefused
@@ -39,6 +38,7 @@ from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.passthrough import OneLeg
 from nixl_twisted.relay import start_response
 from nixl_twisted.responses import ResponseDirectory
+from nixl_twisted.site import UTF8Only
 from nixl_twisted.spans import NO_TRACE, RequestTrace
 from nixl_twisted.tracing import Tracing
 
@@ -80,7 +80,7 @@ class ProxyApp:
 
     def resource(self) -> IResource:
         """The Twisted Web resource that serves this app."""
-        return _UTF8Only(self.app.resource())
+        return UTF8Only(self.app.resource())
 
     @property
     def in_flight(self) -> int:
@@ -269,7 +269,7 @@ class ProxyApp:
     # -- errors -----------------------------------------------------------
 
     @app.handle_errors(ProxyError)
-    def proxy_error(self, request: IRequest, failure: Failure) -> bytes:
+    def proxyjson_answer(self, request: IRequest, failure: Failure) -> bytes:
         error = failure.value
         assert isinstance(error, ProxyError)
         record_of(request).error = error.message  # type: ignore[arg-type]
@@ -284,7 +284,7 @@ class ProxyApp:
         if error.retry_after is not None:
             request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
         body = for_route(request.path, error.status, error.message, error.error_type, error.code)
-        return _error(request, error.status, body)
+        return json_answer(request, error.status, body)
 
     @app.handle_errors(PrefillRefused)
     def prefill_refused(self, request: IRequest, failure: Failure) -> bytes:
@@ -297,7 +297,7 @@ class ProxyApp:
         return refused.body
 
     @app.handle_errors(HTTPException)
-    def http_error(self, request: IRequest, failure: Failure) -> bytes:
+    def httpjson_answer(self, request: IRequest, failure: Failure) -> bytes:
         http_error = failure.value
         assert isinstance(http_error, HTTPException)
         status = http_error.code or 500
@@ -309,40 +309,16 @@ class ProxyApp:
         message = f"{method} {path}: {http_error.name}"
         code = http_error.name.lower().replace(" ", "_")
         body = for_route(request.path, status, message, "invalid_request_error", code)
-        return _error(request, status, body)
+        return json_answer(request, status, body)
 
     @app.handle_errors(Exception)
     def unexpected(self, request: IRequest, failure: Failure) -> bytes:
         log.failure("unexpected error serving {path}", failure, path=request.path)
         message = "the proxy failed unexpectedly; see its log"
         record_of(request).error = f"{message}: {failure.getErrorMessage()}"  # type: ignore[arg-type]
-        return _error(
+        return json_answer(
             request, 500, for_route(request.path, 500, message, "proxy_error", "internal_error")
         )
-
-
-class _UTF8Only(Resource):
-    """Refuses a URL that is not UTF-8 with a JSON 400 before Klein sees it.
-
-    Klein would answer a plain-text 400 and log a traceback for every such
-    request: client garbage is not the operator's error.
-    """
-
-    isLeaf = True
-
-    def __init__(self, app: IResource) -> None:
-        super().__init__()
-        self._app = app
-
-    def render(self, request: IRequest) -> bytes | int:
-        try:
-            unquote_to_bytes(request.path).decode("utf-8")
-        except UnicodeDecodeError:
-            body = error_body(
-                "the request URL is not valid UTF-8", "invalid_request_error", "invalid_url"
-            )
-            return _error(request, 400, body)
-        return self._app.render(request)
 
 
 def _request_id(request: IRequest) -> str | None:
@@ -362,10 +338,3 @@ def _json(request: IRequest, status: int, value: object) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"Content-Type", _JSON)
     return json.dumps(value).encode("utf-8")
-
-
-def _error(request: IRequest, status: int, body: bytes) -> bytes:
-    request.setResponseCode(status)
-    request.setHeader(b"Content-Type", _JSON)
-    request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
-    return body

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from twisted.web.iweb import IRequest
+
 
 class ProxyError(Exception):
     """A request ended in an answer the proxy itself composes.
@@ -99,3 +101,11 @@ def bad_gateway(message: str, code: str) -> ProxyError:
 def gateway_timeout(message: str, code: str) -> ProxyError:
     """A 504: a backend did not answer in time."""
     return ProxyError(504, message, "upstream_error", code)
+
+
+def json_answer(request: IRequest, status: int, body: bytes) -> bytes:
+    """Set ``request`` up to answer ``body``, a JSON error, with ``status``; returns the body."""
+    request.setResponseCode(status)
+    request.setHeader(b"Content-Type", b"application/json")
+    request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
+    return body

@@ -2,24 +2,28 @@
 
 Knowing them lets a stopping service close every client connection and wait
 until each is gone, so nothing is left half-open after shutdown (and trial
-finds a clean reactor after each test).
+finds a clean reactor after each test). What is refused before the app sees
+it is refused here, as JSON: bodies too large or too many, header lines too
+long, malformed HTTP, a URL that is not UTF-8 (``UTF8Only``).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any, cast
+from urllib.parse import unquote_to_bytes
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.http import HTTPChannel
-from twisted.web.resource import IResource
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
 from nixl_twisted import __version__
 from nixl_twisted.access import AccessLog, record_of
-from nixl_twisted.errors import error_body
+from nixl_twisted.errors import error_body, json_answer
 from nixl_twisted.events import Happened
 from nixl_twisted.metrics import route_label
 
@@ -280,3 +284,27 @@ class TrackingSite(Site):
         lost = self._open.pop(channel, None)
         if lost is not None:
             lost.fire()
+
+
+class UTF8Only(Resource):
+    """Refuses a URL that is not UTF-8 with a JSON 400 before Klein sees it.
+
+    Klein would answer a plain-text 400 and log a traceback for every such
+    request: client garbage is not the operator's error.
+    """
+
+    isLeaf = True
+
+    def __init__(self, app: IResource) -> None:
+        super().__init__()
+        self._app = app
+
+    def render(self, request: IRequest) -> bytes | int:
+        try:
+            unquote_to_bytes(request.path).decode("utf-8")
+        except UnicodeDecodeError:
+            body = error_body(
+                "the request URL is not valid UTF-8", "invalid_request_error", "invalid_url"
+            )
+            return json_answer(request, 400, body)
+        return self._app.render(request)
