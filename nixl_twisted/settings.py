@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from twisted.internet.endpoints import serverFromString
 
@@ -93,11 +93,9 @@ def fraction(value: object) -> float:
 
 
 def collector_url(value: object) -> str:
-    """An OTLP collector's URL: http or https, with a host."""
+    """An OTLP collector's URL (http or https, with a host), used as given."""
     url = text(value)
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise InvalidValue(f"{url!r} must be an http:// or https:// URL with a host")
+    _http_url(url)
     return url
 
 
@@ -136,15 +134,7 @@ def backend_url(value: object) -> str:
     for part of the path.
     """
     url = text(value)
-    try:
-        parts = urlsplit(url)
-        _ = parts.port  # raises ValueError for a port that is not a number
-    except ValueError as error:
-        raise InvalidValue(f"{url!r} is not a valid URL: {error}") from None
-    if parts.scheme not in ("http", "https"):
-        raise InvalidValue(f"{url!r} must start with http:// or https://")
-    if not parts.hostname:
-        raise InvalidValue(f"{url!r} has no host")
+    parts = _http_url(url)
     if parts.query:
         raise InvalidValue(f"{url!r} must not have a query")
     ranks = _RANKS.fullmatch(parts.fragment) if parts.fragment else None
@@ -156,6 +146,20 @@ def backend_url(value: object) -> str:
         raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
     base = url.split("#", 1)[0].rstrip("/")
     return f"{base}#{ranks[1]}={int(ranks[2])}" if ranks else base
+
+
+def _http_url(url: str) -> SplitResult:
+    """``url``'s parts, once it is an http or https URL with a host and a usable port."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port that is not a number
+    except ValueError as error:
+        raise InvalidValue(f"{url!r} is not a valid URL: {error}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidValue(f"{url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise InvalidValue(f"{url!r} has no host")
+    return parts
 
 
 def rank_urls(url: str) -> list[str]:

@@ -51,7 +51,8 @@ def test_the_options_and_their_checks() -> None:
     assert tracing.enabled(traces, {})
     for args, message in (
         (["--otel-sampling-ratio", "1.5"], "--otel-sampling-ratio must be from 0 to 1"),
-        (["--otlp-traces-endpoint", "collector:4318"], "must be an http:// or https:// URL"),
+        (["--otlp-traces-endpoint", "collector:4318"], "must start with http:// or https://"),
+        (["--otlp-traces-endpoint", "http://collector:port"], "is not a valid URL"),
         (["--otlp-traces-protocol", "http/json"], "must be one of http/protobuf, grpc"),
     ):
         with pytest.raises(usage.UsageError, match=message):
