@@ -246,12 +246,7 @@ class FakeVLLM(Controls, OtherRoutes):
                 if kv_answer is not None:
                     whole["kv_transfer_params"] = kv_answer
                 return answers.encode(whole)
-            events = message.events()
-            if behaviour.cut_after is not None:
-                await self._stream(request, events[: behaviour.cut_after])
-                await cut_off(request)
-                return None
-            await self._stream(request, events)
+            await self._stream(request, message.events(), behaviour.cut_after)
             return None
         answer = answers.Answer(
             chat=chat,
@@ -271,12 +266,7 @@ class FakeVLLM(Controls, OtherRoutes):
             await self._pour(request, *self._firehose)
             return None
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = answer.events(include_usage)
-        if behaviour.cut_after is not None:
-            await self._stream(request, events[: behaviour.cut_after])
-            await cut_off(request)
-            return None
-        await self._stream(request, events)
+        await self._stream(request, answer.events(include_usage), behaviour.cut_after)
         return None
 
     async def _whole(
@@ -299,14 +289,21 @@ class FakeVLLM(Controls, OtherRoutes):
         request.write(raw[len(raw) // 2 :])
         return None
 
-    async def _stream(self, request: Request, events: list[bytes]) -> None:
+    async def _stream(
+        self, request: Request, events: list[bytes], cut_after: int | None = None
+    ) -> None:
+        """Write ``events`` as they come; ``cut_after``: that many, then a cut connection."""
         request.setHeader(b"Content-Type", b"text/event-stream")
+        if cut_after is not None:
+            events = events[:cut_after]
         for index, event in enumerate(events):
             if self._hold_after is not None and index >= self._hold_after:
                 await self._wait_at_hold()
             request.write(event)
             if self.token_interval > 0 and index < len(events) - 1:
                 await deferLater(self.clock, self.token_interval)  # type: ignore[arg-type]
+        if cut_after is not None:
+            await cut_off(request)
 
 
 def _header(request: Request, name: bytes) -> str | None:
