@@ -206,9 +206,9 @@ class ServerSpan(RequestTrace):
         return _LegSpan(span, self._parent)
 
     def end(self, request: Request, record: AccessRecord) -> None:
-        span = self._span
         if self._unsampled is not None:
             return  # a span not recorded has nothing to end
+        span = self._span
         span.set_attributes(_outcome(request, record))
         failure = _failure(request, record)
         if failure is not None:
