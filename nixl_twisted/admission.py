@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 
 from nixl_twisted.errors import overloaded
 from nixl_twisted.events import Happened
+
+T = TypeVar("T")
 
 
 class Admission:
@@ -22,6 +25,16 @@ class Admission:
         self._idle = Happened()
         #: Told the new count on every change (the in-flight gauge).
         self.on_change: Callable[[int], None] = lambda count: None
+
+    def serve(self, work: Callable[[], Deferred[T]]) -> Deferred[T]:
+        """Take one request in, run ``work``, and give its slot back however it ends.
+
+        The one place a slot is taken and given back: whatever ``work`` raises
+        (at once or later) or returns, the slot is released exactly once, so
+        a request that fails in an unforeseen way cannot leak one.
+        """
+        self.admit()
+        return maybeDeferred(work).addBoth(self.release)
 
     def admit(self) -> None:
         """Take one request in, or raise the 503 that says why not."""

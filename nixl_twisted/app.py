@@ -150,9 +150,9 @@ class ProxyApp:
 
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         trace = self._trace(request)
-        self.admission.admit()
-        serving = Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace))
-        return serving.addBoth(self.admission.release)
+        return self.admission.serve(
+            lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace))
+        )
 
     @app.route(lowering.COMPLETIONS_PATH, methods=["POST"])
     def completions(self, request: Request) -> Deferred[None]:
@@ -179,10 +179,12 @@ class ProxyApp:
         self, request: Request, path: str, response_id: str, body: bytes | None
     ) -> Deferred[None]:
         trace = self._trace(request)
-        self.admission.admit()
         where = self.responses_seen.where(response_id)
-        serving = Deferred.fromCoroutine(self.one_leg.follow_up(request, path, body, where, trace))
-        return serving.addBoth(self.admission.release)
+        return self.admission.serve(
+            lambda: Deferred.fromCoroutine(
+                self.one_leg.follow_up(request, path, body, where, trace)
+            )
+        )
 
     @app.route(lowering.MESSAGES_PATH, methods=["POST"])
     def messages(self, request: Request) -> Deferred[None]:
@@ -209,17 +211,17 @@ class ProxyApp:
         body = lowering.parse_client_body(_client_body(request))
         trace.describe(body)
         lowering.check_servable(path, body)
-        prompts = lowering.batch_prompts(path, body, self.config.limits.max_batch_prompts)
-        self.admission.admit()
-        if prompts is None:
-            serving = self._exchange(request, path, body, request_id, trace)
-        else:
-            # One exchange per prompt, each with its own request id, all in one trace.
-            def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
-                return self._exchange(to, path, one, lowering.new_request_id(), trace)
+        batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
+        if batch is None:
+            return self.admission.serve(
+                lambda: self._exchange(request, path, body, request_id, trace)
+            )
 
-            serving = Batch(request, prompts, body, part).start()
-        return serving.addBoth(self.admission.release)
+        # One exchange per prompt, each with its own request id, all in one trace.
+        def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
+            return self._exchange(to, path, one, lowering.new_request_id(), trace)
+
+        return self.admission.serve(lambda: Batch(request, batch, body, part).start())
 
     def _exchange(
         self,

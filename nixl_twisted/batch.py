@@ -37,7 +37,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.errors import ProxyError, bad_gateway
-from nixl_twisted.lowering import JSONObject
+from nixl_twisted.lowering import BatchRequest, JSONObject
 from nixl_twisted.relay import break_off
 
 #: Parts run at once, per batch.
@@ -95,18 +95,18 @@ class Batch:
     def __init__(
         self,
         client: Request,
-        prompts: list[Any],
+        batch: BatchRequest,
         body: JSONObject,
         exchange: Callable[[PartRequest, JSONObject], Deferred[None]],
     ) -> None:
         self.client = client
-        self.prompts = prompts
+        self.prompts = batch.prompts
         self.body = body
         self.exchange = exchange
-        self.n = int(body.get("n") or 1)
-        self.stream = bool(body.get("stream"))
-        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        self.parts = [_Part(self, i) for i in range(len(prompts))]
+        self.n = batch.n
+        self.stream = batch.stream
+        self.include_usage = batch.include_usage
+        self.parts = [_Part(self, i) for i in range(len(self.prompts))]
         self._running: list[Deferred[None]] = []
         self._first: JSONObject | None = None
         self._failed = False

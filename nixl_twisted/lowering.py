@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from nixl_twisted.errors import bad_gateway, invalid_request
@@ -60,14 +61,21 @@ def _loads(raw: bytes) -> Any:
     return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
 
 
+def _too_deep() -> Exception:
+    return invalid_request("request body is nested too deeply to be served", "json_too_deep")
+
+
 def parse_client_body(raw: bytes) -> JSONObject:
     """Parse a client's body; anything but a JSON object is a 400.
 
     ``NaN`` and ``Infinity`` are refused: they are not JSON, and vLLM's
-    parser would refuse them on a leg the client never sees.
+    parser would refuse them on a leg the client never sees. Nesting past
+    Python's recursion limit (about 990 levels) is a 400 too.
     """
     try:
         body = _loads(raw)
+    except RecursionError:
+        raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as error:
         raise invalid_request(f"request body is not valid JSON: {error}", "invalid_json") from None
     if not isinstance(body, dict):
@@ -113,11 +121,26 @@ def check_servable(path: str, body: JSONObject) -> None:
             )
 
 
-def batch_prompts(path: str, body: JSONObject, limit: int) -> list[Any] | None:
-    """A batched completion's prompts (each its own prefill/decode pair), or None.
+@dataclass(frozen=True)
+class BatchRequest:
+    """A batched completion: its prompts, and the fields the proxy merges the answers by."""
+
+    prompts: list[Any]
+    #: Choices per prompt: each part's choice ``i`` is the batch's ``prompt * n + i``.
+    n: int = 1
+    stream: bool = False
+    #: ``stream_options.include_usage``: one summed usage chunk at the end.
+    include_usage: bool = False
+
+
+def batch_of(path: str, body: JSONObject, limit: int) -> BatchRequest | None:
+    """A batched completion (each prompt its own prefill/decode pair), or None.
 
     A batch in one request would get one ``kv_transfer_params`` for all its
     prompts, and vLLM's decode worker crashes on it ("block marked busy").
+    The proxy merges the parts' answers itself, so the fields it merges by
+    must mean one thing: ``n`` a whole number, ``stream`` true or false,
+    ``stream_options`` an object (400 otherwise, where vLLM would coerce).
     """
     prompt = body.get("prompt")
     count = prompt_count(prompt)
@@ -130,7 +153,42 @@ def batch_prompts(path: str, body: JSONObject, limit: int) -> list[Any] | None:
             "too_many_prompts",
         )
     assert isinstance(prompt, list)
-    return list(prompt)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n < 1):
+        raise _invalid_field("n", "a whole number of at least 1", n)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _invalid_field("stream_options", "an object", options)
+    options = options or {}
+    return BatchRequest(
+        list(prompt),
+        n=n or 1,
+        stream=_flag(body, "stream"),
+        include_usage=_flag(options, "include_usage", "stream_options.include_usage"),
+    )
+
+
+def _flag(fields: JSONObject, key: str, name: str | None = None) -> bool:
+    value = fields.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _invalid_field(name or key, "true or false", value)
+    return bool(value)
+
+
+def _invalid_field(name: str, what: str, value: object) -> Exception:
+    return invalid_request(
+        f"'{name}' must be {what} in a batched completion, not {json_kind(value)}",
+        "invalid_batch_field",
+    )
+
+
+def json_kind(value: object) -> str:
+    """What a JSON value is, in words (an error message never echoes the value itself)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    kinds = {str: "a string", int: "a number", float: "a number", list: "an array",
+             dict: "an object", type(None): "null"}  # fmt: skip
+    return kinds.get(type(value), type(value).__name__)
 
 
 def prefill_body(
@@ -202,7 +260,10 @@ def encode(body: JSONObject) -> bytes:
 
     A lone surrogate (valid as a JSON escape, not as UTF-8) is sent escaped.
     """
-    text = _UTF8_ENCODER.encode(body)
+    try:
+        text = _UTF8_ENCODER.encode(body)
+    except RecursionError:
+        raise _too_deep() from None
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:

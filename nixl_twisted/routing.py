@@ -121,7 +121,7 @@ class CacheAware:
 def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
     if routing.session is None:
         return pool.round_robin(candidates), "no_session"
-    return rendezvous(routing.session.encode("utf-8"), candidates)[0], "session"
+    return rendezvous(_utf8(routing.session), candidates)[0], "session"
 
 
 Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
@@ -159,25 +159,32 @@ def prompt_key(body: JSONObject, completion_bytes: int) -> bytes | None:
         for message in messages:
             if not isinstance(message, dict):
                 continue
-            parts.append(f"{message.get('role')}\n{_text(message.get('content'))}\n".encode())
+            parts.append(_utf8(f"{_text(message.get('role'))}\n{_text(message.get('content'))}\n"))
             if message.get("role") == "user":
                 break
         rendered = b"".join(parts)
         return rendered[:limit] if rendered else None
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
-        return prompt.encode("utf-8")[:completion_bytes]
+        return _utf8(prompt)[:completion_bytes]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         # Token ids: about four bytes of text each.
         return b",".join(str(t).encode() for t in prompt[: max(1, completion_bytes // 4)])
     return None
 
 
+def _utf8(text: str) -> bytes:
+    """A key's bytes; a lone surrogate (valid as a JSON escape, not as UTF-8) kept as is."""
+    return text.encode("utf-8", "surrogatepass")
+
+
 def _text(content: object) -> str:
+    """The text of a message's field: a string, or its text parts; anything else adds none."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts: the text ones
-        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return "".join(text for text in texts if isinstance(text, str))
     return ""
 
 

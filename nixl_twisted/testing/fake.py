@@ -25,7 +25,7 @@ from twisted.internet.task import deferLater
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
-from nixl_twisted.testing import answers
+from nixl_twisted.testing import answers, schema
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text
@@ -174,7 +174,15 @@ class FakeVLLM(Controls, OtherRoutes):
 
     async def _answer(self, request: Request) -> bytes | None:
         assert request.content is not None
-        body = json.loads(request.content.read())
+        request.setHeader(b"Content-Type", b"application/json")
+        try:
+            body = json.loads(request.content.read())
+        except (ValueError, RecursionError) as error:
+            request.setResponseCode(400)
+            return answers.vllm_error(400, f"the body is not JSON vLLM can read: {error}")
+        if not isinstance(body, dict):
+            request.setResponseCode(400)
+            return answers.vllm_error(400, "Input should be a valid dictionary")
         kv = body.get("kv_transfer_params")
         role = "plain"
         if isinstance(kv, dict) and kv.get("do_remote_decode"):
@@ -182,10 +190,13 @@ class FakeVLLM(Controls, OtherRoutes):
         elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
             role = "decode"
         self._record(request, body, role)
+        refused = schema.refusal(request.path.decode("utf-8"), body)
+        if refused is not None:
+            request.setResponseCode(400)
+            return answers.vllm_error(400, refused)
         chat = request.path.endswith(b"/chat/completions")
         messages_api = request.path.endswith(b"/v1/messages")
         responses_api = request.path.endswith(b"/v1/responses")
-        request.setHeader(b"Content-Type", b"application/json")
         for name, value in self.extra_headers.items():
             request.setHeader(name.encode("ascii"), value.encode("utf-8"))
 
@@ -214,7 +225,7 @@ class FakeVLLM(Controls, OtherRoutes):
             if problem is not None:
                 request.setResponseCode(500)
                 return answers.vllm_error(500, f"KV load failed: {problem}")
-            cached = int(kv.get("remote_prefill_cached_tokens", 0))
+            cached = int(kv.get("remote_prefill_cached_tokens", 0)) if isinstance(kv, dict) else 0
 
         limit = (
             body.get("max_output_tokens")

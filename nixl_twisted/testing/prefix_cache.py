@@ -54,7 +54,7 @@ class PrefixCache:
 
     def compute(self, text: str) -> tuple[int, int]:
         """Look a prompt up and cache its blocks; returns (cached tokens, prompt tokens)."""
-        raw = text.encode("utf-8")
+        raw = text.encode("utf-8", "surrogatepass")
         tokens = max(1, len(raw) // BYTES_PER_TOKEN)
         size = self.block_tokens * BYTES_PER_TOKEN
         chain = b""

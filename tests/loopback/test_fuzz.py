@@ -35,6 +35,35 @@ header_values = st.text(
 ).map(str.strip)
 
 
+#: Any JSON value, lone surrogates, huge and tiny numbers and nesting included.
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+    | st.sampled_from(["\ud800", "a\udfffb", "", "user", "false", "1"]),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+#: A valid body per two-leg route: each example changes one field of it.
+TWO_LEG_BODIES = {
+    "/v1/completions": {"model": "m", "prompt": "hello", "max_tokens": 4},
+    "/v1/chat/completions": CHAT,
+    "/v1/responses": {"model": "m", "input": "hello", "max_output_tokens": 4},
+    "/v1/messages": {"model": "m", "max_tokens": 4,
+                     "messages": [{"role": "user", "content": "hello"}]},
+}  # fmt: skip
+#: The fields the proxy or vLLM reads on those routes, and any other name.
+FIELDS = st.sampled_from(
+    ["model", "prompt", "messages", "input", "n", "stream", "stream_options", "max_tokens",
+     "max_completion_tokens", "max_output_tokens", "min_tokens", "user", "store",
+     "background", "previous_response_id", "kv_transfer_params", "system", "temperature"]
+) | st.text(max_size=10)  # fmt: skip
+
+
 def _is_object(raw: bytes) -> bool:
     try:
         return isinstance(json.loads(raw), dict)
@@ -93,6 +122,35 @@ class FuzzTests(ProxyCase):
 
         await deferToThread(check)
         self.assertEqual(self.prefill.requests, [])
+        await self.serves_on()
+
+    async def test_any_json_value_in_any_field_of_a_two_leg_route_is_never_a_5xx(self) -> None:
+        # Routing keys are worked out (cache-aware, session) and the slots are
+        # few: a request that failed after admission without giving its slot
+        # back would turn the next ones into 503s.
+        await self.start(
+            proxy=dict(max_in_flight=2, prefill_policy="cache-aware", decode_policy="session")
+        )
+        client = Client(self.proxy.url)
+
+        @settings(EXAMPLES, max_examples=150, derandomize=True)
+        @given(
+            path=st.sampled_from(sorted(TWO_LEG_BODIES)),
+            changes=st.dictionaries(FIELDS, json_values, min_size=1, max_size=3),
+            batched=st.booleans(),
+        )
+        def check(path: str, changes: dict[str, Any], batched: bool) -> None:
+            body = dict(TWO_LEG_BODIES[path])
+            if batched and path == "/v1/completions":
+                body["prompt"] = ["hello", "there"]
+            body.update(changes)
+            status, answer = client.post(path, json.dumps(body).encode(), {})
+            assert status < 500, (status, body, answer)
+            if status >= 400 and answer[0] == "application/json":
+                assert "error" in json.loads(answer[1]), answer
+
+        await deferToThread(check)
+        self.assertEqual(self.proxy.app.in_flight, 0)
         await self.serves_on()
 
     async def test_odd_headers_never_break_a_request(self) -> None:

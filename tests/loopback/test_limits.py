@@ -104,6 +104,42 @@ class AdmissionTests(ProxyCase):
         self.assertEqual(response.code, 200)
 
 
+#: Each of these once failed after taking an in-flight slot, and never gave it back.
+SLOT_LEAKS = [
+    ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": "x"}),
+    ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "n": [1]}),
+    ("/v1/completions", b'{"model": "m", "prompt": ["a", "b"], "n": 1e400}'),
+    ("/v1/completions", {"model": "m", "prompt": ["a", "b"], "stream_options": "x"}),
+    ("/v1/completions", {"model": "m", "prompt": "a\ud800b"}),
+    ("/v1/chat/completions", dict(CHAT, messages=[{"role": "user", "content": "\ud800"}])),
+    ("/v1/chat/completions", dict(CHAT, user="\ud800")),
+]
+
+
+class SlotTests(ProxyCase):
+    async def test_requests_that_fail_after_admission_give_their_slot_back(self) -> None:
+        limit = 3
+        await self.start(
+            proxy=dict(max_in_flight=limit, prefill_policy="cache-aware", decode_policy="session")
+        )
+        for path, body in SLOT_LEAKS:
+            for _ in range(limit + 1):
+                response = await self.post(path, body)
+                self.assertIn(response.code, (200, 400), (path, body))
+                await response.content()
+        self.assertEqual(self.proxy.app.in_flight, 0)
+        response, answer = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 200, answer)
+
+    async def test_a_batch_field_the_proxy_merges_by_is_a_400_not_a_500(self) -> None:
+        await self.start()
+        body = {"model": "m", "prompt": ["a", "b"], "stream": "false"}
+        response, answer = await self.post_json("/v1/completions", body)
+        self.assertError(response, answer, 400, "invalid_batch_field")
+        self.assertIn("'stream' must be true or false", answer["error"]["message"])
+        self.assertEqual(self.prefill.requests, [])
+
+
 class SecretTests(ProxyCase):
     async def test_authorization_never_reaches_a_log_line_or_an_error_body(self) -> None:
         secret = "sk-very-secret-value"

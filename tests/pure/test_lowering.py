@@ -14,7 +14,8 @@ from nixl_twisted.errors import ProxyError
 from nixl_twisted.lowering import (
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
-    batch_prompts,
+    BatchRequest,
+    batch_of,
     check_servable,
     decode_body,
     encode,
@@ -176,15 +177,51 @@ def test_prompt_count(prompt: object, count: int) -> None:
 
 
 def test_batched_prompts_are_split_only_on_completions_and_bounded() -> None:
-    assert batch_prompts(COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) == ["a", "b"]
-    assert batch_prompts(COMPLETIONS_PATH, {"prompt": [[1], [2]]}, 4) == [[1], [2]]
-    assert batch_prompts(COMPLETIONS_PATH, {"prompt": "a"}, 4) is None
-    assert batch_prompts(COMPLETIONS_PATH, {"prompt": [1, 2]}, 4) is None  # one token list
-    assert batch_prompts(CHAT_COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) is None
+    assert batch_of(COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) == BatchRequest(["a", "b"])
+    assert batch_of(COMPLETIONS_PATH, {"prompt": [[1], [2]]}, 4) == BatchRequest([[1], [2]])
+    assert batch_of(COMPLETIONS_PATH, {"prompt": "a"}, 4) is None
+    assert batch_of(COMPLETIONS_PATH, {"prompt": [1, 2]}, 4) is None  # one token list
+    assert batch_of(CHAT_COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) is None
     with pytest.raises(ProxyError) as caught:
-        batch_prompts(COMPLETIONS_PATH, {"prompt": ["a", "b", "c"]}, 2)
+        batch_of(COMPLETIONS_PATH, {"prompt": ["a", "b", "c"]}, 2)
     assert (caught.value.status, caught.value.code) == (400, "too_many_prompts")
     check_servable(COMPLETIONS_PATH, {"prompt": ["a", "b"]})
+
+
+def test_a_batch_reads_the_fields_it_merges_by() -> None:
+    body = {"prompt": ["a", "b"], "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    assert batch_of(COMPLETIONS_PATH, body, 4) == BatchRequest(["a", "b"], 2, True, True)
+    nulls = {"prompt": ["a", "b"], "n": None, "stream": None, "stream_options": None}
+    assert batch_of(COMPLETIONS_PATH, nulls, 4) == BatchRequest(["a", "b"])
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"n": "x"},
+        {"n": [1]},
+        {"n": 1e400},
+        {"n": 2.0},
+        {"n": 0},
+        {"n": True},
+        {"stream": "false"},
+        {"stream": 1},
+        {"stream_options": "x"},
+        {"stream_options": {"include_usage": "yes"}},
+    ],
+)
+def test_a_batch_field_it_cannot_merge_by_is_a_400_naming_it(field: dict[str, object]) -> None:
+    with pytest.raises(ProxyError) as caught:
+        batch_of(COMPLETIONS_PATH, {"prompt": ["a", "b"], **field}, 4)
+    assert (caught.value.status, caught.value.code) == (400, "invalid_batch_field")
+    assert f"'{next(iter(field))}" in caught.value.message
+
+
+def test_json_nested_past_the_recursion_limit_is_a_400() -> None:
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    with pytest.raises(ProxyError) as caught:
+        parse_client_body(deep)
+    assert (caught.value.status, caught.value.code) == (400, "json_too_deep")
 
 
 def test_kv_transfer_params_extracted_verbatim() -> None:

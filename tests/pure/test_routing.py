@@ -109,6 +109,17 @@ def test_a_completion_is_keyed_by_its_leading_bytes() -> None:
     assert prompt_key({"prompt": ""}, 512) is None
 
 
+def test_keys_take_any_json_string_and_ignore_what_is_not_text() -> None:
+    # A lone surrogate is valid as a JSON escape, not as UTF-8.
+    assert prompt_key({"prompt": "a\ud800"}, 512) == b"a\xed\xa0\x80"
+    chat = {"messages": [{"role": "user", "content": [{"text": "\udfff"}, {"text": [[1]]}]}]}
+    assert prompt_key(chat, 512) == b"user\n\xed\xbf\xbf\n"
+    odd = {"messages": [{"role": {"nested": [1]}, "content": 7}, {"role": "user"}]}
+    assert prompt_key(odd, 512) == b"\n\nuser\n\n"
+    pool = use(pool_of(3, "decode"), "session")
+    assert pool.choose(routing=Routing(session="\ud800"))[1] == "session"
+
+
 def test_session_follows_the_session_key_else_rotates() -> None:
     pool = use(pool_of(3, "decode"), "session")
     chosen = {pool.choose(routing=Routing(session="alice"))[0] for _ in range(10)}
