@@ -29,10 +29,20 @@ if TYPE_CHECKING:
     from nixl_twisted.pools import Instance
 
 
+#: The longest ``traceparent`` read (version 00 is 55 characters). The SDK
+#: ignores a longer one too, but logs a warning for it: a client could then
+#: write a log line per request.
+MAX_TRACEPARENT = 512
+
+
 class _HeadersGetter(Getter[Headers]):
     def get(self, carrier: Headers, key: str) -> list[str] | None:
         values = carrier.getRawHeaders(key)  # a str name: str values
-        return None if values is None else list(values)
+        if values is None:
+            return None
+        if key == "traceparent" and len(values[0]) > MAX_TRACEPARENT:
+            return None  # invalid, so absent (W3C): the request starts a new trace
+        return list(values)
 
     def keys(self, carrier: Headers) -> list[str]:
         return [_text(name) for name, _ in carrier.getAllRawHeaders()]

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import SpanContext, TraceFlags, set_span_in_context
 from opentelemetry.trace.span import NonRecordingSpan
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 from twisted.python import usage
+from twisted.web.http import Request
 from twisted.web.http_headers import Headers
-from twisted.web.test.requesthelper import DummyRequest
+from twisted.web.test.requesthelper import DummyChannel, DummyRequest
+from zope.interface import provider
 
 from nixl_twisted import spans, tracing
+from nixl_twisted.access import AccessRecord
 from nixl_twisted.config import ProxyConfig, Traces
 from nixl_twisted.tap import Options
 
@@ -137,3 +147,51 @@ def test_off_is_the_same_no_op_objects_every_time() -> None:
     assert leg is spans.NO_LEG
     headers = Headers({b"traceparent": [b"00-client-trace-01"]})
     assert leg.headers(headers) is headers  # untouched, not even copied
+
+
+@pytest.fixture
+def twisted_events() -> Iterator[list[dict[str, Any]]]:
+    """The events logged through ``twisted.logger`` while the test runs."""
+    events: list[dict[str, Any]] = []
+
+    @provider(ILogObserver)
+    def observe(event: dict[str, Any]) -> None:
+        events.append(event)
+
+    globalLogPublisher.addObserver(observe)
+    yield events
+    globalLogPublisher.removeObserver(observe)
+
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.mark.parametrize(
+    "traceparent",
+    [
+        # A later version may be longer than 00's 55 characters, but not this long.
+        f"01-{TRACE_ID}-00f067aa0ba902b7-01-" + "a" * 544,
+        f"00-{TRACE_ID.upper()}-00f067aa0ba902b7-01",
+        "not a traceparent",
+    ],
+    ids=["600 characters", "upper case", "garbage"],
+)
+def test_an_invalid_traceparent_is_absent_and_nothing_is_logged(
+    traceparent: str,
+    caplog: pytest.LogCaptureFixture,
+    twisted_events: list[dict[str, Any]],
+) -> None:
+    exported = InMemorySpanExporter()
+    traced = TracerProvider()
+    traced.add_span_processor(SimpleSpanProcessor(exported))
+    request = Request(DummyChannel())  # type: ignore[arg-type]
+    request.method, request.path = b"POST", b"/v1/chat/completions"
+    request.requestHeaders.setRawHeaders(b"traceparent", [traceparent.encode()])
+    caplog.set_level(logging.WARNING)
+    trace = tracing.Tracing(traced).request(request, 0.0)
+    trace.end(request, AccessRecord())
+    (span,) = exported.get_finished_spans()
+    assert span.parent is None  # a new trace
+    assert span.context is not None and format(span.context.trace_id, "032x") != TRACE_ID
+    assert caplog.records == []
+    assert [e for e in twisted_events if e["log_level"] >= LogLevel.warn] == []
