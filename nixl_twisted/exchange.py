@@ -228,11 +228,10 @@ class Exchange:
 
     async def _prefill_answer(self, instance: Instance, leg: LegTrace, lowered: bytes) -> bytes:
         """Prefill's whole 2xx body, or why not (``Retry``: another instance may serve)."""
+        url = instance.base + self.target
         try:
             response = await self.backends.upstream.post(
-                instance.base + self.target,
-                lowered,
-                leg.headers(for_rank(self.headers, instance.rank)),
+                url, lowered, leg.headers(url, for_rank(self.headers, instance.rank))
             )
         except (CancelledError, TimeoutError):
             raise
@@ -266,10 +265,9 @@ class Exchange:
         self.record.decode = instance.url
         self._leg = leg
         self._decode_sent = self.clock.seconds()
+        url = instance.base + self.target
         posting = self.backends.upstream.post(
-            instance.base + self.target,
-            completed,
-            leg.headers(for_rank(self.headers, instance.rank)),
+            url, completed, leg.headers(url, for_rank(self.headers, instance.rank))
         )
         try:
             response = await self._track(posting.addTimeout(self.timeouts.decode, self.clock))

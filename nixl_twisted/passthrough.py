@@ -131,7 +131,8 @@ class OneLeg:
 
         async def attempt(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
             record_of(request).decode = instance.url
-            url, ranked = instance.base + path, leg.headers(for_rank(headers, instance.rank))
+            url = instance.base + path
+            ranked = leg.headers(url, for_rank(headers, instance.rank))
             sent = upstream.get(url, ranked) if raw is None else upstream.post(url, raw, ranked)
             try:
                 response = await sent.addTimeout(timeout, self.clock)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -64,8 +66,8 @@ _SETTER = _HeadersSetter()
 class LegTrace:
     """One attempt of a leg, as a span; this base is tracing off, and does nothing."""
 
-    def headers(self, headers: Headers) -> Headers:
-        """The attempt's headers, carrying its trace context when traced."""
+    def headers(self, url: str, headers: Headers) -> Headers:
+        """The headers of its request to ``url``, carrying its trace context when traced."""
         return headers
 
     def answered(self, status: int) -> None:
@@ -103,7 +105,9 @@ class _LegSpan(LegTrace):
         self._failed = False
         self._ended = False
 
-    def headers(self, headers: Headers) -> Headers:
+    def headers(self, url: str, headers: Headers) -> Headers:
+        # Without the client's query, which may carry anything (the server span has none).
+        self._span.set_attribute("url.full", url.partition("?")[0])
         carried = headers.copy()
         # Replaces the client's traceparent/tracestate: vLLM's parent is this attempt.
         propagate.inject(carried, context=self._context, setter=_SETTER)
@@ -140,11 +144,19 @@ class _UnsampledLeg(LegTrace):
         propagate.inject(carrier, context=context, setter=_SETTER)
         self._carried = list(carrier.getAllRawHeaders())
 
-    def headers(self, headers: Headers) -> Headers:
+    def headers(self, url: str, headers: Headers) -> Headers:
         carried = headers.copy()
         for name, values in self._carried:
             carried.setRawHeaders(name, list(values))
         return carried
+
+
+@lru_cache(maxsize=256)
+def _origin(base: str) -> tuple[str, int]:
+    """An instance's host (a name or a bare IP) and port, as HTTP's conventions name the server."""
+    parts = urlsplit(base)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname or "", port
 
 
 def _outcome(request: Request, record: AccessRecord) -> dict[str, str | int | float]:
@@ -201,9 +213,11 @@ class ServerSpan(RequestTrace):
     def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
         if self._unsampled is not None:
             return self._unsampled
+        host, port = _origin(instance.base)
         attributes: dict[str, str | int] = {
             "nixlproxy.instance": instance.url,
-            "server.address": instance.base,
+            "server.address": host,
+            "server.port": port,
             "nixlproxy.policy": policy,
             "nixlproxy.decision": decision,
             "nixlproxy.attempt": attempt,

@@ -99,6 +99,9 @@ class SpanTests(TracedCase):
             self.assertChild(leg, server)
             leg_attributes = dict(leg.attributes or {})
             self.assertEqual(leg_attributes["nixlproxy.instance"], fake.url)
+            self.assertEqual(leg_attributes["server.address"], "127.0.0.1")
+            self.assertEqual(f"http://127.0.0.1:{leg_attributes['server.port']}", fake.url)
+            self.assertEqual(leg_attributes["url.full"], fake.url + "/v1/chat/completions")
             self.assertEqual(leg_attributes["nixlproxy.policy"], "round-robin")
             self.assertEqual(leg_attributes["nixlproxy.decision"], "next")
             self.assertEqual(leg_attributes["nixlproxy.attempt"], 1)
@@ -185,6 +188,7 @@ class SpanTests(TracedCase):
         server, decode = self.server(), self.only("decode")
         self.assertEqual(server.name, "GET /v1/models")
         self.assertChild(decode, server)
+        self.assertEqual((decode.attributes or {})["url.full"], self.decode.url + "/v1/models")
         (received,) = self.decode.requests
         assert decode.context is not None
         self.assertIn(hex_id(decode.context.span_id, 16).encode(),

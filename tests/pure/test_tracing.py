@@ -24,6 +24,7 @@ from zope.interface import provider
 from nixl_twisted import spans, tracing
 from nixl_twisted.access import AccessRecord
 from nixl_twisted.config import ProxyConfig, Traces
+from nixl_twisted.pools import Instance
 from nixl_twisted.tap import Options
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
@@ -146,7 +147,16 @@ def test_off_is_the_same_no_op_objects_every_time() -> None:
     leg = trace.leg(None, "next", "round-robin", 1)  # type: ignore[arg-type]
     assert leg is spans.NO_LEG
     headers = Headers({b"traceparent": [b"00-client-trace-01"]})
-    assert leg.headers(headers) is headers  # untouched, not even copied
+    assert leg.headers("http://d1:8200/v1/models", headers) is headers  # not even copied
+
+
+def new_request(*headers: tuple[bytes, bytes]) -> Request:
+    """A client's request as the proxy gets it, with these headers."""
+    request = Request(DummyChannel())  # type: ignore[arg-type]
+    request.method, request.path = b"POST", b"/v1/chat/completions"
+    for name, value in headers:
+        request.requestHeaders.setRawHeaders(name, [value])
+    return request
 
 
 @pytest.fixture
@@ -184,9 +194,7 @@ def test_an_invalid_traceparent_is_absent_and_nothing_is_logged(
     exported = InMemorySpanExporter()
     traced = TracerProvider()
     traced.add_span_processor(SimpleSpanProcessor(exported))
-    request = Request(DummyChannel())  # type: ignore[arg-type]
-    request.method, request.path = b"POST", b"/v1/chat/completions"
-    request.requestHeaders.setRawHeaders(b"traceparent", [traceparent.encode()])
+    request = new_request((b"traceparent", traceparent.encode()))
     caplog.set_level(logging.WARNING)
     trace = tracing.Tracing(traced).request(request, 0.0)
     trace.end(request, AccessRecord())
@@ -195,3 +203,33 @@ def test_an_invalid_traceparent_is_absent_and_nothing_is_logged(
     assert span.context is not None and format(span.context.trace_id, "032x") != TRACE_ID
     assert caplog.records == []
     assert [e for e in twisted_events if e["log_level"] >= LogLevel.warn] == []
+
+
+@pytest.mark.parametrize(
+    ("instance", "sent", "address", "port", "full"),
+    [
+        ("http://[::1]:8100/vllm#rank=2", "http://[::1]:8100/vllm/v1/completions?x=secret",
+         "::1", 8100, "http://[::1]:8100/vllm/v1/completions"),
+        ("https://Decode.example", "https://Decode.example/v1/completions",
+         "decode.example", 443, "https://Decode.example/v1/completions"),
+        ("http://10.0.0.2", "http://10.0.0.2/v1/completions",
+         "10.0.0.2", 80, "http://10.0.0.2/v1/completions"),
+    ],
+    ids=["IPv6, a path and a rank", "https's port", "http's port"],
+)  # fmt: skip
+def test_a_leg_names_its_server_by_host_and_port_and_its_url(
+    instance: str, sent: str, address: str, port: int, full: str
+) -> None:
+    exported = InMemorySpanExporter()
+    traced = TracerProvider()
+    traced.add_span_processor(SimpleSpanProcessor(exported))
+    trace = tracing.Tracing(traced).request(new_request(), 0.0)
+    leg = trace.leg(Instance(instance, "decode"), "next", "round-robin", 1)
+    leg.headers(sent, Headers())
+    leg.end()
+    (span,) = exported.get_finished_spans()
+    attributes = dict(span.attributes or {})
+    assert attributes["server.address"] == address
+    assert attributes["server.port"] == port
+    assert attributes["url.full"] == full
+    assert attributes["nixlproxy.instance"] == instance
