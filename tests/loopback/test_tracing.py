@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, cast
 
@@ -33,6 +34,11 @@ CLIENT_CONTEXT = {
 
 def hex_id(number: int, digits: int) -> str:
     return format(number, f"0{digits}x")
+
+
+def sdk_logs_routed() -> bool:
+    sdk = logging.getLogger(tracing.SDK_LOGGER)
+    return not sdk.propagate and any(isinstance(h, tracing.SDKLogs) for h in sdk.handlers)
 
 
 class TracedCase(ProxyCase):
@@ -425,6 +431,8 @@ class FlushTests(ProxyCase):
         collector.hold_answers()
         clock = Clock()
         provider = tracing.provider_for(Traces(collector.url), None)
+        self.addCleanup(tracing.unroute_sdk_logs)
+        self.assertTrue(sdk_logs_routed())
         provider.get_tracer("test").start_span("queued").end()
         service = tracing.Tracing(provider, reactor, clock)
         service.startService()
@@ -434,6 +442,7 @@ class FlushTests(ProxyCase):
         await collector.received(lambda spans: len(spans) == 1)  # and not answered
         clock.advance(tracing.FLUSH_TIMEOUT)
         await stopping
+        self.assertFalse(sdk_logs_routed())  # the SDK's records are the root logger's again
         self.assertIn("traces not all sent", " ".join(str(e.get("log_format", "")) for e in logged))
         # Answered now, the exporter's thread finishes: it closes its connection as it shuts down.
         (exporting,) = collector.site.channels()

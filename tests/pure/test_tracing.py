@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import SpanContext, TraceFlags, set_span_in_context
 from opentelemetry.trace.span import NonRecordingSpan
-from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, Logger, LogLevel, formatEvent, globalLogPublisher
 from twisted.python import usage
 from twisted.web.http import Request
 from twisted.web.http_headers import Headers
@@ -47,6 +47,13 @@ def no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES",
     ):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def sdk_logs_given_back() -> Iterator[None]:
+    """``provider_for`` routes the SDK's log records; no test leaves them routed for the next."""
+    yield
+    tracing.unroute_sdk_logs()
 
 
 def test_off_by_default() -> None:
@@ -233,3 +240,46 @@ def test_a_leg_names_its_server_by_host_and_port_and_its_url(
     assert attributes["server.port"] == port
     assert attributes["url.full"] == full
     assert attributes["nixlproxy.instance"] == instance
+
+
+EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+
+
+def test_what_the_sdk_logs_becomes_twisted_events_and_never_reaches_stderr(
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+    twisted_events: list[dict[str, Any]],
+) -> None:
+    tracing.provider_for(Traces(COLLECTOR), None)
+    exporter = logging.getLogger(EXPORTER)
+    exporter.warning("Transient error %s encountered while exporting span batch, retrying in "
+                     "%ss.", "Service Unavailable", 1)  # fmt: skip
+    exporter.error("Failed to export span batch code: %s, reason: %s", 503, "unavailable")
+    logging.getLogger("opentelemetry.sdk").critical("{not a format}")
+    ours = [e for e in twisted_events if e["log_namespace"] == "nixlproxy.tracing"]
+    assert [(e["log_level"], formatEvent(e), e["sdk_logger"]) for e in ours] == [
+        (LogLevel.warn, "Transient error Service Unavailable encountered while exporting span "
+                        "batch, retrying in 1s.", EXPORTER),
+        (LogLevel.error, "Failed to export span batch code: 503, reason: unavailable", EXPORTER),
+        (LogLevel.critical, "{not a format}", "opentelemetry.sdk"),
+    ]  # fmt: skip
+    # Not on to the root logger's handlers (pytest's here), nor to logging.lastResort.
+    assert caplog.records == []
+    assert capsys.readouterr().err == ""
+
+
+def test_the_sdks_exception_is_a_failure_at_its_level() -> None:
+    events: list[dict[str, Any]] = []
+    observe = provider(ILogObserver)(lambda event: events.append(event))
+    record = logging.LogRecord(EXPORTER, logging.ERROR, __file__, 1, "Exception while "
+                               "exporting %s.", ("Span",), None)  # fmt: skip
+    try:
+        raise ConnectionResetError("collector hung up")
+    except ConnectionResetError:
+        record.exc_info = sys.exc_info()
+    tracing.SDKLogs(Logger(observer=observe)).emit(record)
+    (event,) = events
+    assert (event["log_level"], formatEvent(event)) == (
+        LogLevel.error, "Exception while exporting Span."
+    )  # fmt: skip
+    assert event["log_failure"].check(ConnectionResetError)
