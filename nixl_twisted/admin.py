@@ -42,8 +42,9 @@ class AdminAPI:
             raise ProxyError(
                 404, "there is no admin API here", "invalid_request_error", "not_found"
             )
-        sent = (request.getHeader(b"authorization") or b"").removeprefix(b"Bearer ")
-        if not hmac.compare_digest(sent, self._token):
+        sent = bearer_token(request.getHeader(b"authorization"))
+        # In constant time: how much of a guess was right must not show.
+        if sent is None or not hmac.compare_digest(sent, self._token):
             log.warn(
                 "admin API refused {method} {path} from {client}: missing or wrong token",
                 method=request.method.decode("ascii", "replace"),
@@ -103,6 +104,17 @@ class AdminAPI:
         # Answered once every worker has the change too.
         published = self.publish({"op": op, "pool": pool.role, "url": url})
         return published.addCallback(lambda _: answer)
+
+
+def bearer_token(credentials: bytes | None) -> bytes | None:
+    """The token of ``Bearer TOKEN``, else None (no other scheme carries the admin token).
+
+    As RFC 9110 section 11 has it: the scheme in any case, then one or more spaces.
+    """
+    scheme, space, token = (credentials or b"").partition(b" ")
+    if scheme.lower() != b"bearer" or not space:
+        return None
+    return token.lstrip(b" ")
 
 
 def apply_change(backends: BackendService, change: dict[str, str]) -> list[Instance]:

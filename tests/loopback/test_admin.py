@@ -17,10 +17,18 @@ STREAM = dict(CHAT, stream=True)
 
 class AdminCase(ProxyCase):
     async def admin(
-        self, method: str, path: str, body: object | None = None, token: str | None = TOKEN
+        self,
+        method: str,
+        path: str,
+        body: object | None = None,
+        token: str | None = TOKEN,
+        authorization: str | None = None,
     ) -> tuple[int, Any]:
+        """``authorization``: the header's whole value, instead of ``Bearer`` and ``token``."""
         headers: dict[str | bytes, str | bytes] = {}
-        if token:
+        if authorization is not None:
+            headers["Authorization"] = authorization
+        elif token:
             headers["Authorization"] = f"Bearer {token}"
         response = await self.http.request(
             method,
@@ -65,6 +73,21 @@ class AdminAuthTests(AdminCase):
         refusals = [line for line in lines if "admin API refused" in line]
         self.assertEqual(len(refusals), 2)
         self.assertFalse(any("wrong-token" in line or TOKEN in line for line in lines))
+
+    async def test_only_the_bearer_scheme_carries_the_token(self) -> None:
+        await self.start(proxy=dict(admin_token=TOKEN))
+        for authorization, expected in (
+            (f"Bearer {TOKEN}", 200),
+            (f"bearer {TOKEN}", 200),  # a scheme is case-insensitive
+            (f"BEARER   {TOKEN}", 200),  # one or more spaces
+            (TOKEN, 401),
+            (f"Basic {TOKEN}", 401),
+            (f"Bearer{TOKEN}", 401),
+            (f"Bearer {TOKEN}x", 401),
+            ("Bearer ", 401),
+        ):
+            code, _ = await self.admin("GET", "/admin/backends", authorization=authorization)
+            self.assertEqual(code, expected, authorization)
 
     async def test_the_right_token_lists_instances(self) -> None:
         await self.start(decodes=2, proxy=dict(admin_token=TOKEN))
