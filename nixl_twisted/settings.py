@@ -150,6 +150,10 @@ def backend_url(value: object) -> str:
 
 def _http_url(url: str) -> SplitResult:
     """``url``'s parts, once it is an http or https URL with a host and a usable port."""
+    # Checked on the raw string: urlsplit drops tabs, CR and LF, and leading
+    # spaces, without a word, and the URL is stored, logged and sent as given.
+    if any(char.isspace() or not char.isprintable() for char in url):
+        raise InvalidValue(f"{url!r} must not contain whitespace or control characters")
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises ValueError for a port that is not a number

@@ -166,6 +166,27 @@ class AdminChangeTests(AdminCase):
         )
         self.assertEqual(code, 404)
 
+    async def test_a_url_with_cr_lf_is_refused_unstored_and_never_logged_raw(self) -> None:
+        lines: list[str] = []
+
+        @provider(ILogObserver)
+        def observe(event: dict[str, Any]) -> None:
+            lines.append(formatEvent(event))
+
+        globalLogPublisher.addObserver(observe)
+        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        await self.start(proxy=dict(admin_token=TOKEN))
+        smuggled = f"{self.decode.url}/\r\nX-Injected: 1"
+        code, answer = await self.admin(
+            "POST", "/admin/backends", {"pool": "decode", "url": smuggled}
+        )
+        self.assertEqual((code, answer["error"]["code"]), (400, "invalid_url"))
+        self.assertIn("whitespace or control characters", answer["error"]["message"])
+        _, listing = await self.admin("GET", "/admin/backends")
+        self.assertEqual([i["url"] for i in listing["decode"]], [self.decode.url])
+        self.assertTrue(lines)
+        self.assertFalse([line for line in lines if "\r" in line or "\n" in line])
+
 
 class PoolUpdateTests(AdminCase):
     async def test_an_update_adds_new_and_drains_old_without_failing_in_flight(self) -> None:

@@ -36,6 +36,7 @@ def test_a_pool_needs_an_instance() -> None:
         ("http://p1:8100/", "http://p1:8100"),
         ("https://p1.example/vllm/", "https://p1.example/vllm"),
         ("http://[::1]:8100", "http://[::1]:8100"),
+        ("http://bücher.example:8100", "http://bücher.example:8100"),
         ("http://p1:8100/#dp=02", "http://p1:8100#dp=2"),
         ("http://p1:8100#rank=1", "http://p1:8100#rank=1"),
     ],
@@ -56,6 +57,13 @@ def test_valid_urls(url: str, normal: str) -> None:
         ("http://p1:8100#top", "only fragment allowed"),
         ("http://p1:8100#dp=0", "at least 1"),
         ("http://user:pw@p1:8100", "credentials"),
+        ("http://p1:8100/\r\nX-Injected: 1", "whitespace or control characters"),
+        ("http://p1:81\t00", "whitespace or control characters"),
+        (" http://p1:8100", "whitespace or control characters"),
+        ("http://p1:8100/a b", "whitespace or control characters"),
+        ("http://p1:8100/\x00", "whitespace or control characters"),
+        ("http://p1:8100/\x7f", "whitespace or control characters"),
+        ("http://p1:8100/\u2028", "whitespace or control characters"),
     ],
 )
 def test_invalid_urls_say_why(url: str, why: str) -> None:
