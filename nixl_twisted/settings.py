@@ -119,8 +119,14 @@ def endpoint(value: object) -> str:
     return description
 
 
-#: ``URL#dp=N``: an instance serving N data-parallel ranks; ``URL#rank=I``: one of them.
-_RANKS = re.compile(r"(dp|rank)=(\d+)")
+#: ``URL#dp=N``: an instance serving N data-parallel ranks; ``URL#rank=I``: one of them
+#: (ASCII digits only; leading zeros dropped, and more than 9 digits is past any bound).
+_RANKS = re.compile(r"(dp|rank)=0*([0-9]{1,9})")
+#: The most ranks one ``#dp=N`` declares. Each rank is an instance: health-checked,
+#: scraped, a label in every metric. A vLLM engine per GPU makes 1024 far more than
+#: any deployment has behind one port, while a typo (``#dp=100000``) cannot make a
+#: pool of a hundred thousand instances.
+MAX_RANKS = 1024
 
 
 def backend_url(value: object) -> str:
@@ -138,10 +144,12 @@ def backend_url(value: object) -> str:
     if parts.query:
         raise InvalidValue(f"{url!r} must not have a query")
     ranks = _RANKS.fullmatch(parts.fragment) if parts.fragment else None
-    if parts.fragment and (ranks is None or (ranks[1] == "dp" and int(ranks[2]) < 1)):
-        raise InvalidValue(
-            f"{url!r}: the only fragment allowed is #dp=N (N ranks, at least 1) or #rank=I"
-        )
+    if parts.fragment and ranks is None:
+        raise InvalidValue(f"{url!r}: the only fragment allowed is #dp=N (N ranks) or #rank=I")
+    if ranks is not None and ranks[1] == "dp" and not 1 <= int(ranks[2]) <= MAX_RANKS:
+        raise InvalidValue(f"{url!r}: #dp=N must be at least 1 and at most {MAX_RANKS} ranks")
+    if ranks is not None and ranks[1] == "rank" and int(ranks[2]) >= MAX_RANKS:
+        raise InvalidValue(f"{url!r}: #rank=I must be below {MAX_RANKS}")
     if parts.username is not None or parts.password is not None:
         raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
     base = url.split("#", 1)[0].rstrip("/")
