@@ -217,25 +217,41 @@ class BackendPool:
         url = backend_url(url)
         return next((i for i in self.instances if i.url == url), None)
 
+    def _by_url(self) -> dict[str, Instance]:
+        """The instances by URL, made once per change: a lookup per rank stays linear in ranks."""
+        return {i.url: i for i in self.instances}
+
     def find_all(self, url: str) -> list[Instance]:
         """The instances a URL names: itself, or each rank of ``URL#dp=N``."""
-        return [i for i in map(self.find, rank_urls(url)) if i is not None]
+        by_url = self._by_url()
+        return [by_url[name] for name in rank_urls(url) if name in by_url]
 
     def add(self, url: str) -> list[Instance]:
         """Put an instance (each of its ranks) in rotation; a draining one is taken back."""
+        return self._add(rank_urls(url))
+
+    def _add(self, names: Sequence[str]) -> list[Instance]:
+        """Put these instances (URLs as ``rank_urls`` gives them) in rotation, in order."""
+        by_url = self._by_url()
         added = []
-        for name in rank_urls(url):
-            instance = self.find(name)
+        for name in names:
+            instance = by_url.get(name)
             if instance is None:
-                instance = self._new(name)
+                instance = by_url[name] = self._new(name)
                 self.instances.append(instance)
                 log.info("{role} instance {url} added", role=self.role, url=instance.url)
             instance.draining = False
             added.append(instance)
         return added
 
+    def _drop(self, leaving: Collection[Instance]) -> None:
+        """Take these out of the list in one pass (``list.remove`` each is quadratic)."""
+        gone = set(leaving)
+        self.instances[:] = [i for i in self.instances if i not in gone]
+
     def _refuse_emptying(self, leaving: list[Instance]) -> None:
-        if not any(i not in leaving and not i.draining for i in self.instances):
+        gone = set(leaving)
+        if not any(i not in gone and not i.draining for i in self.instances):
             raise PoolChangeRefused(
                 f"{leaving[0].url} is the last {self.role} instance in rotation; "
                 "add another before taking it out"
@@ -249,8 +265,7 @@ class BackendPool:
         for instance in instances:
             instance.draining = True
             log.info("{role} instance {url} draining", role=self.role, url=instance.url)
-            if instance.in_flight == 0:
-                self.instances.remove(instance)
+        self._drop([i for i in instances if i.in_flight == 0])
         return instances
 
     def remove(self, url: str) -> list[Instance]:
@@ -260,8 +275,8 @@ class BackendPool:
             self._refuse_emptying(instances)
         for instance in instances:
             instance.draining = True
-            self.instances.remove(instance)
             log.info("{role} instance {url} removed", role=self.role, url=instance.url)
+        self._drop(instances)
         return instances
 
     def update(self, urls: Sequence[str]) -> None:
@@ -269,13 +284,11 @@ class BackendPool:
         if not urls:
             raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
         wanted = [name for url in urls for name in rank_urls(url)]
-        for name in wanted:
-            self.add(name)
-        for instance in list(self.instances):
-            if instance.url not in wanted:
-                instance.draining = True
-                if instance.in_flight == 0:
-                    self.instances.remove(instance)
+        kept = set(self._add(wanted))
+        leaving = [i for i in self.instances if i not in kept]
+        for instance in leaving:
+            instance.draining = True
+        self._drop([i for i in leaving if i.in_flight == 0])
 
     # -- what legs and health checks learn ---------------------------------
 

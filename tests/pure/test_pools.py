@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
 import pytest
 from twisted.internet.task import Clock
 
@@ -86,6 +91,63 @@ def test_a_data_parallel_instance_is_one_instance_per_rank() -> None:
     removed = pool.remove("http://d:1#dp=2")
     assert [i.url for i in removed] == ["http://d:1#rank=0", "http://d:1#rank=1"]
     assert pool.urls == ("http://e:1",)
+
+
+def lines_run(work: Callable[[], object]) -> int:
+    """How many lines of Python ``work`` runs: its cost, counted rather than timed."""
+    lines = 0
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal lines
+        lines += event == "line"
+        return trace
+
+    before = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        work()
+    finally:
+        sys.settrace(before)
+    return lines
+
+
+def test_adding_updating_or_removing_n_ranks_costs_in_proportion_to_n() -> None:
+    def adding(ranks: int) -> int:
+        pool = BackendPool("decode", [f"http://e:1#dp={ranks}"], Clock())
+        return lines_run(lambda: pool.add(f"http://d:1#dp={ranks}"))
+
+    def updating(ranks: int) -> int:
+        pool = BackendPool("decode", [f"http://e:1#dp={ranks}"], Clock())
+        return lines_run(lambda: pool.update([f"http://d:1#dp={ranks}"]))
+
+    def removing(ranks: int) -> int:
+        pool = BackendPool("decode", [f"http://d:1#dp={ranks}", f"http://e:1#dp={ranks}"], Clock())
+        return lines_run(lambda: pool.remove(f"http://d:1#dp={ranks}"))
+
+    for cost in (adding, updating, removing):
+        # Four times the ranks: four times the work when linear, sixteen when quadratic.
+        assert cost(512) < 5 * cost(128), cost.__name__
+
+
+def test_an_update_keeps_the_listed_drains_the_rest_and_takes_back_a_draining_one() -> None:
+    pool, _ = pool_of("http://a:1", "http://b:1", "http://c:1#dp=2")
+    a, b, c0, c1 = pool.instances
+    lease = pool.lease(c1)
+    pool.drain("http://a:1")
+    assert pool.urls == ("http://b:1", "http://c:1#rank=0", "http://c:1#rank=1")
+    pool.update(["http://c:1#rank=1", "http://a:1", "http://d:1#dp=2"])
+    assert pool.urls == (
+        "http://c:1#rank=1",
+        "http://a:1",
+        "http://d:1#rank=0",
+        "http://d:1#rank=1",
+    )
+    assert pool.instances[1] is not a  # drained and gone: a new instance for it
+    assert (b.draining, c0.draining, c1.draining) == (True, True, False)
+    pool.update(["http://a:1"])
+    assert c1.draining and c1 in pool.instances  # its leg goes on
+    lease.release()
+    assert pool.urls == ("http://a:1",)
 
 
 def pool_of(*urls: str, checked: bool = False) -> tuple[BackendPool, Clock]:
