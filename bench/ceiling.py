@@ -17,6 +17,7 @@ and load as ``bench.run``'s non-streaming loads, pinned the same way:
 All the floors parse no forms and pool connections, as the proxy does.
 
     python -m bench.ceiling                 # 8 s per load
+    python -m bench.ceiling --requests 64   # a smoke run: 64 requests per load
 """
 
 from __future__ import annotations
@@ -29,7 +30,18 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
-from bench.run import Load, _free_port, _load, _pinned, _process, nixlproxy
+from bench.run import (
+    Length,
+    Load,
+    _free_port,
+    _load,
+    _pinned,
+    _process,
+    add_length_options,
+    failure,
+    length_of,
+    nixlproxy,
+)
 
 LOADS = (
     Load("non-streaming completions, 1 connection", 1, False),
@@ -165,7 +177,7 @@ def _serving(kind: str, backend: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
 
 
-def measure(kinds: Sequence[str], seconds: float) -> list[dict[str, Any]]:
+def measure(kinds: Sequence[str], length: Length) -> list[dict[str, Any]]:
     cores = os.cpu_count() or 2
     others = "1" if cores == 2 else f"1-{cores - 1}"
     backend_port = _free_port()
@@ -176,7 +188,7 @@ def measure(kinds: Sequence[str], seconds: float) -> list[dict[str, Any]]:
         for kind in kinds:
             with _serving(kind, f"http://127.0.0.1:{backend_port}") as url:
                 for load in LOADS:
-                    result = _load(url, load, seconds, others)
+                    result = _load(url, load, length, others)
                     rows.append({"server": kind, "load": load.name, **result})
     return rows
 
@@ -193,7 +205,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0)
+    add_length_options(parser)
     parser.add_argument("--servers", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--serve", choices=KINDS[:-1], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -202,9 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve:
         serve(args.serve, args.port, args.backend)
         return 0
-    rows = measure(args.servers, args.seconds)
+    rows = measure(args.servers, length_of(parser, args))
     print(table(rows))
-    return 1 if any(row["errors"] or not row["requests"] for row in rows) else 0
+    failed = [row for row in rows if row["errors"] or not row["requests"]]
+    for row in failed:
+        print(f"failed: {row['server']}, {row['load']}: {failure(row)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -2,7 +2,10 @@
 
 Measures throughput, latency p50/p99 and, for streams, time to first token
 and the gaps between tokens. Plain asyncio and just enough HTTP/1.1, so that
-it costs little next to what it measures.
+it costs little next to what it measures. It runs for ``--seconds``, or
+until ``--requests`` have been answered: a run by count completes the same
+work however slow the machine is (a smoke test's choice), a timed one is
+how the numbers of docs/performance.md are taken.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,12 +65,26 @@ async def _response(reader: asyncio.StreamReader, started: float, results: Resul
         last = now
 
 
+class Budget:
+    """Requests left to send, shared by every connection of a run by count."""
+
+    def __init__(self, requests: int) -> None:
+        self.left = requests
+
+    def take(self) -> bool:
+        """One more request may be sent (the event loop's one thread: no lock)."""
+        if self.left <= 0:
+            return False
+        self.left -= 1
+        return True
+
+
 async def _connection(
-    host: str, port: int, request: bytes, deadline: float, results: Results
+    host: str, port: int, request: bytes, more: Callable[[], bool], results: Results
 ) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        while time.perf_counter() < deadline:
+        while more():
             started = time.perf_counter()
             writer.write(request)
             status = await _response(reader, started, results)
@@ -88,13 +106,20 @@ def request_bytes(path: str, body: dict[str, Any]) -> bytes:
 
 
 async def run(
-    host: str, port: int, request: bytes, connections: int, seconds: float
+    host: str,
+    port: int,
+    request: bytes,
+    connections: int,
+    seconds: float = 8.0,
+    requests: int | None = None,
 ) -> dict[str, Any]:
+    """Load for ``seconds``, or until ``requests`` were sent if given."""
     results = Results()
     started = time.perf_counter()
     deadline = started + seconds
+    more = Budget(requests).take if requests is not None else lambda: time.perf_counter() < deadline
     await asyncio.gather(
-        *(_connection(host, port, request, deadline, results) for _ in range(connections))
+        *(_connection(host, port, request, more, results) for _ in range(connections))
     )
     elapsed = time.perf_counter() - started
     ms = 1000.0
@@ -123,10 +148,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="http://host:port")
     parser.add_argument("--connections", type=int, default=1)
-    parser.add_argument("--seconds", type=float, default=8.0)
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--seconds", type=float, default=8.0, help="run this long")
+    length.add_argument("--requests", type=int, help="instead: send this many in all, then stop")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args(argv)
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
     host, port = args.url.removeprefix("http://").rsplit(":", 1)
     if args.stream:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
@@ -134,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         request = request_bytes("/v1/chat/completions", body)
     else:
         request = request_bytes("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 16})
-    print(json.dumps(asyncio.run(run(host, int(port), request, args.connections, args.seconds))))
+    ran = run(host, int(port), request, args.connections, args.seconds, args.requests)
+    print(json.dumps(asyncio.run(ran)))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ requests and its peak RSS.
 
     python -m bench.run                 # 8 s per load, as in docs/performance.md
     python -m bench.run --repeat 3      # medians of three runs of each load
-    python -m bench.run --seconds 1     # a smoke run
+    python -m bench.run --requests 20   # a smoke run: 20 requests per load, however slow
     python -m bench.run --traced        # every request traced, to a collector process
 """
 
@@ -39,6 +39,42 @@ class Load:
     connections: int
     stream: bool
     token_interval: float = 0.0
+
+
+@dataclass(frozen=True)
+class Length:
+    """How long each load runs: ``seconds``, or until ``requests`` were answered.
+
+    By count, every row answers something on however slow a machine (the
+    smoke tests' choice); by time, rows of different speed are comparable.
+    """
+
+    seconds: float = 8.0
+    requests: int | None = None
+
+    def options(self) -> list[str]:
+        """``bench.load``'s options for it."""
+        if self.requests is not None:
+            return ["--requests", str(self.requests)]
+        return ["--seconds", str(self.seconds)]
+
+
+def add_length_options(parser: argparse.ArgumentParser) -> None:
+    """``--seconds`` or ``--requests``, for every bench that runs ``bench.load``."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--seconds", type=float, default=8.0, help="run each load this long")
+    group.add_argument(
+        "--requests",
+        type=int,
+        help="instead: send this many requests in each load, however long that takes",
+    )
+
+
+def length_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Length:
+    """The options' ``Length``; a count below 1 is the user's error, said as argparse says it."""
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
+    return Length(args.seconds, args.requests)
 
 
 LOADS = (
@@ -99,12 +135,15 @@ def _peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _load(url: str, load: Load, seconds: float, cores: str) -> dict[str, Any]:
+def _load(url: str, load: Load, length: Length, cores: str) -> dict[str, Any]:
     command = [sys.executable, "-m", "bench.load", "--url", url,
-               "--connections", str(load.connections), "--seconds", str(seconds)]  # fmt: skip
+               "--connections", str(load.connections), *length.options()]  # fmt: skip
     if load.stream:
         command.append("--stream")
-    out = subprocess.run(_pinned(cores, command), capture_output=True, text=True, check=True)
+    out = subprocess.run(_pinned(cores, command), capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        # Its traceback, not only "returned non-zero exit status 1".
+        raise RuntimeError(f"{' '.join(command)} exited {out.returncode}:\n{out.stderr}")
     return dict(json.loads(out.stdout))
 
 
@@ -167,7 +206,7 @@ def _collector(cores: str, traced: bool) -> Iterator[tuple[list[str], dict[str, 
 
 def measure(
     load: Load,
-    seconds: float,
+    length: Length,
     backend_processes: int,
     workers: int = 1,
     proxy_args: Sequence[str] = (),
@@ -188,11 +227,11 @@ def measure(
         _process(_pinned(others, backend), backend_port),
         _collector(others, traced) as (tracing, spans),
     ):
-        direct = _load(f"http://127.0.0.1:{backend_port}", load, seconds, others)
+        direct = _load(f"http://127.0.0.1:{backend_port}", load, length, others)
         with nixlproxy([*proxy, *tracing], proxy_cores, workers) as (running, url):
             pids = _descendants(running.process.pid)
             cpu_before = sum(_cpu_seconds(pid) for pid in pids)
-            proxied = _load(url, load, seconds, others)
+            proxied = _load(url, load, length, others)
             cpu = sum(_cpu_seconds(pid) for pid in pids) - cpu_before
             rss = max(_peak_rss_mb(pid) for pid in pids)
     requests = max(1, proxied["requests"])
@@ -263,7 +302,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=8.0)
+    add_length_options(parser)
     parser.add_argument("--backend-processes", type=int, default=2)
     parser.add_argument("--loads", type=int, default=len(LOADS), help="run the first N loads")
     parser.add_argument("--json", action="store_true", help="print the raw results too")
@@ -283,12 +322,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="trace every request to a collector process (bench.collector) on the other cores",
     )
     args = parser.parse_args(argv)
+    length = length_of(parser, args)
     rows = [
         median_row(
             [
                 measure(
                     load,
-                    args.seconds,
+                    length,
                     args.backend_processes,
                     args.workers,
                     args.proxy_arg,
@@ -305,8 +345,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"spans the collector received, {row['load']}: {row['spans']:g}")
     if args.json:
         print(json.dumps(rows, indent=2))
-    failed = [row["load"] for row in rows if row["proxy"]["errors"] or not row["proxy"]["requests"]]
+    failed = [row for row in rows if row["proxy"]["errors"] or not row["proxy"]["requests"]]
+    for row in failed:
+        print(f"failed: {row['load']}: {failure(row['proxy'])}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def failure(result: dict[str, Any]) -> str:
+    """Why a row of ``bench.load`` results fails the run, in words."""
+    answered, errors = result["requests"], result["errors"]
+    return f"{answered} answered, {errors} errors (not 200, or a connection lost)"
 
 
 if __name__ == "__main__":

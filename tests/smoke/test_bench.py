@@ -1,4 +1,9 @@
-"""The benchmark command keeps working (a smoke run; numbers are not asserted)."""
+"""The benchmark commands keep working (smoke runs; numbers are not asserted).
+
+Each runs by request count, never for a time: a load given 0.3 s can answer
+nothing on a busy machine, a load given 20 requests answers 20 however slow
+it is. A failure shows the command, how it ended and all it wrote.
+"""
 
 from __future__ import annotations
 
@@ -8,57 +13,52 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+
+from tests.smoke.support import ROOT, run
+
+#: Above each command's own timeout (support.run's), so that its message wins.
+pytestmark = pytest.mark.timeout(270)
+
+PYTHON = sys.executable
 
 
 def test_a_short_benchmark_run_prints_its_table() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--seconds", "0.5", "--loads", "1",
-         "--backend-processes", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "| non-streaming completions, 1 connection |" in result.stdout
-    assert "/s |" in result.stdout
+    ran = run([PYTHON, "-m", "bench.run", "--requests", "20", "--loads", "1",
+               "--backend-processes", "1"])  # fmt: skip
+    row = "| non-streaming completions, 1 connection | "
+    assert ran.code == 0 and row in ran.stdout and "/s |" in ran.stdout, ran.why(
+        f"exit 0 and a table row starting {row!r}"
+    )
 
 
 def test_a_short_traced_run_sends_its_spans_to_the_collector() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.run", "--seconds", "0.5", "--loads", "1",
-         "--backend-processes", "1", "--traced"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    received = re.search(r"spans the collector received, [^:]+: (\d+)", result.stdout)
-    assert received is not None and int(received.group(1)) > 0, result.stdout
+    ran = run([PYTHON, "-m", "bench.run", "--requests", "20", "--loads", "1",
+               "--backend-processes", "1", "--traced"])  # fmt: skip
+    received = re.search(r"spans the collector received, [^:]+: (\d+)", ran.stdout)
+    assert ran.code == 0 and received is not None and int(received.group(1)) > 0, ran.why(
+        "exit 0 and 'spans the collector received, LOAD: N' with N > 0"
+    )
 
 
 def test_a_short_memory_run_prints_its_table() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.memory", "--streams", "20"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "| 20 |" in result.stdout
+    ran = run([PYTHON, "-m", "bench.memory", "--streams", "20"])
+    assert ran.code == 0 and "| 20 |" in ran.stdout, ran.why("exit 0 and a row for 20 streams")
 
 
 def test_a_short_routing_run_prints_its_table() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.routing", "--only", "cache-aware, 2 prefills,",
-         "--conversations", "3", "--turns", "2", "--concurrency", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"\| cache-aware, 2 prefills, --workers 2 \| \d+\.\d%", result.stdout)
+    ran = run([PYTHON, "-m", "bench.routing", "--only", "cache-aware, 2 prefills,",
+               "--conversations", "3", "--turns", "2", "--concurrency", "2"])  # fmt: skip
+    row = r"\| cache-aware, 2 prefills, --workers 2 \| \d+\.\d%"
+    assert ran.code == 0 and re.search(row, ran.stdout), ran.why(
+        f"exit 0 and a row matching {row!r}"
+    )
 
 
 def test_the_routing_index_memory_run_prints_its_figures() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.routing", "--index-memory"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert '"prompts": 100000' in result.stdout and '"retained_bytes": ' in result.stdout
+    ran = run([PYTHON, "-m", "bench.routing", "--index-memory"])
+    figures = '"prompts": 100000' in ran.stdout and '"retained_bytes": ' in ran.stdout
+    assert ran.code == 0 and figures, ran.why("exit 0 and its JSON: prompts and retained_bytes")
 
 
 def test_a_backend_announces_one_port_for_all_workers_and_stops_them_all() -> None:
@@ -99,17 +99,10 @@ def _listening_port(pid: int) -> int | None:
 
 
 def test_a_short_ceiling_run_prints_its_table() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "bench.ceiling", "--seconds", "0.3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    for server in (
-        "web-agent",
-        "klein-agent",
-        "web-treq",
-        "klein-treq",
-        "klein-upstream",
-        "nixlproxy",
-    ):
-        assert f"| {server} | non-streaming completions, 64 connections |" in result.stdout
+    # 64 requests: one on each connection of the 64-connection load.
+    ran = run([PYTHON, "-m", "bench.ceiling", "--requests", "64"])
+    kinds = ("web-agent", "klein-agent", "web-treq", "klein-treq", "klein-upstream", "nixlproxy")
+    rows = [f"| {kind} | non-streaming completions, 64 connections |" for kind in kinds]
+    assert ran.code == 0 and all(row in ran.stdout for row in rows), ran.why(
+        "exit 0 and a 64-connection row for each of " + ", ".join(kinds)
+    )
