@@ -7,6 +7,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
+# What each step of `make test` needs first. `make test` installs once, then
+# runs every step with it empty: each step alone (`make lint`) still installs.
+STEP_NEEDS ?= install
+TEST_STEPS := lint layers docs-check bench-smoke demo-check
+
 .PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo clean
 
 $(BIN)/python:
@@ -23,25 +28,34 @@ install-demo: $(BIN)/python
 demo: install-demo
 	$(BIN)/nixlproxy-demo
 
-lint: install
+lint: $(STEP_NEEDS)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
 # The tests by layer (pure, in memory, loopback, real processes), then the
 # docs build, a benchmark smoke run and the demo, each a step of its own.
-test: lint layers docs-check bench-smoke demo-check
+# Every step runs even when one before it failed (a lint error must not hide
+# a failing test); the failed ones are listed at the end, and make fails.
+test: install
+	@failed=""; \
+	for step in $(TEST_STEPS); do \
+		echo "==> make $$step"; \
+		$(MAKE) --no-print-directory STEP_NEEDS= $$step || failed="$$failed $$step"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
+	echo "make test: every step passed ($(TEST_STEPS))"
 
-layers: install
+layers: $(STEP_NEEDS)
 	$(BIN)/python -m pytest tests/pure tests/memory tests/loopback tests/process
 
-docs-check: install
+docs-check: $(STEP_NEEDS)
 	$(BIN)/python -m pytest tests/smoke/test_docs.py
 
-bench-smoke: install
+bench-smoke: $(STEP_NEEDS)
 	$(BIN)/python -m pytest tests/smoke/test_bench.py
 
-demo-check: install
+demo-check: $(STEP_NEEDS)
 	$(BIN)/python -m pytest tests/smoke/test_demo.py
 
 docs: install
