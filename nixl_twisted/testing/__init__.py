@@ -3,6 +3,8 @@
 - :class:`FakeVLLM` plays prefill and decode as NIXL-enabled vLLM does
   (``fake``), sharing a :class:`TransferLedger` (``ledger``), answering in
   OpenAI's shapes (``answers``), failing as scripted (``behaviours``);
+- :func:`start_cluster` (``cluster``) starts N fake prefills and M fake
+  decodes sharing one ledger;
 - :func:`start_pair`, :func:`start_proxy`, :func:`run_proxy` and
   :class:`InMemoryProxy` (``harness``) put a real proxy before fakes, on
   loopback or in memory;
@@ -15,6 +17,7 @@ Serve a pair from a shell with ``python -m nixl_twisted.testing``.
 """
 
 from nixl_twisted.testing.behaviours import Behaviour, ErrorAnswer, RawAnswer
+from nixl_twisted.testing.cluster import FakeCluster, start_cluster
 from nixl_twisted.testing.collector import FakeCollector, ReceivedSpan
 from nixl_twisted.testing.fake import FakeVLLM, ReceivedRequest
 from nixl_twisted.testing.harness import (
@@ -33,6 +36,7 @@ from nixl_twisted.testing.site import FakeSite
 __all__ = [
     "Behaviour",
     "ErrorAnswer",
+    "FakeCluster",
     "FakeCollector",
     "FakePair",
     "FakeSite",
@@ -48,6 +52,7 @@ __all__ = [
     "TwistdProtocol",
     "run_proxy",
     "spawn_twistd",
+    "start_cluster",
     "start_pair",
     "start_proxy",
 ]
