@@ -5,6 +5,8 @@ One way to start it and learn its address, for the demo and the benchmark
 (:class:`TwistdProtocol`, on the reactor). Both run ``twistd`` with this
 very interpreter and read the address from the proxy's own log line,
 ``nixlproxy listening on ADDRESS`` (text) or its ``address`` field (JSON).
+:class:`WatchedProcess`, what ``TwistdProtocol`` is without the proxy's
+address, watches any other child process (``python -m nixl_twisted.testing``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def listening_addresses(output: bytes) -> list[str]:
 
 class TwistdFailed(RuntimeError):
     """The process did not start listening (its output says why)."""
+
+
+class ProcessExited(RuntimeError):
+    """The process ended before it wrote the line awaited (its output says why)."""
 
 
 class Twistd:
@@ -98,15 +104,16 @@ class Twistd:
         return self.process.returncode
 
 
-class TwistdProtocol(ProcessProtocol):
-    """``twistd nixlproxy`` spawned on the reactor: where it listens, what it said, its exit."""
+class WatchedProcess(ProcessProtocol):
+    """A child process on the reactor: what it wrote (stdout and stderr), awaited
+    by marker or by line with no polling, and its exit."""
 
     def __init__(self) -> None:
         self.output = b""
-        self.listening: Deferred[str] = Deferred()
         self.ended: Deferred[int | None] = Deferred()
         self.signal: int | None = None
         self._markers: list[tuple[bytes, int, Deferred[None]]] = []
+        self._lines: list[tuple[bytes, Deferred[bytes]]] = []
 
     def said(self, marker: bytes, times: int = 1) -> Deferred[None]:
         """Fires once the process has written ``marker`` ``times`` times."""
@@ -117,27 +124,68 @@ class TwistdProtocol(ProcessProtocol):
             self._markers.append((marker, times, waiting))
         return waiting
 
+    def line_with(self, marker: bytes) -> Deferred[bytes]:
+        """Fires with the first whole line (its newline left off) that contains ``marker``.
+
+        A marker alone may arrive before the rest of its line: this waits for the line's end.
+        """
+        waiting: Deferred[bytes] = Deferred()
+        self._lines.append((marker, waiting))
+        self._wake()
+        return waiting
+
     def outReceived(self, data: bytes) -> None:
         self.output += data
-        addresses = listening_addresses(self.output)
-        if addresses and not self.listening.called:
-            self.listening.callback(addresses[0])
+        self._heard()
+        self._wake()
+
+    errReceived = outReceived
+
+    def _heard(self) -> None:
+        """What a subclass learns from the output so far, before markers are woken."""
+
+    def _wake(self) -> None:
         ready = [m for m in self._markers if self.output.count(m[0]) >= m[1]]
         self._markers = [m for m in self._markers if m not in ready]
         for _, _, waiting in ready:
             waiting.callback(None)
-
-    errReceived = outReceived
+        if not self._lines:
+            return
+        whole = self.output.rpartition(b"\n")[0].split(b"\n")
+        found = [(w, next((x for x in whole if w[0] in x), None)) for w in self._lines]
+        self._lines = [w for w, line in found if line is None]
+        for (_, reader), line in found:
+            if line is not None:
+                reader.callback(line)
 
     def processEnded(self, reason: Failure) -> None:
-        if not self.listening.called:
-            self.listening.errback(TwistdFailed(self.output.decode(errors="replace")))
+        for _, waiting in self._lines:
+            waiting.errback(ProcessExited(self.output.decode(errors="replace")))
+        self._lines = []
         if reason.check(ProcessDone, ProcessTerminated):
             ended = cast(ProcessTerminated, reason.value)
             self.signal = ended.signal
             self.ended.callback(ended.exitCode)
         else:
             self.ended.errback(reason)
+
+
+class TwistdProtocol(WatchedProcess):
+    """``twistd nixlproxy`` spawned on the reactor: where it listens, what it said, its exit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listening: Deferred[str] = Deferred()
+
+    def _heard(self) -> None:
+        addresses = listening_addresses(self.output)
+        if addresses and not self.listening.called:
+            self.listening.callback(addresses[0])
+
+    def processEnded(self, reason: Failure) -> None:
+        if not self.listening.called:
+            self.listening.errback(TwistdFailed(self.output.decode(errors="replace")))
+        super().processEnded(reason)
 
 
 def spawn_twistd(
