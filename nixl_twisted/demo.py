@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 from nixl_twisted.testing.process import Twistd, TwistdFailed
 
-_URL = re.compile(r"listening on (http://)?(?P<address>\S+)")
+#: What ``python -m nixl_twisted.testing`` prints for each instance once all listen.
+_URL = re.compile(r"fake (?P<role>prefill|decode)-\d+ listening on (?P<url>\S+)")
 
 
 class DemoFailed(RuntimeError):
@@ -28,23 +29,24 @@ def _fakes(tokens: int, token_interval: float) -> tuple[subprocess.Popen[str], s
     """``python -m nixl_twisted.testing`` on ports the OS picks, and its two URLs."""
     fakes = subprocess.Popen(
         [
-            sys.executable, "-m", "nixl_twisted.testing",
-            "--prefill-listen", "tcp:0:interface=127.0.0.1",
-            "--decode-listen", "tcp:0:interface=127.0.0.1",
+            sys.executable, "-m", "nixl_twisted.testing", "--prefill-port", "0",
+            "--decode-port", "0", "--interface", "127.0.0.1",
             "--tokens", str(tokens), "--token-interval", str(token_interval),
         ],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )  # fmt: skip
-    urls: list[str] = []
+    urls: dict[str, str] = {}
+    said = []
     assert fakes.stdout is not None
     for line in fakes.stdout:
+        said.append(line)
         match = _URL.search(line)
         if match:
-            urls.append(match.group("address"))
+            urls[match.group("role")] = match.group("url")
         if len(urls) == 2:
-            return fakes, f"http://{urls[0]}", f"http://{urls[1]}"
-    raise DemoFailed("the fake vLLM pair exited before it listened")
+            return fakes, urls["prefill"], urls["decode"]
+    raise DemoFailed("the fake vLLM instances exited before they listened:\n" + "".join(said))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

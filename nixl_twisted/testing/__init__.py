@@ -13,7 +13,8 @@
 - :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
   ``twistd nixlproxy`` and learn where it listens.
 
-Serve a pair from a shell with ``python -m nixl_twisted.testing``.
+Serve fakes from a shell with ``python -m nixl_twisted.testing --prefills N
+--decodes M`` (``--help`` for the rest).
 """
 
 from nixl_twisted.testing.behaviours import Behaviour, ErrorAnswer, RawAnswer

@@ -1,44 +1,169 @@
-"""``python -m nixl_twisted.testing``: serve a fake prefill/decode pair from a shell."""
+"""``python -m nixl_twisted.testing``: fake vLLM prefill and decode instances from a shell.
+
+All of them in this one process, sharing one ``TransferLedger``, so that a
+proxy may pair any prefill with any decode, as it does real vLLM instances
+(two processes would hold two ledgers, and a decode would refuse the other
+process's params as a KV-load failure). Prints each instance's URL once all
+listen, then a ``twistd nixlproxy`` command line that serves them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from nixl_twisted.testing.harness import start_pair
+from twisted.internet.endpoints import quoteStringArgument
+
+from nixl_twisted.testing.cluster import FakeCluster, start_cluster
+
+#: The proxy's own listening endpoint in the command line printed for the user.
+PROXY_LISTEN = "tcp:8000"
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _number(text: str, kind: type[int] | type[float]) -> Any:
+    """``text`` as a number, or the sentence argparse shows the user."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value: int = _number(text, int)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value: int = _number(text, int)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value: float = _number(text, float)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The command's options, each with its help and its default shown."""
+    parser = argparse.ArgumentParser(
+        prog="python -m nixl_twisted.testing",
+        description="Serve fake vLLM prefill and decode instances (NIXL-style "
+        "kv_transfer_params, no GPU) in one process sharing one KV ledger, "
+        "to put twistd nixlproxy in front of.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--prefills",
+        type=_at_least(1),
+        default=1,
+        metavar="N",
+        help="how many fake prefill instances to serve",
+    )
+    parser.add_argument(
+        "--decodes",
+        type=_at_least(1),
+        default=1,
+        metavar="M",
+        help="how many fake decode instances to serve",
+    )
+    parser.add_argument(
+        "--prefill-port",
+        type=_port,
+        default=8100,
+        metavar="PORT",
+        help="the first prefill's port, the next ones consecutive; 0: any free port for each",
+    )
+    parser.add_argument(
+        "--decode-port",
+        type=_port,
+        default=8200,
+        metavar="PORT",
+        help="the first decode's port, the next ones consecutive; 0: any free port for each",
+    )
+    parser.add_argument(
+        "--interface",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="the address every instance listens on; 0.0.0.0: all of IPv4's",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_at_least(0),
+        default=32,
+        metavar="N",
+        help="tokens each answer generates, at most the request's max_tokens",
+    )
+    parser.add_argument(
+        "--token-interval",
+        type=_seconds,
+        default=0.05,
+        metavar="SECONDS",
+        help="seconds between two generated tokens",
+    )
+    return parser
+
+
+def endpoints(first_port: int, count: int, interface: str) -> list[str]:
+    """``count`` Twisted endpoints from ``first_port`` up (all ``tcp:0`` if it is 0)."""
+    where = quoteStringArgument(interface)
+    ports = [first_port + i if first_port else 0 for i in range(count)]
+    return [f"tcp:{port}:interface={where}" for port in ports]
+
+
+def proxy_command(cluster: FakeCluster) -> str:
+    """The ``twistd nixlproxy`` command line that serves ``cluster``'s instances."""
+    command = ["twistd", "-n", "--pidfile=", "nixlproxy", "--listen", PROXY_LISTEN]
+    command += [arg for fake in cluster.prefills for arg in ("--prefill", fake.url)]
+    command += [arg for fake in cluster.decodes for arg in ("--decode", fake.url)]
+    return shlex.join(command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     from twisted.internet import reactor
     from twisted.internet.defer import ensureDeferred
 
-    parser = argparse.ArgumentParser(description="Serve a fake vLLM prefill/decode pair.")
-    parser.add_argument("--prefill-listen", default="tcp:8100:interface=127.0.0.1")
-    parser.add_argument("--decode-listen", default="tcp:8200:interface=127.0.0.1")
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--token-interval", type=float, default=0.05)
+    parser = arguments()
     args = parser.parse_args(argv)
+    for option, first, count in (("--prefill-port", args.prefill_port, args.prefills),
+                                 ("--decode-port", args.decode_port, args.decodes)):  # fmt: skip
+        if first and first + count - 1 > 65535:
+            parser.error(f"{option} {first}: {count} consecutive ports go past 65535")
+    failed: list[str] = []
 
     async def serve() -> None:
-        pair = await start_pair(
+        cluster = await start_cluster(
+            endpoints(args.prefill_port, args.prefills, args.interface),
+            endpoints(args.decode_port, args.decodes, args.interface),
             reactor,
-            args.prefill_listen,
-            args.decode_listen,
             tokens=args.tokens,
             token_interval=args.token_interval,
         )
-        print(f"fake prefill listening on {pair.prefill.url}", flush=True)
-        print(f"fake decode listening on {pair.decode.url}", flush=True)
+        reactor.addSystemEventTrigger("before", "shutdown", cluster.stop)
+        for fake in cluster.instances:
+            print(f"fake {fake.name} listening on {fake.url}", flush=True)
+        print(f"serve them with nixlproxy:\n  {proxy_command(cluster)}", flush=True)
 
-    def failed(failure: Any) -> None:
-        print(f"fake vLLM could not start: {failure.getErrorMessage()}", file=sys.stderr)
+    def could_not_start(failure: Any) -> None:
+        failed.append(failure.getErrorMessage())
+        print(f"fake vLLM could not start: {failed[-1]}", file=sys.stderr, flush=True)
         reactor.stop()
 
-    reactor.callWhenRunning(lambda: ensureDeferred(serve()).addErrback(failed))
+    reactor.callWhenRunning(lambda: ensureDeferred(serve()).addErrback(could_not_start))
     reactor.run()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -15,7 +16,13 @@ from twisted.internet.defer import Deferred
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from nixl_twisted.testing import TwistdProtocol, spawn_twistd
+from nixl_twisted.testing.process import WatchedProcess
 from tests.support import ProxyCase
+
+
+def installed_env(more: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without PYTHONPATH: run outside the tree, the installed package serves."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (more or {})
 
 
 class TwistdCase(ProxyCase):
@@ -26,12 +33,29 @@ class TwistdCase(ProxyCase):
     ) -> TwistdProtocol:
         """``twistd nixlproxy ARGS``; ``env``: more environment variables for it."""
         # Outside the source tree: the installed package and plugin serve.
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})
         process = spawn_twistd(
-            reactor, args, env=env, path=tempfile.gettempdir(), twistd_args=twistd_args
-        )
+            reactor, args, env=installed_env(env), path=tempfile.gettempdir(),
+            twistd_args=twistd_args,
+        )  # fmt: skip
 
         def stop_if_running(_: Any = None) -> Deferred[int | None]:
+            if not process.ended.called:
+                process.transport.signalProcess("KILL")  # type: ignore[union-attr]
+            return process.ended
+
+        self.addCleanup(lambda: stop_if_running().addErrback(lambda _: None))
+        return process
+
+    def spawn_fakes(self, *args: str) -> WatchedProcess:
+        """``python -m nixl_twisted.testing ARGS``, killed at the end if still running."""
+        process = WatchedProcess()
+        command = [sys.executable, "-m", "nixl_twisted.testing", *args]
+        reactor.spawnProcess(
+            process, command[0], command, env=installed_env({"PYTHONUNBUFFERED": "1"}),
+            path=tempfile.gettempdir(),
+        )  # fmt: skip
+
+        def stop_if_running() -> Deferred[int | None]:
             if not process.ended.called:
                 process.transport.signalProcess("KILL")  # type: ignore[union-attr]
             return process.ended

@@ -1,0 +1,128 @@
+"""``python -m nixl_twisted.testing --prefills N --decodes M``: one process, one ledger."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from twisted.internet.task import Clock
+
+from nixl_twisted.testing.process import WatchedProcess
+from tests.process.support import TwistdCase, installed_env
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+#: Every option of the command and the default its help must show.
+OPTIONS = {
+    "--prefills": "1",
+    "--decodes": "1",
+    "--prefill-port": "8100",
+    "--decode-port": "8200",
+    "--interface": "127.0.0.1",
+    "--tokens": "32",
+    "--token-interval": "0.05",
+}
+COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
+
+
+class FakesCommandTests(TwistdCase):
+    async def fakes(self, prefills: int, decodes: int) -> tuple[WatchedProcess, dict[str, str]]:
+        """The command on ports the OS picks, once it printed its twistd line; URLs by name."""
+        process = self.spawn_fakes(
+            "--prefills", str(prefills), "--decodes", str(decodes),
+            "--prefill-port", "0", "--decode-port", "0", "--tokens", "4", "--token-interval", "0",
+        )  # fmt: skip
+        await process.line_with(b"twistd -n ")  # printed once every instance listens
+        return process, dict(re.findall(r"fake (\S+) listening on (\S+)", process.output.decode()))
+
+    async def stop(self, process: WatchedProcess) -> None:
+        """SIGTERM stops the fakes and the process exits 0."""
+        os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        self.assertEqual(await process.ended, 0, process.output.decode())
+
+    async def test_completions_whose_legs_cross_pairs_all_succeed(self) -> None:
+        """What two one-pair processes (two ledgers) fail as KV-load failures."""
+        process, urls = await self.fakes(2, 2)
+        self.assertEqual(set(urls), {"prefill-0", "prefill-1", "decode-0", "decode-1"})
+        # Decodes listed the other way round: round-robin on both pools sends
+        # prefill-0's params to decode-1 and prefill-1's to decode-0.
+        self.clock = Clock()
+        proxy = self.start_proxy(
+            [urls["prefill-0"], urls["prefill-1"]], [urls["decode-1"], urls["decode-0"]]
+        )
+        access = self.access_events()
+        http = self.fresh_connections()
+
+        for _ in range(4):
+            response = await http.post(proxy.url + "/v1/completions", json=COMPLETION)
+            body = await response.text()
+            self.assertEqual(response.code, 200, body)
+            self.assertIn("Hello from the fake", body)  # 4 tokens of decode's text
+
+        name = {url: instance for instance, url in urls.items()}
+        legs = [(name[event["prefill"]], name[event["decode"]]) for event in access]
+        self.assertEqual(legs, [("prefill-0", "decode-1"), ("prefill-1", "decode-0")] * 2)
+        await self.stop(process)
+
+    async def test_the_printed_twistd_line_serves_them(self) -> None:
+        process, urls = await self.fakes(2, 2)
+        line = await process.line_with(b"twistd -n ")
+        words = shlex.split(line.decode())
+        self.assertEqual(
+            words,
+            ["twistd", "-n", "--pidfile=", "nixlproxy", "--listen", "tcp:8000",
+             "--prefill", urls["prefill-0"], "--prefill", urls["prefill-1"],
+             "--decode", urls["decode-0"], "--decode", urls["decode-1"]],
+        )  # fmt: skip
+        args = words[words.index("nixlproxy") + 1 :]
+        args[args.index("--listen") + 1] = "tcp:0:interface=127.0.0.1"  # not 8000: a free port
+        proxy = self.spawn(*args)
+        url = f"http://{await proxy.listening}"
+        http = self.fresh_connections()
+
+        for _ in range(4):
+            response = await http.post(url + "/v1/completions", json=COMPLETION)
+            body = await response.text()
+            self.assertEqual(response.code, 200, body)
+
+        await self.terminate(proxy)
+        await self.stop(process)
+
+    async def test_a_port_in_use_is_said_and_exits_1(self) -> None:
+        first, urls = await self.fakes(1, 1)
+        taken = urls["decode-0"].rsplit(":", 1)[1]
+        second = self.spawn_fakes("--prefill-port", "0", "--decode-port", taken)
+        self.assertEqual(await second.ended, 1, second.output.decode())
+        self.assertIn(f"fake vLLM could not start: Couldn't listen on 127.0.0.1:{taken}".encode(),
+                      second.output)  # fmt: skip
+        self.assertNotIn(b"listening on", second.output)
+        await self.stop(first)
+
+
+def test_help_explains_every_option_and_shows_its_default() -> None:
+    ran = subprocess.run(
+        [sys.executable, "-m", "nixl_twisted.testing", "--help"],
+        cwd=tempfile.gettempdir(), env=installed_env(),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    listed = ran.stdout.partition("\noptions:\n")[2]
+    # One entry per option: its line and the lines its help wraps onto.
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", listed) if entry]
+    found = {entry.split()[0].rstrip(","): entry for entry in entries}
+    assert set(found) == {"-h", *OPTIONS}, ran.stdout
+    for option, default in OPTIONS.items():
+        described, _, shown = found[option].rpartition(" (default: ")
+        assert shown == f"{default})", found[option]
+        # The option, its metavar, then at least two words of help.
+        assert len(described.split()) >= 4, f"{option} has no help text: {found[option]!r}"
+
+
+def test_the_testing_docs_name_every_option() -> None:
+    page = (DOCS / "testing.md").read_text(encoding="utf-8")
+    assert [option for option in OPTIONS if f"`{option}" not in page] == []
