@@ -24,11 +24,15 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-#: Request headers the proxy sets itself on each leg. ``accept-encoding`` is
-#: dropped so that prefill answers in identity encoding the proxy can parse.
+#: Request headers the proxy sets itself on each leg, or never sends:
+#: ``accept-encoding`` (the proxy asks for what it can parse), the
+#: data-parallel rank (only the proxy says which rank serves a leg, and only
+#: to an instance declared ``#dp=N``), and ``expect`` (the proxy answered
+#: ``100-continue`` itself; each leg is sent whole).
 _PROXY_OWNED_REQUEST = frozenset(
-    {b"host", b"content-length", b"content-type", b"accept-encoding", b"x-request-id"}
-)
+    {b"host", b"content-length", b"content-type", b"accept-encoding", b"x-request-id",
+     b"x-data-parallel-rank", b"expect"}
+)  # fmt: skip
 
 REQUEST_ID = b"X-Request-Id"
 AUTHORIZATION = b"Authorization"

@@ -31,6 +31,20 @@ class DataParallelTests(ProxyCase):
         metrics = await (await self.http.get(self.proxy.url + "/metrics")).text()
         self.assertIn(f'instance="{decode}#rank=2",outcome="answered",pool="decode"}} 2.0', metrics)
 
+    async def test_a_client_never_chooses_the_rank(self) -> None:
+        await self.start()
+        await self.proxy.stop()
+        self.proxy = self.start_proxy([self.prefill.url], [self.decode.url + "#dp=2"])
+        for _ in range(2):
+            response, _ = await self.post_json(
+                "/v1/chat/completions", CHAT, {"X-data-parallel-rank": "7"}
+            )
+            self.assertEqual(response.code, 200)
+        sent = [r.headers.getRawHeaders(b"x-data-parallel-rank") for r in self.prefill.requests]
+        self.assertEqual(sent, [None, None])  # no #dp: no rank at all
+        sent = [r.headers.getRawHeaders(b"x-data-parallel-rank") for r in self.decode.requests]
+        self.assertEqual(sent, [[b"0"], [b"1"]])  # the proxy's, once
+
     async def test_the_admin_api_adds_and_drains_all_ranks_at_once(self) -> None:
         await self.start(proxy=dict(admin_token="t"))
         admin = {"Authorization": "Bearer t"}

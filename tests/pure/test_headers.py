@@ -23,6 +23,8 @@ def test_hop_by_hop_and_proxy_owned_request_headers_are_not_forwarded() -> None:
             content_length="12",
             accept_encoding="br",
             x_request_id="theirs",
+            x_data_parallel_rank="3",
+            expect="100-continue",
             user_agent="openai-python",
         ),
         "r-1",
