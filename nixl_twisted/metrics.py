@@ -16,6 +16,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 
 ROUTES = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-     "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/healthcheck", "/metrics"}
+     "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/healthcheck", "/metrics",
+     "/admin/backends", "/admin/backends/drain"}
 )  # fmt: skip
 #: Seconds, from a fast loopback leg to a long prefill or generation.
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -112,6 +114,10 @@ class ProxyMetrics:
         """``shared_dir``: a worker's; its /metrics then sums every worker's files there."""
         self._pools = list(pools)
         self._shared_dir = shared_dir
+        # No ``*_created`` series: one per counter and histogram child, they
+        # doubled the exposition for a timestamp Prometheus does not need.
+        # (prometheus_client keeps this switch process-wide.)
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -125,13 +131,14 @@ class ProxyMetrics:
             ["pool", "instance", "outcome"], registry=r,
         )  # fmt: skip
         self.prefill_seconds = Histogram(
-            "nixlproxy_prefill_seconds", "Prefill leg, request sent to params read.",
-            registry=r, buckets=LEG_BUCKETS,
+            "nixlproxy_prefill_seconds",
+            "Prefill leg, request sent to params read, by the instance that answered.",
+            ["instance"], registry=r, buckets=LEG_BUCKETS,
         )  # fmt: skip
         self.decode_first_byte_seconds = Histogram(
             "nixlproxy_decode_first_byte_seconds",
-            "Decode leg, request sent to the first byte of its body.",
-            registry=r, buckets=LEG_BUCKETS,
+            "Decode leg, request sent to the first byte of its body, by instance.",
+            ["instance"], registry=r, buckets=LEG_BUCKETS,
         )  # fmt: skip
         self.time_to_first_byte = Histogram(
             "nixlproxy_time_to_first_byte_seconds",
@@ -169,10 +176,10 @@ class ProxyMetrics:
             "Legs sent while every instance of their pool was marked down (best effort).",
             ["pool"], registry=r,
         )  # fmt: skip
-        self.bodies_refused = Counter(
-            "nixlproxy_bodies_refused",
-            "Request bodies refused before they were read: too_large (413), "
-            "buffer_full (503, --max-buffered-bodies).",
+        self.refused = Counter(
+            "nixlproxy_refused",
+            "Requests and connections refused before they were served, by reason "
+            "(the error code the client got, docs/failures.md).",
             ["reason"], registry=r,
         )  # fmt: skip
         self.routing_decisions = Counter(

@@ -84,8 +84,11 @@ class MetricsTests(ScrapingCase):
         self.assertEqual(value("nixlproxy_retries_total", pool="prefill"), 1)
         self.assertEqual(value("nixlproxy_prefill_missing_kv_transfer_params_total"), 1)
         self.assertEqual(value("nixlproxy_client_disconnects_total", phase="relay"), 1)
-        self.assertEqual(value("nixlproxy_prefill_seconds_count"), 4)
-        self.assertEqual(value("nixlproxy_decode_first_byte_seconds_count"), 4)
+        # Each leg's latency by the instance that answered with params.
+        self.assertEqual(value("nixlproxy_prefill_seconds_count", instance=p0), 1)
+        self.assertEqual(value("nixlproxy_prefill_seconds_count", instance=p1), 3)
+        self.assertEqual(value("nixlproxy_decode_first_byte_seconds_count", instance=decode), 4)
+        self.assertFalse([key for key in m if key[0].endswith("_created")])
         # Every completion that got an answer: three 200s, the 502 and the 400.
         self.assertEqual(value("nixlproxy_request_seconds_count"), 5)
         # prefill-0 answered 503: it is out of rotation, and the gauge says so.
