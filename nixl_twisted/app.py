@@ -16,7 +16,7 @@ from functools import partial
 from klein import Klein
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
@@ -32,13 +32,14 @@ from nixl_twisted.batch import Batch, PartRequest
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.errors import ProxyError, for_route, json_answer
 from nixl_twisted.exchange import Exchange
+from nixl_twisted.front import FrontDoor
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers
 from nixl_twisted.legs import PrefillRefused
 from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.passthrough import OneLeg
+from nixl_twisted.refusals import LogThrottle, Refusals
 from nixl_twisted.relay import start_response
 from nixl_twisted.responses import ResponseDirectory
-from nixl_twisted.site import UTF8Only
 from nixl_twisted.spans import NO_TRACE, RequestTrace
 from nixl_twisted.tracing import Tracing
 
@@ -60,8 +61,11 @@ class ProxyApp:
         metrics: ProxyMetrics,
         clock: IReactorTime,
         tracing: Tracing | None = None,
+        refusals: Refusals | None = None,
     ) -> None:
         self.config = config
+        #: Overload refusals and 5xx lines: counted, logged at most once a second each.
+        self.refusals = refusals or Refusals(metrics.refused, LogThrottle(clock))
         self.backends = backends
         self.admission = admission
         self.metrics = metrics
@@ -80,7 +84,7 @@ class ProxyApp:
 
     def resource(self) -> IResource:
         """The Twisted Web resource that serves this app."""
-        return UTF8Only(self.app.resource())
+        return FrontDoor(self.app.resource())
 
     @property
     def in_flight(self) -> int:
@@ -275,14 +279,11 @@ class ProxyApp:
         error = failure.value
         assert isinstance(error, ProxyError)
         record_of(request).error = error.message  # type: ignore[arg-type]
-        if error.status >= 500:
-            log.error(
-                "{status} {code} for {request_id}: {message}",
-                status=error.status,
-                code=error.code,
-                message=error.message,
-                request_id=_request_id(request),
-            )
+        if error.error_type == "overloaded_error":
+            self.refusals.refused(error.code, error.message)
+        elif error.status >= 500:
+            said = f"{error.status} {error.code} for {_request_id(request)}: {error.message}"
+            self.refusals.throttle.emit(error.code, LogLevel.error, said)
         if error.retry_after is not None:
             request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
         body = for_route(request.path, error.status, error.message, error.error_type, error.code)

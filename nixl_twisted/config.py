@@ -60,6 +60,11 @@ class Timeouts:
     shutdown_delay: float
     #: Prefill answered -> decode sent, past which a request is counted and logged.
     handoff_warning: float = 10.0
+    #: A client's request line and headers, then its body (extended by its rate).
+    header: float = 10.0
+    body: float = 30.0
+    #: Bytes of body per second that extend ``body`` by one second (0: none).
+    body_min_rate: int = 65536
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class Limits:
     #: Prompts one batched completion may hold.
     max_batch_prompts: int
     max_idle_per_backend: int
+    #: Client connections open at once (each holds a file descriptor).
+    max_connections: int = 4096
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,9 @@ class ProxyConfig:
                 drain=v["drain-timeout"],
                 shutdown_delay=v["shutdown-delay"],
                 handoff_warning=v["handoff-warning"],
+                header=v["header-timeout"],
+                body=v["body-timeout"],
+                body_min_rate=v["body-min-rate"],
             ),
             retries=Retries(prefill=v["prefill-retries"], decode=v["decode-retries"]),
             health=Health(
@@ -189,6 +199,7 @@ class ProxyConfig:
                 max_buffered_bodies=v["max-buffered-bodies"],
                 max_batch_prompts=v["max-batch-prompts"],
                 max_idle_per_backend=v["max-idle-per-backend"],
+                max_connections=v["max-connections"],
             ),
             traces=Traces(
                 endpoint=v["otlp-traces-endpoint"],
@@ -235,6 +246,10 @@ class ProxyConfig:
             "unhealthy-threshold": self.health.unhealthy_threshold,
             "healthy-threshold": self.health.healthy_threshold,
             "max-in-flight": self.limits.max_in_flight,
+            "max-connections": self.limits.max_connections,
+            "header-timeout": self.timeouts.header,
+            "body-timeout": self.timeouts.body,
+            "body-min-rate": self.timeouts.body_min_rate,
             "max-body-size": self.limits.max_body_size,
             "max-buffered-bodies": self.limits.max_buffered_bodies,
             "max-batch-prompts": self.limits.max_batch_prompts,

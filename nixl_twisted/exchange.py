@@ -10,6 +10,7 @@ off as complete.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError, ensureDeferred
@@ -223,7 +224,7 @@ class Exchange:
                 self.metrics.missing_kv_transfer_params.inc()
             raise
         self.record.prefill_seconds = self.clock.seconds() - started
-        self.metrics.prefill_seconds.observe(self.record.prefill_seconds)
+        self.metrics.prefill_seconds.labels(instance.url).observe(self.record.prefill_seconds)
         return params
 
     async def _prefill_answer(self, instance: Instance, leg: LegTrace, lowered: bytes) -> bytes:
@@ -295,16 +296,18 @@ class Exchange:
             self.metrics, gap, self.timeouts.handoff_warning, self.request_id, instance.url
         )
 
-    def _first_byte(self) -> None:
-        self.record.decode_first_byte_seconds = self.clock.seconds() - self._decode_sent
-        self.metrics.decode_first_byte_seconds.observe(self.record.decode_first_byte_seconds)
+    def _first_byte(self, instance: Instance) -> None:
+        waited = self.clock.seconds() - self._decode_sent
+        self.record.decode_first_byte_seconds = waited
+        self.metrics.decode_first_byte_seconds.labels(instance.url).observe(waited)
 
     async def _relay(self, response: IResponse, decode: Lease) -> None:
         start_response(self.request, response)
         try:
             watching = self.watch(decode.instance.url) if self.watch is not None else None
             await self._track(relay_body(self.request, response, self.clock,
-                                         self.timeouts.stream_idle, self._first_byte,
+                                         self.timeouts.stream_idle,
+                                         partial(self._first_byte, decode.instance),
                                          watching))  # fmt: skip
         except CancelledError:
             raise

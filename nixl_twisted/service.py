@@ -40,8 +40,10 @@ from nixl_twisted.app import ProxyApp
 from nixl_twisted.backends import BackendService, backend_service
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.coordination import SupervisorLink
+from nixl_twisted.deadlines import ClientLimits
 from nixl_twisted.events import Happened
 from nixl_twisted.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
+from nixl_twisted.refusals import LogThrottle, Refusals
 from nixl_twisted.settings import tcp_address
 from nixl_twisted.signals import SignalService
 from nixl_twisted.site import BodyBudget, TrackingSite
@@ -216,6 +218,7 @@ class ProxyService(MultiService):
         await self._close_connections()
         rest = [s for s in self if s not in listeners and s.running]
         await DeferredList([maybeDeferred(s.stopService) for s in reversed(rest)])
+        self.app.refusals.throttle.stop()
 
     def when_ports_closed(self) -> Deferred[None]:
         """Fires once a stopping proxy accepts no more connections."""
@@ -277,13 +280,16 @@ def build(
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
     admission = Admission(config.limits.max_in_flight)
-    app = ProxyApp(config, backends, admission, metrics, clock, traces)
+    throttle = LogThrottle(clock)
+    refusals = Refusals(metrics.refused, throttle)
+    app = ProxyApp(config, backends, admission, metrics, clock, traces, refusals)
     site = TrackingSite(
         app.resource(),
-        max_body_size=config.limits.max_body_size,
+        ClientLimits.of(config),
+        clock,
         access_log=AccessLog(metrics, emit=config.access_log),
         body_budget=BodyBudget(config.limits.max_buffered_bodies),
-        reactor=reactor,  # its connections' idle timeouts
+        refusals=refusals,
     )
     root = ProxyService(config, app, site, backends, reactor, clock)
     if traces.enabled:
@@ -291,9 +297,7 @@ def build(
     for description in config.listen:
         listener(description, site, reactor, shared).setServiceParent(root)
     if config.metrics_listen is not None:
-        metrics_site = TrackingSite(
-            MetricsResource(metrics), config.limits.max_body_size, reactor=reactor
-        )
+        metrics_site = TrackingSite(MetricsResource(metrics), ClientLimits.of(config), clock)
         listener(config.metrics_listen, metrics_site, reactor, shared).setServiceParent(root)
     if take_signals:
         # A worker's pools are the supervisor's: SIGHUP goes there.

@@ -257,11 +257,23 @@ SETTINGS: tuple[Setting, ...] = (
         "prefill/decode pair (400 past it).")),
     Setting("max-in-flight", 1024, count(1), help=(
         "Requests served at once; past it, 503 with Retry-After at once.")),
+    Setting("max-connections", 4096, count(1), help=(
+        "Client connections open at once, per process; past it, a new connection is "
+        "answered 503 at once and closed. Keep it below the file descriptor limit.")),
+    Setting("header-timeout", 10.0, seconds, help=(
+        "Seconds a client has to send a request's line and headers (from the "
+        "connection, or from a later request's first byte); 408 after.")),
+    Setting("body-timeout", 30.0, seconds, help=(
+        "Seconds a client has to send a request's body once its headers are in, "
+        "extended by one second per --body-min-rate bytes received; 408 after.")),
+    Setting("body-min-rate", 65536, count(0), help=(
+        "Bytes per second of body that each extend --body-timeout by a second "
+        "(0: the body has --body-timeout seconds, whatever its size).")),
     Setting("max-body-size", 32 * 1024 * 1024, count(1), help=(
         "Largest request body in bytes (413 past it; vLLM's default too).")),
     Setting("max-buffered-bodies", 64 * 1024 * 1024, count(1), help=(
-        "Bytes of request bodies held at once, all requests together; past it, "
-        "503 with Retry-After before the body is read.")),
+        "Bytes of request bodies held at once, all requests together, counted as "
+        "they arrive; past it, 503 with Retry-After.")),
     Setting("admin-token", None, text, env=(ADMIN_TOKEN_ENV,), help=(
         "Bearer token that enables the admin API (/admin/backends); without "
         "one there is none.")),

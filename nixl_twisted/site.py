@@ -3,39 +3,93 @@
 Knowing them lets a stopping service close every client connection and wait
 until each is gone, so nothing is left half-open after shutdown (and trial
 finds a clean reactor after each test). What is refused before the app sees
-it is refused here, as JSON: bodies too large or too many, header lines too
-long, malformed HTTP, a URL that is not UTF-8 (``UTF8Only``).
+it is refused here, as JSON: connections past ``--max-connections``, bodies
+too large or too many, requests too slow to arrive (``deadlines``), header
+lines too long, malformed HTTP (a URL or Host the app cannot route:
+``front.FrontDoor``).
 """
 
 from __future__ import annotations
 
 import time
 from typing import Any, cast
-from urllib.parse import unquote_to_bytes
 
 from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.http import HTTPChannel
-from twisted.web.iweb import IRequest
-from twisted.web.resource import IResource, Resource
+from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from nixl_twisted import __version__
 from nixl_twisted.access import AccessLog, record_of
-from nixl_twisted.errors import error_body, json_answer
+from nixl_twisted.deadlines import ClientLimits, RequestDeadlines
+from nixl_twisted.errors import error_body
 from nixl_twisted.events import Happened
 from nixl_twisted.metrics import route_label
+from nixl_twisted.refusals import Refusals
 
 
 class _TrackedChannel(HTTPChannel):
-    """An HTTP/1.1 channel that registers itself with its site while open."""
+    """An HTTP/1.1 channel that registers itself with its site while open.
+
+    It keeps the deadlines of the request it is receiving
+    (``nixl_twisted.deadlines``): 408 and closed when a client takes too long.
+    """
 
     factory: TrackingSite
+    _deadlines: RequestDeadlines | None = None
+    #: Between requests on a kept-alive connection: the idle timeout applies.
+    _between_requests = False
 
     def connectionMade(self) -> None:
         super().connectionMade()
-        self.factory._opened(self)
+        if not self.factory._opened(self):
+            return
+        self._deadlines = RequestDeadlines(self.factory.clock, self._late)
+        self._deadlines.head(self.factory.limits)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._between_requests and data and self._deadlines is not None:
+            self._between_requests = False
+            self._deadlines.head(self.factory.limits)
+        super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()
+        if self._deadlines is not None and self.length != 0:
+            self._deadlines.body(self.factory.limits)
+
+    def allContentReceived(self) -> None:
+        if self._deadlines is not None:
+            self._deadlines.cancel()
+        super().allContentReceived()
+
+    def requestDone(self, request: http.Request) -> None:
+        # Before Twisted replays what the client pipelined (through dataReceived).
+        self._between_requests = True
+        super().requestDone(request)
+
+    def body_received(self, size: int) -> None:
+        if self._deadlines is not None:
+            self._deadlines.received(size)
+
+    def _late(self, what: str) -> None:
+        """A deadline passed: 408, and the connection closed."""
+        limits = self.factory.limits
+        seconds = limits.header_timeout if what == "header" else limits.body_timeout
+        code = f"{what}_timeout"
+        if self.requests and isinstance(self.requests[-1], LimitedRequest):
+            self.requests[-1]._refused = True  # no access event: it never arrived
+        self.factory.refused(code, f"a request's {what} took longer than {seconds:g} s")
+        self.refuse(
+            b"408 Request Timeout",
+            f"the request's {what} did not arrive in time ({seconds:g} s"
+            + (f", extended by 1 s per {limits.body_min_rate} bytes" if what == "body" and
+               limits.body_min_rate else "") + ")",
+            code,
+        )  # fmt: skip
 
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request line or header line too long: 431, not a silent close."""
@@ -76,6 +130,8 @@ class _TrackedChannel(HTTPChannel):
             )
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        if self._deadlines is not None:
+            self._deadlines.cancel()
         try:
             super().connectionLost(reason)
         finally:
@@ -106,14 +162,16 @@ class BodyBudget:
 class LimitedRequest(Request):
     """A request whose body is refused as soon as it is too large, or too many are held.
 
-    The checks run on ``Content-Length`` before any byte of the body is
-    read, and on the bytes received for a chunked body, so an oversized body
-    is never buffered whole: 413 past ``--max-body-size`` (and the
-    connection closed), 503 with ``Retry-After`` while the bodies held at
-    once would pass ``--max-buffered-bodies``: answered at once, the body
-    then read and dropped, so that a client still sending it gets the answer
-    rather than a reset connection. What a request holds is given back when
-    it ends.
+    ``Content-Length`` is checked before any byte of the body is read, and
+    the bytes received as they arrive, so an oversized body is never
+    buffered whole: 413 past ``--max-body-size`` (and the connection
+    closed). The bodies all requests hold (``--max-buffered-bodies``) count
+    what has arrived, not what was announced, so a slow upload cannot
+    reserve bytes it never sends: past the budget, 503 with ``Retry-After``
+    at once, the rest of the body read and dropped (so that a client still
+    sending it gets the answer rather than a reset connection), or, when
+    the client waits for ``100 Continue``, the connection closed. What a
+    request holds is given back when it ends.
     """
 
     _refused = False
@@ -133,11 +191,8 @@ class LimitedRequest(Request):
         return cast(TrackingSite, self.channel.site)  # type: ignore[attr-defined]
 
     def gotLength(self, length: int | None) -> None:
-        if length is not None and length > self._site().max_body_size:
+        if length is not None and length > self._site().limits.max_body_size:
             self._refuse_too_large()
-            return
-        if length and not self._hold(length):
-            self._refuse_busy()
             return
         super().gotLength(length)
 
@@ -145,10 +200,13 @@ class LimitedRequest(Request):
         if self._refused:
             return  # dropped: answered already
         self._received += len(data)
-        if self._received > self._site().max_body_size:
+        channel = self.channel
+        if isinstance(channel, _TrackedChannel):
+            channel.body_received(len(data))
+        if self._received > self._site().limits.max_body_size:
             self._refuse_too_large()
             return
-        if self._received > self._held and not self._hold(self._received - self._held):
+        if not self._hold(len(data)):
             self._refuse_busy()
             return
         super().handleContentChunk(data)
@@ -191,35 +249,35 @@ class LimitedRequest(Request):
             site.access_log.request_ended(self, client_left=True)
 
     def _refuse_too_large(self) -> None:
-        limit = self._site().max_body_size
-        self._refuse(b"413 Payload Too Large", "too_large",
-                     f"request body is larger than the proxy's limit of {limit} bytes",
-                     "request_too_large", "invalid_request_error")  # fmt: skip
+        limit = self._site().limits.max_body_size
+        message = f"request body is larger than the proxy's limit of {limit} bytes"
+        self._site().refused("request_too_large", message)
+        self._refused = True
+        self._no_continue()
+        channel = self.channel
+        if isinstance(channel, _TrackedChannel):
+            channel.refuse(b"413 Payload Too Large", message, "request_too_large")
 
     def _refuse_busy(self) -> None:
-        self._count_refusal("buffer_full")
-        self._refused = self._discarding = True
+        message = "the proxy holds as many request bodies as it may now; try again shortly"
+        self._site().refused("request_bodies_buffer_full", message)
+        # A client that waits for 100 Continue sends no body to read: close.
+        self._refused, self._discarding = True, not self._no_continue()
         channel = self.channel
         if isinstance(channel, _TrackedChannel):
-            channel.answer_early(
-                b"503 Service Unavailable",
-                "the proxy holds as many request bodies as it may now; try again shortly",
-                "request_bodies_buffer_full",
-                "overloaded_error",
-                b"Retry-After: 1\r\n",
-            )
+            answer = channel.answer_early if self._discarding else channel.refuse
+            answer(b"503 Service Unavailable", message, "request_bodies_buffer_full",
+                   "overloaded_error", b"Retry-After: 1\r\n")  # fmt: skip
 
-    def _refuse(self, status: bytes, reason: str, message: str, code: str, kind: str) -> None:
-        self._count_refusal(reason)
-        self._refused = True
-        channel = self.channel
-        if isinstance(channel, _TrackedChannel):
-            channel.refuse(status, message, code, kind)
+    def _no_continue(self) -> bool:
+        """Refused: no ``100 Continue`` may follow; True if the client was waiting for one.
 
-    def _count_refusal(self, reason: str) -> None:
-        site = self._site()
-        if site.access_log is not None:
-            site.access_log.metrics.bodies_refused.labels(reason).inc()
+        Twisted sends it after ``gotLength`` when the request asks for it; a
+        request without the header gets none.
+        """
+        expected = self.requestHeaders.getRawHeaders(b"expect")
+        self.requestHeaders.removeHeader(b"expect")
+        return bool(expected) and not self._received
 
 
 class TrackingSite(Site):
@@ -232,22 +290,32 @@ class TrackingSite(Site):
     def __init__(
         self,
         resource: IResource,
-        max_body_size: int,
+        limits: ClientLimits,
+        clock: IReactorTime,
         access_log: AccessLog | None = None,
         body_budget: BodyBudget | None = None,
-        **kwargs: Any,
+        refusals: Refusals | None = None,
     ) -> None:
         # No form parsing: the proxy reads JSON bodies, and Twisted would
         # parse every POST's Content-Type through ``email`` to look for forms.
+        # The clock drives the connections' idle timeouts and deadlines.
         super().__init__(
-            resource, requestFactory=LimitedRequest, parsePOSTFormSubmission=False, **kwargs
+            resource, requestFactory=LimitedRequest, parsePOSTFormSubmission=False, reactor=clock
         )
-        self.max_body_size = max_body_size
+        self.clock = clock
+        #: Read afresh for each connection and request: a reload replaces it.
+        self.limits = limits
         self.body_budget = body_budget
         #: When set, replaces Twisted's access line with one structured event.
         self.access_log = access_log
+        self.refusals = refusals
         self.displayTracebacks = False
         self._open: dict[HTTPChannel, Happened] = {}
+
+    def refused(self, reason: str, message: str) -> None:
+        """Count (and maybe log) a refusal made before the app saw the request."""
+        if self.refusals is not None:
+            self.refusals.refused(reason, message)
 
     def log(self, request: http.Request) -> None:
         if self.access_log is None:
@@ -277,34 +345,19 @@ class TrackingSite(Site):
                 channel.loseConnection()
         return DeferredList(waiting)
 
-    def _opened(self, channel: HTTPChannel) -> None:
+    def _opened(self, channel: _TrackedChannel) -> bool:
+        """Track a new connection, or refuse it past ``--max-connections`` (False)."""
+        limit = self.limits.max_connections
         self._open[channel] = Happened()
+        if len(self._open) <= limit:
+            return True
+        message = f"the proxy has as many client connections open as it may ({limit}); retry"
+        self.refused("too_many_connections", message)
+        channel.refuse(b"503 Service Unavailable", message, "too_many_connections",
+                       "overloaded_error", b"Retry-After: 1\r\n")  # fmt: skip
+        return False
 
     def _closed(self, channel: HTTPChannel) -> None:
         lost = self._open.pop(channel, None)
         if lost is not None:
             lost.fire()
-
-
-class UTF8Only(Resource):
-    """Refuses a URL that is not UTF-8 with a JSON 400 before Klein sees it.
-
-    Klein would answer a plain-text 400 and log a traceback for every such
-    request: client garbage is not the operator's error.
-    """
-
-    isLeaf = True
-
-    def __init__(self, app: IResource) -> None:
-        super().__init__()
-        self._app = app
-
-    def render(self, request: IRequest) -> bytes | int:
-        try:
-            unquote_to_bytes(request.path).decode("utf-8")
-        except UnicodeDecodeError:
-            body = error_body(
-                "the request URL is not valid UTF-8", "invalid_request_error", "invalid_url"
-            )
-            return json_answer(request, 400, body)
-        return self._app.render(request)

@@ -10,7 +10,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import Protocol
-from twisted.logger import formatEvent
+from twisted.logger import LogLevel, formatEvent
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseFailed
 
@@ -25,9 +25,20 @@ class RawClient(Protocol):
     def __init__(self) -> None:
         self.received = b""
         self.closed: Deferred[bytes] = Deferred()
+        self._waiting: list[tuple[bytes, Deferred[None]]] = []
 
     def dataReceived(self, data: bytes) -> None:
         self.received += data
+        for marker, waiting in [w for w in self._waiting if w[0] in self.received]:
+            self._waiting.remove((marker, waiting))
+            waiting.callback(None)
+
+    def answered(self, marker: bytes) -> Deferred[None]:
+        """Fires once ``marker`` has arrived."""
+        waiting: Deferred[None] = Deferred()
+        self._waiting.append((marker, waiting))
+        self.dataReceived(b"")
+        return waiting
 
     def connectionLost(self, reason: Failure | None = None) -> None:
         self.closed.callback(self.received)
@@ -88,6 +99,64 @@ class AbuseTests(ProxyCase):
         await response.content()
 
 
+class SlowClientTests(ProxyCase):
+    async def connect_raw(self, data: bytes) -> RawClient:
+        host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
+        client = RawClient()
+        await connectProtocol(TCP4ClientEndpoint(reactor, host, int(port)), client)
+        client.transport.write(data)  # type: ignore[union-attr]
+        return client
+
+    async def test_two_slow_uploads_block_nobody_and_are_closed_at_their_deadline(self) -> None:
+        await self.start(proxy=dict(max_buffered_bodies=1024 * 1024))
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: 33554432\r\n\r\n"
+        )
+        slow = [await self.connect_raw(head) for _ in range(2)]
+        for client in slow:  # the proxy has their heads: their bodies' clocks run
+            await client.answered(b"100 Continue\r\n\r\n")
+            client.transport.write(b"{")  # type: ignore[union-attr]
+        for _ in range(3):  # 64 MiB announced, 2 bytes held: every other body is served
+            response = await self.post("/v1/completions", {"model": "m", "prompt": "x" * 1000})
+            self.assertEqual(response.code, 200)
+            await response.content()
+        self.clock.advance(31)  # --body-timeout, 30 s: a byte now and then earns nothing
+        for client in slow:
+            answer = (await client.closed).removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), answer[:40])
+            self.assertIn(b'"body_timeout"', answer)
+
+    async def test_slowloris_connections_are_closed_at_the_header_deadline(self) -> None:
+        await self.start()
+        loris = [await self.connect_raw(b"GET /healthcheck HTTP/1.1\r\nX-A: ") for _ in range(20)]
+        self.clock.advance(9)
+        for client in loris:
+            client.transport.write(b"a")  # type: ignore[union-attr]
+        response = await self.http.get(self.proxy.url + "/healthcheck")
+        self.assertEqual(response.code, 200)  # the others are served meanwhile
+        await response.content()
+        self.clock.advance(1)  # --header-timeout: 10 s
+        for client in loris:
+            answer = await client.closed
+            self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), answer[:40])
+        self.assertEqual(len(self.proxy.site.channels()), 1)  # the keep-alive client's
+
+    async def test_past_max_connections_a_clear_refusal(self) -> None:
+        await self.start(proxy=dict(max_connections=3))
+        held = [await self.connect_raw(b"") for _ in range(3)]
+        refused = await self.connect_raw(b"")
+        answer = await refused.closed
+        self.assertTrue(answer.startswith(b"HTTP/1.1 503 "), answer[:40])
+        self.assertIn(b'"too_many_connections"', answer)
+        for client in held:
+            client.transport.loseConnection()  # type: ignore[union-attr]
+            await client.closed
+        response = await self.post("/v1/completions", {"model": "m", "prompt": "x"})
+        self.assertEqual(response.code, 200)
+        await response.content()
+
+
 class AdmissionTests(ProxyCase):
     async def test_past_the_in_flight_limit_503_at_once(self) -> None:
         await self.start(proxy=dict(max_in_flight=1))
@@ -138,6 +207,27 @@ class SlotTests(ProxyCase):
         self.assertError(response, answer, 400, "invalid_batch_field")
         self.assertIn("'stream' must be true or false", answer["error"]["message"])
         self.assertEqual(self.prefill.requests, [])
+
+
+class ShedTests(ProxyCase):
+    async def test_overload_refusals_are_counted_each_and_logged_once_a_second(self) -> None:
+        events = self.logged()
+        await self.start(proxy=dict(max_in_flight=1))
+        collector = await self.held_stream()
+        for _ in range(30):
+            response, answer = await self.post_json("/v1/chat/completions", CHAT)
+            self.assertError(response, answer, 503, "too_many_requests_in_flight")
+        self.clock.advance(1)
+        self.decode.release()
+        await collector.done
+
+        said = [formatEvent(e) for e in events if e.get("log_level") >= LogLevel.warn]
+        self.assertEqual(len(said), 2, said)  # the first, then "29 more like it"
+        self.assertIn("29 more like it", said[1])
+        access = [e for e in events if e.get("log_namespace") == "nixlproxy.access"]
+        self.assertEqual(len(access), 31)  # the access event of each stays
+        metrics = await (await self.http.get(self.proxy.url + "/metrics")).text()
+        self.assertIn('nixlproxy_refused_total{reason="too_many_requests_in_flight"} 30.0', metrics)
 
 
 class SecretTests(ProxyCase):

@@ -1,0 +1,171 @@
+"""What a client may take: connections, time to send a request, its Host, 100-continue.
+
+In memory, on the proxy's own ``Clock``: a deadline is reached by advancing
+it, never by waiting.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nixl_twisted.testing import InMemoryClient
+from tests.memory.support import CHAT, Setup, error_code, status
+
+COMPLETION = b'{"model": "m", "prompt": "hello"}'
+CHAT_RAW = json.dumps(CHAT).encode()
+
+
+def _post(body: bytes, host: bytes = b"Host: proxy\r\n", version: bytes = b"HTTP/1.1") -> bytes:
+    return (
+        b"POST /v1/completions " + version + b"\r\n" + host
+        + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )  # fmt: skip
+
+
+def _slow(setup: Setup, raw: bytes) -> InMemoryClient:
+    client = setup.proxy.connect()
+    client.send(raw)
+    return client
+
+
+def test_a_request_head_that_takes_too_long_is_408_at_its_deadline() -> None:
+    setup = Setup(header_timeout=10)
+    loris = _slow(setup, b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n")
+    silent = setup.proxy.connect()  # connected, sends nothing
+    for _ in range(9):
+        setup.proxy.advance(1)
+        loris.send(b"X-A: b\r\n")  # a byte now and then does not reset the deadline
+    assert not loris.lost and not silent.lost
+    setup.proxy.advance(1)
+    for client in (loris, silent):
+        assert (status(client), error_code(client)) == (408, "header_timeout")
+        assert client.lost
+    assert setup.prefill.requests == []
+    assert len(setup.proxy.service.site.channels()) == 0
+
+
+def test_a_trickled_body_is_408_at_its_deadline_and_gives_its_bytes_back() -> None:
+    setup = Setup(body_timeout=30, body_min_rate=1000)
+    trickle = _slow(setup, _post(b"x" * 5000)[:-5000] + b"xx")
+    for _ in range(29):
+        setup.proxy.advance(1)
+        trickle.send(b"x")  # 31 bytes in 30 s: 0.031 s of extension
+    assert not trickle.lost
+    setup.proxy.advance(1.1)
+    assert (status(trickle), error_code(trickle)) == (408, "body_timeout")
+    assert trickle.lost
+    budget = setup.proxy.service.site.body_budget
+    assert budget is not None and budget.held == 0
+
+
+def test_a_body_at_a_fair_rate_earns_its_time() -> None:
+    setup = Setup(body_timeout=2, body_min_rate=10)
+    body = b'{"model": "m", "prompt": "' + b"x" * 40 + b'"}'  # 68 bytes: 6.8 s more
+    client = _slow(setup, _post(body)[: -len(body)])
+    for start in range(0, len(body), 10):
+        setup.proxy.advance(0.9)  # 10 bytes every 0.9 s: above the minimum rate
+        client.send(body[start : start + 10])
+    assert status(client) == 200 and not client.lost
+
+
+def test_a_kept_alive_connection_waits_between_requests_without_a_head_deadline() -> None:
+    setup = Setup(header_timeout=5)
+    client = _slow(setup, _post(COMPLETION))
+    assert status(client) == 200
+    setup.proxy.advance(20)  # idle between requests: Twisted's idle timeout (60 s) applies
+    assert not client.lost
+    client.send(b"GET /healthcheck HTTP/1.1\r\n")  # a second request begins: 5 s from now
+    setup.proxy.advance(5)
+    assert client.lost and b"408 Request Timeout" in client.received()
+
+
+def test_past_max_connections_a_new_one_is_503_at_once_until_one_closes() -> None:
+    setup = Setup(max_connections=2)
+    first, _second = setup.proxy.connect(), setup.proxy.connect()
+    third = setup.proxy.connect()
+    setup.proxy.flush()
+    assert (status(third), error_code(third)) == (503, "too_many_connections")
+    assert third.answer().headers["retry-after"] == "1"
+    assert third.transport.disconnecting
+    third.disconnect()
+    first.disconnect()
+    fourth = setup.proxy.connect()
+    fourth.send(_post(COMPLETION))
+    assert status(fourth) == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "version"),
+    [
+        (b"", b"HTTP/1.1"),  # none
+        (b"Host: a\r\nHost: b\r\n", b"HTTP/1.1"),  # two
+        (b"Host: a\r\nHost: b\r\n", b"HTTP/1.0"),
+        (b"Host: a b\r\n", b"HTTP/1.1"),
+        (b"Host: a/b\r\n", b"HTTP/1.1"),
+        (b"Host: a..b\r\n", b"HTTP/1.1"),
+        (b"Host: " + b"a" * 64 + b".com\r\n", b"HTTP/1.1"),
+        (b"Host: a:1:2\r\n", b"HTTP/1.1"),
+        (b"Host: [zz]\r\n", b"HTTP/1.1"),
+        (b"Host: \xc3\xa9.com\r\n", b"HTTP/1.1"),
+        (b"Host: .\r\n", b"HTTP/1.1"),
+    ],
+)
+def test_a_missing_duplicate_or_invalid_host_is_a_json_400(host: bytes, version: bytes) -> None:
+    setup = Setup()
+    client = _slow(setup, _post(COMPLETION, host, version))
+    assert (status(client), error_code(client)) == (400, "invalid_host")
+    assert setup.prefill.requests == []
+
+
+@pytest.mark.parametrize(
+    ("host", "version"),
+    [
+        (b"Host: proxy\r\n", b"HTTP/1.1"),
+        (b"Host: proxy.example.com:8000\r\n", b"HTTP/1.1"),
+        (b"Host: 10.0.0.1:80\r\n", b"HTTP/1.1"),
+        (b"Host: [::1]:8000\r\n", b"HTTP/1.1"),
+        (b"Host: xn--bcher-kva.example\r\n", b"HTTP/1.1"),
+        (b"", b"HTTP/1.0"),  # HTTP/1.0 need not send one
+    ],
+)
+def test_a_valid_host_is_served(host: bytes, version: bytes) -> None:
+    setup = Setup()
+    client = _slow(setup, _post(COMPLETION, host, version))
+    assert status(client) == 200
+
+
+def test_a_bad_host_on_the_messages_route_gets_anthropics_error_shape() -> None:
+    setup = Setup()
+    client = setup.proxy.connect()
+    client.send(b"POST /v1/messages HTTP/1.1\r\nHost: a b\r\nContent-Length: 2\r\n\r\n{}")
+    assert client.answer().status == 400
+    assert client.answer().json()["type"] == "error"
+
+
+def test_no_100_continue_follows_a_413() -> None:
+    setup = Setup(max_body_size=100)
+    client = _slow(
+        setup,
+        b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nExpect: 100-continue\r\n"
+        b"Content-Length: 1000\r\n\r\n",
+    )
+    assert client.received().startswith(b"HTTP/1.1 413 ")
+    assert b"100 Continue" not in client.received()
+    assert client.transport.disconnecting
+
+
+def test_a_body_within_the_limit_gets_its_100_continue() -> None:
+    setup = Setup()
+    client = _slow(
+        setup,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nExpect: 100-continue\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(CHAT_RAW),
+    )
+    assert client.received() == b"HTTP/1.1 100 Continue\r\n\r\n"
+    client.send(CHAT_RAW)
+    answer = client.received().removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    (prefill_leg,) = setup.prefill.requests
+    assert prefill_leg.headers.getRawHeaders(b"expect") is None
