@@ -37,6 +37,10 @@ class AdminAPI:
         #: Tells the other workers of a change (``nixl_twisted.coordination``); alone, nobody.
         self.publish: Callable[[dict[str, str]], Deferred[None]] = lambda change: succeed(None)
 
+    def use_token(self, token: str | None) -> None:
+        """The bearer token from now on (a reload); None: there is no admin API."""
+        self._token = token.encode("utf-8") if token else None
+
     def authorize(self, request: IRequest) -> None:
         if self._token is None:
             raise ProxyError(

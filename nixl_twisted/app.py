@@ -82,6 +82,13 @@ class ProxyApp:
         #: The completions being served now.
         self.exchanges: set[Exchange] = set()
 
+    def configure(self, config: ProxyConfig) -> None:
+        """A reload: limits, timeouts, retries and keys as ``config`` says, from now on."""
+        self.config = config
+        self.one_leg.config = config
+        self.admission.max_in_flight = config.limits.max_in_flight
+        self.admin.use_token(config.admin_token)
+
     def resource(self) -> IResource:
         """The Twisted Web resource that serves this app."""
         return FrontDoor(self.app.resource())

@@ -9,7 +9,6 @@ outlives the interval, so that a check does not open a connection each time.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from twisted.application.service import Service
@@ -47,6 +46,7 @@ class BackendService(Service):
         clock: IReactorTime,
         health: Health,
         health_client: Upstream | None = None,
+        runs_checks: bool = True,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -54,7 +54,9 @@ class BackendService(Service):
         #: The health checks' own client (by default the legs' one).
         self.health_client = health_client if health_client is not None else upstream
         self.clock = clock
-        self.health_interval = health.interval
+        #: False in a --workers worker: the supervisor checks, and tells it.
+        self.runs_checks = runs_checks
+        self.health_interval = health.interval if runs_checks else 0.0
         self.health_timeout = health.timeout
         self._checks: LoopingCall | None = None
         self._probes: set[Deferred[None]] = set()
@@ -78,22 +80,51 @@ class BackendService(Service):
         for pool in self.pools():
             pool.update(pools.of(pool.role))
 
+    def configure(self, config: ProxyConfig) -> None:
+        """A reload: pools, policies, health rules and idle connections as ``config`` says.
+
+        New instances join (checked first), those no longer listed drain; a
+        new health interval takes effect at once, its first round now.
+        """
+        self.use_pools(config.pools)
+        self.use_policies(config.policies)
+        health = config.health
+        thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+        for pool in self.pools():
+            pool.configure(thresholds, checked=health.interval > 0)
+        self.health_timeout = health.timeout
+        self.upstream.keep_idle(config.limits.max_idle_per_backend, config.timeouts.backend_idle)
+        interval = health.interval if self.runs_checks else 0.0
+        if interval != self.health_interval:
+            self.health_interval = interval
+            self._stop_checks()
+            if self.running:
+                self._start_checks()
+
     def ready(self) -> bool:
         """Both pools have an instance that is up now."""
         return all(pool.ready() for pool in self.pools())
 
     def startService(self) -> None:
         super().startService()
+        self._start_checks()
+
+    def _start_checks(self) -> None:
         if self.health_interval <= 0:
             self._first_round.fire()  # nothing to wait for
-        else:
-            self._checks = LoopingCall(self.check_health)
-            self._checks.clock = self.clock
-            # The first round now: until it answers, /healthcheck says not ready.
-            self.check_health().addCallback(lambda _: self._first_round.fire())
-            self._checks.start(self.health_interval, now=False).addErrback(
-                lambda failure: log.failure("health checks stopped", failure)
-            )
+            return
+        self._checks = LoopingCall(self.check_health)
+        self._checks.clock = self.clock
+        # The first round now: until it answers, /healthcheck says not ready.
+        self.check_health().addCallback(lambda _: self._first_round.fire())
+        self._checks.start(self.health_interval, now=False).addErrback(
+            lambda failure: log.failure("health checks stopped", failure)
+        )
+
+    def _stop_checks(self) -> None:
+        if self._checks is not None and self._checks.running:
+            self._checks.stop()
+        self._checks = None
 
     def first_round(self) -> Deferred[None]:
         """Fires once the first round of health checks has answered (or failed)."""
@@ -154,8 +185,7 @@ class BackendService(Service):
     def stopService(self) -> Deferred[None]:
         """Stop the health checks and close every pooled backend connection."""
         super().stopService()
-        if self._checks is not None and self._checks.running:
-            self._checks.stop()
+        self._stop_checks()
         for probe in list(self._probes):
             probe.cancel()
         closing = [self.upstream.close()]
@@ -227,8 +257,9 @@ def backend_service(
         BackendPool("decode", config.pools.decode, clock, thresholds, checked),
         legs,
         clock,
-        health if run_checks else replace(health, interval=0.0),
+        health,
         probes,
+        runs_checks=run_checks,
     )
     backends.use_policies(config.policies)
     return backends

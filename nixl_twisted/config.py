@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nixl_twisted.settings import SETTINGS, tcp_address
+from nixl_twisted.settings import BY_NAME, SETTINGS, tcp_address
 from nixl_twisted.sources import ConfigError, from_environment, parse, read_file
 
-__all__ = ["ConfigError", "ProxyConfig", "resolve"]
+__all__ = ["ConfigError", "ProxyConfig", "Reload", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,8 @@ class ProxyConfig:
     config_path: str | None = None
     #: Set in a ``--workers`` worker: its number; its TCP ports are shared.
     worker: int | None = None
+    #: What the command line gave (parsed), which a reload keeps over the file's.
+    command_line: tuple[tuple[str, object], ...] = field(default=(), repr=False, compare=False)
 
     @classmethod
     def from_settings(
@@ -142,6 +144,7 @@ class ProxyConfig:
         values: Mapping[str, object],
         config_path: str | None = None,
         worker: int | None = None,
+        command_line: Mapping[str, object] | None = None,
     ) -> ProxyConfig:
         """Build from settings by long name; defaults fill the rest.
 
@@ -215,6 +218,7 @@ class ProxyConfig:
             admin_token=v["admin-token"],
             config_path=config_path,
             worker=worker,
+            command_line=tuple((command_line or {}).items()),
         )
 
     @classmethod
@@ -286,32 +290,50 @@ class ProxyConfig:
         """This configuration for worker ``number``, serving the supervisor's shared ports."""
         return replace(self, listen=listen, metrics_listen=metrics_listen, workers=1, worker=number)
 
-    def reloaded(self) -> ProxyConfig:
-        """This configuration with the pools and policies the ``--config`` file says now.
+    def reloaded(self, environ: Mapping[str, str]) -> Reload:
+        """What SIGHUP makes of this configuration: the ``--config`` file read again.
 
-        Raises ``ConfigError`` (naming the file and key) and changes nothing
-        when the file cannot be read or its values are not valid.
+        Resolved as at startup (the command line over the file over the
+        environment); each setting that can change live takes its new value,
+        one that takes a restart keeps its old one and is named in
+        ``Reload.need_restart``. Raises ``ConfigError`` (naming the file and
+        key) when the file cannot be read or a value is not valid: nothing
+        changes then.
         """
         if self.config_path is None:
-            raise ConfigError("config", "there is no --config file to reload pools from")
-        values = read_file(self.config_path)
-        pools = {role: values.get(role, self.pools.of(role)) for role in ("prefill", "decode")}
-        for role, urls in pools.items():
-            if not urls:
+            raise ConfigError("config", "there is no --config file to reload from")
+        in_file = read_file(self.config_path)
+        given = dict(self.command_line)
+        values = {**in_file, **given}
+        values.update(from_environment(values, environ))
+        for role in ("prefill", "decode"):
+            if role in in_file and not in_file[role]:
                 raise ConfigError(role, f"--config {self.config_path}: {role!r} must not be empty")
-        policies = {
-            key: values.get(key, getattr(self.policies, role))
-            for key, role in (("prefill-policy", "prefill"), ("decode-policy", "decode"))
-        }
-        return replace(
-            self,
-            pools=Pools(tuple(pools["prefill"]), tuple(pools["decode"])),  # type: ignore[arg-type]
-            policies=replace(
-                self.policies,
-                prefill=str(policies["prefill-policy"]),
-                decode=str(policies["decode-policy"]),
-            ),
+        now = ProxyConfig.from_settings(values, self.config_path, self.worker, given)
+        old, new = self.settings(), now.settings()
+        differs = [s.name for s in SETTINGS if old[s.name] != new[s.name]]
+        restart = tuple(name for name in differs if not BY_NAME[name].live)
+        kept = {name: old[name] for name in restart}
+        merged = {k: v for k, v in {**new, **kept}.items() if v is not None}
+        applied = ProxyConfig.from_settings(merged, self.config_path, self.worker, given)
+        overridden = tuple(
+            sorted(name for name in in_file if name in given and in_file[name] != given[name])
         )
+        changed = tuple(name for name in differs if name not in restart)
+        return Reload(applied, changed, restart, overridden)
+
+
+@dataclass(frozen=True)
+class Reload:
+    """A SIGHUP's outcome: the configuration that applies now, and what did not change."""
+
+    config: ProxyConfig
+    #: Settings whose new value applies now.
+    changed: tuple[str, ...]
+    #: Settings the file changed that take a restart: they keep their old value.
+    need_restart: tuple[str, ...]
+    #: Settings the file changed that the command line sets: the command line wins.
+    overridden: tuple[str, ...]
 
 
 def resolve(
@@ -328,4 +350,4 @@ def resolve(
     values = read_file(config_path) if config_path is not None else {}
     values.update(given)
     values.update(from_environment(values, environ))
-    return ProxyConfig.from_settings(values, config_path)
+    return ProxyConfig.from_settings(values, config_path, command_line=given)

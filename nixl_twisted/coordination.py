@@ -8,7 +8,7 @@ writes to a worker's standard input (after its configuration line), a
 worker to its file descriptor 3::
 
     supervisor -> worker  {"health": [Instance.health(), ...]}    verdicts
-                          {"pools": {...}, "policies": {...}}     SIGHUP's reload
+                          {"config": ProxyConfig.to_json()}      SIGHUP's reload
                           {"change": {"op", "pool", "url"}}       made at another worker
                           {"done": N}                             change N reached all
     worker -> supervisor  {"outcome": {"pool", "url", "failure"}} a leg's outcome
@@ -21,7 +21,6 @@ import json
 import os
 import signal
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from typing import Any, Protocol
 
 from twisted.application.service import Service
@@ -33,7 +32,7 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.admin import apply_change
 from nixl_twisted.backends import BackendService
-from nixl_twisted.config import Policies, Pools
+from nixl_twisted.config import ConfigError, Pools, ProxyConfig
 from nixl_twisted.pools import Instance, PoolChangeRefused
 
 log = Logger()
@@ -66,13 +65,6 @@ class Lines:
                 log.error("not a message, dropped: {line!r}", line=line[:200])
                 continue
             self._deliver(message)
-
-
-def pools_message(pools: Pools, policies: Policies) -> Message:
-    return {
-        "pools": {"prefill": list(pools.prefill), "decode": list(pools.decode)},
-        "policies": {"prefill": policies.prefill, "decode": policies.decode},
-    }
 
 
 def _apply(backends: BackendService, change: dict[str, str], where: str) -> None:
@@ -121,13 +113,6 @@ class Coordinator:
                     peer.send({"change": change})
             origin.send({"done": message.get("id")})  # written after the others' copies
 
-    def reload(self, pools: Pools, policies: Policies) -> None:
-        """SIGHUP: these pools and policies, here and in every worker."""
-        self.backends.use_pools(pools)
-        self.backends.use_policies(policies)
-        self._send_all(pools_message(pools, policies))
-        self.backends.check_health()
-
     def _judge(self, outcome: dict[str, Any]) -> None:
         pool = self.backends.pool(str(outcome.get("pool")))
         instance = pool.find(str(outcome.get("url"))) if pool is not None else None
@@ -170,11 +155,16 @@ class SupervisorLink(Service):
 
     name = "supervisor-link"
 
-    def __init__(self, reactor: Any, backends: BackendService, policies: Policies) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        backends: BackendService,
+        reconfigure: Callable[[ProxyConfig], None],
+    ) -> None:
         self._reactor = reactor
         self.backends = backends
-        #: The knobs stay the worker's own; the supervisor sends the names.
-        self.policies = policies
+        #: Applies the configuration the supervisor reloaded (``ProxyService.reconfigure``).
+        self._reconfigure = reconfigure
         self._wire: _Wire | None = None
         self._io: StandardIO | None = None
         self._waiting: dict[int, Deferred[None]] = {}
@@ -215,16 +205,15 @@ class SupervisorLink(Service):
                 pool = self.backends.pool(str(health.get("pool")))
                 if pool is not None:
                     pool.adopt(health)
-        elif "pools" in message:
-            pools = message["pools"]
-            self.backends.use_pools(Pools(tuple(pools["prefill"]), tuple(pools["decode"])))
-            if "policies" in message:
-                named = message["policies"]
-                current = self.policies
-                self.policies = replace(current, prefill=named["prefill"], decode=named["decode"])
-                self.backends.use_policies(self.policies)
-            log.info("pools from the supervisor: prefill {prefill}, decode {decode}",
-                     prefill=pools["prefill"], decode=pools["decode"])  # fmt: skip
+        elif "config" in message:
+            try:
+                config = ProxyConfig.from_json(message["config"])
+            except (ConfigError, ValueError, KeyError) as error:
+                log.error("a configuration from the supervisor could not be used: {error}",
+                          error=str(error))  # fmt: skip
+                return
+            self._reconfigure(config)
+            log.info("configuration reloaded from the supervisor")
         elif "change" in message:
             _apply(self.backends, message["change"], "worker")
         elif "done" in message:

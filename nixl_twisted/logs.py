@@ -23,6 +23,7 @@ from typing import IO, Any
 from twisted.logger import (
     FilteringLogObserver,
     ILogObserver,
+    Logger,
     LogLevel,
     LogLevelFilterPredicate,
     formatEvent,
@@ -114,9 +115,13 @@ class WorkerTagged:
 
 
 def log_file(twistd_options: Any) -> IO[str] | None:
-    """Where twistd would write its text log (``--logfile``); None: leave it to twistd (syslog)."""
+    """Where twistd would write its text log (``--logfile``); None: leave it to twistd.
+
+    None for syslog, and for ``twistd --logger=...``: the operator's own
+    observer factory (which an application's observer would replace).
+    """
     options = twistd_options if twistd_options is not None else {}
-    if options.get("syslog"):
+    if options.get("syslog") or options.get("logger"):
         return None
     path = options.get("logfile")
     if not path and not options.get("nodaemon", True):
@@ -126,31 +131,49 @@ def log_file(twistd_options: Any) -> IO[str] | None:
     return LogFile.fromFullPath(path)
 
 
+#: The lifecycle lines (the settings in effect, listening, reloaded, draining,
+#: stopped): logged at info, and shown at any ``--log-level``.
+LIFECYCLE = "nixlproxy.lifecycle"
+lifecycle = Logger(namespace=LIFECYCLE)
+
+
+class LogLevels:
+    """The ``--log-level`` filter, which a SIGHUP reload changes in place."""
+
+    def __init__(self, level: str) -> None:
+        self.predicate = LogLevelFilterPredicate(LEVELS[level])
+        self.level = level
+        self.set(level)
+
+    def set(self, level: str) -> None:
+        self.level = level
+        self.predicate.defaultLogLevel = LEVELS[level]
+        self.predicate.clearLogLevels()
+        self.predicate.setLogLevelForNamespace(LIFECYCLE, min(LEVELS[level], LogLevel.info))
+
+
 def observer(
     log_format: str,
-    level: str,
+    levels: LogLevels,
     worker: int | None,
     target: Callable[[], IO[str] | None],
 ) -> ILogObserver | None:
-    """The observer these settings need, or None where twistd's own does (text at info).
+    """The observer these settings need, or None where twistd's own must do.
 
-    ``target`` opens where twistd would log (``log_file``); JSON goes to
-    stdout when that is syslog.
+    ``target`` opens where twistd would log (``log_file``): None for syslog
+    or an operator's ``--logger``, whose observer is then twistd's (not
+    filtered by ``--log-level``); JSON goes to stdout when that is syslog.
     """
     if log_format == "json":
         chosen: ILogObserver = json_lines(target())
-    elif level == "info" and worker is None:
-        return None
     else:
         out = target()
         if out is None:
-            return None  # syslog: twistd's own observer, unfiltered
+            return None
         chosen = textFileLogObserver(out)
     if worker is not None:
         chosen = WorkerTagged(chosen, worker)
-    if level != "info":
-        chosen = FilteringLogObserver(chosen, [LogLevelFilterPredicate(LEVELS[level])])
-    return chosen
+    return FilteringLogObserver(chosen, [levels.predicate])
 
 
 def offer(application: object, chosen: ILogObserver | None) -> None:

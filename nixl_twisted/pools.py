@@ -138,6 +138,11 @@ class BackendPool:
         self.policy: Policy = round_robin
         self.policy_name = "round-robin"
 
+    def configure(self, thresholds: Thresholds, checked: bool) -> None:
+        """New health rules; ``checked``: new instances wait for their first check."""
+        self.thresholds = thresholds
+        self._initial = State.PENDING if checked else State.UP
+
     def _new(self, url: str) -> Instance:
         return Instance(backend_url(url), self.role, state=self._initial)
 

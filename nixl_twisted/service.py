@@ -33,7 +33,7 @@ from twisted.logger import ILogObserver, Logger
 from twisted.web.iweb import IAgent
 from zope.interface import implementer
 
-from nixl_twisted import logs, tracing
+from nixl_twisted import logs, reloads, startup, tracing
 from nixl_twisted.access import AccessLog
 from nixl_twisted.admission import Admission
 from nixl_twisted.app import ProxyApp
@@ -42,6 +42,7 @@ from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.coordination import SupervisorLink
 from nixl_twisted.deadlines import ClientLimits
 from nixl_twisted.events import Happened
+from nixl_twisted.logs import LogLevels, lifecycle
 from nixl_twisted.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.refusals import LogThrottle, Refusals
 from nixl_twisted.settings import tcp_address
@@ -110,6 +111,8 @@ class ProxyService(MultiService):
 
     #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
     log_observer: ILogObserver | None = None
+    #: The ``--log-level`` filter of that observer, which a reload changes.
+    log_levels: LogLevels | None = None
 
     def __init__(
         self,
@@ -144,6 +147,7 @@ class ProxyService(MultiService):
             raise SystemExit(f"nixlproxy: {cannot_listen(error)}") from None
 
     def startService(self) -> None:
+        startup.check_descriptors(self.config)
         super().startService()
         # Said once the reactor runs, after the signal handlers are in (they
         # go in then too), and once the first health round has answered:
@@ -155,8 +159,10 @@ class ProxyService(MultiService):
     def _announce(self) -> None:
         if not self.running:
             return  # stopped before its first health round answered
+        if self.config.worker is None:  # (a worker's supervisor says it for all)
+            startup.announce(self.config)
         for port in self.ports():
-            log.info("nixlproxy listening on {address}", address=_address(port))
+            lifecycle.info("nixlproxy listening on {address}", address=_address(port))
 
     def listeners(self) -> list[StreamServerEndpointService]:
         return [s for s in self if isinstance(s, StreamServerEndpointService)]
@@ -166,29 +172,25 @@ class ProxyService(MultiService):
         endpoints = [cast(Announced, s.endpoint) for s in self.listeners()]
         return [e.port for e in endpoints if e.port is not None]
 
-    def reload_pools(self) -> None:
-        """Make the pools what the config file says now; keep them on any error."""
+    def reload(self) -> None:
+        """SIGHUP: the ``--config`` file read again, every setting that can change live applied."""
         try:
-            config = self.config.reloaded()
+            reload = self.config.reloaded(os.environ)
         except ConfigError as error:
-            log.error(
-                "SIGHUP: pools not reloaded, kept as they were ({key}): {error}",
-                key=error.key,
-                error=str(error),
-            )
+            reloads.refused(error)
             return
-        self.backends.use_pools(config.pools)
-        self.backends.use_policies(config.policies)
+        self.reconfigure(reload.config)
+        reloads.said(reload)
+
+    def reconfigure(self, config: ProxyConfig) -> None:
+        """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's)."""
+        self.app.configure(config)
+        for site in {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}:
+            site.configure(config)
+        self.backends.configure(config)
+        if self.log_levels is not None:
+            self.log_levels.set(config.log_level)
         self.config = config
-        log.info(
-            "SIGHUP: pools reloaded from {path}: prefill {prefill} ({prefill_policy}), "
-            "decode {decode} ({decode_policy})",
-            path=config.config_path,
-            prefill=list(config.pools.prefill),
-            decode=list(config.pools.decode),
-            prefill_policy=config.policies.prefill,
-            decode_policy=config.policies.decode,
-        )
 
     def stopService(self) -> Deferred[None]:
         """Stop once; whoever asks again waits for the same stop."""
@@ -205,7 +207,7 @@ class ProxyService(MultiService):
         delay = self.config.timeouts.shutdown_delay
         if delay > 0:
             self.app.admission.leaving = True
-            log.info("not ready now; still serving for {seconds} s before draining",
+            lifecycle.info("not ready now; still serving for {seconds} s before draining",
                      seconds=delay)  # fmt: skip
             await deferLater(self.clock, delay)
         self.app.admission.start_draining()
@@ -227,7 +229,7 @@ class ProxyService(MultiService):
     async def _drain(self) -> bool:
         admission = self.app.admission
         if admission.in_flight:
-            log.info("draining {in_flight} requests in flight", in_flight=admission.in_flight)
+            lifecycle.info("draining {in_flight} requests in flight", in_flight=admission.in_flight)
         try:
             await admission.drained().addTimeout(self.config.timeouts.drain, self.clock)
         except TimeoutError:
@@ -301,10 +303,10 @@ def build(
         listener(config.metrics_listen, metrics_site, reactor, shared).setServiceParent(root)
     if take_signals:
         # A worker's pools are the supervisor's: SIGHUP goes there.
-        hangup = _worker_hangup if shared else root.reload_pools
+        hangup = _worker_hangup if shared else root.reload
         SignalService(reactor, hangup).setServiceParent(root)
     if shared:
-        link = SupervisorLink(reactor, backends, config.policies)
+        link = SupervisorLink(reactor, backends, root.reconfigure)
         app.admin.publish = link.publish
         link.setServiceParent(root)
     return root

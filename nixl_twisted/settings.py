@@ -195,13 +195,16 @@ class Setting:
     #: Read from the first of these environment variables that is set, when
     #: neither the command line nor the file gives it.
     env: tuple[str, ...] = ()
+    #: SIGHUP applies a new value from the file to a running proxy; False:
+    #: it takes a restart (ports bound, processes spawned, clients built).
+    live: bool = True
 
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("listen", ("tcp:8000",), endpoint, many=True, help=(
         "Endpoint to serve on, as a Twisted endpoint string (repeatable), e.g. "
         "tcp:8000:interface=127.0.0.1, ssl:8443:privateKey=key.pem:certKey=cert.pem, "
-        "unix:/run/nixlproxy.sock.")),
+        "unix:/run/nixlproxy.sock."), live=False),
     Setting("prefill", (), backend_url, many=True, help=(
         "Base URL of a vLLM prefill instance, e.g. http://10.0.0.1:8100 "
         "(repeatable; at least one).")),
@@ -212,7 +215,7 @@ SETTINGS: tuple[Setting, ...] = (
         "API key sent to the backends as 'Authorization: Bearer KEY' when the "
         "client sent no Authorization.")),
     Setting("connect-timeout", 10.0, seconds, help=(
-        "Seconds to wait for a TCP connection to a backend.")),
+        "Seconds to wait for a TCP connection to a backend."), live=False),
     Setting("backend-idle-timeout", 4.0, seconds, help=(
         "Seconds an idle backend connection is kept for reuse; keep it below "
         "vLLM's 5 s keep-alive.")),
@@ -279,13 +282,13 @@ SETTINGS: tuple[Setting, ...] = (
         "one there is none.")),
     Setting("metrics-listen", None, endpoint, help=(
         "Serve GET /metrics on this endpoint (e.g. tcp:9100:interface=127.0.0.1) "
-        "instead of on every --listen endpoint.")),
+        "instead of on every --listen endpoint."), live=False),
     Setting("workers", 1, count(1), help=(
         "Proxy processes sharing each TCP port (SO_REUSEPORT), supervised by "
-        "this one, which checks health for all: they act as one proxy.")),
+        "this one, which checks health for all: they act as one proxy."), live=False),
     Setting("log-format", "text", choice("text", "json"), help=(
         "text (for people) or json (one flat JSON object per line on stdout, for log "
-        "pipelines; the same as twistd --logger=nixl_twisted.logs.json_lines).")),
+        "pipelines; the same as twistd --logger=nixl_twisted.logs.json_lines)."), live=False),
     Setting("log-level", "info", choice("debug", "info", "warn", "error", "critical"), help=(
         "Least severe events logged; warn keeps marks down, errors and failures "
         "and drops the access events.")),
@@ -299,14 +302,16 @@ SETTINGS: tuple[Setting, ...] = (
         "request is counted and logged: vLLM's KV lease is 30 s.")),
     Setting("otlp-traces-endpoint", None, collector_url, env=(TRACES_ENDPOINT_ENV,), help=(
         "OTLP collector URL that turns tracing on, used as given (http/protobuf: "
-        "e.g. http://collector:4318/v1/traces); OTEL_EXPORTER_OTLP_ENDPOINT turns it on too.")),
+        "e.g. http://collector:4318/v1/traces); OTEL_EXPORTER_OTLP_ENDPOINT turns it on "
+        "too."), live=False),
     Setting("otlp-traces-protocol", "http/protobuf", choice("http/protobuf", "grpc"),
             env=(TRACES_PROTOCOL_ENV, "OTEL_EXPORTER_OTLP_PROTOCOL"), help=(
-        "http/protobuf (the default) or grpc (pip install 'nixl-twisted[otlp-grpc]').")),
+        "http/protobuf (the default) or grpc "
+        "(pip install 'nixl-twisted[otlp-grpc]')."), live=False),
     Setting("otel-sampling-ratio", None, fraction, help=(
         "Share of new traces recorded, 0 to 1, parent-based: a client's sampled "
         "traceparent is always followed. Unset: the SDK's OTEL_TRACES_SAMPLER "
-        "(all, by default).")),
+        "(all, by default)."), live=False),
     Setting("shutdown-delay", 0.0, seconds_or_off, help=(
         "On SIGTERM, seconds to keep accepting while /healthcheck already says not "
         "ready, so that a load balancer stops sending first.")),

@@ -16,9 +16,8 @@ from types import FrameType
 from typing import Any
 
 from twisted.application.service import Service
-from twisted.logger import Logger
 
-log = Logger()
+from nixl_twisted.logs import lifecycle
 
 
 class SignalService(Service):
@@ -39,7 +38,7 @@ class SignalService(Service):
         signal.signal(signal.SIGHUP, self._hangup)
 
     def _terminate(self, signum: int, frame: FrameType | None) -> None:
-        log.info("SIGTERM: draining requests in flight, then stopping")
+        lifecycle.info("SIGTERM: draining requests in flight, then stopping")
         self._reactor.callFromThread(self._reactor.stop)
 
     def _hangup(self, signum: int, frame: FrameType | None) -> None:

@@ -24,6 +24,7 @@ from twisted.web.server import Request, Site
 
 from nixl_twisted import __version__
 from nixl_twisted.access import AccessLog, record_of
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.deadlines import ClientLimits, RequestDeadlines
 from nixl_twisted.errors import error_body
 from nixl_twisted.events import Happened
@@ -311,6 +312,14 @@ class TrackingSite(Site):
         self.refusals = refusals
         self.displayTracebacks = False
         self._open: dict[HTTPChannel, Happened] = {}
+
+    def configure(self, config: ProxyConfig) -> None:
+        """A reload: the new limits apply to the next connection and request."""
+        self.limits = ClientLimits.of(config)
+        if self.body_budget is not None:
+            self.body_budget.limit = config.limits.max_buffered_bodies
+        if self.access_log is not None:
+            self.access_log.emit = config.access_log
 
     def refused(self, reason: str, message: str) -> None:
         """Count (and maybe log) a refusal made before the app saw the request."""

@@ -131,8 +131,10 @@ def makeService(options: Options) -> IService:
     assert config is not None, "Options.parseOptions makes the configuration"
     tree = supervise(config, reactor) if config.workers > 1 else build(config, reactor)
     twistd_options = getattr(options, "parent", None)
+    levels = logs.LogLevels(config.log_level)
     tree.log_observer = logs.observer(
-        config.log_format, config.log_level, config.worker,
-        lambda: logs.log_file(twistd_options),
+        config.log_format, levels, config.worker, lambda: logs.log_file(twistd_options),
     )  # fmt: skip
+    if tree.log_observer is not None:
+        tree.log_levels = levels
     return tree

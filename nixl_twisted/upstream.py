@@ -212,6 +212,12 @@ class Upstream:
         )
         return sent.addErrback(_as_cancelled)  # type: ignore[return-value]
 
+    def keep_idle(self, per_host: int, seconds: float) -> None:
+        """Idle connections kept per instance, and for how long (from the next one on)."""
+        if self._connections is not None:
+            self._connections.maxPersistentPerHost = per_host
+            self._connections.cachedConnectionTimeout = seconds  # type: ignore[assignment]
+
     def close(self) -> Deferred[None]:
         """Close every idle pooled connection (on service stop)."""
         if self._connections is None:

@@ -38,7 +38,7 @@ from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from nixl_twisted import logs
+from nixl_twisted import logs, reloads, startup
 from nixl_twisted.backends import BackendService, backend_service
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.coordination import (
@@ -128,7 +128,7 @@ class _Worker(ProcessProtocol):
         # pipe stays open: its end tells the worker that this supervisor is gone.
         self.transport.write(self.config.encode("utf-8") + b"\n")
         self.supervisor.coordinator.welcome(self)
-        log.info("worker {number} started, pid {pid}", number=self.number, pid=self.pid)
+        logs.lifecycle.info("worker {number} started, pid {pid}", number=self.number, pid=self.pid)
 
     def send(self, message: Message) -> None:
         if self.transport is not None:
@@ -163,6 +163,8 @@ class WorkerSupervisor(Service):
         self._metrics_listen: str | None = None
         #: Where every worker's metrics are, for whichever worker is scraped.
         self.metrics_dir: str | None = None
+        #: The supervisor's own ``--log-level`` filter, which a reload changes.
+        self.log_levels: logs.LogLevels | None = None
 
     def _share(self, description: str) -> str:
         address = tcp_address(description)
@@ -175,7 +177,7 @@ class WorkerSupervisor(Service):
             raise SystemExit(f"nixlproxy: cannot listen on {where}: {why}") from None
         self._reserved.append(sock)
         host, port = sock.getsockname()[:2]
-        log.info("nixlproxy workers share {host}:{port}", host=host, port=port)
+        logs.lifecycle.info("nixlproxy workers share {host}:{port}", host=host, port=port)
         return tcp_endpoint(host, port)
 
     def privilegedStartService(self) -> None:
@@ -189,6 +191,8 @@ class WorkerSupervisor(Service):
     def startService(self) -> None:
         if not self._reserved:
             self.privilegedStartService()
+        startup.check_descriptors(self.config)  # the workers inherit the limit
+        startup.announce(self.config)
         super().startService()
         # Once the reactor runs: a worker that is up can be told to stop.
         self.reactor.callWhenRunning(self._spawn_all)
@@ -228,20 +232,21 @@ class WorkerSupervisor(Service):
             self.reactor.callLater(RESTART_DELAY, self._spawn, worker.number)
 
     def hangup(self) -> None:
-        """SIGHUP: the config file's pools, here and in every worker."""
+        """SIGHUP: the config file read again, here and in every worker (each its own ports)."""
         try:
-            self.config = self.config.reloaded()
+            reload = self.config.reloaded(os.environ)
         except ConfigError as error:
-            log.error("SIGHUP: pools not reloaded, kept as they were ({key}): {error}",
-                      key=error.key, error=str(error))  # fmt: skip
+            reloads.refused(error)
             return
-        self.coordinator.reload(self.config.pools, self.config.policies)
-        log.info(
-            "SIGHUP: pools reloaded from {path}: prefill {prefill}, decode {decode}; "
-            "sent to {count} workers",
-            path=self.config.config_path, prefill=list(self.config.pools.prefill),
-            decode=list(self.config.pools.decode), count=len(self.workers),
-        )  # fmt: skip
+        self.config = reload.config
+        self.coordinator.backends.configure(reload.config)
+        for worker in self.workers.values():
+            mine = reload.config.for_worker(worker.number, self._listen, self._metrics_listen)
+            worker.send({"config": mine.to_json()})
+        self.coordinator.backends.check_health()  # a new instance is checked at once
+        if self.log_levels is not None:
+            self.log_levels.set(reload.config.log_level)
+        reloads.said(reload, f", sent to {len(self.workers)} workers")
 
     def stopService(self) -> Deferred[Any]:
         """SIGTERM every worker (each drains) and wait for all of them."""
@@ -280,6 +285,14 @@ class SupervisorService(MultiService):
 
     #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
     log_observer: ILogObserver | None = None
+
+    @property
+    def log_levels(self) -> logs.LogLevels | None:
+        return self.supervisor.log_levels
+
+    @log_levels.setter
+    def log_levels(self, levels: logs.LogLevels | None) -> None:
+        self.supervisor.log_levels = levels
 
     def setServiceParent(self, parent: Any) -> None:
         super().setServiceParent(parent)

@@ -1,4 +1,4 @@
-"""SIGHUP's reload through the service: the file's pools, or nothing changed and the key logged."""
+"""SIGHUP's reload through the service: each live setting applied, or nothing and the key logged."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from twisted.logger import ILogObserver, globalLogPublisher
 from zope.interface import provider
 
 from nixl_twisted.config import resolve
+from nixl_twisted.logs import LogLevels
 from nixl_twisted.service import ProxyService, build
+from tests.memory.support import Setup
 
 
 def proxy_from(path: Path) -> ProxyService:
@@ -39,7 +41,7 @@ def test_a_reload_makes_the_pools_what_the_file_says(tmp_path: Path) -> None:
     path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n')
     service = proxy_from(path)
     path.write_text('prefill = ["http://p1:1", "http://p2:1"]\ndecode = ["http://d2:1"]\n')
-    service.reload_pools()
+    service.reload()
     assert service.backends.prefill.urls == ("http://p1:1", "http://p2:1")
     assert service.backends.decode.urls == ("http://d2:1",)  # d1 had no leg: gone at once
     assert service.config.pools.decode == ("http://d2:1",)
@@ -52,10 +54,10 @@ def test_a_reload_that_fails_leaves_the_pools_alone_and_logs_the_key(
     path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n')
     service = proxy_from(path)
     path.write_text('prefill = ["http://p9:1"]\ndecode = ["d9:1"]\n')
-    service.reload_pools()
+    service.reload()
     assert service.backends.prefill.urls == ("http://p1:1",)  # not half applied
     assert service.backends.decode.urls == ("http://d1:1",)
-    (error,) = [e for e in logged if e.get("log_format", "").startswith("SIGHUP: pools not")]
+    (error,) = [e for e in logged if e.get("log_format", "").startswith("SIGHUP: nothing")]
     assert error["key"] == "decode"
     assert "'d9:1' must start with http://" in error["error"]
 
@@ -69,9 +71,52 @@ def test_a_reload_changes_the_policies_too(tmp_path: Path) -> None:
         'prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n'
         'prefill-policy = "cache-aware"\ndecode-policy = "least-loaded"\n'
     )
-    service.reload_pools()
+    service.reload()
     pools = service.backends
     assert (pools.prefill.policy_name, pools.decode.policy_name) == ("cache-aware", "least-loaded")
     path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\nprefill-policy = "x"\n')
-    service.reload_pools()  # refused, named; the policy stays
+    service.reload()  # refused, named; the policy stays
     assert pools.prefill.policy_name == "cache-aware"
+
+
+def test_a_reload_applies_limits_timeouts_and_the_log_level_and_warns_once(
+    tmp_path: Path, logged: list[dict[str, Any]]
+) -> None:
+    path = tmp_path / "nixlproxy.toml"
+    pools = 'prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n'
+    path.write_text(pools)
+    service = proxy_from(path)
+    service.log_levels = LogLevels("info")
+    path.write_text(
+        pools + "max-in-flight = 3\nmax-connections = 9\nmax-body-size = 100\n"
+        "max-buffered-bodies = 1000\nstream-idle-timeout = 7\nprefill-retries = 0\n"
+        "unhealthy-threshold = 5\nlog-level = 'error'\naccess-log = 'off'\n"
+        "admin-token = 't'\nworkers = 4\nlog-format = 'json'\n"
+    )
+    service.reload()
+    app, site = service.app, service.site
+    assert app.admission.max_in_flight == 3
+    assert (site.limits.max_connections, site.limits.max_body_size) == (9, 100)
+    assert site.body_budget is not None and site.body_budget.limit == 1000
+    assert site.access_log is not None and not site.access_log.emit
+    assert app.config.timeouts.stream_idle == 7 and app.one_leg.config.retries.prefill == 0
+    assert service.backends.prefill.thresholds.unhealthy == 5
+    assert service.log_levels.level == "error"
+    assert app.admin._token == b"t"
+    assert (service.config.workers, service.config.log_format) == (1, "text")
+    (warning,) = [e for e in logged if e.get("log_format", "").startswith("SIGHUP: settings not")]
+    assert set(warning["need_restart"]) == {"workers", "log-format"}
+    (said,) = [e for e in logged if e.get("log_format", "").startswith("SIGHUP: reloaded")]
+    assert "max-in-flight" in said["reloaded"] and "workers" not in said["reloaded"]
+
+
+def test_a_reloaded_body_limit_is_the_next_requests(tmp_path: Path) -> None:
+    path = tmp_path / "nixlproxy.toml"
+    path.write_text('prefill = ["http://prefill-0.memory"]\ndecode = ["http://decode-0.memory"]\n')
+    setup = Setup()
+    setup.proxy.service.config = resolve({"health-interval": 0}, str(path), {})
+    body = {"model": "m", "prompt": "x" * 200}
+    assert setup.post("/v1/completions", body).answer().status == 200
+    path.write_text(path.read_text() + "max-body-size = 100\n")
+    setup.proxy.service.reload()
+    assert setup.post("/v1/completions", body).answer().status == 413

@@ -68,16 +68,16 @@ class TwistdCase(ProxyCase):
         process = self.spawn("--listen", "tcp:0:interface=127.0.0.1", "--workers", "2", *args)
         # Each worker's own line: with --metrics-listen one worker alone says two.
         for worker in (b"[worker 0 ", b"[worker 1 "):
-            await process.said(worker + b"nixl_twisted.service#info] nixlproxy listening on")
+            await process.said(worker + b"nixlproxy.lifecycle#info] nixlproxy listening on")
         match = re.search(rb"workers share (\S+)", process.output)
         assert match is not None, process.output
         return process, match.group(1).decode()
 
-    def config_file(self, decode: str, path: str | None = None) -> str:
+    def config_file(self, decode: str, path: str | None = None, more: str = "") -> str:
         """A --config file with the fake prefill and this decode URL (rewritten at ``path``)."""
         path = path or os.path.join(tempfile.mkdtemp(), "nixlproxy.toml")
         with open(path, "w", encoding="utf-8") as file:
-            file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n')
+            file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n{more}')
         return path
 
     async def terminate(self, process: TwistdProtocol) -> None:

@@ -110,20 +110,26 @@ class TwistdTests(TwistdCase):
         self.assertTrue(any(e["message"].startswith("nixlproxy listening on") for e in events))
         self.assertLess(max(len(line) for line in lines if b"nixlproxy.access" in line), 450)
 
-    async def test_log_level_warn_keeps_warnings_only(self) -> None:
+    async def test_log_level_warn_keeps_warnings_and_the_lifecycle_lines(self) -> None:
         await self.start()
         process = self.spawn(
             "--listen", "tcp:0:interface=127.0.0.1", "--log-level", "warn",
-            "--prefill", self.prefill.url, "--decode", "http://127.0.0.1:1",
-            "--health-interval", "0.2",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            "--decode", "http://127.0.0.1:1", "--health-interval", "0.2",
         )  # fmt: skip
-        await process.said(b"marked down")  # its "listening on" is an info line too
+        address = await process.listening  # a lifecycle line: shown at warn
+        await process.said(b"marked down")
+        response = await self.http.post(f"http://{address}/v1/chat/completions", json=CHAT)
+        self.assertEqual(response.code, 200)
+        await response.content()
         os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
         self.assertEqual(await process.ended, 0, process.output.decode())
-        self.assertNotIn(b"SIGTERM: draining", process.output)  # an info line
-        with self.assertRaises(TwistdFailed):  # and so is the one it waits for
-            await process.listening
-        self.assertIn(b"[nixl_twisted.pools#warn]", process.output)
+        output = process.output.decode()
+        self.assertIn("SIGTERM: draining", output)  # a lifecycle line too
+        self.assertIn("[nixl_twisted.pools#warn]", output)
+        self.assertIn(f"prefill {self.prefill.url} (round-robin)", output)  # the summary
+        self.assertIn("max-in-flight 1024, max-connections 4096", output)
+        self.assertNotIn("nixlproxy.access", output)  # an info line
 
     async def test_json_logs_through_twistds_own_logger_option(self) -> None:
         await self.start()
@@ -135,7 +141,7 @@ class TwistdTests(TwistdCase):
         await process.listening
         await self.terminate(process)
         events = [json.loads(line) for line in process.output.splitlines() if line.strip()]
-        self.assertTrue(any(e.get("logger") == "nixl_twisted.service" for e in events))
+        self.assertTrue(any(e.get("logger") == "nixlproxy.lifecycle" for e in events))
 
     async def test_sighup_reloads_pools_under_load_with_no_failed_request(self) -> None:
         await self.start(decodes=2)
@@ -156,10 +162,12 @@ class TwistdTests(TwistdCase):
             return gatherResults([self.ensure(load()) for _ in range(4)])
 
         first = await batch()
-        self.config_file(new.url, config)
+        self.config_file(new.url, config, "max-in-flight = 77\nworkers = 2\n")
         during = batch()
         os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
-        await process.said(b"SIGHUP: pools reloaded")
+        await process.said(b"SIGHUP: reloaded")
+        await process.said(b"kept as they were: workers")
+        self.assertIn(b"changed decode, max-in-flight", process.output)
         second = await during
         old_count = len(old.requests)
         third = await batch()
@@ -227,7 +235,7 @@ class TwistdTests(TwistdCase):
         during = self.ensure(load(10))
         os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
         await process.said(b"sent to 2 workers")
-        await process.said(b"pools from the supervisor", times=2)  # each worker, once
+        await process.said(b"configuration reloaded from the supervisor", times=2)  # each, once
         while_reloading, _ = await during
         old_count = len(old.requests)
         after, pids = await load(40)

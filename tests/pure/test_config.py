@@ -3,6 +3,7 @@ reloads and workers; every error names where the value came from and its key."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -170,10 +171,44 @@ def test_a_reload_takes_the_file_pools_and_keeps_the_rest(tmp_path: Path) -> Non
     path = config_file(tmp_path, FILE)
     config = parse("--config", path, "--max-in-flight", "8")
     config_file(tmp_path, 'prefill = ["http://p7:8100"]\ndecode = ["http://d7:8200"]\n')
-    reloaded = config.reloaded()
+    reloaded = config.reloaded({}).config
     assert reloaded.pools.prefill == ("http://p7:8100",)
     assert reloaded.pools.decode == ("http://d7:8200",)
     assert reloaded.limits.max_in_flight == 8
+
+
+def test_a_reload_applies_every_live_setting_and_names_what_it_cannot(tmp_path: Path) -> None:
+    path = config_file(tmp_path, FILE)
+    config = parse("--config", path, "--max-body-size", "1000")
+    config_file(
+        tmp_path,
+        FILE.replace("max-in-flight = 64", "max-in-flight = 7")
+        .replace('"tcp:0:', '"tcp:9:')
+        .replace("15.5", "9")
+        + "log-level = 'warn'\nmax-body-size = 5000\n"
+        "workers = 3\nconnect-timeout = 1\n",
+    )
+    reload = config.reloaded({})
+    applied = reload.config
+    assert applied.limits.max_in_flight == 7
+    assert applied.timeouts.stream_idle == 9
+    assert applied.log_level == "warn"
+    assert applied.limits.max_body_size == 1000  # the command line wins
+    assert (applied.listen, applied.workers, applied.timeouts.connect) == (
+        config.listen, config.workers, config.timeouts.connect,
+    )  # fmt: skip
+    assert set(reload.changed) == {"max-in-flight", "stream-idle-timeout", "log-level"}
+    assert set(reload.need_restart) == {"listen", "workers", "connect-timeout"}
+    assert reload.overridden == ("max-body-size",)
+    # Reloaded again, the command line still wins.
+    assert applied.reloaded({}).config.limits.max_body_size == 1000
+
+
+def test_every_setting_is_live_or_takes_a_restart_as_documented() -> None:
+    text = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("Settings that take a restart:"))
+    documented = set(re.findall(r"`--([a-z-]+)`", line))
+    assert documented == {s.name for s in SETTINGS if not s.live}
 
 
 @pytest.mark.parametrize(
@@ -191,14 +226,14 @@ def test_a_reload_that_fails_is_a_config_error_naming_the_key(
     config = parse("--config", config_file(tmp_path, FILE))
     config_file(tmp_path, text)
     with pytest.raises(ConfigError) as caught:
-        config.reloaded()
+        config.reloaded({})
     assert caught.value.key == key
     assert not isinstance(caught.value, usage.UsageError)
 
 
 def test_a_reload_without_a_file_says_so() -> None:
     with pytest.raises(ConfigError, match="no --config file"):
-        parse(*POOLS).reloaded()
+        parse(*POOLS).reloaded({})
 
 
 def test_a_worker_gets_the_resolved_configuration_back_whole(tmp_path: Path) -> None:

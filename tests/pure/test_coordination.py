@@ -7,7 +7,7 @@ from typing import Any
 from twisted.internet.task import Clock
 
 from nixl_twisted.backends import BackendService
-from nixl_twisted.config import Health, Policies, Pools
+from nixl_twisted.config import Health, Pools, ProxyConfig
 from nixl_twisted.coordination import Coordinator, Lines, SupervisorLink, encode
 from nixl_twisted.health import State, Thresholds
 from nixl_twisted.pools import BackendPool
@@ -90,7 +90,8 @@ def test_a_new_worker_is_told_every_instance_health() -> None:
 
 def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -> None:
     worker = backends()
-    link = SupervisorLink(None, worker, Policies())
+    applied: list[ProxyConfig] = []
+    link = SupervisorLink(None, worker, applied.append)
     sent: list[dict[str, Any]] = []
     link._send = sent.append  # type: ignore[method-assign,assignment]
     link.startService = lambda: None  # type: ignore[method-assign]
@@ -114,13 +115,11 @@ def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -
     assert done == [None]
 
     link.received({"change": {"op": "drain", "pool": "decode", "url": D1}})
-    link.received({"pools": {"prefill": [P], "decode": [D2]},
-                   "policies": {"prefill": "cache-aware", "decode": "least-loaded"}})  # fmt: skip
-    assert worker.decode.urls == (D2,)
-    assert (worker.prefill.policy_name, worker.decode.policy_name) == (
-        "cache-aware",
-        "least-loaded",
-    )
+    reloaded = ProxyConfig.create(prefill=[P], decode=[D2], prefill_policy="cache-aware")
+    link.received({"config": reloaded.to_json()})
+    assert applied == [reloaded]  # applied as a SIGHUP's reload is (ProxyService.reconfigure)
+    link.received({"config": "{not json"})
+    assert applied == [reloaded]  # logged, not applied
 
 
 def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path: Any) -> None:

@@ -97,21 +97,45 @@ def test_the_text_access_line_leaves_out_what_did_not_happen() -> None:
     assert "None" not in access_line(left)
 
 
-def test_the_level_filter_drops_what_is_less_severe() -> None:
+def test_the_level_filter_drops_what_is_less_severe_and_a_reload_changes_it() -> None:
     out = io.StringIO()
-    chosen = logs.observer("json", "warn", None, lambda: out)
+    levels = logs.LogLevels("warn")
+    chosen = logs.observer("json", levels, None, lambda: out)
     assert chosen is not None
     emitted(chosen, lambda log: (log.info("dropped"), log.warn("kept"), log.error("kept too")))
+    levels.set("error")
+    emitted(chosen, lambda log: (log.warn("dropped now"), log.error("kept still")))
+    levels.set("debug")
+    emitted(chosen, lambda log: log.debug("kept at debug"))
     assert [json.loads(line)["message"] for line in out.getvalue().splitlines()] == [
         "kept",
         "kept too",
+        "kept still",
+        "kept at debug",
     ]
 
 
-def test_text_at_info_outside_workers_is_twistds_own() -> None:
-    assert logs.observer("text", "info", None, lambda: io.StringIO()) is None
+def test_lifecycle_lines_are_shown_at_any_level() -> None:
     out = io.StringIO()
-    tagged = logs.observer("text", "info", 1, lambda: out)
+    chosen = logs.observer("text", logs.LogLevels("critical"), None, lambda: out)
+    assert chosen is not None
+    lifecycle = Logger(namespace=logs.LIFECYCLE, observer=LogPublisher(chosen))
+    lifecycle.info("nixlproxy listening on {address}", address="127.0.0.1:8000")
+    emitted(chosen, lambda log: log.error("dropped"))
+    assert "listening on 127.0.0.1:8000" in out.getvalue()
+    assert "dropped" not in out.getvalue()
+
+
+def test_text_is_ours_unless_twistd_logs_to_syslog_or_an_operators_logger() -> None:
+    out = io.StringIO()
+    chosen = logs.observer("text", logs.LogLevels("info"), None, lambda: out)
+    assert chosen is not None
+    emitted(chosen, lambda log: log.info("listening"))
+    assert "listening" in out.getvalue()
+    assert logs.observer("text", logs.LogLevels("info"), None, lambda: None) is None
+    assert logs.log_file({"logger": "my.observer"}) is None
+    out = io.StringIO()
+    tagged = logs.observer("text", logs.LogLevels("info"), 1, lambda: out)
     assert tagged is not None
     emitted(tagged, lambda log: log.info("listening"))
     assert "[worker 1 nixlproxy.access#info] listening" in out.getvalue()

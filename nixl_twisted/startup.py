@@ -1,0 +1,75 @@
+"""What a starting proxy checks and says: its file descriptor limit, the settings in effect.
+
+Every client connection and every leg holds a file descriptor; a limit
+below what ``--max-connections`` and ``--max-in-flight`` need turns into
+accept errors under load. Like Go's runtime, the proxy raises its soft
+limit toward the hard one when it is short, and warns when even that is not
+enough. The summary line is a lifecycle line (``logs.LIFECYCLE``): shown at
+any ``--log-level``.
+"""
+
+from __future__ import annotations
+
+import resource
+
+from twisted.logger import Logger
+
+from nixl_twisted import __version__
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.logs import lifecycle
+
+log = Logger()
+
+#: Descriptors beyond connections and legs: listeners, logs, health checks, pipes.
+SPARE = 64
+
+
+def descriptors_needed(config: ProxyConfig) -> int:
+    """One per client connection, two per request in flight (its legs), and some spare."""
+    return config.limits.max_connections + 2 * config.limits.max_in_flight + SPARE
+
+
+def check_descriptors(config: ProxyConfig) -> tuple[int, int]:
+    """Raise the soft descriptor limit toward what ``config`` needs; (before, after)."""
+    needed = descriptors_needed(config)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raised = soft
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+        if raised > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            lifecycle.info("file descriptor limit raised from {soft} to {raised}",
+                           soft=soft, raised=raised)  # fmt: skip
+    if raised != resource.RLIM_INFINITY and raised < needed:
+        log.warn(
+            "the file descriptor limit is {limit}, below the {needed} that --max-connections "
+            "({connections}) and --max-in-flight ({in_flight}) need: raise it (LimitNOFILE, "
+            "ulimit -n) or lower them",
+            limit=raised, needed=needed, connections=config.limits.max_connections,
+            in_flight=config.limits.max_in_flight,
+        )  # fmt: skip
+    return soft, raised
+
+
+def summary(config: ProxyConfig) -> str:
+    """One line: the pools, their policies and the limits in effect."""
+    pools, policies, limits, timeouts = (
+        config.pools, config.policies, config.limits, config.timeouts
+    )  # fmt: skip
+    workers = f", {config.workers} workers" if config.workers > 1 else ""
+    interval = config.health.interval
+    checks = f"every {interval:g} s" if interval else "off"
+    return (
+        f"nixl-twisted {__version__}{workers}: prefill {', '.join(pools.prefill)} "
+        f"({policies.prefill}); decode {', '.join(pools.decode)} ({policies.decode}); "
+        f"max-in-flight {limits.max_in_flight}, max-connections {limits.max_connections}, "
+        f"max-body-size {limits.max_body_size}, retries {config.retries.prefill}/"
+        f"{config.retries.decode}, prefill-timeout {timeouts.prefill:g} s, "
+        f"decode-timeout {timeouts.decode:g} s, drain-timeout {timeouts.drain:g} s, "
+        f"health checks {checks}"
+    )
+
+
+def announce(config: ProxyConfig) -> None:
+    """The summary, as a lifecycle line."""
+    lifecycle.info("{summary}", summary=summary(config))

@@ -1,0 +1,52 @@
+"""What a starting proxy says and checks: the summary line, the descriptor limit."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+
+from nixl_twisted import startup
+from nixl_twisted.config import ProxyConfig
+
+CONFIG = ProxyConfig.create(
+    prefill=["http://p:1", "http://p:2"], decode=["http://d:1"], decode_policy="session",
+    max_in_flight=100, max_connections=200,
+)  # fmt: skip
+
+
+def test_the_summary_names_the_pools_policies_and_limits() -> None:
+    line = startup.summary(CONFIG)
+    assert "prefill http://p:1, http://p:2 (round-robin); decode http://d:1 (session)" in line
+    assert "max-in-flight 100, max-connections 200" in line
+    assert "health checks every 3 s" in line
+
+
+class FakeLimits:
+    def __init__(self, soft: int, hard: int) -> None:
+        self.limits = (soft, hard)
+
+    def get(self, which: int) -> tuple[int, int]:
+        return self.limits
+
+    def set(self, which: int, limits: tuple[int, int]) -> None:
+        self.limits = limits
+
+
+@pytest.mark.parametrize(
+    ("soft", "hard", "after"),
+    [
+        (1024, 4096, 1024),  # already enough: 200 + 2 * 100 + 64 = 464
+        (256, 4096, 464),  # raised to what is needed
+        (256, 300, 300),  # raised to the hard limit, still short: warned
+    ],
+)
+def test_the_soft_descriptor_limit_is_raised_toward_what_the_limits_need(
+    monkeypatch: pytest.MonkeyPatch, soft: int, hard: int, after: int
+) -> None:
+    fake = FakeLimits(soft, hard)
+    monkeypatch.setattr(resource, "getrlimit", fake.get)
+    monkeypatch.setattr(resource, "setrlimit", fake.set)
+    before, raised = startup.check_descriptors(CONFIG)
+    assert (before, raised) == (soft, after)
+    assert fake.limits == (after, hard)
