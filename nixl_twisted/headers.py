@@ -24,11 +24,12 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-#: Request headers the proxy sets itself on each leg, or never sends:
-#: ``accept-encoding`` (the proxy asks for what it can parse), the
-#: data-parallel rank (only the proxy says which rank serves a leg, and only
-#: to an instance declared ``#dp=N``), and ``expect`` (the proxy answered
-#: ``100-continue`` itself; each leg is sent whole).
+#: Request headers the proxy sets itself on each leg, or never sends. The
+#: client's ``accept-encoding`` is dropped: the proxy must read prefill's
+#: answer and relays decode's decoded, so each leg carries treq's ``gzip``
+#: (its ``ContentDecoderAgent`` decodes it) and the client gets identity.
+#: Only the proxy says which data-parallel rank serves a leg (and only to an
+#: instance declared ``#dp=N``); ``expect`` was answered by the proxy itself.
 _PROXY_OWNED_REQUEST = frozenset(
     {b"host", b"content-length", b"content-type", b"accept-encoding", b"x-request-id",
      b"x-data-parallel-rank", b"expect"}

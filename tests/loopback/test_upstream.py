@@ -7,18 +7,28 @@ import shutil
 import socket
 import tempfile
 from http.cookiejar import DefaultCookiePolicy
+from io import BytesIO
 from pathlib import Path
 
 from hyperlink import EncodedURL
 from hypothesis import given
 from hypothesis import strategies as st
+from treq import content
 from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
 from twisted.internet import reactor, ssl
 from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
-from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
+from twisted.web.client import (
+    Agent,
+    BrowserLikePolicyForHTTPS,
+    FileBodyProducer,
+    HTTPConnectionPool,
+)
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+from twisted.web.resource import EncodingResourceWrapper
+from twisted.web.server import GzipEncoderFactory
 
 from nixl_twisted.relay import read_body
 from nixl_twisted.testing import FakeVLLM, TransferLedger
@@ -132,3 +142,40 @@ class CookieTests(ProxyCase):
         sent = [r.headers.getRawHeaders(b"cookie") for r in self.prefills[0].requests]
         sent += [r.headers.getRawHeaders(b"cookie") for r in self.decodes[0].requests]
         self.assertEqual(sent, [None] * 4)
+
+
+class AcceptEncodingTests(ProxyCase):
+    """Every leg asks for gzip, whatever the client asked; the client gets identity."""
+
+    async def ask(self, url: str, accept_encoding: bytes | None) -> tuple[IResponse, bytes]:
+        """POST the chat body with exactly this ``Accept-Encoding`` (or none)."""
+        # A bare Agent, not treq: treq adds an Accept-Encoding of its own.
+        headers = Headers({b"Content-Type": [b"application/json"]})
+        if accept_encoding is not None:
+            headers.setRawHeaders(b"Accept-Encoding", [accept_encoding])
+        body = FileBodyProducer(BytesIO(json.dumps(CHAT).encode("utf-8")))
+        response = await self.agent.request(b"POST", url.encode("ascii"), headers, body)
+        return response, await content(response)
+
+    async def test_the_client_encoding_is_not_forwarded_each_leg_asks_for_gzip(self) -> None:
+        await self.start()
+        for accepted in (b"br", None):
+            response, body = await self.ask(self.proxy.url + "/v1/chat/completions", accepted)
+            self.assertEqual((response.code, json.loads(body)["object"]), (200, "chat.completion"))
+        legs = [*self.prefill.requests, *self.decode.requests]
+        self.assertEqual(
+            [leg.headers.getRawHeaders(b"accept-encoding") for leg in legs], [[b"gzip"]] * 4
+        )
+
+    async def test_a_gzip_answer_is_decoded_and_the_client_gets_identity(self) -> None:
+        await self.start()
+        for fake in (self.prefill, self.decode):
+            fake.site.resource = EncodingResourceWrapper(fake.resource(), [GzipEncoderFactory()])
+        # The backends really answer gzip to what a leg asks for.
+        direct, _ = await self.ask(self.decode.url + "/v1/chat/completions", b"gzip")
+        self.assertEqual(direct.headers.getRawHeaders(b"content-encoding"), [b"gzip"])
+
+        response, body = await self.ask(self.proxy.url + "/v1/chat/completions", b"br")
+        self.assertEqual((response.code, json.loads(body)["object"]), (200, "chat.completion"))
+        self.assertIsNone(response.headers.getRawHeaders(b"content-encoding"))
+        self.assertEqual(len(self.ledger.redeemed), 1)
