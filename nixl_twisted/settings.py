@@ -3,7 +3,8 @@
 The command line (``tap.Options`` is generated from this table), the TOML
 file, SIGHUP reloads, the admin API and the workers' configuration all read
 values through these parsers, so a value means the same wherever it came
-from. ``docs/configuration.md`` is checked against this table by the tests.
+from. ``docs/configuration.md`` and the README's options table are checked
+against this table by the tests.
 """
 
 from __future__ import annotations

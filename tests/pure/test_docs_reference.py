@@ -1,39 +1,150 @@
-"""The configuration reference in docs/ cannot drift from the settings table."""
+"""The options tables (docs/configuration.md, the README) cannot drift from the settings table."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from nixl_twisted.settings import SETTINGS, default_text
+import pytest
+
+from nixl_twisted.settings import BY_NAME, SETTINGS, default_text
 from nixl_twisted.tap import Options
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
-ROW = re.compile(r"^\| `--(?P<name>[a-z-]+)[^`]*` \|(?P<default>[^|]*)\|", re.M)
-#: Options of the command line that are not settings of the proxy.
-COMMAND_ONLY = {"config", "version", "worker"}
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+ROW = re.compile(r"^\| `--(?P<name>[a-z-]+)(?P<metavar>[^`]*)` \|(?P<default>[^|]*)\|", re.M)
+#: The first cell of any row that names options, to catch one shared by several.
+FIRST_CELL = re.compile(r"^\| (?P<cell>`--.*?) \|", re.M)
+#: Options of the command line that are not settings of the proxy, with the
+#: default their rows show.
+COMMAND_ONLY = {"config": "(none)", "version": "", "worker": ""}
+#: The pages with an options table, and the options each leaves out: the
+#: README's is the short one, and ``--worker`` is not for people.
+OPTION_TABLES = {DOCS / "configuration.md": set(), ROOT / "README.md": {"worker"}}
 
 
-def documented() -> dict[str, str]:
-    table = (DOCS / "configuration.md").read_text(encoding="utf-8")
-    return {m["name"]: m["default"].strip().strip("`") for m in ROW.finditer(table)}
+def option_rows(page: Path) -> list[tuple[str, str, str]]:
+    """Each row of ``page``'s options table: the option, its metavar, its default."""
+    table = page.read_text(encoding="utf-8")
+    return [
+        (m["name"], m["metavar"].strip(), m["default"].strip().strip("`"))
+        for m in ROW.finditer(table)
+    ]
 
 
-def test_every_option_is_documented_and_every_documented_option_exists() -> None:
+def shown_defaults() -> dict[str, str]:
+    """Every option of ``twistd nixlproxy`` and the default its row must show."""
+    return {s.name: default_text(s) for s in SETTINGS} | COMMAND_ONLY
+
+
+def _cell(default: str) -> str:
+    return default if default in ("", "(none)", "(required)") else f"`{default}`"
+
+
+def suggested_row(name: str) -> str:
+    """The row to add for ``--name``, its metavar taken from another table if one has it."""
+    metavars = {n: metavar for page in OPTION_TABLES for n, metavar, _ in option_rows(page)}
+    metavar = f" {metavars[name]}" if metavars.get(name) else " VALUE" if name in BY_NAME else ""
+    setting = BY_NAME.get(name)
+    about = f" (--help says: {setting.help})" if setting else ""
+    return f"| `--{name}{metavar}` | {_cell(shown_defaults()[name])} | <a few words> |{about}"
+
+
+def table_problems(page: Path, left_out: set[str]) -> list[str]:
+    """What ``page``'s options table gets wrong, each said as the edit that fixes it."""
+    text = page.read_text(encoding="utf-8")
+    expected = {n: d for n, d in shown_defaults().items() if n not in left_out}
+    problems = []
+    shared: set[str] = set()
+    for cell in FIRST_CELL.finditer(text):
+        names = re.findall(r"`--([a-z-]+)", cell["cell"])
+        if len(names) > 1:
+            shared.update(names)
+            split = "; ".join(suggested_row(n) for n in names if n in expected)
+            problems.append(f"{page.name} has one row for {cell['cell']}: one row each: {split}")
+    rows = option_rows(page)
+    for name in expected.keys() - {n for n, _, _ in rows} - shared:
+        problems.append(f"{page.name} has no row for --{name}: add {suggested_row(name)}")
+    seen: set[str] = set()
+    for name, _, default in rows:
+        if name in left_out:
+            problems.append(f"{page.name} leaves --{name} out on purpose: remove its row")
+        elif name not in expected:
+            problems.append(
+                f"{page.name} has a row for --{name}, which twistd nixlproxy does not have: "
+                "remove it"
+            )
+        elif name in seen:
+            problems.append(f"{page.name} has more than one row for --{name}: keep one")
+        elif default != expected[name]:
+            problems.append(
+                f"{page.name} shows --{name}'s default as {default!r}, settings.default_text "
+                f"renders {expected[name]!r}: write {_cell(expected[name]) or 'nothing'} "
+                "in its default cell"
+            )
+        seen.add(name)
+    return sorted(problems)
+
+
+@pytest.mark.parametrize("page", OPTION_TABLES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_each_options_table_has_one_row_per_option_with_its_default(page: Path) -> None:
+    problems = table_problems(page, OPTION_TABLES[page])
+    assert not problems, "\n".join(problems)
+
+
+def test_the_command_only_options_are_the_command_lines() -> None:
     options = Options()
     real = {p[0] for p in options.optParameters} | {
         name.removeprefix("opt_").replace("_", "-")
         for name in dir(options)
         if name.startswith("opt_") and name != "opt_help"
     }
-    assert set(documented()) == real
-    assert real == {s.name for s in SETTINGS} | COMMAND_ONLY
+    assert real == {s.name for s in SETTINGS} | set(COMMAND_ONLY)
 
 
-def test_documented_defaults_are_the_settings_defaults() -> None:
-    docs = documented()
-    for setting in SETTINGS:
-        assert docs[setting.name] == default_text(setting), setting.name
+def test_a_table_that_drifts_is_told_what_to_write(tmp_path: Path) -> None:
+    """The failure says which row to add, remove or correct, not only that one is wrong."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    drifted = tmp_path / "README.md"
+    rows = readme.splitlines(keepends=True)
+    drifted.write_text(
+        "".join(
+            row.replace("| `3` |", "| `5` |") if row.startswith("| `--health-interval") else row
+            for row in rows
+            if not row.startswith("| `--shutdown-delay")
+        )
+        + "| `--bogus N` | `1` | not an option |\n",
+        encoding="utf-8",
+    )
+    assert table_problems(drifted, {"worker"}) == [
+        "README.md has a row for --bogus, which twistd nixlproxy does not have: remove it",
+        "README.md has no row for --shutdown-delay: add | `--shutdown-delay SECONDS` | `0` | "
+        f"<a few words> | (--help says: {BY_NAME['shutdown-delay'].help})",
+        "README.md shows --health-interval's default as '5', settings.default_text renders "
+        "'3': write `3` in its default cell",
+    ]
+
+
+def test_a_row_shared_by_two_options_is_split_and_an_internal_one_removed(
+    tmp_path: Path,
+) -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    drifted = tmp_path / "README.md"
+    drifted.write_text(
+        "".join(
+            row
+            for row in readme.splitlines(keepends=True)
+            if not row.startswith(("| `--health-interval", "| `--health-timeout"))
+        )
+        + "| `--health-interval S`, `--health-timeout S` | `3`, `2` | checks |\n"
+        + "| `--worker N` | | internal |\n",
+        encoding="utf-8",
+    )
+    assert table_problems(drifted, {"worker"}) == [
+        "README.md has one row for `--health-interval S`, `--health-timeout S`: one row each: "
+        f"{suggested_row('health-interval')}; {suggested_row('health-timeout')}",
+        "README.md leaves --worker out on purpose: remove its row",
+    ]
 
 
 def test_help_shows_each_default() -> None:
