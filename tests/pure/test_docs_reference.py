@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
 import pytest
 
+from nixl_twisted.app import ProxyApp
 from nixl_twisted.settings import BY_NAME, SETTINGS, default_text
 from nixl_twisted.tap import Options
 
@@ -177,3 +179,71 @@ def test_the_user_docs_stand_on_their_own() -> None:
         text = page.read_text(encoding="utf-8")
         for unseen in ("PROTOCOL.md", "the seed", "Rust proxy", "performance issue", "the issue"):
             assert unseen not in text, f"{page.name} mentions {unseen!r}"
+
+
+#: A routes table's header, and a route as a table names it: `POST /v1/responses/{id}`.
+ROUTES_HEADER = "| route | behaviour |"
+DOC_ROUTE = re.compile(r"`(?P<method>[A-Z]+) (?P<path>/[^`\s]*)`")
+
+
+def _variables_as_braces(path: str) -> str:
+    """``/v1/responses/<string:response_id>`` and ``/v1/responses/{id}`` alike: ``{}``."""
+    return re.sub(r"<[^>]+>|{[^}]*}", "{}", path)
+
+
+def served_routes() -> dict[str, str]:
+    """Each route of the Klein app, ``METHOD /path`` with variables as ``{}``, and as docs write it.
+
+    Werkzeug adds HEAD to every GET rule by itself; the docs name the GET.
+    """
+    routes = {}
+    for rule in ProxyApp.app.url_map.iter_rules():
+        methods = set(rule.methods or ())
+        if "GET" in methods:
+            methods.discard("HEAD")
+        written = re.sub(r"<(?:[^:>]+:)?([^>]+)>", r"{\1}", rule.rule)
+        for method in methods:
+            routes[f"{method} {_variables_as_braces(rule.rule)}"] = f"{method} {written}"
+    return routes
+
+
+def routes_tables() -> dict[Path, set[str]]:
+    """Each page with a routes table, and the routes its rows name (variables as ``{}``)."""
+    tables = {}
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        if ROUTES_HEADER not in lines:
+            continue
+        rows = itertools.takewhile(
+            lambda line: line.startswith("|"), lines[lines.index(ROUTES_HEADER) :]
+        )
+        tables[page] = {
+            f"{m['method']} {_variables_as_braces(m['path'])}"
+            for row in rows
+            for m in DOC_ROUTE.finditer(row.split(" | ", 1)[0])
+        }
+    return tables
+
+
+def test_the_routes_tables_name_every_route_served_and_no_other() -> None:
+    served = served_routes()
+    tables = routes_tables()
+    assert {ROOT / "README.md", DOCS / "protocol.md"} <= set(tables)
+    problems = [
+        f"{page.name}'s routes table lacks `{served[route]}`: add it"
+        for page, named in tables.items()
+        for route in sorted(served.keys() - named)
+    ] + [
+        f"{page.name}'s routes table names `{route}`, which the app does not serve: remove it"
+        for page, named in tables.items()
+        for route in sorted(named - served.keys())
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_app_routes_are_read_as_the_docs_write_them() -> None:
+    """Else the test above would compare two different spellings and prove nothing."""
+    served = served_routes()
+    assert served["GET /v1/responses/{}"] == "GET /v1/responses/{response_id}"
+    assert "POST /v1/messages/count_tokens" in served
+    assert "HEAD /v1/models" not in served
