@@ -7,6 +7,7 @@ it is. A failure shows the command, how it ended and all it wrote.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -44,6 +45,13 @@ def test_a_short_traced_run_sends_its_spans_to_the_collector() -> None:
 def test_a_short_memory_run_prints_its_table() -> None:
     ran = run([PYTHON, "-m", "bench.memory", "--streams", "20"])
     assert ran.code == 0 and "| 20 |" in ran.stdout, ran.why("exit 0 and a row for 20 streams")
+
+
+def test_a_short_bodies_run_of_many_keys_says_what_a_body_costs() -> None:
+    ran = run([PYTHON, "-m", "bench.bodies", "--concurrent", "1", "--keys", "1000"])
+    result = json.loads(ran.stdout.strip().splitlines()[-1]) if ran.code == 0 else {}
+    answered = result.get("answered") == 3 and isinstance(result.get("times_body_size"), float)
+    assert answered, ran.why("exit 0 and JSON with answered: 3 and a times_body_size")
 
 
 def test_a_short_routing_run_prints_its_table() -> None:
