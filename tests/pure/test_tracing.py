@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -210,6 +213,143 @@ def test_an_invalid_traceparent_is_absent_and_nothing_is_logged(
     assert span.context is not None and format(span.context.trace_id, "032x") != TRACE_ID
     assert caplog.records == []
     assert [e for e in twisted_events if e["log_level"] >= LogLevel.warn] == []
+
+
+TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+#: Each past one limit only: 21 well-formed members of 24 characters, 33 short ones, ...
+TRACESTATE_524 = ",".join(f"k{i:02d}={'v' * 20}" for i in range(21))
+MEMBERS_33 = ",".join(f"k{i}=v" for i in range(33))
+BAGGAGE_8193 = "k=" + "v" * 4094 + ",l=" + "v" * 4094
+BAGGAGE_181 = ",".join(f"k{i}=v" for i in range(181))
+
+
+def through_a_leg(*headers: tuple[bytes, bytes]) -> tuple[Headers, str]:
+    """What a leg sends vLLM of the client's context (no client header copied), and its trace id."""
+    exported = InMemorySpanExporter()
+    traced = TracerProvider()
+    traced.add_span_processor(SimpleSpanProcessor(exported))
+    request = new_request(*headers)
+    trace = tracing.Tracing(traced).request(request, 0.0)
+    leg = trace.leg(Instance("http://d1:8200", "decode"), "next", "round-robin", 1)
+    sent = leg.headers("http://d1:8200/v1/completions", Headers())
+    leg.end()
+    trace.end(request, AccessRecord())
+    span = next(s for s in exported.get_finished_spans() if s.kind.name == "SERVER")
+    assert span.context is not None
+    return sent, format(span.context.trace_id, "032x")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("tracestate", TRACESTATE_524.encode()),
+        ("tracestate", MEMBERS_33.encode()),
+        ("tracestate", b"Upper=case"),
+        ("tracestate", b"k=v,l="),
+        ("baggage", BAGGAGE_8193.encode()),
+        ("baggage", BAGGAGE_181.encode()),
+        ("baggage", b"k=" + b"v" * 4095 + b",l=v"),
+        ("baggage", b"no equals sign"),
+        ("baggage", b"k=v;"),
+        ("baggage", "k=café".encode()),
+        ("baggage", b" "),
+        ("baggage", b"k=\xff"),
+        ("baggage", b"k=" + b"%" * 2000),
+        ("baggage", b",".join(b"k%d=" % i + b"%" * 1000 for i in range(3))),
+        ("traceparent", TRACEPARENT.encode() + b"\xff"),
+    ],
+    ids=["tracestate 524 characters", "tracestate 33 members", "tracestate malformed",
+         "tracestate empty value", "baggage 8193 bytes", "baggage 181 members",
+         "baggage member 4097 bytes", "baggage malformed", "baggage empty property",
+         "baggage not ASCII", "baggage blank", "baggage not UTF-8",
+         "baggage member 6 KB once re-encoded", "baggage 9 KB once re-encoded",
+         "traceparent not UTF-8"],
+)  # fmt: skip
+def test_a_tracestate_or_baggage_past_w3c_limits_is_absent_and_nothing_is_logged(
+    name: str,
+    value: bytes,
+    caplog: pytest.LogCaptureFixture,
+    twisted_events: list[dict[str, Any]],
+) -> None:
+    caplog.set_level(logging.WARNING)
+    headers = {b"traceparent": TRACEPARENT.encode(), name.encode(): value}
+    sent, trace_id = through_a_leg(*headers.items())
+    if name != "traceparent":
+        assert trace_id == TRACE_ID  # the client's traceparent is still followed
+    assert sent.getRawHeaders(b"tracestate") is None
+    assert sent.getRawHeaders(b"baggage") is None
+    assert caplog.records == []
+    assert [e for e in twisted_events if e["log_level"] >= LogLevel.warn] == []
+
+
+def test_a_tracestate_and_baggage_at_w3c_limits_are_followed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING)
+    tracestate = ",".join([f"k{i:02d}=" + "v" * 11 for i in range(31)] + ["k31=" + "v" * 12])
+    small = [f"k{i:03d}=v" for i in range(178)]
+    baggage = ",".join([*small, "k178=" + "v" * 4091, "k179=" + "v" * 2844])
+    assert (len(tracestate), len(baggage)) == (512, 8192)  # each at its limit, no further
+    sent, trace_id = through_a_leg(
+        (b"traceparent", TRACEPARENT.encode()),
+        (b"tracestate", tracestate.encode()),
+        (b"baggage", baggage.encode()),
+    )
+    assert trace_id == TRACE_ID
+    assert sent.getRawHeaders(b"tracestate") == [tracestate.encode()]
+    assert sent.getRawHeaders(b"baggage") == [baggage.encode()]
+    # Properties and optional whitespace are W3C's too (the SDK sends them encoded).
+    sent, _ = through_a_leg((b"traceparent", TRACEPARENT.encode()), (b"baggage", b"k = v ;p; q=r"))
+    assert sent.getRawHeaders(b"baggage") == [b"k=v+%3Bp%3B+q%3Dr"]
+    assert caplog.records == []
+
+
+#: What a client may put in the headers: W3C's delimiters, both cases, blanks, non-ASCII.
+_TRACE_TEXT = st.text(alphabet=st.sampled_from(list('ab0Z=,;@*/ \t-_%\u00e9\x7f"')), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tracestate=_TRACE_TEXT,
+    baggage=_TRACE_TEXT,
+    # Enough copies to pass each limit: 512 characters, 32 members, 8192 bytes, 180 members.
+    tracestates=st.integers(1, 40),
+    baggages=st.integers(1, 250),
+)
+def test_no_tracestate_or_baggage_makes_the_sdk_log(
+    tracestate: str, baggage: str, tracestates: int, baggages: int
+) -> None:
+    with warnings_logged() as logged:
+        through_a_leg(
+            (b"traceparent", TRACEPARENT.encode()),
+            (b"tracestate", ",".join([tracestate] * tracestates).encode("utf-8")),
+            (b"baggage", ",".join([baggage] * baggages).encode("utf-8")),
+        )
+    assert logged == []
+
+
+@contextmanager
+def warnings_logged() -> Iterator[list[str]]:
+    """What is logged at warning or above, through stdlib logging or ``twisted.logger``."""
+    logged: list[str] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append(record.getMessage())
+
+    @provider(ILogObserver)
+    def observe(event: dict[str, Any]) -> None:
+        if event["log_level"] >= LogLevel.warn:
+            logged.append(formatEvent(event))
+
+    handler = Handler(logging.WARNING)
+    logging.getLogger().addHandler(handler)
+    globalLogPublisher.addObserver(observe)
+    try:
+        yield logged
+    finally:
+        globalLogPublisher.removeObserver(observe)
+        logging.getLogger().removeHandler(handler)
 
 
 @pytest.mark.parametrize(
