@@ -13,7 +13,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.task import Clock
+from twisted.logger import LogLevel
 from twisted.web.client import ResponseFailed
+from twisted.web.http_headers import Headers
 
 from nixl_twisted import tracing
 from nixl_twisted.config import Traces
@@ -135,6 +137,19 @@ class SpanTests(TracedCase):
             )
             self.assertEqual(received.headers.getRawHeaders(b"tracestate"), [b"vendor=opaque"])
             self.assertEqual(received.headers.getRawHeaders(b"baggage"), [b"tenant=acme"])
+
+    async def test_a_trace_header_that_is_not_utf8_starts_a_new_trace_not_a_500(self) -> None:
+        await self.start_traced()
+        events = self.logged()
+        response = await self.http.post(
+            self.proxy.url + "/v1/chat/completions",
+            json=CHAT,
+            headers=Headers({b"traceparent": [b"00-\xff"]}),
+        )
+        self.assertEqual(response.code, 200)
+        await response.content()
+        self.assertIsNone(self.server().parent)
+        self.assertEqual([e for e in events if e["log_level"] >= LogLevel.warn], [])
 
     async def test_a_retry_is_a_sibling_span_that_failed(self) -> None:
         await self.start_traced()
