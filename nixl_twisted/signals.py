@@ -4,8 +4,8 @@ twistd's reactor stops on SIGTERM and then re-raises the signal, so the
 process would exit with it even after a clean drain. Taking SIGTERM here
 stops the reactor the same way (the service tree then stops in its order)
 and lets twistd exit 0. SIGHUP's default would kill the process: here it
-calls what the tree was given (a proxy reloads its pools, the supervisor
-passes the signal on to its workers).
+calls what the tree was given (a proxy reloads its config file; the
+supervisor reloads it and sends it to its workers).
 """
 
 from __future__ import annotations

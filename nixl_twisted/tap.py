@@ -50,7 +50,7 @@ class Options(usage.Options):
         [s.name, None, None, _help(s.name)] for s in SETTINGS if not s.many
     ] + [
         ["config", None, None, "A TOML file with any of these options by their long names; "
-         "the command line overrides it; SIGHUP reloads its pools."],
+         "the command line overrides it; SIGHUP reloads it (what can change live)."],
         ["worker", None, None, "(internal) Run as worker N of --workers; the "
          "configuration arrives as JSON on standard input."],
     ]  # fmt: skip
