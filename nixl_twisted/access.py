@@ -18,6 +18,7 @@ from twisted.web.http import Request
 from nixl_twisted.metrics import ProxyMetrics, route_label
 from nixl_twisted.phases import Phase
 from nixl_twisted.spans import NO_TRACE, RequestTrace
+from nixl_twisted.usage import Usage
 
 log = Logger(namespace="nixlproxy.access")
 
@@ -54,14 +55,57 @@ class AccessRecord:
     #: What went wrong, in words, when the proxy answered 5xx or broke off.
     error: str | None = None
     trace: RequestTrace = NO_TRACE
-    #: How it ended, when not simply answered: "broken", "client_left",
-    #: "shutting_down" (cut by the proxy at its drain timeout).
+    #: How it ended, when not simply answered: "broken" (the backend broke
+    #: off its answer), "client_left", "shutting_down" (cut by the proxy at
+    #: its drain timeout).
     ended: str = "answered"
     started: float = field(default_factory=time.monotonic)
+    #: The ``model`` the client asked for (bounded, printable).
+    model: str | None = None
+    #: What decode's answer reported using, when it said.
+    usage: Usage | None = None
+    #: Every attempt of every leg, in order: (leg, instance, outcome).
+    attempts: list[tuple[str, str, str]] = field(default_factory=list)
+    #: A batched completion's parts, each with its own record.
+    parts: list[AccessRecord] = field(default_factory=list)
+
+    def attempted(self, leg: str, instance: str, outcome: str) -> None:
+        self.attempts.append((leg, instance, outcome))
+
+    def retried(self) -> bool:
+        """A leg took more than one attempt."""
+        legs = [leg for leg, _, _ in self.attempts]
+        return len(legs) != len(set(legs))
+
+    def total_usage(self) -> Usage | None:
+        """This request's usage; a batch's, its parts' summed."""
+        if not self.parts:
+            return self.usage
+        reported = [part.usage for part in self.parts if part.usage is not None]
+        return sum(reported[1:], reported[0]) if reported else None
+
+    def describe_part(self, index: int) -> str:
+        """One part of a batch, in a few words: its request id, legs and how it ended."""
+        words = [f"{index}: {self.request_id}"]
+        for leg, instance, status in (("prefill", self.prefill, self.prefill_status),
+                                      ("decode", self.decode, self.decode_status)):  # fmt: skip
+            if instance is not None:
+                words.append(f"{leg}={instance}" + (f" ({status})" if status else ""))
+        if self.retried():
+            words.append("attempts=" + ", ".join(" ".join(a) for a in self.attempts))
+        if self.ended not in _USUAL:
+            words.append(f"ended={self.ended}")
+        return " ".join(words)
 
 
-def record_of(request: Request) -> AccessRecord:
-    """The request's record (made on first use)."""
+def printable(text: str, limit: int = 200) -> str:
+    """A client's string as a log may hold it: bounded, and a lone surrogate escaped."""
+    short = text if len(text) <= limit else text[:limit] + "..."
+    return short.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def record_of(request: object) -> AccessRecord:
+    """The request's record (made on first use): a client's, or a batch part's."""
     record: AccessRecord | None = getattr(request, "nixl_access", None)
     if record is None:
         record = AccessRecord()
@@ -113,14 +157,27 @@ class AccessLog:
             "decode_status": record.decode_status,
             "decode_ttfb_ms": _ms(record.decode_first_byte_seconds),
             "decode_route": record.decode_route,
+            "model": record.model,
             "ended": record.ended,
         }
+        usage = record.total_usage()
+        if usage is not None:
+            fields["prompt_tokens"] = usage.prompt_tokens
+            fields["completion_tokens"] = usage.completion_tokens
+            fields["cached_tokens"] = usage.cached_tokens
         # What did not happen is left out, and so are the usual ending and
         # round-robin's decision ("next"), which say nothing.
         fields = {k: v for k, v in fields.items() if v is not None and v not in _USUAL}
+        if record.retried():
+            fields["attempts"] = [" ".join(attempt) for attempt in record.attempts]
+        if record.parts:
+            fields["parts"] = [part.describe_part(i) for i, part in enumerate(record.parts)]
         # Rendered here: Twisted's own formatting of fifteen fields costs
         # several times more, on every request.
         log.info("{access_line}", access_line=access_line(fields), access=fields)
+
+
+_TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 
 
 def access_line(f: dict[str, Any]) -> str:
@@ -138,6 +195,15 @@ def access_line(f: dict[str, Any]) -> str:
         if f"{leg}_route" in f:
             details.append(f"route {f[f'{leg}_route']}")
         parts.append(f"{leg}={f[leg]}" + (f" ({', '.join(details)})" if details else ""))
+    if "model" in f:
+        parts.append(f"model={f['model']}")
+    tokens = [f"{f[key]} {key.split('_')[0]}" for key in _TOKENS if key in f]
+    if tokens:
+        parts.append(f"tokens=({', '.join(tokens)})")
+    if "attempts" in f:
+        parts.append(f"attempts=[{'; '.join(f['attempts'])}]")
+    if "parts" in f:
+        parts.append(f"parts=[{'; '.join(f['parts'])}]")
     if "ended" in f:
         parts.append(f"ended={f['ended']}")
     return " ".join(parts)

@@ -24,7 +24,7 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted import lowering, routing
-from nixl_twisted.access import record_of
+from nixl_twisted.access import printable, record_of
 from nixl_twisted.admin import AdminAPI
 from nixl_twisted.admission import Admission
 from nixl_twisted.backends import BackendService
@@ -221,6 +221,9 @@ class ProxyApp:
         record_of(request).request_id = request_id
         body = lowering.parse_client_body(_client_body(request))
         trace.describe(body)
+        model = body.get("model")
+        if isinstance(model, str):
+            record_of(request).model = printable(model)
         lowering.check_servable(path, body)
         batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
         if batch is None:
@@ -285,7 +288,7 @@ class ProxyApp:
     def proxyjson_answer(self, request: IRequest, failure: Failure) -> bytes:
         error = failure.value
         assert isinstance(error, ProxyError)
-        record_of(request).error = error.message  # type: ignore[arg-type]
+        record_of(request).error = error.message
         if error.error_type == "overloaded_error":
             self.refusals.refused(error.code, error.message)
         elif error.status >= 500:
@@ -325,7 +328,7 @@ class ProxyApp:
     def unexpected(self, request: IRequest, failure: Failure) -> bytes:
         log.failure("unexpected error serving {path}", failure, path=request.path)
         message = "the proxy failed unexpectedly; see its log"
-        record_of(request).error = f"{message}: {failure.getErrorMessage()}"  # type: ignore[arg-type]
+        record_of(request).error = f"{message}: {failure.getErrorMessage()}"
         return json_answer(
             request, 500, for_route(request.path, 500, message, "proxy_error", "internal_error")
         )

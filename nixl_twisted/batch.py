@@ -36,6 +36,7 @@ from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
+from nixl_twisted.access import record_of
 from nixl_twisted.errors import ProxyError, bad_gateway
 from nixl_twisted.lowering import BatchRequest, JSONObject
 from nixl_twisted.relay import break_off
@@ -55,6 +56,8 @@ class PartRequest:
         self.uri = client.uri
         self.path = client.path
         self.requestHeaders = client.requestHeaders
+        #: Set when the batch itself cancels this part: why, for its exchange to say.
+        self.ended_by: str | None = None
         self.responseHeaders = Headers()
         self.code = 200
         self.channel = None  # no connection of its own: nothing to close or pause
@@ -107,6 +110,8 @@ class Batch:
         self.stream = batch.stream
         self.include_usage = batch.include_usage
         self.parts = [_Part(self, i) for i in range(len(self.prompts))]
+        # The client's access event lists each part's legs.
+        record_of(client).parts = [record_of(part.request) for part in self.parts]
         self._running: list[Deferred[None]] = []
         self._first: JSONObject | None = None
         self._failed = False
@@ -135,13 +140,15 @@ class Batch:
             return succeed(None)  # the batch failed: the parts not started never are
         return self.exchange(part.request, dict(self.body, prompt=self.prompts[part.index]))
 
-    def _cancel(self) -> None:
+    def _cancel(self, why: str = "cancelled: the batch's client left") -> None:
         self._failed = True
+        for part in self.parts:
+            part.request.ended_by = part.request.ended_by or why
         for run in self._running:
             run.cancel()
 
     def _part_failed(self, failure: Any) -> Any:
-        self._cancel()
+        self._cancel("cancelled: another part of the batch failed")
         error = failure.value.subFailure if failure.check(FirstError) else failure
         if not self.client.startedWriting:
             return error
@@ -175,7 +182,7 @@ class Batch:
     async def _finish(self) -> None:
         failing = next((p for p in self.parts if p.request.code != 200), None)
         if failing is not None and not self.client.startedWriting:
-            self._cancel()
+            self._cancel("cancelled: another part of the batch failed")
             raise _as_error(failing)
         if self.stream:
             if failing is not None or not all(p.done for p in self.parts):

@@ -53,6 +53,7 @@ from nixl_twisted.relay import (
 )
 from nixl_twisted.routing import NO_ROUTING, Routing
 from nixl_twisted.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+from nixl_twisted.usage import UsageWatch, watching
 
 log = Logger()
 
@@ -101,6 +102,8 @@ class Exchange:
         self.client_gone = False
         #: The drain timeout ended: the proxy itself cuts this request.
         self.shutting_down = False
+        #: Decode broke off: the proxy closed the client's connection, not the client.
+        self.broke_off = False
         self._current: Deferred[Any] | None = None
         self._decode_sent = 0.0
         self._params_at = 0.0
@@ -142,8 +145,14 @@ class Exchange:
             self._current.cancel()
 
     def _client_left(self, _: Deferred[None]) -> None:
-        if self.shutting_down:
+        if self.shutting_down or self.broke_off:
             return  # the proxy closed the connection, after saying why
+        left = getattr(self.request, "ended_by", None)
+        if left is not None:  # a batch's part, cancelled by its batch
+            self._leg.fail(left, self.phase.value)
+            if self._current is not None:
+                self._current.cancel()
+            return
         self.client_gone = True
         self.metrics.client_disconnects.labels(self.phase.value).inc()
         log.info("client left {request_id} during {phase}",
@@ -174,7 +183,7 @@ class Exchange:
         decode, response = await send_leg(
             self.backends.decode, self.retries.decode, self.metrics,
             lambda instance, leg: self._decode(instance, leg, completed),
-            routing=self.routing, trace=self.trace,
+            routing=self.routing, trace=self.trace, record=self.record,
         )  # fmt: skip
         self.record.decode_route = decode.decision
         try:
@@ -197,6 +206,7 @@ class Exchange:
             lambda instance, leg: self._prefill(instance, leg, lowered),
             # Nobody to answer and no blocks held yet: no more prefill attempts.
             go_on=lambda: not self.client_gone, routing=self.routing, trace=self.trace,
+            record=self.record,
         )  # fmt: skip
         self.record.prefill_route = prefill.decision
         self._params_at = self.clock.seconds()
@@ -303,12 +313,13 @@ class Exchange:
 
     async def _relay(self, response: IResponse, decode: Lease) -> None:
         start_response(self.request, response)
+        used = UsageWatch()
         try:
-            watching = self.watch(decode.instance.url) if self.watch is not None else None
+            responses = self.watch(decode.instance.url) if self.watch is not None else None
             await self._track(relay_body(self.request, response, self.clock,
                                          self.timeouts.stream_idle,
                                          partial(self._first_byte, decode.instance),
-                                         watching))  # fmt: skip
+                                         watching(responses, used)))  # fmt: skip
         except CancelledError:
             raise
         except Exception as error:
@@ -327,9 +338,12 @@ class Exchange:
                     else "decode closed the stream early")  # fmt: skip
             self.record.error = said
             # The client is told what happened; the detail is in the log line above.
+            self.broke_off = True
             await break_off(
                 self.request, said, "decode_timeout" if silent else "decode_stream_broken"
             )
+        finally:
+            self.record.usage = used.usage()
 
 
 def _query(request: Request) -> str:

@@ -21,6 +21,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IResponse
 
+from nixl_twisted.access import AccessRecord
 from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
@@ -136,6 +137,7 @@ async def send_leg(
     go_on: Callable[[], bool] = lambda: True,
     routing: Routing = NO_ROUTING,
     trace: RequestTrace = NO_TRACE,
+    record: AccessRecord | None = None,
 ) -> tuple[Lease, T]:
     """Run ``attempt`` on the pool's next instances until one does not ``Retry``.
 
@@ -143,8 +145,10 @@ async def send_leg(
     releases it when the leg is over, a relay included) and what the attempt
     returned. ``go_on`` is asked before each attempt: when it says no, the
     leg ends with ``CancelledError``. Each attempt is its own span of
-    ``trace`` (a retry is a sibling), handed to ``attempt`` for its headers.
+    ``trace`` (a retry is a sibling), handed to ``attempt`` for its headers,
+    and one of ``record``'s attempts (instance, outcome).
     """
+    noted = record.attempted if record is not None else _not_noted
     tried: list[Instance] = []
     last: ProxyError | None = None
     for number in range(1, 2 + retries):
@@ -162,19 +166,39 @@ async def send_leg(
         tried.append(instance)
         lease, leg = hold(pool, instance, decision, trace, number)
         try:
-            return lease, await attempt(instance, leg)
+            served = lease, await attempt(instance, leg)
         except Retry as retry:
             leg.fail(f"{retry.down}; another instance is tried" if number <= retries
                      else retry.down)  # fmt: skip
             lease.release()
             account(metrics, pool, instance, retry.outcome, retry.down)
+            noted(pool.role, instance.url, retry.outcome)
             last = retry.error
         except BaseException as error:
             leg.fail(describe(error))
             lease.release()
+            noted(pool.role, instance.url, outcome_of(error))
             raise
+        else:
+            noted(pool.role, instance.url, "answered")
+            return served
     assert last is not None
     raise last
+
+
+def outcome_of(error: BaseException) -> str:
+    """A failed attempt's outcome, for the access event: an error's code, in a word."""
+    if isinstance(error, ProxyError):
+        return error.code
+    if isinstance(error, PrefillRefused):
+        return f"refused_{error.response.code}"
+    if isinstance(error, CancelledError):
+        return "cancelled"
+    return "failed"
+
+
+def _not_noted(leg: str, instance: str, outcome: str) -> None:
+    """No record to note attempts in."""
 
 
 def note_handoff(

@@ -76,6 +76,8 @@ def flat(event: dict[str, Any]) -> dict[str, Any]:
             continue
         if value is None or isinstance(value, (str, int, float, bool)):
             line[key] = value
+        elif isinstance(value, list) and all(isinstance(v, (str, int, float)) for v in value):
+            line[key] = value  # an access event's attempts and batch parts
     return line
 
 

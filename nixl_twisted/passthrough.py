@@ -24,7 +24,16 @@ from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.errors import ProxyError
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers, for_rank
-from nixl_twisted.legs import Retry, account, describe, hold, send_leg, timed_out, unreachable
+from nixl_twisted.legs import (
+    Retry,
+    account,
+    describe,
+    hold,
+    outcome_of,
+    send_leg,
+    timed_out,
+    unreachable,
+)
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.pools import Instance, Lease
 from nixl_twisted.relay import abandon, break_off, relay_body, start_response
@@ -58,7 +67,9 @@ class OneLeg:
         attempt = self._attempt(request, path, body)
         pool = self.backends.decode
         retries = self.config.retries.decode
-        lease, (response, leg) = await send_leg(pool, retries, self.metrics, attempt, trace=trace)
+        lease, (response, leg) = await send_leg(
+            pool, retries, self.metrics, attempt, trace=trace, record=record_of(request)
+        )
         await self._relay(request, path, lease, response, leg)
 
     async def follow_up(
@@ -83,18 +94,22 @@ class OneLeg:
             left = len(order) - 1 - index
             decision = "holder" if instance.url == first else "asked"
             lease, leg = hold(pool, instance, decision, trace, index + 1)
+            record = record_of(request)
             try:
                 response, _ = await attempt(instance, leg)
             except Retry as retry:
                 leg.fail(retry.down)
                 lease.release()
                 account(self.metrics, pool, instance, retry.outcome, retry.down)
+                record.attempted("decode", instance.url, retry.outcome)
                 last = retry.error
                 continue
             except BaseException as error:
                 leg.fail(describe(error))
                 lease.release()
+                record.attempted("decode", instance.url, outcome_of(error))
                 raise
+            record.attempted("decode", instance.url, f"answered_{response.code}")
             if response.code == 404 and left > 0:
                 abandon(response)
                 lease.release()

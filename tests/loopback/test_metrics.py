@@ -6,11 +6,13 @@ import json
 from typing import cast
 
 from prometheus_client.parser import text_string_to_metric_families
+from twisted.internet.defer import gatherResults
 from twisted.internet.interfaces import IPushProducer
 from twisted.logger import formatEvent
 from twisted.web.client import ResponseFailed
 
-from tests.support import CHAT, ProxyCase
+from nixl_twisted.access import access_line
+from tests.support import CHAT, ProxyCase, closed_port_url
 
 STREAM = dict(CHAT, stream=True)
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -180,6 +182,80 @@ class AccessLogTests(ScrapingCase):
         (event,) = events
         self.assertEqual(event["status"], 404)
         self.assertEqual(event["path"], "/v2/" + "x" * 196 + "...")
+
+
+class AccessEventDetailTests(ScrapingCase):
+    async def test_the_model_and_the_usage_decode_reported(self) -> None:
+        events = self.access_events()
+        await self.start()
+        _, answer = await self.post_json("/v1/chat/completions", CHAT)
+        stream = await self.post("/v1/completions", {
+            "model": "m\ud800", "prompt": "one two three", "stream": True,
+            "stream_options": {"include_usage": True},
+        })  # fmt: skip
+        await stream.content()
+        whole, streamed = events
+        usage = answer["usage"]
+        self.assertEqual(whole["model"], "fake-model")
+        self.assertEqual(
+            (whole["prompt_tokens"], whole["completion_tokens"], whole["cached_tokens"]),
+            (usage["prompt_tokens"], usage["completion_tokens"],
+             usage["prompt_tokens_details"]["cached_tokens"]),
+        )  # fmt: skip
+        self.assertEqual(streamed["model"], "m\\ud800")  # a lone surrogate, escaped
+        self.assertEqual(streamed["prompt_tokens"], 3)
+        self.assertIn("tokens=(", access_line(streamed))
+
+    async def test_every_attempt_of_each_leg_is_listed(self) -> None:
+        events = self.access_events()
+        await self.start(prefills=2, decodes=1, proxy=dict(decode_retries=1))
+        dead = await closed_port_url()
+        self.proxy.service.backends.decode.add(dead)
+        self.proxy.service.backends.decode.instances.reverse()  # the dead one first
+        self.prefills[0].crash_next(503)
+        response, _ = await self.post_json("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 200)
+        (event,) = events
+        p0, p1 = (fake.url for fake in self.prefills)
+        self.assertEqual(event["attempts"], [
+            f"prefill {p0} error_status", f"prefill {p1} answered",
+            f"decode {dead} unreachable", f"decode {self.decode.url} answered",
+        ])  # fmt: skip
+        self.assertIn(f"attempts=[prefill {p0} error_status; ", access_line(event))
+
+    async def test_a_batch_lists_each_parts_legs_and_sums_their_usage(self) -> None:
+        events = self.access_events()
+        await self.start()
+        body = {"model": "m", "prompt": ["one", "two three"], "max_tokens": 2}
+        response, answer = await self.post_json("/v1/completions", body)
+        self.assertEqual(response.code, 200)
+        (event,) = events
+        self.assertEqual(len(event["parts"]), 2)
+        for index, part in enumerate(event["parts"]):
+            self.assertTrue(part.startswith(f"{index}: "), part)
+            self.assertIn(f"prefill={self.prefill.url} (200)", part)
+            self.assertIn(f"decode={self.decode.url} (200)", part)
+        self.assertEqual(event["prompt_tokens"], answer["usage"]["prompt_tokens"])
+        self.assertEqual(event["completion_tokens"], 4)
+
+    async def test_a_decode_break_is_not_told_as_the_client_leaving(self) -> None:
+        logged = self.logged()
+        events = self.access_events()
+        await self.start()
+        self.decode.break_next(after_events=2)
+        response = await self.post("/v1/chat/completions", dict(CHAT, stream=True))
+        # The proxy closes the connection (its event written as it does), maybe already.
+        closing = [self.proxy.site.connection_lost(c) for c in self.proxy.site.channels()]
+        with self.assertRaises(ResponseFailed):
+            await response.content()
+        await gatherResults(closing)
+        lines = [formatEvent(e) for e in logged]
+        self.assertTrue(any("broke off" in line for line in lines), lines)
+        self.assertFalse(any("client left" in line for line in lines), lines)
+        (event,) = events
+        self.assertEqual(event["ended"], "broken")
+        samples = await self.scrape()
+        self.assertNotIn(("nixlproxy_client_disconnects_total", (("phase", "relay"),)), samples)
 
 
 class QuietLogTests(ProxyCase):

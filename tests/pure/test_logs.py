@@ -62,6 +62,19 @@ def test_an_access_event_is_one_flat_json_line_under_400_bytes() -> None:
     assert not [k for k in line if k.startswith("log_") or k in ("access", "access_line")]
 
 
+def test_an_access_events_attempts_and_parts_are_json_lists() -> None:
+    retried = dict(
+        COMPLETION, attempts=["prefill http://p1 unreachable", "prefill http://p2 answered"]
+    )
+    (line,) = json_lines_of(
+        lambda log: log.info("{access_line}", access_line=access_line(retried), access=retried)
+    )
+    assert line["attempts"] == retried["attempts"]
+    assert "attempts=[prefill http://p1 unreachable; prefill http://p2 answered]" in (
+        access_line(retried)
+    )
+
+
 def test_other_events_have_their_message_rendered_and_their_fields() -> None:
     (line,) = json_lines_of(
         lambda log: log.warn("{role} instance {url} marked down", role="decode", url="http://d:1")

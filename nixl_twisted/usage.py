@@ -1,0 +1,101 @@
+"""The tokens an answer used, as vLLM reports them, read from decode's body as it passes.
+
+vLLM puts ``usage`` at the end: in a whole answer, after the choices; in a
+stream, in its last events (``stream_options.include_usage``, Anthropic's
+``message_delta``, the Responses API's ``response.completed``). So the
+relay keeps only the body's last ``TAIL`` bytes, unchanged and unparsed,
+and the last ``"usage": {...}`` in them is read once the body has ended.
+The three APIs' names are said one way: prompt, completion and cached tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: The bytes kept: a usage object and what may follow it (logprobs are before).
+TAIL = 8 * 1024
+
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What an answer reported; None where it did not say."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            _sum(self.prompt_tokens, other.prompt_tokens),
+            _sum(self.completion_tokens, other.completion_tokens),
+            _sum(self.cached_tokens, other.cached_tokens),
+        )
+
+
+def _sum(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else a + b
+
+
+class UsageWatch:
+    """A relay watch (``relay.relay_body``): keeps the body's tail, reads its usage at the end."""
+
+    def __init__(self) -> None:
+        self._chunks: list[bytes] = []
+        self._size = 0
+
+    def __call__(self, chunk: bytes) -> bool:
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if self._size > 2 * TAIL:  # trimmed now and then, not on every chunk
+            tail = b"".join(self._chunks)[-TAIL:]
+            self._chunks, self._size = [tail], len(tail)
+        return False  # the tail is wanted to the end
+
+    def usage(self) -> Usage | None:
+        """The last usage the body reported, or None."""
+        return read_usage(b"".join(self._chunks)[-TAIL:])
+
+
+def read_usage(tail: bytes) -> Usage | None:
+    """The last ``"usage": {...}`` object in ``tail``, in one vocabulary; None if none."""
+    matches = list(_USAGE.finditer(tail))
+    if not matches:
+        return None
+    found = matches[-1]
+    try:
+        text = tail[found.end() - 1 :].decode("utf-8", "replace")
+        value, _ = _DECODER.raw_decode(text)
+    except ValueError:
+        return None  # cut off, or not JSON after all
+    if not isinstance(value, dict):
+        return None
+    details = value.get("prompt_tokens_details") or value.get("input_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(
+        _count(value.get("prompt_tokens", value.get("input_tokens"))),
+        _count(value.get("completion_tokens", value.get("output_tokens"))),
+        _count(cached if cached is not None else value.get("cache_read_input_tokens")),
+    )
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def watching(*watches: Callable[[bytes], bool] | None) -> Callable[[bytes], bool] | None:
+    """One relay watch that shows each chunk to every watch until it says it has seen enough."""
+    live = [watch for watch in watches if watch is not None]
+    if len(live) <= 1:
+        return live[0] if live else None
+
+    def watch(chunk: bytes) -> bool:
+        live[:] = [each for each in live if not each(chunk)]
+        return not live
+
+    return watch
