@@ -98,12 +98,6 @@ class AccessRecord:
         return " ".join(words)
 
 
-def printable(text: str, limit: int = 200) -> str:
-    """A client's string as a log may hold it: bounded, and a lone surrogate escaped."""
-    short = text if len(text) <= limit else text[:limit] + "..."
-    return short.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def record_of(request: object) -> AccessRecord:
     """The request's record (made on first use): a client's, or a batch part's."""
     record: AccessRecord | None = getattr(request, "nixl_access", None)

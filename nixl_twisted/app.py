@@ -24,7 +24,7 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted import lowering, routing
-from nixl_twisted.access import printable, record_of
+from nixl_twisted.access import record_of
 from nixl_twisted.admin import AdminAPI
 from nixl_twisted.admission import Admission
 from nixl_twisted.backends import BackendService
@@ -223,7 +223,7 @@ class ProxyApp:
         trace.describe(body)
         model = body.get("model")
         if isinstance(model, str):
-            record_of(request).model = printable(model)
+            record_of(request).model = lowering.printable(model)
         lowering.check_servable(path, body)
         batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
         if batch is None:

@@ -268,3 +268,9 @@ def encode(body: JSONObject) -> bytes:
         return text.encode("utf-8")
     except UnicodeEncodeError:
         return _ASCII_ENCODER.encode(body).encode("ascii")
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """A client's string as a log line or span may hold it: bounded, a lone surrogate escaped."""
+    short = text if len(text) <= limit else text[:limit] + "..."
+    return short.encode("utf-8", "backslashreplace").decode("utf-8")

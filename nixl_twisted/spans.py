@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from twisted.web.http import Request
 from twisted.web.http_headers import Headers
 
+from nixl_twisted.lowering import printable
 from nixl_twisted.metrics import route_label
 
 if TYPE_CHECKING:
@@ -275,8 +276,8 @@ class ServerSpan(RequestTrace):
             return
         model = body.get("model")
         described: dict[str, str | bool] = {"nixlproxy.stream": body.get("stream") is True}
-        if isinstance(model, str):
-            described["gen_ai.request.model"] = model
+        if isinstance(model, str):  # (a lone surrogate would fail the whole export)
+            described["gen_ai.request.model"] = printable(model)
         self._span.set_attributes(described)
 
     def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:

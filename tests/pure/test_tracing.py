@@ -382,6 +382,20 @@ def test_a_leg_names_its_server_by_host_and_port_and_its_url(
     assert attributes["nixlproxy.instance"] == instance
 
 
+def test_a_model_with_a_lone_surrogate_is_escaped_and_its_spans_still_export() -> None:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    exported = InMemorySpanExporter()
+    traced = TracerProvider()
+    traced.add_span_processor(SimpleSpanProcessor(exported))
+    trace = tracing.Tracing(traced).request(new_request(), 0.0)
+    trace.describe({"model": "m\ud800"})
+    trace.end(new_request(), AccessRecord())
+    (span,) = exported.get_finished_spans()
+    assert dict(span.attributes or {})["gen_ai.request.model"] == "m\\ud800"
+    assert encode_spans([span]).SerializeToString()  # the OTLP encoding does not fail
+
+
 EXPORTER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
 
 
