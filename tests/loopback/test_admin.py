@@ -167,14 +167,7 @@ class AdminChangeTests(AdminCase):
         self.assertEqual(code, 404)
 
     async def test_a_url_with_cr_lf_is_refused_unstored_and_never_logged_raw(self) -> None:
-        lines: list[str] = []
-
-        @provider(ILogObserver)
-        def observe(event: dict[str, Any]) -> None:
-            lines.append(formatEvent(event))
-
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        events = self.logged()
         await self.start(proxy=dict(admin_token=TOKEN))
         smuggled = f"{self.decode.url}/\r\nX-Injected: 1"
         code, answer = await self.admin(
@@ -184,6 +177,7 @@ class AdminChangeTests(AdminCase):
         self.assertIn("whitespace or control characters", answer["error"]["message"])
         _, listing = await self.admin("GET", "/admin/backends")
         self.assertEqual([i["url"] for i in listing["decode"]], [self.decode.url])
+        lines = [formatEvent(event) for event in events]
         self.assertTrue(lines)
         self.assertFalse([line for line in lines if "\r" in line or "\n" in line])
 
