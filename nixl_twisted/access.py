@@ -68,14 +68,14 @@ class AccessRecord:
     attempts: list[tuple[str, str, str]] = field(default_factory=list)
     #: A batched completion's parts, each with its own record.
     parts: list[AccessRecord] = field(default_factory=list)
+    #: A leg took more than one attempt (the event then lists them all).
+    retried: bool = False
 
-    def attempted(self, leg: str, instance: str, outcome: str) -> None:
+    def attempted(self, leg: str, instance: str, outcome: str, again: bool = False) -> None:
+        """One attempt of a leg; ``again``: not its first."""
         self.attempts.append((leg, instance, outcome))
-
-    def retried(self) -> bool:
-        """A leg took more than one attempt."""
-        legs = [leg for leg, _, _ in self.attempts]
-        return len(legs) != len(set(legs))
+        if again:
+            self.retried = True
 
     def total_usage(self) -> Usage | None:
         """This request's usage; a batch's, its parts' summed."""
@@ -91,7 +91,7 @@ class AccessRecord:
                                       ("decode", self.decode, self.decode_status)):  # fmt: skip
             if instance is not None:
                 words.append(f"{leg}={instance}" + (f" ({status})" if status else ""))
-        if self.retried():
+        if self.retried:
             words.append("attempts=" + ", ".join(" ".join(a) for a in self.attempts))
         if self.ended not in _USUAL:
             words.append(f"ended={self.ended}")
@@ -128,7 +128,7 @@ class AccessLog:
         elapsed = time.monotonic() - record.started
         route = route_label(request.path)
         status = record.ended if cut else str(request.code)
-        self.metrics.requests.labels(route, status).inc()
+        self.metrics.child(self.metrics.requests, route, status).inc()
         if route in COMPLETION_ROUTES and not client_left:
             self.metrics.request_seconds.observe(elapsed)
         record.trace.end(request, record)
@@ -162,7 +162,7 @@ class AccessLog:
         # What did not happen is left out, and so are the usual ending and
         # round-robin's decision ("next"), which say nothing.
         fields = {k: v for k, v in fields.items() if v is not None and v not in _USUAL}
-        if record.retried():
+        if record.retried:
             fields["attempts"] = [" ".join(attempt) for attempt in record.attempts]
         if record.parts:
             fields["parts"] = [part.describe_part(i) for i, part in enumerate(record.parts)]

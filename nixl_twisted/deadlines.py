@@ -5,15 +5,15 @@ byte every few seconds (slowloris): it holds a connection, and with a body
 announced, the bytes reserved for it, for ever. So a request's line and
 headers have ``header`` seconds, and its body ``body`` seconds plus one per
 ``body_min_rate`` bytes received (the rule of Apache's mod_reqtimeout): a
-large upload at a fair rate always finishes, a trickle does not.
+large upload at a fair rate always finishes, a trickle does not. Deadlines
+are checked once a second, so one is met within a second of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 
 from nixl_twisted.config import ProxyConfig
 
@@ -40,45 +40,40 @@ class ClientLimits:
 
 
 class RequestDeadlines:
-    """The deadline of the request a connection is receiving now; ``late`` is told which passed."""
+    """The deadline of the request a connection is receiving now, if any.
 
-    def __init__(self, clock: IReactorTime, late: Callable[[str], None]) -> None:
+    No timer per request: the site looks at every connection's deadline
+    once a second (``TrackingSite``), so a request costs two clock readings.
+    """
+
+    def __init__(self, clock: IReactorTime) -> None:
         self._clock = clock
-        self._late = late
-        self._timer: IDelayedCall | None = None
-        self._body_deadline = 0.0
+        #: "header" or "body" while one is awaited; None between requests.
+        self.awaiting: str | None = None
+        self._deadline = 0.0
         self._rate = 0
 
     def head(self, limits: ClientLimits) -> None:
         """A request's head began (or the connection opened): it has ``header_timeout``."""
-        if self._timer is None:
-            self._timer = self._clock.callLater(limits.header_timeout, self._passed, "header")
+        if self.awaiting is None:
+            self.awaiting = "header"
+            self._deadline = self._clock.seconds() + limits.header_timeout
 
     def body(self, limits: ClientLimits) -> None:
         """The head is in, a body follows: its clock starts now."""
-        self.cancel()
+        self.awaiting = "body"
         self._rate = limits.body_min_rate
-        self._body_deadline = self._clock.seconds() + limits.body_timeout
-        self._timer = self._clock.callLater(limits.body_timeout, self._body_due)
+        self._deadline = self._clock.seconds() + limits.body_timeout
 
-    def received(self, size: int) -> None:
-        """``size`` bytes of body arrived: each ``body_min_rate`` of them earn a second."""
-        if self._rate:
-            self._body_deadline += size / self._rate
+    def done(self) -> None:
+        """The request is in whole: nothing awaited until the next one begins."""
+        self.awaiting = None
 
-    def cancel(self) -> None:
-        """The request is in whole (or the connection is gone): no deadline runs."""
-        if self._timer is not None and self._timer.active():
-            self._timer.cancel()
-        self._timer = None
-
-    def _body_due(self) -> None:
-        left = self._body_deadline - self._clock.seconds()
-        if left > 0:
-            self._timer = self._clock.callLater(left, self._body_due)
-        else:
-            self._passed("body")
-
-    def _passed(self, what: str) -> None:
-        self._timer = None
-        self._late(what)
+    def passed(self, now: float, received: int) -> bool:
+        """Whether the deadline has passed; a body's earns a second per ``body_min_rate`` bytes."""
+        if self.awaiting is None:
+            return False
+        deadline = self._deadline
+        if self.awaiting == "body" and self._rate:
+            deadline += received / self._rate
+        return now >= deadline

@@ -53,7 +53,7 @@ from nixl_twisted.relay import (
 )
 from nixl_twisted.routing import NO_ROUTING, Routing
 from nixl_twisted.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
-from nixl_twisted.usage import UsageWatch, watching
+from nixl_twisted.usage import read_usage
 
 log = Logger()
 
@@ -234,7 +234,9 @@ class Exchange:
                 self.metrics.missing_kv_transfer_params.inc()
             raise
         self.record.prefill_seconds = self.clock.seconds() - started
-        self.metrics.prefill_seconds.labels(instance.url).observe(self.record.prefill_seconds)
+        self.metrics.child(self.metrics.prefill_seconds, instance.url).observe(
+            self.record.prefill_seconds
+        )
         return params
 
     async def _prefill_answer(self, instance: Instance, leg: LegTrace, lowered: bytes) -> bytes:
@@ -309,17 +311,16 @@ class Exchange:
     def _first_byte(self, instance: Instance) -> None:
         waited = self.clock.seconds() - self._decode_sent
         self.record.decode_first_byte_seconds = waited
-        self.metrics.decode_first_byte_seconds.labels(instance.url).observe(waited)
+        self.metrics.child(self.metrics.decode_first_byte_seconds, instance.url).observe(waited)
 
     async def _relay(self, response: IResponse, decode: Lease) -> None:
         start_response(self.request, response)
-        used = UsageWatch()
         try:
-            responses = self.watch(decode.instance.url) if self.watch is not None else None
+            watching = self.watch(decode.instance.url) if self.watch is not None else None
             await self._track(relay_body(self.request, response, self.clock,
                                          self.timeouts.stream_idle,
                                          partial(self._first_byte, decode.instance),
-                                         watching(responses, used)))  # fmt: skip
+                                         watching, self._used))  # fmt: skip
         except CancelledError:
             raise
         except Exception as error:
@@ -342,8 +343,10 @@ class Exchange:
             await break_off(
                 self.request, said, "decode_timeout" if silent else "decode_stream_broken"
             )
-        finally:
-            self.record.usage = used.usage()
+
+    def _used(self, tail: bytes) -> None:
+        """What decode's answer reported using, from its last chunks."""
+        self.record.usage = read_usage(tail)
 
 
 def _query(request: Request) -> str:

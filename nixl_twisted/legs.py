@@ -111,7 +111,7 @@ def account(
     down: str | None = None,
 ) -> None:
     """Count a leg's outcome; ``down`` (why the instance failed) counts toward marking it down."""
-    metrics.backend_requests.labels(pool.role, instance.url, outcome).inc()
+    metrics.child(metrics.backend_requests, pool.role, instance.url, outcome).inc()
     if down is None:
         pool.record_success(instance)
     else:
@@ -162,7 +162,7 @@ async def send_leg(
             raise (last or unavailable(error)) from None
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
-        metrics.routing_decisions.labels(pool.role, pool.policy_name, decision).inc()
+        metrics.child(metrics.routing_decisions, pool.role, pool.policy_name, decision).inc()
         tried.append(instance)
         lease, leg = hold(pool, instance, decision, trace, number)
         try:
@@ -172,15 +172,15 @@ async def send_leg(
                      else retry.down)  # fmt: skip
             lease.release()
             account(metrics, pool, instance, retry.outcome, retry.down)
-            noted(pool.role, instance.url, retry.outcome)
+            noted(pool.role, instance.url, retry.outcome, number > 1)
             last = retry.error
         except BaseException as error:
             leg.fail(describe(error))
             lease.release()
-            noted(pool.role, instance.url, outcome_of(error))
+            noted(pool.role, instance.url, outcome_of(error), number > 1)
             raise
         else:
-            noted(pool.role, instance.url, "answered")
+            noted(pool.role, instance.url, "answered", number > 1)
             return served
     assert last is not None
     raise last
@@ -197,7 +197,7 @@ def outcome_of(error: BaseException) -> str:
     return "failed"
 
 
-def _not_noted(leg: str, instance: str, outcome: str) -> None:
+def _not_noted(leg: str, instance: str, outcome: str, again: bool) -> None:
     """No record to note attempts in."""
 
 

@@ -8,7 +8,7 @@ prompt is never a label.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from twisted.web.iweb import IRequest
@@ -114,6 +115,7 @@ class ProxyMetrics:
         """``shared_dir``: a worker's; its /metrics then sums every worker's files there."""
         self._pools = list(pools)
         self._shared_dir = shared_dir
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # No ``*_created`` series: one per counter and histogram child, they
         # doubled the exposition for a timestamp Prometheus does not need.
         # (prometheus_client keeps this switch process-wide.)
@@ -191,6 +193,19 @@ class ProxyMetrics:
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )
         r.register(_InstanceHealth(self._pools))
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the hot path asks for the same few.
+
+        prometheus_client builds, checks and looks the label tuple up under a
+        lock on each call; the label sets here are bounded (routes, statuses,
+        instances, outcomes), so each child is made once.
+        """
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format; a worker's: the whole proxy's."""

@@ -101,15 +101,15 @@ class OneLeg:
                 leg.fail(retry.down)
                 lease.release()
                 account(self.metrics, pool, instance, retry.outcome, retry.down)
-                record.attempted("decode", instance.url, retry.outcome)
+                record.attempted("decode", instance.url, retry.outcome, index > 0)
                 last = retry.error
                 continue
             except BaseException as error:
                 leg.fail(describe(error))
                 lease.release()
-                record.attempted("decode", instance.url, outcome_of(error))
+                record.attempted("decode", instance.url, outcome_of(error), index > 0)
                 raise
-            record.attempted("decode", instance.url, f"answered_{response.code}")
+            record.attempted("decode", instance.url, f"answered_{response.code}", index > 0)
             if response.code == 404 and left > 0:
                 abandon(response)
                 lease.release()

@@ -46,10 +46,14 @@ class _BodyRelay(Protocol):
         idle_timeout: float | None,
         on_first_byte: Callable[[], None] | None = None,
         watch: Callable[[bytes], bool] | None = None,
+        on_end: Callable[[bytes], None] | None = None,
     ) -> None:
         self._on_first_byte = on_first_byte
         #: Shown each chunk as it passes, until it says it has seen enough.
         self._watch = watch
+        #: Given the body's last two chunks when it ends (where vLLM puts ``usage``).
+        self._on_end = on_end
+        self._before_last = self._last = b""
         self._request = request
         self._finished = finished
         self._clock = clock
@@ -67,6 +71,7 @@ class _BodyRelay(Protocol):
             first()
         if self._watch is not None and self._watch(data):
             self._watch = None
+        self._before_last, self._last = self._last, data
         self._restart_timer()
         self._request.write(data)
 
@@ -96,6 +101,8 @@ class _BodyRelay(Protocol):
             self._timer.cancel()
         if self._request.channel is not None and self._request.producer is not None:
             self._request.unregisterProducer()
+        if self._on_end is not None:
+            self._on_end(self._before_last + self._last)
         if self._finished.called:
             return
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -127,17 +134,19 @@ def relay_body(
     idle_timeout: float | None,
     on_first_byte: Callable[[], None] | None = None,
     watch: Callable[[bytes], bool] | None = None,
+    on_end: Callable[[bytes], None] | None = None,
 ) -> Deferred[None]:
     """Relay a backend body to the client; fires when the backend's body ended.
 
-    ``watch`` is shown each chunk as it passes (unchanged), until it returns True.
+    ``watch`` is shown each chunk as it passes (unchanged), until it returns
+    True; ``on_end`` is given the body's last two chunks, however it ended.
 
     Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data.
     Cancelling the Deferred closes the backend connection, which makes vLLM
     abort the request and free its KV blocks.
     """
     finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte, watch)
+    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte, watch, on_end)
     response.deliverBody(relay)
     return finished
 

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.http import HTTPChannel
@@ -48,7 +49,7 @@ class _TrackedChannel(HTTPChannel):
         super().connectionMade()
         if not self.factory._opened(self):
             return
-        self._deadlines = RequestDeadlines(self.factory.clock, self._late)
+        self._deadlines = RequestDeadlines(self.factory.clock)
         self._deadlines.head(self.factory.limits)
 
     def dataReceived(self, data: bytes) -> None:
@@ -64,7 +65,7 @@ class _TrackedChannel(HTTPChannel):
 
     def allContentReceived(self) -> None:
         if self._deadlines is not None:
-            self._deadlines.cancel()
+            self._deadlines.done()
         super().allContentReceived()
 
     def requestDone(self, request: http.Request) -> None:
@@ -72,12 +73,19 @@ class _TrackedChannel(HTTPChannel):
         self._between_requests = True
         super().requestDone(request)
 
-    def body_received(self, size: int) -> None:
-        if self._deadlines is not None:
-            self._deadlines.received(size)
+    def late(self, now: float) -> bool:
+        """Whether the request being received has missed its deadline."""
+        if self._deadlines is None or self._deadlines.awaiting is None:
+            return False
+        request = self.requests[-1] if self.requests else None
+        received = request._received if isinstance(request, LimitedRequest) else 0
+        return self._deadlines.passed(now, received)
 
-    def _late(self, what: str) -> None:
+    def timed_out(self) -> None:
         """A deadline passed: 408, and the connection closed."""
+        assert self._deadlines is not None and self._deadlines.awaiting is not None
+        what = self._deadlines.awaiting
+        self._deadlines.done()
         limits = self.factory.limits
         seconds = limits.header_timeout if what == "header" else limits.body_timeout
         code = f"{what}_timeout"
@@ -132,7 +140,7 @@ class _TrackedChannel(HTTPChannel):
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
         if self._deadlines is not None:
-            self._deadlines.cancel()
+            self._deadlines.done()
         try:
             super().connectionLost(reason)
         finally:
@@ -201,9 +209,6 @@ class LimitedRequest(Request):
         if self._refused:
             return  # dropped: answered already
         self._received += len(data)
-        channel = self.channel
-        if isinstance(channel, _TrackedChannel):
-            channel.body_received(len(data))
         if self._received > self._site().limits.max_body_size:
             self._refuse_too_large()
             return
@@ -232,7 +237,8 @@ class LimitedRequest(Request):
                 waited = time.monotonic() - arrived
                 record_of(self).time_to_first_byte_seconds = waited
                 route = route_label(self.path)
-                site.access_log.metrics.time_to_first_byte.labels(route).observe(waited)
+                metrics = site.access_log.metrics
+                metrics.child(metrics.time_to_first_byte, route).observe(waited)
         super().write(data)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
@@ -311,7 +317,10 @@ class TrackingSite(Site):
         self.access_log = access_log
         self.refusals = refusals
         self.displayTracebacks = False
-        self._open: dict[HTTPChannel, Happened] = {}
+        self._open: dict[_TrackedChannel, Happened] = {}
+        #: Looks at every open connection's deadline once a second (``deadlines``).
+        self._sweeping = LoopingCall(self._sweep)
+        self._sweeping.clock = clock
 
     def configure(self, config: ProxyConfig) -> None:
         """A reload: the new limits apply to the next connection and request."""
@@ -338,7 +347,7 @@ class TrackingSite(Site):
 
     def connection_lost(self, channel: HTTPChannel) -> Deferred[None]:
         """Fires when an open channel's connection is gone."""
-        return self._open[channel].wait()
+        return self._open[cast(_TrackedChannel, channel)].wait()
 
     def close_connections(self, abort: bool = True) -> Deferred[Any]:
         """Close every open connection; fires when all are gone.
@@ -354,10 +363,17 @@ class TrackingSite(Site):
                 channel.loseConnection()
         return DeferredList(waiting)
 
+    def _sweep(self) -> None:
+        now = self.clock.seconds()
+        for channel in [c for c in self._open if c.late(now)]:
+            channel.timed_out()
+
     def _opened(self, channel: _TrackedChannel) -> bool:
         """Track a new connection, or refuse it past ``--max-connections`` (False)."""
         limit = self.limits.max_connections
         self._open[channel] = Happened()
+        if not self._sweeping.running:
+            self._sweeping.start(1.0, now=False)
         if len(self._open) <= limit:
             return True
         message = f"the proxy has as many client connections open as it may ({limit}); retry"
@@ -366,7 +382,9 @@ class TrackingSite(Site):
                        "overloaded_error", b"Retry-After: 1\r\n")  # fmt: skip
         return False
 
-    def _closed(self, channel: HTTPChannel) -> None:
+    def _closed(self, channel: _TrackedChannel) -> None:
         lost = self._open.pop(channel, None)
         if lost is not None:
             lost.fire()
+        if not self._open and self._sweeping.running:
+            self._sweeping.stop()  # nothing to look at: no timer left behind

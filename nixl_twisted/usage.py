@@ -3,8 +3,9 @@
 vLLM puts ``usage`` at the end: in a whole answer, after the choices; in a
 stream, in its last events (``stream_options.include_usage``, Anthropic's
 ``message_delta``, the Responses API's ``response.completed``). So the
-relay keeps only the body's last ``TAIL`` bytes, unchanged and unparsed,
-and the last ``"usage": {...}`` in them is read once the body has ended.
+relay keeps only references to the body's last two chunks (no copy, no
+parsing on the way), and the last ``"usage": {...}`` in them (at most the
+last ``TAIL`` bytes) is read once the body has ended.
 The three APIs' names are said one way: prompt, completion and cached tokens.
 """
 
@@ -12,10 +13,9 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 
-#: The bytes kept: a usage object and what may follow it (logprobs are before).
+#: The bytes read: a usage object and what may follow it (logprobs are before).
 TAIL = 8 * 1024
 
 _USAGE = re.compile(rb'"usage"\s*:\s*\{')
@@ -42,28 +42,9 @@ def _sum(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else a + b
 
 
-class UsageWatch:
-    """A relay watch (``relay.relay_body``): keeps the body's tail, reads its usage at the end."""
-
-    def __init__(self) -> None:
-        self._chunks: list[bytes] = []
-        self._size = 0
-
-    def __call__(self, chunk: bytes) -> bool:
-        self._chunks.append(chunk)
-        self._size += len(chunk)
-        if self._size > 2 * TAIL:  # trimmed now and then, not on every chunk
-            tail = b"".join(self._chunks)[-TAIL:]
-            self._chunks, self._size = [tail], len(tail)
-        return False  # the tail is wanted to the end
-
-    def usage(self) -> Usage | None:
-        """The last usage the body reported, or None."""
-        return read_usage(b"".join(self._chunks)[-TAIL:])
-
-
 def read_usage(tail: bytes) -> Usage | None:
     """The last ``"usage": {...}`` object in ``tail``, in one vocabulary; None if none."""
+    tail = tail[-TAIL:]
     matches = list(_USAGE.finditer(tail))
     if not matches:
         return None
@@ -86,16 +67,3 @@ def read_usage(tail: bytes) -> Usage | None:
 
 def _count(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def watching(*watches: Callable[[bytes], bool] | None) -> Callable[[bytes], bool] | None:
-    """One relay watch that shows each chunk to every watch until it says it has seen enough."""
-    live = [watch for watch in watches if watch is not None]
-    if len(live) <= 1:
-        return live[0] if live else None
-
-    def watch(chunk: bytes) -> bool:
-        live[:] = [each for each in live if not each(chunk)]
-        return not live
-
-    return watch

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nixl_twisted.usage import TAIL, Usage, UsageWatch, read_usage, watching
+from nixl_twisted.usage import TAIL, Usage, read_usage
 
 CHAT = {
     "id": "c", "choices": [{"index": 0, "message": {"content": "hi"}}],
@@ -46,30 +46,11 @@ def test_the_last_usage_in_each_apis_words(body: bytes, usage: Usage | None) -> 
     assert read_usage(body) == usage
 
 
-def test_the_watch_keeps_a_bounded_tail_and_passes_every_chunk_on() -> None:
-    watch = UsageWatch()
-    filler = b'data: {"choices": [{"text": "' + b"x" * 100 + b'"}]}\n\n'
-    for _ in range(1000):
-        assert watch(filler) is False
-    assert sum(map(len, watch._chunks)) <= 2 * TAIL + len(filler)
-    watch(b'data: {"choices": [], "usage": {"prompt_tokens": 1, ')
-    watch(b'"completion_tokens": 1000}}\n\ndata: [DONE]\n\n')
-    assert watch.usage() == Usage(1, 1000, None)
+def test_only_the_last_bytes_are_read() -> None:
+    usage = b'{"usage": {"prompt_tokens": 1, "completion_tokens": 2}}'
+    assert read_usage(usage + b" " * (TAIL - len(usage))) == Usage(1, 2)
+    assert read_usage(usage + b" " * TAIL) is None
 
 
 def test_a_batchs_usage_is_its_parts_summed() -> None:
     assert Usage(1, 2, None) + Usage(3, None, 4) == Usage(4, 2, 4)
-
-
-def test_several_watches_see_each_chunk_until_each_has_enough() -> None:
-    seen: list[bytes] = []
-
-    def once(chunk: bytes) -> bool:
-        seen.append(chunk)
-        return True
-
-    both = watching(once, UsageWatch(), None)
-    assert both is not None
-    assert both(b"a") is False and both(b"b") is False
-    assert seen == [b"a"]
-    assert watching(None, None) is None
