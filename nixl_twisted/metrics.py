@@ -115,7 +115,7 @@ class ProxyMetrics:
         """``shared_dir``: a worker's; its /metrics then sums every worker's files there."""
         self._pools = list(pools)
         self._shared_dir = shared_dir
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # No ``*_created`` series: one per counter and histogram child, they
         # doubled the exposition for a timestamp Prometheus does not need.
         # (prometheus_client keeps this switch process-wide.)
@@ -201,7 +201,7 @@ class ProxyMetrics:
         lock on each call; the label sets here are bounded (routes, statuses,
         instances, outcomes), so each child is made once.
         """
-        key = (id(metric), labels)
+        key = (metric, labels)
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*labels)

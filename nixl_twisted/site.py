@@ -197,7 +197,8 @@ class LimitedRequest(Request):
         super().setHeader(name, value)
 
     def _site(self) -> TrackingSite:
-        return cast(TrackingSite, self.channel.site)  # type: ignore[attr-defined]
+        site: TrackingSite = self.channel.site  # type: ignore[attr-defined]
+        return site
 
     def gotLength(self, length: int | None) -> None:
         if length is not None and length > self._site().limits.max_body_size:

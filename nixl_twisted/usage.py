@@ -56,14 +56,12 @@ def read_usage(tail: bytes) -> Usage | None:
         return None  # cut off, or not JSON after all
     if not isinstance(value, dict):
         return None
-    details = value.get("prompt_tokens_details") or value.get("input_tokens_details") or {}
+    details = value.get("prompt_tokens_details") or value.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(
-        _count(value.get("prompt_tokens", value.get("input_tokens"))),
-        _count(value.get("completion_tokens", value.get("output_tokens"))),
-        _count(cached if cached is not None else value.get("cache_read_input_tokens")),
-    )
-
-
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    counts = [
+        value.get("prompt_tokens", value.get("input_tokens")),
+        value.get("completion_tokens", value.get("output_tokens")),
+        cached if cached is not None else value.get("cache_read_input_tokens"),
+    ]
+    # Whole numbers only (a bool is an int to Python, not to JSON).
+    return Usage(*[count if type(count) is int else None for count in counts])
