@@ -6,7 +6,7 @@ import json
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import Protocol
@@ -136,10 +136,15 @@ class SlowClientTests(ProxyCase):
         response = await self.http.get(self.proxy.url + "/healthcheck")
         self.assertEqual(response.code, 200)  # the others are served meanwhile
         await response.content()
+        # Accepted in order, so all 20 before the health check: each awaits its head.
+        waiting = [c for c in self.proxy.site.channels() if c._deadlines.awaiting]  # type: ignore[attr-defined]
+        self.assertEqual(len(waiting), 20)
+        gone = gatherResults([self.proxy.site.connection_lost(c) for c in waiting])
         self.clock.advance(1)  # --header-timeout: 10 s
         for client in loris:
             answer = await client.closed
             self.assertTrue(answer.startswith(b"HTTP/1.1 408 "), answer[:40])
+        await gone
         self.assertEqual(len(self.proxy.site.channels()), 1)  # the keep-alive client's
 
     async def test_past_max_connections_a_clear_refusal(self) -> None:
