@@ -56,7 +56,8 @@ class PartRequest:
         self.uri = client.uri
         self.path = client.path
         self.requestHeaders = client.requestHeaders
-        #: Set when the batch itself cancels this part: why, for its exchange to say.
+        #: Set when the batch itself cancels this part (another part failed): why,
+        #: for its exchange to say instead of "client left".
         self.ended_by: str | None = None
         self.responseHeaders = Headers()
         self.code = 200
@@ -140,7 +141,8 @@ class Batch:
             return succeed(None)  # the batch failed: the parts not started never are
         return self.exchange(part.request, dict(self.body, prompt=self.prompts[part.index]))
 
-    def _cancel(self, why: str = "cancelled: the batch's client left") -> None:
+    def _cancel(self, why: str | None = None) -> None:
+        """Cancel the parts still running; ``why``: the batch's reason, if not its client."""
         self._failed = True
         for part in self.parts:
             part.request.ended_by = part.request.ended_by or why

@@ -28,6 +28,7 @@ from nixl_twisted.config import Retries, Timeouts
 from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout, overloaded
 from nixl_twisted.events import Happened
 from nixl_twisted.headers import REQUEST_ID, for_rank
+from nixl_twisted.instances import Instance
 from nixl_twisted.legs import (
     PrefillRefused,
     PrefillVerdict,
@@ -42,7 +43,7 @@ from nixl_twisted.legs import (
 )
 from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.phases import RULES, OnClientLeft, Phase
-from nixl_twisted.pools import Instance, Lease
+from nixl_twisted.pools import Lease
 from nixl_twisted.relay import (
     StreamSilent,
     abandon,
@@ -99,7 +100,8 @@ class Exchange:
         self._leg: LegTrace = NO_LEG
         self._reached = {phase: Happened() for phase in Phase}
         self._enter(Phase.PREFILL)
-        self.client_gone = False
+        #: Why nobody waits for the answer any more (its client left), or None.
+        self.client_gone: str | None = None
         #: The drain timeout ended: the proxy itself cuts this request.
         self.shutting_down = False
         #: Decode broke off: the proxy closed the client's connection, not the client.
@@ -147,18 +149,16 @@ class Exchange:
     def _client_left(self, _: Deferred[None]) -> None:
         if self.shutting_down or self.broke_off:
             return  # the proxy closed the connection, after saying why
-        left = getattr(self.request, "ended_by", None)
-        if left is not None:  # a batch's part, cancelled by its batch
-            self._leg.fail(left, self.phase.value)
-            if self._current is not None:
-                self._current.cancel()
-            return
-        self.client_gone = True
-        self.metrics.client_disconnects.labels(self.phase.value).inc()
-        log.info("client left {request_id} during {phase}",
-                 request_id=self.request_id, phase=self.phase.value)  # fmt: skip
+        # A batch's part the batch itself cancelled says why; else the client left.
+        why = getattr(self.request, "ended_by", None)
+        if why is None:
+            why = f"client left during {self.phase.value}"
+            self.metrics.client_disconnects.labels(self.phase.value).inc()
+            log.info("client left {request_id} during {phase}",
+                     request_id=self.request_id, phase=self.phase.value)  # fmt: skip
+        self.client_gone = why
         if RULES[self.phase].on_client_left is OnClientLeft.CANCEL and self._current is not None:
-            self._leg.fail(f"client left during {self.phase.value}", self.phase.value)
+            self._leg.fail(why, self.phase.value)
             self._current.cancel()
 
     def _track(self, waiting: Deferred[T]) -> Deferred[T]:
@@ -188,10 +188,10 @@ class Exchange:
         self.record.decode_route = decode.decision
         try:
             if self.client_gone:
-                self._leg.fail("client left during handoff: decode's answer abandoned", "handoff")
+                self._leg.fail(f"{self.client_gone}: decode's answer abandoned", "handoff")
                 abandon(response)
-                log.info("decode for {request_id} abandoned: its client left before decode "
-                         "answered", request_id=self.request_id)  # fmt: skip
+                log.info("decode for {request_id} abandoned, unread: {why}",
+                         request_id=self.request_id, why=self.client_gone)  # fmt: skip
                 return
             self._enter(Phase.RELAY)
             await self._relay(response, decode)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
+
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from zope.interface import provider
 
 from nixl_twisted.phases import RULES, OnClientLeft, Phase
+from nixl_twisted.testing import FakeVLLM, InMemoryProxy, TransferLedger
 from tests.memory.support import CHAT, STREAM, TIMEOUTS, Setup, error_code, sse_events, status
 
 FAILURES = Path(__file__).resolve().parents[2] / "docs" / "failures.md"
@@ -52,6 +58,37 @@ def test_client_leaves_during_handoff_still_sends_decode_then_abandons_it() -> N
     assert setup.ledger.issued == {}
     assert setup.proxy.app.in_flight == 0
     assert setup.proxy.app.exchanges == set()
+
+
+def test_a_batch_cancelling_a_part_in_handoff_follows_the_table_and_blames_no_client() -> None:
+    ledger = TransferLedger()
+    held, failing = (FakeVLLM(name=f"prefill-{i}", ledger=ledger) for i in range(2))
+    decode = FakeVLLM(name="decode-0", ledger=ledger)
+    proxy = InMemoryProxy([held, failing], [decode])
+    held.hold_answers_midway()  # part 0's prefill headers are in: it holds KV blocks
+    failing.crash_next(500)  # part 1 fails: the batch cancels part 0, in handoff
+    events: list[dict[str, Any]] = []
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, Any]) -> None:
+        events.append(event)
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        body = json.dumps({"model": "m", "prompt": ["a", "b"]}).encode()
+        client = proxy.request("POST", "/v1/completions", body)
+        assert (status(client), error_code(client)) == (502, "prefill_failed")
+        assert held.disconnects == 0 and decode.requests == []  # part 0: still in handoff
+        held.release()
+        proxy.flush()
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert held.disconnects == 0  # the handoff was let finish, as the table says
+    (sent,) = decode.requests  # decode loaded the blocks, so prefill frees them
+    assert ledger.redeemed == [sent.body["kv_transfer_params"]]  # type: ignore[index]
+    assert proxy.app.exchanges == set()
+    assert not [e for e in events if "client left" in formatEvent(e)]
+    assert b"nixlproxy_client_disconnects_total{" not in proxy.app.metrics.exposition()
 
 
 def test_client_leaves_during_relay_closes_the_decode_connection() -> None:
