@@ -22,7 +22,8 @@ from twisted.web.iweb import IRequest
 
 from nixl_twisted.backends import BackendService
 from nixl_twisted.errors import ProxyError, invalid_request
-from nixl_twisted.pools import BackendPool, Instance, PoolChangeRefused
+from nixl_twisted.instances import Instance
+from nixl_twisted.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.settings import InvalidValue, backend_url
 
 log = Logger()

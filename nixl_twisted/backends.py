@@ -26,7 +26,8 @@ from nixl_twisted.config import Health, Policies, Pools, ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.headers import for_rank
 from nixl_twisted.health import Thresholds
-from nixl_twisted.pools import BackendPool, Instance
+from nixl_twisted.instances import Instance
+from nixl_twisted.pools import BackendPool
 from nixl_twisted.relay import read_body
 from nixl_twisted.upstream import Upstream, backend_agent
 

@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nixl_twisted.settings import BY_NAME, SETTINGS, tcp_address
+from nixl_twisted.endpoints import tcp_address
+from nixl_twisted.settings import SETTINGS
 from nixl_twisted.sources import ConfigError, from_environment, parse, read_file
 
-__all__ = ["ConfigError", "ProxyConfig", "Reload", "resolve"]
+__all__ = ["ConfigError", "ProxyConfig", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,13 @@ class Timeouts:
     drain: float
     #: On SIGTERM: still accepting, already not ready.
     shutdown_delay: float
+    #: A client's request line and headers, then its body (extended by its rate).
+    header: float
+    body: float
+    #: Bytes of body per second that extend ``body`` by one second (0: none).
+    body_min_rate: int
     #: Prefill answered -> decode sent, past which a request is counted and logged.
     handoff_warning: float = 10.0
-    #: A client's request line and headers, then its body (extended by its rate).
-    header: float = 10.0
-    body: float = 30.0
-    #: Bytes of body per second that extend ``body`` by one second (0: none).
-    body_min_rate: int = 65536
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,7 @@ class Limits:
     max_batch_prompts: int
     max_idle_per_backend: int
     #: Client connections open at once (each holds a file descriptor).
-    max_connections: int = 4096
+    max_connections: int
 
 
 @dataclass(frozen=True)
@@ -289,51 +290,6 @@ class ProxyConfig:
     ) -> ProxyConfig:
         """This configuration for worker ``number``, serving the supervisor's shared ports."""
         return replace(self, listen=listen, metrics_listen=metrics_listen, workers=1, worker=number)
-
-    def reloaded(self, environ: Mapping[str, str]) -> Reload:
-        """What SIGHUP makes of this configuration: the ``--config`` file read again.
-
-        Resolved as at startup (the command line over the file over the
-        environment); each setting that can change live takes its new value,
-        one that takes a restart keeps its old one and is named in
-        ``Reload.need_restart``. Raises ``ConfigError`` (naming the file and
-        key) when the file cannot be read or a value is not valid: nothing
-        changes then.
-        """
-        if self.config_path is None:
-            raise ConfigError("config", "there is no --config file to reload from")
-        in_file = read_file(self.config_path)
-        given = dict(self.command_line)
-        values = {**in_file, **given}
-        values.update(from_environment(values, environ))
-        for role in ("prefill", "decode"):
-            if role in in_file and not in_file[role]:
-                raise ConfigError(role, f"--config {self.config_path}: {role!r} must not be empty")
-        now = ProxyConfig.from_settings(values, self.config_path, self.worker, given)
-        old, new = self.settings(), now.settings()
-        differs = [s.name for s in SETTINGS if old[s.name] != new[s.name]]
-        restart = tuple(name for name in differs if not BY_NAME[name].live)
-        kept = {name: old[name] for name in restart}
-        merged = {k: v for k, v in {**new, **kept}.items() if v is not None}
-        applied = ProxyConfig.from_settings(merged, self.config_path, self.worker, given)
-        overridden = tuple(
-            sorted(name for name in in_file if name in given and in_file[name] != given[name])
-        )
-        changed = tuple(name for name in differs if name not in restart)
-        return Reload(applied, changed, restart, overridden)
-
-
-@dataclass(frozen=True)
-class Reload:
-    """A SIGHUP's outcome: the configuration that applies now, and what did not change."""
-
-    config: ProxyConfig
-    #: Settings whose new value applies now.
-    changed: tuple[str, ...]
-    #: Settings the file changed that take a restart: they keep their old value.
-    need_restart: tuple[str, ...]
-    #: Settings the file changed that the command line sets: the command line wins.
-    overridden: tuple[str, ...]
 
 
 def resolve(

@@ -33,7 +33,8 @@ from twisted.python.failure import Failure
 from nixl_twisted.admin import apply_change
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ConfigError, Pools, ProxyConfig
-from nixl_twisted.pools import Instance, PoolChangeRefused
+from nixl_twisted.instances import Instance
+from nixl_twisted.pools import PoolChangeRefused
 
 log = Logger()
 

@@ -20,13 +20,16 @@ from nixl_twisted.config import ProxyConfig
 
 @dataclass(frozen=True)
 class ClientLimits:
-    """What one client connection may take, read afresh for each request (SIGHUP changes it)."""
+    """What one client connection may take, read afresh for each request (SIGHUP changes it).
 
-    max_body_size: int = 32 * 1024 * 1024
-    max_connections: int = 4096
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    body_min_rate: int = 65536
+    Made from a configuration only (``of``): the defaults live in the settings table.
+    """
+
+    max_body_size: int
+    max_connections: int
+    header_timeout: float
+    body_timeout: float
+    body_min_rate: int
 
     @classmethod
     def of(cls, config: ProxyConfig) -> ClientLimits:

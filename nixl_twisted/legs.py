@@ -23,8 +23,9 @@ from twisted.web.iweb import IResponse
 
 from nixl_twisted.access import AccessRecord
 from nixl_twisted.errors import ProxyError, bad_gateway, gateway_timeout
+from nixl_twisted.instances import Instance
 from nixl_twisted.metrics import ProxyMetrics
-from nixl_twisted.pools import BackendPool, Instance, Lease, NoHealthyInstance
+from nixl_twisted.pools import BackendPool, Lease, NoHealthyInstance
 from nixl_twisted.routing import NO_ROUTING, Routing
 from nixl_twisted.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 

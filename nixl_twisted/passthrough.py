@@ -24,6 +24,7 @@ from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.errors import ProxyError
 from nixl_twisted.headers import REQUEST_ID, backend_request_headers, for_rank
+from nixl_twisted.instances import Instance
 from nixl_twisted.legs import (
     Retry,
     account,
@@ -35,7 +36,7 @@ from nixl_twisted.legs import (
     unreachable,
 )
 from nixl_twisted.metrics import ProxyMetrics
-from nixl_twisted.pools import Instance, Lease
+from nixl_twisted.pools import Lease
 from nixl_twisted.relay import abandon, break_off, relay_body, start_response
 from nixl_twisted.spans import LegTrace, RequestTrace
 
@@ -89,12 +90,12 @@ class OneLeg:
         attempt = self._attempt(request, path, body)
         pool = self.backends.decode
         order = sorted(pool.instances, key=lambda instance: instance.url != first)
+        record = record_of(request)
         last: Exception | None = None
         for index, instance in enumerate(order):
             left = len(order) - 1 - index
             decision = "holder" if instance.url == first else "asked"
             lease, leg = hold(pool, instance, decision, trace, index + 1)
-            record = record_of(request)
             try:
                 response, _ = await attempt(instance, leg)
             except Retry as retry:

@@ -16,7 +16,6 @@ is told.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
@@ -24,6 +23,7 @@ from twisted.logger import Logger
 
 from nixl_twisted import health
 from nixl_twisted.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
+from nixl_twisted.instances import Instance
 from nixl_twisted.routing import NO_ROUTING, Policy, Routing, round_robin
 from nixl_twisted.settings import backend_url, rank_urls
 
@@ -40,68 +40,6 @@ class NoHealthyInstance(Exception):
         super().__init__(f"no healthy {role} instance")
         self.role = role
         self.retry_after = retry_after
-
-
-@dataclass(eq=False)
-class Instance:
-    """One vLLM instance and what the proxy knows of its health."""
-
-    url: str
-    role: str
-    state: State = State.PENDING
-    #: Failures in a row, and successes in a row.
-    failures: int = 0
-    successes: int = 0
-    retry_at: float = 0.0
-    last_error: str | None = None
-    #: Legs being served by this instance now.
-    in_flight: int = 0
-    #: No new legs; the instance leaves its pool when its last leg ends.
-    draining: bool = False
-    #: vLLM's own load from its ``/metrics`` (``running``, ``waiting``,
-    #: ``kv_cache_usage``) and this proxy's legs then (``ours``); empty if unread.
-    load: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def healthy(self) -> bool:
-        return self.state is State.UP
-
-    @property
-    def base(self) -> str:
-        """Where its legs go: the URL without its rank."""
-        return self.url.split("#", 1)[0]
-
-    @property
-    def rank(self) -> int | None:
-        """Its data-parallel rank (``URL#rank=I``), sent as ``X-data-parallel-rank``."""
-        _, _, fragment = self.url.partition("#")
-        return int(fragment.removeprefix("rank=")) if fragment else None
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "rank": self.rank,
-            "state": self.state.value,
-            "healthy": self.healthy,
-            "draining": self.draining,
-            "in_flight": self.in_flight,
-            "failures": self.failures,
-            "last_error": self.last_error,
-            "load": self.load or None,
-        }
-
-    def health(self) -> dict[str, Any]:
-        """What a supervisor tells its workers of this instance."""
-        return {
-            "pool": self.role,
-            "url": self.url,
-            "state": self.state.value,
-            "failures": self.failures,
-            "successes": self.successes,
-            "retry_at": self.retry_at,
-            "last_error": self.last_error,
-            "load": self.load,
-        }
 
 
 class PoolChangeRefused(ValueError):

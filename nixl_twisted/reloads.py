@@ -1,18 +1,70 @@
-"""What a SIGHUP says: what changed, and, in one warning, what it could not change.
+"""SIGHUP: the ``--config`` file read again, and what that says.
 
-The proxy and the ``--workers`` supervisor reload alike
-(``ProxyConfig.reloaded``); both say it here, so an operator reads the same
-lines whichever process took the signal.
+The proxy and the ``--workers`` supervisor reload alike (:func:`reloaded`)
+and say it alike (:func:`said`): what changed, and, in one warning, what
+could not; an operator reads the same lines whichever process took the
+signal.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from twisted.logger import Logger
 
-from nixl_twisted.config import ConfigError, Reload
+from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.logs import lifecycle
+from nixl_twisted.settings import BY_NAME, SETTINGS
+from nixl_twisted.sources import from_environment, read_file
 
 log = Logger()
+
+
+@dataclass(frozen=True)
+class Reload:
+    """A SIGHUP's outcome: the configuration that applies now, and what did not change."""
+
+    config: ProxyConfig
+    #: Settings whose new value applies now.
+    changed: tuple[str, ...]
+    #: Settings the file changed that take a restart: they keep their old value.
+    need_restart: tuple[str, ...]
+    #: Settings the file changed that the command line sets: the command line wins.
+    overridden: tuple[str, ...]
+
+
+def reloaded(config: ProxyConfig, environ: Mapping[str, str]) -> Reload:
+    """What SIGHUP makes of ``config``: its ``--config`` file read again.
+
+    Resolved as at startup (the command line over the file over the
+    environment); each setting that can change live takes its new value, one
+    that takes a restart keeps its old one and is named in
+    ``Reload.need_restart``. Raises ``ConfigError`` (naming the file and key)
+    when the file cannot be read or a value is not valid: nothing changes then.
+    """
+    path = config.config_path
+    if path is None:
+        raise ConfigError("config", "there is no --config file to reload from")
+    in_file = read_file(path)
+    given = dict(config.command_line)
+    values = {**in_file, **given}
+    values.update(from_environment(values, environ))
+    for role in ("prefill", "decode"):
+        if role in in_file and not in_file[role]:
+            raise ConfigError(role, f"--config {path}: {role!r} must not be empty")
+    now = ProxyConfig.from_settings(values, path, config.worker, given)
+    old, new = config.settings(), now.settings()
+    differs = [s.name for s in SETTINGS if old[s.name] != new[s.name]]
+    restart = tuple(name for name in differs if not BY_NAME[name].live)
+    kept = {name: old[name] for name in restart}
+    merged = {k: v for k, v in {**new, **kept}.items() if v is not None}
+    applied = ProxyConfig.from_settings(merged, path, config.worker, given)
+    overridden = tuple(
+        sorted(name for name in in_file if name in given and in_file[name] != given[name])
+    )
+    changed = tuple(name for name in differs if name not in restart)
+    return Reload(applied, changed, restart, overridden)
 
 
 def refused(error: ConfigError) -> None:

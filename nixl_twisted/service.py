@@ -41,13 +41,14 @@ from nixl_twisted.backends import BackendService, backend_service
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.coordination import SupervisorLink
 from nixl_twisted.deadlines import ClientLimits
+from nixl_twisted.endpoints import tcp_address
 from nixl_twisted.events import Happened
+from nixl_twisted.intake import BodyBudget
 from nixl_twisted.logs import LogLevels, lifecycle
 from nixl_twisted.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.refusals import LogThrottle, Refusals
-from nixl_twisted.settings import tcp_address
 from nixl_twisted.signals import SignalService
-from nixl_twisted.site import BodyBudget, TrackingSite
+from nixl_twisted.site import TrackingSite
 from nixl_twisted.workers import ReusePortEndpoint
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ class ProxyService(MultiService):
     def reload(self) -> None:
         """SIGHUP: the ``--config`` file read again, every setting that can change live applied."""
         try:
-            reload = self.config.reloaded(os.environ)
+            reload = reloads.reloaded(self.config, os.environ)
         except ConfigError as error:
             reloads.refused(error)
             return

@@ -15,7 +15,7 @@ import re
 import time
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote_plus, unquote_plus, urlsplit
 
 from opentelemetry import propagate, trace
@@ -27,10 +27,28 @@ from twisted.web.http_headers import Headers
 
 from nixl_twisted.lowering import printable
 from nixl_twisted.metrics import route_label
+from nixl_twisted.phases import Phase
 
 if TYPE_CHECKING:
-    from nixl_twisted.access import AccessRecord
-    from nixl_twisted.pools import Instance
+    from nixl_twisted.instances import Instance
+
+
+class Figures(Protocol):
+    """What a request's span ends with: its access record's figures (``access.AccessRecord``).
+
+    A protocol, so that the record (which holds the request's trace) and
+    the trace (which reads the record) do not import each other.
+    """
+
+    request_id: str | None
+    prefill_seconds: float | None
+    handoff_gap_seconds: float | None
+    decode_first_byte_seconds: float | None
+    time_to_first_byte_seconds: float | None
+    started: float
+    phase: Phase | None
+    ended: str
+    error: str | None
 
 
 #: The longest ``traceparent`` read (version 00 is 55 characters). The SDK
@@ -160,7 +178,7 @@ class RequestTrace:
         """A span for one attempt of a leg to ``instance``, started now."""
         return NO_LEG
 
-    def end(self, request: Request, record: AccessRecord) -> None:
+    def end(self, request: Request, record: Figures) -> None:
         """The request is over: its figures, its status, and the span ended."""
 
 
@@ -229,7 +247,7 @@ def _origin(base: str) -> tuple[str, int]:
     return parts.hostname or "", port
 
 
-def _outcome(request: Request, record: AccessRecord) -> dict[str, str | int | float]:
+def _outcome(request: Request, record: Figures) -> dict[str, str | int | float]:
     """What the server span says once its request is over (what did not happen is left out)."""
     said: dict[str, str | int | float | None] = {
         "nixlproxy.request_id": record.request_id,
@@ -299,7 +317,7 @@ class ServerSpan(RequestTrace):
         )
         return _LegSpan(span, self._parent)
 
-    def end(self, request: Request, record: AccessRecord) -> None:
+    def end(self, request: Request, record: Figures) -> None:
         if self._unsampled is not None:
             return  # a span not recorded has nothing to end
         span = self._span
@@ -312,7 +330,7 @@ class ServerSpan(RequestTrace):
         span.end()
 
 
-def _failure(request: Request, record: AccessRecord) -> str | None:
+def _failure(request: Request, record: Figures) -> str | None:
     """Why the request failed, as the server span's error status says; None if it did not."""
     during = f" during {record.phase.value}" if record.phase is not None else ""
     if record.ended == "client_left":

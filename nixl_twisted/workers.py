@@ -49,8 +49,8 @@ from nixl_twisted.coordination import (
     Message,
     encode,
 )
+from nixl_twisted.endpoints import tcp_address, tcp_endpoint
 from nixl_twisted.metrics import METRICS_DIR_ENV
-from nixl_twisted.settings import tcp_address, tcp_endpoint
 from nixl_twisted.signals import SignalService
 
 log = Logger()
@@ -234,7 +234,7 @@ class WorkerSupervisor(Service):
     def hangup(self) -> None:
         """SIGHUP: the config file read again, here and in every worker (each its own ports)."""
         try:
-            reload = self.config.reloaded(os.environ)
+            reload = reloads.reloaded(self.config, os.environ)
         except ConfigError as error:
             reloads.refused(error)
             return

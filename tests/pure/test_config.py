@@ -10,6 +10,7 @@ import pytest
 from twisted.python import usage
 
 from nixl_twisted.config import ConfigError, ProxyConfig, resolve
+from nixl_twisted.reloads import reloaded
 from nixl_twisted.settings import BACKEND_API_KEY_ENV, SETTINGS
 from nixl_twisted.tap import Options
 
@@ -171,10 +172,10 @@ def test_a_reload_takes_the_file_pools_and_keeps_the_rest(tmp_path: Path) -> Non
     path = config_file(tmp_path, FILE)
     config = parse("--config", path, "--max-in-flight", "8")
     config_file(tmp_path, 'prefill = ["http://p7:8100"]\ndecode = ["http://d7:8200"]\n')
-    reloaded = config.reloaded({}).config
-    assert reloaded.pools.prefill == ("http://p7:8100",)
-    assert reloaded.pools.decode == ("http://d7:8200",)
-    assert reloaded.limits.max_in_flight == 8
+    applied = reloaded(config, {}).config
+    assert applied.pools.prefill == ("http://p7:8100",)
+    assert applied.pools.decode == ("http://d7:8200",)
+    assert applied.limits.max_in_flight == 8
 
 
 def test_a_reload_applies_every_live_setting_and_names_what_it_cannot(tmp_path: Path) -> None:
@@ -188,7 +189,7 @@ def test_a_reload_applies_every_live_setting_and_names_what_it_cannot(tmp_path: 
         + "log-level = 'warn'\nmax-body-size = 5000\n"
         "workers = 3\nconnect-timeout = 1\n",
     )
-    reload = config.reloaded({})
+    reload = reloaded(config, {})
     applied = reload.config
     assert applied.limits.max_in_flight == 7
     assert applied.timeouts.stream_idle == 9
@@ -201,7 +202,7 @@ def test_a_reload_applies_every_live_setting_and_names_what_it_cannot(tmp_path: 
     assert set(reload.need_restart) == {"listen", "workers", "connect-timeout"}
     assert reload.overridden == ("max-body-size",)
     # Reloaded again, the command line still wins.
-    assert applied.reloaded({}).config.limits.max_body_size == 1000
+    assert reloaded(applied, {}).config.limits.max_body_size == 1000
 
 
 def test_every_setting_is_live_or_takes_a_restart_as_documented() -> None:
@@ -226,14 +227,14 @@ def test_a_reload_that_fails_is_a_config_error_naming_the_key(
     config = parse("--config", config_file(tmp_path, FILE))
     config_file(tmp_path, text)
     with pytest.raises(ConfigError) as caught:
-        config.reloaded({})
+        reloaded(config, {})
     assert caught.value.key == key
     assert not isinstance(caught.value, usage.UsageError)
 
 
 def test_a_reload_without_a_file_says_so() -> None:
     with pytest.raises(ConfigError, match="no --config file"):
-        parse(*POOLS).reloaded({})
+        reloaded(parse(*POOLS), {})
 
 
 def test_a_worker_gets_the_resolved_configuration_back_whole(tmp_path: Path) -> None:

@@ -10,9 +10,10 @@ from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, suc
 from twisted.internet.task import Clock
 
 from nixl_twisted.errors import bad_gateway
+from nixl_twisted.instances import Instance
 from nixl_twisted.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
 from nixl_twisted.metrics import ProxyMetrics
-from nixl_twisted.pools import BackendPool, Instance, Lease
+from nixl_twisted.pools import BackendPool, Lease
 from nixl_twisted.spans import LegTrace
 
 

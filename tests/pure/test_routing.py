@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
 from nixl_twisted import routing
-from nixl_twisted.pools import BackendPool, Instance
+from nixl_twisted.instances import Instance
+from nixl_twisted.pools import BackendPool
 from nixl_twisted.routing import Routing, load_score, prompt_key, rendezvous
 
 
