@@ -15,6 +15,7 @@ from typing import Any
 from twisted.logger import Logger
 from twisted.web.http import Request
 
+from nixl_twisted.lowering import printable
 from nixl_twisted.metrics import ProxyMetrics, route_label
 from nixl_twisted.phases import Phase
 from nixl_twisted.spans import NO_TRACE, RequestTrace
@@ -138,7 +139,7 @@ class AccessLog:
         fields: dict[str, Any] = {
             "client": _client(request),
             "method": request.method.decode("ascii", "replace"),
-            "path": path if len(path) <= MAX_PATH else path[:MAX_PATH] + "...",
+            "path": printable(path, MAX_PATH),
             "status": request.code,
             "bytes": getattr(request, "sentLength", 0),
             "elapsed_ms": _ms(elapsed),

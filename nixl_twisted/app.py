@@ -37,7 +37,7 @@ from nixl_twisted.headers import REQUEST_ID, backend_request_headers
 from nixl_twisted.legs import PrefillRefused
 from nixl_twisted.metrics import CONTENT_TYPE, ProxyMetrics
 from nixl_twisted.passthrough import OneLeg
-from nixl_twisted.refusals import LogThrottle, Refusals
+from nixl_twisted.refusals import Refusals
 from nixl_twisted.relay import start_response
 from nixl_twisted.responses import ResponseDirectory
 from nixl_twisted.spans import NO_TRACE, RequestTrace
@@ -60,18 +60,18 @@ class ProxyApp:
         admission: Admission,
         metrics: ProxyMetrics,
         clock: IReactorTime,
-        tracing: Tracing | None = None,
-        refusals: Refusals | None = None,
+        tracing: Tracing,
+        refusals: Refusals,
     ) -> None:
         self.config = config
         #: Overload refusals and 5xx lines: counted, logged at most once a second each.
-        self.refusals = refusals or Refusals(metrics.refused, LogThrottle(clock))
+        self.refusals = refusals
         self.backends = backends
         self.admission = admission
         self.metrics = metrics
         self.clock = clock
         #: Each request to a backend route is a trace (when tracing is on).
-        self.tracing = tracing if tracing is not None else Tracing(None)
+        self.tracing = tracing
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)

@@ -49,7 +49,7 @@ class LogThrottle:
     def _said(self, key: str) -> None:
         quiet = self._quiet.pop(key)
         if quiet.held:
-            level = max(quiet.levels, key=_severity)
+            level = max(quiet.levels)  # the most severe of those held
             log.emit(
                 level,
                 "{said} ({count} more like it in the last {interval:g} s)",
@@ -64,10 +64,6 @@ class LogThrottle:
             if quiet.timer.active():
                 quiet.timer.cancel()
         self._quiet.clear()
-
-
-def _severity(level: LogLevel) -> int:
-    return list(LogLevel.iterconstants()).index(level)
 
 
 class Refusals:

@@ -44,14 +44,21 @@ class RawClient(Protocol):
         self.closed.callback(self.received)
 
 
-class AbuseTests(ProxyCase):
-    async def raw(self, data: bytes) -> bytes:
+class RawCase(ProxyCase):
+    async def connect_raw(self, data: bytes) -> RawClient:
+        """A connection to the proxy that sends ``data`` as it is."""
         host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
         client = RawClient()
         await connectProtocol(TCP4ClientEndpoint(reactor, host, int(port)), client)
         client.transport.write(data)  # type: ignore[union-attr]
-        return await client.closed
+        return client
 
+    async def raw(self, data: bytes) -> bytes:
+        """What the proxy answers ``data``, up to its close."""
+        return await (await self.connect_raw(data)).closed
+
+
+class AbuseTests(RawCase):
     async def test_a_body_over_the_limit_is_413_before_it_is_read(self) -> None:
         await self.start(proxy=dict(max_body_size=1000))
         head = (
@@ -99,14 +106,7 @@ class AbuseTests(ProxyCase):
         await response.content()
 
 
-class SlowClientTests(ProxyCase):
-    async def connect_raw(self, data: bytes) -> RawClient:
-        host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
-        client = RawClient()
-        await connectProtocol(TCP4ClientEndpoint(reactor, host, int(port)), client)
-        client.transport.write(data)  # type: ignore[union-attr]
-        return client
-
+class SlowClientTests(RawCase):
     async def test_two_slow_uploads_block_nobody_and_are_closed_at_their_deadline(self) -> None:
         await self.start(proxy=dict(max_buffered_bodies=1024 * 1024))
         head = (

@@ -9,7 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from twisted.web.resource import Resource
+from twisted.web.test.requesthelper import DummyRequest
+from werkzeug.exceptions import BadHost
 
+from nixl_twisted.front import FrontDoor
 from nixl_twisted.testing import InMemoryClient
 from tests.memory.support import CHAT, Setup, error_code, status
 
@@ -134,6 +138,24 @@ def test_a_valid_host_is_served(host: bytes, version: bytes) -> None:
     setup = Setup()
     client = _slow(setup, _post(COMPLETION, host, version))
     assert status(client) == 200
+
+
+def test_a_host_werkzeug_will_not_bind_is_a_json_400_too() -> None:
+    # Werkzeug may refuse a name the syntax check let through (an IDNA rule):
+    # its BadHost, raised before any route, is the same 400, not an HTML 500.
+    class Unbindable(Resource):
+        isLeaf = True
+
+        def render(self, request: object) -> bytes:
+            raise BadHost()
+
+    request = DummyRequest([b""])
+    request.path = b"/v1/completions"  # type: ignore[attr-defined]
+    request.clientproto = b"HTTP/1.1"
+    request.requestHeaders.setRawHeaders(b"host", [b"proxy"])
+    body = FrontDoor(Unbindable()).render(request)  # type: ignore[arg-type]
+    assert request.responseCode == 400
+    assert isinstance(body, bytes) and json.loads(body)["error"]["code"] == "invalid_host"
 
 
 def test_a_bad_host_on_the_messages_route_gets_anthropics_error_shape() -> None:

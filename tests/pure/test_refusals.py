@@ -60,5 +60,10 @@ def test_a_steady_stream_is_one_line_a_second(lines: list[dict[str, Any]]) -> No
             throttle.emit("k", LogLevel.error, "down")
         clock.advance(0.1)
     assert 5 <= len(lines) <= 6  # 5 s of it
+    throttle.emit("mixed", LogLevel.warn, "first")
+    throttle.emit("mixed", LogLevel.error, "worse")
+    throttle.emit("mixed", LogLevel.warn, "last")
+    clock.advance(1)
+    assert (lines[-1]["log_level"], lines[-1]["count"]) == (LogLevel.error, 2)  # the worst held
     throttle.stop()
     assert not clock.getDelayedCalls()
