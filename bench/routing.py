@@ -236,9 +236,11 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
 
     from nixl_twisted import routing
     from nixl_twisted.pools import BackendPool
+    from nixl_twisted.settings import BY_NAME
 
     pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
-    pool.policy, pool.policy_name = routing.policy("cache-aware"), "cache-aware"
+    balance = BY_NAME["cache-aware-balance"].default
+    pool.policy, pool.policy_name = routing.policy("cache-aware", balance), "cache-aware"
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for n in range(prompts):

@@ -23,9 +23,6 @@ from typing import Any, Protocol
 
 from nixl_twisted.lowering import JSONObject
 
-#: The policy names, as ``--prefill-policy`` and ``--decode-policy`` take them.
-POLICIES = ("round-robin", "least-loaded", "load", "cache-aware", "session")
-
 
 @dataclass(frozen=True)
 class Routing:
@@ -127,16 +124,20 @@ def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Ch
 Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
 
 
-def policy(name: str, balance: float = 1.5) -> Policy:
-    """The policy of this name (one of ``POLICIES``)."""
-    policies: dict[str, Policy] = {
+def policies(balance: float) -> dict[str, Policy]:
+    """Every policy by the name ``settings.POLICIES`` gives it; ``balance`` is cache-aware's."""
+    return {
         "round-robin": round_robin,
         "least-loaded": least_loaded,
         "load": by_load,
         "cache-aware": CacheAware(balance),
         "session": session,
     }
-    return policies[name]
+
+
+def policy(name: str, balance: float) -> Policy:
+    """The policy of this name."""
+    return policies(balance)[name]
 
 
 #: The most of a chat's leading messages that the key keeps.

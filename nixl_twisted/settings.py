@@ -17,8 +17,6 @@ from urllib.parse import SplitResult, urlsplit
 
 from twisted.internet.endpoints import serverFromString
 
-from nixl_twisted.routing import POLICIES
-
 #: Environment variables for the secrets, so they need not appear in a
 #: process listing or a file.
 BACKEND_API_KEY_ENV = "NIXLPROXY_BACKEND_API_KEY"
@@ -26,6 +24,11 @@ ADMIN_TOKEN_ENV = "NIXLPROXY_ADMIN_TOKEN"
 #: The OpenTelemetry SDK's own variables, read as the SDK reads them.
 TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 TRACES_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+
+#: The routing policies by name (``nixl_twisted.routing.policy`` makes each; a test
+#: checks that the two agree), so that the table imports no part of the proxy.
+POLICIES = ("round-robin", "least-loaded", "load", "cache-aware", "session")
 
 
 class InvalidValue(ValueError):

@@ -12,6 +12,7 @@ from nixl_twisted import routing
 from nixl_twisted.instances import Instance
 from nixl_twisted.pools import BackendPool
 from nixl_twisted.routing import Routing, load_score, prompt_key, rendezvous
+from nixl_twisted.settings import POLICIES
 
 
 def pool_of(count: int, name: str = "prefill") -> BackendPool:
@@ -22,6 +23,10 @@ def use(pool: BackendPool, name: str, balance: float = 1.5) -> BackendPool:
     pool.policy = routing.policy(name, balance)
     pool.policy_name = name
     return pool
+
+
+def test_the_settings_name_every_policy_and_no_other() -> None:
+    assert tuple(routing.policies(1.5)) == POLICIES
 
 
 def test_least_loaded_takes_the_fewest_legs_ties_in_rotation() -> None:
@@ -131,7 +136,7 @@ def test_session_follows_the_session_key_else_rotates() -> None:
 
 
 def test_every_policy_skips_down_and_draining_instances() -> None:
-    for name in routing.POLICIES:
+    for name in POLICIES:
         pool = use(pool_of(3), name)
         a, b, c = pool.instances
         for _ in range(3):
