@@ -102,8 +102,7 @@ def serve(kind: str, port: int, backend: str) -> None:
     if client == "upstream":
         from twisted.web.client import HTTPConnectionPool
 
-        from nixl_twisted.relay import read_body
-        from nixl_twisted.upstream import Upstream, backend_agent
+        from nixl_twisted.upstream import Upstream, backend_agent, read_body
 
         connections = HTTPConnectionPool(reactor)
         connections.maxPersistentPerHost = 512

@@ -28,8 +28,7 @@ from nixl_twisted.headers import for_rank
 from nixl_twisted.health import Thresholds
 from nixl_twisted.instances import Instance
 from nixl_twisted.pools import BackendPool
-from nixl_twisted.relay import read_body
-from nixl_twisted.upstream import Upstream, backend_agent
+from nixl_twisted.upstream import Upstream, backend_agent, read_body
 
 log = Logger()
 

@@ -48,12 +48,12 @@ from nixl_twisted.relay import (
     StreamSilent,
     abandon,
     break_off,
-    read_body,
     relay_body,
     start_response,
 )
 from nixl_twisted.routing import NO_ROUTING, Routing
 from nixl_twisted.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+from nixl_twisted.upstream import read_body
 from nixl_twisted.usage import read_usage
 
 log = Logger()

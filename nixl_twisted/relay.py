@@ -1,4 +1,4 @@
-"""Backend bodies: relayed to the client as they stream, or read whole when small.
+"""Backend bodies relayed to the client as they stream.
 
 The relay registers the backend socket as a push producer on the client's
 request, so a client that reads slowly pauses the backend instead of growing
@@ -159,55 +159,6 @@ class _Discard(Protocol):
 def abandon(response: IResponse) -> None:
     """Close a backend response nobody will read (its client has left)."""
     response.deliverBody(_Discard())
-
-
-class BodyTooLarge(Exception):
-    """A backend body that should be small (prefill, errors) was not."""
-
-
-class _Collector(Protocol):
-    def __init__(self, finished: Deferred[bytes], limit: int) -> None:
-        self._finished = finished
-        self._limit = limit
-        self._parts: list[bytes] = []
-        self._size = 0
-
-    def dataReceived(self, data: bytes) -> None:
-        self._size += len(data)
-        if self._size > self._limit:
-            self.stop()
-            if not self._finished.called:
-                self._finished.errback(BodyTooLarge(f"more than {self._limit} bytes"))
-            return
-        self._parts.append(data)
-
-    def stop(self) -> None:
-        if self.transport is not None:
-            cast(IPushProducer, self.transport).stopProducing()
-
-    def connectionLost(self, reason: Failure = _DONE) -> None:
-        if self._finished.called:
-            return
-        if reason.check(ResponseDone, PotentialDataLoss):
-            self._finished.callback(b"".join(self._parts))
-        else:
-            self._finished.errback(reason)
-
-
-#: A prefill answer is one token and its kv_transfer_params: far below this.
-MAX_SMALL_BODY = 16 * 1024 * 1024
-
-
-def read_body(response: IResponse, limit: int = MAX_SMALL_BODY) -> Deferred[bytes]:
-    """Read a whole small backend body (a prefill answer, an error).
-
-    Cancelling it closes the backend connection (treq's ``content`` would
-    leave the body streaming in).
-    """
-    finished: Deferred[bytes] = Deferred(lambda _: collector.stop())
-    collector = _Collector(finished, limit)
-    response.deliverBody(collector)
-    return finished
 
 
 async def break_off(request: Request, message: str, code: str) -> None:

@@ -4,6 +4,8 @@ The hot-path work here is what the profile justified (``docs/performance.md``):
 treq would rebuild each URL (hyperlink parsing, IDNA) and each endpoint per
 call, copy each body through a cooperator task, and run ``http.cookiejar`` on
 every request and response. Each of those is done once, or not at all, here.
+A small backend body (a prefill answer, an error, a health check) is read
+whole by ``read_body``; bodies relayed to clients are ``nixl_twisted.relay``'s.
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import (
     IConsumer,
+    IPushProducer,
     IReactorTCP,
     IStreamClientEndpoint,
 )
+from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import (
     URI,
     Agent,
     BrowserLikePolicyForHTTPS,
     HTTPConnectionPool,
+    ResponseDone,
     _HTTP11ClientFactory,
 )
+from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import (
     IAgent,
@@ -223,3 +229,55 @@ class Upstream:
         if self._connections is None:
             return succeed(None)
         return self._connections.closeCachedConnections()
+
+
+_DONE = Failure(ResponseDone())
+
+
+class BodyTooLarge(Exception):
+    """A backend body that should be small (prefill, errors) was not."""
+
+
+class _Collector(Protocol):
+    def __init__(self, finished: Deferred[bytes], limit: int) -> None:
+        self._finished = finished
+        self._limit = limit
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def dataReceived(self, data: bytes) -> None:
+        self._size += len(data)
+        if self._size > self._limit:
+            self.stop()
+            if not self._finished.called:
+                self._finished.errback(BodyTooLarge(f"more than {self._limit} bytes"))
+            return
+        self._parts.append(data)
+
+    def stop(self) -> None:
+        if self.transport is not None:
+            cast(IPushProducer, self.transport).stopProducing()
+
+    def connectionLost(self, reason: Failure = _DONE) -> None:
+        if self._finished.called:
+            return
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self._finished.callback(b"".join(self._parts))
+        else:
+            self._finished.errback(reason)
+
+
+#: A prefill answer is one token and its kv_transfer_params: far below this.
+MAX_SMALL_BODY = 16 * 1024 * 1024
+
+
+def read_body(response: IResponse, limit: int = MAX_SMALL_BODY) -> Deferred[bytes]:
+    """Read a whole small backend body (a prefill answer, an error).
+
+    Cancelling it closes the backend connection (treq's ``content`` would
+    leave the body streaming in).
+    """
+    finished: Deferred[bytes] = Deferred(lambda _: collector.stop())
+    collector = _Collector(finished, limit)
+    response.deliverBody(collector)
+    return finished
