@@ -22,7 +22,6 @@ from twisted.web.iweb import IRequest
 
 from nixl_twisted.backends import BackendService
 from nixl_twisted.errors import ProxyError, invalid_request
-from nixl_twisted.instances import Instance
 from nixl_twisted.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.settings import InvalidValue, backend_url
 
@@ -96,7 +95,7 @@ class AdminAPI:
     def _change(self, op: str, body: bytes) -> Deferred[dict[str, Any]]:
         pool, url = self._target(body)
         try:
-            instances = apply_change(self.backends, {"op": op, "pool": pool.role, "url": url})
+            instances = self.backends.apply_change({"op": op, "pool": pool.role, "url": url})
         except PoolChangeRefused as error:
             raise ProxyError(409, str(error), "invalid_request_error", "last_instance") from None
         if not instances:
@@ -120,19 +119,3 @@ def bearer_token(credentials: bytes | None) -> bytes | None:
     if scheme.lower() != b"bearer" or not space:
         return None
     return token.lstrip(b" ")
-
-
-def apply_change(backends: BackendService, change: dict[str, str]) -> list[Instance]:
-    """Add, drain or remove an instance (``{"op", "pool", "url"}``); [] if it is unknown.
-
-    A ``URL#dp=N`` names each of its ranks. Raises ``PoolChangeRefused`` for
-    a change that would empty a pool.
-    """
-    pool = backends.pool(change["pool"])
-    if pool is None:
-        return []
-    if change["op"] == "add":
-        return pool.add(change["url"])
-    if change["op"] == "drain":
-        return pool.drain(change["url"])
-    return pool.remove(change["url"])

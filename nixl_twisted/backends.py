@@ -68,6 +68,22 @@ class BackendService(Service):
     def pool(self, role: str) -> BackendPool | None:
         return {pool.role: pool for pool in self.pools()}.get(role)
 
+    def apply_change(self, change: dict[str, str]) -> list[Instance]:
+        """Add, drain or remove an instance (``{"op", "pool", "url"}``); [] if it is unknown.
+
+        The admin API and the workers' coordination both change the pools
+        here. A ``URL#dp=N`` names each of its ranks. Raises
+        ``PoolChangeRefused`` for a change that would empty a pool.
+        """
+        pool = self.pool(change["pool"])
+        if pool is None:
+            return []
+        if change["op"] == "add":
+            return pool.add(change["url"])
+        if change["op"] == "drain":
+            return pool.drain(change["url"])
+        return pool.remove(change["url"])
+
     def use_policies(self, policies: Policies) -> None:
         """Each pool chooses its instances by its policy from now on."""
         for pool in self.pools():

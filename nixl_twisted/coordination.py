@@ -30,7 +30,6 @@ from twisted.internet.stdio import StandardIO
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from nixl_twisted.admin import apply_change
 from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ConfigError, Pools, ProxyConfig
 from nixl_twisted.instances import Instance
@@ -70,7 +69,7 @@ class Lines:
 
 def _apply(backends: BackendService, change: dict[str, str], where: str) -> None:
     try:
-        apply_change(backends, change)
+        backends.apply_change(change)
     except PoolChangeRefused as error:  # the pools are the same everywhere: should not be
         log.error("{where}: change {change} refused: {error}",
                   where=where, change=change, error=str(error))  # fmt: skip
