@@ -17,21 +17,17 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, cast
 
-from twisted.application import strports
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, TimeoutError, maybeDeferred
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import (
     IListeningPort,
-    IProtocolFactory,
     IReactorTime,
-    IStreamServerEndpoint,
 )
 from twisted.internet.task import deferLater
 from twisted.logger import ILogObserver, Logger
 from twisted.web.iweb import IAgent
-from zope.interface import implementer
 
 from nixl_twisted import logs, reloads, startup, tracing
 from nixl_twisted.access import AccessLog
@@ -41,15 +37,14 @@ from nixl_twisted.backends import BackendService, backend_service
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.coordination import SupervisorLink
 from nixl_twisted.deadlines import ClientLimits
-from nixl_twisted.endpoints import tcp_address
 from nixl_twisted.events import Happened
 from nixl_twisted.intake import BodyBudget
 from nixl_twisted.logs import LogLevels, lifecycle
 from nixl_twisted.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
+from nixl_twisted.ports import Announced, address, bind_error, listener
 from nixl_twisted.refusals import LogThrottle, Refusals
 from nixl_twisted.signals import SignalService
 from nixl_twisted.site import TrackingSite
-from nixl_twisted.workers import ReusePortEndpoint
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -58,53 +53,6 @@ log = Logger()
 
 #: Seconds drained connections get to send what they have buffered.
 CLOSE_GRACE = 5.0
-
-
-@implementer(IStreamServerEndpoint)
-class Announced:
-    """An endpoint that keeps the port it was bound to, for the readiness line."""
-
-    def __init__(self, endpoint: IStreamServerEndpoint) -> None:
-        self.endpoint = endpoint
-        self.port: IListeningPort | None = None
-
-    def listen(self, factory: IProtocolFactory) -> Deferred[IListeningPort]:
-        return self.endpoint.listen(factory).addCallback(self._bound)
-
-    def _bound(self, port: IListeningPort) -> IListeningPort:
-        self.port = port
-        return port
-
-
-def cannot_listen(error: CannotListenError) -> str:
-    """A bind error as one line: where, and why."""
-    reason = error.socketError
-    why = reason.strerror if isinstance(reason, OSError) and reason.strerror else str(reason)
-    return f"cannot listen on {error.interface or '*'}:{error.port}: {why.lower()}"
-
-
-def _address(port: IListeningPort) -> str:
-    host = port.getHost()
-    if hasattr(host, "port"):
-        return f"{host.host}:{host.port}"  # type: ignore[attr-defined]
-    name = getattr(host, "name", host)
-    return name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
-
-
-def listener(
-    description: str, factory: IProtocolFactory, reactor: Any, shared: bool = False
-) -> StreamServerEndpointService:
-    """A stock listening service; ``shared``: a worker's SO_REUSEPORT TCP port."""
-    if shared:
-        address = tcp_address(description)
-        assert address is not None, "a worker is only ever given tcp: endpoints"
-        service = StreamServerEndpointService(ReusePortEndpoint(reactor, *address), factory)
-    else:
-        # strports' service reports a bind error synchronously, so twistd
-        # exits non-zero at once instead of serving nothing.
-        service = strports.service(description, factory, reactor=reactor)
-    service.endpoint = Announced(service.endpoint)
-    return service
 
 
 class ProxyService(MultiService):
@@ -145,7 +93,7 @@ class ProxyService(MultiService):
         try:
             super().privilegedStartService()
         except CannotListenError as error:
-            raise SystemExit(f"nixlproxy: {cannot_listen(error)}") from None
+            raise SystemExit(bind_error(error)) from None
 
     def startService(self) -> None:
         startup.check_descriptors(self.config)
@@ -163,7 +111,7 @@ class ProxyService(MultiService):
         if self.config.worker is None:  # (a worker's supervisor says it for all)
             startup.announce(self.config)
         for port in self.ports():
-            lifecycle.info("nixlproxy listening on {address}", address=_address(port))
+            lifecycle.info("nixlproxy listening on {address}", address=address(port))
 
     def listeners(self) -> list[StreamServerEndpointService]:
         return [s for s in self if isinstance(s, StreamServerEndpointService)]

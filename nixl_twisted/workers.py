@@ -26,17 +26,11 @@ from typing import Any
 
 from prometheus_client.multiprocess import mark_process_dead
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.interfaces import (
-    IListeningPort,
-    IProtocolFactory,
-    IStreamServerEndpoint,
-)
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
-from zope.interface import implementer
 
 from nixl_twisted import logs, reloads, startup
 from nixl_twisted.backends import BackendService, backend_service
@@ -51,6 +45,7 @@ from nixl_twisted.coordination import (
 )
 from nixl_twisted.endpoints import tcp_address, tcp_endpoint
 from nixl_twisted.metrics import METRICS_DIR_ENV
+from nixl_twisted.ports import cannot_listen, shared_socket
 from nixl_twisted.signals import SignalService
 
 log = Logger()
@@ -58,36 +53,6 @@ log = Logger()
 #: ``twistd`` run by this very interpreter, wherever its script was installed.
 TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
 RESTART_DELAY = 1.0
-
-
-def _socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
-
-
-@implementer(IStreamServerEndpoint)
-class ReusePortEndpoint:
-    """A TCP endpoint whose socket shares its port with the other workers."""
-
-    def __init__(self, reactor: Any, host: str, port: int, backlog: int = 1024) -> None:
-        self.reactor = reactor
-        self.host = host
-        self.port = port
-        self.backlog = backlog
-
-    def listen(self, factory: IProtocolFactory) -> Deferred[IListeningPort]:
-        sock = _socket(self.host, self.port)  # a bind error is raised here, at once
-        sock.listen(self.backlog)
-        sock.setblocking(False)
-        try:
-            port = self.reactor.adoptStreamPort(sock.fileno(), sock.family, factory)
-        finally:
-            sock.close()  # the reactor holds its own duplicate
-        return succeed(port)
 
 
 #: A supervisor's metrics directory is ``nixlproxy-metrics-PID-XXXX`` in the temporary directory.
@@ -170,11 +135,9 @@ class WorkerSupervisor(Service):
         address = tcp_address(description)
         assert address is not None, "the configuration allows only tcp: with --workers"
         try:
-            sock = _socket(*address)
+            sock = shared_socket(*address)
         except OSError as error:
-            why = (error.strerror or str(error)).lower()
-            where = f"{address[0] or '*'}:{address[1]}"
-            raise SystemExit(f"nixlproxy: cannot listen on {where}: {why}") from None
+            raise SystemExit(cannot_listen(*address, error)) from None
         self._reserved.append(sock)
         host, port = sock.getsockname()[:2]
         logs.lifecycle.info("nixlproxy workers share {host}:{port}", host=host, port=port)
