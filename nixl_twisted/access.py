@@ -15,17 +15,15 @@ from typing import Any
 from twisted.logger import Logger
 from twisted.web.http import Request
 
+from nixl_twisted import routes
 from nixl_twisted.lowering import printable
-from nixl_twisted.metrics import ProxyMetrics, route_label
+from nixl_twisted.metrics import ProxyMetrics
 from nixl_twisted.phases import Phase
+from nixl_twisted.routes import route_label
 from nixl_twisted.spans import NO_TRACE, RequestTrace
 from nixl_twisted.usage import Usage
 
 log = Logger(namespace="nixlproxy.access")
-
-COMPLETION_ROUTES = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"}
-)
 
 _USUAL = frozenset({"answered", "next"})
 
@@ -130,7 +128,7 @@ class AccessLog:
         route = route_label(request.path)
         status = record.ended if cut else str(request.code)
         self.metrics.child(self.metrics.requests, route, status).inc()
-        if route in COMPLETION_ROUTES and not client_left:
+        if route in routes.TWO_LEG and not client_left:
             self.metrics.request_seconds.observe(elapsed)
         record.trace.end(request, record)
         if not self.emit:

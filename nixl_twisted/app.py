@@ -23,7 +23,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
-from nixl_twisted import lowering, routing
+from nixl_twisted import lowering, routes, routing
 from nixl_twisted.access import record_of
 from nixl_twisted.admin import AdminAPI
 from nixl_twisted.admission import Admission
@@ -104,7 +104,7 @@ class ProxyApp:
 
     # -- routes -----------------------------------------------------------
 
-    @app.route("/healthcheck", methods=["GET"])
+    @app.route(routes.HEALTHCHECK, methods=["GET"])
     def healthcheck(self, request: Request) -> bytes:
         ready = self.backends.ready() and not self.admission.leaving
         request.setResponseCode(200 if ready else 503)
@@ -125,14 +125,14 @@ class ProxyApp:
             }
         ).encode("utf-8")
 
-    @app.route("/metrics", methods=["GET"])
+    @app.route(routes.METRICS, methods=["GET"])
     def prometheus(self, request: Request) -> bytes:
         if not self.serve_metrics:
             raise NotFound()
         request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))
         return self.metrics.exposition()
 
-    @app.route("/admin/backends", methods=["GET", "POST", "DELETE"])
+    @app.route(routes.ADMIN_BACKENDS, methods=["GET", "POST", "DELETE"])
     def admin_backends(self, request: Request) -> bytes | Deferred[bytes]:
         self.admin.authorize(request)
         if request.method == b"GET":
@@ -142,22 +142,22 @@ class ProxyApp:
         changed = self.admin.remove(_client_body(request))
         return changed.addCallback(partial(_json, request, 200))
 
-    @app.route("/admin/backends/drain", methods=["POST"])
+    @app.route(routes.ADMIN_DRAIN, methods=["POST"])
     def admin_drain(self, request: Request) -> Deferred[bytes]:
         self.admin.authorize(request)
         return self.admin.drain(_client_body(request)).addCallback(partial(_json, request, 202))
 
-    @app.route("/v1/models", methods=["GET"])
+    @app.route(routes.MODELS, methods=["GET"])
     def models(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, "/v1/models", None)
+        return self._one_leg(request, routes.MODELS, None)
 
-    @app.route("/tokenize", methods=["POST"])
+    @app.route(routes.TOKENIZE, methods=["POST"])
     def tokenize(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, "/tokenize", _client_body(request))
+        return self._one_leg(request, routes.TOKENIZE, _client_body(request))
 
-    @app.route("/detokenize", methods=["POST"])
+    @app.route(routes.DETOKENIZE, methods=["POST"])
     def detokenize(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, "/detokenize", _client_body(request))
+        return self._one_leg(request, routes.DETOKENIZE, _client_body(request))
 
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         trace = self._trace(request)
@@ -165,25 +165,25 @@ class ProxyApp:
             lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace))
         )
 
-    @app.route(lowering.COMPLETIONS_PATH, methods=["POST"])
+    @app.route(routes.COMPLETIONS, methods=["POST"])
     def completions(self, request: Request) -> Deferred[None]:
-        return self._two_legs(request, lowering.COMPLETIONS_PATH)
+        return self._two_legs(request, routes.COMPLETIONS)
 
-    @app.route(lowering.CHAT_COMPLETIONS_PATH, methods=["POST"])
+    @app.route(routes.CHAT_COMPLETIONS, methods=["POST"])
     def chat_completions(self, request: Request) -> Deferred[None]:
-        return self._two_legs(request, lowering.CHAT_COMPLETIONS_PATH)
+        return self._two_legs(request, routes.CHAT_COMPLETIONS)
 
-    @app.route(lowering.RESPONSES_PATH, methods=["POST"])
+    @app.route(routes.RESPONSES, methods=["POST"])
     def responses(self, request: Request) -> Deferred[None]:
-        return self._two_legs(request, lowering.RESPONSES_PATH)
+        return self._two_legs(request, routes.RESPONSES)
 
-    @app.route("/v1/responses/<string:response_id>", methods=["GET"])
+    @app.route(routes.RESPONSE.format(id="<string:response_id>"), methods=["GET"])
     def response(self, request: Request, response_id: str) -> Deferred[None]:
-        return self._follow_up(request, f"/v1/responses/{response_id}", response_id, None)
+        return self._follow_up(request, routes.response_path(response_id), response_id, None)
 
-    @app.route("/v1/responses/<string:response_id>/cancel", methods=["POST"])
+    @app.route(routes.RESPONSE_CANCEL.format(id="<string:response_id>"), methods=["POST"])
     def cancel_response(self, request: Request, response_id: str) -> Deferred[None]:
-        path = f"/v1/responses/{response_id}/cancel"
+        path = routes.response_path(response_id, cancel=True)
         return self._follow_up(request, path, response_id, _client_body(request) or b"{}")
 
     def _follow_up(
@@ -197,13 +197,13 @@ class ProxyApp:
             )
         )
 
-    @app.route(lowering.MESSAGES_PATH, methods=["POST"])
+    @app.route(routes.MESSAGES, methods=["POST"])
     def messages(self, request: Request) -> Deferred[None]:
-        return self._two_legs(request, lowering.MESSAGES_PATH)
+        return self._two_legs(request, routes.MESSAGES)
 
-    @app.route("/v1/messages/count_tokens", methods=["POST"])
+    @app.route(routes.COUNT_TOKENS, methods=["POST"])
     def count_tokens(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, "/v1/messages/count_tokens", _client_body(request))
+        return self._one_leg(request, routes.COUNT_TOKENS, _client_body(request))
 
     def _trace(self, request: Request) -> RequestTrace:
         """The request's trace, begun at its arrival; ended with its access event."""
@@ -253,7 +253,7 @@ class ProxyApp:
         exchange = Exchange(
             request, path, body, request_id, headers, self.backends,  # type: ignore[arg-type]
             config.timeouts, config.retries, self.clock, self.metrics, route_on,
-            self.responses_seen.watcher if path == lowering.RESPONSES_PATH else None, trace,
+            self.responses_seen.watcher if path == routes.RESPONSES else None, trace,
         )  # fmt: skip
         self.exchanges.add(exchange)
 

@@ -6,6 +6,8 @@ import json
 
 from twisted.web.iweb import IRequest
 
+from nixl_twisted.routes import speaks_anthropic
+
 
 class ProxyError(Exception):
     """A request ended in an answer the proxy itself composes.
@@ -62,21 +64,16 @@ def anthropic_error_body(message: str, error_type: str, status: int) -> bytes:
     return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
 
 
-def _anthropic(path: bytes) -> bool:
-    """The Messages routes, whose clients parse Anthropic's shapes."""
-    return path.startswith(b"/v1/messages")
-
-
 def for_route(path: bytes, status: int, message: str, error_type: str, code: str) -> bytes:
     """The proxy's error body in the shape the route's clients parse."""
-    if _anthropic(path):
+    if speaks_anthropic(path):
         return anthropic_error_body(message, error_type, status)
     return error_body(message, error_type, code)
 
 
 def stream_error_event(path: bytes, message: str, code: str) -> bytes:
     """The in-band SSE event that ends a stream which broke off, in the route's shape."""
-    if _anthropic(path):
+    if speaks_anthropic(path):
         return (
             b"event: error\ndata: " + anthropic_error_body(message, "upstream_error", 502) + b"\n\n"
         )

@@ -15,7 +15,7 @@ from twisted.web.server import Request
 from nixl_twisted import __version__
 from nixl_twisted.access import AccessLog, record_of
 from nixl_twisted.deadlines import ClientLimits
-from nixl_twisted.metrics import route_label
+from nixl_twisted.routes import route_label
 
 
 class Intake(Protocol):

@@ -11,16 +11,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from nixl_twisted import routes
 from nixl_twisted.errors import bad_gateway, invalid_request
 
 JSONObject = dict[str, Any]
 
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
-#: Anthropic's Messages API, which vLLM serves.
-MESSAGES_PATH = "/v1/messages"
-#: OpenAI's Responses API.
-RESPONSES_PATH = "/v1/responses"
 
 #: Fields the prefill leg must not carry: they would make prefill stream,
 #: or generate past its single token.
@@ -106,7 +101,7 @@ def check_servable(path: str, body: JSONObject) -> None:
     A batch of prompts gets one ``kv_transfer_params`` for the whole batch
     from prefill, and decode's worker crashes on it ("block marked busy").
     """
-    if path == RESPONSES_PATH:
+    if path == routes.RESPONSES:
         if body.get("previous_response_id") is not None:
             raise invalid_request(
                 "previous_response_id is not served: the stored response lives on one decode "
@@ -144,7 +139,7 @@ def batch_of(path: str, body: JSONObject, limit: int) -> BatchRequest | None:
     """
     prompt = body.get("prompt")
     count = prompt_count(prompt)
-    if path != COMPLETIONS_PATH or count == 1:
+    if path != routes.COMPLETIONS or count == 1:
         return None
     if count > limit:
         raise invalid_request(
@@ -192,10 +187,10 @@ def json_kind(value: object) -> str:
 
 
 def prefill_body(
-    body: JSONObject, request_id: str, path: str = CHAT_COMPLETIONS_PATH
+    body: JSONObject, request_id: str, path: str = routes.CHAT_COMPLETIONS
 ) -> JSONObject:
     """Lower a client's body for the prefill leg of ``path`` (one token, not streamed)."""
-    if path == RESPONSES_PATH:
+    if path == routes.RESPONSES:
         return _responses_prefill_body(body, request_id)
     lowered = dict(body)
     lowered["kv_transfer_params"] = prefill_kv_transfer_params(request_id)

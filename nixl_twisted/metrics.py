@@ -26,30 +26,17 @@ from prometheus_client.registry import Collector
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
+from nixl_twisted import routes
+
 if TYPE_CHECKING:
     from nixl_twisted.pools import BackendPool
 
-ROUTES = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-     "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/healthcheck", "/metrics",
-     "/admin/backends", "/admin/backends/drain"}
-)  # fmt: skip
 #: Seconds, from a fast loopback leg to a long prefill or generation.
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Set by a ``--workers`` supervisor for its workers: prometheus_client's multiprocess mode.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-def route_label(path: bytes) -> str:
-    """The route as a bounded label."""
-    text = path.decode("utf-8", "replace")
-    if text in ROUTES:
-        return text
-    if text.startswith("/v1/responses/"):  # one response: its id is not a label
-        return "/v1/responses/{id}/cancel" if text.endswith("/cancel") else "/v1/responses/{id}"
-    return "other"
 
 
 class _InstanceHealth(Collector):
@@ -101,7 +88,7 @@ class MetricsResource(Resource):
         self._metrics = metrics
 
     def render_GET(self, request: IRequest) -> bytes:
-        if request.path != b"/metrics":
+        if request.path != routes.METRICS.encode():
             request.setResponseCode(404)
             return b"metrics are at /metrics\n"
         request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))

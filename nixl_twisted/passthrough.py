@@ -42,9 +42,6 @@ from nixl_twisted.spans import LegTrace, RequestTrace
 
 log = Logger()
 
-#: The routes served by one leg to decode, and their methods.
-ROUTES = {"/v1/models": b"GET", "/tokenize": b"POST", "/detokenize": b"POST"}
-
 
 class OneLeg:
     """Serves a single-leg route: the request to the next decode instance, its answer back."""

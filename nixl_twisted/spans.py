@@ -26,8 +26,8 @@ from twisted.web.http import Request
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.lowering import printable
-from nixl_twisted.metrics import route_label
 from nixl_twisted.phases import Phase
+from nixl_twisted.routes import route_label
 
 if TYPE_CHECKING:
     from nixl_twisted.instances import Instance

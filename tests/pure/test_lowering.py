@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 from nixl_twisted import ID, VERSION, meta
 from nixl_twisted.errors import ProxyError
 from nixl_twisted.lowering import (
-    CHAT_COMPLETIONS_PATH,
-    COMPLETIONS_PATH,
     BatchRequest,
     batch_of,
     check_servable,
@@ -25,6 +23,7 @@ from nixl_twisted.lowering import (
     prefill_body,
     prompt_count,
 )
+from nixl_twisted.routes import CHAT_COMPLETIONS, COMPLETIONS
 
 OWNED = {
     "kv_transfer_params",
@@ -177,22 +176,22 @@ def test_prompt_count(prompt: object, count: int) -> None:
 
 
 def test_batched_prompts_are_split_only_on_completions_and_bounded() -> None:
-    assert batch_of(COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) == BatchRequest(["a", "b"])
-    assert batch_of(COMPLETIONS_PATH, {"prompt": [[1], [2]]}, 4) == BatchRequest([[1], [2]])
-    assert batch_of(COMPLETIONS_PATH, {"prompt": "a"}, 4) is None
-    assert batch_of(COMPLETIONS_PATH, {"prompt": [1, 2]}, 4) is None  # one token list
-    assert batch_of(CHAT_COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 4) is None
+    assert batch_of(COMPLETIONS, {"prompt": ["a", "b"]}, 4) == BatchRequest(["a", "b"])
+    assert batch_of(COMPLETIONS, {"prompt": [[1], [2]]}, 4) == BatchRequest([[1], [2]])
+    assert batch_of(COMPLETIONS, {"prompt": "a"}, 4) is None
+    assert batch_of(COMPLETIONS, {"prompt": [1, 2]}, 4) is None  # one token list
+    assert batch_of(CHAT_COMPLETIONS, {"prompt": ["a", "b"]}, 4) is None
     with pytest.raises(ProxyError) as caught:
-        batch_of(COMPLETIONS_PATH, {"prompt": ["a", "b", "c"]}, 2)
+        batch_of(COMPLETIONS, {"prompt": ["a", "b", "c"]}, 2)
     assert (caught.value.status, caught.value.code) == (400, "too_many_prompts")
-    check_servable(COMPLETIONS_PATH, {"prompt": ["a", "b"]})
+    check_servable(COMPLETIONS, {"prompt": ["a", "b"]})
 
 
 def test_a_batch_reads_the_fields_it_merges_by() -> None:
     body = {"prompt": ["a", "b"], "n": 2, "stream": True, "stream_options": {"include_usage": True}}
-    assert batch_of(COMPLETIONS_PATH, body, 4) == BatchRequest(["a", "b"], 2, True, True)
+    assert batch_of(COMPLETIONS, body, 4) == BatchRequest(["a", "b"], 2, True, True)
     nulls = {"prompt": ["a", "b"], "n": None, "stream": None, "stream_options": None}
-    assert batch_of(COMPLETIONS_PATH, nulls, 4) == BatchRequest(["a", "b"])
+    assert batch_of(COMPLETIONS, nulls, 4) == BatchRequest(["a", "b"])
 
 
 @pytest.mark.parametrize(
@@ -212,7 +211,7 @@ def test_a_batch_reads_the_fields_it_merges_by() -> None:
 )
 def test_a_batch_field_it_cannot_merge_by_is_a_400_naming_it(field: dict[str, object]) -> None:
     with pytest.raises(ProxyError) as caught:
-        batch_of(COMPLETIONS_PATH, {"prompt": ["a", "b"], **field}, 4)
+        batch_of(COMPLETIONS, {"prompt": ["a", "b"], **field}, 4)
     assert (caught.value.status, caught.value.code) == (400, "invalid_batch_field")
     assert f"'{next(iter(field))}" in caught.value.message
 
