@@ -17,9 +17,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import HTTPConnectionPool
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent
 
 from nixl_twisted import routing
 from nixl_twisted.config import Health, Policies, Pools, ProxyConfig
@@ -28,7 +26,7 @@ from nixl_twisted.headers import for_rank
 from nixl_twisted.health import Thresholds
 from nixl_twisted.instances import Instance
 from nixl_twisted.pools import BackendPool
-from nixl_twisted.upstream import Upstream, backend_agent, read_body
+from nixl_twisted.upstream import Upstream, read_body
 
 log = Logger()
 
@@ -234,48 +232,3 @@ def vllm_load(exposition: str) -> dict[str, float]:
             continue
         load[key] = load.get(key, 0.0) + value
     return load
-
-
-def _upstream(reactor: Any, connect_timeout: float, idle_per_host: int, idle: float) -> Upstream:
-    """A pooled HTTP client on the reactor, keeping ``idle_per_host`` connections ``idle`` s."""
-    connections = HTTPConnectionPool(reactor, persistent=True)
-    connections.maxPersistentPerHost = idle_per_host
-    connections.cachedConnectionTimeout = idle  # type: ignore[assignment]
-    return Upstream(backend_agent(reactor, connections, connect_timeout), connections)
-
-
-def backend_service(
-    config: ProxyConfig,
-    reactor: Any,
-    clock: IReactorTime,
-    agent: IAgent | None = None,
-    run_checks: bool = True,
-) -> BackendService:
-    """Both pools and their clients, from the configuration.
-
-    ``run_checks=False``: no health checks here, though the pools still expect
-    them (new instances pending): a ``--workers`` worker, whose supervisor
-    checks and tells it.
-    """
-    health = config.health
-    connect = config.timeouts.connect
-    if agent is None:
-        legs = _upstream(reactor, connect, config.limits.max_idle_per_backend,
-                         config.timeouts.backend_idle)  # fmt: skip
-        # One connection per instance, kept longer than the interval between checks.
-        probes = _upstream(reactor, connect, 1, health.interval + health.timeout + 1)
-    else:
-        legs = probes = Upstream(agent)
-    thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
-    checked = health.interval > 0
-    backends = BackendService(
-        BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
-        BackendPool("decode", config.pools.decode, clock, thresholds, checked),
-        legs,
-        clock,
-        health,
-        probes,
-        runs_checks=run_checks,
-    )
-    backends.use_policies(config.policies)
-    return backends

@@ -33,18 +33,21 @@ from nixl_twisted import logs, reloads, startup, tracing
 from nixl_twisted.access import AccessLog
 from nixl_twisted.admission import Admission
 from nixl_twisted.app import ProxyApp
-from nixl_twisted.backends import BackendService, backend_service
+from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.coordination import SupervisorLink
 from nixl_twisted.deadlines import ClientLimits
 from nixl_twisted.events import Happened
+from nixl_twisted.health import Thresholds
 from nixl_twisted.intake import BodyBudget
 from nixl_twisted.logs import LogLevels, lifecycle
 from nixl_twisted.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
+from nixl_twisted.pools import BackendPool
 from nixl_twisted.ports import Announced, address, bind_error, listener
 from nixl_twisted.refusals import LogThrottle, Refusals
 from nixl_twisted.signals import SignalService
 from nixl_twisted.site import TrackingSite
+from nixl_twisted.upstream import Upstream, pooled_upstream
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -203,6 +206,43 @@ class ProxyService(MultiService):
 def _worker_hangup() -> None:
     log.warn("SIGHUP to a worker changes nothing: send it to the supervisor, pid {pid}",
              pid=os.getppid())  # fmt: skip
+
+
+def backend_service(
+    config: ProxyConfig,
+    reactor: Any,
+    clock: IReactorTime,
+    agent: IAgent | None = None,
+    run_checks: bool = True,
+) -> BackendService:
+    """Both pools and their clients, from the configuration.
+
+    ``run_checks=False``: no health checks here, though the pools still expect
+    them (new instances pending): a ``--workers`` worker, whose supervisor
+    checks and tells it.
+    """
+    health = config.health
+    connect = config.timeouts.connect
+    if agent is None:
+        idle = config.timeouts.backend_idle
+        legs = pooled_upstream(reactor, connect, config.limits.max_idle_per_backend, idle)
+        # One connection per instance, kept longer than the interval between checks.
+        probes = pooled_upstream(reactor, connect, 1, health.interval + health.timeout + 1)
+    else:
+        legs = probes = Upstream(agent)
+    thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+    checked = health.interval > 0
+    backends = BackendService(
+        BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
+        BackendPool("decode", config.pools.decode, clock, thresholds, checked),
+        legs,
+        clock,
+        health,
+        probes,
+        runs_checks=run_checks,
+    )
+    backends.use_policies(config.policies)
+    return backends
 
 
 def build(

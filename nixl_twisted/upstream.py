@@ -231,6 +231,16 @@ class Upstream:
         return self._connections.closeCachedConnections()
 
 
+def pooled_upstream(
+    reactor: Any, connect_timeout: float, idle_per_host: int, idle: float
+) -> Upstream:
+    """A pooled HTTP client on the reactor, keeping ``idle_per_host`` connections ``idle`` s."""
+    connections = HTTPConnectionPool(reactor, persistent=True)
+    connections.maxPersistentPerHost = idle_per_host
+    connections.cachedConnectionTimeout = idle  # type: ignore[assignment]
+    return Upstream(backend_agent(reactor, connections, connect_timeout), connections)
+
+
 _DONE = Failure(ResponseDone())
 
 

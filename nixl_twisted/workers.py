@@ -33,7 +33,7 @@ from twisted.logger import ILogObserver, Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted import logs, reloads, startup
-from nixl_twisted.backends import BackendService, backend_service
+from nixl_twisted.backends import BackendService
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.coordination import (
     FROM_SUPERVISOR,
@@ -46,6 +46,7 @@ from nixl_twisted.coordination import (
 from nixl_twisted.endpoints import tcp_address, tcp_endpoint
 from nixl_twisted.metrics import METRICS_DIR_ENV
 from nixl_twisted.ports import cannot_listen, shared_socket
+from nixl_twisted.service import backend_service
 from nixl_twisted.signals import SignalService
 
 log = Logger()
