@@ -11,7 +11,7 @@ and load as ``bench.run``'s non-streaming loads, pinned the same way:
 - ``klein-agent`` and ``web-treq``: Klein or treq alone on top of it;
 - ``klein-treq``: Klein and treq, used as a first version would use them;
 - ``klein-upstream``: Klein and the proxy's own treq client
-  (``nixl_twisted.upstream``), to show what is left of treq's cost;
+  (``nixl_twisted.backends.upstream``), to show what is left of treq's cost;
 - ``nixlproxy``: the real ``twistd nixlproxy``, for comparison.
 
 All the floors parse no forms and pool connections, as the proxy does.
@@ -102,7 +102,7 @@ def serve(kind: str, port: int, backend: str) -> None:
     if client == "upstream":
         from twisted.web.client import HTTPConnectionPool
 
-        from nixl_twisted.upstream import Upstream, backend_agent, read_body
+        from nixl_twisted.backends.upstream import Upstream, backend_agent, read_body
 
         connections = HTTPConnectionPool(reactor)
         connections.maxPersistentPerHost = 512

@@ -234,9 +234,9 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
 
     from twisted.internet.task import Clock
 
-    from nixl_twisted import routing
-    from nixl_twisted.pools import BackendPool
-    from nixl_twisted.settings import BY_NAME
+    from nixl_twisted.backends import routing
+    from nixl_twisted.backends.pools import BackendPool
+    from nixl_twisted.config.settings import BY_NAME
 
     pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
     balance = BY_NAME["cache-aware-balance"].default

@@ -1,7 +1,7 @@
 """nixl-twisted: a Twisted proxy for vLLM prefill/decode serving over NIXL.
 
 Importing the package does no work: the reactor, sockets and pools are built
-only by :func:`nixl_twisted.service.build`, from a ``ProxyConfig``.
+only by :func:`nixl_twisted.run.root.build`, from a ``ProxyConfig``.
 """
 
 from nixl_twisted.identity import ID, VERSION, ProxyMeta, meta

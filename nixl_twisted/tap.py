@@ -1,9 +1,9 @@
 """``twistd nixlproxy``: the option table, and the service tree it asks for.
 
-``Options`` is generated from ``nixl_twisted.settings`` and turns what was
+``Options`` is generated from ``nixl_twisted.config.settings`` and turns what was
 typed into a ``ProxyConfig`` (``nixl_twisted.config.resolve``); it builds
 nothing live. ``makeService`` hands that value to the composition root
-(``nixl_twisted.service.build``) or, for ``--workers``, to the supervisor.
+(``nixl_twisted.run.root.build``) or, for ``--workers``, to the supervisor.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from twisted.python import usage
 
 from nixl_twisted import __version__, identity, logs
 from nixl_twisted.config import ConfigError, ProxyConfig, resolve
-from nixl_twisted.service import build
-from nixl_twisted.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
-from nixl_twisted.workers import supervise
+from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
+from nixl_twisted.run.root import build
+from nixl_twisted.run.workers import supervise
 
 
 def _help(name: str) -> str:

@@ -31,7 +31,7 @@ from twisted.web.resource import IResource, Resource
 from zope.interface import implementer
 
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.service import build
+from nixl_twisted.run.root import build
 from nixl_twisted.testing.fake import FakeVLLM
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.site import netloc
@@ -39,9 +39,9 @@ from nixl_twisted.testing.site import netloc
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from nixl_twisted.app import ProxyApp
-    from nixl_twisted.service import ProxyService
-    from nixl_twisted.site import TrackingSite
+    from nixl_twisted.run.root import ProxyService
+    from nixl_twisted.web.app import ProxyApp
+    from nixl_twisted.web.site import TrackingSite
 
 
 @dataclass

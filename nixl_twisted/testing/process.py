@@ -25,7 +25,7 @@ from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from nixl_twisted.workers import TWISTD
+from nixl_twisted.run.workers import TWISTD
 
 _LISTENING = re.compile(
     rb'nixlproxy listening on (?:http://)?(?P<text>[^\s{"]+)|"address": ?"(?P<json>[^"]+)"'

@@ -11,7 +11,7 @@ from twisted.web.client import ResponseFailed
 from zope.interface import provider
 
 from nixl_twisted import __version__
-from nixl_twisted.lowering import prompt_count
+from nixl_twisted.protocol.lowering import prompt_count
 from nixl_twisted.testing import TransferLedger
 from tests.support import CHAT, ChunkCollector, ProxyCase, closed_port_url, sse_events
 

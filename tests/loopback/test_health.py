@@ -7,7 +7,7 @@ import json
 from twisted.internet import reactor
 from twisted.internet.defer import gatherResults
 
-from nixl_twisted.health import BACKOFF_BASE
+from nixl_twisted.backends.health import BACKOFF_BASE
 from nixl_twisted.testing import start_proxy
 from tests.support import CHAT, ProxyCase
 

@@ -11,7 +11,7 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.logger import formatEvent
 from twisted.web.client import ResponseFailed
 
-from nixl_twisted.access import access_line
+from nixl_twisted.observe.access import access_line
 from tests.support import CHAT, ProxyCase, closed_port_url
 
 STREAM = dict(CHAT, stream=True)

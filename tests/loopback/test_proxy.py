@@ -6,7 +6,7 @@ import json
 
 from twisted.internet.defer import gatherResults
 
-from nixl_twisted.lowering import prefill_kv_transfer_params
+from nixl_twisted.protocol.lowering import prefill_kv_transfer_params
 from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
 
 

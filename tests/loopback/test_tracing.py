@@ -17,8 +17,8 @@ from twisted.logger import LogLevel
 from twisted.web.client import ResponseFailed
 from twisted.web.http_headers import Headers
 
-from nixl_twisted import tracing
 from nixl_twisted.config import Traces
+from nixl_twisted.observe import tracing
 from nixl_twisted.testing import FakeCollector
 from tests.loopback.test_failures import TIMEOUTS
 from tests.support import CHAT, ChunkCollector, ProxyCase, closed_port_url

@@ -30,8 +30,8 @@ from twisted.web.iweb import IResponse
 from twisted.web.resource import EncodingResourceWrapper
 from twisted.web.server import GzipEncoderFactory
 
+from nixl_twisted.backends.upstream import Upstream, backend_agent, backend_url, read_body
 from nixl_twisted.testing import FakeVLLM, TransferLedger
-from nixl_twisted.upstream import Upstream, backend_agent, backend_url, read_body
 from tests.loopback.test_tls import self_signed
 from tests.support import CHAT, ProxyCase
 

@@ -13,8 +13,8 @@ from twisted.web.resource import Resource
 from twisted.web.test.requesthelper import DummyRequest
 from werkzeug.exceptions import BadHost
 
-from nixl_twisted.front import FrontDoor
 from nixl_twisted.testing import InMemoryClient
+from nixl_twisted.web.front import FrontDoor
 from tests.memory.support import CHAT, Setup, error_code, status
 
 COMPLETION = b'{"model": "m", "prompt": "hello"}'

@@ -10,7 +10,7 @@ from typing import Any
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from zope.interface import provider
 
-from nixl_twisted.phases import RULES, OnClientLeft, Phase
+from nixl_twisted.protocol.phases import RULES, OnClientLeft, Phase
 from nixl_twisted.testing import FakeVLLM, InMemoryProxy, TransferLedger
 from tests.memory.support import CHAT, STREAM, TIMEOUTS, Setup, error_code, sse_events, status
 

@@ -14,7 +14,7 @@ from zope.interface import provider
 
 from nixl_twisted.config import resolve
 from nixl_twisted.logs import LogLevels
-from nixl_twisted.service import ProxyService, build
+from nixl_twisted.run.root import ProxyService, build
 from tests.memory.support import Setup
 
 

@@ -14,12 +14,12 @@ from twisted.application.service import IServiceCollection
 from twisted.internet import reactor
 
 import nixl_twisted
-from nixl_twisted.backends import BackendService
+from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.service import ProxyService, build
-from nixl_twisted.signals import SignalService
+from nixl_twisted.run.root import ProxyService, build
+from nixl_twisted.run.signals import SignalService
+from nixl_twisted.run.workers import SupervisorService, WorkerSupervisor
 from nixl_twisted.tap import Options, makeService
-from nixl_twisted.workers import SupervisorService, WorkerSupervisor
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
 TWISTD = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()"]

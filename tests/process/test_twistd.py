@@ -127,7 +127,7 @@ class TwistdTests(TwistdCase):
         self.assertEqual(await process.ended, 0, process.output.decode())
         output = process.output.decode()
         self.assertIn("SIGTERM: draining", output)  # a lifecycle line too
-        self.assertIn("[nixl_twisted.pools#warn]", output)
+        self.assertIn("[nixl_twisted.backends.pools#warn]", output)
         self.assertIn(f"prefill {self.prefill.url} (round-robin)", output)  # the summary
         self.assertIn("max-in-flight 1024, max-connections 4096", output)
         self.assertNotIn("nixlproxy.access", output)  # an info line

@@ -10,8 +10,8 @@ import pytest
 from twisted.python import usage
 
 from nixl_twisted.config import ConfigError, ProxyConfig, resolve
-from nixl_twisted.reloads import reloaded
-from nixl_twisted.settings import BACKEND_API_KEY_ENV, SETTINGS
+from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, SETTINGS
+from nixl_twisted.run.reloads import reloaded
 from nixl_twisted.tap import Options
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]

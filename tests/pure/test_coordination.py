@@ -6,12 +6,12 @@ from typing import Any
 
 from twisted.internet.task import Clock
 
-from nixl_twisted.backends import BackendService
+from nixl_twisted.backends.health import State, Thresholds
+from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.service import BackendService
+from nixl_twisted.backends.upstream import Upstream
 from nixl_twisted.config import Health, Pools, ProxyConfig
-from nixl_twisted.coordination import Coordinator, Lines, SupervisorLink, encode
-from nixl_twisted.health import State, Thresholds
-from nixl_twisted.pools import BackendPool
-from nixl_twisted.upstream import Upstream
+from nixl_twisted.run.coordination import Coordinator, Lines, SupervisorLink, encode
 
 P, D1, D2 = "http://p:1", "http://d1:1", "http://d2:1"
 
@@ -127,7 +127,7 @@ def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path:
     import subprocess
     import sys
 
-    from nixl_twisted.workers import METRICS_PREFIX, remove_stale_metrics
+    from nixl_twisted.run.workers import METRICS_PREFIX, remove_stale_metrics
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from twisted.internet.task import Clock
 
-from nixl_twisted.metrics import ProxyMetrics
-from nixl_twisted.pools import BackendPool
+from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.observe.metrics import ProxyMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}

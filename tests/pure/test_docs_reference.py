@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from nixl_twisted.app import ProxyApp
-from nixl_twisted.settings import BY_NAME, SETTINGS, default_text
+from nixl_twisted.config.settings import BY_NAME, SETTINGS, default_text
 from nixl_twisted.tap import Options
+from nixl_twisted.web.app import ProxyApp
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

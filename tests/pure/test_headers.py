@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from twisted.web.http_headers import Headers
 
-from nixl_twisted.headers import backend_request_headers, client_response_headers
+from nixl_twisted.protocol.headers import backend_request_headers, client_response_headers
 
 
 def client(**headers: str) -> Headers:

@@ -9,12 +9,12 @@ import pytest
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.task import Clock
 
-from nixl_twisted.errors import bad_gateway
-from nixl_twisted.instances import Instance
-from nixl_twisted.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
-from nixl_twisted.metrics import ProxyMetrics
-from nixl_twisted.pools import BackendPool, Lease
-from nixl_twisted.spans import LegTrace
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.pools import BackendPool, Lease
+from nixl_twisted.exchange.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
+from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.protocol.errors import bad_gateway
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ def test_twisted_client_errors_are_said_by_their_messages_not_reprs() -> None:
 
 
 def test_a_handoff_gap_past_the_warning_is_counted_and_logged() -> None:
-    from nixl_twisted.legs import note_handoff
+    from nixl_twisted.exchange.legs import note_handoff
 
     metrics = ProxyMetrics()
     assert not note_handoff(metrics, 0.002, 10.0, "r1", "http://d:1")

@@ -11,7 +11,7 @@ from twisted.logger import ILogObserver, Logger, LogPublisher
 from twisted.python.failure import Failure
 
 from nixl_twisted import logs
-from nixl_twisted.access import access_line
+from nixl_twisted.observe.access import access_line
 
 #: An access event's fields as a completion fills them in.
 COMPLETION = {

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from nixl_twisted import ID, VERSION, meta
-from nixl_twisted.errors import ProxyError
-from nixl_twisted.lowering import (
+from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.lowering import (
     BatchRequest,
     batch_of,
     check_servable,
@@ -23,7 +23,7 @@ from nixl_twisted.lowering import (
     prefill_body,
     prompt_count,
 )
-from nixl_twisted.routes import CHAT_COMPLETIONS, COMPLETIONS
+from nixl_twisted.protocol.routes import CHAT_COMPLETIONS, COMPLETIONS
 
 OWNED = {
     "kv_transfer_params",

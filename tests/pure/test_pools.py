@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.health import BACKOFF_MAX, State, Thresholds
-from nixl_twisted.pools import BackendPool, NoHealthyInstance
-from nixl_twisted.settings import InvalidValue, backend_url
+from nixl_twisted.backends.health import BACKOFF_MAX, State, Thresholds
+from nixl_twisted.backends.pools import BackendPool, NoHealthyInstance
+from nixl_twisted.config.settings import InvalidValue, backend_url
 
 
 def test_round_robin_in_order_and_wraps() -> None:

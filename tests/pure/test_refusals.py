@@ -11,7 +11,7 @@ from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
 from zope.interface import provider
 
-from nixl_twisted.refusals import LogThrottle, Refusals
+from nixl_twisted.observe.refusals import LogThrottle, Refusals
 
 
 @pytest.fixture

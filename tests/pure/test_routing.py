@@ -8,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
-from nixl_twisted import routing
-from nixl_twisted.instances import Instance
-from nixl_twisted.pools import BackendPool
-from nixl_twisted.routing import Routing, load_score, prompt_key, rendezvous
-from nixl_twisted.settings import POLICIES
+from nixl_twisted.backends import routing
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.routing import Routing, load_score, prompt_key, rendezvous
+from nixl_twisted.config.settings import POLICIES
 
 
 def pool_of(count: int, name: str = "prefill") -> BackendPool:

@@ -6,8 +6,8 @@ import resource
 
 import pytest
 
-from nixl_twisted import startup
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.run import startup
 
 CONFIG = ProxyConfig.create(
     prefill=["http://p:1", "http://p:2"], decode=["http://d:1"], decode_policy="session",

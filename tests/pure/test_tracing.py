@@ -24,10 +24,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 from zope.interface import provider
 
-from nixl_twisted import spans, tracing
-from nixl_twisted.access import AccessRecord
+from nixl_twisted.backends.instances import Instance
 from nixl_twisted.config import ProxyConfig, Traces
-from nixl_twisted.instances import Instance
+from nixl_twisted.observe import spans, tracing
+from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.tap import Options
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nixl_twisted.usage import TAIL, Usage, read_usage
+from nixl_twisted.protocol.usage import TAIL, Usage, read_usage
 
 CHAT = {
     "id": "c", "choices": [{"index": 0, "message": {"content": "hi"}}],

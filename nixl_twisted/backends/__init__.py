@@ -1,0 +1,1 @@
+"""The vLLM side: instances, their pools and health, routing policies, the upstream client."""

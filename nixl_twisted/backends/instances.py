@@ -1,0 +1,75 @@
+"""``Instance``: one vLLM instance of a pool, and what the proxy knows of it.
+
+Its URL (with its data-parallel rank, if any), its health as the rules of
+``nixl_twisted.backends.health`` judge it, the legs it serves now, whether it drains,
+and vLLM's own load as last scraped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nixl_twisted.backends.health import State
+
+
+@dataclass(eq=False)
+class Instance:
+    """One vLLM instance and what the proxy knows of its health."""
+
+    url: str
+    role: str
+    state: State = State.PENDING
+    #: Failures in a row, and successes in a row.
+    failures: int = 0
+    successes: int = 0
+    retry_at: float = 0.0
+    last_error: str | None = None
+    #: Legs being served by this instance now.
+    in_flight: int = 0
+    #: No new legs; the instance leaves its pool when its last leg ends.
+    draining: bool = False
+    #: vLLM's own load from its ``/metrics`` (``running``, ``waiting``,
+    #: ``kv_cache_usage``) and this proxy's legs then (``ours``); empty if unread.
+    load: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state is State.UP
+
+    @property
+    def base(self) -> str:
+        """Where its legs go: the URL without its rank."""
+        return self.url.split("#", 1)[0]
+
+    @property
+    def rank(self) -> int | None:
+        """Its data-parallel rank (``URL#rank=I``), sent as ``X-data-parallel-rank``."""
+        _, _, fragment = self.url.partition("#")
+        return int(fragment.removeprefix("rank=")) if fragment else None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "rank": self.rank,
+            "state": self.state.value,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "in_flight": self.in_flight,
+            "failures": self.failures,
+            "last_error": self.last_error,
+            "load": self.load or None,
+        }
+
+    def health(self) -> dict[str, Any]:
+        """What a supervisor tells its workers of this instance."""
+        return {
+            "pool": self.role,
+            "url": self.url,
+            "state": self.state.value,
+            "failures": self.failures,
+            "successes": self.successes,
+            "retry_at": self.retry_at,
+            "last_error": self.last_error,
+            "load": self.load,
+        }

@@ -1,0 +1,302 @@
+"""The backend pools: which prefill and decode instance serves the next leg.
+
+Each pool hands its legs to the instances that are neither down nor
+draining, by its policy (``nixl_twisted.backends.routing``; round-robin as the seed
+does by default), and judges what legs and health checks learn of them by
+the rules of ``nixl_twisted.backends.health``. Panic: when every instance not
+draining is down, legs go to them anyway (best effort) rather than refusing
+everything.
+
+A leg holds its instance through a ``Lease``, the one way legs take and give
+back an instance. Under ``--workers`` the supervisor owns the instances'
+health: a worker's pool reports its outcomes (``report``) and adopts what it
+is told.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from nixl_twisted.backends import health
+from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
+from nixl_twisted.config.settings import backend_url, rank_urls
+
+log = Logger()
+
+#: (role, url, failure reason or None for a success): an outcome sent elsewhere.
+Report = Callable[[str, str, "str | None"], None]
+
+
+class NoHealthyInstance(Exception):
+    """Every instance of a pool is draining or was already tried for this leg."""
+
+    def __init__(self, role: str, retry_after: float) -> None:
+        super().__init__(f"no healthy {role} instance")
+        self.role = role
+        self.retry_after = retry_after
+
+
+class PoolChangeRefused(ValueError):
+    """A change that would leave a pool with no instance to send legs to."""
+
+
+class BackendPool:
+    """Instances of one role, handed out round-robin among those not down."""
+
+    def __init__(
+        self,
+        role: str,
+        urls: Sequence[str],
+        clock: IReactorTime,
+        thresholds: Thresholds = DEFAULT_THRESHOLDS,
+        checked: bool = False,
+    ) -> None:
+        """``checked``: health checks run, so new instances wait for the first one."""
+        if not urls:
+            raise ValueError(f"the {role} pool needs at least one instance")
+        self.role = role
+        self.clock = clock
+        self.thresholds = thresholds
+        self._initial = State.PENDING if checked else State.UP
+        self.instances = [self._new(name) for url in urls for name in rank_urls(url)]
+        self._cursor = 0
+        #: Set in a worker: outcomes go to the supervisor, which decides.
+        self.report: Report | None = None
+        #: Called when an instance's health changed (the supervisor tells its workers).
+        self.on_change: Callable[[Instance], None] | None = None
+        #: True while every instance not draining is down (legs go to them anyway).
+        self.panicking = False
+        #: Which candidate serves the next leg (``nixl_twisted.backends.routing``).
+        self.policy: Policy = round_robin
+        self.policy_name = "round-robin"
+
+    def configure(self, thresholds: Thresholds, checked: bool) -> None:
+        """New health rules; ``checked``: new instances wait for their first check."""
+        self.thresholds = thresholds
+        self._initial = State.PENDING if checked else State.UP
+
+    def _new(self, url: str) -> Instance:
+        return Instance(backend_url(url), self.role, state=self._initial)
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(i.url for i in self.instances)
+
+    def __len__(self) -> int:
+        return len(self.instances)
+
+    def _now(self) -> float:
+        return self.clock.seconds()
+
+    def available(self, instance: Instance) -> bool:
+        """Not draining, and not down (or down but past its backoff: a trial leg)."""
+        if instance.draining:
+            return False
+        return instance.state is not State.DOWN or self._now() >= instance.retry_at
+
+    def ready(self) -> bool:
+        """An instance not draining is up now: what /healthcheck reports."""
+        return any(i.healthy and not i.draining for i in self.instances)
+
+    def next(self, exclude: Collection[Instance] = ()) -> Instance:
+        """The instance for the next leg, by this pool's policy (see :meth:`choose`)."""
+        return self.choose(exclude)[0]
+
+    def choose(
+        self, exclude: Collection[Instance] = (), routing: Routing = NO_ROUTING
+    ) -> tuple[Instance, str]:
+        """The instance for the next leg of this role, and the policy's decision.
+
+        The policy chooses among the available instances; when none is,
+        among those not draining (panic, logged once). Raises
+        ``NoHealthyInstance`` when every instance was tried or is draining.
+        """
+        candidates = [i for i in self.instances if i not in exclude and self.available(i)]
+        panic = not candidates
+        if panic:
+            candidates = [i for i in self.instances if i not in exclude and not i.draining]
+        if not candidates:
+            raise NoHealthyInstance(self.role, self.retry_after())
+        if panic and not self.panicking:
+            log.warn("{role} pool in panic: every instance is down, legs go to them anyway",
+                     role=self.role)  # fmt: skip
+        elif not panic and self.panicking:
+            log.info("{role} pool out of panic", role=self.role)
+        self.panicking = panic
+        instance, decision = self.policy(self, candidates, routing)
+        return instance, decision
+
+    def round_robin(self, candidates: Sequence[Instance]) -> Instance:
+        """The next of ``candidates`` in the pool's rotation."""
+        for _ in range(len(self.instances)):
+            instance = self.instances[self._cursor % len(self.instances)]
+            # (A pool is never empty: changes that would empty it are refused.)
+            self._cursor += 1
+            if instance in candidates:
+                return instance
+        return candidates[0]
+
+    # -- legs in flight, and live changes ----------------------------------
+
+    def lease(self, instance: Instance, decision: str = "next") -> Lease:
+        """Hold ``instance`` for one leg, until the lease is released."""
+        instance.in_flight += 1
+        return Lease(self, instance, decision)
+
+    def _released(self, instance: Instance) -> None:
+        """A leg ended; a draining instance with none left leaves the pool."""
+        instance.in_flight -= 1
+        if instance.draining and instance.in_flight == 0 and instance in self.instances:
+            self.instances.remove(instance)
+            log.info("{role} instance {url} drained and removed", role=self.role, url=instance.url)
+
+    def find(self, url: str) -> Instance | None:
+        url = backend_url(url)
+        return next((i for i in self.instances if i.url == url), None)
+
+    def _by_url(self) -> dict[str, Instance]:
+        """The instances by URL, made once per change: a lookup per rank stays linear in ranks."""
+        return {i.url: i for i in self.instances}
+
+    def find_all(self, url: str) -> list[Instance]:
+        """The instances a URL names: itself, or each rank of ``URL#dp=N``."""
+        by_url = self._by_url()
+        return [by_url[name] for name in rank_urls(url) if name in by_url]
+
+    def add(self, url: str) -> list[Instance]:
+        """Put an instance (each of its ranks) in rotation; a draining one is taken back."""
+        return self._add(rank_urls(url))
+
+    def _add(self, names: Sequence[str]) -> list[Instance]:
+        """Put these instances (URLs as ``rank_urls`` gives them) in rotation, in order."""
+        by_url = self._by_url()
+        added = []
+        for name in names:
+            instance = by_url.get(name)
+            if instance is None:
+                instance = by_url[name] = self._new(name)
+                self.instances.append(instance)
+                log.info("{role} instance {url} added", role=self.role, url=instance.url)
+            instance.draining = False
+            added.append(instance)
+        return added
+
+    def _drop(self, leaving: Collection[Instance]) -> None:
+        """Take these out of the list in one pass (``list.remove`` each is quadratic)."""
+        gone = set(leaving)
+        self.instances[:] = [i for i in self.instances if i not in gone]
+
+    def _refuse_emptying(self, leaving: list[Instance]) -> None:
+        gone = set(leaving)
+        if not any(i not in gone and not i.draining for i in self.instances):
+            raise PoolChangeRefused(
+                f"{leaving[0].url} is the last {self.role} instance in rotation; "
+                "add another before taking it out"
+            )
+
+    def drain(self, url: str) -> list[Instance]:
+        """No new legs for an instance (each of its ranks); it leaves when its last leg ends."""
+        instances = self.find_all(url)
+        if instances:
+            self._refuse_emptying(instances)
+        for instance in instances:
+            instance.draining = True
+            log.info("{role} instance {url} draining", role=self.role, url=instance.url)
+        self._drop([i for i in instances if i.in_flight == 0])
+        return instances
+
+    def remove(self, url: str) -> list[Instance]:
+        """Take an instance (each of its ranks) out now; legs it serves finish undisturbed."""
+        instances = self.find_all(url)
+        if instances:
+            self._refuse_emptying(instances)
+        for instance in instances:
+            instance.draining = True
+            log.info("{role} instance {url} removed", role=self.role, url=instance.url)
+        self._drop(instances)
+        return instances
+
+    def update(self, urls: Sequence[str]) -> None:
+        """Make the pool these URLs: add the new, drain those no longer listed."""
+        if not urls:
+            raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
+        wanted = [name for url in urls for name in rank_urls(url)]
+        kept = set(self._add(wanted))
+        leaving = [i for i in self.instances if i not in kept]
+        for instance in leaving:
+            instance.draining = True
+        self._drop([i for i in leaving if i.in_flight == 0])
+
+    # -- what legs and health checks learn ---------------------------------
+
+    def record_failure(self, instance: Instance, reason: str) -> None:
+        """A failed check or leg (``nixl_twisted.backends.health`` says what it makes of it)."""
+        if self.report is not None:
+            self.report(self.role, instance.url, reason)
+            return
+        if health.failed(instance, reason, self.thresholds, self._now()):
+            log.warn(
+                "{role} instance {url} marked down after {failures} failures in a row: {reason}",
+                role=self.role, url=instance.url, failures=instance.failures, reason=reason,
+            )  # fmt: skip
+        self._changed(instance)
+
+    def record_success(self, instance: Instance) -> None:
+        """A check or leg that worked."""
+        if not health.worth_judging(instance):
+            return  # the common case: nothing to learn, nothing to report
+        if self.report is not None:
+            self.report(self.role, instance.url, None)
+            return
+        if health.succeeded(instance, self.thresholds):
+            log.info("{role} instance {url} is back", role=self.role, url=instance.url)
+        self._changed(instance)
+
+    def load_changed(self, instance: Instance) -> None:
+        """A fresh scrape of vLLM's load (the supervisor tells its workers)."""
+        self._changed(instance)
+
+    def _changed(self, instance: Instance) -> None:
+        if self.on_change is not None:
+            self.on_change(instance)
+
+    def adopt(self, verdict: dict[str, Any]) -> None:
+        """Take an instance's health as the supervisor decided it (``Instance.health``)."""
+        instance = self.find(str(verdict["url"]))
+        if instance is not None and health.adopt(instance, verdict):
+            log.info("{role} instance {url} is {state} (from the supervisor)",
+                     role=self.role, url=instance.url, state=instance.state.value)  # fmt: skip
+
+    def retry_after(self) -> float:
+        """Seconds until the first down instance may be tried again."""
+        now = self._now()
+        waits = [max(0.0, i.retry_at - now) for i in self.instances if i.state is State.DOWN]
+        return min(waits) if waits else BACKOFF_BASE
+
+
+class Lease:
+    """One leg's hold on an instance; released exactly once, however the leg ends."""
+
+    def __init__(self, pool: BackendPool, instance: Instance, decision: str = "next") -> None:
+        self.pool = pool
+        self.instance = instance
+        #: Why the pool's policy chose this instance.
+        self.decision = decision
+        self.held = True
+        #: What else ends with the leg (its trace span).
+        self.on_release: Callable[[], object] | None = None
+
+    def release(self, result: object = None) -> object:
+        """Give the instance back (usable as a callback: passes ``result`` on)."""
+        if self.held:
+            self.held = False
+            self.pool._released(self.instance)
+            if self.on_release is not None:
+                self.on_release()
+        return result

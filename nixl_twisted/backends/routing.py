@@ -1,0 +1,196 @@
+"""Routing policies: which of a pool's usable instances serves the next leg, and why.
+
+A policy sees the candidates (instances neither down, draining nor already
+tried for this leg; all of them in panic), what this request offers to route
+on (``Routing``) and the pool, and answers an instance and a short decision
+that the access event and ``nixlproxy_routing_decisions_total`` carry.
+
+``cache-aware`` and ``session`` hash with rendezvous (highest random weight)
+hashing: the choice depends only on the key and the pool's membership, so
+every worker and every replica picks the same instance for the same
+conversation, and adding or removing an instance moves only the keys that
+must move. ``docs/routing.md`` explains each policy and its knobs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nixl_twisted.protocol.lowering import JSONObject
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What one request offers a policy to route on."""
+
+    #: The part of the prompt that every turn of its conversation shares (``prompt_key``).
+    prompt: bytes | None = None
+    #: ``X-Session-ID``, else the body's ``user``.
+    session: str | None = None
+
+
+#: A request that offers nothing to route on.
+NO_ROUTING = Routing()
+
+
+class Candidate(Protocol):
+    url: str
+    in_flight: int
+    #: vLLM's own load, as last scraped from its ``/metrics`` (empty if never read).
+    load: dict[str, float]
+
+
+class Pool(Protocol):
+    def round_robin(self, candidates: Sequence[Any]) -> Any: ...
+
+
+Choice = tuple[Any, str]
+
+
+def round_robin(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
+    return pool.round_robin(candidates), "next"
+
+
+def least_loaded(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
+    fewest = min(c.in_flight for c in candidates)
+    return pool.round_robin([c for c in candidates if c.in_flight == fewest]), "fewest_in_flight"
+
+
+def load_score(candidate: Candidate) -> float:
+    """vLLM's queue as last scraped, less this proxy's legs then, plus this proxy's legs now.
+
+    Between two scrapes a burst from this proxy shows at once in its own
+    count; the other clients' share is what the scrape saw beyond ours.
+    """
+    load = candidate.load
+    if not load:
+        return float(candidate.in_flight)
+    queued = load.get("running", 0.0) + 2 * load.get("waiting", 0.0)
+    others = max(0.0, queued - load.get("ours", 0.0))
+    return others + candidate.in_flight + 4 * load.get("kv_cache_usage", 0.0)
+
+
+def by_load(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
+    """Power of two choices on ``load_score``: the better of two at random."""
+    pair = random.sample(list(candidates), 2) if len(candidates) > 1 else list(candidates)
+    chosen = min(pair, key=load_score)
+    return chosen, "load" if chosen.load else "in_flight_only"
+
+
+def _weight(key: bytes, url: str) -> int:
+    digest = hashlib.blake2b(key + b"\0" + url.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rendezvous(key: bytes, candidates: Sequence[Candidate]) -> list[Any]:
+    """The candidates in this key's order of preference (highest random weight first)."""
+    return sorted(candidates, key=lambda c: _weight(key, c.url), reverse=True)
+
+
+@dataclass(frozen=True)
+class CacheAware:
+    """The conversation's own instance, unless that would make the load too uneven.
+
+    The balance guard: an instance may hold at most ``balance`` times the
+    pool's mean legs in flight (plus one) before the key's next instance is
+    taken instead.
+    """
+
+    balance: float = 1.5
+
+    def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
+        if routing.prompt is None:
+            return least_loaded(pool, candidates, routing)[0], "no_prompt"
+        ordered = rendezvous(routing.prompt, candidates)
+        total = sum(c.in_flight for c in candidates)
+        cap = math.ceil(self.balance * (total + 1) / len(candidates))
+        for rank, candidate in enumerate(ordered):
+            if candidate.in_flight < cap:
+                return candidate, "affinity" if rank == 0 else "balanced"
+        return min(ordered, key=lambda c: c.in_flight), "balanced"
+
+
+def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
+    if routing.session is None:
+        return pool.round_robin(candidates), "no_session"
+    return rendezvous(_utf8(routing.session), candidates)[0], "session"
+
+
+Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
+
+
+def policies(balance: float) -> dict[str, Policy]:
+    """Every policy by the name ``settings.POLICIES`` gives it; ``balance`` is cache-aware's."""
+    return {
+        "round-robin": round_robin,
+        "least-loaded": least_loaded,
+        "load": by_load,
+        "cache-aware": CacheAware(balance),
+        "session": session,
+    }
+
+
+def policy(name: str, balance: float) -> Policy:
+    """The policy of this name."""
+    return policies(balance)[name]
+
+
+#: The most of a chat's leading messages that the key keeps.
+CHAT_KEY_LIMIT = 64 * 1024
+
+
+def prompt_key(body: JSONObject, completion_bytes: int) -> bytes | None:
+    """The leading part of a prompt that every later turn of its conversation repeats.
+
+    Chat: the messages rendered (role, then text) up to the end of the
+    first user message, so that conversations sharing a system prompt still
+    differ (at most ``CHAT_KEY_LIMIT`` bytes). A completion, whose prompt
+    only grows: its first ``completion_bytes`` bytes (a prompt shorter than
+    that fills no cache block worth finding again).
+    """
+    limit = CHAT_KEY_LIMIT
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts: list[bytes] = []
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            parts.append(_utf8(f"{_text(message.get('role'))}\n{_text(message.get('content'))}\n"))
+            if message.get("role") == "user":
+                break
+        rendered = b"".join(parts)
+        return rendered[:limit] if rendered else None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return _utf8(prompt)[:completion_bytes]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        # Token ids: about four bytes of text each.
+        return b",".join(str(t).encode() for t in prompt[: max(1, completion_bytes // 4)])
+    return None
+
+
+def _utf8(text: str) -> bytes:
+    """A key's bytes; a lone surrogate (valid as a JSON escape, not as UTF-8) kept as is."""
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _text(content: object) -> str:
+    """The text of a message's field: a string, or its text parts; anything else adds none."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: the text ones
+        texts = (part.get("text") for part in content if isinstance(part, dict))
+        return "".join(text for text in texts if isinstance(text, str))
+    return ""
+
+
+def session_key(header: bytes | None, body: JSONObject) -> str | None:
+    if header:
+        return header.decode("utf-8", "replace")
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None

@@ -1,0 +1,234 @@
+"""``BackendService``: the service the tree owns for the backends.
+
+Both pools, the active health checks (``GET /health`` on every instance
+each ``--health-interval``, the first round as the service starts) and the
+HTTP clients, whose pooled connections are closed when the service stops.
+Health checks have a client of their own, whose one connection per instance
+outlives the interval, so that a check does not open a connection each time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+
+from nixl_twisted.backends import routing
+from nixl_twisted.backends.health import Thresholds
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.upstream import Upstream, read_body
+from nixl_twisted.config import Health, Policies, Pools, ProxyConfig
+from nixl_twisted.events import Happened
+from nixl_twisted.protocol.headers import for_rank
+
+log = Logger()
+
+
+class BackendService(Service):
+    """The prefill and decode pools, their health checks, and the HTTP client."""
+
+    name = "backends"
+
+    def __init__(
+        self,
+        prefill: BackendPool,
+        decode: BackendPool,
+        upstream: Upstream,
+        clock: IReactorTime,
+        health: Health,
+        health_client: Upstream | None = None,
+        runs_checks: bool = True,
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.upstream = upstream
+        #: The health checks' own client (by default the legs' one).
+        self.health_client = health_client if health_client is not None else upstream
+        self.clock = clock
+        #: False in a --workers worker: the supervisor checks, and tells it.
+        self.runs_checks = runs_checks
+        self.health_interval = health.interval if runs_checks else 0.0
+        self.health_timeout = health.timeout
+        self._checks: LoopingCall | None = None
+        self._probes: set[Deferred[None]] = set()
+        self._first_round = Happened()
+
+    def pools(self) -> tuple[BackendPool, BackendPool]:
+        return (self.prefill, self.decode)
+
+    def pool(self, role: str) -> BackendPool | None:
+        return {pool.role: pool for pool in self.pools()}.get(role)
+
+    def apply_change(self, change: dict[str, str]) -> list[Instance]:
+        """Add, drain or remove an instance (``{"op", "pool", "url"}``); [] if it is unknown.
+
+        The admin API and the workers' coordination both change the pools
+        here. A ``URL#dp=N`` names each of its ranks. Raises
+        ``PoolChangeRefused`` for a change that would empty a pool.
+        """
+        pool = self.pool(change["pool"])
+        if pool is None:
+            return []
+        if change["op"] == "add":
+            return pool.add(change["url"])
+        if change["op"] == "drain":
+            return pool.drain(change["url"])
+        return pool.remove(change["url"])
+
+    def use_policies(self, policies: Policies) -> None:
+        """Each pool chooses its instances by its policy from now on."""
+        for pool in self.pools():
+            name = policies.of(pool.role)
+            pool.policy = routing.policy(name, policies.balance)
+            pool.policy_name = name
+
+    def use_pools(self, pools: Pools) -> None:
+        """Make each pool these URLs: the new join, those no longer listed drain."""
+        for pool in self.pools():
+            pool.update(pools.of(pool.role))
+
+    def configure(self, config: ProxyConfig) -> None:
+        """A reload: pools, policies, health rules and idle connections as ``config`` says.
+
+        New instances join (checked first), those no longer listed drain; a
+        new health interval takes effect at once, its first round now.
+        """
+        self.use_pools(config.pools)
+        self.use_policies(config.policies)
+        health = config.health
+        thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+        for pool in self.pools():
+            pool.configure(thresholds, checked=health.interval > 0)
+        self.health_timeout = health.timeout
+        self.upstream.keep_idle(config.limits.max_idle_per_backend, config.timeouts.backend_idle)
+        interval = health.interval if self.runs_checks else 0.0
+        if interval != self.health_interval:
+            self.health_interval = interval
+            self._stop_checks()
+            if self.running:
+                self._start_checks()
+
+    def ready(self) -> bool:
+        """Both pools have an instance that is up now."""
+        return all(pool.ready() for pool in self.pools())
+
+    def startService(self) -> None:
+        super().startService()
+        self._start_checks()
+
+    def _start_checks(self) -> None:
+        if self.health_interval <= 0:
+            self._first_round.fire()  # nothing to wait for
+            return
+        self._checks = LoopingCall(self.check_health)
+        self._checks.clock = self.clock
+        # The first round now: until it answers, /healthcheck says not ready.
+        self.check_health().addCallback(lambda _: self._first_round.fire())
+        self._checks.start(self.health_interval, now=False).addErrback(
+            lambda failure: log.failure("health checks stopped", failure)
+        )
+
+    def _stop_checks(self) -> None:
+        if self._checks is not None and self._checks.running:
+            self._checks.stop()
+        self._checks = None
+
+    def first_round(self) -> Deferred[None]:
+        """Fires once the first round of health checks has answered (or failed)."""
+        return self._first_round.wait()
+
+    def check_health(self) -> Deferred[Any]:
+        """``GET /health`` on every instance; never fails (the loop must not die)."""
+        checks = [
+            self._check(pool, instance)
+            for pool in self.pools()
+            for instance in list(pool.instances)
+        ]
+        return DeferredList(checks, consumeErrors=True)
+
+    def _check(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
+        async def probe() -> None:
+            checking = for_rank(Headers(), instance.rank)
+            response = await self.health_client.get(instance.base + "/health", checking)
+            await read_body(response)
+            if response.code != 200:
+                raise RuntimeError(f"GET /health answered HTTP {response.code}")
+            if pool.policy_name == "load":
+                await self._scrape(pool, instance)
+
+        checking = ensureDeferred(probe()).addTimeout(self.health_timeout, self.clock)
+        self._probes.add(checking)
+
+        def done(result: object) -> object:
+            self._probes.discard(checking)
+            return result
+
+        def failed(failure: Failure) -> None:
+            if not self.running:
+                return  # cancelled by stopService
+            reason = "timed out" if failure.check(TimeoutError) else failure.getErrorMessage()
+            pool.record_failure(instance, f"health check failed: {reason}")
+
+        checking.addBoth(done)
+        checking.addCallbacks(lambda _: pool.record_success(instance), failed)
+        checking.addErrback(lambda failure: log.failure("health check error", failure))
+        return checking
+
+    async def _scrape(self, pool: BackendPool, instance: Instance) -> None:
+        """vLLM's own load from its ``/metrics``; unreadable: the policy falls back, no mark."""
+        ours = instance.in_flight
+        try:
+            response = await self.health_client.get(instance.base + "/metrics", Headers())
+            text = (await read_body(response)).decode("utf-8", "replace")
+        except Exception as error:
+            instance.load = {}
+            log.debug("no load from {url}: {error}", url=instance.url, error=str(error))
+            return
+        instance.load = vllm_load(text) if response.code == 200 else {}
+        if instance.load:
+            instance.load["ours"] = float(ours)
+        pool.load_changed(instance)
+
+    def stopService(self) -> Deferred[None]:
+        """Stop the health checks and close every pooled backend connection."""
+        super().stopService()
+        self._stop_checks()
+        for probe in list(self._probes):
+            probe.cancel()
+        closing = [self.upstream.close()]
+        if self.health_client is not self.upstream:
+            closing.append(self.health_client.close())
+        return DeferredList(closing).addCallback(lambda _: None)
+
+
+#: vLLM's gauges the ``load`` policy reads, summed over its engines (and their
+#: name before vLLM 0.10, ``gpu_cache_usage_perc``).
+_LOAD_GAUGES = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
+}
+
+
+def vllm_load(exposition: str) -> dict[str, float]:
+    """The running and waiting requests and the KV cache use from vLLM's ``/metrics`` text."""
+    load: dict[str, float] = {}
+    for line in exposition.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        key = _LOAD_GAUGES.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        load[key] = load.get(key, 0.0) + value
+    return load

@@ -1,0 +1,31 @@
+"""Configuration: the settings table, the grammar of values, their sources, ``ProxyConfig``.
+
+Imports nothing else of the proxy. Every other room reads its settings from
+the frozen ``ProxyConfig`` and its parts, re-exported here.
+"""
+
+from nixl_twisted.config.proxy import (
+    Health,
+    Limits,
+    Policies,
+    Pools,
+    ProxyConfig,
+    Retries,
+    Timeouts,
+    Traces,
+    resolve,
+)
+from nixl_twisted.config.sources import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "Health",
+    "Limits",
+    "Policies",
+    "Pools",
+    "ProxyConfig",
+    "Retries",
+    "Timeouts",
+    "Traces",
+    "resolve",
+]

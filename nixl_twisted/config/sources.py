@@ -1,0 +1,77 @@
+"""Where settings come from before they are a configuration: the TOML file, the environment.
+
+Each raw value, whatever its source, goes through its setting's parser
+(:func:`parse`); an error is a ``ConfigError`` that names the source and the
+key. ``nixl_twisted.config`` puts the parsed values together.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+
+from nixl_twisted.config.settings import BY_NAME, SETTINGS, InvalidValue
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used: ``key`` is the setting at fault."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def parse(raw: Mapping[str, object], where: Callable[[str], str]) -> dict[str, object]:
+    """Parse raw values by long name; ``where(key)`` starts each error message."""
+    parsed: dict[str, object] = {}
+    for key, value in raw.items():
+        setting = BY_NAME.get(key)
+        if setting is None:
+            known = ", ".join(sorted(BY_NAME))
+            raise ConfigError(key, f"{where(key)}unknown key (keys are: {known})")
+        try:
+            if setting.many:
+                if not isinstance(value, list | tuple):
+                    raise InvalidValue("must be a list of strings")
+                parsed[key] = tuple(setting.parse(item) for item in value)
+            else:
+                parsed[key] = setting.parse(value)
+        except InvalidValue as error:
+            raise ConfigError(key, f"{where(key)}{error}") from None
+    return parsed
+
+
+def from_environment(given: Mapping[str, object], environ: Mapping[str, str]) -> dict[str, object]:
+    """The settings the environment gives (each setting's ``env``) that ``given`` lacks, parsed."""
+    found: dict[str, object] = {}
+    for setting in SETTINGS:
+        if given.get(setting.name) is not None:
+            continue
+        name = next((name for name in setting.env if environ.get(name)), None)
+        if name is not None:
+            found.update(parse({setting.name: environ[name]}, _from_variable(name)))
+    return found
+
+
+def _from_variable(name: str) -> Callable[[str], str]:
+    """Where a value read from the environment came from, for its error."""
+    return lambda key: f"{name} (for --{key}) "
+
+
+def read_file(path: str) -> dict[str, object]:
+    """The settings a TOML file holds (keys with dashes or underscores), parsed."""
+    try:
+        with open(path, "rb") as file:
+            table = tomllib.load(file)
+    except OSError as error:
+        raise ConfigError("config", f"--config {path}: cannot read it: {error.strerror}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError("config", f"--config {path}: not valid TOML: {error}") from None
+    named = {key.replace("_", "-"): (key, value) for key, value in table.items()}
+    raw = {name: value for name, (_, value) in named.items()}
+    return parse(raw, lambda name: f"--config {path}: {named[name][0]!r} ")

@@ -1,0 +1,237 @@
+"""One leg over a pool: choose an instance, hold it, send, and try another when it failed.
+
+``send_leg`` serves the prefill leg, the decode leg and the single-leg
+routes (``/v1/models``) alike. An attempt raises ``Retry`` when the instance,
+not the request, failed (nothing usable was answered): the instance is
+accounted for, its lease released, and the next instance tried, up to the
+leg's retries. Any other outcome ends the leg. What a prefill status means
+is decided in one place, :func:`classify_prefill`; a leg's outcome and the
+gap between the two legs are counted here too (:func:`account`,
+:func:`note_handoff`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IResponse
+
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance
+from nixl_twisted.backends.routing import NO_ROUTING, Routing
+from nixl_twisted.observe.access import AccessRecord
+from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+from nixl_twisted.protocol.errors import ProxyError, bad_gateway, gateway_timeout
+
+log = Logger()
+
+T = TypeVar("T")
+
+
+class Retry(Exception):
+    """The instance failed (``down`` says why): another may serve the same leg."""
+
+    def __init__(self, error: ProxyError, outcome: str, down: str) -> None:
+        super().__init__(error.message)
+        #: What the client sees if no other instance serves the leg.
+        self.error = error
+        self.outcome = outcome
+        self.down = down
+
+
+class PrefillRefused(Exception):
+    """Prefill answered 4xx: the answer describes the client's request, relayed as it is."""
+
+    def __init__(self, response: IResponse, body: bytes) -> None:
+        super().__init__(response.code)
+        self.response = response
+        self.body = body
+
+
+class PrefillVerdict(enum.Enum):
+    """What a prefill instance's status says, and so what the proxy does next."""
+
+    #: 2xx: read ``kv_transfer_params`` and go on to decode.
+    PARAMS = "params"
+    #: 502, 503, 504: vLLM is overloaded or restarting; mark it down, try another.
+    RETRY = "retry"
+    #: 4xx: the request is at fault; relay prefill's answer, no decode.
+    REFUSED = "refused"
+    #: Anything else (1xx, 3xx, another 5xx): 502, the instance stays up.
+    FAILED = "failed"
+
+
+def classify_prefill(status: int) -> PrefillVerdict:
+    """The one place that decides what a prefill answer's status means."""
+    if 200 <= status < 300:
+        return PrefillVerdict.PARAMS
+    if status in (502, 503, 504):
+        return PrefillVerdict.RETRY
+    if 400 <= status < 500:
+        return PrefillVerdict.REFUSED
+    return PrefillVerdict.FAILED
+
+
+def unreachable(instance: Instance, error: BaseException) -> Retry:
+    """The instance could not be reached: nothing was sent, so another may serve the leg."""
+    reason = describe(error)
+    message = f"{instance.role} instance {instance.url} could not be reached: {reason}"
+    return Retry(bad_gateway(message, f"{instance.role}_unreachable"), "unreachable", reason)
+
+
+def timed_out(instance: Instance, seconds: float) -> ProxyError:
+    """A 504: the instance did not answer in time."""
+    return gateway_timeout(
+        f"{instance.role} instance {instance.url} did not answer within {seconds:g} s",
+        f"{instance.role}_timeout",
+    )
+
+
+def unavailable(error: NoHealthyInstance) -> ProxyError:
+    """503 with Retry-After: the pool has no instance to send a leg to now."""
+    return ProxyError(
+        503,
+        f"no healthy {error.role} instance: try again shortly",
+        "upstream_error",
+        f"no_healthy_{error.role}",
+        retry_after=error.retry_after,
+    )
+
+
+def account(
+    metrics: ProxyMetrics,
+    pool: BackendPool,
+    instance: Instance,
+    outcome: str,
+    down: str | None = None,
+) -> None:
+    """Count a leg's outcome; ``down`` (why the instance failed) counts toward marking it down."""
+    metrics.child(metrics.backend_requests, pool.role, instance.url, outcome).inc()
+    if down is None:
+        pool.record_success(instance)
+    else:
+        pool.record_failure(instance, down)
+
+
+def hold(
+    pool: BackendPool, instance: Instance, decision: str, trace: RequestTrace, attempt: int
+) -> tuple[Lease, LegTrace]:
+    """Lease ``instance`` for one attempt, its span (if traced) ending with the lease."""
+    lease = pool.lease(instance, decision)
+    leg = trace.leg(instance, decision, pool.policy_name, attempt)
+    if leg is not NO_LEG:
+        lease.on_release = leg.end
+    return lease, leg
+
+
+async def send_leg(
+    pool: BackendPool,
+    retries: int,
+    metrics: ProxyMetrics,
+    attempt: Callable[[Instance, LegTrace], Awaitable[T]],
+    go_on: Callable[[], bool] = lambda: True,
+    routing: Routing = NO_ROUTING,
+    trace: RequestTrace = NO_TRACE,
+    record: AccessRecord | None = None,
+) -> tuple[Lease, T]:
+    """Run ``attempt`` on the pool's next instances until one does not ``Retry``.
+
+    Returns the lease of the instance that served the leg (the caller
+    releases it when the leg is over, a relay included) and what the attempt
+    returned. ``go_on`` is asked before each attempt: when it says no, the
+    leg ends with ``CancelledError``. Each attempt is its own span of
+    ``trace`` (a retry is a sibling), handed to ``attempt`` for its headers,
+    and one of ``record``'s attempts (instance, outcome).
+    """
+    noted = record.attempted if record is not None else _not_noted
+    tried: list[Instance] = []
+    last: ProxyError | None = None
+    for number in range(1, 2 + retries):
+        if not go_on():
+            raise CancelledError()
+        if tried:
+            metrics.retries.labels(pool.role).inc()
+        try:
+            instance, decision = pool.choose(exclude=tried, routing=routing)
+        except NoHealthyInstance as error:
+            raise (last or unavailable(error)) from None
+        if pool.panicking:
+            metrics.panic_legs.labels(pool.role).inc()
+        metrics.child(metrics.routing_decisions, pool.role, pool.policy_name, decision).inc()
+        tried.append(instance)
+        lease, leg = hold(pool, instance, decision, trace, number)
+        try:
+            served = lease, await attempt(instance, leg)
+        except Retry as retry:
+            leg.fail(f"{retry.down}; another instance is tried" if number <= retries
+                     else retry.down)  # fmt: skip
+            lease.release()
+            account(metrics, pool, instance, retry.outcome, retry.down)
+            noted(pool.role, instance.url, retry.outcome, number > 1)
+            last = retry.error
+        except BaseException as error:
+            leg.fail(describe(error))
+            lease.release()
+            noted(pool.role, instance.url, outcome_of(error), number > 1)
+            raise
+        else:
+            noted(pool.role, instance.url, "answered", number > 1)
+            return served
+    assert last is not None
+    raise last
+
+
+def outcome_of(error: BaseException) -> str:
+    """A failed attempt's outcome, for the access event: an error's code, in a word."""
+    if isinstance(error, ProxyError):
+        return error.code
+    if isinstance(error, PrefillRefused):
+        return f"refused_{error.response.code}"
+    if isinstance(error, CancelledError):
+        return "cancelled"
+    return "failed"
+
+
+def _not_noted(leg: str, instance: str, outcome: str, again: bool) -> None:
+    """No record to note attempts in."""
+
+
+def note_handoff(
+    metrics: ProxyMetrics, gap: float, warning: float, request_id: str, url: str
+) -> bool:
+    """Prefill answered -> decode sent: observed; past ``warning``, counted and logged.
+
+    vLLM frees prefill's blocks when its KV lease (30 s) expires: a decode
+    sent later fails to load them or computes them again. Returns whether it warned.
+    """
+    metrics.handoff_gap.observe(gap)
+    if gap <= warning:
+        return False
+    metrics.handoff_gap_over_warning.inc()
+    log.warn("handoff gap of {seconds:.1f} s for {request_id} (decode {url}): past "
+             "--handoff-warning; vLLM's KV lease is 30 s",
+             seconds=gap, request_id=request_id, url=url)  # fmt: skip
+    return True
+
+
+def describe(error: BaseException) -> str:
+    """An error as a short reason for a log line or an error message.
+
+    Twisted's client errors (``ResponseFailed``, ``ResponseNeverReceived``)
+    carry a list of ``Failure`` s whose ``str`` is a list of Python reprs:
+    each is said by its message instead.
+    """
+    reasons = getattr(error, "reasons", None)
+    if isinstance(reasons, list) and reasons:
+        said = [
+            describe(r.value) if isinstance(r, Failure) and r.value is not None else str(r)
+            for r in reasons
+        ]
+        return "; ".join(dict.fromkeys(said))
+    return str(error) or type(error).__name__

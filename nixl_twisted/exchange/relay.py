@@ -1,0 +1,180 @@
+"""Backend bodies relayed to the client as they stream.
+
+The relay registers the backend socket as a push producer on the client's
+request, so a client that reads slowly pauses the backend instead of growing
+the proxy's memory. ``break_off`` ends a response whose backend broke off so
+that the client can tell it is incomplete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import cast
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.python.failure import Failure
+from twisted.web.client import UNKNOWN_LENGTH, ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.iweb import IRequest, IResponse
+from twisted.web.server import Request
+
+from nixl_twisted.protocol.errors import stream_error_event
+from nixl_twisted.protocol.headers import client_response_headers
+
+_DONE = Failure(ResponseDone())
+
+
+class StreamSilent(Exception):
+    """A backend body went silent for longer than the idle timeout."""
+
+
+class _BodyRelay(Protocol):
+    """Writes each chunk of a backend body to the client as it arrives.
+
+    A timer restarted by every chunk ends the relay when the backend goes
+    silent: a long generation is never cut, a stalled one is.
+    """
+
+    def __init__(
+        self,
+        request: Request,
+        finished: Deferred[None],
+        clock: IReactorTime,
+        idle_timeout: float | None,
+        on_first_byte: Callable[[], None] | None = None,
+        watch: Callable[[bytes], bool] | None = None,
+        on_end: Callable[[bytes], None] | None = None,
+    ) -> None:
+        self._on_first_byte = on_first_byte
+        #: Shown each chunk as it passes, until it says it has seen enough.
+        self._watch = watch
+        #: Given the body's last two chunks when it ends (where vLLM puts ``usage``).
+        self._on_end = on_end
+        self._before_last = self._last = b""
+        self._request = request
+        self._finished = finished
+        self._clock = clock
+        self._idle_timeout = idle_timeout
+        self._timer: IDelayedCall | None = None
+
+    def connectionMade(self) -> None:
+        if self._request.channel is not None:
+            self._request.registerProducer(self.transport, True)
+        self._restart_timer()
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._on_first_byte is not None:
+            first, self._on_first_byte = self._on_first_byte, None
+            first()
+        if self._watch is not None and self._watch(data):
+            self._watch = None
+        self._before_last, self._last = self._last, data
+        self._restart_timer()
+        self._request.write(data)
+
+    def _restart_timer(self) -> None:
+        if self._idle_timeout is None:
+            return
+        if self._timer is not None and self._timer.active():
+            self._timer.reset(self._idle_timeout)
+        else:
+            self._timer = self._clock.callLater(self._idle_timeout, self._silent)
+
+    def _silent(self) -> None:
+        self._timer = None
+        self.stop()
+        if not self._finished.called:
+            self._finished.errback(
+                StreamSilent(f"no data from the backend for {self._idle_timeout:g} s")
+            )
+
+    def stop(self) -> None:
+        """Close the backend connection (vLLM then aborts the request)."""
+        if self.transport is not None:
+            cast(IPushProducer, self.transport).stopProducing()
+
+    def connectionLost(self, reason: Failure = _DONE) -> None:
+        if self._timer is not None and self._timer.active():
+            self._timer.cancel()
+        if self._request.channel is not None and self._request.producer is not None:
+            self._request.unregisterProducer()
+        if self._on_end is not None:
+            self._on_end(self._before_last + self._last)
+        if self._finished.called:
+            return
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self._finished.callback(None)
+        else:
+            self._finished.errback(reason)
+
+
+def start_response(request: IRequest, response: IResponse) -> None:
+    """Give the client the backend's status and end-to-end headers.
+
+    ``Content-Length`` comes from what the body will really be: a length the
+    backend announced but a decoder changed is never passed on.
+    """
+    request.setResponseCode(response.code)
+    for name, values in client_response_headers(response.headers).getAllRawHeaders():
+        if name.lower() != b"content-length":
+            request.responseHeaders.setRawHeaders(name, list(values))
+    if response.length is not UNKNOWN_LENGTH:
+        request.responseHeaders.setRawHeaders(
+            b"Content-Length", [str(response.length).encode("ascii")]
+        )
+
+
+def relay_body(
+    request: Request,
+    response: IResponse,
+    clock: IReactorTime,
+    idle_timeout: float | None,
+    on_first_byte: Callable[[], None] | None = None,
+    watch: Callable[[bytes], bool] | None = None,
+    on_end: Callable[[bytes], None] | None = None,
+) -> Deferred[None]:
+    """Relay a backend body to the client; fires when the backend's body ended.
+
+    ``watch`` is shown each chunk as it passes (unchanged), until it returns
+    True; ``on_end`` is given the body's last two chunks, however it ended.
+
+    Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data.
+    Cancelling the Deferred closes the backend connection, which makes vLLM
+    abort the request and free its KV blocks.
+    """
+    finished: Deferred[None] = Deferred(lambda _: relay.stop())
+    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte, watch, on_end)
+    response.deliverBody(relay)
+    return finished
+
+
+class _Discard(Protocol):
+    def connectionMade(self) -> None:
+        cast(IPushProducer, self.transport).stopProducing()
+
+
+def abandon(response: IResponse) -> None:
+    """Close a backend response nobody will read (its client has left)."""
+    response.deliverBody(_Discard())
+
+
+async def break_off(request: Request, message: str, code: str) -> None:
+    """End a response whose backend body broke off, so the client can tell.
+
+    An event stream gets an in-band error event first. Then the connection
+    is closed without the final chunk (or short of the announced length),
+    and Klein must not finish the request as if it were complete.
+    """
+    channel = request.channel
+    if channel is None:
+        return
+    content_type = request.responseHeaders.getRawHeaders(b"content-type", [b""])[0]
+    if content_type.startswith(b"text/event-stream"):
+        request.write(stream_error_event(request.path, message, code))
+    lost = request.notifyFinish()
+    channel.loseConnection()
+    with contextlib.suppress(Exception):
+        await lost

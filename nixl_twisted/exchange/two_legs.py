@@ -1,0 +1,355 @@
+"""One completion as a small state machine: the prefill leg, the decode leg, the relay.
+
+It moves through the phases of ``nixl_twisted.protocol.phases``, whose ``RULES``
+table says what a client disconnect does in each and which timer bounds it.
+Before the client got a byte a timeout is a 504; after, the stream ends
+with an error event (or the connection is closed short) and is never passed
+off as complete.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
+
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError, ensureDeferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+from twisted.web.server import Request
+
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.pools import Lease
+from nixl_twisted.backends.routing import NO_ROUTING, Routing
+from nixl_twisted.backends.service import BackendService
+from nixl_twisted.backends.upstream import read_body
+from nixl_twisted.config import Retries, Timeouts
+from nixl_twisted.events import Happened
+from nixl_twisted.exchange.legs import (
+    PrefillRefused,
+    PrefillVerdict,
+    Retry,
+    account,
+    classify_prefill,
+    describe,
+    note_handoff,
+    send_leg,
+    timed_out,
+    unreachable,
+)
+from nixl_twisted.exchange.relay import (
+    StreamSilent,
+    abandon,
+    break_off,
+    relay_body,
+    start_response,
+)
+from nixl_twisted.observe.access import record_of
+from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+from nixl_twisted.protocol import lowering
+from nixl_twisted.protocol.errors import ProxyError, bad_gateway, gateway_timeout, overloaded
+from nixl_twisted.protocol.headers import REQUEST_ID, for_rank
+from nixl_twisted.protocol.phases import RULES, OnClientLeft, Phase
+from nixl_twisted.protocol.usage import read_usage
+
+log = Logger()
+
+T = TypeVar("T")
+
+
+class Exchange:
+    """Serves one completion: the prefill leg, the decode leg, the relay."""
+
+    def __init__(
+        self,
+        request: Request,
+        path: str,
+        body: lowering.JSONObject,
+        request_id: str,
+        headers: Headers,
+        backends: BackendService,
+        timeouts: Timeouts,
+        retries: Retries,
+        clock: IReactorTime,
+        metrics: ProxyMetrics,
+        routing: Routing = NO_ROUTING,
+        watch: Callable[[str], Callable[[bytes], bool]] | None = None,
+        trace: RequestTrace = NO_TRACE,
+    ) -> None:
+        self.request = request
+        self.path = path
+        self.target = path + _query(request)
+        self.body = body
+        self.request_id = request_id
+        self.headers = headers
+        self.backends = backends
+        self.timeouts = timeouts
+        self.retries = retries
+        self.clock = clock
+        self.metrics = metrics
+        self.record = record_of(request)
+        self.routing = routing
+        #: Given the decode instance, what watches its answer pass (the Responses ids).
+        self.watch = watch
+        self.trace = trace
+        #: The span of the leg attempt out now (a no-op when not traced).
+        self._leg: LegTrace = NO_LEG
+        self._reached = {phase: Happened() for phase in Phase}
+        self._enter(Phase.PREFILL)
+        #: Why nobody waits for the answer any more (its client left), or None.
+        self.client_gone: str | None = None
+        #: The drain timeout ended: the proxy itself cuts this request.
+        self.shutting_down = False
+        #: Decode broke off: the proxy closed the client's connection, not the client.
+        self.broke_off = False
+        self._current: Deferred[Any] | None = None
+        self._decode_sent = 0.0
+        self._params_at = 0.0
+
+    def start(self) -> Deferred[None]:
+        """Run the exchange; the Deferred is the one Klein cancels on disconnect."""
+        outcome: Deferred[None] = Deferred(self._client_left)
+
+        def settle(result: object) -> None:
+            if not outcome.called:
+                if isinstance(result, Failure):
+                    outcome.errback(result)
+                else:
+                    outcome.callback(None)
+            elif isinstance(result, Failure) and not result.check(
+                CancelledError, ProxyError, PrefillRefused
+            ):
+                log.failure("error finishing {request_id} after its client left",
+                            result, request_id=self.request_id)  # fmt: skip
+
+        ensureDeferred(self._run()).addBoth(settle)
+        return outcome
+
+    def _enter(self, phase: Phase) -> None:
+        self.phase = phase
+        self.record.phase = phase
+        self._reached[phase].fire()
+
+    def reached(self, phase: Phase | str) -> Deferred[None]:
+        """Fires once the exchange has entered ``phase`` (for tests and operators)."""
+        return self._reached[Phase(phase)].wait()
+
+    def shut_down(self) -> None:
+        """Cut this request, saying so: a 503 if nothing was sent, else an error event."""
+        self.shutting_down = True
+        self.record.ended = "shutting_down"
+        self._leg.fail("the proxy is shutting down: its drain timeout ended", self.phase.value)
+        if self._current is not None:
+            self._current.cancel()
+
+    def _client_left(self, _: Deferred[None]) -> None:
+        if self.shutting_down or self.broke_off:
+            return  # the proxy closed the connection, after saying why
+        # A batch's part the batch itself cancelled says why; else the client left.
+        why = getattr(self.request, "ended_by", None)
+        if why is None:
+            why = f"client left during {self.phase.value}"
+            self.metrics.client_disconnects.labels(self.phase.value).inc()
+            log.info("client left {request_id} during {phase}",
+                     request_id=self.request_id, phase=self.phase.value)  # fmt: skip
+        self.client_gone = why
+        if RULES[self.phase].on_client_left is OnClientLeft.CANCEL and self._current is not None:
+            self._leg.fail(why, self.phase.value)
+            self._current.cancel()
+
+    def _track(self, waiting: Deferred[T]) -> Deferred[T]:
+        self._current = waiting
+        return waiting
+
+    async def _run(self) -> None:
+        try:
+            await self._legs()
+        except CancelledError:
+            if not self.shutting_down:
+                raise
+            message = "the proxy is shutting down: its drain timeout ended"
+            if not self.request.startedWriting:
+                raise overloaded(message, "shutting_down") from None
+            await break_off(self.request, message, "shutting_down")
+
+    async def _legs(self) -> None:
+        params = await self._prefill_leg()
+        self._enter(Phase.HANDOFF)
+        completed = lowering.encode(lowering.decode_body(self.body, params))
+        decode, response = await send_leg(
+            self.backends.decode, self.retries.decode, self.metrics,
+            lambda instance, leg: self._decode(instance, leg, completed),
+            routing=self.routing, trace=self.trace, record=self.record,
+        )  # fmt: skip
+        self.record.decode_route = decode.decision
+        try:
+            if self.client_gone:
+                self._leg.fail(f"{self.client_gone}: decode's answer abandoned", "handoff")
+                abandon(response)
+                log.info("decode for {request_id} abandoned, unread: {why}",
+                         request_id=self.request_id, why=self.client_gone)  # fmt: skip
+                return
+            self._enter(Phase.RELAY)
+            await self._relay(response, decode)
+        finally:
+            decode.release()
+
+    async def _prefill_leg(self) -> lowering.JSONObject:
+        """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered)."""
+        lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id, self.path))
+        prefill, params = await send_leg(
+            self.backends.prefill, self.retries.prefill, self.metrics,
+            lambda instance, leg: self._prefill(instance, leg, lowered),
+            # Nobody to answer and no blocks held yet: no more prefill attempts.
+            go_on=lambda: not self.client_gone, routing=self.routing, trace=self.trace,
+            record=self.record,
+        )  # fmt: skip
+        self.record.prefill_route = prefill.decision
+        self._params_at = self.clock.seconds()
+        prefill.release()
+        return params
+
+    async def _prefill(
+        self, instance: Instance, leg: LegTrace, lowered: bytes
+    ) -> lowering.JSONObject:
+        self.record.prefill = instance.url
+        self._leg = leg
+        self._enter(Phase.PREFILL)
+        started = self.clock.seconds()
+        answering = ensureDeferred(self._prefill_answer(instance, leg, lowered))
+        try:
+            answer = await self._track(answering.addTimeout(self.timeouts.prefill, self.clock))
+        except TimeoutError:
+            account(self.metrics, self.backends.prefill, instance, "timeout", "prefill timed out")
+            raise timed_out(instance, self.timeouts.prefill) from None
+        account(self.metrics, self.backends.prefill, instance, "answered")
+        try:
+            params = lowering.extract_kv_transfer_params(answer, instance.url)
+        except ProxyError as error:
+            if error.code in ("missing_kv_transfer_params", "invalid_kv_transfer_params"):
+                self.metrics.missing_kv_transfer_params.inc()
+            raise
+        self.record.prefill_seconds = self.clock.seconds() - started
+        self.metrics.child(self.metrics.prefill_seconds, instance.url).observe(
+            self.record.prefill_seconds
+        )
+        return params
+
+    async def _prefill_answer(self, instance: Instance, leg: LegTrace, lowered: bytes) -> bytes:
+        """Prefill's whole 2xx body, or why not (``Retry``: another instance may serve)."""
+        url = instance.base + self.target
+        try:
+            response = await self.backends.upstream.post(
+                url, lowered, leg.headers(url, for_rank(self.headers, instance.rank))
+            )
+        except (CancelledError, TimeoutError):
+            raise
+        except Exception as error:
+            raise unreachable(instance, error) from None
+        # Prefill has answered: from here a disconnect must not stop decode.
+        self._enter(Phase.HANDOFF)
+        self.record.prefill_status = status = response.code
+        leg.answered(status)
+        try:
+            answer = await read_body(response)
+        except (CancelledError, TimeoutError):
+            raise
+        except Exception as error:
+            raise bad_gateway(
+                f"prefill instance {instance.url} broke off its answer: {describe(error)}",
+                "prefill_invalid_response",
+            ) from None
+        verdict = classify_prefill(status)
+        failed = bad_gateway(f"prefill instance {instance.url} answered HTTP {status}",
+                             "prefill_failed")  # fmt: skip
+        if verdict is PrefillVerdict.RETRY:
+            raise Retry(failed, "error_status", f"answered HTTP {status}")
+        if verdict is not PrefillVerdict.PARAMS:
+            # It answered: the error is this request's, not the instance's.
+            account(self.metrics, self.backends.prefill, instance, "error_status")
+            raise PrefillRefused(response, answer) if verdict is PrefillVerdict.REFUSED else failed
+        return answer
+
+    async def _decode(self, instance: Instance, leg: LegTrace, completed: bytes) -> IResponse:
+        self.record.decode = instance.url
+        self._leg = leg
+        self._decode_sent = self.clock.seconds()
+        url = instance.base + self.target
+        posting = self.backends.upstream.post(
+            url, completed, leg.headers(url, for_rank(self.headers, instance.rank))
+        )
+        try:
+            response = await self._track(posting.addTimeout(self.timeouts.decode, self.clock))
+        except TimeoutError:
+            account(self.metrics, self.backends.decode, instance, "timeout", "decode timed out")
+            raise timed_out(instance, self.timeouts.decode) from None
+        except CancelledError:
+            raise
+        except Exception as error:
+            # Nothing reached the client yet: the same params may go to another instance.
+            raise unreachable(instance, error) from None
+        self._handoff_gap(instance)
+        leg.answered(response.code)
+        # An answer, even an error (a KV-load failure is a 500), shows the
+        # instance is up: only silence and refusals take it out.
+        outcome = "answered" if response.code < 400 else "error_status"
+        account(self.metrics, self.backends.decode, instance, outcome)
+        self.record.decode_status = response.code
+        return response
+
+    def _handoff_gap(self, instance: Instance) -> None:
+        gap = self._decode_sent - self._params_at
+        self.record.handoff_gap_seconds = gap
+        note_handoff(
+            self.metrics, gap, self.timeouts.handoff_warning, self.request_id, instance.url
+        )
+
+    def _first_byte(self, instance: Instance) -> None:
+        waited = self.clock.seconds() - self._decode_sent
+        self.record.decode_first_byte_seconds = waited
+        self.metrics.child(self.metrics.decode_first_byte_seconds, instance.url).observe(waited)
+
+    async def _relay(self, response: IResponse, decode: Lease) -> None:
+        start_response(self.request, response)
+        try:
+            watching = self.watch(decode.instance.url) if self.watch is not None else None
+            await self._track(relay_body(self.request, response, self.clock,
+                                         self.timeouts.stream_idle,
+                                         partial(self._first_byte, decode.instance),
+                                         watching, self._used))  # fmt: skip
+        except CancelledError:
+            raise
+        except Exception as error:
+            silent = isinstance(error, StreamSilent)
+            self._leg.fail(str(error) if silent else f"broke off: {describe(error)}", "relay")
+            if silent and not self.request.startedWriting:
+                self.request.responseHeaders = Headers({REQUEST_ID: [self.request_id.encode()]})
+                raise gateway_timeout(
+                    f"decode instance {decode.instance.url} sent headers, then nothing: {error}",
+                    "decode_timeout",
+                ) from None
+            log.error("decode body for {request_id} broke off: {reason}",
+                      request_id=self.request_id, reason=describe(error))  # fmt: skip
+            self.record.ended = "broken"
+            said = (f"decode went silent mid-stream: {error}" if silent
+                    else "decode closed the stream early")  # fmt: skip
+            self.record.error = said
+            # The client is told what happened; the detail is in the log line above.
+            self.broke_off = True
+            await break_off(
+                self.request, said, "decode_timeout" if silent else "decode_stream_broken"
+            )
+
+    def _used(self, tail: bytes) -> None:
+        """What decode's answer reported using, from its last chunks."""
+        self.record.usage = read_usage(tail)
+
+
+def _query(request: Request) -> str:
+    """The client's query string, passed on to both legs."""
+    _, mark, query = request.uri.partition(b"?")
+    return ("?" + query.decode("ascii", "replace")) if mark else ""

@@ -1,0 +1,206 @@
+"""Prometheus metrics of one proxy: a registry of its own, exposed at /metrics.
+
+Labels are bounded: routes are the proxy's own (anything else is
+``other``), instances are the configured backend URLs. A request id or a
+prompt is never a label.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+from twisted.web.iweb import IRequest
+from twisted.web.resource import Resource
+
+from nixl_twisted.protocol import routes
+
+if TYPE_CHECKING:
+    from nixl_twisted.backends.pools import BackendPool
+
+#: Seconds, from a fast loopback leg to a long prefill or generation.
+LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: Set by a ``--workers`` supervisor for its workers: prometheus_client's multiprocess mode.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class _InstanceHealth(Collector):
+    """Reads the pools at scrape time: health, legs in flight and vLLM's scraped load.
+
+    Under ``--workers`` these are the answering worker's view: health is the
+    supervisor's verdict (the same in every worker), legs in flight its own.
+    """
+
+    def __init__(self, pools: Iterable[BackendPool]) -> None:
+        self._pools = list(pools)
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily(
+            "nixlproxy_backend_healthy",
+            "Whether a backend instance is up (1), or down or not yet checked (0).",
+            labels=["pool", "instance"],
+        )
+        in_flight = GaugeMetricFamily(
+            "nixlproxy_backend_in_flight",
+            "Legs being served by each backend instance now (this process's).",
+            labels=["pool", "instance"],
+        )
+        load = GaugeMetricFamily(
+            "nixlproxy_backend_load",
+            "vLLM's own load as last scraped (policy load): running, waiting, kv_cache_usage.",
+            labels=["pool", "instance", "kind"],
+        )
+        for pool in self._pools:
+            for instance in pool.instances:
+                labels = [pool.role, instance.url]
+                healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
+                in_flight.add_metric(labels, float(instance.in_flight))
+                for kind, value in instance.load.items():
+                    if kind != "ours":
+                        load.add_metric([*labels, kind], value)
+        yield healthy
+        yield in_flight
+        yield load
+
+
+class MetricsResource(Resource):
+    """``GET /metrics`` alone, for a separate ``--metrics-listen`` endpoint."""
+
+    isLeaf = True
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def render_GET(self, request: IRequest) -> bytes:
+        if request.path != routes.METRICS.encode():
+            request.setResponseCode(404)
+            return b"metrics are at /metrics\n"
+        request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))
+        return self._metrics.exposition()
+
+
+class ProxyMetrics:
+    """Every metric the proxy exports, and the events that move them."""
+
+    def __init__(self, pools: Iterable[BackendPool] = (), shared_dir: str | None = None) -> None:
+        """``shared_dir``: a worker's; its /metrics then sums every worker's files there."""
+        self._pools = list(pools)
+        self._shared_dir = shared_dir
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+        # No ``*_created`` series: one per counter and histogram child, they
+        # doubled the exposition for a timestamp Prometheus does not need.
+        # (prometheus_client keeps this switch process-wide.)
+        disable_created_metrics()
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "nixlproxy_requests", "Client requests by route and final status.",
+            ["route", "status"], registry=r,
+        )  # fmt: skip
+        self.backend_requests = Counter(
+            "nixlproxy_backend_requests",
+            "Legs sent to each backend instance, by outcome "
+            "(answered, error_status, unreachable, timeout).",
+            ["pool", "instance", "outcome"], registry=r,
+        )  # fmt: skip
+        self.prefill_seconds = Histogram(
+            "nixlproxy_prefill_seconds",
+            "Prefill leg, request sent to params read, by the instance that answered.",
+            ["instance"], registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.decode_first_byte_seconds = Histogram(
+            "nixlproxy_decode_first_byte_seconds",
+            "Decode leg, request sent to the first byte of its body, by instance.",
+            ["instance"], registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.time_to_first_byte = Histogram(
+            "nixlproxy_time_to_first_byte_seconds",
+            "The client's request arriving to the first byte of the answer written to it.",
+            ["route"], registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.handoff_gap = Histogram(
+            "nixlproxy_handoff_gap_seconds",
+            "Prefill answered (its kv_transfer_params read) to decode's request sent.",
+            registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.handoff_gap_over_warning = Counter(
+            "nixlproxy_handoff_gap_over_warning",
+            "Requests whose handoff gap passed --handoff-warning (vLLM's KV lease is 30 s).",
+            registry=r,
+        )  # fmt: skip
+        self.request_seconds = Histogram(
+            "nixlproxy_request_seconds", "Completions end to end, as the proxy saw them.",
+            registry=r, buckets=LEG_BUCKETS,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            "nixlproxy_requests_in_flight", "Requests being served now.", registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.missing_kv_transfer_params = Counter(
+            "nixlproxy_prefill_missing_kv_transfer_params",
+            "Prefill answers without usable kv_transfer_params.", registry=r,
+        )  # fmt: skip
+        self.client_disconnects = Counter(
+            "nixlproxy_client_disconnects", "Clients that left before their answer ended.",
+            ["phase"], registry=r,
+        )  # fmt: skip
+        self.panic_legs = Counter(
+            "nixlproxy_panic_legs",
+            "Legs sent while every instance of their pool was marked down (best effort).",
+            ["pool"], registry=r,
+        )  # fmt: skip
+        self.refused = Counter(
+            "nixlproxy_refused",
+            "Requests and connections refused before they were served, by reason "
+            "(the error code the client got, docs/failures.md).",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.routing_decisions = Counter(
+            "nixlproxy_routing_decisions",
+            "Legs by pool, its policy and the policy's decision (docs/routing.md).",
+            ["pool", "policy", "decision"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
+        )
+        r.register(_InstanceHealth(self._pools))
+
+    def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: the hot path asks for the same few.
+
+        prometheus_client builds, checks and looks the label tuple up under a
+        lock on each call; the label sets here are bounded (routes, statuses,
+        instances, outcomes), so each child is made once.
+        """
+        key = (metric, labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format; a worker's: the whole proxy's."""
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        # The library's multiprocess collector, read afresh per scrape, as its docs say.
+        scrape = CollectorRegistry()
+        MultiProcessCollector(scrape, path=self._shared_dir)
+        # Health is the supervisor's verdict, the same in every worker: this one's will do.
+        scrape.register(_InstanceHealth(self._pools))
+        return generate_latest(scrape)

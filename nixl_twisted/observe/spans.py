@@ -1,0 +1,344 @@
+"""The spans of one request: a server span for the client's request, a client span per leg attempt.
+
+``RequestTrace`` and ``LegTrace`` are what the proxy's code calls; their
+base classes are tracing off and do nothing (no span, no header touched,
+nothing allocated), so the hot path pays nothing for them. ``ServerSpan``
+and its legs are tracing on. Contexts are passed explicitly, span to span,
+never through ``contextvars`` across Deferreds: each leg attempt's span is
+the parent named in the ``traceparent`` that attempt sends, so vLLM's own
+spans nest under it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import quote_plus, unquote_plus, urlsplit
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter, Setter
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from twisted.web.http import Request
+from twisted.web.http_headers import Headers
+
+from nixl_twisted.protocol.lowering import printable
+from nixl_twisted.protocol.phases import Phase
+from nixl_twisted.protocol.routes import route_label
+
+if TYPE_CHECKING:
+    from nixl_twisted.backends.instances import Instance
+
+
+class Figures(Protocol):
+    """What a request's span ends with: its access record's figures (``access.AccessRecord``).
+
+    A protocol, so that the record (which holds the request's trace) and
+    the trace (which reads the record) do not import each other.
+    """
+
+    request_id: str | None
+    prefill_seconds: float | None
+    handoff_gap_seconds: float | None
+    decode_first_byte_seconds: float | None
+    time_to_first_byte_seconds: float | None
+    started: float
+    phase: Phase | None
+    ended: str
+    error: str | None
+
+
+#: The longest ``traceparent`` read (version 00 is 55 characters). The SDK
+#: ignores a longer one too, but logs a warning for it: a client could then
+#: write a log line per request. The same goes for a ``tracestate`` or a
+#: ``baggage`` past W3C's limits or malformed: they are read as absent
+#: before the SDK sees them, and so is any of them that is not ASCII.
+MAX_TRACEPARENT = 512
+#: W3C Trace Context: the ``tracestate`` a vendor must pass on whole, and its members.
+MAX_TRACESTATE = 512
+MAX_TRACESTATE_MEMBERS = 32
+#: W3C Baggage: the whole header in bytes, its members, one member in bytes.
+MAX_BAGGAGE = 8192
+MAX_BAGGAGE_MEMBERS = 180
+MAX_BAGGAGE_MEMBER = 4096
+
+#: A ``tracestate`` list member (W3C Trace Context, section 3.3.1).
+_TRACESTATE_KEY = (
+    r"(?:[a-z][_0-9a-z*/-]{0,255}|[a-z0-9][_0-9a-z*/-]{0,240}@[a-z][_0-9a-z*/-]{0,13})"
+)
+_TRACESTATE_MEMBER = re.compile(
+    _TRACESTATE_KEY + r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+#: A ``baggage`` list member (W3C Baggage, section 3.3.1): ``key=value`` and properties.
+_OWS = r"[ \t]*"
+_TOKEN = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_BAGGAGE_VALUE = r"[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]*"
+_PROPERTY = rf"{_TOKEN}{_OWS}(?:={_OWS}{_BAGGAGE_VALUE})?"
+_BAGGAGE_MEMBER = re.compile(
+    rf"{_OWS}{_TOKEN}{_OWS}={_OWS}{_BAGGAGE_VALUE}(?:{_OWS};{_OWS}{_PROPERTY})*{_OWS}"
+)
+#: Where one baggage member ends and the next begins (the space around a
+#: comma; a member keeps any other, as the SDK reads them).
+_BAGGAGE_COMMA = re.compile(r"[ \t]*,[ \t]*")
+
+
+def _usable(key: str, values: list[str]) -> bool:
+    """Whether the SDK may read these values of ``key``: within W3C's limits, and well formed."""
+    if key == "traceparent":
+        return len(values[0]) <= MAX_TRACEPARENT
+    if key == "tracestate":
+        header = ",".join(values)  # several lines are one list (RFC 9110, section 5.3)
+        members = [m for m in (m.strip(" \t") for m in header.split(",")) if m]
+        return (
+            len(header) <= MAX_TRACESTATE
+            and len(members) <= MAX_TRACESTATE_MEMBERS
+            and all(_TRACESTATE_MEMBER.fullmatch(member) for member in members)
+        )
+    if key == "baggage":
+        members = [m for m in _BAGGAGE_COMMA.split(values[0]) if m]  # the SDK reads line 1
+        if not members:
+            return True  # blanks and commas: no baggage, and nothing for the SDK to say
+        if len(members) > MAX_BAGGAGE_MEMBERS or not all(map(_BAGGAGE_MEMBER.fullmatch, members)):
+            return False
+        # Within the limits as received and as the SDK sends it on to each leg.
+        for sizes in ([len(m) for m in members], [_resent_size(m) for m in members]):
+            if max(sizes) > MAX_BAGGAGE_MEMBER or sum(sizes) + len(sizes) - 1 > MAX_BAGGAGE:
+                return False
+    return True
+
+
+def _resent_size(member: str) -> int:
+    """A baggage member's length once the SDK has decoded it and encoded it again for a leg.
+
+    It percent-decodes, then percent-encodes what it sends (``%`` becomes
+    ``%25``, ``;`` ``%3B``): a baggage within the limits can grow past them,
+    and the SDK would log a warning per leg.
+    """
+    name, _, value = member.partition("=")
+    resent = (quote_plus(unquote_plus(part.strip(" \t")).strip()) for part in (name, value))
+    return sum(map(len, resent)) + 1
+
+
+class _HeadersGetter(Getter[Headers]):
+    def get(self, carrier: Headers, key: str) -> list[str] | None:
+        raw = carrier.getRawHeaders(key.encode("ascii"))
+        if raw is None:
+            return None
+        try:
+            values = [value.decode("ascii") for value in raw]
+        except UnicodeDecodeError:
+            return None  # none of these headers may hold anything but ASCII
+        # Invalid, so absent (W3C): a traceparent's request starts a new trace.
+        return values if _usable(key, values) else None
+
+    def keys(self, carrier: Headers) -> list[str]:
+        return [_text(name) for name, _ in carrier.getAllRawHeaders()]
+
+
+class _HeadersSetter(Setter[Headers]):
+    def set(self, carrier: Headers, key: str, value: str) -> None:
+        carrier.setRawHeaders(key.encode("latin-1"), [value.encode("latin-1")])
+
+
+def _text(name: bytes | str) -> str:
+    return name.decode("latin-1") if isinstance(name, bytes) else name
+
+
+_GETTER = _HeadersGetter()
+_SETTER = _HeadersSetter()
+
+
+class LegTrace:
+    """One attempt of a leg, as a span; this base is tracing off, and does nothing."""
+
+    def headers(self, url: str, headers: Headers) -> Headers:
+        """The headers of its request to ``url``, carrying its trace context when traced."""
+        return headers
+
+    def answered(self, status: int) -> None:
+        """The instance answered ``status`` (an error from 400 on)."""
+
+    def fail(self, reason: str, phase: str | None = None) -> None:
+        """The attempt failed; the first reason given is the one kept."""
+
+    def end(self) -> None:
+        """The leg is over (its lease released)."""
+
+
+class RequestTrace:
+    """One client request, as a server span; this base is tracing off, and does nothing."""
+
+    def describe(self, body: Mapping[str, Any]) -> None:
+        """What the request asks for: its model, streamed or not."""
+
+    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
+        """A span for one attempt of a leg to ``instance``, started now."""
+        return NO_LEG
+
+    def end(self, request: Request, record: Figures) -> None:
+        """The request is over: its figures, its status, and the span ended."""
+
+
+NO_LEG = LegTrace()
+NO_TRACE = RequestTrace()
+
+
+class _LegSpan(LegTrace):
+    def __init__(self, span: trace.Span, context: Context) -> None:
+        self._span = span
+        self._context = trace.set_span_in_context(span, context)
+        self._failed = False
+        self._ended = False
+
+    def headers(self, url: str, headers: Headers) -> Headers:
+        # Without the client's query, which may carry anything (the server span has none).
+        self._span.set_attribute("url.full", url.partition("?")[0])
+        carried = headers.copy()
+        # Replaces the client's traceparent/tracestate: vLLM's parent is this attempt.
+        propagate.inject(carried, context=self._context, setter=_SETTER)
+        return carried
+
+    def answered(self, status: int) -> None:
+        self._span.set_attribute("http.response.status_code", status)
+        if status >= 400:
+            self.fail(f"answered HTTP {status}")
+
+    def fail(self, reason: str, phase: str | None = None) -> None:
+        if self._failed or self._ended:
+            return
+        self._failed = True
+        self._span.set_status(Status(StatusCode.ERROR, reason))
+        if phase is not None:
+            self._span.set_attribute("nixlproxy.phase", phase)
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self._span.end()
+
+
+class _UnsampledLeg(LegTrace):
+    """A leg of a request not recorded: it records nothing, and only tells vLLM so.
+
+    Its headers carry the request's own context, flagged unsampled, so that
+    vLLM records nothing either; no span of its own is made for it.
+    """
+
+    def __init__(self, context: Context) -> None:
+        carrier = Headers()
+        propagate.inject(carrier, context=context, setter=_SETTER)
+        self._carried = list(carrier.getAllRawHeaders())
+
+    def headers(self, url: str, headers: Headers) -> Headers:
+        carried = headers.copy()
+        for name, values in self._carried:
+            carried.setRawHeaders(name, list(values))
+        return carried
+
+
+@lru_cache(maxsize=256)
+def _origin(base: str) -> tuple[str, int]:
+    """An instance's host (a name or a bare IP) and port, as HTTP's conventions name the server."""
+    parts = urlsplit(base)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname or "", port
+
+
+def _outcome(request: Request, record: Figures) -> dict[str, str | int | float]:
+    """What the server span says once its request is over (what did not happen is left out)."""
+    said: dict[str, str | int | float | None] = {
+        "nixlproxy.request_id": record.request_id,
+        # Only once an answer was begun: a client that left before has none.
+        "http.response.status_code": request.code if request.startedWriting else None,
+        "nixlproxy.prefill_seconds": record.prefill_seconds,
+        "nixlproxy.handoff_gap_seconds": record.handoff_gap_seconds,
+        "nixlproxy.decode_first_byte_seconds": record.decode_first_byte_seconds,
+        "nixlproxy.time_to_first_byte_seconds": record.time_to_first_byte_seconds,
+        "nixlproxy.total_seconds": time.monotonic() - record.started,
+        "nixlproxy.phase": None if record.phase is None else record.phase.value,
+        "nixlproxy.ended": record.ended,
+    }
+    return {name: value for name, value in said.items() if value is not None}
+
+
+class ServerSpan(RequestTrace):
+    """A client request's trace, when tracing is on (``nixl_twisted.observe.tracing`` makes it)."""
+
+    def __init__(self, tracer: trace.Tracer, request: Request, arrived: float) -> None:
+        self._tracer = tracer
+        #: The client's context (its traceparent, tracestate, baggage), if it sent one.
+        self._parent = propagate.extract(request.requestHeaders, getter=_GETTER)
+        method = request.method.decode("ascii", "replace")
+        route = route_label(request.path)
+        started = time.time_ns() - int((time.monotonic() - arrived) * 1e9)
+        self._span = tracer.start_span(
+            f"{method} {route}",
+            context=self._parent,
+            kind=SpanKind.SERVER,
+            start_time=started,
+            attributes={
+                "http.request.method": method,
+                "http.route": route,
+                "url.path": request.path.decode("utf-8", "replace")[:200],
+            },
+        )
+        self._context = trace.set_span_in_context(self._span, self._parent)
+        #: Not sampled: its legs make no spans, only say so to vLLM (a cheap path).
+        self._unsampled = None if self._span.is_recording() else _UnsampledLeg(self._context)
+
+    def describe(self, body: Mapping[str, Any]) -> None:
+        if self._unsampled is not None:
+            return
+        model = body.get("model")
+        described: dict[str, str | bool] = {"nixlproxy.stream": body.get("stream") is True}
+        if isinstance(model, str):  # (a lone surrogate would fail the whole export)
+            described["gen_ai.request.model"] = printable(model)
+        self._span.set_attributes(described)
+
+    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
+        if self._unsampled is not None:
+            return self._unsampled
+        host, port = _origin(instance.base)
+        attributes: dict[str, str | int] = {
+            "nixlproxy.instance": instance.url,
+            "server.address": host,
+            "server.port": port,
+            "nixlproxy.policy": policy,
+            "nixlproxy.decision": decision,
+            "nixlproxy.attempt": attempt,
+        }
+        if instance.rank is not None:
+            attributes["nixlproxy.dp_rank"] = instance.rank
+        span = self._tracer.start_span(
+            instance.role, context=self._context, kind=SpanKind.CLIENT, attributes=attributes
+        )
+        return _LegSpan(span, self._parent)
+
+    def end(self, request: Request, record: Figures) -> None:
+        if self._unsampled is not None:
+            return  # a span not recorded has nothing to end
+        span = self._span
+        span.set_attributes(_outcome(request, record))
+        failure = _failure(request, record)
+        if failure is not None:
+            span.set_status(Status(StatusCode.ERROR, failure))
+        # Its legs end with their leases, on their own: a decode sent after its
+        # client left (to free prefill's blocks) ends when decode has answered.
+        span.end()
+
+
+def _failure(request: Request, record: Figures) -> str | None:
+    """Why the request failed, as the server span's error status says; None if it did not."""
+    during = f" during {record.phase.value}" if record.phase is not None else ""
+    if record.ended == "client_left":
+        return f"client left{during}"
+    if record.ended == "shutting_down":
+        return "the proxy is shutting down: its drain timeout ended"
+    if record.ended == "broken":
+        return record.error or f"the answer broke off{during}"
+    if request.code >= 500:
+        return record.error or f"HTTP {request.code}"
+    return None

@@ -1,0 +1,1 @@
+"""The process: the composition root, ports, signals, reloads, workers and their coordination."""

@@ -1,0 +1,303 @@
+"""The composition root: ``build(config, reactor)`` makes one proxy's service tree.
+
+Everything that touches the world (the reactor, the clock, the HTTP agent)
+is resolved here, once, and handed down. The tree::
+
+    ProxyService              stops in one order: accept, drain, close, backends
+    ├── BackendService        pools, health checks, the pooled HTTP client
+    ├── listener x N          strports services, bound in privilegedStartService
+    ├── metrics listener      when --metrics-listen is set
+    ├── Tracing               when tracing is on: flushes queued spans at stop
+    ├── SignalService         SIGTERM and SIGHUP (under twistd)
+    └── SupervisorLink        in a --workers worker: pools and health from the supervisor
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, cast
+
+from twisted.application.internet import StreamServerEndpointService
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError, maybeDeferred
+from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import (
+    IListeningPort,
+    IReactorTime,
+)
+from twisted.internet.task import deferLater
+from twisted.logger import ILogObserver, Logger
+from twisted.web.iweb import IAgent
+
+from nixl_twisted import logs
+from nixl_twisted.backends.health import Thresholds
+from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.service import BackendService
+from nixl_twisted.backends.upstream import Upstream, pooled_upstream
+from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.events import Happened
+from nixl_twisted.logs import LogLevels, lifecycle
+from nixl_twisted.observe import tracing
+from nixl_twisted.observe.access import AccessLog
+from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
+from nixl_twisted.observe.refusals import LogThrottle, Refusals
+from nixl_twisted.run import reloads, startup
+from nixl_twisted.run.coordination import SupervisorLink
+from nixl_twisted.run.ports import Announced, address, bind_error, listener
+from nixl_twisted.run.signals import SignalService
+from nixl_twisted.web.admission import Admission
+from nixl_twisted.web.app import ProxyApp
+from nixl_twisted.web.deadlines import ClientLimits
+from nixl_twisted.web.intake import BodyBudget
+from nixl_twisted.web.site import TrackingSite
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+log = Logger()
+
+#: Seconds drained connections get to send what they have buffered.
+CLOSE_GRACE = 5.0
+
+
+class ProxyService(MultiService):
+    """One proxy: its children, and the one order they stop in."""
+
+    #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
+    log_observer: ILogObserver | None = None
+    #: The ``--log-level`` filter of that observer, which a reload changes.
+    log_levels: LogLevels | None = None
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        app: ProxyApp,
+        site: TrackingSite,
+        backends: BackendService,
+        reactor: Any,
+        clock: IReactorTime,
+    ) -> None:
+        super().__init__()
+        self._reactor = reactor
+        self.config = config
+        self.app = app
+        self.site = site
+        self.backends = backends
+        self.clock = clock
+        self._ports_closed = Happened()
+        self._stopped: Happened | None = None
+        backends.setServiceParent(self)
+
+    def setServiceParent(self, parent: Any) -> None:
+        """Under twistd the parent is the application: offer it our log observer."""
+        super().setServiceParent(parent)
+        logs.offer(parent, self.log_observer)
+
+    def privilegedStartService(self) -> None:
+        """Bind every port now (before twistd sheds privileges); one that cannot be, one line."""
+        try:
+            super().privilegedStartService()
+        except CannotListenError as error:
+            raise SystemExit(bind_error(error)) from None
+
+    def startService(self) -> None:
+        startup.check_descriptors(self.config)
+        super().startService()
+        # Said once the reactor runs, after the signal handlers are in (they
+        # go in then too), and once the first health round has answered:
+        # whoever reads it may send requests, or a SIGTERM.
+        self._reactor.callWhenRunning(
+            lambda: self.backends.first_round().addCallback(lambda _: self._announce())
+        )
+
+    def _announce(self) -> None:
+        if not self.running:
+            return  # stopped before its first health round answered
+        if self.config.worker is None:  # (a worker's supervisor says it for all)
+            startup.announce(self.config)
+        for port in self.ports():
+            lifecycle.info("nixlproxy listening on {address}", address=address(port))
+
+    def listeners(self) -> list[StreamServerEndpointService]:
+        return [s for s in self if isinstance(s, StreamServerEndpointService)]
+
+    def ports(self) -> list[IListeningPort]:
+        """The ports bound now, in the order of ``--listen`` (then metrics)."""
+        endpoints = [cast(Announced, s.endpoint) for s in self.listeners()]
+        return [e.port for e in endpoints if e.port is not None]
+
+    def reload(self) -> None:
+        """SIGHUP: the ``--config`` file read again, every setting that can change live applied."""
+        try:
+            reload = reloads.reloaded(self.config, os.environ)
+        except ConfigError as error:
+            reloads.refused(error)
+            return
+        self.reconfigure(reload.config)
+        reloads.said(reload)
+
+    def reconfigure(self, config: ProxyConfig) -> None:
+        """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's)."""
+        self.app.configure(config)
+        for site in {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}:
+            site.configure(config)
+        self.backends.configure(config)
+        if self.log_levels is not None:
+            self.log_levels.set(config.log_level)
+        self.config = config
+
+    def stopService(self) -> Deferred[None]:
+        """Stop once; whoever asks again waits for the same stop."""
+        if self._stopped is None:
+            Service.stopService(self)
+            stopped = self._stopped = Happened()
+            stopping = Deferred.fromCoroutine(self._stop())
+            stopping.addErrback(lambda failure: log.failure("stopping failed", failure))
+            stopping.addBoth(lambda _: stopped.fire())
+        return self._stopped.wait()
+
+    async def _stop(self) -> None:
+        """Say not ready (and wait), stop accepting, drain, close connections, stop the backends."""
+        delay = self.config.timeouts.shutdown_delay
+        if delay > 0:
+            self.app.admission.leaving = True
+            lifecycle.info("not ready now; still serving for {seconds} s before draining",
+                     seconds=delay)  # fmt: skip
+            await deferLater(self.clock, delay)
+        self.app.admission.start_draining()
+        listeners = self.listeners()
+        await DeferredList([maybeDeferred(s.stopService) for s in listeners])
+        draining = Deferred.fromCoroutine(self._drain())  # its timer runs from now,
+        self._ports_closed.fire()  # before whoever waits on this goes on
+        if not await draining:
+            self.app.shut_down()  # each told in band, before its connection closes
+        await self._close_connections()
+        rest = [s for s in self if s not in listeners and s.running]
+        await DeferredList([maybeDeferred(s.stopService) for s in reversed(rest)])
+        self.app.refusals.throttle.stop()
+
+    def when_ports_closed(self) -> Deferred[None]:
+        """Fires once a stopping proxy accepts no more connections."""
+        return self._ports_closed.wait()
+
+    async def _drain(self) -> bool:
+        admission = self.app.admission
+        if admission.in_flight:
+            lifecycle.info("draining {in_flight} requests in flight", in_flight=admission.in_flight)
+        try:
+            await admission.drained().addTimeout(self.config.timeouts.drain, self.clock)
+        except TimeoutError:
+            log.warn(
+                "drain timeout of {seconds} s: closing {in_flight} requests still in flight",
+                seconds=self.config.timeouts.drain,
+                in_flight=admission.in_flight,
+            )
+            return False
+        return True
+
+    async def _close_connections(self) -> None:
+        """Close client connections: gently (what is buffered is sent), then at once."""
+        sites = {cast(TrackingSite, s.factory) for s in self.listeners()}
+        closing = DeferredList([site.close_connections(abort=False) for site in sites])
+        try:
+            await closing.addTimeout(CLOSE_GRACE, self.clock)
+        except TimeoutError:
+            await DeferredList([site.close_connections(abort=True) for site in sites])
+
+
+def _worker_hangup() -> None:
+    log.warn("SIGHUP to a worker changes nothing: send it to the supervisor, pid {pid}",
+             pid=os.getppid())  # fmt: skip
+
+
+def backend_service(
+    config: ProxyConfig,
+    reactor: Any,
+    clock: IReactorTime,
+    agent: IAgent | None = None,
+    run_checks: bool = True,
+) -> BackendService:
+    """Both pools and their clients, from the configuration.
+
+    ``run_checks=False``: no health checks here, though the pools still expect
+    them (new instances pending): a ``--workers`` worker, whose supervisor
+    checks and tells it.
+    """
+    health = config.health
+    connect = config.timeouts.connect
+    if agent is None:
+        idle = config.timeouts.backend_idle
+        legs = pooled_upstream(reactor, connect, config.limits.max_idle_per_backend, idle)
+        # One connection per instance, kept longer than the interval between checks.
+        probes = pooled_upstream(reactor, connect, 1, health.interval + health.timeout + 1)
+    else:
+        legs = probes = Upstream(agent)
+    thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+    checked = health.interval > 0
+    backends = BackendService(
+        BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
+        BackendPool("decode", config.pools.decode, clock, thresholds, checked),
+        legs,
+        clock,
+        health,
+        probes,
+        runs_checks=run_checks,
+    )
+    backends.use_policies(config.policies)
+    return backends
+
+
+def build(
+    config: ProxyConfig,
+    reactor: Any,
+    *,
+    clock: IReactorTime | None = None,
+    agent: IAgent | None = None,
+    take_signals: bool = True,
+    tracer_provider: TracerProvider | None = None,
+) -> ProxyService:
+    """Make one proxy's whole service tree from its configuration.
+
+    ``clock`` (default: the reactor) drives every timeout, backoff and
+    health check; ``agent`` (default: a pooled ``Agent`` on the reactor)
+    makes every backend call. Tests pass a ``Clock`` and an in-memory agent.
+    ``tracer_provider`` traces with that provider (a test's in-memory
+    exporter) whatever the configuration says.
+    """
+    clock = clock if clock is not None else cast(IReactorTime, reactor)
+    shared = config.worker is not None
+    # A worker's pools take their health from the supervisor, which checks.
+    backends = backend_service(config, reactor, clock, agent, run_checks=not shared)
+    metrics = ProxyMetrics(backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None)
+    if tracer_provider is None and tracing.enabled(config.traces, os.environ):
+        tracer_provider = tracing.provider_for(config.traces, config.worker)
+    traces = tracing.Tracing(tracer_provider, reactor, clock)
+    admission = Admission(config.limits.max_in_flight)
+    throttle = LogThrottle(clock)
+    refusals = Refusals(metrics.refused, throttle)
+    app = ProxyApp(config, backends, admission, metrics, clock, traces, refusals)
+    site = TrackingSite(
+        app.resource(),
+        ClientLimits.of(config),
+        clock,
+        access_log=AccessLog(metrics, emit=config.access_log),
+        body_budget=BodyBudget(config.limits.max_buffered_bodies),
+        refusals=refusals,
+    )
+    root = ProxyService(config, app, site, backends, reactor, clock)
+    if traces.enabled:
+        traces.setServiceParent(root)
+    for description in config.listen:
+        listener(description, site, reactor, shared).setServiceParent(root)
+    if config.metrics_listen is not None:
+        metrics_site = TrackingSite(MetricsResource(metrics), ClientLimits.of(config), clock)
+        listener(config.metrics_listen, metrics_site, reactor, shared).setServiceParent(root)
+    if take_signals:
+        # A worker's pools are the supervisor's: SIGHUP goes there.
+        hangup = _worker_hangup if shared else root.reload
+        SignalService(reactor, hangup).setServiceParent(root)
+    if shared:
+        link = SupervisorLink(reactor, backends, root.reconfigure)
+        app.admin.publish = link.publish
+        link.setServiceParent(root)
+    return root

@@ -1,0 +1,272 @@
+"""``--workers N``: N proxy processes sharing each TCP port, supervised by the parent.
+
+Each worker is a whole ``twistd nixlproxy`` listening with ``SO_REUSEPORT``
+so that the kernel spreads new connections among them. The parent binds
+every port first (``tcp:0`` becomes one real port for all, ``--metrics-listen``
+included), hands each worker its resolved ``ProxyConfig`` as JSON on standard
+input, restarts a worker that dies, and on SIGTERM passes the signal on and
+waits for all of them to drain. What makes them one proxy is in
+``nixl_twisted.run.coordination`` (pools and health, decided here, over a pipe
+to each worker) and in the metrics, which every worker writes to one
+``prometheus_client`` multiprocess directory, so that any worker's
+``/metrics`` reports the whole proxy. A worker whose supervisor is gone
+(its pipe closed) stops by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from dataclasses import replace
+from typing import Any
+
+from prometheus_client.multiprocess import mark_process_dead
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import ILogObserver, Logger
+from twisted.python.failure import Failure
+
+from nixl_twisted import logs
+from nixl_twisted.backends.service import BackendService
+from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.config.endpoints import tcp_address, tcp_endpoint
+from nixl_twisted.observe.metrics import METRICS_DIR_ENV
+from nixl_twisted.run import reloads, startup
+from nixl_twisted.run.coordination import (
+    FROM_SUPERVISOR,
+    TO_SUPERVISOR,
+    Coordinator,
+    Lines,
+    Message,
+    encode,
+)
+from nixl_twisted.run.ports import cannot_listen, shared_socket
+from nixl_twisted.run.root import backend_service
+from nixl_twisted.run.signals import SignalService
+
+log = Logger()
+
+#: ``twistd`` run by this very interpreter, wherever its script was installed.
+TWISTD = (sys.executable, "-c", "from twisted.scripts.twistd import run; run()")
+RESTART_DELAY = 1.0
+
+
+#: A supervisor's metrics directory is ``nixlproxy-metrics-PID-XXXX`` in the temporary directory.
+METRICS_PREFIX = "nixlproxy-metrics-"
+
+
+def remove_stale_metrics(where: str) -> None:
+    """Remove the metrics directories of supervisors that are gone (killed: no stop ran)."""
+    for entry in os.scandir(where):
+        pid = entry.name.removeprefix(METRICS_PREFIX).split("-", 1)[0]
+        if entry.name.startswith(METRICS_PREFIX) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's
+    return True
+
+
+class _Worker(ProcessProtocol):
+    def __init__(self, supervisor: WorkerSupervisor, number: int, config: str) -> None:
+        self.supervisor = supervisor
+        self.number = number
+        self.config = config
+        self.ended: Deferred[None] = Deferred()
+        self.pid: int | None = None
+        self._lines = Lines(lambda message: supervisor.coordinator.received(self, message))
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        self.pid = self.transport.pid
+        # One line of configuration, then the coordination's messages; the
+        # pipe stays open: its end tells the worker that this supervisor is gone.
+        self.transport.write(self.config.encode("utf-8") + b"\n")
+        self.supervisor.coordinator.welcome(self)
+        logs.lifecycle.info("worker {number} started, pid {pid}", number=self.number, pid=self.pid)
+
+    def send(self, message: Message) -> None:
+        if self.transport is not None:
+            self.transport.write(encode(message))
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == TO_SUPERVISOR:
+            self._lines.feed(data)
+
+    def signal(self, name: str) -> None:
+        with contextlib.suppress(ProcessExitedAlready):
+            self.transport.signalProcess(name)  # type: ignore[union-attr]
+
+    def processEnded(self, reason: Failure) -> None:
+        self.transport = None
+        self.ended.callback(None)
+        self.supervisor.ended(self, reason)
+
+
+class WorkerSupervisor(Service):
+    """Binds the shared ports, starts N workers, restarts those that die, stops them all."""
+
+    name = "workers"
+
+    def __init__(self, config: ProxyConfig, reactor: Any, backends: BackendService) -> None:
+        self.config = config
+        self.reactor = reactor
+        self.workers: dict[int, _Worker] = {}
+        self.coordinator = Coordinator(backends, lambda: list(self.workers.values()))
+        self._reserved: list[socket.socket] = []
+        self._listen: tuple[str, ...] = ()
+        self._metrics_listen: str | None = None
+        #: Where every worker's metrics are, for whichever worker is scraped.
+        self.metrics_dir: str | None = None
+        #: The supervisor's own ``--log-level`` filter, which a reload changes.
+        self.log_levels: logs.LogLevels | None = None
+
+    def _share(self, description: str) -> str:
+        address = tcp_address(description)
+        assert address is not None, "the configuration allows only tcp: with --workers"
+        try:
+            sock = shared_socket(*address)
+        except OSError as error:
+            raise SystemExit(cannot_listen(*address, error)) from None
+        self._reserved.append(sock)
+        host, port = sock.getsockname()[:2]
+        logs.lifecycle.info("nixlproxy workers share {host}:{port}", host=host, port=port)
+        return tcp_endpoint(host, port)
+
+    def privilegedStartService(self) -> None:
+        super().privilegedStartService()
+        self._listen = tuple(self._share(description) for description in self.config.listen)
+        if self.config.metrics_listen is not None:
+            self._metrics_listen = self._share(self.config.metrics_listen)
+        remove_stale_metrics(tempfile.gettempdir())
+        self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
+
+    def startService(self) -> None:
+        if not self._reserved:
+            self.privilegedStartService()
+        startup.check_descriptors(self.config)  # the workers inherit the limit
+        startup.announce(self.config)
+        super().startService()
+        # Once the reactor runs: a worker that is up can be told to stop.
+        self.reactor.callWhenRunning(self._spawn_all)
+
+    def _spawn_all(self) -> None:
+        for number in range(self.config.workers):
+            self._spawn(number)
+
+    def _spawn(self, number: int) -> None:
+        if not self.running:
+            return
+        current = replace(self.config, pools=self.coordinator.pools())
+        config = current.for_worker(number, self._listen, self._metrics_listen)
+        worker = _Worker(self, number, config.to_json())
+        self.workers[number] = worker
+        assert self.metrics_dir is not None
+        self.reactor.spawnProcess(
+            worker,
+            sys.executable,
+            [*TWISTD, "-n", "--pidfile=", "--logfile=-", "nixlproxy", "--worker", str(number)],
+            env=dict(os.environ, **{METRICS_DIR_ENV: self.metrics_dir}),
+            childFDs={FROM_SUPERVISOR: "w", 1: 1, 2: 2, TO_SUPERVISOR: "r"},
+        )
+
+    def ended(self, worker: _Worker, reason: Failure) -> None:
+        if self.workers.get(worker.number) is worker:
+            del self.workers[worker.number]
+        if worker.pid is not None and self.metrics_dir is not None:
+            # Its counters stay in the sum; its gauges (in flight) leave it.
+            mark_process_dead(worker.pid, self.metrics_dir)
+        if self.running:
+            log.error(
+                "worker {number} ended unexpectedly ({reason}); restarting it",
+                number=worker.number,
+                reason=reason.getErrorMessage(),
+            )
+            self.reactor.callLater(RESTART_DELAY, self._spawn, worker.number)
+
+    def hangup(self) -> None:
+        """SIGHUP: the config file read again, here and in every worker (each its own ports)."""
+        try:
+            reload = reloads.reloaded(self.config, os.environ)
+        except ConfigError as error:
+            reloads.refused(error)
+            return
+        self.config = reload.config
+        self.coordinator.backends.configure(reload.config)
+        for worker in self.workers.values():
+            mine = reload.config.for_worker(worker.number, self._listen, self._metrics_listen)
+            worker.send({"config": mine.to_json()})
+        self.coordinator.backends.check_health()  # a new instance is checked at once
+        if self.log_levels is not None:
+            self.log_levels.set(reload.config.log_level)
+        reloads.said(reload, f", sent to {len(self.workers)} workers")
+
+    def stopService(self) -> Deferred[Any]:
+        """SIGTERM every worker (each drains) and wait for all of them."""
+        super().stopService()
+        waiting = [w.ended for w in self.workers.values()]
+        for worker in list(self.workers.values()):
+            worker.signal("TERM")
+
+        def release_ports(result: object) -> object:
+            for sock in self._reserved:
+                sock.close()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            return result
+
+        return DeferredList(waiting).addBoth(release_ports)
+
+
+class SupervisorService(MultiService):
+    """The parent of ``--workers``: the supervisor and the signals it takes."""
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        supervisor: WorkerSupervisor,
+        backends: BackendService,
+        signals: Service | None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.supervisor = supervisor
+        if signals is not None:  # first: its handlers go in before any worker is spawned
+            signals.setServiceParent(self)
+        backends.setServiceParent(self)  # stopped after the workers
+        supervisor.setServiceParent(self)
+
+    #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
+    log_observer: ILogObserver | None = None
+
+    @property
+    def log_levels(self) -> logs.LogLevels | None:
+        return self.supervisor.log_levels
+
+    @log_levels.setter
+    def log_levels(self, levels: logs.LogLevels | None) -> None:
+        self.supervisor.log_levels = levels
+
+    def setServiceParent(self, parent: Any) -> None:
+        super().setServiceParent(parent)
+        logs.offer(parent, self.log_observer)
+
+
+def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:
+    """The service tree of a ``--workers`` parent: it checks the backends' health for all."""
+    backends = backend_service(config, reactor, reactor)
+    supervisor = WorkerSupervisor(config, reactor, backends)
+    signals = SignalService(reactor, supervisor.hangup) if take_signals else None
+    return SupervisorService(config, supervisor, backends, signals)

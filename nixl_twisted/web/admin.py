@@ -1,0 +1,121 @@
+"""The admin API: list, add, drain and remove backend instances while serving.
+
+Under ``--workers`` a change is made in the worker that got it, then
+published to the others through the supervisor, and answered once they all
+have it.
+
+Guarded by a bearer token (``--admin-token`` or ``NIXLPROXY_ADMIN_TOKEN``);
+without one configured the API does not exist (404). A missing or wrong
+token is a 401, logged without the token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
+from twisted.web.iweb import IRequest
+
+from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
+from nixl_twisted.backends.service import BackendService
+from nixl_twisted.config.settings import InvalidValue, backend_url
+from nixl_twisted.protocol.errors import ProxyError, invalid_request
+
+log = Logger()
+
+
+class AdminAPI:
+    """What ``/admin/backends`` does, apart from the routing (``ProxyApp``)."""
+
+    def __init__(self, backends: BackendService, token: str | None) -> None:
+        self.backends = backends
+        self._token = token.encode("utf-8") if token else None
+        #: Tells the other workers of a change (``nixl_twisted.run.coordination``); alone, nobody.
+        self.publish: Callable[[dict[str, str]], Deferred[None]] = lambda change: succeed(None)
+
+    def use_token(self, token: str | None) -> None:
+        """The bearer token from now on (a reload); None: there is no admin API."""
+        self._token = token.encode("utf-8") if token else None
+
+    def authorize(self, request: IRequest) -> None:
+        if self._token is None:
+            raise ProxyError(
+                404, "there is no admin API here", "invalid_request_error", "not_found"
+            )
+        sent = bearer_token(request.getHeader(b"authorization"))
+        # In constant time: how much of a guess was right must not show.
+        if sent is None or not hmac.compare_digest(sent, self._token):
+            log.warn(
+                "admin API refused {method} {path} from {client}: missing or wrong token",
+                method=request.method.decode("ascii", "replace"),
+                path=request.path.decode("utf-8", "replace"),
+                client=str(request.getClientAddress()),
+            )
+            raise ProxyError(
+                401,
+                "a valid admin bearer token is required",
+                "authentication_error",
+                "unauthorized",
+            )
+
+    def listing(self) -> dict[str, Any]:
+        return {pool.role: [i.describe() for i in pool.instances] for pool in self.backends.pools()}
+
+    def _target(self, body: bytes) -> tuple[BackendPool, str]:
+        try:
+            change = json.loads(body)
+        except ValueError:
+            raise invalid_request(
+                'the body must be JSON: {"pool": ..., "url": ...}', "invalid_json"
+            ) from None
+        if not isinstance(change, dict) or not isinstance(change.get("url"), str):
+            raise invalid_request('the body must name a "url"', "invalid_body")
+        pool = self.backends.pool(str(change.get("pool")))
+        if pool is None:
+            raise invalid_request('"pool" must be "prefill" or "decode"', "invalid_pool")
+        try:
+            # The same check as a --prefill or --decode URL gets.
+            return pool, backend_url(change["url"])
+        except InvalidValue as error:
+            raise invalid_request(str(error), "invalid_url") from None
+
+    def add(self, body: bytes) -> Deferred[dict[str, Any]]:
+        return self._change("add", body)
+
+    def drain(self, body: bytes) -> Deferred[dict[str, Any]]:
+        return self._change("drain", body)
+
+    def remove(self, body: bytes) -> Deferred[dict[str, Any]]:
+        return self._change("remove", body)
+
+    def _change(self, op: str, body: bytes) -> Deferred[dict[str, Any]]:
+        pool, url = self._target(body)
+        try:
+            instances = self.backends.apply_change({"op": op, "pool": pool.role, "url": url})
+        except PoolChangeRefused as error:
+            raise ProxyError(409, str(error), "invalid_request_error", "last_instance") from None
+        if not instances:
+            raise ProxyError(
+                404, f"no {pool.role} instance {url}", "invalid_request_error", "not_found"
+            )
+        described = [instance.describe() for instance in instances]
+        # One instance: its description; the ranks of URL#dp=N: each of theirs.
+        answer = described[0] if len(described) == 1 else {"instances": described}
+        # Answered once every worker has the change too.
+        published = self.publish({"op": op, "pool": pool.role, "url": url})
+        return published.addCallback(lambda _: answer)
+
+
+def bearer_token(credentials: bytes | None) -> bytes | None:
+    """The token of ``Bearer TOKEN``, else None (no other scheme carries the admin token).
+
+    As RFC 9110 section 11 has it: the scheme in any case, then one or more spaces.
+    """
+    scheme, space, token = (credentials or b"").partition(b" ")
+    if scheme.lower() != b"bearer" or not space:
+        return None
+    return token.lstrip(b" ")

@@ -1,0 +1,68 @@
+"""Admission: how many requests are served at once, and the drain on shutdown."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from twisted.internet.defer import Deferred, maybeDeferred
+
+from nixl_twisted.events import Happened
+from nixl_twisted.protocol.errors import overloaded
+
+T = TypeVar("T")
+
+
+class Admission:
+    """Counts requests in flight; refuses past the limit, and all while draining."""
+
+    def __init__(self, max_in_flight: int) -> None:
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+        self.draining = False
+        #: Stopping soon (``--shutdown-delay``): still admitting, no longer ready.
+        self.leaving = False
+        self._idle = Happened()
+        #: Told the new count on every change (the in-flight gauge).
+        self.on_change: Callable[[int], None] = lambda count: None
+
+    def serve(self, work: Callable[[], Deferred[T]]) -> Deferred[T]:
+        """Take one request in, run ``work``, and give its slot back however it ends.
+
+        The one place a slot is taken and given back: whatever ``work`` raises
+        (at once or later) or returns, the slot is released exactly once, so
+        a request that fails in an unforeseen way cannot leak one.
+        """
+        self.admit()
+        return maybeDeferred(work).addBoth(self.release)
+
+    def admit(self) -> None:
+        """Take one request in, or raise the 503 that says why not."""
+        if self.draining:
+            raise overloaded("the proxy is shutting down", "draining")
+        if self.in_flight >= self.max_in_flight:
+            raise overloaded(
+                f"the proxy is serving its limit of {self.max_in_flight} requests",
+                "too_many_requests_in_flight",
+            )
+        self.in_flight += 1
+        self.on_change(self.in_flight)
+
+    def release(self, result: object = None) -> object:
+        """One request ended (usable as a callback: passes ``result`` on)."""
+        self.in_flight -= 1
+        self.on_change(self.in_flight)
+        if self.draining and self.in_flight == 0:
+            self._idle.fire()
+        return result
+
+    def start_draining(self) -> None:
+        """Refuse new requests from now on; /healthcheck says not ready."""
+        self.leaving = True
+        self.draining = True
+        if self.in_flight == 0:
+            self._idle.fire()
+
+    def drained(self) -> Deferred[None]:
+        """Fires once draining and nothing is in flight."""
+        return self._idle.wait()

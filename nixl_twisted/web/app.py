@@ -1,0 +1,353 @@
+"""The Klein app: the proxy's routes, input checks and error mapping.
+
+Each completion is an ``Exchange`` (``nixl_twisted.exchange.two_legs``): the lowered
+body to the next prefill instance, then the client's body plus prefill's
+``kv_transfer_params`` to the next decode instance, whose answer is relayed
+to the client as it arrives.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from functools import partial
+
+from klein import Klein
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+from twisted.web.server import Request
+from werkzeug.exceptions import HTTPException, NotFound
+
+from nixl_twisted.backends.service import BackendService, routing
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.exchange.batch import Batch, PartRequest
+from nixl_twisted.exchange.legs import PrefillRefused
+from nixl_twisted.exchange.one_leg import OneLeg
+from nixl_twisted.exchange.relay import start_response
+from nixl_twisted.exchange.responses import ResponseDirectory
+from nixl_twisted.exchange.two_legs import Exchange
+from nixl_twisted.observe.access import record_of
+from nixl_twisted.observe.metrics import CONTENT_TYPE, ProxyMetrics
+from nixl_twisted.observe.refusals import Refusals
+from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
+from nixl_twisted.observe.tracing import Tracing
+from nixl_twisted.protocol import lowering, routes
+from nixl_twisted.protocol.errors import ProxyError, for_route, json_answer
+from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers
+from nixl_twisted.web.admin import AdminAPI
+from nixl_twisted.web.admission import Admission
+from nixl_twisted.web.front import FrontDoor
+
+log = Logger()
+
+_JSON = b"application/json"
+
+
+class ProxyApp:
+    """The proxy's HTTP face, handed what it serves with by the composition root."""
+
+    app = Klein()
+
+    def __init__(
+        self,
+        config: ProxyConfig,
+        backends: BackendService,
+        admission: Admission,
+        metrics: ProxyMetrics,
+        clock: IReactorTime,
+        tracing: Tracing,
+        refusals: Refusals,
+    ) -> None:
+        self.config = config
+        #: Overload refusals and 5xx lines: counted, logged at most once a second each.
+        self.refusals = refusals
+        self.backends = backends
+        self.admission = admission
+        self.metrics = metrics
+        self.clock = clock
+        #: Each request to a backend route is a trace (when tracing is on).
+        self.tracing = tracing
+        #: Off when /metrics is served on its own --metrics-listen endpoint.
+        self.serve_metrics = config.metrics_listen is None
+        self.admin = AdminAPI(backends, config.admin_token)
+        self.one_leg = OneLeg(config, backends, metrics, clock)
+        #: Which decode instance produced each Responses API response.
+        self.responses_seen = ResponseDirectory()
+        self.admission.on_change = self.metrics.in_flight.set
+        #: The completions being served now.
+        self.exchanges: set[Exchange] = set()
+
+    def configure(self, config: ProxyConfig) -> None:
+        """A reload: limits, timeouts, retries and keys as ``config`` says, from now on."""
+        self.config = config
+        self.one_leg.config = config
+        self.admission.max_in_flight = config.limits.max_in_flight
+        self.admin.use_token(config.admin_token)
+
+    def resource(self) -> IResource:
+        """The Twisted Web resource that serves this app."""
+        return FrontDoor(self.app.resource())
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being served now."""
+        return self.admission.in_flight
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
+
+    # -- routes -----------------------------------------------------------
+
+    @app.route(routes.HEALTHCHECK, methods=["GET"])
+    def healthcheck(self, request: Request) -> bytes:
+        ready = self.backends.ready() and not self.admission.leaving
+        request.setResponseCode(200 if ready else 503)
+        request.setHeader(b"Content-Type", _JSON)
+        return json.dumps(
+            {
+                "ready": ready,
+                "prefill_instances": len(self.backends.prefill),
+                "decode_instances": len(self.backends.decode),
+                "draining": self.admission.draining,
+                "shutting_down": self.admission.leaving,
+                "in_flight": self.in_flight,
+                "pid": os.getpid(),
+                "instances": {
+                    pool.role: [i.describe() for i in pool.instances]
+                    for pool in self.backends.pools()
+                },
+            }
+        ).encode("utf-8")
+
+    @app.route(routes.METRICS, methods=["GET"])
+    def prometheus(self, request: Request) -> bytes:
+        if not self.serve_metrics:
+            raise NotFound()
+        request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))
+        return self.metrics.exposition()
+
+    @app.route(routes.ADMIN_BACKENDS, methods=["GET", "POST", "DELETE"])
+    def admin_backends(self, request: Request) -> bytes | Deferred[bytes]:
+        self.admin.authorize(request)
+        if request.method == b"GET":
+            return _json(request, 200, self.admin.listing())
+        if request.method == b"POST":
+            return self.admin.add(_client_body(request)).addCallback(partial(_json, request, 201))
+        changed = self.admin.remove(_client_body(request))
+        return changed.addCallback(partial(_json, request, 200))
+
+    @app.route(routes.ADMIN_DRAIN, methods=["POST"])
+    def admin_drain(self, request: Request) -> Deferred[bytes]:
+        self.admin.authorize(request)
+        return self.admin.drain(_client_body(request)).addCallback(partial(_json, request, 202))
+
+    @app.route(routes.MODELS, methods=["GET"])
+    def models(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, routes.MODELS, None)
+
+    @app.route(routes.TOKENIZE, methods=["POST"])
+    def tokenize(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, routes.TOKENIZE, _client_body(request))
+
+    @app.route(routes.DETOKENIZE, methods=["POST"])
+    def detokenize(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, routes.DETOKENIZE, _client_body(request))
+
+    def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
+        trace = self._trace(request)
+        return self.admission.serve(
+            lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace))
+        )
+
+    @app.route(routes.COMPLETIONS, methods=["POST"])
+    def completions(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, routes.COMPLETIONS)
+
+    @app.route(routes.CHAT_COMPLETIONS, methods=["POST"])
+    def chat_completions(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, routes.CHAT_COMPLETIONS)
+
+    @app.route(routes.RESPONSES, methods=["POST"])
+    def responses(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, routes.RESPONSES)
+
+    @app.route(routes.RESPONSE.format(id="<string:response_id>"), methods=["GET"])
+    def response(self, request: Request, response_id: str) -> Deferred[None]:
+        return self._follow_up(request, routes.response_path(response_id), response_id, None)
+
+    @app.route(routes.RESPONSE_CANCEL.format(id="<string:response_id>"), methods=["POST"])
+    def cancel_response(self, request: Request, response_id: str) -> Deferred[None]:
+        path = routes.response_path(response_id, cancel=True)
+        return self._follow_up(request, path, response_id, _client_body(request) or b"{}")
+
+    def _follow_up(
+        self, request: Request, path: str, response_id: str, body: bytes | None
+    ) -> Deferred[None]:
+        trace = self._trace(request)
+        where = self.responses_seen.where(response_id)
+        return self.admission.serve(
+            lambda: Deferred.fromCoroutine(
+                self.one_leg.follow_up(request, path, body, where, trace)
+            )
+        )
+
+    @app.route(routes.MESSAGES, methods=["POST"])
+    def messages(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, routes.MESSAGES)
+
+    @app.route(routes.COUNT_TOKENS, methods=["POST"])
+    def count_tokens(self, request: Request) -> Deferred[None]:
+        return self._one_leg(request, routes.COUNT_TOKENS, _client_body(request))
+
+    def _trace(self, request: Request) -> RequestTrace:
+        """The request's trace, begun at its arrival; ended with its access event."""
+        if not self.tracing.enabled:
+            return NO_TRACE
+        record = record_of(request)
+        record.trace = self.tracing.request(request, record.started)
+        return record.trace
+
+    def _two_legs(self, request: Request, path: str) -> Deferred[None]:
+        trace = self._trace(request)
+        # The id comes first, so that every answer, refusals included, has one.
+        request_id = lowering.new_request_id()
+        request.setHeader(REQUEST_ID, request_id.encode("ascii"))
+        record_of(request).request_id = request_id
+        body = lowering.parse_client_body(_client_body(request))
+        trace.describe(body)
+        model = body.get("model")
+        if isinstance(model, str):
+            record_of(request).model = lowering.printable(model)
+        lowering.check_servable(path, body)
+        batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
+        if batch is None:
+            return self.admission.serve(
+                lambda: self._exchange(request, path, body, request_id, trace)
+            )
+
+        # One exchange per prompt, each with its own request id, all in one trace.
+        def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
+            return self._exchange(to, path, one, lowering.new_request_id(), trace)
+
+        return self.admission.serve(lambda: Batch(request, batch, body, part).start())
+
+    def _exchange(
+        self,
+        request: Request | PartRequest,
+        path: str,
+        body: lowering.JSONObject,
+        request_id: str,
+        trace: RequestTrace,
+    ) -> Deferred[None]:
+        config = self.config
+        headers = backend_request_headers(
+            request.requestHeaders, request_id, config.backend_api_key
+        )
+        route_on = self._routing(request, body)
+        exchange = Exchange(
+            request, path, body, request_id, headers, self.backends,  # type: ignore[arg-type]
+            config.timeouts, config.retries, self.clock, self.metrics, route_on,
+            self.responses_seen.watcher if path == routes.RESPONSES else None, trace,
+        )  # fmt: skip
+        self.exchanges.add(exchange)
+
+        def ended(result: object) -> object:
+            self.exchanges.discard(exchange)
+            return result
+
+        return exchange.start().addBoth(ended)
+
+    def shut_down(self) -> None:
+        """The drain timeout ended: every completion still running is cut, and told why."""
+        for exchange in list(self.exchanges):
+            exchange.shut_down()
+
+    def _routing(
+        self, request: Request | PartRequest, body: lowering.JSONObject
+    ) -> routing.Routing:
+        """What the pools' policies route on, worked out only if one of them looks."""
+        names = {pool.policy_name for pool in self.backends.pools()}
+        if not names & {"cache-aware", "session"}:
+            return routing.NO_ROUTING
+        key_bytes = self.config.policies.key_bytes
+        return routing.Routing(
+            prompt=routing.prompt_key(body, key_bytes) if "cache-aware" in names else None,
+            session=routing.session_key(request.getHeader(b"x-session-id"), body)
+            if "session" in names else None,
+        )  # fmt: skip
+
+    # -- errors -----------------------------------------------------------
+
+    @app.handle_errors(ProxyError)
+    def proxyjson_answer(self, request: IRequest, failure: Failure) -> bytes:
+        error = failure.value
+        assert isinstance(error, ProxyError)
+        record_of(request).error = error.message
+        if error.error_type == "overloaded_error":
+            self.refusals.refused(error.code, error.message)
+        elif error.status >= 500:
+            said = f"{error.status} {error.code} for {_request_id(request)}: {error.message}"
+            self.refusals.throttle.emit(error.code, LogLevel.error, said)
+        if error.retry_after is not None:
+            request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
+        body = for_route(request.path, error.status, error.message, error.error_type, error.code)
+        return json_answer(request, error.status, body)
+
+    @app.handle_errors(PrefillRefused)
+    def prefill_refused(self, request: IRequest, failure: Failure) -> bytes:
+        refused = failure.value
+        assert isinstance(refused, PrefillRefused)
+        start_response(request, refused.response)
+        request.responseHeaders.setRawHeaders(
+            b"Content-Length", [str(len(refused.body)).encode("ascii")]
+        )
+        return refused.body
+
+    @app.handle_errors(HTTPException)
+    def httpjson_answer(self, request: IRequest, failure: Failure) -> bytes:
+        http_error = failure.value
+        assert isinstance(http_error, HTTPException)
+        status = http_error.code or 500
+        for name, value in http_error.get_response().headers:
+            if name.lower() == "allow":
+                request.setHeader(b"Allow", value.encode("ascii"))
+        method = request.method.decode("ascii", "replace")
+        path = request.path.decode("utf-8", "replace")
+        message = f"{method} {path}: {http_error.name}"
+        code = http_error.name.lower().replace(" ", "_")
+        body = for_route(request.path, status, message, "invalid_request_error", code)
+        return json_answer(request, status, body)
+
+    @app.handle_errors(Exception)
+    def unexpected(self, request: IRequest, failure: Failure) -> bytes:
+        log.failure("unexpected error serving {path}", failure, path=request.path)
+        message = "the proxy failed unexpectedly; see its log"
+        record_of(request).error = f"{message}: {failure.getErrorMessage()}"
+        return json_answer(
+            request, 500, for_route(request.path, 500, message, "proxy_error", "internal_error")
+        )
+
+
+def _request_id(request: IRequest) -> str | None:
+    values = request.responseHeaders.getRawHeaders(REQUEST_ID)
+    return values[0].decode("ascii") if values else None
+
+
+def _client_body(request: Request) -> bytes:
+    content = request.content
+    if content is None:
+        return b""
+    content.seek(0)
+    return bytes(content.read())
+
+
+def _json(request: IRequest, status: int, value: object) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"Content-Type", _JSON)
+    return json.dumps(value).encode("utf-8")

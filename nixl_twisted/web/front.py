@@ -1,0 +1,69 @@
+"""``FrontDoor``: what is refused before Klein routes a request, as the route's JSON error.
+
+Klein would answer these with a plain-text 400 and a traceback in the log
+(a URL that is not UTF-8), or Twisted with an HTML ``500 Processing Failed``
+(a Host that Werkzeug cannot bind a URL map to): client garbage is neither
+the operator's error nor a 5xx. HTTP/1.1 requires exactly one ``Host``
+(RFC 9112 section 3.2): none, or two, is a 400 too.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote_to_bytes
+
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource, Resource
+from werkzeug.exceptions import BadHost
+
+from nixl_twisted.protocol.errors import for_route, json_answer
+
+#: ``uri-host [":" port]`` (RFC 3986 section 3.2.2): an IP literal, or a
+#: reg-name (IPv4 included) of unreserved, percent-encoded and sub-delim
+#: characters, each dot-separated label 1 to 63 of them.
+_HOST = re.compile(
+    r"(?:\[[0-9A-Fa-f:.]+\]|(?:[A-Za-z0-9\-_~!$&'()*+,;=]|%[0-9A-Fa-f]{2}){1,63}"
+    r"(?:\.(?:[A-Za-z0-9\-_~!$&'()*+,;=]|%[0-9A-Fa-f]{2}){1,63})*\.?)?(?::[0-9]{0,5})?"
+)
+
+
+def host_problem(request: IRequest) -> str | None:
+    """Why the request's ``Host`` cannot be served, or None."""
+    hosts = request.requestHeaders.getRawHeaders(b"host") or []
+    if len(hosts) > 1:
+        return "the request has more than one Host header"
+    if not hosts:
+        if request.clientproto == b"HTTP/1.1":  # type: ignore[attr-defined]
+            return "an HTTP/1.1 request must have a Host header"
+        return None
+    if len(hosts[0]) > 255 or _HOST.fullmatch(hosts[0].decode("latin-1")) is None:
+        return "the Host header is not a valid host name"
+    return None
+
+
+class FrontDoor(Resource):
+    """Refuses a URL that is not UTF-8 or a bad ``Host`` with a JSON 400; the rest to the app."""
+
+    isLeaf = True
+
+    def __init__(self, app: IResource) -> None:
+        super().__init__()
+        self._app = app
+
+    def render(self, request: IRequest) -> bytes | int:
+        try:
+            unquote_to_bytes(request.path).decode("utf-8")
+        except UnicodeDecodeError:
+            return _refuse(request, "the request URL is not valid UTF-8", "invalid_url")
+        problem = host_problem(request)
+        if problem is not None:
+            return _refuse(request, problem, "invalid_host")
+        try:
+            return self._app.render(request)
+        except BadHost:  # a name Werkzeug will not bind to (IDNA), past the syntax above
+            return _refuse(request, "the Host header is not a valid host name", "invalid_host")
+
+
+def _refuse(request: IRequest, message: str, code: str) -> bytes:
+    body = for_route(request.path, 400, message, "invalid_request_error", code)
+    return json_answer(request, 400, body)

@@ -1,0 +1,248 @@
+"""The listening side: a Twisted Web site that knows its open connections.
+
+Knowing them lets a stopping service close every client connection and wait
+until each is gone, so nothing is left half-open after shutdown (and trial
+finds a clean reactor after each test). What is refused before the app sees
+it is refused here, as JSON: connections past ``--max-connections``,
+requests too slow to arrive (``deadlines``), header lines too long,
+malformed HTTP; bodies too large or too many by its requests (``intake``);
+a URL or Host the app cannot route by ``front.FrontDoor``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.python.failure import Failure
+from twisted.web import http
+from twisted.web.http import HTTPChannel
+from twisted.web.resource import IResource
+from twisted.web.server import Site
+
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.events import Happened
+from nixl_twisted.observe.access import AccessLog
+from nixl_twisted.observe.refusals import Refusals
+from nixl_twisted.protocol.errors import error_body
+from nixl_twisted.web.deadlines import ClientLimits, RequestDeadlines
+from nixl_twisted.web.intake import BodyBudget, LimitedRequest
+
+
+class _TrackedChannel(HTTPChannel):
+    """An HTTP/1.1 channel that registers itself with its site while open.
+
+    It keeps the deadlines of the request it is receiving
+    (``nixl_twisted.web.deadlines``): 408 and closed when a client takes too long.
+    """
+
+    factory: TrackingSite
+    _deadlines: RequestDeadlines | None = None
+    #: Between requests on a kept-alive connection: the idle timeout applies.
+    _between_requests = False
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        if not self.factory._opened(self):
+            return
+        self._deadlines = RequestDeadlines(self.factory.clock)
+        self._deadlines.head(self.factory.limits)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._between_requests and data and self._deadlines is not None:
+            self._between_requests = False
+            self._deadlines.head(self.factory.limits)
+        super().dataReceived(data)
+
+    def allHeadersReceived(self) -> None:
+        super().allHeadersReceived()
+        if self._deadlines is not None and self.length != 0:
+            self._deadlines.body(self.factory.limits)
+
+    def allContentReceived(self) -> None:
+        if self._deadlines is not None:
+            self._deadlines.done()
+        super().allContentReceived()
+
+    def requestDone(self, request: http.Request) -> None:
+        # Before Twisted replays what the client pipelined (through dataReceived).
+        self._between_requests = True
+        super().requestDone(request)
+
+    def late(self, now: float) -> bool:
+        """Whether the request being received has missed its deadline."""
+        if self._deadlines is None or self._deadlines.awaiting is None:
+            return False
+        request = self.requests[-1] if self.requests else None
+        received = request._received if isinstance(request, LimitedRequest) else 0
+        return self._deadlines.passed(now, received)
+
+    def timed_out(self) -> None:
+        """A deadline passed: 408, and the connection closed."""
+        assert self._deadlines is not None and self._deadlines.awaiting is not None
+        what = self._deadlines.awaiting
+        self._deadlines.done()
+        limits = self.factory.limits
+        seconds = limits.header_timeout if what == "header" else limits.body_timeout
+        code = f"{what}_timeout"
+        if self.requests and isinstance(self.requests[-1], LimitedRequest):
+            self.requests[-1]._refused = True  # no access event: it never arrived
+        self.factory.refused(code, f"a request's {what} took longer than {seconds:g} s")
+        self.refuse(
+            b"408 Request Timeout",
+            f"the request's {what} did not arrive in time ({seconds:g} s"
+            + (f", extended by 1 s per {limits.body_min_rate} bytes" if what == "body" and
+               limits.body_min_rate else "") + ")",
+            code,
+        )  # fmt: skip
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request line or header line too long: 431, not a silent close."""
+        self.refuse(
+            b"431 Request Header Fields Too Large",
+            "a request line or header is longer than the proxy accepts",
+            "request_header_too_large",
+        )
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # Twisted's answer to a malformed request line or header has no
+        # body; ours is the OpenAI error body every other refusal has.
+        # (A private hook: the fuzz tests notice if Twisted renames it.)
+        self.refuse(b"400 Bad Request", "malformed HTTP request", "malformed_request")
+
+    def refuse(
+        self,
+        status: bytes,
+        message: str,
+        code: str,
+        kind: str = "invalid_request_error",
+        headers: bytes = b"",
+    ) -> None:
+        """Answer an OpenAI error body before any resource ran, and close."""
+        self.answer_early(status, message, code, kind, headers)
+        self.loseConnection()
+
+    def answer_early(
+        self, status: bytes, message: str, code: str, kind: str, headers: bytes = b""
+    ) -> None:
+        """Write an OpenAI error answer (``Connection: close``) before any resource ran."""
+        body = error_body(message, kind, code)
+        if self.transport is not None:
+            self.transport.write(
+                b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n%s"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                % (status, headers, len(body), body)
+            )
+
+    def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
+        if self._deadlines is not None:
+            self._deadlines.done()
+        try:
+            super().connectionLost(reason)
+        finally:
+            self.factory._closed(self)
+
+
+class TrackingSite(Site):
+    """A ``Site`` whose open connections can all be closed, and waited for."""
+
+    protocol = _TrackedChannel  # type: ignore[assignment]
+    #: No "Starting factory <...TrackingSite object at 0x...>" line: "listening on" says it.
+    noisy = False
+
+    def __init__(
+        self,
+        resource: IResource,
+        limits: ClientLimits,
+        clock: IReactorTime,
+        access_log: AccessLog | None = None,
+        body_budget: BodyBudget | None = None,
+        refusals: Refusals | None = None,
+    ) -> None:
+        # No form parsing: the proxy reads JSON bodies, and Twisted would
+        # parse every POST's Content-Type through ``email`` to look for forms.
+        # The clock drives the connections' idle timeouts and deadlines.
+        super().__init__(
+            resource, requestFactory=LimitedRequest, parsePOSTFormSubmission=False, reactor=clock
+        )
+        self.clock = clock
+        #: Read afresh for each connection and request: a reload replaces it.
+        self.limits = limits
+        self.body_budget = body_budget
+        #: When set, replaces Twisted's access line with one structured event.
+        self.access_log = access_log
+        self.refusals = refusals
+        self.displayTracebacks = False
+        self._open: dict[_TrackedChannel, Happened] = {}
+        #: Looks at every open connection's deadline once a second (``deadlines``).
+        self._sweeping = LoopingCall(self._sweep)
+        self._sweeping.clock = clock
+
+    def configure(self, config: ProxyConfig) -> None:
+        """A reload: the new limits apply to the next connection and request."""
+        self.limits = ClientLimits.of(config)
+        if self.body_budget is not None:
+            self.body_budget.limit = config.limits.max_buffered_bodies
+        if self.access_log is not None:
+            self.access_log.emit = config.access_log
+
+    def refused(self, reason: str, message: str) -> None:
+        """Count (and maybe log) a refusal made before the app saw the request."""
+        if self.refusals is not None:
+            self.refusals.refused(reason, message)
+
+    def log(self, request: http.Request) -> None:
+        if self.access_log is None:
+            super().log(request)
+        else:
+            self.access_log.request_ended(request)
+
+    def channels(self) -> list[HTTPChannel]:
+        """The HTTP channels open now."""
+        return list(self._open)
+
+    def connection_lost(self, channel: HTTPChannel) -> Deferred[None]:
+        """Fires when an open channel's connection is gone."""
+        return self._open[cast(_TrackedChannel, channel)].wait()
+
+    def close_connections(self, abort: bool = True) -> Deferred[Any]:
+        """Close every open connection; fires when all are gone.
+
+        ``abort=False`` lets each connection send what it has buffered
+        first (an answer just finished); ``abort=True`` drops it at once.
+        """
+        waiting = [self.connection_lost(channel) for channel in self._open]
+        for channel in list(self._open):
+            if abort:
+                channel.transport.abortConnection()  # type: ignore[union-attr]
+            else:
+                channel.loseConnection()
+        return DeferredList(waiting)
+
+    def _sweep(self) -> None:
+        now = self.clock.seconds()
+        for channel in [c for c in self._open if c.late(now)]:
+            channel.timed_out()
+
+    def _opened(self, channel: _TrackedChannel) -> bool:
+        """Track a new connection, or refuse it past ``--max-connections`` (False)."""
+        limit = self.limits.max_connections
+        self._open[channel] = Happened()
+        if not self._sweeping.running:
+            self._sweeping.start(1.0, now=False)
+        if len(self._open) <= limit:
+            return True
+        message = f"the proxy has as many client connections open as it may ({limit}); retry"
+        self.refused("too_many_connections", message)
+        channel.refuse(b"503 Service Unavailable", message, "too_many_connections",
+                       "overloaded_error", b"Retry-After: 1\r\n")  # fmt: skip
+        return False
+
+    def _closed(self, channel: _TrackedChannel) -> None:
+        lost = self._open.pop(channel, None)
+        if lost is not None:
+            lost.fire()
+        if not self._open and self._sweeping.running:
+            self._sweeping.stop()  # nothing to look at: no timer left behind
