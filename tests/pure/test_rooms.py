@@ -1,0 +1,166 @@
+"""The rooms of the house: every module in one, imports only down, no circle anywhere.
+
+Read from the source with ``ast`` (``TYPE_CHECKING`` and function-level
+imports included), so an upward import or a cycle is a red test, not a
+reviewer's catch. ``docs/architecture.md`` tells the same story.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import nixl_twisted
+
+PACKAGE = Path(nixl_twisted.__file__).parent
+
+#: The rooms from the ground up: a module may import its own room and those below.
+ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
+    # What every room may use: the identity, one-shot events, the log observer.
+    ("ground", frozenset({"nixl_twisted", "nixl_twisted.identity", "nixl_twisted.events",
+                          "nixl_twisted.logs"})),
+    ("config", frozenset({"nixl_twisted.config"})),
+    ("protocol", frozenset({"nixl_twisted.protocol"})),
+    ("backends", frozenset({"nixl_twisted.backends"})),
+    ("observe", frozenset({"nixl_twisted.observe"})),
+    ("exchange", frozenset({"nixl_twisted.exchange"})),
+    ("web", frozenset({"nixl_twisted.web"})),
+    ("run", frozenset({"nixl_twisted.run"})),
+    # What users name: the twistd plugin, the demo, the public fakes.
+    ("faces", frozenset({"nixl_twisted.tap", "nixl_twisted.demo", "nixl_twisted.testing"})),
+)  # fmt: skip
+
+Graph = Mapping[str, frozenset[str]]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> frozenset[str]:
+    """The proxy's modules that ``name`` imports, wherever in it the import stands."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in known else base)
+    return frozenset(found & known - {name})
+
+
+def import_graph() -> dict[str, frozenset[str]]:
+    found = modules()
+    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+
+
+def room_of(module: str) -> int | None:
+    """The height of the module's room (0 is the ground); None: it has none.
+
+    The package itself holds only its ``__init__``: a new module at the top
+    must be given a room.
+    """
+    for height, (_, names) in enumerate(ROOMS):
+        for name in names:
+            if module == name or (name != "nixl_twisted" and module.startswith(name + ".")):
+                return height
+    return None
+
+
+def upward(graph: Graph) -> list[str]:
+    """Every import of a room above the importer's own."""
+    wrong = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            mine, theirs = room_of(module), room_of(other)
+            if mine is not None and theirs is not None and theirs > mine:
+                wrong.append(f"{module} -> {other} ({ROOMS[mine][0]} imports {ROOMS[theirs][0]})")
+    return wrong
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """Each circle of imports, as the modules on it (Tarjan's strongly connected components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in sorted(graph.get(module, ())):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def homeless(graph: Graph) -> Iterator[str]:
+    return (module for module in sorted(graph) if room_of(module) is None)
+
+
+def test_every_module_is_in_a_room() -> None:
+    assert list(homeless(import_graph())) == []
+
+
+def test_no_room_imports_a_room_above_it() -> None:
+    assert upward(import_graph()) == []
+
+
+def test_no_circle_of_imports_anywhere() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_graph_is_read_from_every_kind_of_import() -> None:
+    graph = import_graph()
+    # A TYPE_CHECKING import (metrics reads the pools only for its types).
+    assert "nixl_twisted.backends.pools" in graph["nixl_twisted.observe.metrics"]
+    # ``from package import module`` is an import of that module.
+    assert "nixl_twisted.backends.routing" in graph["nixl_twisted.backends.service"]
+    # A relative import, and one inside a function.
+    assert "nixl_twisted.testing.fake" in graph["nixl_twisted.testing"]
+    assert "nixl_twisted.testing.process" in graph["nixl_twisted.demo"]
+
+
+def test_the_checks_catch_an_upward_import_a_circle_and_a_stray_module() -> None:
+    graph = {
+        "nixl_twisted.protocol.lowering": frozenset({"nixl_twisted.web.app"}),
+        "nixl_twisted.web.app": frozenset({"nixl_twisted.web.site"}),
+        "nixl_twisted.web.site": frozenset({"nixl_twisted.web.app"}),
+        "nixl_twisted.helpers": frozenset(),
+    }
+    assert upward(graph) == [
+        "nixl_twisted.protocol.lowering -> nixl_twisted.web.app (protocol imports web)"
+    ]
+    assert cycles(graph) == [["nixl_twisted.web.app", "nixl_twisted.web.site"]]
+    assert list(homeless(graph)) == ["nixl_twisted.helpers"]
