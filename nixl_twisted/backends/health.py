@@ -18,6 +18,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nixl_twisted.config import Health
+from nixl_twisted.config.settings import BY_NAME
+
 BACKOFF_BASE = 1.0
 BACKOFF_MAX = 30.0
 
@@ -32,11 +35,18 @@ class State(enum.Enum):
 class Thresholds:
     """Outcomes in a row that turn an instance down, and back up."""
 
-    unhealthy: int = 3
-    healthy: int = 2
+    unhealthy: int
+    healthy: int
+
+    @classmethod
+    def of(cls, health: Health) -> Thresholds:
+        return cls(health.unhealthy_threshold, health.healthy_threshold)
 
 
-DEFAULT_THRESHOLDS = Thresholds()
+#: ``--unhealthy-threshold`` and ``--healthy-threshold`` as the settings table has them.
+DEFAULT_THRESHOLDS = Thresholds(
+    BY_NAME["unhealthy-threshold"].default, BY_NAME["healthy-threshold"].default
+)
 
 
 class Judged(Protocol):

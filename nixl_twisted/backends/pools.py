@@ -25,7 +25,7 @@ from nixl_twisted.backends import health
 from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
-from nixl_twisted.config.settings import backend_url, rank_urls
+from nixl_twisted.config.values import backend_url, rank_urls
 
 log = Logger()
 

@@ -101,7 +101,7 @@ class CacheAware:
     taken instead.
     """
 
-    balance: float = 1.5
+    balance: float
 
     def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
         if routing.prompt is None:

@@ -103,7 +103,7 @@ class BackendService(Service):
         self.use_pools(config.pools)
         self.use_policies(config.policies)
         health = config.health
-        thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+        thresholds = Thresholds.of(health)
         for pool in self.pools():
             pool.configure(thresholds, checked=health.interval > 0)
         self.health_timeout = health.timeout

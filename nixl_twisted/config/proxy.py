@@ -38,10 +38,11 @@ class Pools:
 class Policies:
     """How each pool chooses its instance (``nixl_twisted.backends.routing``), and the knobs."""
 
-    prefill: str = "round-robin"
-    decode: str = "round-robin"
-    balance: float = 1.5
-    key_bytes: int = 512
+    prefill: str
+    decode: str
+    #: cache-aware's balance guard, and the prompt bytes that name a conversation.
+    balance: float
+    key_bytes: int
 
     def of(self, role: str) -> str:
         return self.prefill if role == "prefill" else self.decode
@@ -65,7 +66,7 @@ class Timeouts:
     #: Bytes of body per second that extend ``body`` by one second (0: none).
     body_min_rate: int
     #: Prefill answered -> decode sent, past which a request is counted and logged.
-    handoff_warning: float = 10.0
+    handoff_warning: float
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ class Health:
     interval: float
     timeout: float
     #: Failures in a row that mark an instance down, successes that bring it back.
-    unhealthy_threshold: int = 3
-    healthy_threshold: int = 2
+    unhealthy_threshold: int
+    healthy_threshold: int
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,10 @@ class Traces:
     """OpenTelemetry tracing (``nixl_twisted.observe.tracing``): where to, how, how much."""
 
     #: The OTLP collector's URL, as given; None: the SDK's environment decides.
-    endpoint: str | None = None
-    protocol: str = "http/protobuf"
+    endpoint: str | None
+    protocol: str
     #: Parent-based share of new traces; None: the SDK's OTEL_TRACES_SAMPLER.
-    sampling_ratio: float | None = None
+    sampling_ratio: float | None
 
 
 @dataclass(frozen=True)
@@ -168,55 +169,16 @@ class ProxyConfig:
             raise ConfigError(
                 "metrics-listen", "--workers needs --metrics-listen to be tcp:PORT[:...]"
             )
+        top: dict[str, Any] = {}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
+        for setting in SETTINGS:
+            part, _, attribute = setting.field.rpartition(".")
+            value = tuple(v[setting.name]) if setting.many else v[setting.name]
+            (parts[part] if part else top)[attribute] = value
+        top["workers"] = 1 if worker is not None else top["workers"]
         return cls(
-            listen=tuple(v["listen"]),
-            pools=Pools(tuple(v["prefill"]), tuple(v["decode"])),
-            policies=Policies(
-                prefill=v["prefill-policy"],
-                decode=v["decode-policy"],
-                balance=v["cache-aware-balance"],
-                key_bytes=v["cache-key-bytes"],
-            ),
-            timeouts=Timeouts(
-                connect=v["connect-timeout"],
-                backend_idle=v["backend-idle-timeout"],
-                prefill=v["prefill-timeout"],
-                decode=v["decode-timeout"],
-                stream_idle=v["stream-idle-timeout"],
-                drain=v["drain-timeout"],
-                shutdown_delay=v["shutdown-delay"],
-                handoff_warning=v["handoff-warning"],
-                header=v["header-timeout"],
-                body=v["body-timeout"],
-                body_min_rate=v["body-min-rate"],
-            ),
-            retries=Retries(prefill=v["prefill-retries"], decode=v["decode-retries"]),
-            health=Health(
-                interval=v["health-interval"],
-                timeout=v["health-timeout"],
-                unhealthy_threshold=v["unhealthy-threshold"],
-                healthy_threshold=v["healthy-threshold"],
-            ),
-            limits=Limits(
-                max_in_flight=v["max-in-flight"],
-                max_body_size=v["max-body-size"],
-                max_buffered_bodies=v["max-buffered-bodies"],
-                max_batch_prompts=v["max-batch-prompts"],
-                max_idle_per_backend=v["max-idle-per-backend"],
-                max_connections=v["max-connections"],
-            ),
-            traces=Traces(
-                endpoint=v["otlp-traces-endpoint"],
-                protocol=v["otlp-traces-protocol"],
-                sampling_ratio=v["otel-sampling-ratio"],
-            ),
-            metrics_listen=v["metrics-listen"],
-            workers=1 if worker is not None else v["workers"],
-            log_format=v["log-format"],
-            log_level=v["log-level"],
-            access_log=v["access-log"] == "on",
-            backend_api_key=v["backend-api-key"],
-            admin_token=v["admin-token"],
+            **top,
+            **{name: _PARTS[name](**given) for name, given in parts.items()},
             config_path=config_path,
             worker=worker,
             command_line=tuple((command_line or {}).items()),
@@ -228,49 +190,14 @@ class ProxyConfig:
         return cls.from_settings({key.replace("_", "-"): value for key, value in values.items()})
 
     def settings(self) -> dict[str, object]:
-        """The settings this configuration was made of, by long name."""
-        return {
-            "listen": list(self.listen),
-            "prefill": list(self.pools.prefill),
-            "decode": list(self.pools.decode),
-            "backend-api-key": self.backend_api_key,
-            "prefill-policy": self.policies.prefill,
-            "decode-policy": self.policies.decode,
-            "cache-aware-balance": self.policies.balance,
-            "cache-key-bytes": self.policies.key_bytes,
-            "connect-timeout": self.timeouts.connect,
-            "backend-idle-timeout": self.timeouts.backend_idle,
-            "max-idle-per-backend": self.limits.max_idle_per_backend,
-            "prefill-timeout": self.timeouts.prefill,
-            "decode-timeout": self.timeouts.decode,
-            "stream-idle-timeout": self.timeouts.stream_idle,
-            "prefill-retries": self.retries.prefill,
-            "decode-retries": self.retries.decode,
-            "health-interval": self.health.interval,
-            "health-timeout": self.health.timeout,
-            "unhealthy-threshold": self.health.unhealthy_threshold,
-            "healthy-threshold": self.health.healthy_threshold,
-            "max-in-flight": self.limits.max_in_flight,
-            "max-connections": self.limits.max_connections,
-            "header-timeout": self.timeouts.header,
-            "body-timeout": self.timeouts.body,
-            "body-min-rate": self.timeouts.body_min_rate,
-            "max-body-size": self.limits.max_body_size,
-            "max-buffered-bodies": self.limits.max_buffered_bodies,
-            "max-batch-prompts": self.limits.max_batch_prompts,
-            "admin-token": self.admin_token,
-            "metrics-listen": self.metrics_listen,
-            "workers": self.workers,
-            "log-format": self.log_format,
-            "log-level": self.log_level,
-            "access-log": "on" if self.access_log else "off",
-            "drain-timeout": self.timeouts.drain,
-            "shutdown-delay": self.timeouts.shutdown_delay,
-            "handoff-warning": self.timeouts.handoff_warning,
-            "otlp-traces-endpoint": self.traces.endpoint,
-            "otlp-traces-protocol": self.traces.protocol,
-            "otel-sampling-ratio": self.traces.sampling_ratio,
-        }
+        """The settings this configuration was made of, by long name (each its field's value)."""
+        found: dict[str, object] = {}
+        for setting in SETTINGS:
+            value: Any = self
+            for attribute in setting.field.split("."):
+                value = getattr(value, attribute)
+            found[setting.name] = list(value) if setting.many else value
+        return found
 
     def to_json(self) -> str:
         """What a worker is handed: every setting, resolved."""
@@ -290,6 +217,18 @@ class ProxyConfig:
     ) -> ProxyConfig:
         """This configuration for worker ``number``, serving the supervisor's shared ports."""
         return replace(self, listen=listen, metrics_listen=metrics_listen, workers=1, worker=number)
+
+
+#: The parts of a configuration, by the field name their settings give (``part.attribute``).
+_PARTS: dict[str, type] = {
+    "pools": Pools,
+    "policies": Policies,
+    "timeouts": Timeouts,
+    "retries": Retries,
+    "health": Health,
+    "limits": Limits,
+    "traces": Traces,
+}
 
 
 def resolve(

@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 
-from nixl_twisted.config.settings import BY_NAME, SETTINGS, InvalidValue
+from nixl_twisted.config.settings import BY_NAME, SETTINGS
+from nixl_twisted.config.values import InvalidValue
 
 if sys.version_info >= (3, 11):
     import tomllib

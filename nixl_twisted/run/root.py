@@ -232,7 +232,7 @@ def backend_service(
         probes = pooled_upstream(reactor, connect, 1, health.interval + health.timeout + 1)
     else:
         legs = probes = Upstream(agent)
-    thresholds = Thresholds(health.unhealthy_threshold, health.healthy_threshold)
+    thresholds = Thresholds.of(health)
     checked = health.interval > 0
     backends = BackendService(
         BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),

@@ -22,7 +22,7 @@ from twisted.web.iweb import IRequest
 
 from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
-from nixl_twisted.config.settings import InvalidValue, backend_url
+from nixl_twisted.config.values import InvalidValue, backend_url
 from nixl_twisted.protocol.errors import ProxyError, invalid_request
 
 log = Logger()

@@ -17,7 +17,7 @@ from twisted.logger import LogLevel
 from twisted.web.client import ResponseFailed
 from twisted.web.http_headers import Headers
 
-from nixl_twisted.config import Traces
+from nixl_twisted.config import ProxyConfig, Traces
 from nixl_twisted.observe import tracing
 from nixl_twisted.testing import FakeCollector
 from tests.loopback.test_failures import TIMEOUTS
@@ -32,6 +32,11 @@ CLIENT_CONTEXT = {
     "tracestate": "vendor=opaque",
     "baggage": "tenant=acme",
 }
+
+
+def traces(**settings: object) -> Traces:
+    """Tracing as these settings make it, the table's defaults for the rest."""
+    return ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], **settings).traces
 
 
 def hex_id(number: int, digits: int) -> str:
@@ -366,7 +371,9 @@ class SamplingTests(TracedCase):
         collector = FakeCollector()
         await collector.listen()
         self.addCleanup(collector.stop)
-        provider = tracing.provider_for(Traces(collector.url, sampling_ratio=ratio), None)
+        provider = tracing.provider_for(
+            traces(otlp_traces_endpoint=collector.url, otel_sampling_ratio=ratio), None
+        )
         self.spans = InMemorySpanExporter()
         provider.add_span_processor(SimpleSpanProcessor(self.spans))
         await self.start(proxy={"tracer_provider": provider})
@@ -445,7 +452,7 @@ class FlushTests(ProxyCase):
         self.addCleanup(collector.stop)
         collector.hold_answers()
         clock = Clock()
-        provider = tracing.provider_for(Traces(collector.url), None)
+        provider = tracing.provider_for(traces(otlp_traces_endpoint=collector.url), None)
         self.addCleanup(tracing.unroute_sdk_logs)
         self.assertTrue(sdk_logs_routed())
         provider.get_tracer("test").start_span("queued").end()

@@ -136,6 +136,10 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
     ):  # fmt: skip
         assert option in result.stdout
     assert nixl_twisted.ID in result.stdout
+    # What a backend URL takes: its data-parallel ranks, under each pool's option.
+    for pool in ("--prefill", "--decode"):
+        said = result.stdout.split(f"{pool}=")[1].split("\n  -")[0]
+        assert "URL#dp=N" in " ".join(said.split()), pool
 
 
 def test_a_missing_pool_is_one_line_not_a_traceback(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ def backends(checked: bool = True) -> BackendService:
         BackendPool("decode", [D1], clock, thresholds, checked),
         Upstream(FakeAgent()),  # type: ignore[arg-type]
         clock,
-        Health(interval=0, timeout=1),
+        Health(interval=0, timeout=1, unhealthy_threshold=2, healthy_threshold=1),
     )
 
 

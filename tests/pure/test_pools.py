@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 
 from nixl_twisted.backends.health import BACKOFF_MAX, State, Thresholds
 from nixl_twisted.backends.pools import BackendPool, NoHealthyInstance
-from nixl_twisted.config.settings import InvalidValue, backend_url
+from nixl_twisted.config.values import InvalidValue, backend_url
 
 
 def test_round_robin_in_order_and_wraps() -> None:

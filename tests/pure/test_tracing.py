@@ -34,6 +34,11 @@ POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
 COLLECTOR = "http://collector:4318/v1/traces"
 
 
+def traces(**settings: object) -> Traces:
+    """Tracing as these settings make it, the table's defaults for the rest."""
+    return ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], **settings).traces
+
+
 def parse(*args: str) -> ProxyConfig:
     options = Options()
     options.parseOptions(list(args))
@@ -85,7 +90,9 @@ def test_the_sdks_variables_are_read_and_the_command_line_wins(
 ) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", COLLECTOR)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    assert parse(*POOLS).traces == Traces(endpoint=COLLECTOR, protocol="grpc")
+    assert parse(*POOLS).traces == traces(
+        otlp_traces_endpoint=COLLECTOR, otlp_traces_protocol="grpc"
+    )
     given = parse(*POOLS, "--otlp-traces-endpoint", "http://other:4318/v1/traces").traces
     assert given.endpoint == "http://other:4318/v1/traces"
     # The signal's own variable wins over the generic one.
@@ -101,10 +108,9 @@ def test_a_bad_variable_is_a_usage_error_naming_it(monkeypatch: pytest.MonkeyPat
 
 
 def test_the_generic_endpoint_turns_it_on_and_sdk_disabled_off() -> None:
-    traces = Traces()
-    assert tracing.enabled(traces, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
+    assert tracing.enabled(traces(), {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"})
     disabled = {"OTEL_SDK_DISABLED": "true"}
-    assert not tracing.enabled(Traces(endpoint=COLLECTOR), disabled)
+    assert not tracing.enabled(traces(otlp_traces_endpoint=COLLECTOR), disabled)
 
 
 def test_a_worker_gets_the_tracing_settings() -> None:
@@ -114,7 +120,9 @@ def test_a_worker_gets_the_tracing_settings() -> None:
 
 
 def test_the_sampler_is_parent_based_on_the_ratio() -> None:
-    provider = tracing.provider_for(Traces(COLLECTOR, sampling_ratio=0.0), None)
+    provider = tracing.provider_for(
+        traces(otlp_traces_endpoint=COLLECTOR, otel_sampling_ratio=0.0), None
+    )
     sampler = provider.sampler
     assert "ParentBased" in sampler.get_description()
     trace_id = 0x4BF92F3577B34DA6A3CE929D0E0E4736
@@ -127,25 +135,25 @@ def test_the_sampler_is_parent_based_on_the_ratio() -> None:
 
 def test_unset_the_sdk_chooses_the_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
-    provider = tracing.provider_for(Traces(COLLECTOR), None)
+    provider = tracing.provider_for(traces(otlp_traces_endpoint=COLLECTOR), None)
     assert provider.sampler.get_description() == "AlwaysOffSampler"
 
 
 def test_the_service_is_named_unless_the_environment_names_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    ours = tracing.provider_for(Traces(COLLECTOR), 3).resource.attributes
+    ours = tracing.provider_for(traces(otlp_traces_endpoint=COLLECTOR), 3).resource.attributes
     assert (ours["service.name"], ours["nixlproxy.worker"]) == ("nixl-twisted", 3)
     monkeypatch.setenv("OTEL_SERVICE_NAME", "edge")
-    assert tracing.provider_for(Traces(COLLECTOR), None).resource.attributes["service.name"] == (
-        "edge"
-    )
+    assert tracing.provider_for(traces(otlp_traces_endpoint=COLLECTOR), None).resource.attributes[
+        "service.name"
+    ] == ("edge")
 
 
 def test_grpc_without_its_exporter_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
     with pytest.raises(SystemExit, match=r"pip install 'nixl-twisted\[otlp-grpc\]'"):
-        tracing.exporter_for(Traces(COLLECTOR, protocol="grpc"))
+        tracing.exporter_for(traces(otlp_traces_endpoint=COLLECTOR, otlp_traces_protocol="grpc"))
 
 
 def test_off_is_the_same_no_op_objects_every_time() -> None:
@@ -404,7 +412,7 @@ def test_what_the_sdk_logs_becomes_twisted_events_and_never_reaches_stderr(
     capsys: pytest.CaptureFixture[str],
     twisted_events: list[dict[str, Any]],
 ) -> None:
-    tracing.provider_for(Traces(COLLECTOR), None)
+    tracing.provider_for(traces(otlp_traces_endpoint=COLLECTOR), None)
     exporter = logging.getLogger(EXPORTER)
     exporter.warning("Transient error %s encountered while exporting span batch, retrying in "
                      "%ss.", "Service Unavailable", 1)  # fmt: skip

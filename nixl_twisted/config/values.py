@@ -1,0 +1,178 @@
+"""The grammar of setting values: each parser checks one kind and says why a value is refused.
+
+A parser takes its own output as input, so a value read back (from a
+worker's JSON, or a reload) parses to itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
+
+from twisted.internet.endpoints import serverFromString
+
+
+class InvalidValue(ValueError):
+    """A value a setting cannot take; the message says why, without the setting's name."""
+
+
+def _number(value: object, kind: type[int] | type[float], what: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise InvalidValue(f"must be {what}, not {value!r}")
+    try:
+        number = kind(value)
+    except ValueError:
+        raise InvalidValue(f"must be {what}, not {value!r}") from None
+    if kind is int and isinstance(value, float) and value != number:
+        raise InvalidValue(f"must be {what}, not {value!r}")
+    return number
+
+
+def ratio(value: object) -> float:
+    """A number of at least 1."""
+    number = _number(value, float, "a number")
+    if number < 1:
+        raise InvalidValue(f"must be at least 1, not {value!r}")
+    return float(number)
+
+
+def seconds(value: object) -> float:
+    number = _number(value, float, "a number of seconds")
+    if not number > 0:
+        raise InvalidValue(f"must be greater than 0, not {value!r}")
+    return float(number)
+
+
+def seconds_or_off(value: object) -> float:
+    number = _number(value, float, "a number of seconds")
+    if number < 0:
+        raise InvalidValue(f"must be 0 (off) or more, not {value!r}")
+    return float(number)
+
+
+def count(least: int) -> Callable[[object], int]:
+    def parse(value: object) -> int:
+        number = _number(value, int, "a whole number")
+        if number < least:
+            raise InvalidValue(f"must be at least {least}, not {value!r}")
+        return int(number)
+
+    return parse
+
+
+def choice(*choices: str) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if value not in choices:
+            raise InvalidValue(f"must be one of {', '.join(choices)}, not {value!r}")
+        return str(value)
+
+    return parse
+
+
+def switch(value: object) -> bool:
+    """``on`` or ``off`` (a TOML boolean too)."""
+    if isinstance(value, bool):
+        return value
+    if value not in ("on", "off"):
+        raise InvalidValue(f"must be on or off, not {value!r}")
+    return value == "on"
+
+
+def fraction(value: object) -> float:
+    """A number from 0 to 1."""
+    number = _number(value, float, "a number from 0 to 1")
+    if not 0 <= number <= 1:
+        raise InvalidValue(f"must be from 0 to 1, not {value!r}")
+    return float(number)
+
+
+def collector_url(value: object) -> str:
+    """An OTLP collector's URL (http or https, with a host), used as given."""
+    url = text(value)
+    _http_url(url)
+    return url
+
+
+def text(value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidValue(f"must be a string, not {value!r}")
+    return value
+
+
+class _NoReactor:
+    """Endpoint parsing needs a reactor only to listen later; checking needs none."""
+
+
+def endpoint(value: object) -> str:
+    """A Twisted server endpoint string that Twisted can parse (nothing is bound)."""
+    description = text(value)
+    try:
+        serverFromString(_NoReactor(), description)
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        raise InvalidValue(f"{description!r} is not a usable endpoint: {error}") from None
+    return description
+
+
+#: ``URL#dp=N``: an instance serving N data-parallel ranks; ``URL#rank=I``: one of them
+#: (ASCII digits only; leading zeros dropped, and more than 9 digits is past any bound).
+_RANKS = re.compile(r"(dp|rank)=0*([0-9]{1,9})")
+#: The most ranks one ``#dp=N`` declares. Each rank is an instance: health-checked,
+#: scraped, a label in every metric. A vLLM engine per GPU makes 1024 far more than
+#: any deployment has behind one port, while a typo (``#dp=100000``) cannot make a
+#: pool of a hundred thousand instances.
+MAX_RANKS = 1024
+
+
+def backend_url(value: object) -> str:
+    """A backend base URL, without a trailing slash, maybe with its data-parallel ranks.
+
+    A path prefix is allowed (an instance behind a path-routing ingress);
+    query strings and credentials are not, since every leg appends its own
+    path. The one fragment allowed says the instance's data-parallel ranks:
+    ``#dp=N`` (it serves N engines behind one port) or ``#rank=I`` (one of
+    them). A fragment is never sent on the wire, so it cannot be mistaken
+    for part of the path.
+    """
+    url = text(value)
+    parts = _http_url(url)
+    if parts.query:
+        raise InvalidValue(f"{url!r} must not have a query")
+    ranks = _RANKS.fullmatch(parts.fragment) if parts.fragment else None
+    if parts.fragment and ranks is None:
+        raise InvalidValue(f"{url!r}: the only fragment allowed is #dp=N (N ranks) or #rank=I")
+    if ranks is not None and ranks[1] == "dp" and not 1 <= int(ranks[2]) <= MAX_RANKS:
+        raise InvalidValue(f"{url!r}: #dp=N must be at least 1 and at most {MAX_RANKS} ranks")
+    if ranks is not None and ranks[1] == "rank" and int(ranks[2]) >= MAX_RANKS:
+        raise InvalidValue(f"{url!r}: #rank=I must be below {MAX_RANKS}")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
+    base = url.split("#", 1)[0].rstrip("/")
+    return f"{base}#{ranks[1]}={int(ranks[2])}" if ranks else base
+
+
+def _http_url(url: str) -> SplitResult:
+    """``url``'s parts, once it is an http or https URL with a host and a usable port."""
+    # Checked on the raw string: urlsplit drops tabs, CR and LF, and leading
+    # spaces, without a word, and the URL is stored, logged and sent as given.
+    if any(char.isspace() or not char.isprintable() for char in url):
+        raise InvalidValue(f"{url!r} must not contain whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError for a port that is not a number
+    except ValueError as error:
+        raise InvalidValue(f"{url!r} is not a valid URL: {error}") from None
+    if parts.scheme not in ("http", "https"):
+        raise InvalidValue(f"{url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise InvalidValue(f"{url!r} has no host")
+    return parts
+
+
+def rank_urls(url: str) -> list[str]:
+    """The instances a declared URL stands for: ``#dp=N`` is N ranks, ``#rank=I`` each."""
+    base, _, fragment = backend_url(url).partition("#")
+    if fragment.startswith("dp="):
+        return [f"{base}#rank={rank}" for rank in range(int(fragment[3:]))]
+    return [backend_url(url)]
