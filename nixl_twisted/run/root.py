@@ -18,7 +18,7 @@ import os
 from typing import TYPE_CHECKING, Any, cast
 
 from twisted.application.internet import StreamServerEndpointService
-from twisted.application.service import MultiService, Service
+from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList, TimeoutError, maybeDeferred
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import (
@@ -26,25 +26,25 @@ from twisted.internet.interfaces import (
     IReactorTime,
 )
 from twisted.internet.task import deferLater
-from twisted.logger import ILogObserver, Logger
+from twisted.logger import Logger
 from twisted.web.iweb import IAgent
 
-from nixl_twisted import logs
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, pooled_upstream
-from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
-from nixl_twisted.logs import LogLevels, lifecycle
+from nixl_twisted.logs import lifecycle
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
-from nixl_twisted.run import reloads, startup
+from nixl_twisted.run import startup
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import Announced, address, bind_error, listener
 from nixl_twisted.run.signals import SignalService
+from nixl_twisted.run.tree import ProcessTree
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.deadlines import ClientLimits
@@ -60,13 +60,8 @@ log = Logger()
 CLOSE_GRACE = 5.0
 
 
-class ProxyService(MultiService):
+class ProxyService(ProcessTree):
     """One proxy: its children, and the one order they stop in."""
-
-    #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
-    log_observer: ILogObserver | None = None
-    #: The ``--log-level`` filter of that observer, which a reload changes.
-    log_levels: LogLevels | None = None
 
     def __init__(
         self,
@@ -77,9 +72,8 @@ class ProxyService(MultiService):
         reactor: Any,
         clock: IReactorTime,
     ) -> None:
-        super().__init__()
+        super().__init__(config)
         self._reactor = reactor
-        self.config = config
         self.app = app
         self.site = site
         self.backends = backends
@@ -87,11 +81,6 @@ class ProxyService(MultiService):
         self._ports_closed = Happened()
         self._stopped: Happened | None = None
         backends.setServiceParent(self)
-
-    def setServiceParent(self, parent: Any) -> None:
-        """Under twistd the parent is the application: offer it our log observer."""
-        super().setServiceParent(parent)
-        logs.offer(parent, self.log_observer)
 
     def privilegedStartService(self) -> None:
         """Bind every port now (before twistd sheds privileges); one that cannot be, one line."""
@@ -126,25 +115,13 @@ class ProxyService(MultiService):
         endpoints = [cast(Announced, s.endpoint) for s in self.listeners()]
         return [e.port for e in endpoints if e.port is not None]
 
-    def reload(self) -> None:
-        """SIGHUP: the ``--config`` file read again, every setting that can change live applied."""
-        try:
-            reload = reloads.reloaded(self.config, os.environ)
-        except ConfigError as error:
-            reloads.refused(error)
-            return
-        self.reconfigure(reload.config)
-        reloads.said(reload)
-
     def reconfigure(self, config: ProxyConfig) -> None:
         """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's)."""
         self.app.configure(config)
         for site in {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}:
             site.configure(config)
         self.backends.configure(config)
-        if self.log_levels is not None:
-            self.log_levels.set(config.log_level)
-        self.config = config
+        super().reconfigure(config)
 
     def stopService(self) -> Deferred[None]:
         """Stop once; whoever asks again waits for the same stop."""

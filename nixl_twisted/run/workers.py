@@ -25,19 +25,19 @@ from dataclasses import replace
 from typing import Any
 
 from prometheus_client.multiprocess import mark_process_dead
-from twisted.application.service import MultiService, Service
+from twisted.application.service import Service
 from twisted.internet.defer import Deferred, DeferredList
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
-from twisted.logger import ILogObserver, Logger
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted import logs
 from nixl_twisted.backends.service import BackendService
-from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.endpoints import tcp_address, tcp_endpoint
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV
-from nixl_twisted.run import reloads, startup
+from nixl_twisted.run import startup
 from nixl_twisted.run.coordination import (
     FROM_SUPERVISOR,
     TO_SUPERVISOR,
@@ -49,6 +49,7 @@ from nixl_twisted.run.coordination import (
 from nixl_twisted.run.ports import cannot_listen, shared_socket
 from nixl_twisted.run.root import backend_service
 from nixl_twisted.run.signals import SignalService
+from nixl_twisted.run.tree import ProcessTree
 
 log = Logger()
 
@@ -130,8 +131,6 @@ class WorkerSupervisor(Service):
         self._metrics_listen: str | None = None
         #: Where every worker's metrics are, for whichever worker is scraped.
         self.metrics_dir: str | None = None
-        #: The supervisor's own ``--log-level`` filter, which a reload changes.
-        self.log_levels: logs.LogLevels | None = None
 
     def _share(self, description: str) -> str:
         address = tcp_address(description)
@@ -196,22 +195,14 @@ class WorkerSupervisor(Service):
             )
             self.reactor.callLater(RESTART_DELAY, self._spawn, worker.number)
 
-    def hangup(self) -> None:
-        """SIGHUP: the config file read again, here and in every worker (each its own ports)."""
-        try:
-            reload = reloads.reloaded(self.config, os.environ)
-        except ConfigError as error:
-            reloads.refused(error)
-            return
-        self.config = reload.config
-        self.coordinator.backends.configure(reload.config)
+    def reconfigure(self, config: ProxyConfig) -> None:
+        """A reload: pools and health checks applied here, each worker sent its configuration."""
+        self.config = config
+        self.coordinator.backends.configure(config)
         for worker in self.workers.values():
-            mine = reload.config.for_worker(worker.number, self._listen, self._metrics_listen)
+            mine = config.for_worker(worker.number, self._listen, self._metrics_listen)
             worker.send({"config": mine.to_json()})
         self.coordinator.backends.check_health()  # a new instance is checked at once
-        if self.log_levels is not None:
-            self.log_levels.set(reload.config.log_level)
-        reloads.said(reload, f", sent to {len(self.workers)} workers")
 
     def stopService(self) -> Deferred[Any]:
         """SIGTERM every worker (each drains) and wait for all of them."""
@@ -230,43 +221,34 @@ class WorkerSupervisor(Service):
         return DeferredList(waiting).addBoth(release_ports)
 
 
-class SupervisorService(MultiService):
-    """The parent of ``--workers``: the supervisor and the signals it takes."""
+class SupervisorService(ProcessTree):
+    """The parent of ``--workers``: the supervisor, the backends it checks for all, its signals."""
 
     def __init__(
         self,
         config: ProxyConfig,
         supervisor: WorkerSupervisor,
         backends: BackendService,
-        signals: Service | None,
+        reactor: Any,
+        take_signals: bool = True,
     ) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.supervisor = supervisor
-        if signals is not None:  # first: its handlers go in before any worker is spawned
-            signals.setServiceParent(self)
+        if take_signals:  # first: its handlers go in before any worker is spawned
+            SignalService(reactor, self.reload).setServiceParent(self)
         backends.setServiceParent(self)  # stopped after the workers
         supervisor.setServiceParent(self)
 
-    #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
-    log_observer: ILogObserver | None = None
+    def reconfigure(self, config: ProxyConfig) -> None:
+        self.supervisor.reconfigure(config)
+        super().reconfigure(config)
 
-    @property
-    def log_levels(self) -> logs.LogLevels | None:
-        return self.supervisor.log_levels
-
-    @log_levels.setter
-    def log_levels(self, levels: logs.LogLevels | None) -> None:
-        self.supervisor.log_levels = levels
-
-    def setServiceParent(self, parent: Any) -> None:
-        super().setServiceParent(parent)
-        logs.offer(parent, self.log_observer)
+    def reached(self) -> str:
+        return f", sent to {len(self.supervisor.workers)} workers"
 
 
 def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:
     """The service tree of a ``--workers`` parent: it checks the backends' health for all."""
     backends = backend_service(config, reactor, reactor)
     supervisor = WorkerSupervisor(config, reactor, backends)
-    signals = SignalService(reactor, supervisor.hangup) if take_signals else None
-    return SupervisorService(config, supervisor, backends, signals)
+    return SupervisorService(config, supervisor, backends, reactor, take_signals)
