@@ -104,10 +104,6 @@ class BackendPool:
         """An instance not draining is up now: what /healthcheck reports."""
         return any(i.healthy and not i.draining for i in self.instances)
 
-    def next(self, exclude: Collection[Instance] = ()) -> Instance:
-        """The instance for the next leg, by this pool's policy (see :meth:`choose`)."""
-        return self.choose(exclude)[0]
-
     def choose(
         self, exclude: Collection[Instance] = (), routing: Routing = NO_ROUTING
     ) -> tuple[Instance, str]:
@@ -203,35 +199,35 @@ class BackendPool:
     def drain(self, url: str) -> list[Instance]:
         """No new legs for an instance (each of its ranks); it leaves when its last leg ends."""
         instances = self.find_all(url)
-        if instances:
-            self._refuse_emptying(instances)
-        for instance in instances:
-            instance.draining = True
-            log.info("{role} instance {url} draining", role=self.role, url=instance.url)
-        self._drop([i for i in instances if i.in_flight == 0])
+        self._leave(instances, "draining", at_once=False)
         return instances
 
     def remove(self, url: str) -> list[Instance]:
         """Take an instance (each of its ranks) out now; legs it serves finish undisturbed."""
         instances = self.find_all(url)
-        if instances:
-            self._refuse_emptying(instances)
-        for instance in instances:
-            instance.draining = True
-            log.info("{role} instance {url} removed", role=self.role, url=instance.url)
-        self._drop(instances)
+        self._leave(instances, "removed", at_once=True)
         return instances
 
     def update(self, urls: Sequence[str]) -> None:
         """Make the pool these URLs: add the new, drain those no longer listed."""
         if not urls:
             raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
-        wanted = [name for url in urls for name in rank_urls(url)]
-        kept = set(self._add(wanted))
-        leaving = [i for i in self.instances if i not in kept]
+        kept = set(self._add([name for url in urls for name in rank_urls(url)]))
+        self._leave([i for i in self.instances if i not in kept], "draining", at_once=False)
+
+    def _leave(self, leaving: list[Instance], said: str, at_once: bool) -> None:
+        """The one way instances leave; refused if it would leave no instance in rotation.
+
+        No new legs from now; out of the list at once if ``at_once`` or idle,
+        else when their last leg ends (``_released``).
+        """
+        if not leaving:
+            return
+        self._refuse_emptying(leaving)
         for instance in leaving:
             instance.draining = True
-        self._drop([i for i in leaving if i.in_flight == 0])
+            log.info("{role} instance {url} {said}", role=self.role, url=instance.url, said=said)
+        self._drop([i for i in leaving if at_once or i.in_flight == 0])
 
     # -- what legs and health checks learn ---------------------------------
 

@@ -17,7 +17,7 @@ from nixl_twisted.config.values import InvalidValue, backend_url
 
 def test_round_robin_in_order_and_wraps() -> None:
     pool = BackendPool("decode", ["http://a:1", "http://b:2", "http://c:3"], Clock())
-    assert [pool.next().url for _ in range(7)] == [
+    assert [pool.choose()[0].url for _ in range(7)] == [
         "http://a:1",
         "http://b:2",
         "http://c:3",
@@ -167,7 +167,7 @@ def test_one_failure_ejects_nothing_three_in_a_row_do() -> None:
     assert a.state is State.UP
     pool.record_failure(a, "connection refused")
     assert a.state is State.DOWN and a.last_error == "connection refused"
-    assert [pool.next() for _ in range(3)] == [b, b, b]
+    assert [pool.choose()[0] for _ in range(3)] == [b, b, b]
     assert not pool.panicking
 
 
@@ -209,7 +209,7 @@ def test_past_its_backoff_a_down_instance_gets_a_trial_leg() -> None:
         pool.record_failure(a, "refused")
     assert [pool.available(i) for i in (a, b)] == [False, True]
     clock.advance(1.0)
-    assert {pool.next(), pool.next()} == {a, b}
+    assert {pool.choose()[0], pool.choose()[0]} == {a, b}
     assert pool.ready()  # b is up
 
 
@@ -233,15 +233,15 @@ def test_panic_when_every_instance_is_down_legs_still_go_to_them() -> None:
         for _ in range(3):
             pool.record_failure(instance, "refused")
     assert not pool.ready()  # /healthcheck: not ready, and it stays so
-    assert [pool.next(), pool.next(), pool.next()] == [a, b, a]
+    assert [pool.choose()[0], pool.choose()[0], pool.choose()[0]] == [a, b, a]
     assert pool.panicking
     with pytest.raises(NoHealthyInstance) as caught:
-        pool.next(exclude=[a, b])  # every one already tried for this leg
+        pool.choose([a, b])[0]  # every one already tried for this leg
     assert caught.value.role == "prefill"
     for _ in range(2):
         pool.record_success(b)
     clock.advance(0.1)
-    assert pool.next() is b and not pool.panicking
+    assert pool.choose()[0] is b and not pool.panicking
 
 
 def test_draining_instances_are_not_used_even_in_panic() -> None:
@@ -251,7 +251,7 @@ def test_draining_instances_are_not_used_even_in_panic() -> None:
     pool.drain(a.url)
     for _ in range(3):
         pool.record_failure(b, "refused")
-    assert [pool.next(), pool.next()] == [b, b]
+    assert [pool.choose()[0], pool.choose()[0]] == [b, b]
 
 
 def test_a_worker_pool_reports_outcomes_and_adopts_the_verdict() -> None:
@@ -278,7 +278,7 @@ def test_a_worker_pool_reports_outcomes_and_adopts_the_verdict() -> None:
 def test_next_skips_instances_already_tried() -> None:
     pool, _ = pool_of("http://a:1", "http://b:2")
     a, b = pool.instances
-    assert pool.next(exclude=[a]) is b
-    assert pool.next(exclude=[a]) is b
+    assert pool.choose([a])[0] is b
+    assert pool.choose([a])[0] is b
     with pytest.raises(NoHealthyInstance):
-        pool.next(exclude=[a, b])
+        pool.choose([a, b])[0]
