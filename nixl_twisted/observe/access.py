@@ -119,6 +119,12 @@ class AccessLog:
         #: twisted.logger, which a busy proxy may rather spend on requests.
         self.emit = emit
 
+    def first_byte(self, request: Request, waited: float) -> None:
+        """The request's first byte of answer was written, ``waited`` seconds after it arrived."""
+        record_of(request).time_to_first_byte_seconds = waited
+        route = route_label(request.path)
+        self.metrics.child(self.metrics.time_to_first_byte, route).observe(waited)
+
     def request_ended(self, request: Request, client_left: bool = False) -> None:
         record = record_of(request)
         if client_left and record.ended == "answered":

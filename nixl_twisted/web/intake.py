@@ -14,7 +14,6 @@ from twisted.web.server import Request
 
 from nixl_twisted import __version__
 from nixl_twisted.observe.access import AccessLog, record_of
-from nixl_twisted.protocol.routes import route_label
 from nixl_twisted.web.deadlines import ClientLimits
 
 
@@ -129,13 +128,9 @@ class LimitedRequest(Request):
     def write(self, data: bytes) -> None:
         if data and self._arrived is not None:
             arrived, self._arrived = self._arrived, None
-            site = self._site()
-            if site.access_log is not None:
-                waited = time.monotonic() - arrived
-                record_of(self).time_to_first_byte_seconds = waited
-                route = route_label(self.path)
-                metrics = site.access_log.metrics
-                metrics.child(metrics.time_to_first_byte, route).observe(waited)
+            access_log = self._site().access_log
+            if access_log is not None:
+                access_log.first_byte(self, time.monotonic() - arrived)
         super().write(data)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
