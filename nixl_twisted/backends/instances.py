@@ -48,7 +48,8 @@ class Instance:
         _, _, fragment = self.url.partition("#")
         return int(fragment.removeprefix("rank=")) if fragment else None
 
-    def describe(self) -> dict[str, Any]:
+    def status(self) -> dict[str, Any]:
+        """What /healthcheck and the admin API say of this instance."""
         return {
             "url": self.url,
             "rank": self.rank,

@@ -1,8 +1,8 @@
 """The backend pools: which prefill and decode instance serves the next leg.
 
 Each pool hands its legs to the instances that are neither down nor
-draining, by its policy (``nixl_twisted.backends.routing``; round-robin as the seed
-does by default), and judges what legs and health checks learn of them by
+draining, by its policy (``nixl_twisted.backends.routing``; round-robin by
+default), and judges what legs and health checks learn of them by
 the rules of ``nixl_twisted.backends.health``. Panic: when every instance not
 draining is down, legs go to them anyway (best effort) rather than refusing
 everything.

@@ -78,7 +78,7 @@ class _ReadyURL(EncodedURL):
     URLs a proxy calls over and over, that is done once here.
     """
 
-    #: Set by ``backend_url`` only; a URL derived from this one (``replace``)
+    #: Set by ``encoded_url`` only; a URL derived from this one (``replace``)
     #: has none and behaves as any ``EncodedURL``.
     _text: str | None = None
 
@@ -92,7 +92,7 @@ class _ReadyURL(EncodedURL):
 
 
 @lru_cache(maxsize=1024)
-def backend_url(text: str) -> EncodedURL:
+def encoded_url(text: str) -> EncodedURL:
     """``text`` as the URI treq would send (cached: one per instance and route)."""
     parsed = EncodedURL.from_text(text)
     if ":" in parsed.host:
@@ -203,7 +203,7 @@ class Upstream:
         """
         sent = self._http.request(
             "POST",
-            backend_url(url),
+            encoded_url(url),
             data=body,
             headers=headers,
             allow_redirects=False,
@@ -214,7 +214,7 @@ class Upstream:
     def get(self, url: str, headers: Headers) -> Deferred[IResponse]:
         """GET a resource; the response's body is left unread for the caller."""
         sent = self._http.request(
-            "GET", backend_url(url), headers=headers, allow_redirects=False, unbuffered=True
+            "GET", encoded_url(url), headers=headers, allow_redirects=False, unbuffered=True
         )
         return sent.addErrback(_as_cancelled)  # type: ignore[return-value]
 

@@ -171,7 +171,7 @@ class LegTrace:
 class RequestTrace:
     """One client request, as a server span; this base is tracing off, and does nothing."""
 
-    def describe(self, body: Mapping[str, Any]) -> None:
+    def note_request(self, body: Mapping[str, Any]) -> None:
         """What the request asks for: its model, streamed or not."""
 
     def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
@@ -289,7 +289,7 @@ class ServerSpan(RequestTrace):
         #: Not sampled: its legs make no spans, only say so to vLLM (a cheap path).
         self._unsampled = None if self._span.is_recording() else _UnsampledLeg(self._context)
 
-    def describe(self, body: Mapping[str, Any]) -> None:
+    def note_request(self, body: Mapping[str, Any]) -> None:
         if self._unsampled is not None:
             return
         model = body.get("model")

@@ -1,7 +1,7 @@
 """Lowering: the NIXL prefill/decode bodies as pure functions (no I/O, no reactor).
 
-Everything here follows ``PROTOCOL.md`` to the letter; the lowering is part of
-the proxy's identity (``nixl_twisted.identity.VERSION``).
+Everything here follows ``docs/protocol.md`` to the letter; the lowering is part
+of the proxy's identity (``nixl_twisted.identity.VERSION``).
 """
 
 from __future__ import annotations
@@ -96,10 +96,12 @@ def prompt_count(prompt: object) -> int:
 
 
 def check_servable(path: str, body: JSONObject) -> None:
-    """Refuse what must not reach decode as one request (PROTOCOL.md).
+    """Refuse, before any leg, what two legs cannot serve (``docs/protocol.md``).
 
-    A batch of prompts gets one ``kv_transfer_params`` for the whole batch
-    from prefill, and decode's worker crashes on it ("block marked busy").
+    A Responses API request that continues a stored response
+    (``previous_response_id``) or runs in the background: the stored
+    response lives on one decode instance, and prefill would need the whole
+    conversation. (A batch of prompts is served: ``batch_of`` splits it.)
     """
     if path == routes.RESPONSES:
         if body.get("previous_response_id") is not None:

@@ -63,7 +63,7 @@ class AdminAPI:
             )
 
     def listing(self) -> dict[str, Any]:
-        return {pool.role: [i.describe() for i in pool.instances] for pool in self.backends.pools()}
+        return {pool.role: [i.status() for i in pool.instances] for pool in self.backends.pools()}
 
     def _target(self, body: bytes) -> tuple[BackendPool, str]:
         try:
@@ -102,7 +102,7 @@ class AdminAPI:
             raise ProxyError(
                 404, f"no {pool.role} instance {url}", "invalid_request_error", "not_found"
             )
-        described = [instance.describe() for instance in instances]
+        described = [instance.status() for instance in instances]
         # One instance: its description; the ranks of URL#dp=N: each of theirs.
         answer = described[0] if len(described) == 1 else {"instances": described}
         # Answered once every worker has the change too.

@@ -119,7 +119,7 @@ class ProxyApp:
                 "in_flight": self.in_flight,
                 "pid": os.getpid(),
                 "instances": {
-                    pool.role: [i.describe() for i in pool.instances]
+                    pool.role: [i.status() for i in pool.instances]
                     for pool in self.backends.pools()
                 },
             }
@@ -220,7 +220,7 @@ class ProxyApp:
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
         body = lowering.parse_client_body(_client_body(request))
-        trace.describe(body)
+        trace.note_request(body)
         model = body.get("model")
         if isinstance(model, str):
             record_of(request).model = lowering.printable(model)

@@ -30,7 +30,7 @@ from twisted.web.iweb import IResponse
 from twisted.web.resource import EncodingResourceWrapper
 from twisted.web.server import GzipEncoderFactory
 
-from nixl_twisted.backends.upstream import Upstream, backend_agent, backend_url, read_body
+from nixl_twisted.backends.upstream import Upstream, backend_agent, encoded_url, read_body
 from nixl_twisted.testing import FakeVLLM, TransferLedger
 from tests.loopback.test_tls import self_signed
 from tests.support import CHAT, ProxyCase
@@ -53,17 +53,17 @@ class BackendURLTests(TestCase):
     ) -> None:
         text = f"{scheme}://{host}:{port}{path}" + (f"?{query}" if query else "")
         expected = EncodedURL.from_text(text).to_uri().to_text()
-        ready = backend_url(text)
+        ready = encoded_url(text)
         self.assertEqual(ready.to_uri().to_text(), expected)
         self.assertEqual(ready.to_text(), expected)
 
     def test_an_ipv6_literal_host_is_kept_as_it_is(self) -> None:
         # hyperlink's to_uri() alone fails on it (python-hyper/hyperlink#68).
-        ready = backend_url("http://[fd00::1]:8000/v1/completions?q=\u00e9")
+        ready = encoded_url("http://[fd00::1]:8000/v1/completions?q=\u00e9")
         self.assertEqual(ready.to_text(), "http://[fd00::1]:8000/v1/completions?q=%C3%A9")
 
     def test_a_derived_url_is_rendered_afresh(self) -> None:
-        derived = backend_url("http://127.0.0.1:8000/v1/completions").replace(path=("health",))
+        derived = encoded_url("http://127.0.0.1:8000/v1/completions").replace(path=("health",))
         self.assertEqual(derived.to_uri().to_text(), "http://127.0.0.1:8000/health")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import re
 from pathlib import Path
@@ -172,13 +173,51 @@ def test_a_usage_error_gets_a_hint_not_the_whole_help() -> None:
     assert len(short.splitlines()) == 2 and "twistd nixlproxy --help" in short
 
 
+#: What a user cannot see: the team's protocol notes, its issues, the reference proxy.
+UNSEEN = ("PROTOCOL.md", "the seed", "Rust proxy", "performance issue", "the issue")
+
+
 def test_the_user_docs_stand_on_their_own() -> None:
-    """Nothing a user cannot see: the team's protocol notes, its issues, the reference proxy."""
     pages = [DOCS.parent / "README.md", *DOCS.glob("*.md")]
     for page in pages:
         text = page.read_text(encoding="utf-8")
-        for unseen in ("PROTOCOL.md", "the seed", "Rust proxy", "performance issue", "the issue"):
+        for unseen in UNSEEN:
             assert unseen not in text, f"{page.name} mentions {unseen!r}"
+
+
+def test_the_code_points_to_nothing_a_reader_cannot_open() -> None:
+    """Docstrings and comments are docs too: a reader of the package has the same pages."""
+    for module in sorted((ROOT / "nixl_twisted").rglob("*.py")):
+        text = module.read_text(encoding="utf-8")
+        for unseen in UNSEEN:
+            assert unseen not in text, f"{module.relative_to(ROOT)} mentions {unseen!r}"
+
+
+#: A dotted name of the package, as the docs cite modules and what they define.
+DOTTED = re.compile(r"\bnixl_twisted(?:\.[A-Za-z_]\w*)+")
+
+
+def _resolves(dotted: str) -> bool:
+    """An importable module, or a name defined along the way (``module.Class.method``)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: object = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    return False
+
+
+def test_every_module_the_docs_name_exists() -> None:
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    named = {(page.name, m) for page in pages for m in DOTTED.findall(page.read_text("utf-8"))}
+    assert named, "the docs name no module at all: the pattern is wrong"
+    assert sorted((page, name) for page, name in named if not _resolves(name)) == []
 
 
 #: A routes table's header, and a route as a table names it: `POST /v1/responses/{id}`.

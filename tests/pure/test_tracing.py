@@ -397,7 +397,7 @@ def test_a_model_with_a_lone_surrogate_is_escaped_and_its_spans_still_export() -
     traced = TracerProvider()
     traced.add_span_processor(SimpleSpanProcessor(exported))
     trace = tracing.Tracing(traced).request(new_request(), 0.0)
-    trace.describe({"model": "m\ud800"})
+    trace.note_request({"model": "m\ud800"})
     trace.end(new_request(), AccessRecord())
     (span,) = exported.get_finished_spans()
     assert dict(span.attributes or {})["gen_ai.request.model"] == "m\\ud800"
