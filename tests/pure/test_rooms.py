@@ -8,6 +8,7 @@ reviewer's catch. ``docs/architecture.md`` tells the same story.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -164,3 +165,17 @@ def test_the_checks_catch_an_upward_import_a_circle_and_a_stray_module() -> None
     ]
     assert cycles(graph) == [["nixl_twisted.web.app", "nixl_twisted.web.site"]]
     assert list(homeless(graph)) == ["nixl_twisted.helpers"]
+
+
+def test_the_architecture_doc_tells_the_same_story() -> None:
+    """One section per room package, naming every module the package holds."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    sections = dict(
+        (match[1], match[2])
+        for match in re.finditer(r"^### `(\w+)/`\n(.*?)(?=^#)", doc, re.M | re.S)
+    )
+    packages = {name for _, names in ROOMS[1:-1] for name in names}
+    assert {f"nixl_twisted.{room}" for room in sections} == packages
+    for room, text in sections.items():
+        held = {p.name for p in (PACKAGE / room).glob("*.py")} - {"__init__.py"}
+        assert {name for name in held if f"`{name}`" not in text} == set(), room
