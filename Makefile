@@ -18,11 +18,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# setuptools copies the package into build/ and never removes what left the
+# tree there, so a wheel built over an old build/ would carry moved modules.
 install: $(BIN)/python
+	rm -rf build
 	$(BIN)/python -m pip install --quiet ".[test]"
 
 # The demo needs the package and the openai client only, not the test toolchain.
 install-demo: $(BIN)/python
+	rm -rf build
 	$(BIN)/python -m pip install --quiet ".[demo]"
 
 demo: install-demo
