@@ -16,7 +16,7 @@ from typing import Any, cast
 from hyperlink import EncodedURL
 from treq.client import HTTPClient
 from treq.cookies import IndexableCookieJar
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import (
     IConsumer,
@@ -201,21 +201,27 @@ class Upstream:
 
         Cancelling closes the connection and fails with ``CancelledError``.
         """
-        sent = self._http.request(
-            "POST",
-            encoded_url(url),
-            data=body,
-            headers=headers,
-            allow_redirects=False,
-            unbuffered=True,
-        )
-        return sent.addErrback(_as_cancelled)  # type: ignore[return-value]
+        return self._send("POST", url, headers, body)
 
     def get(self, url: str, headers: Headers) -> Deferred[IResponse]:
         """GET a resource; the response's body is left unread for the caller."""
-        sent = self._http.request(
-            "GET", encoded_url(url), headers=headers, allow_redirects=False, unbuffered=True
-        )
+        return self._send("GET", url, headers)
+
+    def _send(
+        self, method: str, url: str, headers: Headers, body: bytes | None = None
+    ) -> Deferred[IResponse]:
+        """The call, whose every error is a failure of its Deferred, never raised.
+
+        What an agent raises before it connects (an endpoint made for a new
+        host, say) then ends the leg as any connection error does.
+        """
+        try:
+            sent = self._http.request(
+                method, encoded_url(url), data=body, headers=headers,
+                allow_redirects=False, unbuffered=True,
+            )  # fmt: skip
+        except Exception:
+            return fail()
         return sent.addErrback(_as_cancelled)  # type: ignore[return-value]
 
     def keep_idle(self, per_host: int, seconds: float) -> None:

@@ -154,6 +154,8 @@ class _InMemoryBackends:
     def __init__(self, fakes: dict[bytes, IResource]) -> None:
         self._fakes = fakes
         self.traversal = RequestTraversalAgent(_ByHost(fakes))
+        #: Hosts whose connections fail: with what, and whether ``request`` raises it.
+        self.broken: dict[bytes, tuple[Exception, bool]] = {}
 
     def request(
         self,
@@ -162,7 +164,13 @@ class _InMemoryBackends:
         headers: Headers | None = None,
         bodyProducer: IBodyProducer | None = None,
     ) -> Deferred[IResponse]:
-        if URI.fromBytes(uri).netloc not in self._fakes:
+        host = URI.fromBytes(uri).netloc
+        if host in self.broken:
+            error, raised = self.broken[host]
+            if raised:
+                raise error
+            return fail(error)
+        if host not in self._fakes:
             return fail(ConnectionRefusedError(uri.decode("ascii", "replace")))
         return self.traversal.request(method, uri, headers, bodyProducer)
 
@@ -282,6 +290,14 @@ class InMemoryProxy:
         client = self.connect()
         client.send(("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + body)
         return client
+
+    def break_connections(self, fake: FakeVLLM, error: Exception, raised: bool = False) -> None:
+        """From now on, connecting to ``fake`` fails with ``error``, whatever it is.
+
+        The agent's ``request`` returns it as a failed Deferred or, with
+        ``raised``, raises it at once: both ways a connect path may fail.
+        """
+        self.agent.broken[URI.fromBytes(fake.url.encode()).netloc] = (error, raised)
 
     def advance(self, seconds: float) -> None:
         """Let ``seconds`` pass on the clock, then move what that set off."""

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 
 from nixl_twisted.testing import FakeVLLM, InMemoryProxy, TransferLedger
-from tests.memory.support import CHAT, Setup, error_code, status
+from tests.memory.support import CHAT, STREAM, Setup, error_code, status
 
 
 def test_a_completion_goes_through_both_legs() -> None:
@@ -40,6 +41,32 @@ def test_models_tries_the_next_decode_instance_when_one_is_unreachable() -> None
     assert status(client) == 200
     assert dead.failures == 1 and dead.in_flight == 0  # one of the three that mark it down
     assert len(live.requests) == 1
+
+
+@pytest.mark.parametrize("raised", [False, True], ids=["failed", "raised"])
+@pytest.mark.parametrize(
+    ("role", "path", "body"),
+    [
+        ("prefill", "/v1/chat/completions", CHAT),
+        ("decode", "/v1/chat/completions", CHAT),
+        ("decode", "/v1/chat/completions", STREAM),
+        ("decode", "/v1/models", None),
+        ("decode", "/tokenize", {"model": "m", "prompt": "hi"}),
+    ],
+)
+def test_any_error_connecting_ends_the_leg_as_unreachable(
+    role: str, path: str, body: object, raised: bool
+) -> None:
+    """Not only refusals and DNS: whatever connecting raises (here what an
+    unloadable idna codec does), returned as a failure or raised at once."""
+    setup = Setup()
+    fake = setup.prefill if role == "prefill" else setup.decode
+    setup.proxy.break_connections(fake, LookupError("unknown encoding: idna"), raised)
+    client = setup.proxy.request("GET", path) if body is None else setup.post(path, body)
+    assert (status(client), error_code(client)) == (502, f"{role}_unreachable")
+    assert "unknown encoding: idna" in client.answer().json()["error"]["message"]
+    (instance,) = getattr(setup.proxy.service.backends, role).instances
+    assert (instance.failures, instance.in_flight) == (1, 0)
 
 
 def test_a_body_that_is_not_json_is_refused_before_any_backend() -> None:
