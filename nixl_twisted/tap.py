@@ -17,6 +17,7 @@ from twisted.python import usage
 from nixl_twisted import __version__, identity, logs
 from nixl_twisted.config import ConfigError, ProxyConfig, resolve
 from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
+from nixl_twisted.run import startup
 from nixl_twisted.run.root import build
 from nixl_twisted.run.workers import supervise
 
@@ -129,6 +130,7 @@ def makeService(options: Options) -> IService:
 
     config = options.config
     assert config is not None, "Options.parseOptions makes the configuration"
+    startup.preload()  # twistd calls this before it sheds --uid/--gid
     tree = supervise(config, reactor) if config.workers > 1 else build(config, reactor)
     twistd_options = getattr(options, "parent", None)
     levels = logs.LogLevels(config.log_level)

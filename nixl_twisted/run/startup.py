@@ -1,4 +1,8 @@
-"""What a starting proxy checks and says: its file descriptor limit, the settings in effect.
+"""What a starting proxy does first: late imports made early, its descriptor limit, its summary.
+
+``twistd`` builds the service before it sheds ``--uid``/``--gid``:
+:func:`preload` then imports what serving would import later, when the new
+user may no longer read Python's library.
 
 Every client connection and every leg holds a file descriptor; a limit
 below what ``--max-connections`` and ``--max-in-flight`` need turns into
@@ -10,6 +14,8 @@ any ``--log-level``.
 
 from __future__ import annotations
 
+import codecs
+import importlib
 import resource
 
 from twisted.logger import Logger
@@ -19,6 +25,28 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.logs import lifecycle
 
 log = Logger()
+
+#: What the proxy would import only once serving, and what needs each. Under
+#: ``twistd --uid/--gid`` the new user may not be able to read Python's
+#: library (a pyenv in root's home): each import would then fail on first use.
+LATE_IMPORTS = {
+    "encodings.idna": "the idna codec: Werkzeug's Map.bind encodes each request's Host "
+    "with it (Klein binds per request), getaddrinfo each backend's host (every new "
+    "connection and health check); unloadable, it is 'unknown encoding: idna'",
+    "stringprep": "nameprep's tables, imported by encodings.idna",
+}
+
+
+def preload() -> None:
+    """Import now what serving would import later: before twistd sheds ``--uid``/``--gid``.
+
+    Found by running ``twistd --uid`` through every route, stream, error,
+    health check and log format (``docs/operations.md``).
+    """
+    for name in LATE_IMPORTS:
+        importlib.import_module(name)
+    codecs.lookup("idna")  # and in the codec cache: no codec search later either
+
 
 #: Descriptors beyond connections and legs: listeners, logs, health checks, pipes.
 SPARE = 64

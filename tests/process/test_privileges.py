@@ -1,0 +1,74 @@
+"""``twistd --uid/--gid nixlproxy``: a port below 1024 bound as root, then served as nobody.
+
+After twistd sheds privileges the new user may not read Python's library
+(here it lives in root's home); whatever the proxy imported only when first
+serving would then fail (``nixl_twisted.run.startup.preload`` imports it first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+from tests.process.support import TwistdCase
+from tests.support import CHAT, sse_events
+
+#: ``nobody`` on Linux; numeric, so no passwd entry is looked up to shed privileges.
+NOBODY = "65534"
+
+
+def free_privileged_port() -> int:
+    """A port below 1024 that nothing has bound at 127.0.0.1 (only root may bind one)."""
+    for port in range(1023, 0, -1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("every port below 1024 at 127.0.0.1 is taken")
+
+
+class ShedPrivilegesTests(TwistdCase):
+    if os.geteuid() != 0:
+        skip = "twistd --uid/--gid needs root to bind a port below 1024 and to change user"
+
+    async def test_a_privileged_port_then_completions_and_streams_as_nobody(self) -> None:
+        await self.start(tokens=3)
+        port = free_privileged_port()
+        process = self.spawn(
+            "--listen", f"tcp:{port}:interface=127.0.0.1",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            twistd_args=["--uid", NOBODY, "--gid", NOBODY],
+        )  # fmt: skip
+        # Said once the first health round answered: under the new user.
+        self.assertEqual(await process.listening, f"127.0.0.1:{port}")
+        self.assertIn(f"set uid/gid {NOBODY}/{NOBODY}".encode(), process.output)
+        url = f"http://127.0.0.1:{port}"
+
+        health = await self.http.get(url + "/healthcheck")
+        body = await health.content()
+        self.assertEqual(health.code, 200, process.output.decode())
+        ready = json.loads(body)
+        self.assertTrue(ready["ready"], ready)
+        self.assertEqual(Path(f"/proc/{ready['pid']}").stat().st_uid, int(NOBODY))
+
+        completion = await self.http.post(
+            url + "/v1/completions", json={"model": "fake-model", "prompt": "hi"}
+        )
+        answer = json.loads(await completion.content())
+        self.assertEqual(completion.code, 200, answer)
+        self.assertEqual(answer["object"], "text_completion")
+
+        stream = await self.http.post(
+            url + "/v1/chat/completions", json=dict(CHAT, stream=True), unbuffered=True
+        )
+        self.assertEqual(stream.code, 200)
+        self.assertEqual(sse_events(await stream.content())[-1], "[DONE]")
+        self.assertEqual(len(self.ledger.redeemed), 2)
+
+        await self.terminate(process)
+        self.assertNotIn(b"Unhandled error", process.output)
+        self.assertNotIn(b"marked down", process.output)
