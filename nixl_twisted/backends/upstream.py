@@ -20,6 +20,7 @@ from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.interfaces import (
     IConsumer,
+    IHostnameResolver,
     IPushProducer,
     IReactorTCP,
     IStreamClientEndpoint,
@@ -44,6 +45,8 @@ from twisted.web.iweb import (
     IResponse,
 )
 from zope.interface import implementer
+
+from nixl_twisted.backends.names import BackendResolver, ResolvingWith, threaded_lookup
 
 
 def _as_cancelled(failure: Failure) -> Failure:
@@ -141,8 +144,14 @@ class _Endpoints:
     for every request, only for the pool to reuse an open connection.
     """
 
-    def __init__(self, reactor: IReactorTCP, connect_timeout: float, tls: IPolicyForHTTPS) -> None:
-        self._reactor = reactor
+    def __init__(
+        self,
+        reactor: IReactorTCP,
+        connect_timeout: float,
+        tls: IPolicyForHTTPS,
+        resolver: IHostnameResolver,
+    ) -> None:
+        self._reactor = ResolvingWith(reactor, resolver)
         self._connect_timeout = connect_timeout
         self._tls = tls
         self._made: dict[tuple[bytes, bytes, int], IStreamClientEndpoint] = {}
@@ -166,13 +175,19 @@ def backend_agent(
     connections: HTTPConnectionPool,
     connect_timeout: float,
     tls: IPolicyForHTTPS | None = None,
+    resolver: IHostnameResolver | None = None,
 ) -> IAgent:
     """The agent for every backend call: one endpoint per backend, pooled connections.
 
     ``tls`` decides which certificates an ``https`` backend may show (by
-    default, the system's trusted roots, as a browser would).
+    default, the system's trusted roots, as a browser would); ``resolver``
+    finds a host's addresses (by default ``getaddrinfo`` in the reactor's
+    threads, every failure said: ``nixl_twisted.backends.names``).
     """
-    endpoints = _Endpoints(reactor, connect_timeout, tls or BrowserLikePolicyForHTTPS())
+    if resolver is None:
+        resolver = BackendResolver(threaded_lookup(reactor))
+    tls = tls or BrowserLikePolicyForHTTPS()
+    endpoints = _Endpoints(reactor, connect_timeout, tls, resolver)
     connections._factory = _QuietFactory
     return Agent.usingEndpointFactory(reactor, endpoints, pool=connections)
 
