@@ -155,11 +155,24 @@ class WorkerSupervisor(Service):
     def startService(self) -> None:
         if not self._reserved:
             self.privilegedStartService()
+        cannot = self._cannot_run_workers()
+        if cannot is not None:  # (after twistd --uid: else no worker would ever start)
+            raise SystemExit(f"nixlproxy: --workers as this user: {cannot}")
         startup.check_descriptors(self.config)  # the workers inherit the limit
         startup.announce(self.config)
         super().startService()
         # Once the reactor runs: a worker that is up can be told to stop.
         self.reactor.callWhenRunning(self._spawn_all)
+
+    def _cannot_run_workers(self) -> str | None:
+        """Why the user this process now runs as cannot run its workers, or None."""
+        if not os.access(sys.executable, os.X_OK):
+            return f"cannot run {sys.executable}"
+        if self.metrics_dir is not None and not os.access(self.metrics_dir, os.W_OK | os.X_OK):
+            return (
+                f"cannot write the metrics directory {self.metrics_dir} (made before twistd --uid)"
+            )
+        return None
 
     def _spawn_all(self) -> None:
         for number in range(self.config.workers):

@@ -10,9 +10,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
-from tests.process.support import TwistdCase
+import pytest
+
+from tests.process.support import TwistdCase, installed_env
 from tests.support import CHAT, sse_events
 
 #: ``nobody`` on Linux; numeric, so no passwd entry is looked up to shed privileges.
@@ -72,3 +76,18 @@ class ShedPrivilegesTests(TwistdCase):
         await self.terminate(process)
         self.assertNotIn(b"Unhandled error", process.output)
         self.assertNotIn(b"marked down", process.output)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="twistd --uid needs root")
+def test_workers_the_new_user_cannot_run_are_refused_at_start_not_left_unstarted() -> None:
+    """The supervisor binds and makes its metrics directory as root; its workers would run as
+    the new user, who cannot write there (nor, here, run Python): it exits, saying why."""
+    result = subprocess.run(
+        [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
+         "-n", "--pidfile=", "--uid", NOBODY, "--gid", NOBODY, "nixlproxy", "--workers", "2",
+         "--listen", f"tcp:{free_privileged_port()}:interface=127.0.0.1",
+         "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1"],
+        env=installed_env(), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "nixlproxy: --workers as this user: cannot" in result.stdout + result.stderr
