@@ -38,7 +38,8 @@ from twisted.web.server import Request
 
 from nixl_twisted.exchange.relay import break_off
 from nixl_twisted.observe.access import record_of
-from nixl_twisted.protocol.errors import ProxyError, bad_gateway
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
 
 #: Parts run at once, per batch.
@@ -157,7 +158,7 @@ class Batch:
         return ensureDeferred(self._break("a part of the batch failed: " + _reason(error)))
 
     async def _break(self, message: str) -> None:
-        await break_off(self.client, message, "batch_part_failed")
+        await break_off(self.client, message, ErrorCode.BATCH_PART_FAILED)
 
     # -- streamed --------------------------------------------------------------
 
@@ -203,7 +204,9 @@ class Batch:
             try:
                 answers.append(json.loads(bytes(part.body)))
             except ValueError:
-                raise bad_gateway("a part of the batch broke off", "decode_stream_broken") from None
+                raise ProxyError(
+                    ErrorCode.DECODE_STREAM_BROKEN, "a part of the batch broke off"
+                ) from None
         merged = dict(answers[0])
         merged["choices"] = [
             dict(choice, index=i * self.n + int(choice.get("index", 0)))
@@ -234,7 +237,7 @@ def _as_error(part: _Part) -> ProxyError:
         message = str(error.get("message"))
     except (ValueError, KeyError, TypeError, AttributeError):
         message = f"a part of the batch was answered HTTP {part.request.code}"
-    return ProxyError(part.request.code, message, "upstream_error", "batch_part_failed")
+    return ProxyError(ErrorCode.BATCH_PART_FAILED, message, status=part.request.code)
 
 
 def _reason(failure: Any) -> str:

@@ -27,7 +27,8 @@ from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
-from nixl_twisted.protocol.errors import ProxyError, bad_gateway, gateway_timeout
+from nixl_twisted.protocol import codes
+from nixl_twisted.protocol.errors import ProxyError
 
 log = Logger()
 
@@ -82,24 +83,22 @@ def unreachable(instance: Instance, error: BaseException) -> Retry:
     """The instance could not be reached: nothing was sent, so another may serve the leg."""
     reason = describe(error)
     message = f"{instance.role} instance {instance.url} could not be reached: {reason}"
-    return Retry(bad_gateway(message, f"{instance.role}_unreachable"), "unreachable", reason)
+    return Retry(ProxyError(codes.unreachable(instance.role), message), "unreachable", reason)
 
 
 def timed_out(instance: Instance, seconds: float) -> ProxyError:
     """A 504: the instance did not answer in time."""
-    return gateway_timeout(
+    return ProxyError(
+        codes.timed_out(instance.role),
         f"{instance.role} instance {instance.url} did not answer within {seconds:g} s",
-        f"{instance.role}_timeout",
     )
 
 
 def unavailable(error: NoHealthyInstance) -> ProxyError:
     """503 with Retry-After: the pool has no instance to send a leg to now."""
     return ProxyError(
-        503,
+        codes.no_healthy(error.role),
         f"no healthy {error.role} instance: try again shortly",
-        "upstream_error",
-        f"no_healthy_{error.role}",
         retry_after=error.retry_after,
     )
 
@@ -190,7 +189,7 @@ async def send_leg(
 def outcome_of(error: BaseException) -> str:
     """A failed attempt's outcome, for the access event: an error's code, in a word."""
     if isinstance(error, ProxyError):
-        return error.code
+        return error.code.value
     if isinstance(error, PrefillRefused):
         return f"refused_{error.response.code}"
     if isinstance(error, CancelledError):

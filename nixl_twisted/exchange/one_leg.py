@@ -37,6 +37,7 @@ from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
+from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers, for_rank
 
@@ -117,9 +118,7 @@ class OneLeg:
         raise (
             last
             if last is not None
-            else ProxyError(
-                404, "no decode instance holds it", "invalid_request_error", "not_found"
-            )
+            else ProxyError(ErrorCode.NOT_FOUND, "no decode instance holds it")
         )
 
     def _attempt(
@@ -179,6 +178,6 @@ class OneLeg:
                       path=path, url=lease.instance.url, reason=describe(error))  # fmt: skip
             leg.fail(f"broke off: {describe(error)}", "relay")
             record.ended, record.error = "broken", "decode closed its answer early"
-            await break_off(request, record.error, "decode_broken")
+            await break_off(request, record.error, ErrorCode.DECODE_BROKEN)
         finally:
             lease.release()

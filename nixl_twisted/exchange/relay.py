@@ -21,6 +21,7 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IRequest, IResponse
 from twisted.web.server import Request
 
+from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import stream_error_event
 from nixl_twisted.protocol.headers import client_response_headers
 
@@ -161,7 +162,7 @@ def abandon(response: IResponse) -> None:
     response.deliverBody(_Discard())
 
 
-async def break_off(request: Request, message: str, code: str) -> None:
+async def break_off(request: Request, message: str, code: ErrorCode) -> None:
     """End a response whose backend body broke off, so the client can tell.
 
     An event stream gets an in-band error event first. Then the connection

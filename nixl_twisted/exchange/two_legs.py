@@ -51,7 +51,8 @@ from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
-from nixl_twisted.protocol.errors import ProxyError, bad_gateway, gateway_timeout, overloaded
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import REQUEST_ID, for_rank
 from nixl_twisted.protocol.phases import RULES, OnClientLeft, Phase
 from nixl_twisted.protocol.usage import read_usage
@@ -173,8 +174,8 @@ class Exchange:
                 raise
             message = "the proxy is shutting down: its drain timeout ended"
             if not self.request.startedWriting:
-                raise overloaded(message, "shutting_down") from None
-            await break_off(self.request, message, "shutting_down")
+                raise ProxyError(ErrorCode.SHUTTING_DOWN, message, retry_after=1.0) from None
+            await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
 
     async def _legs(self) -> None:
         params = await self._prefill_leg()
@@ -230,7 +231,10 @@ class Exchange:
         try:
             params = lowering.extract_kv_transfer_params(answer, instance.url)
         except ProxyError as error:
-            if error.code in ("missing_kv_transfer_params", "invalid_kv_transfer_params"):
+            if error.code in (
+                ErrorCode.MISSING_KV_TRANSFER_PARAMS,
+                ErrorCode.INVALID_KV_TRANSFER_PARAMS,
+            ):
                 self.metrics.missing_kv_transfer_params.inc()
             raise
         self.record.prefill_seconds = self.clock.seconds() - started
@@ -259,13 +263,14 @@ class Exchange:
         except (CancelledError, TimeoutError):
             raise
         except Exception as error:
-            raise bad_gateway(
+            raise ProxyError(
+                ErrorCode.PREFILL_INVALID_RESPONSE,
                 f"prefill instance {instance.url} broke off its answer: {describe(error)}",
-                "prefill_invalid_response",
             ) from None
         verdict = classify_prefill(status)
-        failed = bad_gateway(f"prefill instance {instance.url} answered HTTP {status}",
-                             "prefill_failed")  # fmt: skip
+        failed = ProxyError(
+            ErrorCode.PREFILL_FAILED, f"prefill instance {instance.url} answered HTTP {status}"
+        )
         if verdict is PrefillVerdict.RETRY:
             raise Retry(failed, "error_status", f"answered HTTP {status}")
         if verdict is not PrefillVerdict.PARAMS:
@@ -328,9 +333,9 @@ class Exchange:
             self._leg.fail(str(error) if silent else f"broke off: {describe(error)}", "relay")
             if silent and not self.request.startedWriting:
                 self.request.responseHeaders = Headers({REQUEST_ID: [self.request_id.encode()]})
-                raise gateway_timeout(
+                raise ProxyError(
+                    ErrorCode.DECODE_TIMEOUT,
                     f"decode instance {decode.instance.url} sent headers, then nothing: {error}",
-                    "decode_timeout",
                 ) from None
             log.error("decode body for {request_id} broke off: {reason}",
                       request_id=self.request_id, reason=describe(error))  # fmt: skip
@@ -341,7 +346,9 @@ class Exchange:
             # The client is told what happened; the detail is in the log line above.
             self.broke_off = True
             await break_off(
-                self.request, said, "decode_timeout" if silent else "decode_stream_broken"
+                self.request,
+                said,
+                ErrorCode.DECODE_TIMEOUT if silent else ErrorCode.DECODE_STREAM_BROKEN,
             )
 
     def _used(self, tail: bytes) -> None:

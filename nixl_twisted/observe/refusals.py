@@ -14,6 +14,8 @@ from prometheus_client import Counter
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger, LogLevel
 
+from nixl_twisted.protocol.codes import ErrorCode
+
 log = Logger(namespace="nixlproxy.refused")
 
 
@@ -73,7 +75,7 @@ class Refusals:
         self.counter = counter
         self.throttle = throttle
 
-    def refused(self, reason: str, message: str) -> None:
-        """One refusal, ``reason`` its error code (``too_many_requests_in_flight``, ...)."""
-        self.counter.labels(reason).inc()
-        self.throttle.emit(reason, LogLevel.warn, f"refused ({reason}): {message}")
+    def refused(self, reason: ErrorCode, message: str) -> None:
+        """One refusal, ``reason`` the error code the client got."""
+        self.counter.labels(reason.value).inc()
+        self.throttle.emit(reason.value, LogLevel.warn, f"refused ({reason.value}): {message}")

@@ -1,59 +1,68 @@
-"""The errors a client can see, rendered as OpenAI-style JSON bodies."""
+"""The errors a client can see, rendered as OpenAI-style JSON bodies.
+
+Each carries an :class:`~nixl_twisted.protocol.codes.ErrorCode`, which says
+its status and type: a raise site names the code and says what happened.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 
 from twisted.web.iweb import IRequest
 
+from nixl_twisted.protocol.codes import ErrorCode, ErrorType
 from nixl_twisted.protocol.routes import speaks_anthropic
 
 
 class ProxyError(Exception):
     """A request ended in an answer the proxy itself composes.
 
-    ``error_type`` and ``code`` follow the OpenAI error body: a broad class
-    (``invalid_request_error``, ``upstream_error``, ...) and a stable
-    machine-readable code that operators can alert on.
+    ``code`` gives the OpenAI error body its ``type`` and ``code``, and the
+    answer its status; ``status`` is given only for a code without one of
+    its own (a batch answers with its failing part's).
     """
 
     def __init__(
         self,
-        status: int,
+        code: ErrorCode,
         message: str,
-        error_type: str,
-        code: str,
         retry_after: float | None = None,
+        status: int | None = None,
     ) -> None:
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.error_type = error_type
+        if code.status is not None and status is not None:
+            raise ValueError(f"{code.value} is always a {code.status}: give no status")
+        answered = code.status if code.status is not None else status
+        if answered is None:
+            raise ValueError(f"{code.value} has no status of its own: give one")
         self.code = code
+        self.status = answered
+        self.message = message
         #: Seconds after which trying again may succeed (sent as Retry-After).
         self.retry_after = retry_after
 
-    def body(self) -> bytes:
-        """The JSON body sent to the client."""
-        return error_body(self.message, self.error_type, self.code)
 
-
-def error_body(message: str, error_type: str, code: str) -> bytes:
+def error_body(message: str, code: ErrorCode) -> bytes:
     """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return _openai_body(message, code.error_type, code)
+
+
+def _openai_body(message: str, error_type: ErrorType, code: ErrorCode) -> bytes:
     return json.dumps(
-        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+        {"error": {"message": message, "type": error_type, "param": None, "code": code.value}}
     ).encode("utf-8")
 
 
 #: Anthropic's error types for ours, on the Messages routes.
-_ANTHROPIC_TYPES = {
+_ANTHROPIC_TYPES: dict[ErrorType, str] = {
     "invalid_request_error": "invalid_request_error",
     "authentication_error": "authentication_error",
     "overloaded_error": "overloaded_error",
 }
 
 
-def anthropic_error_body(message: str, error_type: str, status: int) -> bytes:
+def anthropic_error_body(message: str, error_type: ErrorType, status: int) -> bytes:
     """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
     if status == 404:
         kind = "not_found_error"
@@ -64,45 +73,32 @@ def anthropic_error_body(message: str, error_type: str, status: int) -> bytes:
     return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
 
 
-def for_route(path: bytes, status: int, message: str, error_type: str, code: str) -> bytes:
+def for_route(path: bytes, error: ProxyError) -> bytes:
     """The proxy's error body in the shape the route's clients parse."""
     if speaks_anthropic(path):
-        return anthropic_error_body(message, error_type, status)
-    return error_body(message, error_type, code)
+        return anthropic_error_body(error.message, error.code.error_type, error.status)
+    return error_body(error.message, error.code)
 
 
-def stream_error_event(path: bytes, message: str, code: str) -> bytes:
-    """The in-band SSE event that ends a stream which broke off, in the route's shape."""
+def stream_error_event(path: bytes, message: str, code: ErrorCode) -> bytes:
+    """The in-band SSE event that ends a stream which broke off, in the route's shape.
+
+    Its type is ``upstream_error`` whatever the code's: the stream's answer
+    was the backend's, and it broke.
+    """
     if speaks_anthropic(path):
         return (
             b"event: error\ndata: " + anthropic_error_body(message, "upstream_error", 502) + b"\n\n"
         )
-    return b"data: " + error_body(message, "upstream_error", code) + b"\n\n"
+    return b"data: " + _openai_body(message, "upstream_error", code) + b"\n\n"
 
 
-def invalid_request(message: str, code: str) -> ProxyError:
-    """A 400: the client's request cannot be served as sent."""
-    return ProxyError(400, message, "invalid_request_error", code)
-
-
-def overloaded(message: str, code: str, retry_after: float = 1.0) -> ProxyError:
-    """A 503: the proxy will not take this request now; try again soon."""
-    return ProxyError(503, message, "overloaded_error", code, retry_after=retry_after)
-
-
-def bad_gateway(message: str, code: str) -> ProxyError:
-    """A 502: a backend could not be reached or answered something unusable."""
-    return ProxyError(502, message, "upstream_error", code)
-
-
-def gateway_timeout(message: str, code: str) -> ProxyError:
-    """A 504: a backend did not answer in time."""
-    return ProxyError(504, message, "upstream_error", code)
-
-
-def json_answer(request: IRequest, status: int, body: bytes) -> bytes:
-    """Set ``request`` up to answer ``body``, a JSON error, with ``status``; returns the body."""
-    request.setResponseCode(status)
+def json_answer(request: IRequest, error: ProxyError) -> bytes:
+    """Set ``request`` up to answer ``error`` as JSON in the route's shape; returns the body."""
+    request.setResponseCode(error.status)
+    if error.retry_after is not None:
+        request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
+    body = for_route(request.path, error)
     request.setHeader(b"Content-Type", b"application/json")
     request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
     return body

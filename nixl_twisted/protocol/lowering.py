@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from nixl_twisted.protocol import routes
-from nixl_twisted.protocol.errors import bad_gateway, invalid_request
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
 
 JSONObject = dict[str, Any]
 
@@ -57,7 +58,7 @@ def _loads(raw: bytes) -> Any:
 
 
 def _too_deep() -> Exception:
-    return invalid_request("request body is nested too deeply to be served", "json_too_deep")
+    return ProxyError(ErrorCode.JSON_TOO_DEEP, "request body is nested too deeply to be served")
 
 
 def parse_client_body(raw: bytes) -> JSONObject:
@@ -72,10 +73,12 @@ def parse_client_body(raw: bytes) -> JSONObject:
     except RecursionError:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as error:
-        raise invalid_request(f"request body is not valid JSON: {error}", "invalid_json") from None
+        raise ProxyError(
+            ErrorCode.INVALID_JSON, f"request body is not valid JSON: {error}"
+        ) from None
     if not isinstance(body, dict):
-        raise invalid_request(
-            "OpenAI completion request body must be a JSON object", "invalid_body"
+        raise ProxyError(
+            ErrorCode.INVALID_BODY, "OpenAI completion request body must be a JSON object"
         )
     return body
 
@@ -105,16 +108,16 @@ def check_servable(path: str, body: JSONObject) -> None:
     """
     if path == routes.RESPONSES:
         if body.get("previous_response_id") is not None:
-            raise invalid_request(
+            raise ProxyError(
+                ErrorCode.PREVIOUS_RESPONSE_ID_UNSUPPORTED,
                 "previous_response_id is not served: the stored response lives on one decode "
                 "instance, and prefill would need the whole conversation; send the history "
                 "in 'input' instead",
-                "previous_response_id_unsupported",
             )
         if body.get("background") is True:
-            raise invalid_request(
+            raise ProxyError(
+                ErrorCode.BACKGROUND_UNSUPPORTED,
                 "background responses are not served through a prefill/decode proxy",
-                "background_unsupported",
             )
 
 
@@ -144,10 +147,10 @@ def batch_of(path: str, body: JSONObject, limit: int) -> BatchRequest | None:
     if path != routes.COMPLETIONS or count == 1:
         return None
     if count > limit:
-        raise invalid_request(
+        raise ProxyError(
+            ErrorCode.TOO_MANY_PROMPTS,
             f"'prompt' holds {count} prompts; this proxy serves at most {limit} per "
             "request (--max-batch-prompts)",
-            "too_many_prompts",
         )
     assert isinstance(prompt, list)
     n = body.get("n")
@@ -173,9 +176,9 @@ def _flag(fields: JSONObject, key: str, name: str | None = None) -> bool:
 
 
 def _invalid_field(name: str, what: str, value: object) -> Exception:
-    return invalid_request(
+    return ProxyError(
+        ErrorCode.INVALID_BATCH_FIELD,
         f"'{name}' must be {what} in a batched completion, not {json_kind(value)}",
-        "invalid_batch_field",
     )
 
 
@@ -233,21 +236,21 @@ def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
     try:
         answer = _loads(raw)
     except (ValueError, UnicodeDecodeError):
-        raise bad_gateway(
+        raise ProxyError(
+            ErrorCode.PREFILL_INVALID_RESPONSE,
             f"prefill instance {instance} answered with a body that is not JSON",
-            "prefill_invalid_response",
         ) from None
     if not isinstance(answer, dict) or "kv_transfer_params" not in answer:
-        raise bad_gateway(
+        raise ProxyError(
+            ErrorCode.MISSING_KV_TRANSFER_PARAMS,
             f"prefill response did not include kv_transfer_params (prefill instance {instance})",
-            "missing_kv_transfer_params",
         )
     params = answer["kv_transfer_params"]
     if not isinstance(params, dict):
-        raise bad_gateway(
+        raise ProxyError(
+            ErrorCode.INVALID_KV_TRANSFER_PARAMS,
             "prefill response kv_transfer_params is not a JSON object "
             f"(prefill instance {instance})",
-            "invalid_kv_transfer_params",
         )
     return params
 

@@ -23,7 +23,8 @@ from twisted.web.iweb import IRequest
 from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config.values import InvalidValue, backend_url
-from nixl_twisted.protocol.errors import ProxyError, invalid_request
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
 
 log = Logger()
 
@@ -43,9 +44,7 @@ class AdminAPI:
 
     def authorize(self, request: IRequest) -> None:
         if self._token is None:
-            raise ProxyError(
-                404, "there is no admin API here", "invalid_request_error", "not_found"
-            )
+            raise ProxyError(ErrorCode.NOT_FOUND, "there is no admin API here")
         sent = bearer_token(request.getHeader(b"authorization"))
         # In constant time: how much of a guess was right must not show.
         if sent is None or not hmac.compare_digest(sent, self._token):
@@ -55,12 +54,7 @@ class AdminAPI:
                 path=request.path.decode("utf-8", "replace"),
                 client=str(request.getClientAddress()),
             )
-            raise ProxyError(
-                401,
-                "a valid admin bearer token is required",
-                "authentication_error",
-                "unauthorized",
-            )
+            raise ProxyError(ErrorCode.UNAUTHORIZED, "a valid admin bearer token is required")
 
     def listing(self) -> dict[str, Any]:
         return {pool.role: [i.status() for i in pool.instances] for pool in self.backends.pools()}
@@ -69,19 +63,19 @@ class AdminAPI:
         try:
             change = json.loads(body)
         except ValueError:
-            raise invalid_request(
-                'the body must be JSON: {"pool": ..., "url": ...}', "invalid_json"
+            raise ProxyError(
+                ErrorCode.INVALID_JSON, 'the body must be JSON: {"pool": ..., "url": ...}'
             ) from None
         if not isinstance(change, dict) or not isinstance(change.get("url"), str):
-            raise invalid_request('the body must name a "url"', "invalid_body")
+            raise ProxyError(ErrorCode.INVALID_BODY, 'the body must name a "url"')
         pool = self.backends.pool(str(change.get("pool")))
         if pool is None:
-            raise invalid_request('"pool" must be "prefill" or "decode"', "invalid_pool")
+            raise ProxyError(ErrorCode.INVALID_POOL, '"pool" must be "prefill" or "decode"')
         try:
             # The same check as a --prefill or --decode URL gets.
             return pool, backend_url(change["url"])
         except InvalidValue as error:
-            raise invalid_request(str(error), "invalid_url") from None
+            raise ProxyError(ErrorCode.INVALID_URL, str(error)) from None
 
     def add(self, body: bytes) -> Deferred[dict[str, Any]]:
         return self._change("add", body)
@@ -97,11 +91,9 @@ class AdminAPI:
         try:
             instances = self.backends.apply_change({"op": op, "pool": pool.role, "url": url})
         except PoolChangeRefused as error:
-            raise ProxyError(409, str(error), "invalid_request_error", "last_instance") from None
+            raise ProxyError(ErrorCode.LAST_INSTANCE, str(error)) from None
         if not instances:
-            raise ProxyError(
-                404, f"no {pool.role} instance {url}", "invalid_request_error", "not_found"
-            )
+            raise ProxyError(ErrorCode.NOT_FOUND, f"no {pool.role} instance {url}")
         described = [instance.status() for instance in instances]
         # One instance: its description; the ranks of URL#dp=N: each of theirs.
         answer = described[0] if len(described) == 1 else {"instances": described}

@@ -8,7 +8,8 @@ from typing import TypeVar
 from twisted.internet.defer import Deferred, maybeDeferred
 
 from nixl_twisted.events import Happened
-from nixl_twisted.protocol.errors import overloaded
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
 
@@ -39,11 +40,12 @@ class Admission:
     def admit(self) -> None:
         """Take one request in, or raise the 503 that says why not."""
         if self.draining:
-            raise overloaded("the proxy is shutting down", "draining")
+            raise ProxyError(ErrorCode.DRAINING, "the proxy is shutting down", retry_after=1.0)
         if self.in_flight >= self.max_in_flight:
-            raise overloaded(
+            raise ProxyError(
+                ErrorCode.TOO_MANY_REQUESTS_IN_FLIGHT,
                 f"the proxy is serving its limit of {self.max_in_flight} requests",
-                "too_many_requests_in_flight",
+                retry_after=1.0,
             )
         self.in_flight += 1
         self.on_change(self.in_flight)

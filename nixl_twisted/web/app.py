@@ -9,7 +9,6 @@ to the client as it arrives.
 from __future__ import annotations
 
 import json
-import math
 import os
 from functools import partial
 
@@ -37,7 +36,8 @@ from nixl_twisted.observe.refusals import Refusals
 from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
 from nixl_twisted.observe.tracing import Tracing
 from nixl_twisted.protocol import lowering, routes
-from nixl_twisted.protocol.errors import ProxyError, for_route, json_answer
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError, json_answer
 from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
@@ -46,6 +46,12 @@ from nixl_twisted.web.front import FrontDoor
 log = Logger()
 
 _JSON = b"application/json"
+
+#: What the router's refusals are called, by their status (Werkzeug's exceptions).
+_ROUTING_CODES = {
+    code.status: code
+    for code in (ErrorCode.NOT_FOUND, ErrorCode.METHOD_NOT_ALLOWED, ErrorCode.PERMANENT_REDIRECT)
+}
 
 
 class ProxyApp:
@@ -289,15 +295,13 @@ class ProxyApp:
         error = failure.value
         assert isinstance(error, ProxyError)
         record_of(request).error = error.message
-        if error.error_type == "overloaded_error":
-            self.refusals.refused(error.code, error.message)
+        code = error.code
+        if code.error_type == "overloaded_error":
+            self.refusals.refused(code, error.message)
         elif error.status >= 500:
-            said = f"{error.status} {error.code} for {_request_id(request)}: {error.message}"
-            self.refusals.throttle.emit(error.code, LogLevel.error, said)
-        if error.retry_after is not None:
-            request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
-        body = for_route(request.path, error.status, error.message, error.error_type, error.code)
-        return json_answer(request, error.status, body)
+            said = f"{error.status} {code.value} for {_request_id(request)}: {error.message}"
+            self.refusals.throttle.emit(code.value, LogLevel.error, said)
+        return json_answer(request, error)
 
     @app.handle_errors(PrefillRefused)
     def prefill_refused(self, request: IRequest, failure: Failure) -> bytes:
@@ -313,25 +317,22 @@ class ProxyApp:
     def httpjson_answer(self, request: IRequest, failure: Failure) -> bytes:
         http_error = failure.value
         assert isinstance(http_error, HTTPException)
-        status = http_error.code or 500
+        code = _ROUTING_CODES.get(http_error.code or 500)
+        if code is None:  # none the router raises today: not the client's doing
+            return self.unexpected(request, failure)
         for name, value in http_error.get_response().headers:
             if name.lower() == "allow":
                 request.setHeader(b"Allow", value.encode("ascii"))
         method = request.method.decode("ascii", "replace")
         path = request.path.decode("utf-8", "replace")
-        message = f"{method} {path}: {http_error.name}"
-        code = http_error.name.lower().replace(" ", "_")
-        body = for_route(request.path, status, message, "invalid_request_error", code)
-        return json_answer(request, status, body)
+        return json_answer(request, ProxyError(code, f"{method} {path}: {http_error.name}"))
 
     @app.handle_errors(Exception)
     def unexpected(self, request: IRequest, failure: Failure) -> bytes:
         log.failure("unexpected error serving {path}", failure, path=request.path)
         message = "the proxy failed unexpectedly; see its log"
         record_of(request).error = f"{message}: {failure.getErrorMessage()}"
-        return json_answer(
-            request, 500, for_route(request.path, 500, message, "proxy_error", "internal_error")
-        )
+        return json_answer(request, ProxyError(ErrorCode.INTERNAL_ERROR, message))
 
 
 def _request_id(request: IRequest) -> str | None:

@@ -16,7 +16,8 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from werkzeug.exceptions import BadHost
 
-from nixl_twisted.protocol.errors import for_route, json_answer
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError, json_answer
 
 #: ``uri-host [":" port]`` (RFC 3986 section 3.2.2): an IP literal, or a
 #: reg-name (IPv4 included) of unreserved, percent-encoded and sub-delim
@@ -54,16 +55,17 @@ class FrontDoor(Resource):
         try:
             unquote_to_bytes(request.path).decode("utf-8")
         except UnicodeDecodeError:
-            return _refuse(request, "the request URL is not valid UTF-8", "invalid_url")
+            return _refuse(request, ErrorCode.INVALID_URL, "the request URL is not valid UTF-8")
         problem = host_problem(request)
         if problem is not None:
-            return _refuse(request, problem, "invalid_host")
+            return _refuse(request, ErrorCode.INVALID_HOST, problem)
         try:
             return self._app.render(request)
         except BadHost:  # a name Werkzeug will not bind to (IDNA), past the syntax above
-            return _refuse(request, "the Host header is not a valid host name", "invalid_host")
+            return _refuse(
+                request, ErrorCode.INVALID_HOST, "the Host header is not a valid host name"
+            )
 
 
-def _refuse(request: IRequest, message: str, code: str) -> bytes:
-    body = for_route(request.path, 400, message, "invalid_request_error", code)
-    return json_answer(request, 400, body)
+def _refuse(request: IRequest, code: ErrorCode, message: str) -> bytes:
+    return json_answer(request, ProxyError(code, message))

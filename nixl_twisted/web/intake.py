@@ -14,6 +14,7 @@ from twisted.web.server import Request
 
 from nixl_twisted import __version__
 from nixl_twisted.observe.access import AccessLog, record_of
+from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.web.deadlines import ClientLimits
 
 
@@ -24,19 +25,15 @@ class Intake(Protocol):
     body_budget: BodyBudget | None
     access_log: AccessLog | None
 
-    def refused(self, reason: str, message: str) -> None: ...
+    def refused(self, reason: ErrorCode, message: str) -> None: ...
 
 
 class Refusing(Protocol):
     """What a request needs of its channel: answering a refusal before any resource ran."""
 
-    def refuse(
-        self, status: bytes, message: str, code: str, kind: str = ..., headers: bytes = ...
-    ) -> None: ...
+    def refuse(self, code: ErrorCode, message: str, headers: bytes = ...) -> None: ...
 
-    def answer_early(
-        self, status: bytes, message: str, code: str, kind: str, headers: bytes = ...
-    ) -> None: ...
+    def answer_early(self, code: ErrorCode, message: str, headers: bytes = ...) -> None: ...
 
 
 #: The ``Server`` header of every answer.
@@ -150,20 +147,19 @@ class LimitedRequest(Request):
     def _refuse_too_large(self) -> None:
         limit = self._site().limits.max_body_size
         message = f"request body is larger than the proxy's limit of {limit} bytes"
-        self._site().refused("request_too_large", message)
+        self._site().refused(ErrorCode.REQUEST_TOO_LARGE, message)
         self._refused = True
         self._no_continue()
-        self._channel().refuse(b"413 Payload Too Large", message, "request_too_large")
+        self._channel().refuse(ErrorCode.REQUEST_TOO_LARGE, message)
 
     def _refuse_busy(self) -> None:
         message = "the proxy holds as many request bodies as it may now; try again shortly"
-        self._site().refused("request_bodies_buffer_full", message)
+        self._site().refused(ErrorCode.REQUEST_BODIES_BUFFER_FULL, message)
         # A client that waits for 100 Continue sends no body to read: close.
         self._refused, self._discarding = True, not self._no_continue()
         channel = self._channel()
         answer = channel.answer_early if self._discarding else channel.refuse
-        answer(b"503 Service Unavailable", message, "request_bodies_buffer_full",
-               "overloaded_error", b"Retry-After: 1\r\n")  # fmt: skip
+        answer(ErrorCode.REQUEST_BODIES_BUFFER_FULL, message, b"Retry-After: 1\r\n")
 
     def _no_continue(self) -> bool:
         """Refused: no ``100 Continue`` may follow; True if the client was waiting for one.

@@ -26,9 +26,21 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.observe.access import AccessLog
 from nixl_twisted.observe.refusals import Refusals
+from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import error_body
 from nixl_twisted.web.deadlines import ClientLimits, RequestDeadlines
 from nixl_twisted.web.intake import BodyBudget, LimitedRequest
+
+#: The status lines of the answers written before any resource ran.
+_STATUS_LINES = {
+    400: b"400 Bad Request",
+    408: b"408 Request Timeout",
+    413: b"413 Payload Too Large",
+    431: b"431 Request Header Fields Too Large",
+    503: b"503 Service Unavailable",
+}
+#: A deadline that passed (``RequestDeadlines.awaiting``), as the client is told it.
+_TIMEOUTS = {"header": ErrorCode.HEADER_TIMEOUT, "body": ErrorCode.BODY_TIMEOUT}
 
 
 class _TrackedChannel(HTTPChannel):
@@ -86,54 +98,44 @@ class _TrackedChannel(HTTPChannel):
         self._deadlines.done()
         limits = self.factory.limits
         seconds = limits.header_timeout if what == "header" else limits.body_timeout
-        code = f"{what}_timeout"
+        code = _TIMEOUTS[what]
         if self.requests and isinstance(self.requests[-1], LimitedRequest):
             self.requests[-1]._refused = True  # no access event: it never arrived
         self.factory.refused(code, f"a request's {what} took longer than {seconds:g} s")
         self.refuse(
-            b"408 Request Timeout",
+            code,
             f"the request's {what} did not arrive in time ({seconds:g} s"
             + (f", extended by 1 s per {limits.body_min_rate} bytes" if what == "body" and
                limits.body_min_rate else "") + ")",
-            code,
         )  # fmt: skip
 
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request line or header line too long: 431, not a silent close."""
         self.refuse(
-            b"431 Request Header Fields Too Large",
+            ErrorCode.REQUEST_HEADER_TOO_LARGE,
             "a request line or header is longer than the proxy accepts",
-            "request_header_too_large",
         )
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted's answer to a malformed request line or header has no
         # body; ours is the OpenAI error body every other refusal has.
         # (A private hook: the fuzz tests notice if Twisted renames it.)
-        self.refuse(b"400 Bad Request", "malformed HTTP request", "malformed_request")
+        self.refuse(ErrorCode.MALFORMED_REQUEST, "malformed HTTP request")
 
-    def refuse(
-        self,
-        status: bytes,
-        message: str,
-        code: str,
-        kind: str = "invalid_request_error",
-        headers: bytes = b"",
-    ) -> None:
+    def refuse(self, code: ErrorCode, message: str, headers: bytes = b"") -> None:
         """Answer an OpenAI error body before any resource ran, and close."""
-        self.answer_early(status, message, code, kind, headers)
+        self.answer_early(code, message, headers)
         self.loseConnection()
 
-    def answer_early(
-        self, status: bytes, message: str, code: str, kind: str, headers: bytes = b""
-    ) -> None:
+    def answer_early(self, code: ErrorCode, message: str, headers: bytes = b"") -> None:
         """Write an OpenAI error answer (``Connection: close``) before any resource ran."""
-        body = error_body(message, kind, code)
+        assert code.status is not None
+        body = error_body(message, code)
         if self.transport is not None:
             self.transport.write(
                 b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n%s"
                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-                % (status, headers, len(body), body)
+                % (_STATUS_LINES[code.status], headers, len(body), body)
             )
 
     def connectionLost(self, reason: Failure) -> None:  # type: ignore[override]
@@ -188,7 +190,7 @@ class TrackingSite(Site):
         if self.access_log is not None:
             self.access_log.emit = config.access_log
 
-    def refused(self, reason: str, message: str) -> None:
+    def refused(self, reason: ErrorCode, message: str) -> None:
         """Count (and maybe log) a refusal made before the app saw the request."""
         if self.refusals is not None:
             self.refusals.refused(reason, message)
@@ -235,9 +237,8 @@ class TrackingSite(Site):
         if len(self._open) <= limit:
             return True
         message = f"the proxy has as many client connections open as it may ({limit}); retry"
-        self.refused("too_many_connections", message)
-        channel.refuse(b"503 Service Unavailable", message, "too_many_connections",
-                       "overloaded_error", b"Retry-After: 1\r\n")  # fmt: skip
+        self.refused(ErrorCode.TOO_MANY_CONNECTIONS, message)
+        channel.refuse(ErrorCode.TOO_MANY_CONNECTIONS, message, b"Retry-After: 1\r\n")
         return False
 
     def _closed(self, channel: _TrackedChannel) -> None:

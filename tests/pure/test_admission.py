@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.web.admission import Admission
 
@@ -14,7 +15,10 @@ def test_past_the_limit_is_a_503_and_a_release_makes_room() -> None:
     admission.admit()
     with pytest.raises(ProxyError) as refused:
         admission.admit()
-    assert (refused.value.status, refused.value.code) == (503, "too_many_requests_in_flight")
+    assert (refused.value.status, refused.value.code) == (
+        503,
+        ErrorCode.TOO_MANY_REQUESTS_IN_FLIGHT,
+    )
     assert admission.release("passed on") == "passed on"
     admission.admit()
     assert admission.in_flight == 2

@@ -14,7 +14,10 @@ from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.exchange.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace
-from nixl_twisted.protocol.errors import bad_gateway
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
+
+DOWN = ErrorCode.PREFILL_UNREACHABLE
 
 
 @pytest.mark.parametrize(
@@ -51,7 +54,7 @@ def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
         seen.append(instance)
         assert instance.in_flight == 1  # held while it serves
         if instance.url == "http://a:1":
-            raise Retry(bad_gateway("a is down", "prefill_unreachable"), "unreachable", "refused")
+            raise Retry(ProxyError(DOWN, "a is down"), "unreachable", "refused")
         return succeed("answer")
 
     lease, value = run(send_leg(backends, 2, ProxyMetrics(), attempt))
@@ -68,7 +71,7 @@ def test_when_every_instance_failed_the_last_error_is_the_answer() -> None:
     backends = pool("a", "b")
 
     def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
-        raise Retry(bad_gateway(f"{instance.url} is down", "prefill_unreachable"), "x", "y")
+        raise Retry(ProxyError(DOWN, f"{instance.url} is down"), "x", "y")
 
     failure = run(send_leg(backends, 5, ProxyMetrics(), attempt))
     assert "http://b:1 is down" in str(failure.value)
@@ -93,7 +96,7 @@ def test_go_on_stops_the_retries() -> None:
 
     def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         calls.append(instance)
-        raise Retry(bad_gateway("down", "prefill_unreachable"), "x", "y")
+        raise Retry(ProxyError(DOWN, "down"), "x", "y")
 
     failure = run(send_leg(backends, 2, ProxyMetrics(), attempt, go_on=lambda: not calls))
     assert failure.check(CancelledError)

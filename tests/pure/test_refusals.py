@@ -12,6 +12,7 @@ from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublish
 from zope.interface import provider
 
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
+from nixl_twisted.protocol.codes import ErrorCode
 
 
 @pytest.fixture
@@ -33,8 +34,8 @@ def test_a_burst_is_one_line_then_one_line_with_its_count(lines: list[dict[str, 
     counter = Counter("refused", "", ["reason"], registry=CollectorRegistry())
     refusals = Refusals(counter, LogThrottle(clock))
     for _ in range(1000):
-        refusals.refused("too_many_requests_in_flight", "at the limit")
-    refusals.refused("draining", "stopping")
+        refusals.refused(ErrorCode.TOO_MANY_REQUESTS_IN_FLIGHT, "at the limit")
+    refusals.refused(ErrorCode.DRAINING, "stopping")
     assert [formatEvent(e) for e in lines] == [
         "refused (too_many_requests_in_flight): at the limit",
         "refused (draining): stopping",
@@ -48,7 +49,7 @@ def test_a_burst_is_one_line_then_one_line_with_its_count(lines: list[dict[str, 
     assert counter.labels("too_many_requests_in_flight")._value.get() == 1000
     clock.advance(1)
     assert len(lines) == 3
-    refusals.refused("too_many_requests_in_flight", "again")  # a new burst: said at once
+    refusals.refused(ErrorCode.TOO_MANY_REQUESTS_IN_FLIGHT, "again")  # a new burst: said at once
     assert formatEvent(lines[-1]) == "refused (too_many_requests_in_flight): again"
 
 
