@@ -47,7 +47,11 @@ CONCURRENCY = 8
 
 
 class PartRequest:
-    """What an exchange writes to, for one prompt of a batch: collected, not sent."""
+    """What an exchange writes to, for one prompt of a batch: collected, not sent.
+
+    An ``ExchangeRequest``, as the client's own request is: the type checker
+    holds it to what the exchange reads and writes.
+    """
 
     def getHeader(self, name: bytes) -> bytes | None:
         return self._client.getHeader(name)

@@ -3,7 +3,8 @@
 The relay registers the backend socket as a push producer on the client's
 request, so a client that reads slowly pauses the backend instead of growing
 the proxy's memory. ``break_off`` ends a response whose backend broke off so
-that the client can tell it is incomplete.
+that the client can tell it is incomplete. What they write to is an
+``ExchangeRequest``: the client's own request, or one prompt of a batch.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from twisted.python.failure import Failure
 from twisted.web.client import UNKNOWN_LENGTH, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IRequest, IResponse
-from twisted.web.server import Request
 
+from nixl_twisted.exchange.request import ExchangeRequest, connected
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import stream_error_event
 from nixl_twisted.protocol.headers import client_response_headers
@@ -41,7 +42,7 @@ class _BodyRelay(Protocol):
 
     def __init__(
         self,
-        request: Request,
+        request: ExchangeRequest,
         finished: Deferred[None],
         clock: IReactorTime,
         idle_timeout: float | None,
@@ -62,8 +63,9 @@ class _BodyRelay(Protocol):
         self._timer: IDelayedCall | None = None
 
     def connectionMade(self) -> None:
-        if self._request.channel is not None:
-            self._request.registerProducer(self.transport, True)
+        client = connected(self._request)
+        if client is not None:
+            client.registerProducer(self.transport, True)
         self._restart_timer()
 
     def dataReceived(self, data: bytes) -> None:
@@ -100,8 +102,9 @@ class _BodyRelay(Protocol):
     def connectionLost(self, reason: Failure = _DONE) -> None:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
-        if self._request.channel is not None and self._request.producer is not None:
-            self._request.unregisterProducer()
+        client = connected(self._request)
+        if client is not None and client.producer is not None:
+            client.unregisterProducer()
         if self._on_end is not None:
             self._on_end(self._before_last + self._last)
         if self._finished.called:
@@ -112,7 +115,7 @@ class _BodyRelay(Protocol):
             self._finished.errback(reason)
 
 
-def start_response(request: IRequest, response: IResponse) -> None:
+def start_response(request: IRequest | ExchangeRequest, response: IResponse) -> None:
     """Give the client the backend's status and end-to-end headers.
 
     ``Content-Length`` comes from what the body will really be: a length the
@@ -129,7 +132,7 @@ def start_response(request: IRequest, response: IResponse) -> None:
 
 
 def relay_body(
-    request: Request,
+    request: ExchangeRequest,
     response: IResponse,
     clock: IReactorTime,
     idle_timeout: float | None,
@@ -162,20 +165,20 @@ def abandon(response: IResponse) -> None:
     response.deliverBody(_Discard())
 
 
-async def break_off(request: Request, message: str, code: ErrorCode) -> None:
+async def break_off(request: ExchangeRequest, message: str, code: ErrorCode) -> None:
     """End a response whose backend body broke off, so the client can tell.
 
     An event stream gets an in-band error event first. Then the connection
     is closed without the final chunk (or short of the announced length),
     and Klein must not finish the request as if it were complete.
     """
-    channel = request.channel
-    if channel is None:
+    client = connected(request)
+    if client is None:
         return
-    content_type = request.responseHeaders.getRawHeaders(b"content-type", [b""])[0]
+    content_type = client.responseHeaders.getRawHeaders(b"content-type", [b""])[0]
     if content_type.startswith(b"text/event-stream"):
-        request.write(stream_error_event(request.path, message, code))
-    lost = request.notifyFinish()
-    channel.loseConnection()
+        client.write(stream_error_event(client.path, message, code))
+    lost = client.notifyFinish()
+    client.channel.loseConnection()
     with contextlib.suppress(Exception):
         await lost
