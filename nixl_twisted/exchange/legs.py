@@ -1,38 +1,46 @@
 """One leg over a pool: choose an instance, hold it, send, and try another when it failed.
 
-``send_leg`` serves the prefill leg, the decode leg and the single-leg
-routes (``/v1/models``) alike. An attempt raises ``Retry`` when the instance,
+``send_leg`` serves every leg: prefill, decode, the single-leg routes, the
+Responses API's follow-ups. An attempt raises ``Retry`` when the instance,
 not the request, failed (nothing usable was answered): the instance is
 accounted for, its lease released, and the next instance tried, up to the
-leg's retries. Any other outcome ends the leg. What a prefill status means
-is decided in one place, :func:`classify_prefill`; a leg's outcome and the
-gap between the two legs are counted here too (:func:`account`,
-:func:`note_handoff`).
+leg's retries (``Elsewhere``: it answered, but what the leg wants is on
+another). Any other outcome ends the leg. One attempt of a decode leg is
+:meth:`Legs.decode_attempt`; what a prefill status means, :func:`classify_prefill`;
+a leg's outcome and the gap between the two legs are counted here too.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
+from nixl_twisted.backends.service import BackendService
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import codes
 from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.headers import for_rank
 
 log = Logger()
 
 T = TypeVar("T")
+
+#: Which instance serves a leg's next attempt, and why, given those already tried.
+Choose = Callable[[Sequence[Instance]], tuple[Instance, str]]
 
 
 class Retry(Exception):
@@ -44,6 +52,17 @@ class Retry(Exception):
         self.error = error
         self.outcome = outcome
         self.down = down
+
+
+class Elsewhere(Exception):
+    """The instance answered, but what the leg wants is on another: the next is asked.
+
+    Unlike ``Retry``, nothing counts against the instance: it did its job.
+    """
+
+    def __init__(self, outcome: str) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
 
 
 class PrefillRefused(Exception):
@@ -129,6 +148,28 @@ def hold(
     return lease, leg
 
 
+def by_policy(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING) -> Choose:
+    """The pool's policy chooses among the instances not tried yet (``NoHealthyInstance``: none).
+
+    Counted: a choice after the first as a retry, a leg sent in panic, the decision.
+    """
+
+    def choose(tried: Sequence[Instance]) -> tuple[Instance, str]:
+        if tried:
+            metrics.retries.labels(pool.role).inc()
+        instance, decision = pool.choose(exclude=tried, routing=routing)
+        if pool.panicking:
+            metrics.panic_legs.labels(pool.role).inc()
+        metrics.child(metrics.routing_decisions, pool.role, pool.policy_name, decision).inc()
+        return instance, decision
+
+    return choose
+
+
+def _answered(_: object) -> str:
+    return "answered"
+
+
 async def send_leg(
     pool: BackendPool,
     retries: int,
@@ -138,35 +179,35 @@ async def send_leg(
     routing: Routing = NO_ROUTING,
     trace: RequestTrace = NO_TRACE,
     record: AccessRecord | None = None,
+    choose: Choose | None = None,
+    answered: Callable[[T], str] = _answered,
 ) -> tuple[Lease, T]:
-    """Run ``attempt`` on the pool's next instances until one does not ``Retry``.
+    """Run ``attempt`` on the pool's next instances until one serves the leg.
 
     Returns the lease of the instance that served the leg (the caller
     releases it when the leg is over, a relay included) and what the attempt
     returned. ``go_on`` is asked before each attempt: when it says no, the
-    leg ends with ``CancelledError``. Each attempt is its own span of
-    ``trace`` (a retry is a sibling), handed to ``attempt`` for its headers,
-    and one of ``record``'s attempts (instance, outcome).
+    leg ends with ``CancelledError``. ``choose`` picks each instance (by
+    default the pool's policy, on ``routing``). Each attempt is its own span
+    of ``trace`` (a retry is a sibling), handed to ``attempt`` for its
+    headers, and one of ``record``'s attempts (instance, outcome; a served
+    one's outcome is what ``answered`` says of it).
     """
     noted = record.attempted if record is not None else _not_noted
+    choose = choose if choose is not None else by_policy(pool, metrics, routing)
     tried: list[Instance] = []
     last: ProxyError | None = None
     for number in range(1, 2 + retries):
         if not go_on():
             raise CancelledError()
-        if tried:
-            metrics.retries.labels(pool.role).inc()
         try:
-            instance, decision = pool.choose(exclude=tried, routing=routing)
+            instance, decision = choose(tried)
         except NoHealthyInstance as error:
             raise (last or unavailable(error)) from None
-        if pool.panicking:
-            metrics.panic_legs.labels(pool.role).inc()
-        metrics.child(metrics.routing_decisions, pool.role, pool.policy_name, decision).inc()
         tried.append(instance)
         lease, leg = hold(pool, instance, decision, trace, number)
         try:
-            served = lease, await attempt(instance, leg)
+            served = await attempt(instance, leg)
         except Retry as retry:
             leg.fail(f"{retry.down}; another instance is tried" if number <= retries
                      else retry.down)  # fmt: skip
@@ -174,16 +215,88 @@ async def send_leg(
             account(metrics, pool, instance, retry.outcome, retry.down)
             noted(pool.role, instance.url, retry.outcome, number > 1)
             last = retry.error
+        except Elsewhere as elsewhere:
+            lease.release()
+            noted(pool.role, instance.url, elsewhere.outcome, number > 1)
         except BaseException as error:
             leg.fail(describe(error))
             lease.release()
             noted(pool.role, instance.url, outcome_of(error), number > 1)
             raise
         else:
-            noted(pool.role, instance.url, "answered", number > 1)
-            return served
-    assert last is not None
+            noted(pool.role, instance.url, answered(served), number > 1)
+            return lease, served
+    assert last is not None, "the last attempt of a leg was sent Elsewhere"
     raise last
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """What a decode leg sends, the same to whichever instance serves it."""
+
+    #: The path and query, after the instance's base URL.
+    target: str
+    #: The JSON body to POST; None: a GET.
+    body: bytes | None
+    headers: Headers
+    #: Seconds for decode's response headers (``--decode-timeout``).
+    timeout: float
+
+
+def _as_it_is(waiting: Deferred[IResponse]) -> Deferred[IResponse]:
+    return waiting
+
+
+class Legs:
+    """What the proxy sends every leg with, and the one attempt of a decode leg.
+
+    Both pools and their HTTP client, the clock, the metrics: the same for
+    every request, made once and shared by ``OneLeg`` and every ``Exchange``.
+    """
+
+    def __init__(
+        self, backends: BackendService, clock: IReactorTime, metrics: ProxyMetrics
+    ) -> None:
+        self.backends = backends
+        self.clock = clock
+        self.metrics = metrics
+
+    async def decode_attempt(
+        self,
+        instance: Instance,
+        leg: LegTrace,
+        request: DecodeRequest,
+        record: AccessRecord,
+        track: Callable[[Deferred[IResponse]], Deferred[IResponse]] = _as_it_is,
+    ) -> IResponse:
+        """``request`` to ``instance``, and its response headers; the body is the caller's.
+
+        A completion's decode leg and the single-leg routes alike. ``track``
+        is shown what is awaited (to cancel it). No headers within the
+        timeout: a 504, counted against the instance. Unreachable: a
+        ``Retry`` (nothing reached the client, another instance may serve).
+        """
+        record.decode = instance.url
+        url = instance.base + request.target
+        headers = leg.headers(url, for_rank(request.headers, instance.rank))
+        upstream = self.backends.upstream
+        sent = (upstream.get(url, headers) if request.body is None
+                else upstream.post(url, request.body, headers))  # fmt: skip
+        pool = self.backends.decode
+        try:
+            response = await track(sent.addTimeout(request.timeout, self.clock))
+        except TimeoutError:
+            account(self.metrics, pool, instance, "timeout", "decode timed out")
+            raise timed_out(instance, request.timeout) from None
+        except CancelledError:
+            raise
+        except Exception as error:
+            raise unreachable(instance, error) from None
+        leg.answered(response.code)
+        # An answer, even an error (a KV-load failure is a 500), shows the
+        # instance is up: only silence and refusals take it out.
+        account(self.metrics, pool, instance, "answered" if response.code < 400 else "error_status")
+        return response
 
 
 def outcome_of(error: BaseException) -> str:

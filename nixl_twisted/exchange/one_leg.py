@@ -10,54 +10,63 @@ the proxy's to set, never the client's: it is dropped before the leg.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
-from twisted.internet.defer import CancelledError, TimeoutError
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.backends.pools import Lease
-from nixl_twisted.backends.service import BackendService
+from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.legs import (
-    Retry,
-    account,
-    describe,
-    hold,
-    outcome_of,
-    send_leg,
-    timed_out,
-    unreachable,
-)
+from nixl_twisted.exchange.legs import DecodeRequest, Elsewhere, Legs, describe, send_leg
 from nixl_twisted.exchange.relay import abandon, break_off, relay_body, start_response
 from nixl_twisted.observe.access import record_of
-from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers, for_rank
+from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers
 
 log = Logger()
+
+
+class HolderFirst:
+    """A follow-up's instances: the one that holds the response first, then every other.
+
+    Down and draining instances are asked too: what they stored is still
+    theirs. None of it is a policy's choice: no routing decision is counted.
+    """
+
+    def __init__(self, pool: BackendPool, holder: str | None) -> None:
+        self.holder = holder
+        self.order = sorted(pool.instances, key=lambda instance: instance.url != holder)
+        #: Instances not asked yet, once the next is chosen.
+        self.left = len(self.order)
+
+    @property
+    def retries(self) -> int:
+        """Instances asked after the first."""
+        return max(len(self.order) - 1, 0)
+
+    def __call__(self, tried: Sequence[Instance]) -> tuple[Instance, str]:
+        if len(tried) >= len(self.order):  # (a pool is never empty: for completeness)
+            raise ProxyError(ErrorCode.NOT_FOUND, "no decode instance holds it")
+        instance = self.order[len(tried)]
+        self.left = len(self.order) - len(tried) - 1
+        return instance, "holder" if instance.url == self.holder else "asked"
 
 
 class OneLeg:
     """Serves a single-leg route: the request to the next decode instance, its answer back."""
 
-    def __init__(
-        self,
-        config: ProxyConfig,
-        backends: BackendService,
-        metrics: ProxyMetrics,
-        clock: IReactorTime,
-    ) -> None:
+    def __init__(self, config: ProxyConfig, legs: Legs) -> None:
         self.config = config
-        self.backends = backends
-        self.metrics = metrics
-        self.clock = clock
+        self.legs = legs
+        self.backends = legs.backends
+        self.metrics = legs.metrics
+        self.clock = legs.clock
 
     async def serve(
         self, request: Request, path: str, body: bytes | None, trace: RequestTrace
@@ -82,44 +91,24 @@ class OneLeg:
         """Relay to the instance that holds the resource (``first``), else ask each in turn.
 
         An instance that answers 404 does not hold it: the next is asked, and
-        the last one's answer is the client's. Down and draining instances are
-        asked too: what they stored is still theirs.
+        the last one's answer is the client's.
         """
         attempt = self._attempt(request, path, body)
-        pool = self.backends.decode
-        order = sorted(pool.instances, key=lambda instance: instance.url != first)
-        record = record_of(request)
-        last: Exception | None = None
-        for index, instance in enumerate(order):
-            left = len(order) - 1 - index
-            decision = "holder" if instance.url == first else "asked"
-            lease, leg = hold(pool, instance, decision, trace, index + 1)
-            try:
-                response, _ = await attempt(instance, leg)
-            except Retry as retry:
-                leg.fail(retry.down)
-                lease.release()
-                account(self.metrics, pool, instance, retry.outcome, retry.down)
-                record.attempted("decode", instance.url, retry.outcome, index > 0)
-                last = retry.error
-                continue
-            except BaseException as error:
-                leg.fail(describe(error))
-                lease.release()
-                record.attempted("decode", instance.url, outcome_of(error), index > 0)
-                raise
-            record.attempted("decode", instance.url, f"answered_{response.code}", index > 0)
-            if response.code == 404 and left > 0:
+        asking = HolderFirst(self.backends.decode, first)
+
+        async def ask(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
+            response, leg = await attempt(instance, leg)
+            if response.code == 404 and asking.left > 0:
                 abandon(response)
-                lease.release()
-                continue
-            await self._relay(request, path, lease, response, leg)
-            return
-        raise (
-            last
-            if last is not None
-            else ProxyError(ErrorCode.NOT_FOUND, "no decode instance holds it")
-        )
+                raise Elsewhere("answered_404")
+            return response, leg
+
+        lease, (response, leg) = await send_leg(
+            self.backends.decode, asking.retries, self.metrics, ask, trace=trace,
+            record=record_of(request), choose=asking,
+            answered=lambda served: f"answered_{served[0].code}",
+        )  # fmt: skip
+        await self._relay(request, path, lease, response, leg)
 
     def _attempt(
         self, request: Request, path: str, body: bytes | None
@@ -127,7 +116,8 @@ class OneLeg:
         """One attempt at the leg: decode's response, and the span it goes on in."""
         request_id = lowering.new_request_id()
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
-        record_of(request).request_id = request_id
+        record = record_of(request)
+        record.request_id = request_id
         raw: bytes | None = None
         if body is not None:
             parsed = lowering.parse_client_body(body)  # a 400 before any backend
@@ -137,28 +127,10 @@ class OneLeg:
             request.requestHeaders, request_id, self.config.backend_api_key,
             json_body=raw is not None,
         )  # fmt: skip
-        timeout = self.config.timeouts.decode
-        upstream = self.backends.upstream
-        pool = self.backends.decode
+        sent = DecodeRequest(path, raw, headers, self.config.timeouts.decode)
 
         async def attempt(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
-            record_of(request).decode = instance.url
-            url = instance.base + path
-            ranked = leg.headers(url, for_rank(headers, instance.rank))
-            sent = upstream.get(url, ranked) if raw is None else upstream.post(url, raw, ranked)
-            try:
-                response = await sent.addTimeout(timeout, self.clock)
-            except TimeoutError:
-                account(self.metrics, pool, instance, "timeout", "decode timed out")
-                raise timed_out(instance, timeout) from None
-            except CancelledError:
-                raise
-            except Exception as error:
-                raise unreachable(instance, error) from None
-            outcome = "answered" if response.code < 400 else "error_status"
-            account(self.metrics, pool, instance, outcome)
-            leg.answered(response.code)
-            return response, leg
+            return await self.legs.decode_attempt(instance, leg, sent, record), leg
 
         return attempt
 

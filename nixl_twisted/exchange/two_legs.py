@@ -14,7 +14,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError, ensureDeferred
-from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
@@ -24,11 +23,12 @@ from twisted.web.server import Request
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
-from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import read_body
 from nixl_twisted.config import Retries, Timeouts
 from nixl_twisted.events import Happened
 from nixl_twisted.exchange.legs import (
+    DecodeRequest,
+    Legs,
     PrefillRefused,
     PrefillVerdict,
     Retry,
@@ -48,7 +48,6 @@ from nixl_twisted.exchange.relay import (
     start_response,
 )
 from nixl_twisted.observe.access import record_of
-from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
@@ -72,11 +71,9 @@ class Exchange:
         body: lowering.JSONObject,
         request_id: str,
         headers: Headers,
-        backends: BackendService,
+        legs: Legs,
         timeouts: Timeouts,
         retries: Retries,
-        clock: IReactorTime,
-        metrics: ProxyMetrics,
         routing: Routing = NO_ROUTING,
         watch: Callable[[str], Callable[[bytes], bool]] | None = None,
         trace: RequestTrace = NO_TRACE,
@@ -87,11 +84,12 @@ class Exchange:
         self.body = body
         self.request_id = request_id
         self.headers = headers
-        self.backends = backends
+        self.legs = legs
+        self.backends = legs.backends
         self.timeouts = timeouts
         self.retries = retries
-        self.clock = clock
-        self.metrics = metrics
+        self.clock = legs.clock
+        self.metrics = legs.metrics
         self.record = record_of(request)
         self.routing = routing
         #: Given the decode instance, what watches its answer pass (the Responses ids).
@@ -180,7 +178,12 @@ class Exchange:
     async def _legs(self) -> None:
         params = await self._prefill_leg()
         self._enter(Phase.HANDOFF)
-        completed = lowering.encode(lowering.decode_body(self.body, params))
+        completed = DecodeRequest(
+            self.target,
+            lowering.encode(lowering.decode_body(self.body, params)),
+            self.headers,
+            self.timeouts.decode,
+        )
         decode, response = await send_leg(
             self.backends.decode, self.retries.decode, self.metrics,
             lambda instance, leg: self._decode(instance, leg, completed),
@@ -279,30 +282,15 @@ class Exchange:
             raise PrefillRefused(response, answer) if verdict is PrefillVerdict.REFUSED else failed
         return answer
 
-    async def _decode(self, instance: Instance, leg: LegTrace, completed: bytes) -> IResponse:
-        self.record.decode = instance.url
+    async def _decode(
+        self, instance: Instance, leg: LegTrace, completed: DecodeRequest
+    ) -> IResponse:
         self._leg = leg
         self._decode_sent = self.clock.seconds()
-        url = instance.base + self.target
-        posting = self.backends.upstream.post(
-            url, completed, leg.headers(url, for_rank(self.headers, instance.rank))
+        response = await self.legs.decode_attempt(
+            instance, leg, completed, self.record, self._track
         )
-        try:
-            response = await self._track(posting.addTimeout(self.timeouts.decode, self.clock))
-        except TimeoutError:
-            account(self.metrics, self.backends.decode, instance, "timeout", "decode timed out")
-            raise timed_out(instance, self.timeouts.decode) from None
-        except CancelledError:
-            raise
-        except Exception as error:
-            # Nothing reached the client yet: the same params may go to another instance.
-            raise unreachable(instance, error) from None
         self._handoff_gap(instance)
-        leg.answered(response.code)
-        # An answer, even an error (a KV-load failure is a 500), shows the
-        # instance is up: only silence and refusals take it out.
-        outcome = "answered" if response.code < 400 else "error_status"
-        account(self.metrics, self.backends.decode, instance, outcome)
         self.record.decode_status = response.code
         return response
 

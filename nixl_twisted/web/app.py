@@ -25,7 +25,7 @@ from werkzeug.exceptions import HTTPException, NotFound
 from nixl_twisted.backends.service import BackendService, routing
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.batch import Batch, PartRequest
-from nixl_twisted.exchange.legs import PrefillRefused
+from nixl_twisted.exchange.legs import Legs, PrefillRefused
 from nixl_twisted.exchange.one_leg import OneLeg
 from nixl_twisted.exchange.relay import start_response
 from nixl_twisted.exchange.responses import ResponseDirectory
@@ -81,7 +81,9 @@ class ProxyApp:
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
-        self.one_leg = OneLeg(config, backends, metrics, clock)
+        #: What every leg is sent with, made once.
+        self.legs = Legs(backends, clock, metrics)
+        self.one_leg = OneLeg(config, self.legs)
         #: Which decode instance produced each Responses API response.
         self.responses_seen = ResponseDirectory()
         self.admission.on_change = self.metrics.in_flight.set
@@ -257,8 +259,8 @@ class ProxyApp:
         )
         route_on = self._routing(request, body)
         exchange = Exchange(
-            request, path, body, request_id, headers, self.backends,  # type: ignore[arg-type]
-            config.timeouts, config.retries, self.clock, self.metrics, route_on,
+            request, path, body, request_id, headers, self.legs,  # type: ignore[arg-type]
+            config.timeouts, config.retries, route_on,
             self.responses_seen.watcher if path == routes.RESPONSES else None, trace,
         )  # fmt: skip
         self.exchanges.add(exchange)

@@ -123,3 +123,82 @@ def test_a_handoff_gap_past_the_warning_is_counted_and_logged() -> None:
     registry = metrics.registry
     assert registry.get_sample_value("nixlproxy_handoff_gap_seconds_count") == 2
     assert registry.get_sample_value("nixlproxy_handoff_gap_over_warning_total") == 1
+
+
+def test_a_leg_sent_elsewhere_asks_the_next_and_counts_nothing_against_the_first() -> None:
+    from nixl_twisted.exchange.legs import Elsewhere
+    from nixl_twisted.observe.access import AccessRecord
+
+    backends = pool("a", "b")
+    record = AccessRecord()
+
+    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+        if instance.url == "http://a:1":
+            raise Elsewhere("answered_404")
+        return succeed("held here")
+
+    lease, value = run(send_leg(backends, 1, ProxyMetrics(), attempt, record=record,
+                                answered=lambda got: f"answered_{got}"))  # fmt: skip
+    assert value == "held here" and lease.instance.url == "http://b:1"
+    a, _ = backends.instances
+    assert (a.in_flight, a.failures, a.healthy) == (0, 0, True)
+    assert record.attempts == [("prefill", "http://a:1", "answered_404"),
+                               ("prefill", "http://b:1", "answered_held here")]  # fmt: skip
+    assert record.retried
+
+
+def test_a_leg_chooses_by_the_pools_policy_and_counts_each_choice() -> None:
+    backends = pool("a", "b")
+    metrics = ProxyMetrics()
+
+    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+        if instance.url == "http://a:1":
+            raise Retry(ProxyError(DOWN, "a is down"), "unreachable", "refused")
+        return succeed("answer")
+
+    run(send_leg(backends, 1, metrics, attempt))
+    value = metrics.registry.get_sample_value
+    assert value("nixlproxy_retries_total", {"pool": "prefill"}) == 1
+    decided = {"pool": "prefill", "policy": "round-robin", "decision": "next"}
+    assert value("nixlproxy_routing_decisions_total", decided) == 2
+
+
+def test_a_leg_may_choose_its_own_instances_then_no_policy_or_retry_is_counted() -> None:
+    from collections.abc import Sequence
+
+    backends = pool("a", "b", "c")
+    metrics = ProxyMetrics()
+    seen: list[tuple[str, int]] = []
+
+    def backwards(tried: Sequence[Instance]) -> tuple[Instance, str]:
+        return backends.instances[-1 - len(tried)], "mine"
+
+    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+        seen.append((instance.url, instance.in_flight))
+        raise Retry(ProxyError(DOWN, f"{instance.url} is down"), "x", "y")
+
+    failure = run(send_leg(backends, 1, metrics, attempt, choose=backwards))
+    assert seen == [("http://c:1", 1), ("http://b:1", 1)]  # 1 + retries, in its order
+    assert "http://b:1 is down" in str(failure.value)
+    value = metrics.registry.get_sample_value
+    assert value("nixlproxy_retries_total", {"pool": "prefill"}) is None
+    assert not any(s.name == "nixlproxy_routing_decisions_total"
+                   for f in metrics.registry.collect() for s in f.samples)  # fmt: skip
+
+
+def test_a_follow_up_asks_the_holder_first_then_every_instance_down_or_draining() -> None:
+    from nixl_twisted.exchange.one_leg import HolderFirst
+
+    backends = pool("a", "b", "c")
+    a, b, c = backends.instances
+    a.draining = True
+    for _ in range(3):
+        backends.record_failure(c, "refused")
+    assert not c.healthy
+    asking = HolderFirst(backends, "http://b:1")
+    assert asking.retries == 2
+    assert asking([]) == (b, "holder") and asking.left == 2
+    assert asking([b]) == (a, "asked") and asking.left == 1
+    assert asking([b, a]) == (c, "asked") and asking.left == 0
+    unknown = HolderFirst(backends, None)
+    assert [unknown(backends.instances[:n])[1] for n in range(3)] == ["asked"] * 3

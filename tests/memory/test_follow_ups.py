@@ -1,0 +1,110 @@
+"""The Responses API's follow-ups in memory: the holder first, then each decode instance.
+
+A follow-up is a leg like any other (``send_leg``) whose instances come in
+its own order (``HolderFirst``): no routing decision and no retry is
+counted, and each instance asked is one attempt of the access event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from twisted.logger import ILogObserver, globalLogPublisher
+from zope.interface import provider
+
+from nixl_twisted.exchange.responses import ResponseDirectory
+from nixl_twisted.testing import FakeVLLM, InMemoryProxy, TransferLedger
+
+
+@pytest.fixture
+def access() -> Iterator[list[dict[str, Any]]]:
+    """The fields of each access event while the test runs."""
+    events: list[dict[str, Any]] = []
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, Any]) -> None:
+        if event.get("log_namespace") == "nixlproxy.access":
+            events.append(event["access"])
+
+    globalLogPublisher.addObserver(observer)
+    yield events
+    globalLogPublisher.removeObserver(observer)
+
+
+class Setup:
+    def __init__(self) -> None:
+        ledger = TransferLedger()
+        self.prefill = FakeVLLM(name="prefill-0", ledger=ledger)
+        self.decodes = [FakeVLLM(name=f"decode-{i}", ledger=ledger) for i in range(2)]
+        self.proxy = InMemoryProxy([self.prefill], self.decodes)
+
+    def create(self) -> str:
+        """A stored response (round-robin: on the next decode instance); its id."""
+        body = json.dumps({"model": "m", "input": "x"}).encode()
+        client = self.proxy.request("POST", "/v1/responses", body,
+                                    {"Content-Type": "application/json"})  # fmt: skip
+        answer = client.answer()
+        assert answer.status == 200
+        return str(answer.json()["id"])
+
+    def get(self, response_id: str) -> tuple[int, Any]:
+        answer = self.proxy.request("GET", f"/v1/responses/{response_id}").answer()
+        return answer.status, answer.json()
+
+    def counted(self, name: str) -> float:
+        registry = self.proxy.app.metrics.registry
+        return sum(
+            sample.value
+            for family in registry.collect()
+            for sample in family.samples
+            if sample.name == name and sample.labels.get("pool") == "decode"
+        )
+
+
+def test_the_holder_is_asked_first_and_alone(access: list[dict[str, Any]]) -> None:
+    setup = Setup()
+    setup.create()
+    held = setup.create()  # on decode-1
+    decisions = setup.counted("nixlproxy_routing_decisions_total")
+    status, body = setup.get(held)
+    assert (status, body["id"]) == (200, held)
+    assert [r.path for r in setup.decodes[0].requests if r.role == "other"] == []
+    event = access[-1]
+    assert event["decode"] == setup.decodes[1].url and event["decode_status"] == 200
+    assert "attempts" not in event  # one attempt: nothing retried to list
+    assert setup.counted("nixlproxy_routing_decisions_total") == decisions
+
+
+def test_an_unknown_response_passes_over_each_404_to_the_one_that_holds_it(
+    access: list[dict[str, Any]],
+) -> None:
+    setup = Setup()
+    setup.create()
+    held = setup.create()  # on decode-1
+    setup.proxy.app.responses_seen = ResponseDirectory()  # a restart: the holder unknown
+    decisions = setup.counted("nixlproxy_routing_decisions_total")
+    status, body = setup.get(held)
+    assert (status, body["id"]) == (200, held)
+    first, second = (d.url for d in setup.decodes)
+    assert access[-1]["attempts"] == [f"decode {first} answered_404",
+                                      f"decode {second} answered_200"]  # fmt: skip
+    # Neither a policy's choice nor a retry: the metrics say so.
+    assert setup.counted("nixlproxy_routing_decisions_total") == decisions
+    assert setup.counted("nixlproxy_retries_total") == 0
+    # The instance that answered 404 did its job: nothing counts against it.
+    assert [i.failures for i in setup.proxy.service.backends.decode.instances] == [0, 0]
+    assert [i.in_flight for i in setup.proxy.service.backends.decode.instances] == [0, 0]
+
+
+def test_when_no_instance_holds_it_the_last_404_is_the_answer(
+    access: list[dict[str, Any]],
+) -> None:
+    setup = Setup()
+    status, body = setup.get("resp_nope")
+    assert status == 404 and "resp_nope" in body["error"]["message"]
+    first, second = (d.url for d in setup.decodes)
+    assert access[-1]["attempts"] == [f"decode {first} answered_404",
+                                      f"decode {second} answered_404"]  # fmt: skip
