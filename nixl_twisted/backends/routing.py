@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -187,6 +187,22 @@ def _text(content: object) -> str:
         texts = (part.get("text") for part in content if isinstance(part, dict))
         return "".join(text for text in texts if isinstance(text, str))
     return ""
+
+
+def routing_for(
+    policies: Collection[str], key_bytes: int, session: bytes | None, body: JSONObject
+) -> Routing:
+    """What a request is routed on, worked out only if one of the ``policies`` in use looks.
+
+    ``session`` is the request's ``X-Session-Id``; ``key_bytes`` the
+    completion prompt bytes that key a conversation (``--cache-key-bytes``).
+    """
+    if "cache-aware" not in policies and "session" not in policies:
+        return NO_ROUTING
+    return Routing(
+        prompt=prompt_key(body, key_bytes) if "cache-aware" in policies else None,
+        session=session_key(session, body) if "session" in policies else None,
+    )
 
 
 def session_key(header: bytes | None, body: JSONObject) -> str | None:

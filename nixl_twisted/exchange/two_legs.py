@@ -18,13 +18,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
-from twisted.web.server import Request
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
-from nixl_twisted.backends.routing import NO_ROUTING, Routing
+from nixl_twisted.backends.routing import routing_for
 from nixl_twisted.backends.upstream import read_body
-from nixl_twisted.config import Retries, Timeouts
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.exchange.legs import (
     DecodeRequest,
@@ -47,12 +46,13 @@ from nixl_twisted.exchange.relay import (
     relay_body,
     start_response,
 )
+from nixl_twisted.exchange.request import ExchangeRequest
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.protocol.headers import REQUEST_ID, for_rank
+from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers, for_rank
 from nixl_twisted.protocol.phases import RULES, OnClientLeft, Phase
 from nixl_twisted.protocol.usage import read_usage
 
@@ -66,32 +66,35 @@ class Exchange:
 
     def __init__(
         self,
-        request: Request,
+        legs: Legs,
+        config: ProxyConfig,
+        request: ExchangeRequest,
         path: str,
         body: lowering.JSONObject,
         request_id: str,
-        headers: Headers,
-        legs: Legs,
-        timeouts: Timeouts,
-        retries: Retries,
-        routing: Routing = NO_ROUTING,
-        watch: Callable[[str], Callable[[bytes], bool]] | None = None,
         trace: RequestTrace = NO_TRACE,
+        watch: Callable[[str], Callable[[bytes], bool]] | None = None,
     ) -> None:
+        """Made by ``ExchangeFactory``: ``legs`` the proxy's, ``config`` the one now in effect."""
+        self.legs = legs
         self.request = request
         self.path = path
         self.target = path + _query(request)
         self.body = body
         self.request_id = request_id
-        self.headers = headers
-        self.legs = legs
+        self.headers = backend_request_headers(
+            request.requestHeaders, request_id, config.backend_api_key
+        )
         self.backends = legs.backends
-        self.timeouts = timeouts
-        self.retries = retries
+        self.timeouts = config.timeouts
+        self.retries = config.retries
         self.clock = legs.clock
         self.metrics = legs.metrics
         self.record = record_of(request)
-        self.routing = routing
+        policies = {pool.policy_name for pool in self.backends.pools()}
+        self.routing = routing_for(
+            policies, config.policies.key_bytes, request.getHeader(b"x-session-id"), body
+        )
         #: Given the decode instance, what watches its answer pass (the Responses ids).
         self.watch = watch
         self.trace = trace
@@ -344,7 +347,7 @@ class Exchange:
         self.record.usage = read_usage(tail)
 
 
-def _query(request: Request) -> str:
+def _query(request: ExchangeRequest) -> str:
     """The client's query string, passed on to both legs."""
     _, mark, query = request.uri.partition(b"?")
     return ("?" + query.decode("ascii", "replace")) if mark else ""

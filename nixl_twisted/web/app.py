@@ -22,12 +22,14 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
-from nixl_twisted.backends.service import BackendService, routing
+from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.batch import Batch, PartRequest
+from nixl_twisted.exchange.factory import ExchangeFactory
 from nixl_twisted.exchange.legs import Legs, PrefillRefused
 from nixl_twisted.exchange.one_leg import OneLeg
 from nixl_twisted.exchange.relay import start_response
+from nixl_twisted.exchange.request import ExchangeRequest
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.two_legs import Exchange
 from nixl_twisted.observe.access import record_of
@@ -38,7 +40,7 @@ from nixl_twisted.observe.tracing import Tracing
 from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, json_answer
-from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers
+from nixl_twisted.protocol.headers import REQUEST_ID
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
@@ -81,11 +83,11 @@ class ProxyApp:
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
-        #: What every leg is sent with, made once.
-        self.legs = Legs(backends, clock, metrics)
-        self.one_leg = OneLeg(config, self.legs)
+        legs = Legs(backends, clock, metrics)
+        self.one_leg = OneLeg(config, legs)
         #: Which decode instance produced each Responses API response.
         self.responses_seen = ResponseDirectory()
+        self.exchange_factory = ExchangeFactory(config, legs, self.responses_seen)
         self.admission.on_change = self.metrics.in_flight.set
         #: The completions being served now.
         self.exchanges: set[Exchange] = set()
@@ -94,6 +96,7 @@ class ProxyApp:
         """A reload: limits, timeouts, retries and keys as ``config`` says, from now on."""
         self.config = config
         self.one_leg.config = config
+        self.exchange_factory.config = config
         self.admission.max_in_flight = config.limits.max_in_flight
         self.admin.use_token(config.admin_token)
 
@@ -247,22 +250,13 @@ class ProxyApp:
 
     def _exchange(
         self,
-        request: Request | PartRequest,
+        request: ExchangeRequest,
         path: str,
         body: lowering.JSONObject,
         request_id: str,
         trace: RequestTrace,
     ) -> Deferred[None]:
-        config = self.config
-        headers = backend_request_headers(
-            request.requestHeaders, request_id, config.backend_api_key
-        )
-        route_on = self._routing(request, body)
-        exchange = Exchange(
-            request, path, body, request_id, headers, self.legs,  # type: ignore[arg-type]
-            config.timeouts, config.retries, route_on,
-            self.responses_seen.watcher if path == routes.RESPONSES else None, trace,
-        )  # fmt: skip
+        exchange = self.exchange_factory.make(request, path, body, request_id, trace)
         self.exchanges.add(exchange)
 
         def ended(result: object) -> object:
@@ -275,20 +269,6 @@ class ProxyApp:
         """The drain timeout ended: every completion still running is cut, and told why."""
         for exchange in list(self.exchanges):
             exchange.shut_down()
-
-    def _routing(
-        self, request: Request | PartRequest, body: lowering.JSONObject
-    ) -> routing.Routing:
-        """What the pools' policies route on, worked out only if one of them looks."""
-        names = {pool.policy_name for pool in self.backends.pools()}
-        if not names & {"cache-aware", "session"}:
-            return routing.NO_ROUTING
-        key_bytes = self.config.policies.key_bytes
-        return routing.Routing(
-            prompt=routing.prompt_key(body, key_bytes) if "cache-aware" in names else None,
-            session=routing.session_key(request.getHeader(b"x-session-id"), body)
-            if "session" in names else None,
-        )  # fmt: skip
 
     # -- errors -----------------------------------------------------------
 

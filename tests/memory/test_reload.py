@@ -100,6 +100,7 @@ def test_a_reload_applies_limits_timeouts_and_the_log_level_and_warns_once(
     assert site.body_budget is not None and site.body_budget.limit == 1000
     assert site.access_log is not None and not site.access_log.emit
     assert app.config.timeouts.stream_idle == 7 and app.one_leg.config.retries.prefill == 0
+    assert app.exchange_factory.config.retries.prefill == 0  # the next exchange takes it
     assert service.backends.prefill.thresholds.unhealthy == 5
     assert service.log_levels.level == "error"
     assert app.admin._token == b"t"

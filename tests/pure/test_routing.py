@@ -146,3 +146,15 @@ def test_every_policy_skips_down_and_draining_instances() -> None:
         assert {pool.choose(routing=Routing(prompt=b"k", session="s"))[0] for _ in range(6)} == {
             c
         }, name
+
+
+def test_a_request_is_routed_on_what_the_policies_in_use_look_at() -> None:
+    from nixl_twisted.backends.routing import NO_ROUTING, routing_for
+
+    body = {"prompt": "p" * 100, "user": "u1"}
+    assert routing_for({"round-robin", "load"}, 8, b"s1", body) is NO_ROUTING
+    assert routing_for({"cache-aware"}, 8, b"s1", body) == Routing(prompt=b"p" * 8)
+    assert routing_for({"session"}, 8, b"s1", body) == Routing(session="s1")
+    assert routing_for({"session", "round-robin"}, 8, None, body) == Routing(session="u1")
+    both = routing_for({"cache-aware", "session"}, 4, None, body)
+    assert both == Routing(prompt=b"pppp", session="u1")
