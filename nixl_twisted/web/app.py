@@ -109,10 +109,6 @@ class ProxyApp:
         """Requests being served now."""
         return self.admission.in_flight
 
-    @property
-    def draining(self) -> bool:
-        return self.admission.draining
-
     # -- routes -----------------------------------------------------------
 
     @app.route(routes.HEALTHCHECK, methods=["GET"])
@@ -273,7 +269,8 @@ class ProxyApp:
     # -- errors -----------------------------------------------------------
 
     @app.handle_errors(ProxyError)
-    def proxyjson_answer(self, request: IRequest, failure: Failure) -> bytes:
+    def proxy_error(self, request: IRequest, failure: Failure) -> bytes:
+        """A ``ProxyError``, as the route's JSON error; a refusal counted, a 5xx logged."""
         error = failure.value
         assert isinstance(error, ProxyError)
         record_of(request).error = error.message
@@ -296,7 +293,8 @@ class ProxyApp:
         return refused.body
 
     @app.handle_errors(HTTPException)
-    def httpjson_answer(self, request: IRequest, failure: Failure) -> bytes:
+    def http_exception(self, request: IRequest, failure: Failure) -> bytes:
+        """What the router refuses (no such route, a wrong method, a redirect), as JSON."""
         http_error = failure.value
         assert isinstance(http_error, HTTPException)
         code = _ROUTING_CODES.get(http_error.code or 500)

@@ -275,7 +275,7 @@ class DrainTests(ProxyCase):
 
         stopped = self.proxy.stop()
         self.assertFalse(stopped.called)
-        self.assertTrue(self.proxy.app.draining)
+        self.assertTrue(self.proxy.app.admission.draining)
         await self.proxy.service.when_ports_closed()
         # No new connection is accepted; the stream in flight goes on.
         with self.assertRaises(ConnectionRefusedError):
