@@ -100,7 +100,7 @@ def classify_prefill(status: int) -> PrefillVerdict:
 
 def unreachable(instance: Instance, error: BaseException) -> Retry:
     """The instance could not be reached: nothing was sent, so another may serve the leg."""
-    reason = describe(error)
+    reason = reason_of(error)
     message = f"{instance.role} instance {instance.url} could not be reached: {reason}"
     return Retry(ProxyError(codes.unreachable(instance.role), message), "unreachable", reason)
 
@@ -219,7 +219,7 @@ async def send_leg(
             lease.release()
             noted(pool.role, instance.url, elsewhere.outcome, number > 1)
         except BaseException as error:
-            leg.fail(describe(error))
+            leg.fail(reason_of(error))
             lease.release()
             noted(pool.role, instance.url, outcome_of(error), number > 1)
             raise
@@ -332,7 +332,7 @@ def note_handoff(
     return True
 
 
-def describe(error: BaseException) -> str:
+def reason_of(error: BaseException) -> str:
     """An error as a short reason for a log line or an error message.
 
     Twisted's client errors (``ResponseFailed``, ``ResponseNeverReceived``)
@@ -342,7 +342,7 @@ def describe(error: BaseException) -> str:
     reasons = getattr(error, "reasons", None)
     if isinstance(reasons, list) and reasons:
         said = [
-            describe(r.value) if isinstance(r, Failure) and r.value is not None else str(r)
+            reason_of(r.value) if isinstance(r, Failure) and r.value is not None else str(r)
             for r in reasons
         ]
         return "; ".join(dict.fromkeys(said))

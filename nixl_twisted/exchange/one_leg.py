@@ -20,7 +20,7 @@ from twisted.web.server import Request
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.legs import DecodeRequest, Elsewhere, Legs, describe, send_leg
+from nixl_twisted.exchange.legs import DecodeRequest, Elsewhere, Legs, reason_of, send_leg
 from nixl_twisted.exchange.relay import abandon, break_off, relay_body, start_response
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import LegTrace, RequestTrace
@@ -147,8 +147,8 @@ class OneLeg:
             raise
         except Exception as error:
             log.error("{path} from {url} broke off: {reason}",
-                      path=path, url=lease.instance.url, reason=describe(error))  # fmt: skip
-            leg.fail(f"broke off: {describe(error)}", "relay")
+                      path=path, url=lease.instance.url, reason=reason_of(error))  # fmt: skip
+            leg.fail(f"broke off: {reason_of(error)}", "relay")
             record.ended, record.error = "broken", "decode closed its answer early"
             await break_off(request, record.error, ErrorCode.DECODE_BROKEN)
         finally:

@@ -33,8 +33,8 @@ from nixl_twisted.exchange.legs import (
     Retry,
     account,
     classify_prefill,
-    describe,
     note_handoff,
+    reason_of,
     send_leg,
     timed_out,
     unreachable,
@@ -271,7 +271,7 @@ class Exchange:
         except Exception as error:
             raise ProxyError(
                 ErrorCode.PREFILL_INVALID_RESPONSE,
-                f"prefill instance {instance.url} broke off its answer: {describe(error)}",
+                f"prefill instance {instance.url} broke off its answer: {reason_of(error)}",
             ) from None
         verdict = classify_prefill(status)
         failed = ProxyError(
@@ -321,7 +321,7 @@ class Exchange:
             raise
         except Exception as error:
             silent = isinstance(error, StreamSilent)
-            self._leg.fail(str(error) if silent else f"broke off: {describe(error)}", "relay")
+            self._leg.fail(str(error) if silent else f"broke off: {reason_of(error)}", "relay")
             if silent and not self.request.startedWriting:
                 self.request.responseHeaders = Headers({REQUEST_ID: [self.request_id.encode()]})
                 raise ProxyError(
@@ -329,7 +329,7 @@ class Exchange:
                     f"decode instance {decode.instance.url} sent headers, then nothing: {error}",
                 ) from None
             log.error("decode body for {request_id} broke off: {reason}",
-                      request_id=self.request_id, reason=describe(error))  # fmt: skip
+                      request_id=self.request_id, reason=reason_of(error))  # fmt: skip
             self.record.ended = "broken"
             said = (f"decode went silent mid-stream: {error}" if silent
                     else "decode closed the stream early")  # fmt: skip

@@ -11,7 +11,7 @@ from twisted.internet.task import Clock
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
-from nixl_twisted.exchange.legs import PrefillVerdict, Retry, classify_prefill, describe, send_leg
+from nixl_twisted.exchange.legs import PrefillVerdict, Retry, classify_prefill, reason_of, send_leg
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace
 from nixl_twisted.protocol.codes import ErrorCode
@@ -109,7 +109,7 @@ def test_twisted_client_errors_are_said_by_their_messages_not_reprs() -> None:
     from twisted.web.client import ResponseFailed
 
     error = ResponseFailed([Failure(ConnectionDone()), Failure(ValueError("body short"))])
-    said = describe(error)
+    said = reason_of(error)
     assert "<" not in said and "Failure" not in said
     assert said.startswith("Connection was closed cleanly") and said.endswith("; body short")
 
