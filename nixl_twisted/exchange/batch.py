@@ -37,7 +37,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.exchange.relay import break_off
-from nixl_twisted.observe.access import record_of
+from nixl_twisted.observe.access import AccessRecord, record_of
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
@@ -69,6 +69,8 @@ class PartRequest:
         self.channel = None  # no connection of its own: nothing to close or pause
         self.startedWriting = False
         self._on_data = on_data
+        #: This part's own access record, listed in the batch's event.
+        self.access = AccessRecord()
 
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         self.code = code

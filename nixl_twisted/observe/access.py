@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 from twisted.logger import Logger
 from twisted.web.http import Request
@@ -97,13 +97,15 @@ class AccessRecord:
         return " ".join(words)
 
 
+class Recorded(Protocol):
+    """A request the proxy made, which carries its record: a client's, or a batch part's."""
+
+    access: AccessRecord
+
+
 def record_of(request: object) -> AccessRecord:
-    """The request's record (made on first use): a client's, or a batch part's."""
-    record: AccessRecord | None = getattr(request, "nixl_access", None)
-    if record is None:
-        record = AccessRecord()
-        request.nixl_access = record  # type: ignore[attr-defined]
-    return record
+    """The request's record (``LimitedRequest`` and ``PartRequest`` each make theirs)."""
+    return cast(Recorded, request).access
 
 
 def _ms(seconds: float | None) -> int | None:

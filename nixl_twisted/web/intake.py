@@ -13,7 +13,7 @@ from typing import Any, Protocol, cast
 from twisted.web.server import Request
 
 from nixl_twisted import __version__
-from nixl_twisted.observe.access import AccessLog, record_of
+from nixl_twisted.observe.access import AccessLog, AccessRecord, record_of
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.web.deadlines import ClientLimits
 
@@ -78,6 +78,11 @@ class LimitedRequest(Request):
     _arrived: float | None = None
     _received = 0
     _held = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: What the access event will say of this request, filled as it is served.
+        self.access = AccessRecord()
 
     def setHeader(self, name: bytes | str, value: bytes | str) -> None:
         # Twisted's Request.process sets "Server: TwistedWeb/x.y" on every answer.
