@@ -54,8 +54,9 @@ async def _burst(port: int, pid: int, concurrent: int, body: bytes) -> tuple[lis
 def completion(megabytes: int, keys: int | None) -> bytes:
     """A completion body: a ``megabytes`` MB prompt, or a short one and ``keys`` logit biases."""
     if keys is None:
-        return json.dumps({"model": "m", "prompt": "x" * (megabytes * 1024 * 1024),
-                           "max_tokens": 2}).encode()  # fmt: skip
+        return json.dumps(
+            {"model": "m", "prompt": "x" * (megabytes * 1024 * 1024), "max_tokens": 2}
+        ).encode()
     bias = {str(token): 0 for token in range(keys)}
     return json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "logit_bias": bias}).encode()
 
@@ -95,9 +96,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     backend_port = _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port)]
-    proxy = ["--health-interval", "0", "--access-log", "off",
-             "--prefill", f"http://127.0.0.1:{backend_port}",
-             "--decode", f"http://127.0.0.1:{backend_port}", *args.proxy_options]  # fmt: skip
+    proxy = [
+        "--health-interval",
+        "0",
+        "--access-log",
+        "off",
+        "--prefill",
+        f"http://127.0.0.1:{backend_port}",
+        "--decode",
+        f"http://127.0.0.1:{backend_port}",
+        *args.proxy_options,
+    ]
     with _process(_pinned("1", backend), backend_port), nixlproxy(proxy, "0") as (running, url):
         port = int(url.rsplit(":", 1)[1])
         body = completion(args.megabytes, args.keys)

@@ -159,16 +159,26 @@ def serve(kind: str, port: int, backend: str) -> None:
 
 
 def _server(kind: str, port: int, backend: str) -> list[str]:
-    return [sys.executable, "-m", "bench.ceiling", "--serve", kind, "--port", str(port),
-            "--backend", backend]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "bench.ceiling",
+        "--serve",
+        kind,
+        "--port",
+        str(port),
+        "--backend",
+        backend,
+    ]
 
 
 @contextmanager
 def _serving(kind: str, backend: str) -> Iterator[str]:
     """One floor server (or nixlproxy itself) on core 0, and its URL."""
     if kind == "nixlproxy":
-        with nixlproxy(["--health-interval", "0", "--prefill", backend, "--decode", backend],
-                       "0") as (_, url):  # fmt: skip
+        with nixlproxy(
+            ["--health-interval", "0", "--prefill", backend, "--decode", backend], "0"
+        ) as (_, url):
             yield url
         return
     port = _free_port()
@@ -180,8 +190,15 @@ def measure(kinds: Sequence[str], length: Length) -> list[dict[str, Any]]:
     cores = os.cpu_count() or 2
     others = "1" if cores == 2 else f"1-{cores - 1}"
     backend_port = _free_port()
-    backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
-               "--processes", "2"]  # fmt: skip
+    backend = [
+        sys.executable,
+        "-m",
+        "bench.backend",
+        "--port",
+        str(backend_port),
+        "--processes",
+        "2",
+    ]
     rows = []
     with _process(_pinned(others, backend), backend_port):
         for kind in kinds:

@@ -158,8 +158,12 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--requests must be at least 1")
     host, port = args.url.removeprefix("http://").rsplit(":", 1)
     if args.stream:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                "stream": True, "max_tokens": args.tokens}  # fmt: skip
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "max_tokens": args.tokens,
+        }
         request = request_bytes("/v1/chat/completions", body)
     else:
         request = request_bytes("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 16})

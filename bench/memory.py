@@ -28,8 +28,12 @@ def _rss_mb(pid: int) -> float:
 
 
 async def _open_streams(port: int, count: int) -> list[asyncio.StreamWriter]:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "stream": True, "max_tokens": 2}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "max_tokens": 2,
+    }
     request = request_bytes("/v1/chat/completions", body)
 
     async def one() -> asyncio.StreamWriter:
@@ -58,12 +62,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[250, 500, 1000])
     args = parser.parse_args(argv)
     backend_port = _free_port()
-    backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
-               "--token-interval", "3600"]  # fmt: skip
-    proxy = ["--health-interval", "0",
-             "--stream-idle-timeout", "7200", "--max-in-flight", "100000",
-             "--prefill", f"http://127.0.0.1:{backend_port}",
-             "--decode", f"http://127.0.0.1:{backend_port}"]  # fmt: skip
+    backend = [
+        sys.executable,
+        "-m",
+        "bench.backend",
+        "--port",
+        str(backend_port),
+        "--token-interval",
+        "3600",
+    ]
+    proxy = [
+        "--health-interval",
+        "0",
+        "--stream-idle-timeout",
+        "7200",
+        "--max-in-flight",
+        "100000",
+        "--prefill",
+        f"http://127.0.0.1:{backend_port}",
+        "--decode",
+        f"http://127.0.0.1:{backend_port}",
+    ]
     with (
         _process(_pinned("1", backend), backend_port),
         nixlproxy(proxy, "0") as (running, url),

@@ -51,15 +51,19 @@ class Run:
 
 RUNS = (
     Run("ideal (1 prefill)", prefills=1),
-    *(Run(f"{p}, 2 prefills", policy=p)
-      for p in ("round-robin", "least-loaded", "load", "cache-aware", "session")),
+    *(
+        Run(f"{p}, 2 prefills", policy=p)
+        for p in ("round-robin", "least-loaded", "load", "cache-aware", "session")
+    ),
     Run("round-robin, 4 prefills", prefills=4),
     Run("cache-aware, 4 prefills", prefills=4, policy="cache-aware"),
     Run("cache-aware, 2 prefills, --workers 2", policy="cache-aware", workers=2),
     Run("cache-aware, 2 prefills, 2 proxies", policy="cache-aware", proxies=2),
-    *(Run(f"skew: {p}, one prefill 4x slower", policy=p, slow=True)
-      for p in ("round-robin", "least-loaded", "load")),
-)  # fmt: skip
+    *(
+        Run(f"skew: {p}, one prefill 4x slower", policy=p, slow=True)
+        for p in ("round-robin", "least-loaded", "load")
+    ),
+)
 
 
 # -- the fakes, served by a child process --------------------------------------
@@ -76,8 +80,9 @@ def serve_fakes(prefills: int, decodes: int, cost: float, slow: bool) -> None:
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         for i in range(prefills):
             factor = 4 if slow and i == 0 else 1
-            fake = FakeVLLM(name=f"prefill-{i}", ledger=ledger, tokens=16,
-                            prefill_cost_per_token=cost * factor)  # fmt: skip
+            fake = FakeVLLM(
+                name=f"prefill-{i}", ledger=ledger, tokens=16, prefill_cost_per_token=cost * factor
+            )
             urls["prefill"].append(await fake.listen("tcp:0:interface=127.0.0.1", reactor))
         for i in range(decodes):
             fake = FakeVLLM(name=f"decode-{i}", ledger=ledger, tokens=16)
@@ -90,8 +95,15 @@ def serve_fakes(prefills: int, decodes: int, cost: float, slow: bool) -> None:
 
 @contextmanager
 def fakes(run: Run, cost: float) -> Iterator[dict[str, list[str]]]:
-    command = [sys.executable, "-m", "bench.routing", "--serve-fakes", str(run.prefills),
-               "--cost", str(cost)] + (["--slow"] if run.slow else [])  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "bench.routing",
+        "--serve-fakes",
+        str(run.prefills),
+        "--cost",
+        str(cost),
+    ] + (["--slow"] if run.slow else [])
     process = subprocess.Popen(_pinned("1", command), stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
@@ -123,17 +135,20 @@ def _samples(text: str, name: str) -> list[tuple[str, float]]:
     return found
 
 
-async def conversations(urls: Sequence[str], count: int, turns: int, concurrency: int,
-                        seed: int) -> dict[str, Any]:  # fmt: skip
+async def conversations(
+    urls: Sequence[str], count: int, turns: int, concurrency: int, seed: int
+) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0) for url in urls]
     rng = random.Random(seed)
     histories: list[list[dict[str, str]]] = [
-        [{"role": "system", "content": SYSTEM},
-         {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * 900}]
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * 900},
+        ]
         for n in range(count)
-    ]  # fmt: skip
+    ]
     order = [n for n in range(count) for _ in range(turns)]
     rng.shuffle(order)
     done_turns = [0] * count
@@ -150,9 +165,12 @@ async def conversations(urls: Sequence[str], count: int, turns: int, concurrency
         text = []
         try:
             stream = await client.chat.completions.create(
-                model="m", messages=histories[n], stream=True, max_tokens=16,  # type: ignore[arg-type]
+                model="m",
+                messages=histories[n],  # type: ignore[arg-type]
+                stream=True,
+                max_tokens=16,
                 user=f"conversation-{n}",
-            )  # fmt: skip
+            )
             async for chunk in stream:  # type: ignore[union-attr]
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.monotonic()
@@ -162,8 +180,10 @@ async def conversations(urls: Sequence[str], count: int, turns: int, concurrency
             return
         ttfts.append((first or time.monotonic()) - started)
         follow_up = f"Turn {done_turns[n]}: " + "more " * 80
-        histories[n] += [{"role": "assistant", "content": "".join(text)},
-                         {"role": "user", "content": follow_up}]  # fmt: skip
+        histories[n] += [
+            {"role": "assistant", "content": "".join(text)},
+            {"role": "user", "content": follow_up},
+        ]
         done_turns[n] += 1
 
     async def worker() -> None:
@@ -198,17 +218,24 @@ async def conversations(urls: Sequence[str], count: int, turns: int, concurrency
 def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     with fakes(run, args.cost) as urls, ExitStack() as stack:
         proxy_args = [
-            "--health-interval", "1", "--access-log", "off", "--prefill-policy", run.policy,
-            "--workers", str(run.workers),
+            "--health-interval",
+            "1",
+            "--access-log",
+            "off",
+            "--prefill-policy",
+            run.policy,
+            "--workers",
+            str(run.workers),
             *[a for u in urls["prefill"] for a in ("--prefill", u)],
             *[a for u in urls["decode"] for a in ("--decode", u)],
-        ]  # fmt: skip
+        ]
         proxies = [
             stack.enter_context(nixlproxy(proxy_args, "0", run.workers))[1]
             for _ in range(run.proxies)
         ]
-        result = asyncio.run(conversations(
-            proxies, args.conversations, args.turns, args.concurrency, args.seed))  # fmt: skip
+        result = asyncio.run(
+            conversations(proxies, args.conversations, args.turns, args.concurrency, args.seed)
+        )
         hits = queries = 0.0
         legs = []
         for url in urls["prefill"]:
@@ -224,8 +251,12 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     for instance, value in legs:
         spread[instance] = spread.get(instance, 0) + value
     ordered = [int(spread.get(u, 0)) for u in urls["prefill"]]
-    return {"run": run.name, "hit_rate": round(hits / queries, 3) if queries else None,
-            **result, "prefill_legs": ordered}  # fmt: skip
+    return {
+        "run": run.name,
+        "hit_rate": round(hits / queries, 3) if queries else None,
+        **result,
+        "prefill_legs": ordered,
+    }
 
 
 def index_memory(prompts: int = 100_000) -> dict[str, Any]:
@@ -261,8 +292,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="runs whose name contains this")
     parser.add_argument("--serve-fakes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--slow", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--index-memory", action="store_true",
-                        help="what cache-aware keeps after 100k distinct prompts")  # fmt: skip
+    parser.add_argument(
+        "--index-memory",
+        action="store_true",
+        help="what cache-aware keeps after 100k distinct prompts",
+    )
     args = parser.parse_args(argv)
     if args.index_memory:
         print(json.dumps(index_memory()))
@@ -276,8 +310,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.only and args.only not in run.name:
             continue
         r = measure(run, args)
-        cells = [r["run"], f"{r['hit_rate']:.1%}", f"{r['ttft_p50_ms']} ms",
-                 f"{r['ttft_p99_ms']} ms", str(r["prefill_legs"]), str(r["failures"])]  # fmt: skip
+        cells = [
+            r["run"],
+            f"{r['hit_rate']:.1%}",
+            f"{r['ttft_p50_ms']} ms",
+            f"{r['ttft_p99_ms']} ms",
+            str(r["prefill_legs"]),
+            str(r["failures"]),
+        ]
         print("| " + " | ".join(cells) + " |", flush=True)
     return 0
 

@@ -136,8 +136,16 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 def _load(url: str, load: Load, length: Length, cores: str) -> dict[str, Any]:
-    command = [sys.executable, "-m", "bench.load", "--url", url,
-               "--connections", str(load.connections), *length.options()]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "bench.load",
+        "--url",
+        url,
+        "--connections",
+        str(load.connections),
+        *length.options(),
+    ]
     if load.stream:
         command.append("--stream")
     out = subprocess.run(_pinned(cores, command), capture_output=True, text=True, check=False)
@@ -216,13 +224,28 @@ def measure(
     others = "1" if cores == 2 else f"1-{cores - 1}"
     proxy_cores = "0" if workers == 1 else f"0-{min(workers, cores) - 1}"
     backend_port = _free_port()
-    backend = [sys.executable, "-m", "bench.backend", "--port", str(backend_port),
-               "--processes", str(backend_processes),
-               "--token-interval", str(load.token_interval)]  # fmt: skip
-    proxy = ["--health-interval", "0",
-             "--prefill", f"http://127.0.0.1:{backend_port}",
-             "--decode", f"http://127.0.0.1:{backend_port}",
-             "--workers", str(workers), *proxy_args]  # fmt: skip
+    backend = [
+        sys.executable,
+        "-m",
+        "bench.backend",
+        "--port",
+        str(backend_port),
+        "--processes",
+        str(backend_processes),
+        "--token-interval",
+        str(load.token_interval),
+    ]
+    proxy = [
+        "--health-interval",
+        "0",
+        "--prefill",
+        f"http://127.0.0.1:{backend_port}",
+        "--decode",
+        f"http://127.0.0.1:{backend_port}",
+        "--workers",
+        str(workers),
+        *proxy_args,
+    ]
     with (
         _process(_pinned(others, backend), backend_port),
         _collector(others, traced) as (tracing, spans),

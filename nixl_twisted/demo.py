@@ -29,13 +29,25 @@ def _fakes(tokens: int, token_interval: float) -> tuple[subprocess.Popen[str], s
     """``python -m nixl_twisted.testing`` on ports the OS picks, and its two URLs."""
     fakes = subprocess.Popen(
         [
-            sys.executable, "-m", "nixl_twisted.testing", "--prefill-port", "0",
-            "--decode-port", "0", "--interface", "127.0.0.1",
-            "--tokens", str(tokens), "--token-interval", str(token_interval),
+            sys.executable,
+            "-m",
+            "nixl_twisted.testing",
+            "--prefill-port",
+            "0",
+            "--decode-port",
+            "0",
+            "--interface",
+            "127.0.0.1",
+            "--tokens",
+            str(tokens),
+            "--token-interval",
+            str(token_interval),
         ],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )  # fmt: skip
+    )
     urls: dict[str, str] = {}
     said = []
     assert fakes.stdout is not None

@@ -50,11 +50,21 @@ class Options(usage.Options):
     optParameters: list[Any] = [
         [s.name, None, None, _help(s.name)] for s in SETTINGS if not s.many
     ] + [
-        ["config", None, None, "A TOML file with any of these options by their long names; "
-         "the command line overrides it; SIGHUP reloads it (what can change live)."],
-        ["worker", None, None, "(internal) Run as worker N of --workers; the "
-         "configuration arrives as JSON on standard input."],
-    ]  # fmt: skip
+        [
+            "config",
+            None,
+            None,
+            "A TOML file with any of these options by their long names; "
+            "the command line overrides it; SIGHUP reloads it (what can change live).",
+        ],
+        [
+            "worker",
+            None,
+            None,
+            "(internal) Run as worker N of --workers; the "
+            "configuration arrives as JSON on standard input.",
+        ],
+    ]
 
     def __init__(self) -> None:
         super().__init__()
@@ -135,8 +145,11 @@ def makeService(options: Options) -> IService:
     twistd_options = getattr(options, "parent", None)
     levels = logs.LogLevels(config.log_level)
     tree.log_observer = logs.observer(
-        config.log_format, levels, config.worker, lambda: logs.log_file(twistd_options),
-    )  # fmt: skip
+        config.log_format,
+        levels,
+        config.worker,
+        lambda: logs.log_file(twistd_options),
+    )
     if tree.log_observer is not None:
         tree.log_levels = levels
     return tree

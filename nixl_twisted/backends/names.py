@@ -78,10 +78,12 @@ class BackendResolver:
         resolutionReceiver.resolutionBegan(resolution)
         types = set(addressTypes or (IPv4Address, IPv6Address))
         family = (
-            socket.AF_INET if types == {IPv4Address}
-            else socket.AF_INET6 if types == {IPv6Address}
+            socket.AF_INET
+            if types == {IPv4Address}
+            else socket.AF_INET6
+            if types == {IPv6Address}
             else socket.AF_UNSPEC
-        )  # fmt: skip
+        )
 
         def found(answers: Found) -> None:
             for answer_family, _, _, _, address in answers:
@@ -92,8 +94,11 @@ class BackendResolver:
 
         def failed(failure: Failure) -> None:
             if not failure.check(socket.gaierror):
-                log.warn("looking up {host} failed: {reason}",
-                         host=hostName, reason=failure.getErrorMessage())  # fmt: skip
+                log.warn(
+                    "looking up {host} failed: {reason}",
+                    host=hostName,
+                    reason=failure.getErrorMessage(),
+                )
 
         try:
             looking = self._lookup(hostName, portNumber, family)

@@ -120,8 +120,10 @@ class BackendPool:
         if not candidates:
             raise NoHealthyInstance(self.role, self.retry_after())
         if panic and not self.panicking:
-            log.warn("{role} pool in panic: every instance is down, legs go to them anyway",
-                     role=self.role)  # fmt: skip
+            log.warn(
+                "{role} pool in panic: every instance is down, legs go to them anyway",
+                role=self.role,
+            )
         elif not panic and self.panicking:
             log.info("{role} pool out of panic", role=self.role)
         self.panicking = panic
@@ -239,8 +241,11 @@ class BackendPool:
         if health.failed(instance, reason, self.thresholds, self._now()):
             log.warn(
                 "{role} instance {url} marked down after {failures} failures in a row: {reason}",
-                role=self.role, url=instance.url, failures=instance.failures, reason=reason,
-            )  # fmt: skip
+                role=self.role,
+                url=instance.url,
+                failures=instance.failures,
+                reason=reason,
+            )
         self._changed(instance)
 
     def record_success(self, instance: Instance) -> None:
@@ -266,8 +271,12 @@ class BackendPool:
         """Take an instance's health as the supervisor decided it (``Instance.health``)."""
         instance = self.find(str(verdict["url"]))
         if instance is not None and health.adopt(instance, verdict):
-            log.info("{role} instance {url} is {state} (from the supervisor)",
-                     role=self.role, url=instance.url, state=instance.state.value)  # fmt: skip
+            log.info(
+                "{role} instance {url} is {state} (from the supervisor)",
+                role=self.role,
+                url=instance.url,
+                state=instance.state.value,
+            )
 
     def retry_after(self) -> float:
         """Seconds until the first down instance may be tried again."""

@@ -232,9 +232,13 @@ class Upstream:
         """
         try:
             sent = self._http.request(
-                method, encoded_url(url), data=body, headers=headers,
-                allow_redirects=False, unbuffered=True,
-            )  # fmt: skip
+                method,
+                encoded_url(url),
+                data=body,
+                headers=headers,
+                allow_redirects=False,
+                unbuffered=True,
+            )
         except Exception:
             return fail()
         return sent.addErrback(_as_cancelled)  # type: ignore[return-value]

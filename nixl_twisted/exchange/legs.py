@@ -209,8 +209,9 @@ async def send_leg(
         try:
             served = await attempt(instance, leg)
         except Retry as retry:
-            leg.fail(f"{retry.down}; another instance is tried" if number <= retries
-                     else retry.down)  # fmt: skip
+            leg.fail(
+                f"{retry.down}; another instance is tried" if number <= retries else retry.down
+            )
             lease.release()
             account(metrics, pool, instance, retry.outcome, retry.down)
             noted(pool.role, instance.url, retry.outcome, number > 1)
@@ -280,8 +281,11 @@ class Legs:
         url = instance.base + request.target
         headers = leg.headers(url, for_rank(request.headers, instance.rank))
         upstream = self.backends.upstream
-        sent = (upstream.get(url, headers) if request.body is None
-                else upstream.post(url, request.body, headers))  # fmt: skip
+        sent = (
+            upstream.get(url, headers)
+            if request.body is None
+            else upstream.post(url, request.body, headers)
+        )
         pool = self.backends.decode
         try:
             response = await track(sent.addTimeout(request.timeout, self.clock))
@@ -326,9 +330,13 @@ def note_handoff(
     if gap <= warning:
         return False
     metrics.handoff_gap_over_warning.inc()
-    log.warn("handoff gap of {seconds:.1f} s for {request_id} (decode {url}): past "
-             "--handoff-warning; vLLM's KV lease is 30 s",
-             seconds=gap, request_id=request_id, url=url)  # fmt: skip
+    log.warn(
+        "handoff gap of {seconds:.1f} s for {request_id} (decode {url}): past "
+        "--handoff-warning; vLLM's KV lease is 30 s",
+        seconds=gap,
+        request_id=request_id,
+        url=url,
+    )
     return True
 
 

@@ -104,10 +104,15 @@ class OneLeg:
             return response, leg
 
         lease, (response, leg) = await send_leg(
-            self.backends.decode, asking.retries, self.metrics, ask, trace=trace,
-            record=record_of(request), choose=asking,
+            self.backends.decode,
+            asking.retries,
+            self.metrics,
+            ask,
+            trace=trace,
+            record=record_of(request),
+            choose=asking,
             answered=lambda served: f"answered_{served[0].code}",
-        )  # fmt: skip
+        )
         await self._relay(request, path, lease, response, leg)
 
     def _attempt(
@@ -124,9 +129,11 @@ class OneLeg:
             parsed.pop("kv_transfer_params", None)
             raw = lowering.encode(parsed)
         headers = backend_request_headers(
-            request.requestHeaders, request_id, self.config.backend_api_key,
+            request.requestHeaders,
+            request_id,
+            self.config.backend_api_key,
             json_body=raw is not None,
-        )  # fmt: skip
+        )
         sent = DecodeRequest(path, raw, headers, self.config.timeouts.decode)
 
         async def attempt(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
@@ -146,8 +153,12 @@ class OneLeg:
             leg.fail("client left during relay", "relay")
             raise
         except Exception as error:
-            log.error("{path} from {url} broke off: {reason}",
-                      path=path, url=lease.instance.url, reason=reason_of(error))  # fmt: skip
+            log.error(
+                "{path} from {url} broke off: {reason}",
+                path=path,
+                url=lease.instance.url,
+                reason=reason_of(error),
+            )
             leg.fail(f"broke off: {reason_of(error)}", "relay")
             record.ended, record.error = "broken", "decode closed its answer early"
             await break_off(request, record.error, ErrorCode.DECODE_BROKEN)

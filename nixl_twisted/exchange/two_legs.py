@@ -125,8 +125,11 @@ class Exchange:
             elif isinstance(result, Failure) and not result.check(
                 CancelledError, ProxyError, PrefillRefused
             ):
-                log.failure("error finishing {request_id} after its client left",
-                            result, request_id=self.request_id)  # fmt: skip
+                log.failure(
+                    "error finishing {request_id} after its client left",
+                    result,
+                    request_id=self.request_id,
+                )
 
         ensureDeferred(self._run()).addBoth(settle)
         return outcome
@@ -156,8 +159,11 @@ class Exchange:
         if why is None:
             why = f"client left during {self.phase.value}"
             self.metrics.client_disconnects.labels(self.phase.value).inc()
-            log.info("client left {request_id} during {phase}",
-                     request_id=self.request_id, phase=self.phase.value)  # fmt: skip
+            log.info(
+                "client left {request_id} during {phase}",
+                request_id=self.request_id,
+                phase=self.phase.value,
+            )
         self.client_gone = why
         if RULES[self.phase].on_client_left is OnClientLeft.CANCEL and self._current is not None:
             self._leg.fail(why, self.phase.value)
@@ -188,17 +194,24 @@ class Exchange:
             self.timeouts.decode,
         )
         decode, response = await send_leg(
-            self.backends.decode, self.retries.decode, self.metrics,
+            self.backends.decode,
+            self.retries.decode,
+            self.metrics,
             lambda instance, leg: self._decode(instance, leg, completed),
-            routing=self.routing, trace=self.trace, record=self.record,
-        )  # fmt: skip
+            routing=self.routing,
+            trace=self.trace,
+            record=self.record,
+        )
         self.record.decode_route = decode.decision
         try:
             if self.client_gone:
                 self._leg.fail(f"{self.client_gone}: decode's answer abandoned", "handoff")
                 abandon(response)
-                log.info("decode for {request_id} abandoned, unread: {why}",
-                         request_id=self.request_id, why=self.client_gone)  # fmt: skip
+                log.info(
+                    "decode for {request_id} abandoned, unread: {why}",
+                    request_id=self.request_id,
+                    why=self.client_gone,
+                )
                 return
             self._enter(Phase.RELAY)
             await self._relay(response, decode)
@@ -209,12 +222,16 @@ class Exchange:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered)."""
         lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id, self.path))
         prefill, params = await send_leg(
-            self.backends.prefill, self.retries.prefill, self.metrics,
+            self.backends.prefill,
+            self.retries.prefill,
+            self.metrics,
             lambda instance, leg: self._prefill(instance, leg, lowered),
             # Nobody to answer and no blocks held yet: no more prefill attempts.
-            go_on=lambda: not self.client_gone, routing=self.routing, trace=self.trace,
+            go_on=lambda: not self.client_gone,
+            routing=self.routing,
+            trace=self.trace,
             record=self.record,
-        )  # fmt: skip
+        )
         self.record.prefill_route = prefill.decision
         self._params_at = self.clock.seconds()
         prefill.release()
@@ -313,10 +330,17 @@ class Exchange:
         start_response(self.request, response)
         try:
             watching = self.watch(decode.instance.url) if self.watch is not None else None
-            await self._track(relay_body(self.request, response, self.clock,
-                                         self.timeouts.stream_idle,
-                                         partial(self._first_byte, decode.instance),
-                                         watching, self._used))  # fmt: skip
+            await self._track(
+                relay_body(
+                    self.request,
+                    response,
+                    self.clock,
+                    self.timeouts.stream_idle,
+                    partial(self._first_byte, decode.instance),
+                    watching,
+                    self._used,
+                )
+            )
         except CancelledError:
             raise
         except Exception as error:
@@ -328,11 +352,17 @@ class Exchange:
                     ErrorCode.DECODE_TIMEOUT,
                     f"decode instance {decode.instance.url} sent headers, then nothing: {error}",
                 ) from None
-            log.error("decode body for {request_id} broke off: {reason}",
-                      request_id=self.request_id, reason=reason_of(error))  # fmt: skip
+            log.error(
+                "decode body for {request_id} broke off: {reason}",
+                request_id=self.request_id,
+                reason=reason_of(error),
+            )
             self.record.ended = "broken"
-            said = (f"decode went silent mid-stream: {error}" if silent
-                    else "decode closed the stream early")  # fmt: skip
+            said = (
+                f"decode went silent mid-stream: {error}"
+                if silent
+                else "decode closed the stream early"
+            )
             self.record.error = said
             # The client is told what happened; the detail is in the log line above.
             self.broke_off = True

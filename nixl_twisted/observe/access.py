@@ -86,8 +86,10 @@ class AccessRecord:
     def describe_part(self, index: int) -> str:
         """One part of a batch, in a few words: its request id, legs and how it ended."""
         words = [f"{index}: {self.request_id}"]
-        for leg, instance, status in (("prefill", self.prefill, self.prefill_status),
-                                      ("decode", self.decode, self.decode_status)):  # fmt: skip
+        for leg, instance, status in (
+            ("prefill", self.prefill, self.prefill_status),
+            ("decode", self.decode, self.decode_status),
+        ):
             if instance is not None:
                 words.append(f"{leg}={instance}" + (f" ({status})" if status else ""))
         if self.retried:
@@ -183,8 +185,9 @@ _TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 
 def access_line(f: dict[str, Any]) -> str:
     """The text access line: what did not happen (no prefill, no decode) is left out."""
-    parts = [f"{f['client']} {f['method']} {f['path']} {f['status']} "
-             f"{f['bytes']}B {f['elapsed_ms']}ms"]  # fmt: skip
+    parts = [
+        f"{f['client']} {f['method']} {f['path']} {f['status']} {f['bytes']}B {f['elapsed_ms']}ms"
+    ]
     if "request_id" in f:
         parts.append(f"request_id={f['request_id']}")
     for leg, timing in (("prefill", "prefill_ms"), ("decode", "decode_ttfb_ms")):

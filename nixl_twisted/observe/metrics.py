@@ -110,72 +110,92 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "nixlproxy_requests", "Client requests by route and final status.",
-            ["route", "status"], registry=r,
-        )  # fmt: skip
+            "nixlproxy_requests",
+            "Client requests by route and final status.",
+            ["route", "status"],
+            registry=r,
+        )
         self.backend_requests = Counter(
             "nixlproxy_backend_requests",
             "Legs sent to each backend instance, by outcome "
             "(answered, error_status, unreachable, timeout).",
-            ["pool", "instance", "outcome"], registry=r,
-        )  # fmt: skip
+            ["pool", "instance", "outcome"],
+            registry=r,
+        )
         self.prefill_seconds = Histogram(
             "nixlproxy_prefill_seconds",
             "Prefill leg, request sent to params read, by the instance that answered.",
-            ["instance"], registry=r, buckets=LEG_BUCKETS,
-        )  # fmt: skip
+            ["instance"],
+            registry=r,
+            buckets=LEG_BUCKETS,
+        )
         self.decode_first_byte_seconds = Histogram(
             "nixlproxy_decode_first_byte_seconds",
             "Decode leg, request sent to the first byte of its body, by instance.",
-            ["instance"], registry=r, buckets=LEG_BUCKETS,
-        )  # fmt: skip
+            ["instance"],
+            registry=r,
+            buckets=LEG_BUCKETS,
+        )
         self.time_to_first_byte = Histogram(
             "nixlproxy_time_to_first_byte_seconds",
             "The client's request arriving to the first byte of the answer written to it.",
-            ["route"], registry=r, buckets=LEG_BUCKETS,
-        )  # fmt: skip
+            ["route"],
+            registry=r,
+            buckets=LEG_BUCKETS,
+        )
         self.handoff_gap = Histogram(
             "nixlproxy_handoff_gap_seconds",
             "Prefill answered (its kv_transfer_params read) to decode's request sent.",
-            registry=r, buckets=LEG_BUCKETS,
-        )  # fmt: skip
+            registry=r,
+            buckets=LEG_BUCKETS,
+        )
         self.handoff_gap_over_warning = Counter(
             "nixlproxy_handoff_gap_over_warning",
             "Requests whose handoff gap passed --handoff-warning (vLLM's KV lease is 30 s).",
             registry=r,
-        )  # fmt: skip
+        )
         self.request_seconds = Histogram(
-            "nixlproxy_request_seconds", "Completions end to end, as the proxy saw them.",
-            registry=r, buckets=LEG_BUCKETS,
-        )  # fmt: skip
+            "nixlproxy_request_seconds",
+            "Completions end to end, as the proxy saw them.",
+            registry=r,
+            buckets=LEG_BUCKETS,
+        )
         self.in_flight = Gauge(
-            "nixlproxy_requests_in_flight", "Requests being served now.", registry=r,
+            "nixlproxy_requests_in_flight",
+            "Requests being served now.",
+            registry=r,
             multiprocess_mode="livesum",
-        )  # fmt: skip
+        )
         self.missing_kv_transfer_params = Counter(
             "nixlproxy_prefill_missing_kv_transfer_params",
-            "Prefill answers without usable kv_transfer_params.", registry=r,
-        )  # fmt: skip
+            "Prefill answers without usable kv_transfer_params.",
+            registry=r,
+        )
         self.client_disconnects = Counter(
-            "nixlproxy_client_disconnects", "Clients that left before their answer ended.",
-            ["phase"], registry=r,
-        )  # fmt: skip
+            "nixlproxy_client_disconnects",
+            "Clients that left before their answer ended.",
+            ["phase"],
+            registry=r,
+        )
         self.panic_legs = Counter(
             "nixlproxy_panic_legs",
             "Legs sent while every instance of their pool was marked down (best effort).",
-            ["pool"], registry=r,
-        )  # fmt: skip
+            ["pool"],
+            registry=r,
+        )
         self.refused = Counter(
             "nixlproxy_refused",
             "Requests and connections refused before they were served, by reason "
             "(the error code the client got, docs/failures.md).",
-            ["reason"], registry=r,
-        )  # fmt: skip
+            ["reason"],
+            registry=r,
+        )
         self.routing_decisions = Counter(
             "nixlproxy_routing_decisions",
             "Legs by pool, its policy and the policy's decision (docs/routing.md).",
-            ["pool", "policy", "decision"], registry=r,
-        )  # fmt: skip
+            ["pool", "policy", "decision"],
+            registry=r,
+        )
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )

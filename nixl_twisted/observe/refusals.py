@@ -55,8 +55,11 @@ class LogThrottle:
             log.emit(
                 level,
                 "{said} ({count} more like it in the last {interval:g} s)",
-                said=quiet.last, count=quiet.held, interval=self.interval, refused=key,
-            )  # fmt: skip
+                said=quiet.last,
+                count=quiet.held,
+                interval=self.interval,
+                refused=key,
+            )
             # Keep summing while they go on: at most one line per interval.
             self._quiet[key] = _Quiet(self.clock.callLater(self.interval, self._said, key))
 

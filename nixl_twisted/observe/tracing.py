@@ -99,8 +99,10 @@ class Tracing(Service):
         return flushed
 
     def _unsent(self, _: object) -> None:
-        log.warn("traces not all sent: the collector did not take them within {seconds} s",
-                 seconds=FLUSH_TIMEOUT)  # fmt: skip
+        log.warn(
+            "traces not all sent: the collector did not take them within {seconds} s",
+            seconds=FLUSH_TIMEOUT,
+        )
 
 
 class SDKLogs(logging.Handler):

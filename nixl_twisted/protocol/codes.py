@@ -14,9 +14,12 @@ from typing import Literal
 
 #: The OpenAI error body's ``type``: the broad class of an error.
 ErrorType = Literal[
-    "invalid_request_error", "authentication_error", "overloaded_error", "upstream_error",
+    "invalid_request_error",
+    "authentication_error",
+    "overloaded_error",
+    "upstream_error",
     "proxy_error",
-]  # fmt: skip
+]
 
 _CLIENT: ErrorType = "invalid_request_error"
 _OVERLOADED: ErrorType = "overloaded_error"
@@ -50,98 +53,239 @@ class ErrorCode(enum.Enum):
         return self._value_
 
     # One row each, as the table in docs/failures.md has them.
-    # fmt: off
     # -- the client's request ----------------------------------------------
-    INVALID_JSON = ("invalid_json", 400, _CLIENT,
-                    "the body (a completion's or an admin change's) is not JSON")
-    INVALID_BODY = ("invalid_body", 400, _CLIENT,
-                    "the body is JSON but not an object (an admin change: names no `url`)")
-    JSON_TOO_DEEP = ("json_too_deep", 400, _CLIENT,
-                     "JSON nested deeper than the proxy can read (about 990 levels)")
-    INVALID_BATCH_FIELD = ("invalid_batch_field", 400, _CLIENT,
-                           "a batched completion's `n`, `stream` or `stream_options` the proxy "
-                           "cannot merge by")
-    TOO_MANY_PROMPTS = ("too_many_prompts", 400, _CLIENT,
-                        "a `/v1/completions` with more prompts than `--max-batch-prompts`")
-    PREVIOUS_RESPONSE_ID_UNSUPPORTED = ("previous_response_id_unsupported", 400, _CLIENT,
-                                        "a `/v1/responses` with `previous_response_id`")
-    BACKGROUND_UNSUPPORTED = ("background_unsupported", 400, _CLIENT,
-                              "a `/v1/responses` with `background: true`")
-    NOT_FOUND = ("not_found", 404, _CLIENT,
-                 "no such route, no admin API (no `--admin-token`), no such instance (admin), "
-                 "or no decode instance holds the response")
-    METHOD_NOT_ALLOWED = ("method_not_allowed", 405, _CLIENT,
-                          "a route served with other methods, which `Allow` names")
-    PERMANENT_REDIRECT = ("permanent_redirect", 308, _CLIENT,
-                          "a path with an empty segment (`/v1//models`): the router's redirect, "
-                          "without a `Location`")
+    INVALID_JSON = (
+        "invalid_json",
+        400,
+        _CLIENT,
+        "the body (a completion's or an admin change's) is not JSON",
+    )
+    INVALID_BODY = (
+        "invalid_body",
+        400,
+        _CLIENT,
+        "the body is JSON but not an object (an admin change: names no `url`)",
+    )
+    JSON_TOO_DEEP = (
+        "json_too_deep",
+        400,
+        _CLIENT,
+        "JSON nested deeper than the proxy can read (about 990 levels)",
+    )
+    INVALID_BATCH_FIELD = (
+        "invalid_batch_field",
+        400,
+        _CLIENT,
+        "a batched completion's `n`, `stream` or `stream_options` the proxy cannot merge by",
+    )
+    TOO_MANY_PROMPTS = (
+        "too_many_prompts",
+        400,
+        _CLIENT,
+        "a `/v1/completions` with more prompts than `--max-batch-prompts`",
+    )
+    PREVIOUS_RESPONSE_ID_UNSUPPORTED = (
+        "previous_response_id_unsupported",
+        400,
+        _CLIENT,
+        "a `/v1/responses` with `previous_response_id`",
+    )
+    BACKGROUND_UNSUPPORTED = (
+        "background_unsupported",
+        400,
+        _CLIENT,
+        "a `/v1/responses` with `background: true`",
+    )
+    NOT_FOUND = (
+        "not_found",
+        404,
+        _CLIENT,
+        "no such route, no admin API (no `--admin-token`), no such instance (admin), "
+        "or no decode instance holds the response",
+    )
+    METHOD_NOT_ALLOWED = (
+        "method_not_allowed",
+        405,
+        _CLIENT,
+        "a route served with other methods, which `Allow` names",
+    )
+    PERMANENT_REDIRECT = (
+        "permanent_redirect",
+        308,
+        _CLIENT,
+        "a path with an empty segment (`/v1//models`): the router's redirect, without a `Location`",
+    )
     MALFORMED_REQUEST = ("malformed_request", 400, _CLIENT, "HTTP the proxy cannot parse")
-    REQUEST_HEADER_TOO_LARGE = ("request_header_too_large", 431, _CLIENT,
-                                "a request line or header line too long")
-    INVALID_URL = ("invalid_url", 400, _CLIENT,
-                   "the request's URL is not UTF-8, or an admin change's `url` is not a "
-                   "backend URL")
-    INVALID_HOST = ("invalid_host", 400, _CLIENT,
-                    "HTTP/1.1 without `Host`, two `Host` headers, or one not a valid host")
-    HEADER_TIMEOUT = ("header_timeout", 408, _CLIENT,
-                      "a request's line and headers not in within `--header-timeout`")
-    BODY_TIMEOUT = ("body_timeout", 408, _CLIENT,
-                    "a body not in within `--body-timeout` plus 1 s per `--body-min-rate` bytes")
-    REQUEST_TOO_LARGE = ("request_too_large", 413, _CLIENT,
-                         "a body larger than `--max-body-size`")
+    REQUEST_HEADER_TOO_LARGE = (
+        "request_header_too_large",
+        431,
+        _CLIENT,
+        "a request line or header line too long",
+    )
+    INVALID_URL = (
+        "invalid_url",
+        400,
+        _CLIENT,
+        "the request's URL is not UTF-8, or an admin change's `url` is not a backend URL",
+    )
+    INVALID_HOST = (
+        "invalid_host",
+        400,
+        _CLIENT,
+        "HTTP/1.1 without `Host`, two `Host` headers, or one not a valid host",
+    )
+    HEADER_TIMEOUT = (
+        "header_timeout",
+        408,
+        _CLIENT,
+        "a request's line and headers not in within `--header-timeout`",
+    )
+    BODY_TIMEOUT = (
+        "body_timeout",
+        408,
+        _CLIENT,
+        "a body not in within `--body-timeout` plus 1 s per `--body-min-rate` bytes",
+    )
+    REQUEST_TOO_LARGE = ("request_too_large", 413, _CLIENT, "a body larger than `--max-body-size`")
     # -- the admin API -------------------------------------------------------
-    UNAUTHORIZED = ("unauthorized", 401, "authentication_error",
-                    "an admin request without the right bearer token")
-    INVALID_POOL = ("invalid_pool", 400, _CLIENT,
-                    'an admin change whose `pool` is not `"prefill"` or `"decode"`')
-    LAST_INSTANCE = ("last_instance", 409, _CLIENT,
-                     "an admin change that would leave a pool no instance in rotation")
+    UNAUTHORIZED = (
+        "unauthorized",
+        401,
+        "authentication_error",
+        "an admin request without the right bearer token",
+    )
+    INVALID_POOL = (
+        "invalid_pool",
+        400,
+        _CLIENT,
+        'an admin change whose `pool` is not `"prefill"` or `"decode"`',
+    )
+    LAST_INSTANCE = (
+        "last_instance",
+        409,
+        _CLIENT,
+        "an admin change that would leave a pool no instance in rotation",
+    )
     # -- the proxy's own limits ------------------------------------------------
-    TOO_MANY_REQUESTS_IN_FLIGHT = ("too_many_requests_in_flight", 503, _OVERLOADED,
-                                   "`--max-in-flight` requests are being served")
-    REQUEST_BODIES_BUFFER_FULL = ("request_bodies_buffer_full", 503, _OVERLOADED,
-                                  "the bodies held at once would pass `--max-buffered-bodies`")
-    TOO_MANY_CONNECTIONS = ("too_many_connections", 503, _OVERLOADED,
-                            "`--max-connections` client connections are open")
-    DRAINING = ("draining", 503, _OVERLOADED,
-                "the proxy is stopping (SIGTERM) and takes no new request")
-    SHUTTING_DOWN = ("shutting_down", 503, _OVERLOADED,
-                     "the drain timeout cut the request; mid-stream, an in-band error event")
+    TOO_MANY_REQUESTS_IN_FLIGHT = (
+        "too_many_requests_in_flight",
+        503,
+        _OVERLOADED,
+        "`--max-in-flight` requests are being served",
+    )
+    REQUEST_BODIES_BUFFER_FULL = (
+        "request_bodies_buffer_full",
+        503,
+        _OVERLOADED,
+        "the bodies held at once would pass `--max-buffered-bodies`",
+    )
+    TOO_MANY_CONNECTIONS = (
+        "too_many_connections",
+        503,
+        _OVERLOADED,
+        "`--max-connections` client connections are open",
+    )
+    DRAINING = (
+        "draining",
+        503,
+        _OVERLOADED,
+        "the proxy is stopping (SIGTERM) and takes no new request",
+    )
+    SHUTTING_DOWN = (
+        "shutting_down",
+        503,
+        _OVERLOADED,
+        "the drain timeout cut the request; mid-stream, an in-band error event",
+    )
     # -- the backends ------------------------------------------------------------
-    NO_HEALTHY_PREFILL = ("no_healthy_prefill", 503, _UPSTREAM,
-                          "every prefill instance was tried for this request, or is draining")
-    NO_HEALTHY_DECODE = ("no_healthy_decode", 503, _UPSTREAM,
-                         "every decode instance was tried for this request, or is draining")
-    PREFILL_UNREACHABLE = ("prefill_unreachable", 502, _UPSTREAM,
-                           "no prefill instance could be reached, retries included")
-    DECODE_UNREACHABLE = ("decode_unreachable", 502, _UPSTREAM,
-                          "no decode instance could be reached, retries included")
-    PREFILL_TIMEOUT = ("prefill_timeout", 504, _UPSTREAM,
-                       "prefill's answer not in within `--prefill-timeout`")
-    DECODE_TIMEOUT = ("decode_timeout", 504, _UPSTREAM,
-                      "decode silent past `--decode-timeout` or `--stream-idle-timeout`; "
-                      "mid-stream, an in-band error event")
-    PREFILL_FAILED = ("prefill_failed", 502, _UPSTREAM,
-                      "prefill answered a 5xx (502, 503 or 504 once retries ran out)")
-    PREFILL_INVALID_RESPONSE = ("prefill_invalid_response", 502, _UPSTREAM,
-                                "prefill's answer is not JSON, or broke off")
-    MISSING_KV_TRANSFER_PARAMS = ("missing_kv_transfer_params", 502, _UPSTREAM,
-                                  "prefill's answer has no `kv_transfer_params`")
-    INVALID_KV_TRANSFER_PARAMS = ("invalid_kv_transfer_params", 502, _UPSTREAM,
-                                  "prefill's `kv_transfer_params` is not an object")
-    DECODE_STREAM_BROKEN = ("decode_stream_broken", 502, _UPSTREAM,
-                            "decode's body broke off: an in-band error event, or a 502 for a "
-                            "batch answered whole")
+    NO_HEALTHY_PREFILL = (
+        "no_healthy_prefill",
+        503,
+        _UPSTREAM,
+        "every prefill instance was tried for this request, or is draining",
+    )
+    NO_HEALTHY_DECODE = (
+        "no_healthy_decode",
+        503,
+        _UPSTREAM,
+        "every decode instance was tried for this request, or is draining",
+    )
+    PREFILL_UNREACHABLE = (
+        "prefill_unreachable",
+        502,
+        _UPSTREAM,
+        "no prefill instance could be reached, retries included",
+    )
+    DECODE_UNREACHABLE = (
+        "decode_unreachable",
+        502,
+        _UPSTREAM,
+        "no decode instance could be reached, retries included",
+    )
+    PREFILL_TIMEOUT = (
+        "prefill_timeout",
+        504,
+        _UPSTREAM,
+        "prefill's answer not in within `--prefill-timeout`",
+    )
+    DECODE_TIMEOUT = (
+        "decode_timeout",
+        504,
+        _UPSTREAM,
+        "decode silent past `--decode-timeout` or `--stream-idle-timeout`; "
+        "mid-stream, an in-band error event",
+    )
+    PREFILL_FAILED = (
+        "prefill_failed",
+        502,
+        _UPSTREAM,
+        "prefill answered a 5xx (502, 503 or 504 once retries ran out)",
+    )
+    PREFILL_INVALID_RESPONSE = (
+        "prefill_invalid_response",
+        502,
+        _UPSTREAM,
+        "prefill's answer is not JSON, or broke off",
+    )
+    MISSING_KV_TRANSFER_PARAMS = (
+        "missing_kv_transfer_params",
+        502,
+        _UPSTREAM,
+        "prefill's answer has no `kv_transfer_params`",
+    )
+    INVALID_KV_TRANSFER_PARAMS = (
+        "invalid_kv_transfer_params",
+        502,
+        _UPSTREAM,
+        "prefill's `kv_transfer_params` is not an object",
+    )
+    DECODE_STREAM_BROKEN = (
+        "decode_stream_broken",
+        502,
+        _UPSTREAM,
+        "decode's body broke off: an in-band error event, or a 502 for a batch answered whole",
+    )
     # Codes without a status of their own.
-    DECODE_BROKEN = ("decode_broken", None, _UPSTREAM,
-                     "a single-leg route's event stream broke off: in-band only")
-    BATCH_PART_FAILED = ("batch_part_failed", None, _UPSTREAM,
-                         "a part of a batched completion failed: with that part's status, or "
-                         "in-band once the batch's stream began")
+    DECODE_BROKEN = (
+        "decode_broken",
+        None,
+        _UPSTREAM,
+        "a single-leg route's event stream broke off: in-band only",
+    )
+    BATCH_PART_FAILED = (
+        "batch_part_failed",
+        None,
+        _UPSTREAM,
+        "a part of a batched completion failed: with that part's status, or "
+        "in-band once the batch's stream began",
+    )
     # -- the proxy itself --------------------------------------------------------
-    INTERNAL_ERROR = ("internal_error", 500, "proxy_error",
-                      "the proxy failed unexpectedly (its log has the traceback)")
-    # fmt: on
+    INTERNAL_ERROR = (
+        "internal_error",
+        500,
+        "proxy_error",
+        "the proxy failed unexpectedly (its log has the traceback)",
+    )
 
 
 def unreachable(role: str) -> ErrorCode:

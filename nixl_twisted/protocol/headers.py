@@ -31,9 +31,16 @@ HOP_BY_HOP = frozenset(
 #: Only the proxy says which data-parallel rank serves a leg (and only to an
 #: instance declared ``#dp=N``); ``expect`` was answered by the proxy itself.
 _PROXY_OWNED_REQUEST = frozenset(
-    {b"host", b"content-length", b"content-type", b"accept-encoding", b"x-request-id",
-     b"x-data-parallel-rank", b"expect"}
-)  # fmt: skip
+    {
+        b"host",
+        b"content-length",
+        b"content-type",
+        b"accept-encoding",
+        b"x-request-id",
+        b"x-data-parallel-rank",
+        b"expect",
+    }
+)
 
 REQUEST_ID = b"X-Request-Id"
 AUTHORIZATION = b"Authorization"

@@ -186,8 +186,14 @@ def json_kind(value: object) -> str:
     """What a JSON value is, in words (an error message never echoes the value itself)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    kinds = {str: "a string", int: "a number", float: "a number", list: "an array",
-             dict: "an object", type(None): "null"}  # fmt: skip
+    kinds = {
+        str: "a string",
+        int: "a number",
+        float: "a number",
+        list: "an array",
+        dict: "an object",
+        type(None): "null",
+    }
     return kinds.get(type(value), type(value).__name__)
 
 

@@ -32,9 +32,18 @@ ADMIN_BACKENDS = "/admin/backends"
 ADMIN_DRAIN = "/admin/backends/drain"
 
 _FIXED = frozenset(
-    {*TWO_LEG, MODELS, TOKENIZE, DETOKENIZE, COUNT_TOKENS, HEALTHCHECK, METRICS,
-     ADMIN_BACKENDS, ADMIN_DRAIN}
-)  # fmt: skip
+    {
+        *TWO_LEG,
+        MODELS,
+        TOKENIZE,
+        DETOKENIZE,
+        COUNT_TOKENS,
+        HEALTHCHECK,
+        METRICS,
+        ADMIN_BACKENDS,
+        ADMIN_DRAIN,
+    }
+)
 _RESPONSE_PREFIX = RESPONSES + "/"
 
 

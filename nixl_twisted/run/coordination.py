@@ -71,8 +71,12 @@ def _apply(backends: BackendService, change: dict[str, str], where: str) -> None
     try:
         backends.apply_change(change)
     except PoolChangeRefused as error:  # the pools are the same everywhere: should not be
-        log.error("{where}: change {change} refused: {error}",
-                  where=where, change=change, error=str(error))  # fmt: skip
+        log.error(
+            "{where}: change {change} refused: {error}",
+            where=where,
+            change=change,
+            error=str(error),
+        )
 
 
 # -- the supervisor's side ---------------------------------------------------
@@ -209,8 +213,10 @@ class SupervisorLink(Service):
             try:
                 config = ProxyConfig.from_json(message["config"])
             except (ConfigError, ValueError, KeyError) as error:
-                log.error("a configuration from the supervisor could not be used: {error}",
-                          error=str(error))  # fmt: skip
+                log.error(
+                    "a configuration from the supervisor could not be used: {error}",
+                    error=str(error),
+                )
                 return
             self._reconfigure(config)
             log.info("configuration reloaded from the supervisor")

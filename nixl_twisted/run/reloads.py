@@ -69,8 +69,11 @@ def reloaded(config: ProxyConfig, environ: Mapping[str, str]) -> Reload:
 
 def refused(error: ConfigError) -> None:
     """The file could not be used: nothing changed."""
-    log.error("SIGHUP: nothing reloaded, every setting kept as it was ({key}): {error}",
-              key=error.key, error=str(error))  # fmt: skip
+    log.error(
+        "SIGHUP: nothing reloaded, every setting kept as it was ({key}): {error}",
+        key=error.key,
+        error=str(error),
+    )
 
 
 def said(reload: Reload, where: str = "") -> None:
@@ -93,6 +96,9 @@ def said(reload: Reload, where: str = "") -> None:
             parts.append(
                 "set on the command line, which wins over the file: " + ", ".join(reload.overridden)
             )
-        log.warn("SIGHUP: settings not applied: {parts}", parts="; ".join(parts),
-                 need_restart=list(reload.need_restart),
-                 overridden=list(reload.overridden))  # fmt: skip
+        log.warn(
+            "SIGHUP: settings not applied: {parts}",
+            parts="; ".join(parts),
+            need_restart=list(reload.need_restart),
+            overridden=list(reload.overridden),
+        )

@@ -138,8 +138,9 @@ class ProxyService(ProcessTree):
         delay = self.config.timeouts.shutdown_delay
         if delay > 0:
             self.app.admission.leaving = True
-            lifecycle.info("not ready now; still serving for {seconds} s before draining",
-                     seconds=delay)  # fmt: skip
+            lifecycle.info(
+                "not ready now; still serving for {seconds} s before draining", seconds=delay
+            )
             await deferLater(self.clock, delay)
         self.app.admission.start_draining()
         listeners = self.listeners()
@@ -183,8 +184,9 @@ class ProxyService(ProcessTree):
 
 
 def _worker_hangup() -> None:
-    log.warn("SIGHUP to a worker changes nothing: send it to the supervisor, pid {pid}",
-             pid=os.getppid())  # fmt: skip
+    log.warn(
+        "SIGHUP to a worker changes nothing: send it to the supervisor, pid {pid}", pid=os.getppid()
+    )
 
 
 def backend_service(

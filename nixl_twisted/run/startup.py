@@ -66,24 +66,30 @@ def check_descriptors(config: ProxyConfig) -> tuple[int, int]:
         raised = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
         if raised > soft:
             resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-            lifecycle.info("file descriptor limit raised from {soft} to {raised}",
-                           soft=soft, raised=raised)  # fmt: skip
+            lifecycle.info(
+                "file descriptor limit raised from {soft} to {raised}", soft=soft, raised=raised
+            )
     if raised != resource.RLIM_INFINITY and raised < needed:
         log.warn(
             "the file descriptor limit is {limit}, below the {needed} that --max-connections "
             "({connections}) and --max-in-flight ({in_flight}) need: raise it (LimitNOFILE, "
             "ulimit -n) or lower them",
-            limit=raised, needed=needed, connections=config.limits.max_connections,
+            limit=raised,
+            needed=needed,
+            connections=config.limits.max_connections,
             in_flight=config.limits.max_in_flight,
-        )  # fmt: skip
+        )
     return soft, raised
 
 
 def summary(config: ProxyConfig) -> str:
     """One line: the pools, their policies and the limits in effect."""
     pools, policies, limits, timeouts = (
-        config.pools, config.policies, config.limits, config.timeouts
-    )  # fmt: skip
+        config.pools,
+        config.policies,
+        config.limits,
+        config.timeouts,
+    )
     workers = f", {config.workers} workers" if config.workers > 1 else ""
     interval = config.health.interval
     checks = f"every {interval:g} s" if interval else "off"

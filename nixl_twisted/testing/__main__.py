@@ -136,8 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = arguments()
     args = parser.parse_args(argv)
-    for option, first, count in (("--prefill-port", args.prefill_port, args.prefills),
-                                 ("--decode-port", args.decode_port, args.decodes)):  # fmt: skip
+    for option, first, count in (
+        ("--prefill-port", args.prefill_port, args.prefills),
+        ("--decode-port", args.decode_port, args.decodes),
+    ):
         if first and first + count - 1 > 65535:
             parser.error(f"{option} {first}: {count} consecutive ports go past 65535")
     failed: list[str] = []

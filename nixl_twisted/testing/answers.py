@@ -150,29 +150,51 @@ class Message:
 
     def whole(self) -> JSONObject:
         return {
-            "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
             "content": [{"type": "text", "text": "".join(self.words)}],
-            "stop_reason": self.stop_reason, "stop_sequence": None,
+            "stop_reason": self.stop_reason,
+            "stop_sequence": None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": len(self.words)},
-        }  # fmt: skip
+        }
 
     def events(self) -> list[bytes]:
         start = dict(self.whole(), content=[], stop_reason=None)
         start["usage"] = {"input_tokens": self.input_tokens, "output_tokens": 0}
         return [
             _sse("message_start", {"type": "message_start", "message": start}),
-            _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}}),
-            *(_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                           "delta": {"type": "text_delta", "text": word}})
-              for word in self.words),
+            _sse(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            ),
+            *(
+                _sse(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": word},
+                    },
+                )
+                for word in self.words
+            ),
             _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            _sse("message_delta", {"type": "message_delta",
-                                   "delta": {"stop_reason": self.stop_reason,
-                                             "stop_sequence": None},
-                                   "usage": {"output_tokens": len(self.words)}}),
+            _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": None},
+                    "usage": {"output_tokens": len(self.words)},
+                },
+            ),
             _sse("message_stop", {"type": "message_stop"}),
-        ]  # fmt: skip
+        ]
 
 
 @dataclass
@@ -191,19 +213,42 @@ class Response:
         done = status == "completed"
         content = [{"type": "output_text", "text": text, "annotations": []}] if done else []
         return {
-            "id": self.id, "object": "response", "created_at": self.created, "model": self.model,
-            "status": status, "output": [{"type": "message", "id": self.item, "role": "assistant",
-                                          "status": status, "content": content}] if done else [],
-            "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": len(self.words),
-                      "total_tokens": self.input_tokens + len(self.words),
-                      "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}},
-        }  # fmt: skip
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model,
+            "status": status,
+            "output": [
+                {
+                    "type": "message",
+                    "id": self.item,
+                    "role": "assistant",
+                    "status": status,
+                    "content": content,
+                }
+            ]
+            if done
+            else [],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": self.input_tokens,
+                "output_tokens": len(self.words),
+                "total_tokens": self.input_tokens + len(self.words),
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+        }
 
     def events(self) -> list[bytes]:
-        item = {"type": "message", "id": self.item, "role": "assistant",
-                "status": "in_progress", "content": []}  # fmt: skip
+        item = {
+            "type": "message",
+            "id": self.item,
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
         part = {"type": "output_text", "text": "", "annotations": []}
         text = "".join(self.words)
         at = {"item_id": self.item, "output_index": 0, "content_index": 0}
@@ -215,10 +260,9 @@ class Response:
             *(("response.output_text.delta", {**at, "delta": word}) for word in self.words),
             ("response.output_text.done", {**at, "text": text}),
             ("response.content_part.done", {**at, "part": dict(part, text=text)}),
-            ("response.output_item.done", {"output_index": 0,
-                                           "item": self.whole()["output"][0]}),
+            ("response.output_item.done", {"output_index": 0, "item": self.whole()["output"][0]}),
             ("response.completed", {"response": self.whole()}),
-        ]  # fmt: skip
+        ]
         return [
             _sse(kind, {"type": kind, "sequence_number": number, **data})
             for number, (kind, data) in enumerate(typed)

@@ -49,12 +49,16 @@ async def start_cluster(
     """
     ledger = TransferLedger()
     cluster = FakeCluster(
-        [FakeVLLM(name=f"prefill-{i}", ledger=ledger, **fake_options)
-         for i in range(len(prefill_listen))],
-        [FakeVLLM(name=f"decode-{i}", ledger=ledger, **fake_options)
-         for i in range(len(decode_listen))],
+        [
+            FakeVLLM(name=f"prefill-{i}", ledger=ledger, **fake_options)
+            for i in range(len(prefill_listen))
+        ],
+        [
+            FakeVLLM(name=f"decode-{i}", ledger=ledger, **fake_options)
+            for i in range(len(decode_listen))
+        ],
         ledger,
-    )  # fmt: skip
+    )
     endpoints = [*prefill_listen, *decode_listen]
     listening: list[FakeVLLM] = []
     try:

@@ -235,8 +235,9 @@ class FakeVLLM(Controls, OtherRoutes):
         count = self.tokens if not isinstance(limit, int) else min(self.tokens, limit)
         words = answers.words(self.text, count)
         if responses_api:
-            reply = answers.Response(model=str(body.get("model", self.model)), words=words,
-                                     input_tokens=prompt_tokens)  # fmt: skip
+            reply = answers.Response(
+                model=str(body.get("model", self.model)), words=words, input_tokens=prompt_tokens
+            )
             if role != "prefill" and body.get("store", True):
                 self.responses[reply.id] = reply.whole()
             if not body.get("stream"):
@@ -248,10 +249,11 @@ class FakeVLLM(Controls, OtherRoutes):
             return None
         if messages_api:
             message = answers.Message(
-                model=str(body.get("model", self.model)), words=words,
+                model=str(body.get("model", self.model)),
+                words=words,
                 stop_reason="max_tokens" if count == limit else "end_turn",
                 input_tokens=answers.prompt_tokens(body, True),
-            )  # fmt: skip
+            )
             if not body.get("stream"):
                 whole = message.whole()
                 if kv_answer is not None:

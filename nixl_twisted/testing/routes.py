@@ -71,8 +71,14 @@ class OtherRoutes:
     def _tokenize(self, request: Request) -> bytes:
         """vLLM's answer shape; a token is four bytes of the prompt, as the prefix cache counts."""
         count = max(1, len(prompt_text(self._json(request)).encode("utf-8")) // 4)
-        return answers.encode({"count": count, "max_model_len": 1024,
-                               "tokens": list(range(count)), "token_strs": None})  # fmt: skip
+        return answers.encode(
+            {
+                "count": count,
+                "max_model_len": 1024,
+                "tokens": list(range(count)),
+                "token_strs": None,
+            }
+        )
 
     def _detokenize(self, request: Request) -> bytes:
         tokens = self._json(request).get("tokens") or []

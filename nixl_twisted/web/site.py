@@ -105,9 +105,13 @@ class _TrackedChannel(HTTPChannel):
         self.refuse(
             code,
             f"the request's {what} did not arrive in time ({seconds:g} s"
-            + (f", extended by 1 s per {limits.body_min_rate} bytes" if what == "body" and
-               limits.body_min_rate else "") + ")",
-        )  # fmt: skip
+            + (
+                f", extended by 1 s per {limits.body_min_rate} bytes"
+                if what == "body" and limits.body_min_rate
+                else ""
+            )
+            + ")",
+        )
 
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request line or header line too long: 431, not a silent close."""
