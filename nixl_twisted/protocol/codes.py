@@ -109,12 +109,6 @@ class ErrorCode(enum.Enum):
         _CLIENT,
         "a route served with other methods, which `Allow` names",
     )
-    PERMANENT_REDIRECT = (
-        "permanent_redirect",
-        308,
-        _CLIENT,
-        "a path with an empty segment (`/v1//models`): the router's redirect, without a `Location`",
-    )
     MALFORMED_REQUEST = ("malformed_request", 400, _CLIENT, "HTTP the proxy cannot parse")
     REQUEST_HEADER_TOO_LARGE = (
         "request_header_too_large",

@@ -50,16 +50,16 @@ log = Logger()
 _JSON = b"application/json"
 
 #: What the router's refusals are called, by their status (Werkzeug's exceptions).
-_ROUTING_CODES = {
-    code.status: code
-    for code in (ErrorCode.NOT_FOUND, ErrorCode.METHOD_NOT_ALLOWED, ErrorCode.PERMANENT_REDIRECT)
-}
+_ROUTING_CODES = {code.status: code for code in (ErrorCode.NOT_FOUND, ErrorCode.METHOD_NOT_ALLOWED)}
 
 
 class ProxyApp:
     """The proxy's HTTP face, handed what it serves with by the composition root."""
 
     app = Klein()
+    # No route has an empty segment: ``/v1//models`` is a 404, not Werkzeug's 308
+    # (set before the routes below are added: each rule reads it then).
+    app.url_map.merge_slashes = False
 
     def __init__(
         self,
@@ -294,7 +294,7 @@ class ProxyApp:
 
     @app.handle_errors(HTTPException)
     def http_exception(self, request: IRequest, failure: Failure) -> bytes:
-        """What the router refuses (no such route, a wrong method, a redirect), as JSON."""
+        """What the router refuses (no such route, a wrong method), as JSON."""
         http_error = failure.value
         assert isinstance(http_error, HTTPException)
         code = _ROUTING_CODES.get(http_error.code or 500)

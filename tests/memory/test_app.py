@@ -111,6 +111,10 @@ def test_unknown_paths_and_methods_get_openai_errors_through_stub_treq() -> None
         missing = await get("http://proxy/v2/nothing")
         assert missing.code == 404
         assert json.loads(await missing.content())["error"]["code"] == "not_found"
+        # An empty segment is no route either (Werkzeug would answer a 308 with no Location).
+        doubled = await get("http://proxy/v1//models")
+        assert doubled.code == 404
+        assert json.loads(await doubled.content())["error"]["code"] == "not_found"
         wrong = await get("http://proxy/v1/completions")
         assert wrong.code == 405
         assert wrong.headers.getRawHeaders(b"allow") == [b"POST"]
