@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from treq.testing import RequestTraversalAgent
@@ -151,9 +151,10 @@ class _ByHost(Resource):
 class _InMemoryBackends:
     """The fakes as an agent: a host no fake serves refuses the connection, as a dead one."""
 
-    def __init__(self, fakes: dict[bytes, IResource]) -> None:
-        self._fakes = fakes
-        self.traversal = RequestTraversalAgent(_ByHost(fakes))
+    def __init__(self, hosts: dict[bytes, IResource]) -> None:
+        #: What each host serves: a host not here refuses the connection.
+        self.hosts = hosts
+        self.traversal = RequestTraversalAgent(_ByHost(hosts))
         #: Hosts whose connections fail: with what, and whether ``request`` raises it.
         self.broken: dict[bytes, tuple[Exception, bool]] = {}
 
@@ -170,7 +171,7 @@ class _InMemoryBackends:
             if raised:
                 raise error
             return fail(error)
-        if host not in self._fakes:
+        if host not in self.hosts:
             return fail(ConnectionRefusedError(uri.decode("ascii", "replace")))
         return self.traversal.request(method, uri, headers, bodyProducer)
 
@@ -180,20 +181,29 @@ class Answer:
     """An HTTP response as a client read it (a chunked body decoded)."""
 
     status: int
+    #: Each header by its lower-case name (the last value of one sent twice).
     headers: dict[str, str]
     body: bytes
     #: The body ended as HTTP says it must (last chunk, or the announced length).
     complete: bool
+    #: Every header line in order, names in lower case: see :meth:`values`.
+    lines: list[tuple[str, str]] = field(default_factory=list)
 
     def json(self) -> Any:
         return json.loads(self.body)
+
+    def values(self, name: str) -> list[str]:
+        """Every value of header ``name``, in the order sent (none: an empty list)."""
+        return [value for key, value in self.lines if key == name.lower()]
 
 
 def parse_answer(raw: bytes) -> Answer:
     """Parse the bytes of one HTTP/1.1 response."""
     head, _, rest = raw.partition(b"\r\n\r\n")
-    status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines)}
+    status_line, *raw_lines = head.decode("latin-1").split("\r\n")
+    lines = [(k.strip().lower(), v.strip()) for k, _, v in (h.partition(":") for h in raw_lines)]
+    headers = dict(lines)
+    status = int(status_line.split()[1])
     if headers.get("transfer-encoding") == "chunked":
         body, complete = b"", False
         while rest:
@@ -203,9 +213,9 @@ def parse_answer(raw: bytes) -> Answer:
                 complete = True
                 break
             body, rest = body + rest[:size], rest[size + 2 :]
-        return Answer(int(status_line.split()[1]), headers, body, complete)
+        return Answer(status, headers, body, complete, lines)
     length = int(headers.get("content-length", len(rest)))
-    return Answer(int(status_line.split()[1]), headers, rest[:length], len(rest) >= length)
+    return Answer(status, headers, rest[:length], len(rest) >= length, lines)
 
 
 class InMemoryClient:
@@ -250,24 +260,44 @@ class InMemoryProxy:
         prefills: Sequence[FakeVLLM],
         decodes: Sequence[FakeVLLM],
         clock: Clock | None = None,
+        tracer_provider: TracerProvider | None = None,
         **settings: object,
     ) -> None:
+        """``tracer_provider``: trace with it (an in-memory exporter's), as ``start_proxy``."""
         self.clock = clock if clock is not None else Clock()
-        hosts: dict[bytes, IResource] = {}
+        self.agent = _InMemoryBackends({})
         for fake in [*prefills, *decodes]:
-            fake.clock = self.clock
-            fake.url = f"http://{fake.name}.memory"
-            hosts[f"{fake.name}.memory".encode()] = fake.resource()
-        self.agent = _InMemoryBackends(hosts)
+            self.serve(fake)
         settings.setdefault("health_interval", 0)
         config = ProxyConfig.create(
             prefill=[f.url for f in prefills], decode=[f.url for f in decodes], **settings
         )
         self.service = build(
-            config, MemoryReactorClock(), clock=self.clock, agent=self.agent, take_signals=False
+            config,
+            MemoryReactorClock(),
+            clock=self.clock,
+            agent=self.agent,
+            take_signals=False,
+            tracer_provider=tracer_provider,
         )
         self.service.backends.startService()
         self.clients: list[InMemoryClient] = []
+
+    def serve(self, fake: FakeVLLM, resource: IResource | None = None) -> str:
+        """Serve ``fake`` at its in-memory URL (again), on this proxy's clock; return the URL.
+
+        ``resource``: serve that instead of the fake's own (a wrapper of
+        ``fake.resource()``, say). A fake added after the proxy was made
+        (for the admin API) is served so too.
+        """
+        fake.clock = self.clock
+        fake.url = f"http://{fake.name}.memory"
+        self.agent.hosts[f"{fake.name}.memory".encode()] = resource or fake.resource()
+        return fake.url
+
+    def stop_serving(self, fake: FakeVLLM) -> None:
+        """From now on, connecting to ``fake`` is refused, as to a stopped instance."""
+        del self.agent.hosts[f"{fake.name}.memory".encode()]
 
     @property
     def app(self) -> ProxyApp:
@@ -283,10 +313,17 @@ class InMemoryProxy:
     def request(
         self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
     ) -> InMemoryClient:
-        """Send one HTTP/1.1 request on a new connection."""
-        lines = [f"{method} {path} HTTP/1.1", "Host: proxy.memory"]
+        """Send one HTTP/1.1 request on a new connection.
+
+        ``Host`` and ``Content-Length`` are added unless ``headers`` has its
+        own (or a ``Transfer-Encoding``), as ``http.client`` does.
+        """
+        given = {name.lower() for name in headers or {}}
+        lines = [f"{method} {path} HTTP/1.1"]
+        lines += [] if "host" in given else ["Host: proxy.memory"]
         lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
-        lines.append(f"Content-Length: {len(body)}")
+        if not given & {"content-length", "transfer-encoding"}:
+            lines.append(f"Content-Length: {len(body)}")
         client = self.connect()
         client.send(("\r\n".join(lines) + "\r\n\r\n").encode("utf-8") + body)
         return client

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import ILogObserver, globalLogPublisher
-from zope.interface import provider
 
 from nixl_twisted.config import resolve
 from nixl_twisted.logs import LogLevels
@@ -21,19 +17,6 @@ from tests.memory.support import Setup
 def proxy_from(path: Path) -> ProxyService:
     config = resolve({"health-interval": 0}, str(path), {})
     return build(config, MemoryReactorClock(), clock=Clock(), take_signals=False)
-
-
-@pytest.fixture
-def logged() -> Iterator[list[dict[str, Any]]]:
-    events: list[dict[str, Any]] = []
-
-    @provider(ILogObserver)
-    def observer(event: dict[str, Any]) -> None:
-        events.append(event)
-
-    globalLogPublisher.addObserver(observer)
-    yield events
-    globalLogPublisher.removeObserver(observer)
 
 
 def test_a_reload_makes_the_pools_what_the_file_says(tmp_path: Path) -> None:
