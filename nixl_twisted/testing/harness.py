@@ -261,9 +261,14 @@ class InMemoryProxy:
         decodes: Sequence[FakeVLLM],
         clock: Clock | None = None,
         tracer_provider: TracerProvider | None = None,
+        start: bool = True,
         **settings: object,
     ) -> None:
-        """``tracer_provider``: trace with it (an in-memory exporter's), as ``start_proxy``."""
+        """``tracer_provider``: trace with it (an in-memory exporter's), as ``start_proxy``.
+
+        ``start=False``: the backends (their health checks) start only at
+        :meth:`start`, so that a test may stop serving a fake first.
+        """
         self.clock = clock if clock is not None else Clock()
         self.agent = _InMemoryBackends({})
         for fake in [*prefills, *decodes]:
@@ -280,8 +285,14 @@ class InMemoryProxy:
             take_signals=False,
             tracer_provider=tracer_provider,
         )
-        self.service.backends.startService()
         self.clients: list[InMemoryClient] = []
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the backends: the first round of health checks, if any, goes out now."""
+        self.service.backends.startService()
+        self.flush()
 
     def serve(self, fake: FakeVLLM, resource: IResource | None = None) -> str:
         """Serve ``fake`` at its in-memory URL (again), on this proxy's clock; return the URL.

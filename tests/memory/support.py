@@ -49,6 +49,7 @@ class Setup:
         decodes: int = 1,
         fake_options: dict[str, Any] | None = None,
         tracer_provider: TracerProvider | None = None,
+        start: bool = True,
         **settings: object,
     ) -> None:
         self.ledger = TransferLedger()
@@ -57,7 +58,12 @@ class Setup:
         self.prefills = [FakeVLLM(name=f"prefill-{i}", **options) for i in range(prefills)]
         self.decodes = [FakeVLLM(name=f"decode-{i}", **options) for i in range(decodes)]
         self.proxy = InMemoryProxy(
-            self.prefills, self.decodes, self.clock, tracer_provider=tracer_provider, **settings
+            self.prefills,
+            self.decodes,
+            self.clock,
+            tracer_provider=tracer_provider,
+            start=start,
+            **settings,
         )
 
     @property
