@@ -1,0 +1,162 @@
+"""Request ids, headers, authorization, and the routes besides the two-leg ones."""
+
+from __future__ import annotations
+
+from tests.memory.support import FULL_CHAT, Setup, assert_error
+
+# -- request ids -----------------------------------------------------------------
+
+
+def test_one_fresh_id_on_both_legs_in_transfer_id_and_to_the_client() -> None:
+    setup = Setup()
+    # vLLM can echo an id of its own; the client still gets the proxy's.
+    setup.decode.extra_headers["X-Request-Id"] = "decode-echo"
+    seen = set()
+    for _ in range(3):
+        answer = setup.post(
+            "/v1/chat/completions", FULL_CHAT, headers={"X-Request-Id": "client-chosen"}
+        ).answer()
+        (echoed,) = answer.values("x-request-id")
+        seen.add(echoed)
+    assert len(seen) == 3
+    assert not {"client-chosen", "decode-echo"} & seen
+    for prefill, decode in zip(setup.prefill.requests, setup.decode.requests, strict=True):
+        assert prefill.request_id in seen
+        assert prefill.request_id == decode.request_id
+        assert prefill.body is not None
+        assert prefill.body["kv_transfer_params"]["transfer_id"] == f"xfer-{prefill.request_id}"
+
+
+def test_refusals_carry_a_request_id_too() -> None:
+    setup = Setup()
+    setup.prefill.extra_headers["X-Request-Id"] = "prefill-echo"
+    setup.prefill.refuse_next(400)
+    refused = setup.post("/v1/chat/completions", FULL_CHAT).answer()
+    invalid = setup.post("/v1/chat/completions", b"[]").answer()
+    (refused_id,) = refused.values("x-request-id")
+    assert refused_id == setup.prefill.requests[0].request_id
+    assert len(invalid.values("x-request-id")) == 1
+
+
+# -- authorization ---------------------------------------------------------------
+
+
+def test_client_authorization_reaches_both_legs() -> None:
+    setup = Setup(backend_api_key="operator-key")
+    setup.post(
+        "/v1/chat/completions", FULL_CHAT, headers={"Authorization": "Bearer client-key"}
+    ).answer()
+    assert setup.prefill.requests[0].authorization == "Bearer client-key"
+    assert setup.decode.requests[0].authorization == "Bearer client-key"
+
+
+def test_operator_key_used_when_client_sends_none() -> None:
+    setup = Setup(backend_api_key="operator-key")
+    setup.post("/v1/chat/completions", FULL_CHAT).answer()
+    setup.get("/v1/models").answer()
+    for request in setup.prefill.requests + setup.decode.requests:
+        assert request.authorization == "Bearer operator-key"
+
+
+def test_no_authorization_without_client_or_operator_key() -> None:
+    setup = Setup()
+    setup.post("/v1/chat/completions", FULL_CHAT).answer()
+    assert setup.prefill.requests[0].authorization is None
+    assert setup.decode.requests[0].authorization is None
+
+
+# -- headers ---------------------------------------------------------------------
+
+
+def test_end_to_end_headers_forwarded_hop_by_hop_not() -> None:
+    setup = Setup()
+    setup.post(
+        "/v1/chat/completions",
+        FULL_CHAT,
+        headers={
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "Connection": "keep-alive, X-Hop",
+            "X-Hop": "only for this connection",
+            "Keep-Alive": "timeout=5",
+        },
+    ).answer()
+    for request in (setup.prefill.requests[0], setup.decode.requests[0]):
+        headers = request.headers
+        assert headers.getRawHeaders(b"traceparent") == [
+            b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        ]
+        assert headers.getRawHeaders(b"x-hop") is None
+        assert headers.getRawHeaders(b"keep-alive") is None
+        assert headers.getRawHeaders(b"content-type") == [b"application/json"]
+
+
+def test_decode_response_headers_relayed_without_hop_by_hop() -> None:
+    setup = Setup()
+    setup.decode.extra_headers.update(
+        {"X-Backend-Note": "from decode", "Keep-Alive": "timeout=5", "Upgrade": "h2c"}
+    )
+    # The client's request as it is: no client library adds headers of its own.
+    answer = setup.post("/v1/completions", b'{"model": "m", "prompt": "x"}').answer()
+    assert answer.values("x-backend-note") == ["from decode"]
+    assert answer.values("keep-alive") == []
+    assert answer.values("upgrade") == []
+    assert answer.values("content-encoding") == []
+    assert answer.values("content-type") == ["application/json"]
+
+
+# -- the other routes ------------------------------------------------------------
+
+
+def test_healthcheck_reports_configured_instances() -> None:
+    setup = Setup(prefills=2, decodes=1)
+    answer = setup.get("/healthcheck").answer()
+    assert answer.status == 200
+    report = answer.json()
+    # The seed's three keys, as the seed has them.
+    assert {k: report[k] for k in ("ready", "prefill_instances", "decode_instances")} == {
+        "ready": True,
+        "prefill_instances": 2,
+        "decode_instances": 1,
+    }
+    assert [i["url"] for i in report["instances"]["prefill"]] == [p.url for p in setup.prefills]
+    assert not report["draining"]
+    assert setup.prefill.requests == []
+
+
+def test_models_relayed_from_the_next_decode_instance() -> None:
+    setup = Setup(decodes=2)
+    for _ in range(4):
+        answer = setup.get("/v1/models").answer()
+        assert answer.status == 200
+        assert answer.json()["data"][0]["id"] == "fake-model"
+    assert [len(d.requests) for d in setup.decodes] == [2, 2]
+    assert setup.prefill.requests == []
+
+
+def test_tokenize_and_detokenize_go_to_a_decode_instance_as_they_are() -> None:
+    setup = Setup(decodes=2)
+    body = {"model": "m", "prompt": "x" * 40, "kv_transfer_params": {"do_remote_decode": True}}
+    answer = setup.post("/tokenize", body).answer()
+    assert answer.status == 200
+    assert answer.json()["count"] == 10
+    answer = setup.post("/detokenize", {"model": "m", "tokens": [1, 2]}).answer()
+    assert (answer.status, answer.json()["prompt"]) == (200, "t1 t2")
+    seen = [r for d in setup.decodes for r in d.requests]
+    assert sorted(r.path for r in seen) == ["/detokenize", "/tokenize"]
+    # The client's kv_transfer_params never reach a backend.
+    assert all("kv_transfer_params" not in (r.body or {}) for r in seen)
+    assert setup.prefill.requests == []
+
+
+def test_a_tokenize_body_that_is_not_json_is_refused_before_any_backend() -> None:
+    setup = Setup()
+    assert_error(setup.post("/tokenize", b"{nope").answer(), 400, "invalid_json")
+    assert setup.decode.requests == []
+
+
+def test_a_dead_decode_is_retried_for_tokenize_too() -> None:
+    setup = Setup(decodes=2, decode_retries=1)
+    setup.proxy.stop_serving(setup.decodes[0])
+    for _ in range(2):
+        assert setup.post("/tokenize", {"model": "m", "prompt": "hi"}).answer().status == 200
+    assert len(setup.decodes[1].requests) == 2
