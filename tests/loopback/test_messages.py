@@ -1,15 +1,17 @@
-"""Anthropic's Messages API in two legs, through the official anthropic client."""
+"""Anthropic's Messages API in two legs, through the official anthropic client over HTTP.
+
+The proxy's own errors and a broken stream in Anthropic's shapes are proved
+in memory (``tests/memory/test_messages.py``).
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import anthropic
 from twisted.internet.threads import deferToThread
-from twisted.web.client import ResponseFailed
 
-from tests.support import ChunkCollector, ProxyCase
+from tests.support import ProxyCase
 
 ASK: dict[str, Any] = {
     "model": "m", "max_tokens": 6,
@@ -52,30 +54,3 @@ class MessagesTests(ProxyCase):
         )
         self.assertGreater(count.input_tokens, 0)
         self.assertEqual(self.prefill.requests, [])
-
-    async def test_the_proxys_own_errors_have_anthropics_shape(self) -> None:
-        await self.start()
-        response, answer = await self.post_json("/v1/messages", b"{nope")
-        self.assertEqual(response.code, 400)
-        self.assertEqual(answer["type"], "error")
-        self.assertEqual(answer["error"]["type"], "invalid_request_error")
-        self.assertIn("not valid JSON", answer["error"]["message"])
-        await self.decode.stop()
-        response, answer = await self.post_json("/v1/messages", ASK)
-        self.assertEqual((response.code, answer["error"]["type"]), (502, "api_error"))
-
-    async def test_a_broken_stream_ends_with_anthropics_error_event(self) -> None:
-        await self.start(tokens=5)
-        self.decode.break_next(after_events=2)
-        response = await self.post("/v1/messages", dict(ASK, stream=True))
-        self.assertEqual(response.code, 200)
-        collector = ChunkCollector()
-        response.deliverBody(collector)
-        with self.assertRaises(ResponseFailed):  # closed short: never passed off as complete
-            await collector.done
-        last = collector.body.strip().split(b"\n\n")[-1]
-        event, data = last.split(b"\n", 1)
-        self.assertEqual(event, b"event: error")
-        error = json.loads(data.removeprefix(b"data: "))
-        self.assertEqual(error["type"], "error")
-        self.assertEqual(error["error"]["message"], "decode closed the stream early")

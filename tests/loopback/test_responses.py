@@ -1,8 +1,10 @@
-"""OpenAI's Responses API in two legs, through the official openai client."""
+"""OpenAI's Responses API in two legs, through the official openai client over HTTP.
+
+Follow-ups routed to the instance that holds a response, and the refusals,
+are proved in memory (``tests/memory/test_responses.py``).
+"""
 
 from __future__ import annotations
-
-import json
 
 from openai import OpenAI
 from twisted.internet.threads import deferToThread
@@ -44,39 +46,3 @@ class ResponsesTests(ProxyCase):
         self.assertEqual(types[0], "response.created")
         self.assertEqual(types[-1], "response.completed")
         self.assertEqual(types.count("response.output_text.delta"), 3)
-
-    async def test_follow_ups_go_to_the_decode_instance_that_holds_the_response(self) -> None:
-        await self.start(decodes=3)
-        made = [await deferToThread(lambda: self.client().responses.create(model="m", input="x"))
-                for _ in range(3)]  # fmt: skip
-        client = self.client()
-        for answer in made:
-            again = await deferToThread(client.responses.retrieve, answer.id)
-            self.assertEqual(again.id, answer.id)
-        for decode in self.decodes:  # each asked only for what it made
-            asked = [r.path for r in decode.requests if r.role == "other"]
-            self.assertEqual(asked, [f"/v1/responses/{i}" for i in decode.responses])
-
-    async def test_an_unknown_response_is_asked_of_each_decode_then_404(self) -> None:
-        await self.start(decodes=2)
-        held = await deferToThread(lambda: self.client().responses.create(model="m", input="x"))
-        self.proxy.app.responses_seen = type(self.proxy.app.responses_seen)()  # a restart
-        response = await self.http.get(self.proxy.url + f"/v1/responses/{held.id}")
-        self.assertEqual(response.code, 200)
-        self.assertEqual(json.loads(await response.content())["id"], held.id)
-        missing = await self.http.post(self.proxy.url + "/v1/responses/resp_nope/cancel")
-        self.assertEqual(missing.code, 404)
-        await missing.content()
-        self.assertEqual(sum(1 for d in self.decodes for r in d.requests
-                             if r.path.endswith("resp_nope/cancel")), 2)  # fmt: skip
-
-    async def test_what_two_engines_cannot_do_is_a_400_before_any_backend(self) -> None:
-        await self.start()
-        for body, code in (
-            ({"model": "m", "input": "x", "previous_response_id": "resp_1"},
-             "previous_response_id_unsupported"),
-            ({"model": "m", "input": "x", "background": True}, "background_unsupported"),
-        ):  # fmt: skip
-            response, answer = await self.post_json("/v1/responses", body)
-            self.assertError(response, answer, 400, code)
-        self.assertEqual(self.prefill.requests, [])
