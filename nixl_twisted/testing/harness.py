@@ -274,9 +274,10 @@ class InMemoryProxy:
         for fake in [*prefills, *decodes]:
             self.serve(fake)
         settings.setdefault("health_interval", 0)
-        config = ProxyConfig.create(
-            prefill=[f.url for f in prefills], decode=[f.url for f in decodes], **settings
-        )
+        # The settings may name the pools' URLs themselves (data-parallel ranks).
+        settings.setdefault("prefill", [f.url for f in prefills])
+        settings.setdefault("decode", [f.url for f in decodes])
+        config = ProxyConfig.create(**settings)
         self.service = build(
             config,
             MemoryReactorClock(),
