@@ -221,10 +221,13 @@ def parse_answer(raw: bytes) -> Answer:
 class InMemoryClient:
     """One client connection to an :class:`InMemoryProxy`, on a ``StringTransport``."""
 
-    def __init__(self, proxy: InMemoryProxy, channel: HTTPChannel) -> None:
+    def __init__(
+        self, proxy: InMemoryProxy, channel: HTTPChannel, peer: IPv4Address | None = None
+    ) -> None:
+        """``peer``: the client's address, as the proxy sees it."""
         self.proxy = proxy
         self.channel = channel
-        self.transport = StringTransport()
+        self.transport = StringTransport(peerAddress=peer)
         channel.makeConnection(self.transport)
         self.lost = False
 
@@ -316,9 +319,11 @@ class InMemoryProxy:
         return self.service.app
 
     def connect(self) -> InMemoryClient:
-        channel = self.service.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        """A new client connection, from a loopback address."""
+        peer = IPv4Address("TCP", "127.0.0.1", 40000)
+        channel = self.service.site.buildProtocol(peer)
         assert isinstance(channel, HTTPChannel)
-        client = InMemoryClient(self, channel)
+        client = InMemoryClient(self, channel, peer)
         self.clients.append(client)
         return client
 
