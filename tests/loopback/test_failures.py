@@ -10,12 +10,9 @@ from typing import cast
 
 from twisted.internet.interfaces import IPushProducer
 
-from nixl_twisted.config import ProxyConfig
 from tests.support import CHAT, ChunkCollector, ProxyCase
 
 STREAM = dict(CHAT, stream=True)
-#: The default timeouts, which these tests run with.
-TIMEOUTS = ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"]).timeouts
 
 
 class BackpressureTests(ProxyCase):
