@@ -1,0 +1,94 @@
+"""What the backend client sends and takes: no cookie kept, gzip asked for and decoded."""
+
+from __future__ import annotations
+
+import json
+
+import treq
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IConsumer
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer
+from twisted.web.resource import EncodingResourceWrapper
+from twisted.web.server import GzipEncoderFactory
+from zope.interface import implementer
+
+from nixl_twisted.testing.harness import Answer
+from tests.memory.support import FULL_CHAT, Setup
+
+
+def test_a_backend_cookie_is_relayed_never_kept() -> None:
+    setup = Setup(fake_options={"extra_headers": {"Set-Cookie": "session=abc; Path=/"}})
+    # The client keeps no cookie either: any Cookie a backend sees is the proxy's.
+    for _ in range(2):
+        answer = setup.post("/v1/chat/completions", FULL_CHAT).answer()
+        assert answer.status == 200
+        assert answer.values("set-cookie") == ["session=abc; Path=/"]
+    sent = [r.headers.getRawHeaders(b"cookie") for r in setup.prefill.requests]
+    sent += [r.headers.getRawHeaders(b"cookie") for r in setup.decode.requests]
+    assert sent == [None] * 4
+
+
+# -- Accept-Encoding: every leg asks for gzip, whatever the client asked; the client gets identity
+
+
+def ask(setup: Setup, accept_encoding: str | None) -> Answer:
+    """POST the chat body with exactly this ``Accept-Encoding`` (or none)."""
+    headers = {"Content-Type": "application/json"}
+    if accept_encoding is not None:
+        headers["Accept-Encoding"] = accept_encoding
+    body = json.dumps(FULL_CHAT).encode("utf-8")
+    return setup.proxy.request("POST", "/v1/chat/completions", body, headers).answer()
+
+
+def test_the_client_encoding_is_not_forwarded_each_leg_asks_for_gzip() -> None:
+    setup = Setup()
+    for accepted in ("br", None):
+        answer = ask(setup, accepted)
+        assert (answer.status, answer.json()["object"]) == (200, "chat.completion")
+    legs = [*setup.prefill.requests, *setup.decode.requests]
+    assert [leg.headers.getRawHeaders(b"accept-encoding") for leg in legs] == [[b"gzip"]] * 4
+
+
+@implementer(IBodyProducer)
+class _Bytes:
+    """A request body written at once (no cooperator, no reactor)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.length = len(data)
+
+    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
+        consumer.write(self.data)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        return None
+
+    def resumeProducing(self) -> None:
+        return None
+
+    def stopProducing(self) -> None:
+        return None
+
+
+def test_a_gzip_answer_is_decoded_and_the_client_gets_identity() -> None:
+    setup = Setup()
+    for fake in (setup.prefill, setup.decode):
+        setup.proxy.serve(fake, EncodingResourceWrapper(fake.resource(), [GzipEncoderFactory()]))
+    # The backends really answer gzip to what a leg asks for (a bare agent: no decoding).
+    direct = setup.settle(
+        setup.proxy.agent.request(
+            b"POST",
+            (setup.decode.url + "/v1/chat/completions").encode("ascii"),
+            Headers({b"Content-Type": [b"application/json"], b"Accept-Encoding": [b"gzip"]}),
+            _Bytes(json.dumps(FULL_CHAT).encode("utf-8")),
+        )
+    )
+    setup.settle(treq.content(direct))
+    assert direct.headers.getRawHeaders(b"content-encoding") == [b"gzip"]
+
+    answer = ask(setup, "br")
+    assert (answer.status, answer.json()["object"]) == (200, "chat.completion")
+    assert answer.values("content-encoding") == []
+    assert len(setup.ledger.redeemed) == 1
