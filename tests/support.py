@@ -1,4 +1,4 @@
-"""What the integration tests share: fakes and a proxy on loopback, and a client."""
+"""What the loopback and process tests share: fakes and a proxy on loopback, and a client."""
 
 from __future__ import annotations
 
@@ -165,35 +165,18 @@ class ProxyCase(TestCase):
 
 
 class ChunkCollector(Protocol):
-    """Collects a streamed body, telling the test about each chunk as it comes."""
+    """Collects a streamed body; ``done`` fires with its chunks at its end."""
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
         self.done: Deferred[list[bytes]] = Deferred()
-        self._waiting: list[tuple[bytes, Deferred[None]]] = []
 
     @property
     def body(self) -> bytes:
         return b"".join(self.chunks)
 
-    def received(self, marker: bytes) -> Deferred[None]:
-        """Fires once the body so far contains ``marker``."""
-        waiting: Deferred[None] = Deferred()
-        if marker in self.body:
-            waiting.callback(None)
-        else:
-            self._waiting.append((marker, waiting))
-        return waiting
-
     def dataReceived(self, data: bytes) -> None:
         self.chunks.append(data)
-        if not self._waiting:
-            return
-        body = self.body
-        ready = [w for w in self._waiting if w[0] in body]
-        self._waiting = [w for w in self._waiting if w not in ready]
-        for _, waiting in ready:
-            waiting.callback(None)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:  # noqa: B008
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -210,14 +193,3 @@ def sse_events(body: bytes) -> list[Any]:
             payload = block[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
-
-
-async def closed_port_url() -> str:
-    """A loopback URL nothing listens on: connecting to it is refused."""
-    from twisted.internet.endpoints import TCP4ServerEndpoint
-    from twisted.internet.protocol import Factory
-
-    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Factory())
-    number = port.getHost().port
-    await port.stopListening()
-    return f"http://127.0.0.1:{number}"
