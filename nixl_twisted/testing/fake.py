@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from klein import Klein
 from twisted.internet.address import IPv4Address, IPv6Address
@@ -90,6 +90,10 @@ class FakeVLLM(Controls, OtherRoutes):
     block_tokens: int = 128
     cache_blocks: int = 4096
 
+    #: Every fake's routes, made once (werkzeug compiles each rule, which takes
+    #: longer than a test in memory); Klein binds them to each fake.
+    routes: ClassVar[Klein] = Klein()
+
     def __post_init__(self) -> None:
         Controls.__init__(self)
         self._port: IListeningPort | None = None
@@ -134,20 +138,8 @@ class FakeVLLM(Controls, OtherRoutes):
         return self.site.stop(port)
 
     def resource(self) -> Any:
-        app = Klein()
-        app.route("/health", methods=["GET"])(self._health)
-        app.route("/metrics", methods=["GET"])(self._metrics)
-        app.route("/v1/models", methods=["GET"])(self._models)
-        app.route("/tokenize", methods=["POST"])(self._tokenize)
-        app.route("/detokenize", methods=["POST"])(self._detokenize)
-        app.route("/v1/completions", methods=["POST"])(self._generate)
-        app.route("/v1/chat/completions", methods=["POST"])(self._generate)
-        app.route("/v1/messages", methods=["POST"])(self._generate)
-        app.route("/v1/responses", methods=["POST"])(self._generate)
-        app.route("/v1/responses/<string:response_id>", methods=["GET"])(self._stored)
-        app.route("/v1/responses/<string:response_id>/cancel", methods=["POST"])(self._stored)
-        app.route("/v1/messages/count_tokens", methods=["POST"])(self._count_tokens)
-        return app.resource()
+        """The fake's HTTP resource: its routes, served by this fake."""
+        return self.routes.resource()
 
     def _record(self, request: Request, body: JSONObject | None, role: str) -> None:
         self.requests.append(
@@ -317,6 +309,23 @@ class FakeVLLM(Controls, OtherRoutes):
                 await deferLater(self.clock, self.token_interval)  # type: ignore[arg-type]
         if cut_after is not None:
             await cut_off(request)
+
+
+for _path, _method, _handler in (
+    ("/health", "GET", FakeVLLM._health),
+    ("/metrics", "GET", FakeVLLM._metrics),
+    ("/v1/models", "GET", FakeVLLM._models),
+    ("/tokenize", "POST", FakeVLLM._tokenize),
+    ("/detokenize", "POST", FakeVLLM._detokenize),
+    ("/v1/completions", "POST", FakeVLLM._generate),
+    ("/v1/chat/completions", "POST", FakeVLLM._generate),
+    ("/v1/messages", "POST", FakeVLLM._generate),
+    ("/v1/responses", "POST", FakeVLLM._generate),
+    ("/v1/responses/<string:response_id>", "GET", FakeVLLM._stored),
+    ("/v1/responses/<string:response_id>/cancel", "POST", FakeVLLM._stored),
+    ("/v1/messages/count_tokens", "POST", FakeVLLM._count_tokens),
+):
+    FakeVLLM.routes.route(_path, methods=[_method])(_handler)
 
 
 def _header(request: Request, name: bytes) -> str | None:
