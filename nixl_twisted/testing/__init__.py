@@ -5,9 +5,9 @@
   OpenAI's shapes (``answers``), failing as scripted (``behaviours``);
 - :func:`start_cluster` (``cluster``) starts N fake prefills and M fake
   decodes sharing one ledger;
-- :func:`start_pair`, :func:`start_proxy`, :func:`run_proxy` and
-  :class:`InMemoryProxy` (``harness``) put a real proxy before fakes, on
-  loopback or in memory;
+- :func:`start_pair`, :func:`start_proxy` and :func:`run_proxy`
+  (``harness``) put a real proxy before fakes on loopback, and
+  :class:`InMemoryProxy` (``memory``) the same proxy wholly in memory;
 - :class:`FakeCollector` (``collector``) receives OTLP/HTTP trace exports
   and decodes their spans;
 - :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
@@ -23,14 +23,13 @@ from nixl_twisted.testing.collector import FakeCollector, ReceivedSpan
 from nixl_twisted.testing.fake import FakeVLLM, ReceivedRequest
 from nixl_twisted.testing.harness import (
     FakePair,
-    InMemoryClient,
-    InMemoryProxy,
     RunningProxy,
     run_proxy,
     start_pair,
     start_proxy,
 )
 from nixl_twisted.testing.ledger import TransferLedger
+from nixl_twisted.testing.memory import InMemoryClient, InMemoryProxy
 from nixl_twisted.testing.process import Twistd, TwistdProtocol, spawn_twistd
 from nixl_twisted.testing.site import FakeSite
 

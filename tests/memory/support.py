@@ -12,7 +12,7 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.testing import FakeVLLM, InMemoryClient, InMemoryProxy, TransferLedger
-from nixl_twisted.testing.harness import Answer
+from nixl_twisted.testing.memory import Answer
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider

@@ -13,7 +13,7 @@ from twisted.web.resource import EncodingResourceWrapper
 from twisted.web.server import GzipEncoderFactory
 from zope.interface import implementer
 
-from nixl_twisted.testing.harness import Answer
+from nixl_twisted.testing.memory import Answer
 from tests.memory.support import FULL_CHAT, Setup
 
 
