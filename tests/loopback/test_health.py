@@ -18,9 +18,13 @@ class HealthConnectionTests(ProxyCase):
         await self.proxy.stop()
         # Real time here: legs' connections idle out after 50 ms, checks come every 200 ms.
         self.proxy = start_proxy(
-            [self.prefill.url], [self.decode.url], listen="tcp:0:interface=127.0.0.1",
-            clock=reactor, health_interval=0.2, backend_idle_timeout=0.05,
-        )  # fmt: skip
+            [self.prefill.url],
+            [self.decode.url],
+            listen="tcp:0:interface=127.0.0.1",
+            clock=reactor,
+            health_interval=0.2,
+            backend_idle_timeout=0.05,
+        )
         self.addCleanup(self.proxy.stop)
         for _ in range(4):
             await self.decode.next_health_check()

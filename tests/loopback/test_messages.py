@@ -14,9 +14,10 @@ from twisted.internet.threads import deferToThread
 from tests.support import ProxyCase
 
 ASK: dict[str, Any] = {
-    "model": "m", "max_tokens": 6,
+    "model": "m",
+    "max_tokens": 6,
     "messages": [{"role": "user", "content": "What does decode pull over NIXL?"}],
-}  # fmt: skip
+}
 
 
 class MessagesTests(ProxyCase):

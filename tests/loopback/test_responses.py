@@ -29,8 +29,9 @@ class ResponsesTests(ProxyCase):
         lowered = {
             k: prefill.body[k] for k in ("max_output_tokens", "stream", "store", "background")
         }
-        self.assertEqual(lowered, {"max_output_tokens": 1, "stream": False, "store": False,
-                                   "background": False})  # fmt: skip
+        self.assertEqual(
+            lowered, {"max_output_tokens": 1, "stream": False, "store": False, "background": False}
+        )
         (decode,) = self.decode.requests_for("decode")
         assert decode.body is not None
         self.assertEqual(decode.body["max_output_tokens"], 5)

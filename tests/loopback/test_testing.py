@@ -19,11 +19,13 @@ from nixl_twisted.testing import FakeVLLM, start_cluster
 
 class FakeClusterTests(TestCase):
     async def test_every_decode_redeems_what_any_prefill_issued(self) -> None:
-        cluster = await start_cluster(["tcp:0:interface=127.0.0.1"] * 2,
-                                      ["tcp:0:interface=127.0.0.1"] * 2, reactor)  # fmt: skip
+        cluster = await start_cluster(
+            ["tcp:0:interface=127.0.0.1"] * 2, ["tcp:0:interface=127.0.0.1"] * 2, reactor
+        )
         self.addCleanup(cluster.stop)
-        self.assertEqual([f.name for f in cluster.instances],
-                         ["prefill-0", "prefill-1", "decode-0", "decode-1"])  # fmt: skip
+        self.assertEqual(
+            [f.name for f in cluster.instances], ["prefill-0", "prefill-1", "decode-0", "decode-1"]
+        )
         self.assertEqual({id(f.ledger) for f in cluster.instances}, {id(cluster.ledger)})
         http = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
 
@@ -47,7 +49,8 @@ class FakeClusterTests(TestCase):
         self.addCleanup(taken.stop)
         port = taken.url.rsplit(":", 1)[1]
         with self.assertRaises(CannotListenError):
-            await start_cluster(["tcp:0:interface=127.0.0.1"],
-                                [f"tcp:{port}:interface=127.0.0.1"], reactor)  # fmt: skip
+            await start_cluster(
+                ["tcp:0:interface=127.0.0.1"], [f"tcp:{port}:interface=127.0.0.1"], reactor
+            )
         # The prefill that listened is stopped: trial's clean-reactor check
         # fails this test if its port were left open.

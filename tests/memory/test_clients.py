@@ -23,9 +23,13 @@ CHAT_RAW = json.dumps(CHAT).encode()
 
 def _post(body: bytes, host: bytes = b"Host: proxy\r\n", version: bytes = b"HTTP/1.1") -> bytes:
     return (
-        b"POST /v1/completions " + version + b"\r\n" + host
-        + b"Content-Length: %d\r\n\r\n" % len(body) + body
-    )  # fmt: skip
+        b"POST /v1/completions "
+        + version
+        + b"\r\n"
+        + host
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+        + body
+    )
 
 
 def _slow(setup: Setup, raw: bytes) -> InMemoryClient:

@@ -7,8 +7,10 @@ from tests.memory.support import FULL_CHAT, Setup
 
 
 def ranks(fake: FakeVLLM, role: str) -> list[str]:
-    return [r.headers.getRawHeaders(b"x-data-parallel-rank", [b""])[0].decode()
-            for r in fake.requests_for(role)]  # fmt: skip
+    return [
+        r.headers.getRawHeaders(b"x-data-parallel-rank", [b""])[0].decode()
+        for r in fake.requests_for(role)
+    ]
 
 
 def test_each_rank_is_an_instance_and_each_leg_names_its_rank() -> None:

@@ -44,8 +44,9 @@ class Setup:
     def create(self) -> str:
         """A stored response (round-robin: on the next decode instance); its id."""
         body = json.dumps({"model": "m", "input": "x"}).encode()
-        client = self.proxy.request("POST", "/v1/responses", body,
-                                    {"Content-Type": "application/json"})  # fmt: skip
+        client = self.proxy.request(
+            "POST", "/v1/responses", body, {"Content-Type": "application/json"}
+        )
         answer = client.answer()
         assert answer.status == 200
         return str(answer.json()["id"])
@@ -89,8 +90,10 @@ def test_an_unknown_response_passes_over_each_404_to_the_one_that_holds_it(
     status, body = setup.get(held)
     assert (status, body["id"]) == (200, held)
     first, second = (d.url for d in setup.decodes)
-    assert access[-1]["attempts"] == [f"decode {first} answered_404",
-                                      f"decode {second} answered_200"]  # fmt: skip
+    assert access[-1]["attempts"] == [
+        f"decode {first} answered_404",
+        f"decode {second} answered_200",
+    ]
     # Neither a policy's choice nor a retry: the metrics say so.
     assert setup.counted("nixlproxy_routing_decisions_total") == decisions
     assert setup.counted("nixlproxy_retries_total") == 0
@@ -106,5 +109,7 @@ def test_when_no_instance_holds_it_the_last_404_is_the_answer(
     status, body = setup.get("resp_nope")
     assert status == 404 and "resp_nope" in body["error"]["message"]
     first, second = (d.url for d in setup.decodes)
-    assert access[-1]["attempts"] == [f"decode {first} answered_404",
-                                      f"decode {second} answered_404"]  # fmt: skip
+    assert access[-1]["attempts"] == [
+        f"decode {first} answered_404",
+        f"decode {second} answered_404",
+    ]

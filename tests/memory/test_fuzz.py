@@ -48,15 +48,35 @@ TWO_LEG_BODIES = {
     "/v1/completions": {"model": "m", "prompt": "hello", "max_tokens": 4},
     "/v1/chat/completions": FULL_CHAT,
     "/v1/responses": {"model": "m", "input": "hello", "max_output_tokens": 4},
-    "/v1/messages": {"model": "m", "max_tokens": 4,
-                     "messages": [{"role": "user", "content": "hello"}]},
-}  # fmt: skip
+    "/v1/messages": {
+        "model": "m",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hello"}],
+    },
+}
 #: The fields the proxy or vLLM reads on those routes, and any other name.
 FIELDS = st.sampled_from(
-    ["model", "prompt", "messages", "input", "n", "stream", "stream_options", "max_tokens",
-     "max_completion_tokens", "max_output_tokens", "min_tokens", "user", "store",
-     "background", "previous_response_id", "kv_transfer_params", "system", "temperature"]
-) | st.text(max_size=10)  # fmt: skip
+    [
+        "model",
+        "prompt",
+        "messages",
+        "input",
+        "n",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "min_tokens",
+        "user",
+        "store",
+        "background",
+        "previous_response_id",
+        "kv_transfer_params",
+        "system",
+        "temperature",
+    ]
+) | st.text(max_size=10)
 
 
 def _is_object(raw: bytes) -> bool:

@@ -49,8 +49,9 @@ class Decode(Resource):
 
     def render(self, request: Request) -> Any:
         assert request.content is not None
-        self.seen.append((request.method, request.uri, request.content.read(),
-                          request.requestHeaders))  # fmt: skip
+        self.seen.append(
+            (request.method, request.uri, request.content.read(), request.requestHeaders)
+        )
         if self.holding:
             request.notifyFinish().addErrback(lambda _: self.cut.append(request))
             return NOT_DONE_YET
@@ -84,9 +85,13 @@ class Setup:
         self.agent = Backends(self.decode)
         self.pool = BackendPool("decode", [LIVE, DEAD], self.clock)
         prefill = BackendPool("prefill", ["http://prefill.memory"], self.clock)
-        backends = BackendService(prefill, self.pool, Upstream(self.agent), self.clock,
-                                  Health(interval=0, timeout=1, unhealthy_threshold=3,
-                                         healthy_threshold=2))  # fmt: skip
+        backends = BackendService(
+            prefill,
+            self.pool,
+            Upstream(self.agent),
+            self.clock,
+            Health(interval=0, timeout=1, unhealthy_threshold=3, healthy_threshold=2),
+        )
         self.metrics = ProxyMetrics()
         self.legs = Legs(backends, self.clock, self.metrics)
         self.record = AccessRecord()
@@ -157,7 +162,10 @@ def test_an_unreachable_instance_is_a_retry_and_nothing_is_counted_yet() -> None
     retry = failure.value
     assert isinstance(retry, Retry)
     assert (retry.outcome, retry.error.status, retry.error.code) == (
-        "unreachable", 502, ErrorCode.DECODE_UNREACHABLE)  # fmt: skip
+        "unreachable",
+        502,
+        ErrorCode.DECODE_UNREACHABLE,
+    )
     assert retry.error.message.startswith(f"decode instance {DEAD} could not be reached: ")
     # send_leg accounts for a Retry: the attempt itself has counted nothing.
     assert setup.outcomes(DEAD) == {"answered": 0, "error_status": 0, "timeout": 0}

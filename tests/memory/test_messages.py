@@ -8,9 +8,10 @@ from typing import Any
 from tests.memory.support import Setup
 
 ASK: dict[str, Any] = {
-    "model": "m", "max_tokens": 6,
+    "model": "m",
+    "max_tokens": 6,
     "messages": [{"role": "user", "content": "What does decode pull over NIXL?"}],
-}  # fmt: skip
+}
 
 
 def test_the_proxys_own_errors_have_anthropics_shape() -> None:

@@ -149,17 +149,23 @@ def test_a_404_keeps_its_path_bounded(access_events: list[dict[str, Any]]) -> No
 def test_the_model_and_the_usage_decode_reported(access_events: list[dict[str, Any]]) -> None:
     setup = Setup()
     answer = setup.post("/v1/chat/completions", FULL_CHAT).answer().json()
-    setup.post("/v1/completions", {
-        "model": "m\ud800", "prompt": "one two three", "stream": True,
-        "stream_options": {"include_usage": True},
-    }).answer()  # fmt: skip
+    setup.post(
+        "/v1/completions",
+        {
+            "model": "m\ud800",
+            "prompt": "one two three",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ).answer()
     whole, streamed = access_events
     usage = answer["usage"]
     assert whole["model"] == "fake-model"
     assert (whole["prompt_tokens"], whole["completion_tokens"], whole["cached_tokens"]) == (
-        usage["prompt_tokens"], usage["completion_tokens"],
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
         usage["prompt_tokens_details"]["cached_tokens"],
-    )  # fmt: skip
+    )
     assert streamed["model"] == "m\\ud800"  # a lone surrogate, escaped
     assert streamed["prompt_tokens"] == 3
     assert "tokens=(" in access_line(streamed)
@@ -175,9 +181,11 @@ def test_every_attempt_of_each_leg_is_listed(access_events: list[dict[str, Any]]
     (event,) = access_events
     p0, p1 = (fake.url for fake in setup.prefills)
     assert event["attempts"] == [
-        f"prefill {p0} error_status", f"prefill {p1} answered",
-        f"decode {dead} unreachable", f"decode {setup.decode.url} answered",
-    ]  # fmt: skip
+        f"prefill {p0} error_status",
+        f"prefill {p1} answered",
+        f"decode {dead} unreachable",
+        f"decode {setup.decode.url} answered",
+    ]
     assert f"attempts=[prefill {p0} error_status; " in access_line(event)
 
 

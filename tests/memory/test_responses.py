@@ -39,9 +39,11 @@ def test_an_unknown_response_is_asked_of_each_decode_then_404() -> None:
 def test_what_two_engines_cannot_do_is_a_400_before_any_backend() -> None:
     setup = Setup()
     for body, code in (
-        ({"model": "m", "input": "x", "previous_response_id": "resp_1"},
-         "previous_response_id_unsupported"),
+        (
+            {"model": "m", "input": "x", "previous_response_id": "resp_1"},
+            "previous_response_id_unsupported",
+        ),
         ({"model": "m", "input": "x", "background": True}, "background_unsupported"),
-    ):  # fmt: skip
+    ):
         assert_error(setup.post("/v1/responses", body).answer(), 400, code)
     assert setup.prefill.requests == []

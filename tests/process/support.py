@@ -34,9 +34,12 @@ class TwistdCase(ProxyCase):
         """``twistd nixlproxy ARGS``; ``env``: more environment variables for it."""
         # Outside the source tree: the installed package and plugin serve.
         process = spawn_twistd(
-            reactor, args, env=installed_env(env), path=tempfile.gettempdir(),
+            reactor,
+            args,
+            env=installed_env(env),
+            path=tempfile.gettempdir(),
             twistd_args=twistd_args,
-        )  # fmt: skip
+        )
 
         def stop_if_running(_: Any = None) -> Deferred[int | None]:
             if not process.ended.called:
@@ -51,9 +54,12 @@ class TwistdCase(ProxyCase):
         process = WatchedProcess()
         command = [sys.executable, "-m", "nixl_twisted.testing", *args]
         reactor.spawnProcess(
-            process, command[0], command, env=installed_env({"PYTHONUNBUFFERED": "1"}),
+            process,
+            command[0],
+            command,
+            env=installed_env({"PYTHONUNBUFFERED": "1"}),
             path=tempfile.gettempdir(),
-        )  # fmt: skip
+        )
 
         def stop_if_running() -> Deferred[int | None]:
             if not process.ended.called:

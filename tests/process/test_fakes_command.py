@@ -34,9 +34,19 @@ class FakesCommandTests(TwistdCase):
     async def fakes(self, prefills: int, decodes: int) -> tuple[WatchedProcess, dict[str, str]]:
         """The command on ports the OS picks, once it printed its twistd line; URLs by name."""
         process = self.spawn_fakes(
-            "--prefills", str(prefills), "--decodes", str(decodes),
-            "--prefill-port", "0", "--decode-port", "0", "--tokens", "4", "--token-interval", "0",
-        )  # fmt: skip
+            "--prefills",
+            str(prefills),
+            "--decodes",
+            str(decodes),
+            "--prefill-port",
+            "0",
+            "--decode-port",
+            "0",
+            "--tokens",
+            "4",
+            "--token-interval",
+            "0",
+        )
         await process.line_with(b"twistd -n ")  # printed once every instance listens
         return process, dict(re.findall(r"fake (\S+) listening on (\S+)", process.output.decode()))
 
@@ -75,10 +85,23 @@ class FakesCommandTests(TwistdCase):
         words = shlex.split(line.decode())
         self.assertEqual(
             words,
-            ["twistd", "-n", "--pidfile=", "nixlproxy", "--listen", "tcp:8000",
-             "--prefill", urls["prefill-0"], "--prefill", urls["prefill-1"],
-             "--decode", urls["decode-0"], "--decode", urls["decode-1"]],
-        )  # fmt: skip
+            [
+                "twistd",
+                "-n",
+                "--pidfile=",
+                "nixlproxy",
+                "--listen",
+                "tcp:8000",
+                "--prefill",
+                urls["prefill-0"],
+                "--prefill",
+                urls["prefill-1"],
+                "--decode",
+                urls["decode-0"],
+                "--decode",
+                urls["decode-1"],
+            ],
+        )
         args = words[words.index("nixlproxy") + 1 :]
         args[args.index("--listen") + 1] = "tcp:0:interface=127.0.0.1"  # not 8000: a free port
         proxy = self.spawn(*args)
@@ -98,8 +121,10 @@ class FakesCommandTests(TwistdCase):
         taken = urls["decode-0"].rsplit(":", 1)[1]
         second = self.spawn_fakes("--prefill-port", "0", "--decode-port", taken)
         self.assertEqual(await second.ended, 1, second.output.decode())
-        self.assertIn(f"fake vLLM could not start: Couldn't listen on 127.0.0.1:{taken}".encode(),
-                      second.output)  # fmt: skip
+        self.assertIn(
+            f"fake vLLM could not start: Couldn't listen on 127.0.0.1:{taken}".encode(),
+            second.output,
+        )
         self.assertNotIn(b"listening on", second.output)
         await self.stop(first)
 
@@ -107,9 +132,13 @@ class FakesCommandTests(TwistdCase):
 def test_help_explains_every_option_and_shows_its_default() -> None:
     ran = subprocess.run(
         [sys.executable, "-m", "nixl_twisted.testing", "--help"],
-        cwd=tempfile.gettempdir(), env=installed_env(),
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        cwd=tempfile.gettempdir(),
+        env=installed_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     listed = ran.stdout.partition("\noptions:\n")[2]
     # One entry per option: its line and the lines its help wraps onto.

@@ -43,10 +43,14 @@ class ShedPrivilegesTests(TwistdCase):
         await self.start(tokens=3)
         port = free_privileged_port()
         process = self.spawn(
-            "--listen", f"tcp:{port}:interface=127.0.0.1",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            "--listen",
+            f"tcp:{port}:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
             twistd_args=["--uid", NOBODY, "--gid", NOBODY],
-        )  # fmt: skip
+        )
         # Said once the first health round answered: under the new user.
         self.assertEqual(await process.listening, f"127.0.0.1:{port}")
         self.assertIn(f"set uid/gid {NOBODY}/{NOBODY}".encode(), process.output)
@@ -83,11 +87,31 @@ def test_workers_the_new_user_cannot_run_are_refused_at_start_not_left_unstarted
     """The supervisor binds and makes its metrics directory as root; its workers would run as
     the new user, who cannot write there (nor, here, run Python): it exits, saying why."""
     result = subprocess.run(
-        [sys.executable, "-c", "from twisted.scripts.twistd import run; run()",
-         "-n", "--pidfile=", "--uid", NOBODY, "--gid", NOBODY, "nixlproxy", "--workers", "2",
-         "--listen", f"tcp:{free_privileged_port()}:interface=127.0.0.1",
-         "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:1"],
-        env=installed_env(), capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "from twisted.scripts.twistd import run; run()",
+            "-n",
+            "--pidfile=",
+            "--uid",
+            NOBODY,
+            "--gid",
+            NOBODY,
+            "nixlproxy",
+            "--workers",
+            "2",
+            "--listen",
+            f"tcp:{free_privileged_port()}:interface=127.0.0.1",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:1",
+        ],
+        env=installed_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode != 0
     assert "nixlproxy: --workers as this user: cannot" in result.stdout + result.stderr

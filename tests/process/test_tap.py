@@ -38,8 +38,11 @@ def test_service_tree_has_backends_one_listener_per_endpoint_and_signals() -> No
     )
     assert IServiceCollection.providedBy(service)
     assert [type(c) for c in service] == [
-        BackendService, StreamServerEndpointService, StreamServerEndpointService, SignalService,
-    ]  # fmt: skip
+        BackendService,
+        StreamServerEndpointService,
+        StreamServerEndpointService,
+        SignalService,
+    ]
 
 
 def test_workers_make_a_supervisor_tree() -> None:
@@ -127,13 +130,31 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
     result = run_installed(tmp_path, *TWISTD, "nixlproxy", "--help")
     assert result.returncode == 0, result.stderr
     for option in (
-        "--listen", "--prefill", "--decode", "--backend-api-key", "--connect-timeout",
-        "--backend-idle-timeout", "--max-idle-per-backend", "--prefill-timeout",
-        "--decode-timeout", "--stream-idle-timeout", "--prefill-retries", "--decode-retries",
-        "--health-interval", "--health-timeout", "--max-in-flight", "--max-body-size",
-        "--metrics-listen", "--log-format", "--drain-timeout", "--config", "--admin-token",
-        "--version", "--workers", "--access-log",
-    ):  # fmt: skip
+        "--listen",
+        "--prefill",
+        "--decode",
+        "--backend-api-key",
+        "--connect-timeout",
+        "--backend-idle-timeout",
+        "--max-idle-per-backend",
+        "--prefill-timeout",
+        "--decode-timeout",
+        "--stream-idle-timeout",
+        "--prefill-retries",
+        "--decode-retries",
+        "--health-interval",
+        "--health-timeout",
+        "--max-in-flight",
+        "--max-body-size",
+        "--metrics-listen",
+        "--log-format",
+        "--drain-timeout",
+        "--config",
+        "--admin-token",
+        "--version",
+        "--workers",
+        "--access-log",
+    ):
         assert option in result.stdout
     assert nixl_twisted.ID in result.stdout
     # What a backend URL takes: its data-parallel ranks, under each pool's option.
@@ -171,10 +192,20 @@ def test_a_port_in_use_is_one_line_not_a_traceback(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         for workers in ("1", "2"):
             result = run_installed(
-                tmp_path, *TWISTD, "-n", "--pidfile=", "nixlproxy", "--workers", workers,
-                "--listen", f"tcp:{port}:interface=127.0.0.1",
-                "--prefill", "http://p:1", "--decode", "http://d:1",
-            )  # fmt: skip
+                tmp_path,
+                *TWISTD,
+                "-n",
+                "--pidfile=",
+                "nixlproxy",
+                "--workers",
+                workers,
+                "--listen",
+                f"tcp:{port}:interface=127.0.0.1",
+                "--prefill",
+                "http://p:1",
+                "--decode",
+                "http://d:1",
+            )
             output = result.stdout + result.stderr
             assert result.returncode != 0
             assert "Traceback" not in output

@@ -33,11 +33,15 @@ class OTLPExportTests(TwistdCase):
         await self.start()
         collector = await self.collector()
         process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
             *[arg.replace("COLLECTOR", collector.url) for arg in args],
             env={k: placed(v, collector.url) for k, v in env.items()},
-        )  # fmt: skip
+        )
         url = f"http://{await process.listening}"
         headers: dict[bytes | str, bytes | str] = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"}
         response = await self.http.post(url + "/v1/chat/completions", json=CHAT, headers=headers)
@@ -71,11 +75,13 @@ class OTLPExportTests(TwistdCase):
         self.assertEqual(server.status, "unset")
 
     async def test_the_sdks_own_variables_turn_it_on_and_name_the_service(self) -> None:
-        collector = await self.completion_traced_by(env={
-            **QUICK_BATCHES,
-            # The generic endpoint: the exporter adds /v1/traces itself.
-            "OTEL_EXPORTER_OTLP_ENDPOINT": "COLLECTOR_BASE",
-            "OTEL_SERVICE_NAME": "edge-proxy",
-        })  # fmt: skip
+        collector = await self.completion_traced_by(
+            env={
+                **QUICK_BATCHES,
+                # The generic endpoint: the exporter adds /v1/traces itself.
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "COLLECTOR_BASE",
+                "OTEL_SERVICE_NAME": "edge-proxy",
+            }
+        )
         (server,) = collector.named("POST /v1/chat/completions")
         self.assertEqual(server.resource["service.name"], "edge-proxy")

@@ -23,9 +23,13 @@ class TwistdTests(TwistdCase):
     async def test_serves_a_stream_and_exits_0_on_sigterm(self) -> None:
         await self.start(tokens=4)
         process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-        )  # fmt: skip
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+        )
         address = await process.listening
         url = f"http://{address}"
 
@@ -49,9 +53,13 @@ class TwistdTests(TwistdCase):
         self.decode.hold_streams_after(1)
         held = self.decode.stream_held()
         process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-        )  # fmt: skip
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+        )
         url = f"http://{await process.listening}"
         response = await self.http.post(
             url + "/v1/chat/completions", json=dict(CHAT, stream=True), unbuffered=True
@@ -71,9 +79,15 @@ class TwistdTests(TwistdCase):
     async def test_shutdown_delay_serves_while_not_ready_then_exits_0(self) -> None:
         await self.start()
         process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1", "--shutdown-delay", "1",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-        )  # fmt: skip
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--shutdown-delay",
+            "1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+        )
         url = f"http://{await process.listening}"
         os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
         await process.said(b"not ready now; still serving for 1")
@@ -88,9 +102,15 @@ class TwistdTests(TwistdCase):
     async def test_json_log_lines(self) -> None:
         await self.start()
         process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1", "--log-format", "json",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-        )  # fmt: skip
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--log-format",
+            "json",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+        )
         url = f"http://{await process.listening}"
         response = await self.http.post(url + "/v1/chat/completions", json=CHAT)
         await response.content()
@@ -114,10 +134,19 @@ class TwistdTests(TwistdCase):
     async def test_log_level_warn_keeps_warnings_and_the_lifecycle_lines(self) -> None:
         await self.start()
         process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1", "--log-level", "warn",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-            "--decode", "http://127.0.0.1:1", "--health-interval", "0.2",
-        )  # fmt: skip
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--log-level",
+            "warn",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--decode",
+            "http://127.0.0.1:1",
+            "--health-interval",
+            "0.2",
+        )
         address = await process.listening  # a lifecycle line: shown at warn
         await process.said(b"marked down")
         response = await self.http.post(f"http://{address}/v1/chat/completions", json=CHAT)
@@ -135,10 +164,14 @@ class TwistdTests(TwistdCase):
     async def test_json_logs_through_twistds_own_logger_option(self) -> None:
         await self.start()
         process = self.spawn(
-            "--listen", "tcp:0:interface=127.0.0.1",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
             twistd_args=["--logger=nixl_twisted.logs.json_lines"],
-        )  # fmt: skip
+        )
         await process.listening
         await self.terminate(process)
         events = [json.loads(line) for line in process.output.splitlines() if line.strip()]
@@ -267,7 +300,7 @@ class TwistdTests(TwistdCase):
         path = os.path.join(tempfile.mkdtemp(), "nixlproxy.sock")
         process = self.spawn(
             "--listen", f"unix:{path}", "--prefill", self.prefill.url, "--decode", self.decode.url
-        )  # fmt: skip
+        )
         self.assertEqual(await process.listening, path)
         from twisted.internet.endpoints import UNIXClientEndpoint
         from twisted.web.client import Agent
@@ -287,9 +320,13 @@ class TwistdTests(TwistdCase):
         await self.start()
         taken = self.proxy.url.rsplit(":", 1)[1]
         process = self.spawn(
-            "--listen", f"tcp:{taken}:interface=127.0.0.1",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-        )  # fmt: skip
+            "--listen",
+            f"tcp:{taken}:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+        )
         with self.assertRaises(TwistdFailed):
             await process.listening
         code = await process.ended

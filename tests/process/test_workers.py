@@ -29,9 +29,13 @@ class WorkersActAsOneTests(TwistdCase):
     async def test_metrics_report_the_whole_proxy_on_either_port(self) -> None:
         await self.start()
         process, address = await self.spawn_workers(
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-            "--metrics-listen", "tcp:0:interface=127.0.0.1",
-        )  # fmt: skip
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--metrics-listen",
+            "tcp:0:interface=127.0.0.1",
+        )
         (metrics_address,) = re.findall(rb"workers share (\S+)", process.output)[1:]
         http = self.fresh_connections()
         pids = set()
@@ -86,9 +90,15 @@ class WorkersActAsOneTests(TwistdCase):
     async def test_healthcheck_says_the_same_whichever_worker_answers(self) -> None:
         await self.start()
         process, address = await self.spawn_workers(
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-            "--health-interval", "0.2", "--unhealthy-threshold", "1",
-        )  # fmt: skip
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--health-interval",
+            "0.2",
+            "--unhealthy-threshold",
+            "1",
+        )
         http = self.fresh_connections()
 
         async def readiness(times: int = 20) -> tuple[set[Any], set[int]]:

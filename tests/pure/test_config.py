@@ -62,9 +62,17 @@ def test_defaults_let_a_long_generation_through() -> None:
 
 def test_repeatable_pools_and_listen_normalized() -> None:
     config = parse(
-        "--listen", "tcp:0:interface=127.0.0.1", "--listen", "unix:/tmp/nixlproxy-test.sock",
-        "--prefill", "http://p1:8100/", "--prefill", "http://p2:8100", "--decode", "http://d1:8200",
-    )  # fmt: skip
+        "--listen",
+        "tcp:0:interface=127.0.0.1",
+        "--listen",
+        "unix:/tmp/nixlproxy-test.sock",
+        "--prefill",
+        "http://p1:8100/",
+        "--prefill",
+        "http://p2:8100",
+        "--decode",
+        "http://d1:8200",
+    )
     assert config.pools.prefill == ("http://p1:8100", "http://p2:8100")
     assert config.pools.decode == ("http://d1:8200",)
     assert config.listen == ("tcp:0:interface=127.0.0.1", "unix:/tmp/nixlproxy-test.sock")
@@ -96,9 +104,13 @@ def test_every_option_can_come_from_the_file(tmp_path: Path) -> None:
 
 def test_the_command_line_wins(tmp_path: Path) -> None:
     config = parse(
-        "--config", config_file(tmp_path, FILE),
-        "--max-in-flight", "8", "--decode", "http://d9:8200",
-    )  # fmt: skip
+        "--config",
+        config_file(tmp_path, FILE),
+        "--max-in-flight",
+        "8",
+        "--decode",
+        "http://d9:8200",
+    )
     assert config.limits.max_in_flight == 8
     # A list given on the command line replaces the file's list.
     assert config.pools.decode == ("http://d9:8200",)
@@ -196,8 +208,10 @@ def test_a_reload_applies_every_live_setting_and_names_what_it_cannot(tmp_path: 
     assert applied.log_level == "warn"
     assert applied.limits.max_body_size == 1000  # the command line wins
     assert (applied.listen, applied.workers, applied.timeouts.connect) == (
-        config.listen, config.workers, config.timeouts.connect,
-    )  # fmt: skip
+        config.listen,
+        config.workers,
+        config.timeouts.connect,
+    )
     assert set(reload.changed) == {"max-in-flight", "stream-idle-timeout", "log-level"}
     assert set(reload.need_restart) == {"listen", "workers", "connect-timeout"}
     assert reload.overridden == ("max-body-size",)

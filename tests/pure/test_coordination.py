@@ -129,8 +129,12 @@ def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path:
 
     from nixl_twisted.run.workers import METRICS_PREFIX, remove_stale_metrics
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     stale = tmp_path / f"{METRICS_PREFIX}{gone.stdout.strip()}-abcd"
     live = tmp_path / f"{METRICS_PREFIX}{os.getpid()}-efgh"
     other = tmp_path / "nixlproxy-metrics-notapid"

@@ -34,10 +34,14 @@ def test_every_query_names_an_exported_metric() -> None:
 def test_the_dashboard_covers_what_an_operator_looks_at() -> None:
     text = DASHBOARD.read_text(encoding="utf-8")
     wanted = (
-        "nixlproxy_requests_total", "nixlproxy_time_to_first_byte_seconds_bucket",
-        "nixlproxy_prefill_seconds_bucket", "nixlproxy_backend_healthy",
-        "nixlproxy_backend_in_flight", "nixlproxy_retries_total",
-        "nixlproxy_client_disconnects_total", "nixlproxy_requests_in_flight",
-    )  # fmt: skip
+        "nixlproxy_requests_total",
+        "nixlproxy_time_to_first_byte_seconds_bucket",
+        "nixlproxy_prefill_seconds_bucket",
+        "nixlproxy_backend_healthy",
+        "nixlproxy_backend_in_flight",
+        "nixlproxy_retries_total",
+        "nixlproxy_client_disconnects_total",
+        "nixlproxy_requests_in_flight",
+    )
     for metric in wanted:
         assert metric in text, metric

@@ -76,9 +76,11 @@ def test_a_table_that_drifts_is_told_what_to_write() -> None:
     drifted = (
         text.replace(row_of(ErrorCode.DRAINING) + "\n", "")
         .replace("| `request_too_large` | 413 |", "| `request_too_large` | 400 |")
-        .replace(HEADER + "\n|---|---|---|---|\n", HEADER + "\n|---|---|---|---|\n"
-                 "| `bogus` | 418 | `proxy_error` | not a code |\n")
-    )  # fmt: skip
+        .replace(
+            HEADER + "\n|---|---|---|---|\n",
+            HEADER + "\n|---|---|---|---|\n| `bogus` | 418 | `proxy_error` | not a code |\n",
+        )
+    )
     assert table_problems(drifted) == [
         "`bogus` is documented but not in ErrorCode: remove its row",
         f"`draining` is not documented: add {row_of(ErrorCode.DRAINING)}",

@@ -23,13 +23,20 @@ DOWN = ErrorCode.PREFILL_UNREACHABLE
 @pytest.mark.parametrize(
     ("status", "verdict"),
     [
-        (200, PrefillVerdict.PARAMS), (201, PrefillVerdict.PARAMS),
-        (502, PrefillVerdict.RETRY), (503, PrefillVerdict.RETRY), (504, PrefillVerdict.RETRY),
-        (400, PrefillVerdict.REFUSED), (404, PrefillVerdict.REFUSED), (429, PrefillVerdict.REFUSED),
-        (500, PrefillVerdict.FAILED), (501, PrefillVerdict.FAILED), (101, PrefillVerdict.FAILED),
+        (200, PrefillVerdict.PARAMS),
+        (201, PrefillVerdict.PARAMS),
+        (502, PrefillVerdict.RETRY),
+        (503, PrefillVerdict.RETRY),
+        (504, PrefillVerdict.RETRY),
+        (400, PrefillVerdict.REFUSED),
+        (404, PrefillVerdict.REFUSED),
+        (429, PrefillVerdict.REFUSED),
+        (500, PrefillVerdict.FAILED),
+        (501, PrefillVerdict.FAILED),
+        (101, PrefillVerdict.FAILED),
         (302, PrefillVerdict.FAILED),
     ],
-)  # fmt: skip
+)
 def test_what_a_prefill_status_means(status: int, verdict: PrefillVerdict) -> None:
     assert classify_prefill(status) is verdict
 
@@ -137,13 +144,23 @@ def test_a_leg_sent_elsewhere_asks_the_next_and_counts_nothing_against_the_first
             raise Elsewhere("answered_404")
         return succeed("held here")
 
-    lease, value = run(send_leg(backends, 1, ProxyMetrics(), attempt, record=record,
-                                answered=lambda got: f"answered_{got}"))  # fmt: skip
+    lease, value = run(
+        send_leg(
+            backends,
+            1,
+            ProxyMetrics(),
+            attempt,
+            record=record,
+            answered=lambda got: f"answered_{got}",
+        )
+    )
     assert value == "held here" and lease.instance.url == "http://b:1"
     a, _ = backends.instances
     assert (a.in_flight, a.failures, a.healthy) == (0, 0, True)
-    assert record.attempts == [("prefill", "http://a:1", "answered_404"),
-                               ("prefill", "http://b:1", "answered_held here")]  # fmt: skip
+    assert record.attempts == [
+        ("prefill", "http://a:1", "answered_404"),
+        ("prefill", "http://b:1", "answered_held here"),
+    ]
     assert record.retried
 
 
@@ -182,8 +199,11 @@ def test_a_leg_may_choose_its_own_instances_then_no_policy_or_retry_is_counted()
     assert "http://b:1 is down" in str(failure.value)
     value = metrics.registry.get_sample_value
     assert value("nixlproxy_retries_total", {"pool": "prefill"}) is None
-    assert not any(s.name == "nixlproxy_routing_decisions_total"
-                   for f in metrics.registry.collect() for s in f.samples)  # fmt: skip
+    assert not any(
+        s.name == "nixlproxy_routing_decisions_total"
+        for f in metrics.registry.collect()
+        for s in f.samples
+    )
 
 
 def test_a_follow_up_asks_the_holder_first_then_every_instance_down_or_draining() -> None:

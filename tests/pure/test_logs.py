@@ -101,8 +101,14 @@ def test_the_text_access_line_leaves_out_what_did_not_happen() -> None:
         "prefill=http://10.0.0.11:8100 (200, 412ms) "
         "decode=http://10.0.0.21:8200 (200, first byte 35ms)"
     )
-    not_found = {"client": "1.2.3.4:5", "method": "POST", "path": "/v2/nope", "status": 404,
-                 "bytes": 120, "elapsed_ms": 0}  # fmt: skip
+    not_found = {
+        "client": "1.2.3.4:5",
+        "method": "POST",
+        "path": "/v2/nope",
+        "status": 404,
+        "bytes": 120,
+        "elapsed_ms": 0,
+    }
     assert access_line(not_found) == "1.2.3.4:5 POST /v2/nope 404 120B 0ms"
     left = dict(COMPLETION, ended="client_left")
     del left["decode_status"], left["decode_ttfb_ms"]

@@ -86,8 +86,10 @@ def test_a_data_parallel_instance_is_one_instance_per_rank() -> None:
     pool = BackendPool("decode", ["http://d:1#dp=2", "http://e:1"], Clock())
     assert pool.urls == ("http://d:1#rank=0", "http://d:1#rank=1", "http://e:1")
     assert [(i.base, i.rank) for i in pool.instances] == [
-        ("http://d:1", 0), ("http://d:1", 1), ("http://e:1", None)
-    ]  # fmt: skip
+        ("http://d:1", 0),
+        ("http://d:1", 1),
+        ("http://e:1", None),
+    ]
     removed = pool.remove("http://d:1#dp=2")
     assert [i.url for i in removed] == ["http://d:1#rank=0", "http://d:1#rank=1"]
     assert pool.urls == ("http://e:1",)

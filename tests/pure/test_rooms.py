@@ -19,8 +19,12 @@ PACKAGE = Path(nixl_twisted.__file__).parent
 #: The rooms from the ground up: a module may import its own room and those below.
 ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     # What every room may use: the identity, one-shot events, the log observer.
-    ("ground", frozenset({"nixl_twisted", "nixl_twisted.identity", "nixl_twisted.events",
-                          "nixl_twisted.logs"})),
+    (
+        "ground",
+        frozenset(
+            {"nixl_twisted", "nixl_twisted.identity", "nixl_twisted.events", "nixl_twisted.logs"}
+        ),
+    ),
     ("config", frozenset({"nixl_twisted.config"})),
     ("protocol", frozenset({"nixl_twisted.protocol"})),
     ("backends", frozenset({"nixl_twisted.backends"})),
@@ -30,7 +34,7 @@ ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     ("run", frozenset({"nixl_twisted.run"})),
     # What users name: the twistd plugin, the demo, the public fakes.
     ("faces", frozenset({"nixl_twisted.tap", "nixl_twisted.demo", "nixl_twisted.testing"})),
-)  # fmt: skip
+)
 
 Graph = Mapping[str, frozenset[str]]
 

@@ -68,14 +68,19 @@ def test_rendezvous_moves_only_the_keys_of_a_removed_instance(key: bytes) -> Non
 
 
 def test_cache_aware_keeps_a_conversation_on_one_instance_across_pools_and_processes() -> None:
-    opening = [{"role": "system", "content": "be brief"},
-               {"role": "user", "content": "tell me of NIXL"}]  # fmt: skip
+    opening = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "tell me of NIXL"},
+    ]
     conversation = {"model": "m", "messages": opening}
-    later = dict(conversation, messages=[
-        *conversation["messages"],
-        {"role": "assistant", "content": "it moves KV"},
-        {"role": "user", "content": "and then?"},
-    ])  # fmt: skip
+    later = dict(
+        conversation,
+        messages=[
+            *conversation["messages"],
+            {"role": "assistant", "content": "it moves KV"},
+            {"role": "user", "content": "and then?"},
+        ],
+    )
     key, later_key = prompt_key(conversation, 512), prompt_key(later, 512)
     assert key == later_key  # every turn shares it
     one, other = use(pool_of(4), "cache-aware"), use(pool_of(4), "cache-aware")
@@ -101,10 +106,15 @@ def test_conversations_sharing_a_system_prompt_still_spread() -> None:
     pool = use(pool_of(4), "cache-aware")
     system = {"role": "system", "content": "You are a helpful assistant. " * 40}
     homes = collections.Counter(
-        pool.choose(routing=Routing(prompt=prompt_key(
-            {"messages": [system, {"role": "user", "content": f"question {n}"}]}, 512)))[0].url
+        pool.choose(
+            routing=Routing(
+                prompt=prompt_key(
+                    {"messages": [system, {"role": "user", "content": f"question {n}"}]}, 512
+                )
+            )
+        )[0].url
         for n in range(200)
-    )  # fmt: skip
+    )
     assert len(homes) == 4 and min(homes.values()) > 20
 
 

@@ -10,9 +10,12 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.run import startup
 
 CONFIG = ProxyConfig.create(
-    prefill=["http://p:1", "http://p:2"], decode=["http://d:1"], decode_policy="session",
-    max_in_flight=100, max_connections=200,
-)  # fmt: skip
+    prefill=["http://p:1", "http://p:2"],
+    decode=["http://d:1"],
+    decode_policy="session",
+    max_in_flight=100,
+    max_connections=200,
+)
 
 
 def test_the_summary_names_the_pools_policies_and_limits() -> None:

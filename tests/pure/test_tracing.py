@@ -50,10 +50,14 @@ def parse(*args: str) -> ProxyConfig:
 def no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test says which of the SDK's variables are set."""
     for name in (
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
-        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL",
-        "OTEL_SDK_DISABLED", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES",
-    ):  # fmt: skip
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_SDK_DISABLED",
+        "OTEL_SERVICE_NAME",
+        "OTEL_RESOURCE_ATTRIBUTES",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -71,8 +75,15 @@ def test_off_by_default() -> None:
 
 
 def test_the_options_and_their_checks() -> None:
-    traces = parse(*POOLS, "--otlp-traces-endpoint", COLLECTOR, "--otel-sampling-ratio", "0.1",
-                   "--otlp-traces-protocol", "grpc").traces  # fmt: skip
+    traces = parse(
+        *POOLS,
+        "--otlp-traces-endpoint",
+        COLLECTOR,
+        "--otel-sampling-ratio",
+        "0.1",
+        "--otlp-traces-protocol",
+        "grpc",
+    ).traces
     assert traces == Traces(endpoint=COLLECTOR, protocol="grpc", sampling_ratio=0.1)
     assert tracing.enabled(traces, {})
     for args, message in (
@@ -102,8 +113,11 @@ def test_the_sdks_variables_are_read_and_the_command_line_wins(
 
 def test_a_bad_variable_is_a_usage_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
-    with pytest.raises(usage.UsageError, match=r"OTEL_EXPORTER_OTLP_PROTOCOL \(for "
-                       r"--otlp-traces-protocol\) must be one of"):  # fmt: skip
+    with pytest.raises(
+        usage.UsageError,
+        match=r"OTEL_EXPORTER_OTLP_PROTOCOL \(for "
+        r"--otlp-traces-protocol\) must be one of",
+    ):
         parse(*POOLS)
 
 
@@ -266,13 +280,24 @@ def through_a_leg(*headers: tuple[bytes, bytes]) -> tuple[Headers, str]:
         ("baggage", b",".join(b"k%d=" % i + b"%" * 1000 for i in range(3))),
         ("traceparent", TRACEPARENT.encode() + b"\xff"),
     ],
-    ids=["tracestate 524 characters", "tracestate 33 members", "tracestate malformed",
-         "tracestate empty value", "baggage 8193 bytes", "baggage 181 members",
-         "baggage member 4097 bytes", "baggage malformed", "baggage empty property",
-         "baggage not ASCII", "baggage blank", "baggage not UTF-8",
-         "baggage member 6 KB once re-encoded", "baggage 9 KB once re-encoded",
-         "traceparent not UTF-8"],
-)  # fmt: skip
+    ids=[
+        "tracestate 524 characters",
+        "tracestate 33 members",
+        "tracestate malformed",
+        "tracestate empty value",
+        "baggage 8193 bytes",
+        "baggage 181 members",
+        "baggage member 4097 bytes",
+        "baggage malformed",
+        "baggage empty property",
+        "baggage not ASCII",
+        "baggage blank",
+        "baggage not UTF-8",
+        "baggage member 6 KB once re-encoded",
+        "baggage 9 KB once re-encoded",
+        "traceparent not UTF-8",
+    ],
+)
 def test_a_tracestate_or_baggage_past_w3c_limits_is_absent_and_nothing_is_logged(
     name: str,
     value: bytes,
@@ -363,15 +388,30 @@ def warnings_logged() -> Iterator[list[str]]:
 @pytest.mark.parametrize(
     ("instance", "sent", "address", "port", "full"),
     [
-        ("http://[::1]:8100/vllm#rank=2", "http://[::1]:8100/vllm/v1/completions?x=secret",
-         "::1", 8100, "http://[::1]:8100/vllm/v1/completions"),
-        ("https://Decode.example", "https://Decode.example/v1/completions",
-         "decode.example", 443, "https://Decode.example/v1/completions"),
-        ("http://10.0.0.2", "http://10.0.0.2/v1/completions",
-         "10.0.0.2", 80, "http://10.0.0.2/v1/completions"),
+        (
+            "http://[::1]:8100/vllm#rank=2",
+            "http://[::1]:8100/vllm/v1/completions?x=secret",
+            "::1",
+            8100,
+            "http://[::1]:8100/vllm/v1/completions",
+        ),
+        (
+            "https://Decode.example",
+            "https://Decode.example/v1/completions",
+            "decode.example",
+            443,
+            "https://Decode.example/v1/completions",
+        ),
+        (
+            "http://10.0.0.2",
+            "http://10.0.0.2/v1/completions",
+            "10.0.0.2",
+            80,
+            "http://10.0.0.2/v1/completions",
+        ),
     ],
     ids=["IPv6, a path and a rank", "https's port", "http's port"],
-)  # fmt: skip
+)
 def test_a_leg_names_its_server_by_host_and_port_and_its_url(
     instance: str, sent: str, address: str, port: int, full: str
 ) -> None:
@@ -414,17 +454,24 @@ def test_what_the_sdk_logs_becomes_twisted_events_and_never_reaches_stderr(
 ) -> None:
     tracing.provider_for(traces(otlp_traces_endpoint=COLLECTOR), None)
     exporter = logging.getLogger(EXPORTER)
-    exporter.warning("Transient error %s encountered while exporting span batch, retrying in "
-                     "%ss.", "Service Unavailable", 1)  # fmt: skip
+    exporter.warning(
+        "Transient error %s encountered while exporting span batch, retrying in %ss.",
+        "Service Unavailable",
+        1,
+    )
     exporter.error("Failed to export span batch code: %s, reason: %s", 503, "unavailable")
     logging.getLogger("opentelemetry.sdk").critical("{not a format}")
     ours = [e for e in twisted_events if e["log_namespace"] == "nixlproxy.tracing"]
     assert [(e["log_level"], formatEvent(e), e["sdk_logger"]) for e in ours] == [
-        (LogLevel.warn, "Transient error Service Unavailable encountered while exporting span "
-                        "batch, retrying in 1s.", EXPORTER),
+        (
+            LogLevel.warn,
+            "Transient error Service Unavailable encountered while exporting span "
+            "batch, retrying in 1s.",
+            EXPORTER,
+        ),
         (LogLevel.error, "Failed to export span batch code: 503, reason: unavailable", EXPORTER),
         (LogLevel.critical, "{not a format}", "opentelemetry.sdk"),
-    ]  # fmt: skip
+    ]
     # Not on to the root logger's handlers (pytest's here), nor to logging.lastResort.
     assert caplog.records == []
     assert capsys.readouterr().err == ""
@@ -433,8 +480,9 @@ def test_what_the_sdk_logs_becomes_twisted_events_and_never_reaches_stderr(
 def test_the_sdks_exception_is_a_failure_at_its_level() -> None:
     events: list[dict[str, Any]] = []
     observe = provider(ILogObserver)(lambda event: events.append(event))
-    record = logging.LogRecord(EXPORTER, logging.ERROR, __file__, 1, "Exception while "
-                               "exporting %s.", ("Span",), None)  # fmt: skip
+    record = logging.LogRecord(
+        EXPORTER, logging.ERROR, __file__, 1, "Exception while exporting %s.", ("Span",), None
+    )
     try:
         raise ConnectionResetError("collector hung up")
     except ConnectionResetError:
@@ -442,6 +490,7 @@ def test_the_sdks_exception_is_a_failure_at_its_level() -> None:
     tracing.SDKLogs(Logger(observer=observe)).emit(record)
     (event,) = events
     assert (event["log_level"], formatEvent(event)) == (
-        LogLevel.error, "Exception while exporting Span."
-    )  # fmt: skip
+        LogLevel.error,
+        "Exception while exporting Span.",
+    )
     assert event["log_failure"].check(ConnectionResetError)

@@ -9,11 +9,16 @@ import pytest
 from nixl_twisted.protocol.usage import TAIL, Usage, read_usage
 
 CHAT = {
-    "id": "c", "choices": [{"index": 0, "message": {"content": "hi"}}],
-    "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15,
-              "prompt_tokens_details": {"cached_tokens": 8}},
+    "id": "c",
+    "choices": [{"index": 0, "message": {"content": "hi"}}],
+    "usage": {
+        "prompt_tokens": 12,
+        "completion_tokens": 3,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    },
     "kv_transfer_params": None,
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize(

@@ -25,8 +25,9 @@ PYTHON = sys.executable
 
 
 def test_a_short_benchmark_run_prints_its_table() -> None:
-    ran = run([PYTHON, "-m", "bench.run", "--requests", "20", "--loads", "1",
-               "--backend-processes", "1"])  # fmt: skip
+    ran = run(
+        [PYTHON, "-m", "bench.run", "--requests", "20", "--loads", "1", "--backend-processes", "1"]
+    )
     row = "| non-streaming completions, 1 connection | "
     assert ran.code == 0 and row in ran.stdout and "/s |" in ran.stdout, ran.why(
         f"exit 0 and a table row starting {row!r}"
@@ -34,8 +35,20 @@ def test_a_short_benchmark_run_prints_its_table() -> None:
 
 
 def test_a_short_traced_run_sends_its_spans_to_the_collector() -> None:
-    ran = run([PYTHON, "-m", "bench.run", "--requests", "20", "--loads", "1",
-               "--backend-processes", "1", "--traced"])  # fmt: skip
+    ran = run(
+        [
+            PYTHON,
+            "-m",
+            "bench.run",
+            "--requests",
+            "20",
+            "--loads",
+            "1",
+            "--backend-processes",
+            "1",
+            "--traced",
+        ]
+    )
     received = re.search(r"spans the collector received, [^:]+: (\d+)", ran.stdout)
     assert ran.code == 0 and received is not None and int(received.group(1)) > 0, ran.why(
         "exit 0 and 'spans the collector received, LOAD: N' with N > 0"
@@ -55,8 +68,21 @@ def test_a_short_bodies_run_of_many_keys_says_what_a_body_costs() -> None:
 
 
 def test_a_short_routing_run_prints_its_table() -> None:
-    ran = run([PYTHON, "-m", "bench.routing", "--only", "cache-aware, 2 prefills,",
-               "--conversations", "3", "--turns", "2", "--concurrency", "2"])  # fmt: skip
+    ran = run(
+        [
+            PYTHON,
+            "-m",
+            "bench.routing",
+            "--only",
+            "cache-aware, 2 prefills,",
+            "--conversations",
+            "3",
+            "--turns",
+            "2",
+            "--concurrency",
+            "2",
+        ]
+    )
     row = r"\| cache-aware, 2 prefills, --workers 2 \| \d+\.\d%"
     assert ran.code == 0 and re.search(row, ran.stdout), ran.why(
         f"exit 0 and a row matching {row!r}"
@@ -73,8 +99,10 @@ def test_a_backend_announces_one_port_for_all_workers_and_stops_them_all() -> No
     """SIGTERM the moment readiness is announced: every worker stops, exit 0."""
     backend = subprocess.Popen(
         [sys.executable, "-m", "bench.backend", "--port", "0", "--processes", "2"],
-        cwd=ROOT, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert backend.stdout is not None
         line = backend.stdout.readline()
