@@ -111,7 +111,7 @@ def encoded_url(text: str) -> EncodedURL:
 
 
 @implementer(IBodyProducer)
-class _Body:
+class BytesBody:
     """A request body already in memory, written in one go.
 
     treq's default wraps bytes in a ``FileBodyProducer``, which copies them
@@ -209,7 +209,7 @@ class Upstream:
     def __init__(self, agent: IAgent, connections: HTTPConnectionPool | None = None) -> None:
         """``connections``: the pool behind ``agent``, closed by :meth:`close`."""
         self._connections = connections
-        self._http = HTTPClient(agent, cookiejar=_NoCookies(), data_to_body_producer=_Body)
+        self._http = HTTPClient(agent, cookiejar=_NoCookies(), data_to_body_producer=BytesBody)
 
     def post(self, url: str, body: bytes, headers: Headers) -> Deferred[IResponse]:
         """POST a JSON body; the response's body is left unread for the caller.

@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 
 import treq
-from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IConsumer
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IBodyProducer
 from twisted.web.resource import EncodingResourceWrapper
 from twisted.web.server import GzipEncoderFactory
-from zope.interface import implementer
 
+from nixl_twisted.backends.upstream import BytesBody
 from nixl_twisted.testing.memory import Answer
 from tests.memory.support import FULL_CHAT, Setup
 
@@ -50,28 +47,6 @@ def test_the_client_encoding_is_not_forwarded_each_leg_asks_for_gzip() -> None:
     assert [leg.headers.getRawHeaders(b"accept-encoding") for leg in legs] == [[b"gzip"]] * 4
 
 
-@implementer(IBodyProducer)
-class _Bytes:
-    """A request body written at once (no cooperator, no reactor)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-        self.length = len(data)
-
-    def startProducing(self, consumer: IConsumer) -> Deferred[None]:
-        consumer.write(self.data)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        return None
-
-    def resumeProducing(self) -> None:
-        return None
-
-    def stopProducing(self) -> None:
-        return None
-
-
 def test_a_gzip_answer_is_decoded_and_the_client_gets_identity() -> None:
     setup = Setup()
     for fake in (setup.prefill, setup.decode):
@@ -82,7 +57,7 @@ def test_a_gzip_answer_is_decoded_and_the_client_gets_identity() -> None:
             b"POST",
             (setup.decode.url + "/v1/chat/completions").encode("ascii"),
             Headers({b"Content-Type": [b"application/json"], b"Accept-Encoding": [b"gzip"]}),
-            _Bytes(json.dumps(FULL_CHAT).encode("utf-8")),
+            BytesBody(json.dumps(FULL_CHAT).encode("utf-8")),
         )
     )
     setup.settle(treq.content(direct))
