@@ -227,8 +227,11 @@ class BackendPool:
             return
         self._refuse_emptying(leaving)
         for instance in leaving:
+            if at_once or not instance.draining:  # (a reload finds one still draining: said once)
+                log.info(
+                    "{role} instance {url} {said}", role=self.role, url=instance.url, said=said
+                )
             instance.draining = True
-            log.info("{role} instance {url} {said}", role=self.role, url=instance.url, said=said)
         self._drop([i for i in leaving if at_once or i.in_flight == 0])
 
     # -- what legs and health checks learn ---------------------------------

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from zope.interface import provider
 
 from nixl_twisted.backends.health import BACKOFF_MAX, State, Thresholds
 from nixl_twisted.backends.pools import BackendPool, NoHealthyInstance
@@ -284,3 +286,25 @@ def test_next_skips_instances_already_tried() -> None:
     assert pool.choose([a])[0] is b
     with pytest.raises(NoHealthyInstance):
         pool.choose([a, b])[0]
+
+
+def test_a_reload_says_once_that_an_instance_drains_and_a_removal_is_said_too() -> None:
+    pool, _ = pool_of("http://a:1", "http://b:1")
+    b = pool.instances[1]
+    lease = pool.lease(b)  # b's leg keeps it draining through every reload
+    said: list[str] = []
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, Any]) -> None:
+        if event.get("log_namespace") == "nixl_twisted.backends.pools":
+            said.append(formatEvent(event))
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        for _ in range(3):
+            pool.update(["http://a:1"])
+        pool.remove("http://b:1")
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert said == ["prefill instance http://b:1 draining", "prefill instance http://b:1 removed"]
+    lease.release()
