@@ -3,7 +3,7 @@
 Every source reaches the proxy through :func:`resolve` or
 :meth:`ProxyConfig.from_settings`: the command line, the ``--config`` TOML
 file (the command line wins; a list given there replaces the file's),
-the environment for secrets, SIGHUP reloads (:meth:`ProxyConfig.reloaded`)
+the environment for secrets, SIGHUP reloads (``nixl_twisted.run.reloads.reloaded``)
 and the workers (:meth:`ProxyConfig.to_json` / :meth:`ProxyConfig.from_json`).
 Each value passes the parser of its ``settings.Setting``; an error is a
 ``ConfigError`` that names where the value came from and the key.

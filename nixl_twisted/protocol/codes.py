@@ -233,7 +233,7 @@ class ErrorCode(enum.Enum):
         "prefill_failed",
         502,
         _UPSTREAM,
-        "prefill answered a 5xx (502, 503 or 504 once retries ran out)",
+        "prefill answered neither 2xx nor 4xx (502, 503 or 504 once retries ran out)",
     )
     PREFILL_INVALID_RESPONSE = (
         "prefill_invalid_response",
