@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -311,21 +312,31 @@ class FakeVLLM(Controls, OtherRoutes):
             await cut_off(request)
 
 
-for _path, _method, _handler in (
-    ("/health", "GET", FakeVLLM._health),
-    ("/metrics", "GET", FakeVLLM._metrics),
-    ("/v1/models", "GET", FakeVLLM._models),
-    ("/tokenize", "POST", FakeVLLM._tokenize),
-    ("/detokenize", "POST", FakeVLLM._detokenize),
-    ("/v1/completions", "POST", FakeVLLM._generate),
-    ("/v1/chat/completions", "POST", FakeVLLM._generate),
-    ("/v1/messages", "POST", FakeVLLM._generate),
-    ("/v1/responses", "POST", FakeVLLM._generate),
-    ("/v1/responses/<string:response_id>", "GET", FakeVLLM._stored),
-    ("/v1/responses/<string:response_id>/cancel", "POST", FakeVLLM._stored),
-    ("/v1/messages/count_tokens", "POST", FakeVLLM._count_tokens),
+def _handler(name: str) -> Callable[..., Any]:
+    """The fake's own method of this name, looked up per call: a subclass may override it."""
+
+    def handle(fake: FakeVLLM, request: Request, **matched: Any) -> Any:
+        return getattr(fake, name)(request, **matched)
+
+    handle.__name__ = name  # Klein names each route's endpoint by its function
+    return handle
+
+
+for _path, _method, _name in (
+    ("/health", "GET", "_health"),
+    ("/metrics", "GET", "_metrics"),
+    ("/v1/models", "GET", "_models"),
+    ("/tokenize", "POST", "_tokenize"),
+    ("/detokenize", "POST", "_detokenize"),
+    ("/v1/completions", "POST", "_generate"),
+    ("/v1/chat/completions", "POST", "_generate"),
+    ("/v1/messages", "POST", "_generate"),
+    ("/v1/responses", "POST", "_generate"),
+    ("/v1/responses/<string:response_id>", "GET", "_stored"),
+    ("/v1/responses/<string:response_id>/cancel", "POST", "_stored"),
+    ("/v1/messages/count_tokens", "POST", "_count_tokens"),
 ):
-    FakeVLLM.routes.route(_path, methods=[_method])(_handler)
+    FakeVLLM.routes.route(_path, methods=[_method])(_handler(_name))
 
 
 def _header(request: Request, name: bytes) -> str | None:

@@ -53,3 +53,18 @@ def test_decode_refuses_rebuilt_params_as_a_kv_load_failure() -> None:
     assert code == 200
     assert [r.role for r in prefill.requests] == ["prefill"]
     assert [r.role for r in decode.requests] == ["decode", "decode"]
+
+
+def test_a_subclass_of_the_fake_serves_its_own_handler() -> None:
+    """The routes are made once for every fake; each call still finds the fake's own method."""
+
+    class TokenizesNothing(FakeVLLM):
+        def _tokenize(self, request: Any) -> bytes:
+            return b'{"count": 0, "tokens": []}'
+
+    status, answer = post(
+        StubTreq(TokenizesNothing(name="custom").resource()),
+        "http://fake/tokenize",
+        {"prompt": "a b c"},
+    )
+    assert (status, answer) == (200, {"count": 0, "tokens": []})
