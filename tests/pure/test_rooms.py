@@ -52,7 +52,10 @@ def imports_of(name: str, path: Path, known: set[str]) -> frozenset[str]:
     """The proxy's modules that ``name`` imports, wherever in it the import stands."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    # Of ``a.b.c`` only the whole chain counts, not its ``a.b`` inside.
+    inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -63,7 +66,41 @@ def imports_of(name: str, path: Path, known: set[str]) -> frozenset[str]:
             for alias in node.names:
                 submodule = f"{base}.{alias.name}"
                 found.add(submodule if submodule in known else base)
+        elif isinstance(node, ast.Attribute) and id(node) not in inner:
+            # ``import nixl_twisted`` then ``nixl_twisted.web.app.ProxyApp``.
+            if _dotted(node).startswith("nixl_twisted."):
+                found.add(_longest_module(_dotted(node), known))
+        elif isinstance(node, ast.Constant) and _names_a_module(node.value):
+            # A module named by a string (``importlib.import_module``, ``namedAny``,
+            # ``twistd --logger``): only a whole string, never prose.
+            found.add(_longest_module(str(node.value), known))
     return frozenset(found & known - {name})
+
+
+DOTTED_NAME = re.compile(r"nixl_twisted(\.[A-Za-z_]\w*)+")
+
+
+def _names_a_module(value: object) -> bool:
+    return isinstance(value, str) and DOTTED_NAME.fullmatch(value) is not None
+
+
+def _dotted(node: ast.expr) -> str:
+    """``a.b.c`` for an attribute chain on a name; empty for any other expression."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def _longest_module(dotted: str, known: set[str]) -> str:
+    """The longest leading part of ``dotted`` that is one of the proxy's modules."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        if ".".join(parts[:cut]) in known:
+            return ".".join(parts[:cut])
+    return dotted
 
 
 def import_graph() -> dict[str, frozenset[str]]:
@@ -155,6 +192,23 @@ def test_the_graph_is_read_from_every_kind_of_import() -> None:
     # A relative import, and one inside a function.
     assert "nixl_twisted.testing.fake" in graph["nixl_twisted.testing"]
     assert "nixl_twisted.testing.process" in graph["nixl_twisted.demo"]
+
+
+def test_a_module_reached_by_attribute_or_by_name_is_an_import_of_it(tmp_path: Path) -> None:
+    source = tmp_path / "lowering.py"
+    source.write_text(
+        "import nixl_twisted\n"
+        "import importlib\n"
+        "app = nixl_twisted.web.app.ProxyApp\n"
+        "site = importlib.import_module('nixl_twisted.web.site')\n"
+        "said = 'see nixl_twisted.run.root for how'\n"
+    )
+    known = set(modules())
+    assert imports_of("nixl_twisted.protocol.lowering", source, known) == {
+        "nixl_twisted",
+        "nixl_twisted.web.app",
+        "nixl_twisted.web.site",
+    }
 
 
 def test_the_checks_catch_an_upward_import_a_circle_and_a_stray_module() -> None:
