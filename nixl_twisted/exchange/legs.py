@@ -12,7 +12,6 @@ a leg's outcome and the gap between the two legs are counted here too.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -72,30 +71,6 @@ class PrefillRefused(Exception):
         super().__init__(response.code)
         self.response = response
         self.body = body
-
-
-class PrefillVerdict(enum.Enum):
-    """What a prefill instance's status says, and so what the proxy does next."""
-
-    #: 2xx: read ``kv_transfer_params`` and go on to decode.
-    PARAMS = "params"
-    #: 502, 503, 504: vLLM is overloaded or restarting; mark it down, try another.
-    RETRY = "retry"
-    #: 4xx: the request is at fault; relay prefill's answer, no decode.
-    REFUSED = "refused"
-    #: Anything else (1xx, 3xx, another 5xx): 502, the instance stays up.
-    FAILED = "failed"
-
-
-def classify_prefill(status: int) -> PrefillVerdict:
-    """The one place that decides what a prefill answer's status means."""
-    if 200 <= status < 300:
-        return PrefillVerdict.PARAMS
-    if status in (502, 503, 504):
-        return PrefillVerdict.RETRY
-    if 400 <= status < 500:
-        return PrefillVerdict.REFUSED
-    return PrefillVerdict.FAILED
 
 
 def unreachable(instance: Instance, error: BaseException) -> Retry:

@@ -46,3 +46,9 @@ def connected(request: ExchangeRequest) -> Request | None:
     None for a batch's part, and for a client whose connection is gone.
     """
     return request if isinstance(request, Request) and request.channel is not None else None
+
+
+def query_of(request: ExchangeRequest) -> str:
+    """The client's query string, passed on to both legs."""
+    _, mark, query = request.uri.partition(b"?")
+    return ("?" + query.decode("ascii", "replace")) if mark else ""

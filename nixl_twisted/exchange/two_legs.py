@@ -22,23 +22,19 @@ from twisted.web.iweb import IResponse
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.routing import routing_for
-from nixl_twisted.backends.upstream import read_body
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.exchange.legs import (
     DecodeRequest,
     Legs,
     PrefillRefused,
-    PrefillVerdict,
-    Retry,
     account,
-    classify_prefill,
     note_handoff,
     reason_of,
     send_leg,
     timed_out,
-    unreachable,
 )
+from nixl_twisted.exchange.prefill import prefill_attempt
 from nixl_twisted.exchange.relay import (
     StreamSilent,
     abandon,
@@ -46,7 +42,7 @@ from nixl_twisted.exchange.relay import (
     relay_body,
     start_response,
 )
-from nixl_twisted.exchange.request import ExchangeRequest
+from nixl_twisted.exchange.request import ExchangeRequest, query_of
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
@@ -79,7 +75,7 @@ class Exchange:
         self.legs = legs
         self.request = request
         self.path = path
-        self.target = path + _query(request)
+        self.target = path + query_of(request)
         self.body = body
         self.request_id = request_id
         self.headers = backend_request_headers(
@@ -244,7 +240,12 @@ class Exchange:
         self._leg = leg
         self._enter(Phase.PREFILL)
         started = self.clock.seconds()
-        answering = ensureDeferred(self._prefill_answer(instance, leg, lowered))
+        headers = for_rank(self.headers, instance.rank)
+        answering = ensureDeferred(
+            prefill_attempt(
+                self.legs, instance, leg, self.target, lowered, headers, self._prefill_answered
+            )
+        )
         try:
             answer = await self._track(answering.addTimeout(self.timeouts.prefill, self.clock))
         except TimeoutError:
@@ -266,41 +267,10 @@ class Exchange:
         )
         return params
 
-    async def _prefill_answer(self, instance: Instance, leg: LegTrace, lowered: bytes) -> bytes:
-        """Prefill's whole 2xx body, or why not (``Retry``: another instance may serve)."""
-        url = instance.base + self.target
-        try:
-            response = await self.backends.upstream.post(
-                url, lowered, leg.headers(url, for_rank(self.headers, instance.rank))
-            )
-        except (CancelledError, TimeoutError):
-            raise
-        except Exception as error:
-            raise unreachable(instance, error) from None
+    def _prefill_answered(self, status: int) -> None:
         # Prefill has answered: from here a disconnect must not stop decode.
         self._enter(Phase.HANDOFF)
-        self.record.prefill_status = status = response.code
-        leg.answered(status)
-        try:
-            answer = await read_body(response)
-        except (CancelledError, TimeoutError):
-            raise
-        except Exception as error:
-            raise ProxyError(
-                ErrorCode.PREFILL_INVALID_RESPONSE,
-                f"prefill instance {instance.url} broke off its answer: {reason_of(error)}",
-            ) from None
-        verdict = classify_prefill(status)
-        failed = ProxyError(
-            ErrorCode.PREFILL_FAILED, f"prefill instance {instance.url} answered HTTP {status}"
-        )
-        if verdict is PrefillVerdict.RETRY:
-            raise Retry(failed, "error_status", f"answered HTTP {status}")
-        if verdict is not PrefillVerdict.PARAMS:
-            # It answered: the error is this request's, not the instance's.
-            account(self.metrics, self.backends.prefill, instance, "error_status")
-            raise PrefillRefused(response, answer) if verdict is PrefillVerdict.REFUSED else failed
-        return answer
+        self.record.prefill_status = status
 
     async def _decode(
         self, instance: Instance, leg: LegTrace, completed: DecodeRequest
@@ -375,9 +345,3 @@ class Exchange:
     def _used(self, tail: bytes) -> None:
         """What decode's answer reported using, from its last chunks."""
         self.record.usage = read_usage(tail)
-
-
-def _query(request: ExchangeRequest) -> str:
-    """The client's query string, passed on to both legs."""
-    _, mark, query = request.uri.partition(b"?")
-    return ("?" + query.decode("ascii", "replace")) if mark else ""

@@ -26,8 +26,9 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.batch import Batch, PartRequest
 from nixl_twisted.exchange.factory import ExchangeFactory
-from nixl_twisted.exchange.legs import Legs, PrefillRefused
+from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.one_leg import OneLeg
+from nixl_twisted.exchange.prefill import PrefillRefused
 from nixl_twisted.exchange.relay import start_response
 from nixl_twisted.exchange.request import ExchangeRequest
 from nixl_twisted.exchange.responses import ResponseDirectory

@@ -11,7 +11,8 @@ from twisted.internet.task import Clock
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
-from nixl_twisted.exchange.legs import PrefillVerdict, Retry, classify_prefill, reason_of, send_leg
+from nixl_twisted.exchange.legs import Retry, reason_of, send_leg
+from nixl_twisted.exchange.prefill import PrefillVerdict, classify_prefill
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace
 from nixl_twisted.protocol.codes import ErrorCode

@@ -1,0 +1,98 @@
+"""The prefill leg: one attempt, and what prefill's answer means.
+
+The decode leg's attempt is ``Legs.decode_attempt``; this is prefill's,
+whose answer is read whole (it is one token and its ``kv_transfer_params``)
+and judged by its status alone (``classify_prefill``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+from twisted.internet.defer import CancelledError, TimeoutError
+from twisted.web.http_headers import Headers
+
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.upstream import read_body
+from nixl_twisted.exchange.legs import (
+    Legs,
+    PrefillRefused,
+    Retry,
+    account,
+    reason_of,
+    unreachable,
+)
+from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
+
+
+class PrefillVerdict(enum.Enum):
+    """What a prefill instance's status says, and so what the proxy does next."""
+
+    #: 2xx: read ``kv_transfer_params`` and go on to decode.
+    PARAMS = "params"
+    #: 502, 503, 504: vLLM is overloaded or restarting; mark it down, try another.
+    RETRY = "retry"
+    #: 4xx: the request is at fault; relay prefill's answer, no decode.
+    REFUSED = "refused"
+    #: Anything else (1xx, 3xx, another 5xx): 502, the instance stays up.
+    FAILED = "failed"
+
+
+def classify_prefill(status: int) -> PrefillVerdict:
+    """The one place that decides what a prefill answer's status means."""
+    if 200 <= status < 300:
+        return PrefillVerdict.PARAMS
+    if status in (502, 503, 504):
+        return PrefillVerdict.RETRY
+    if 400 <= status < 500:
+        return PrefillVerdict.REFUSED
+    return PrefillVerdict.FAILED
+
+
+async def prefill_attempt(
+    legs: Legs,
+    instance: Instance,
+    leg: LegTrace,
+    target: str,
+    lowered: bytes,
+    headers: Headers,
+    answered: Callable[[int], None],
+) -> bytes:
+    """Prefill's whole 2xx body, or why not (``Retry``: another instance may serve).
+
+    ``answered(status)`` is called as soon as prefill has answered, before
+    its body is read: the handoff begins there.
+    """
+    url = instance.base + target
+    try:
+        response = await legs.backends.upstream.post(url, lowered, leg.headers(url, headers))
+    except (CancelledError, TimeoutError):
+        raise
+    except Exception as error:
+        raise unreachable(instance, error) from None
+    status = response.code
+    answered(status)
+    leg.answered(status)
+    try:
+        answer = await read_body(response)
+    except (CancelledError, TimeoutError):
+        raise
+    except Exception as error:
+        raise ProxyError(
+            ErrorCode.PREFILL_INVALID_RESPONSE,
+            f"prefill instance {instance.url} broke off its answer: {reason_of(error)}",
+        ) from None
+    verdict = classify_prefill(status)
+    failed = ProxyError(
+        ErrorCode.PREFILL_FAILED, f"prefill instance {instance.url} answered HTTP {status}"
+    )
+    if verdict is PrefillVerdict.RETRY:
+        raise Retry(failed, "error_status", f"answered HTTP {status}")
+    if verdict is not PrefillVerdict.PARAMS:
+        # It answered: the error is this request's, not the instance's.
+        account(legs.metrics, legs.backends.prefill, instance, "error_status")
+        raise PrefillRefused(response, answer) if verdict is PrefillVerdict.REFUSED else failed
+    return answer
