@@ -1,0 +1,72 @@
+"""How long a request's prompt is, estimated without a tokenizer (``estimate_tokens``).
+
+The decide rules (``nixl_twisted.exchange.decide``) compare it with their
+thresholds. A token-id prompt is counted exactly; text is counted as its
+UTF-8 bytes over ``BYTES_PER_TOKEN``, about what vLLM's tokenizers give on
+English (three to five bytes a token; fewer bytes on code, more on CJK
+text, where each character is three bytes and about a token). The chat
+template's own tokens are not counted: the estimate errs short by a few.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nixl_twisted.protocol import routes
+
+#: Bytes of UTF-8 text per estimated token.
+BYTES_PER_TOKEN = 4
+
+#: The fields of each two-leg route that the engine renders into the prompt.
+PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
+    routes.COMPLETIONS: ("prompt",),
+    routes.CHAT_COMPLETIONS: ("messages", "tools"),
+    routes.RESPONSES: ("input", "instructions", "tools"),
+    routes.MESSAGES: ("system", "messages", "tools"),
+}
+
+
+def estimate_tokens(path: str, body: dict[str, Any]) -> int | None:
+    """The prompt's tokens, estimated; None when the body holds no prompt the proxy can measure.
+
+    Every string in the route's prompt fields counts (message text, tool
+    definitions, an image's URL or base64 data: an image costs far more
+    tokens than its URL's bytes say, never fewer than a base64 image's).
+    """
+    prompt = body.get("prompt")
+    if path == routes.COMPLETIONS and isinstance(prompt, list) and _token_ids(prompt):
+        return len(prompt)
+    texts = [body[name] for name in PROMPT_FIELDS.get(path, ()) if name in body]
+    if not any(_has_text(value) for value in texts):
+        return None
+    size = sum(_text_bytes(value) for value in texts)
+    return -(-size // BYTES_PER_TOKEN)
+
+
+def _token_ids(prompt: list[Any]) -> bool:
+    return bool(prompt) and all(type(t) is int for t in prompt)
+
+
+def _has_text(value: object) -> bool:
+    return isinstance(value, str | list | dict) and bool(value)
+
+
+def _text_bytes(value: object) -> int:
+    """The UTF-8 bytes of every string in ``value`` (keys aside); a token id counts as a token.
+
+    Walked with a stack, not recursion: a body nested as deep as the JSON
+    parser allowed must not overflow Python's stack here.
+    """
+    size = 0
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            size += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif type(item) is int:
+            size += BYTES_PER_TOKEN
+    return size
