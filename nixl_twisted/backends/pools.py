@@ -75,6 +75,8 @@ class BackendPool:
         #: Which candidate serves the next leg (``nixl_twisted.backends.routing``).
         self.policy: Policy = round_robin
         self.policy_name = "round-robin"
+        #: The health checks also read each instance's load from vLLM's ``/metrics``.
+        self.reads_load = False
 
     def configure(self, thresholds: Thresholds, checked: bool) -> None:
         """New health rules; ``checked``: new instances wait for their first check."""

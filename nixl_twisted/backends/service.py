@@ -24,7 +24,7 @@ from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.upstream import Upstream, read_body
-from nixl_twisted.config import Health, Policies, Pools, ProxyConfig
+from nixl_twisted.config import Disaggregation, Health, Policies, Pools, ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.protocol.headers import for_rank
 
@@ -82,12 +82,18 @@ class BackendService(Service):
             return pool.drain(change["url"])
         return pool.remove(change["url"])
 
-    def use_policies(self, policies: Policies) -> None:
-        """Each pool chooses its instances by its policy from now on."""
+    def use_policies(self, policies: Policies, rules: Disaggregation | None = None) -> None:
+        """Each pool chooses its instances by its policy from now on.
+
+        The health checks read vLLM's load for the ``load`` policy, and the
+        prefill pool's for the busy-prefill rule (``rules.busy_prompt``).
+        """
+        busy_rule = rules is not None and rules.busy_prompt > 0
         for pool in self.pools():
             name = policies.of(pool.role)
             pool.policy = routing.policy(name, policies.balance)
             pool.policy_name = name
+            pool.reads_load = name == "load" or (busy_rule and pool is self.prefill)
 
     def use_pools(self, pools: Pools) -> None:
         """Make each pool these URLs: the new join, those no longer listed drain."""
@@ -101,7 +107,7 @@ class BackendService(Service):
         new health interval takes effect at once, its first round now.
         """
         self.use_pools(config.pools)
-        self.use_policies(config.policies)
+        self.use_policies(config.policies, config.disaggregation)
         health = config.health
         thresholds = Thresholds.of(health)
         for pool in self.pools():
@@ -160,7 +166,7 @@ class BackendService(Service):
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
-            if pool.policy_name == "load":
+            if pool.reads_load:
                 await self._scrape(pool, instance)
 
         checking = ensureDeferred(probe()).addTimeout(self.health_timeout, self.clock)

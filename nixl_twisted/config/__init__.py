@@ -5,6 +5,7 @@ the frozen ``ProxyConfig`` and its parts, re-exported here.
 """
 
 from nixl_twisted.config.proxy import (
+    Disaggregation,
     Health,
     Limits,
     Policies,
@@ -19,6 +20,7 @@ from nixl_twisted.config.sources import ConfigError
 
 __all__ = [
     "ConfigError",
+    "Disaggregation",
     "Health",
     "Limits",
     "Policies",

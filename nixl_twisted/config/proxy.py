@@ -49,6 +49,26 @@ class Policies:
 
 
 @dataclass(frozen=True)
+class Disaggregation:
+    """When a request skips its prefill leg (``nixl_twisted.exchange.decide``); 0: a rule off."""
+
+    #: Prompts estimated under this many tokens.
+    short_prompt: int
+    #: Prompts with fewer than this many tokens not cached on the decode instance.
+    uncached: int
+    #: Prompts under this many tokens, while every prefill instance is at ``busy_at``.
+    busy_prompt: int
+    busy_at: int
+    #: "decode": no usable prefill instance serves the request decode-only; "none": a 503.
+    fallback: str
+
+    @property
+    def always(self) -> bool:
+        """No rule can skip prefill before trying it (the fallback may, after)."""
+        return not (self.short_prompt or self.uncached or self.busy_prompt)
+
+
+@dataclass(frozen=True)
 class Timeouts:
     """Seconds, for each thing the proxy waits on."""
 
@@ -121,6 +141,7 @@ class ProxyConfig:
     listen: tuple[str, ...]
     pools: Pools
     policies: Policies
+    disaggregation: Disaggregation
     timeouts: Timeouts
     retries: Retries
     health: Health
@@ -223,6 +244,7 @@ class ProxyConfig:
 _PARTS: dict[str, type] = {
     "pools": Pools,
     "policies": Policies,
+    "disaggregation": Disaggregation,
     "timeouts": Timeouts,
     "retries": Retries,
     "health": Health,

@@ -252,6 +252,56 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "decode-only-below",
+        "disaggregation.short_prompt",
+        0,
+        count(0),
+        help=(
+            "Prompts estimated at fewer than this many tokens skip prefill: the decode "
+            "instance computes them (0: off; docs/routing.md)."
+        ),
+    ),
+    Setting(
+        "decode-only-uncached-below",
+        "disaggregation.uncached",
+        0,
+        count(0),
+        help=(
+            "Skip prefill when fewer than this many of the prompt's tokens are not "
+            "already cached on the chosen decode instance (0: off; needs its KV events)."
+        ),
+    ),
+    Setting(
+        "decode-only-busy-below",
+        "disaggregation.busy_prompt",
+        0,
+        count(0),
+        help=(
+            "When every usable prefill instance is busy (--prefill-busy-at), prompts "
+            "estimated at fewer than this many tokens skip prefill (0: off)."
+        ),
+    ),
+    Setting(
+        "prefill-busy-at",
+        "disaggregation.busy_at",
+        8,
+        count(1),
+        help=(
+            "A prefill instance is busy at this load: this proxy's prefill legs in "
+            "flight to it plus the requests vLLM says are waiting."
+        ),
+    ),
+    Setting(
+        "prefill-fallback",
+        "disaggregation.fallback",
+        "none",
+        choice("none", "decode"),
+        help=(
+            "none: no usable prefill instance is a 503; decode: the request is served "
+            "by its decode instance alone instead."
+        ),
+    ),
+    Setting(
         "max-batch-prompts",
         "limits.max_batch_prompts",
         32,

@@ -27,6 +27,7 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.service import BackendService
+from nixl_twisted.exchange.decide import Holdings
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
@@ -112,15 +113,33 @@ def account(
         pool.record_failure(instance, down)
 
 
-def hold(
-    pool: BackendPool, instance: Instance, decision: str, trace: RequestTrace, attempt: int
-) -> tuple[Lease, LegTrace]:
-    """Lease ``instance`` for one attempt, its span (if traced) ending with the lease."""
-    lease = pool.lease(instance, decision)
-    leg = trace.leg(instance, decision, pool.policy_name, attempt)
+class NoInstanceServed(ProxyError):
+    """No instance of the pool could serve the leg: none usable, or each tried failed.
+
+    What the prefill fallback (``--prefill-fallback decode``) catches: the
+    instances, not the request, were at fault (unreachable, 502, 503, 504).
+    """
+
+    def __init__(self, error: ProxyError) -> None:
+        status = None if error.code.status is not None else error.status
+        super().__init__(error.code, error.message, error.retry_after, status)
+
+
+def traced(lease: Lease, trace: RequestTrace, attempt: int) -> LegTrace:
+    """The span of one attempt on ``lease``'s instance (if traced), ending with the lease."""
+    leg = trace.leg(lease.instance, lease.decision, lease.pool.policy_name, attempt)
     if leg is not NO_LEG:
         lease.on_release = leg.end
-    return lease, leg
+    return leg
+
+
+def reserve(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING) -> Lease:
+    """The instance the pool's policy chooses now, held for a leg sent later (503: none)."""
+    try:
+        instance, decision = by_policy(pool, metrics, routing)(())
+    except NoHealthyInstance as error:
+        raise unavailable(error) from None
+    return pool.lease(instance, decision)
 
 
 def by_policy(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING) -> Choose:
@@ -156,6 +175,7 @@ async def send_leg(
     record: AccessRecord | None = None,
     choose: Choose | None = None,
     answered: Callable[[T], str] = _answered,
+    reserved: Lease | None = None,
 ) -> tuple[Lease, T]:
     """Run ``attempt`` on the pool's next instances until one serves the leg.
 
@@ -163,47 +183,58 @@ async def send_leg(
     releases it when the leg is over, a relay included) and what the attempt
     returned. ``go_on`` is asked before each attempt: when it says no, the
     leg ends with ``CancelledError``. ``choose`` picks each instance (by
-    default the pool's policy, on ``routing``). Each attempt is its own span
-    of ``trace`` (a retry is a sibling), handed to ``attempt`` for its
-    headers, and one of ``record``'s attempts (instance, outcome; a served
-    one's outcome is what ``answered`` says of it).
+    default the pool's policy, on ``routing``); a ``reserved`` lease (from
+    ``reserve``) is the first attempt's, and is released here if unused.
+    Each attempt is its own span of ``trace`` (a retry is a sibling), handed
+    to ``attempt`` for its headers, and one of ``record``'s attempts
+    (instance, outcome; a served one's outcome is what ``answered`` says of
+    it). Raises ``NoInstanceServed`` when no instance could serve.
     """
     noted = record.attempted if record is not None else _not_noted
     choose = choose if choose is not None else by_policy(pool, metrics, routing)
     tried: list[Instance] = []
     last: ProxyError | None = None
-    for number in range(1, 2 + retries):
-        if not go_on():
-            raise CancelledError()
-        try:
-            instance, decision = choose(tried)
-        except NoHealthyInstance as error:
-            raise (last or unavailable(error)) from None
-        tried.append(instance)
-        lease, leg = hold(pool, instance, decision, trace, number)
-        try:
-            served = await attempt(instance, leg)
-        except Retry as retry:
-            leg.fail(
-                f"{retry.down}; another instance is tried" if number <= retries else retry.down
-            )
-            lease.release()
-            account(metrics, pool, instance, retry.outcome, retry.down)
-            noted(pool.role, instance.url, retry.outcome, number > 1)
-            last = retry.error
-        except Elsewhere as elsewhere:
-            lease.release()
-            noted(pool.role, instance.url, elsewhere.outcome, number > 1)
-        except BaseException as error:
-            leg.fail(reason_of(error))
-            lease.release()
-            noted(pool.role, instance.url, outcome_of(error), number > 1)
-            raise
-        else:
-            noted(pool.role, instance.url, answered(served), number > 1)
-            return lease, served
-    assert last is not None, "the last attempt of a leg was sent Elsewhere"
-    raise last
+    try:
+        for number in range(1, 2 + retries):
+            if not go_on():
+                raise CancelledError()
+            if reserved is not None:
+                lease, reserved = reserved, None
+            else:
+                try:
+                    chosen, decision = choose(tried)
+                except NoHealthyInstance as error:
+                    raise NoInstanceServed(last or unavailable(error)) from None
+                lease = pool.lease(chosen, decision)
+            instance = lease.instance
+            tried.append(instance)
+            leg = traced(lease, trace, number)
+            try:
+                served = await attempt(instance, leg)
+            except Retry as retry:
+                leg.fail(
+                    f"{retry.down}; another instance is tried" if number <= retries else retry.down
+                )
+                lease.release()
+                account(metrics, pool, instance, retry.outcome, retry.down)
+                noted(pool.role, instance.url, retry.outcome, number > 1)
+                last = retry.error
+            except Elsewhere as elsewhere:
+                lease.release()
+                noted(pool.role, instance.url, elsewhere.outcome, number > 1)
+            except BaseException as error:
+                leg.fail(reason_of(error))
+                lease.release()
+                noted(pool.role, instance.url, outcome_of(error), number > 1)
+                raise
+            else:
+                noted(pool.role, instance.url, answered(served), number > 1)
+                return lease, served
+        assert last is not None, "the last attempt of a leg was sent Elsewhere"
+        raise NoInstanceServed(last)
+    finally:
+        if reserved is not None:
+            reserved.release()  # never sent: the leg ended before its first attempt
 
 
 @dataclass(frozen=True)
@@ -236,6 +267,8 @@ class Legs:
         self.backends = backends
         self.clock = clock
         self.metrics = metrics
+        #: What each instance caches of a prompt, where its KV events say (none yet).
+        self.holdings: Holdings | None = None
 
     async def decode_attempt(
         self,

@@ -24,13 +24,16 @@ from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.routing import routing_for
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
+from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
 from nixl_twisted.exchange.legs import (
     DecodeRequest,
     Legs,
+    NoInstanceServed,
     PrefillRefused,
     account,
     note_handoff,
     reason_of,
+    reserve,
     send_leg,
     timed_out,
 )
@@ -105,6 +108,9 @@ class Exchange:
         #: Decode broke off: the proxy closed the client's connection, not the client.
         self.broke_off = False
         self._current: Deferred[Any] | None = None
+        #: When a prefill leg is skipped (``nixl_twisted.exchange.decide``), as in effect now.
+        self.rules = config.disaggregation
+        self.decision = ALWAYS
         self._decode_sent = 0.0
         self._params_at = 0.0
 
@@ -181,13 +187,40 @@ class Exchange:
             await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
 
     async def _legs(self) -> None:
-        params = await self._prefill_leg()
+        # Decode first: the rules may ask what its instance holds, and a
+        # request with no decode instance to go to is refused before prefill runs.
+        reserved = reserve(self.backends.decode, self.metrics, self.routing)
+        decision = ALWAYS
+        params: lowering.JSONObject = {}
+        try:
+            decision = decide(
+                self.rules,
+                self.path,
+                self.body,
+                reserved.instance,
+                self.backends.prefill,
+                self.legs.holdings,
+            )
+            if decision.mode is Mode.PD:
+                try:
+                    params = await self._prefill_leg()
+                except NoInstanceServed:
+                    if self.rules.fallback != "decode":
+                        raise
+                    decision = FALLBACK
+        except BaseException:
+            reserved.release()
+            raise
+        finally:
+            self._decided(decision)
         self._enter(Phase.HANDOFF)
+        body = (
+            lowering.decode_body(self.body, params)
+            if decision.mode is Mode.PD
+            else lowering.decode_only_body(self.body)
+        )
         completed = DecodeRequest(
-            self.target,
-            lowering.encode(lowering.decode_body(self.body, params)),
-            self.headers,
-            self.timeouts.decode,
+            self.target, lowering.encode(body), self.headers, self.timeouts.decode
         )
         decode, response = await send_leg(
             self.backends.decode,
@@ -197,6 +230,7 @@ class Exchange:
             routing=self.routing,
             trace=self.trace,
             record=self.record,
+            reserved=reserved,
         )
         self.record.decode_route = decode.decision
         try:
@@ -213,6 +247,12 @@ class Exchange:
             await self._relay(response, decode)
         finally:
             decode.release()
+
+    def _decided(self, decision: Decision) -> None:
+        self.decision = decision
+        mode, reason = decision.mode.value, decision.reason.value
+        self.record.mode, self.record.decided_by = mode, reason
+        self.metrics.child(self.metrics.disaggregation_decisions, mode, reason).inc()
 
     async def _prefill_leg(self) -> lowering.JSONObject:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered)."""
@@ -280,7 +320,8 @@ class Exchange:
         response = await self.legs.decode_attempt(
             instance, leg, completed, self.record, self._track
         )
-        self._handoff_gap(instance)
+        if self.decision.mode is Mode.PD:
+            self._handoff_gap(instance)
         self.record.decode_status = response.code
         return response
 

@@ -45,6 +45,9 @@ class AccessRecord:
     decode_status: int | None = None
     decode_first_byte_seconds: float | None = None
     decode_route: str | None = None
+    #: Whether it took a prefill leg ("pd", "decode_only"), and the rule that decided.
+    mode: str | None = None
+    decided_by: str | None = None
     #: Prefill's params read -> decode's request sent.
     handoff_gap_seconds: float | None = None
     #: The request's arrival -> the first byte written to the client.
@@ -92,6 +95,8 @@ class AccessRecord:
         ):
             if instance is not None:
                 words.append(f"{leg}={instance}" + (f" ({status})" if status else ""))
+        if self.mode == "decode_only":
+            words.append(f"decode_only ({self.decided_by})")
         if self.retried:
             words.append("attempts=" + ", ".join(" ".join(a) for a in self.attempts))
         if self.ended not in _USUAL:
@@ -160,6 +165,8 @@ class AccessLog:
             "decode_status": record.decode_status,
             "decode_ttfb_ms": _ms(record.decode_first_byte_seconds),
             "decode_route": record.decode_route,
+            "mode": record.mode,
+            "decided_by": record.decided_by,
             "model": record.model,
             "ended": record.ended,
         }
@@ -199,6 +206,8 @@ def access_line(f: dict[str, Any]) -> str:
         if f"{leg}_route" in f:
             details.append(f"route {f[f'{leg}_route']}")
         parts.append(f"{leg}={f[leg]}" + (f" ({', '.join(details)})" if details else ""))
+    if f.get("decided_by", "always") != "always":
+        parts.append(f"mode={f['mode']} ({f['decided_by']})")
     if "model" in f:
         parts.append(f"model={f['model']}")
     tokens = [f"{f[key]} {key.split('_')[0]}" for key in _TOKENS if key in f]

@@ -62,7 +62,8 @@ class _InstanceHealth(Collector):
         )
         load = GaugeMetricFamily(
             "nixlproxy_backend_load",
-            "vLLM's own load as last scraped (policy load): running, waiting, kv_cache_usage.",
+            "vLLM's own load as last scraped (policy load, busy-prefill rule): running, waiting, "
+            "kv_cache_usage.",
             labels=["pool", "instance", "kind"],
         )
         for pool in self._pools:
@@ -194,6 +195,13 @@ class ProxyMetrics:
             "nixlproxy_routing_decisions",
             "Legs by pool, its policy and the policy's decision (docs/routing.md).",
             ["pool", "policy", "decision"],
+            registry=r,
+        )
+        self.disaggregation_decisions = Counter(
+            "nixlproxy_disaggregation_decisions",
+            "Completions by whether they took a prefill leg (decision: pd, decode_only) "
+            "and the rule that decided (docs/routing.md).",
+            ["decision", "reason"],
             registry=r,
         )
         self.retries = Counter(

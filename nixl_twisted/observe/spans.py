@@ -49,6 +49,8 @@ class Figures(Protocol):
     phase: Phase | None
     ended: str
     error: str | None
+    mode: str | None
+    decided_by: str | None
 
 
 #: The longest ``traceparent`` read (version 00 is 55 characters). The SDK
@@ -260,6 +262,8 @@ def _outcome(request: Request, record: Figures) -> dict[str, str | int | float]:
         "nixlproxy.total_seconds": time.monotonic() - record.started,
         "nixlproxy.phase": None if record.phase is None else record.phase.value,
         "nixlproxy.ended": record.ended,
+        "nixlproxy.mode": record.mode,
+        "nixlproxy.decided_by": record.decided_by,
     }
     return {name: value for name, value in said.items() if value is not None}
 

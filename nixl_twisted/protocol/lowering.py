@@ -233,6 +233,18 @@ def decode_body(body: JSONObject, kv_transfer_params: object) -> JSONObject:
     return completed
 
 
+def decode_only_body(body: JSONObject) -> JSONObject:
+    """The client's body for a decode leg with no prefill: no ``kv_transfer_params`` at all.
+
+    A client's own is dropped, as on every leg: vLLM computes the prompt itself.
+    """
+    if "kv_transfer_params" not in body:
+        return body
+    completed = dict(body)
+    del completed["kv_transfer_params"]
+    return completed
+
+
 def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
     """Take ``kv_transfer_params`` from a prefill answer, or explain with a 502.
 

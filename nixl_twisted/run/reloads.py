@@ -16,6 +16,7 @@ from twisted.logger import Logger
 from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.config.settings import BY_NAME, SETTINGS
 from nixl_twisted.config.sources import from_environment, read_file
+from nixl_twisted.exchange import decide
 from nixl_twisted.logs import lifecycle
 
 log = Logger()
@@ -102,3 +103,6 @@ def said(reload: Reload, where: str = "") -> None:
             need_restart=list(reload.need_restart),
             overridden=list(reload.overridden),
         )
+    blind = decide.blind_rules(config.disaggregation)
+    if blind is not None and "decode-only-uncached-below" in reload.changed:
+        log.warn("SIGHUP: {blind}", blind=blind)

@@ -222,7 +222,7 @@ def backend_service(
         probes,
         runs_checks=run_checks,
     )
-    backends.use_policies(config.policies)
+    backends.use_policies(config.policies, config.disaggregation)
     return backends
 
 

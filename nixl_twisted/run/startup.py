@@ -22,6 +22,7 @@ from twisted.logger import Logger
 
 from nixl_twisted import __version__
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.exchange import decide
 from nixl_twisted.logs import lifecycle
 
 log = Logger()
@@ -100,10 +101,13 @@ def summary(config: ProxyConfig) -> str:
         f"max-body-size {limits.max_body_size}, retries {config.retries.prefill}/"
         f"{config.retries.decode}, prefill-timeout {timeouts.prefill:g} s, "
         f"decode-timeout {timeouts.decode:g} s, drain-timeout {timeouts.drain:g} s, "
-        f"health checks {checks}"
+        f"health checks {checks}; {decide.describe(config.disaggregation)}"
     )
 
 
 def announce(config: ProxyConfig) -> None:
-    """The summary, as a lifecycle line."""
+    """The summary, as a lifecycle line; and what a rule set cannot do, as a warning."""
     lifecycle.info("{summary}", summary=summary(config))
+    blind = decide.blind_rules(config.disaggregation)
+    if blind is not None:
+        log.warn("{blind}", blind=blind)

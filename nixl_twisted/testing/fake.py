@@ -85,6 +85,8 @@ class FakeVLLM(Controls, OtherRoutes):
     health_status: int = 200
     #: The status ``GET /metrics`` answers (500: vLLM's metrics unreadable).
     metrics_status: int = 200
+    #: The requests ``GET /metrics`` says are waiting (a queue the fake does not model).
+    waiting: int = 0
     #: Seconds of prefill per prompt token not found in the prefix cache (on ``clock``).
     prefill_cost_per_token: float = 0.0
     #: The prefix cache: tokens per block, blocks kept (LRU).

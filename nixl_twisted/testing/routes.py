@@ -25,6 +25,7 @@ class OtherRoutes:
     health_status: int
     metrics_status: int
     running: int
+    waiting: int
     cache: PrefixCache
     responses: dict[str, JSONObject]
 
@@ -54,7 +55,7 @@ class OtherRoutes:
         labels = f'{{engine="0",model_name="{self.model}"}}'
         values = {
             "vllm:num_requests_running": self.running,
-            "vllm:num_requests_waiting": 0,
+            "vllm:num_requests_waiting": self.waiting,
             "vllm:kv_cache_usage_perc": self.cache.usage,
             "vllm:prefix_cache_queries_total": self.cache.queries,
             "vllm:prefix_cache_hits_total": self.cache.hits,

@@ -70,6 +70,20 @@ def assert_failed(span: ReadableSpan, *words: str) -> None:
 # -- spans -----------------------------------------------------------------------
 
 
+def test_a_decode_only_completion_is_a_server_span_with_only_its_decode_span() -> None:
+    setup = Traced(decode_only_below=64)
+    assert setup.post("/v1/chat/completions", STREAM).answer().status == 200
+    found = attributes(setup.server())
+    assert (found["nixlproxy.mode"], found["nixlproxy.decided_by"]) == (
+        "decode_only",
+        "short_prompt",
+    )
+    assert "nixlproxy.prefill_seconds" not in found
+    assert "nixlproxy.handoff_gap_seconds" not in found
+    assert [s.name for s in setup.finished() if s.kind is SpanKind.CLIENT] == ["decode"]
+    assert_child(setup.only("decode"), setup.server())
+
+
 def test_a_completion_is_a_server_span_with_a_client_span_per_leg() -> None:
     setup = Traced()
     answer = setup.post("/v1/chat/completions", STREAM).answer()
@@ -83,6 +97,7 @@ def test_a_completion_is_a_server_span_with_a_client_span_per_leg() -> None:
     assert found["http.response.status_code"] == 200
     assert found["nixlproxy.stream"] is True
     assert found["nixlproxy.ended"] == "answered"
+    assert (found["nixlproxy.mode"], found["nixlproxy.decided_by"]) == ("pd", "always")
     for figure in ("prefill", "handoff_gap", "decode_first_byte", "time_to_first_byte", "total"):
         assert found[f"nixlproxy.{figure}_seconds"] >= 0
     assert server.status.status_code is StatusCode.UNSET

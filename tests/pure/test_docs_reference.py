@@ -164,7 +164,8 @@ def test_help_shows_each_default() -> None:
 
 def test_help_text_has_no_runs_of_spaces_mid_sentence() -> None:
     for line in Options().full_help(width=100).splitlines():
-        described = line[31:] if line.startswith("      --") or line.startswith(" " * 31) else line
+        # An option's description starts at column 37, after its name's column.
+        described = line[37:] if line.startswith("      --") or line.startswith(" " * 37) else line
         assert "  " not in described.strip(), line
 
 

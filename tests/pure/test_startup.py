@@ -22,7 +22,7 @@ def test_the_summary_names_the_pools_policies_and_limits() -> None:
     line = startup.summary(CONFIG)
     assert "prefill http://p:1, http://p:2 (round-robin); decode http://d:1 (session)" in line
     assert "max-in-flight 100, max-connections 200" in line
-    assert "health checks every 3 s" in line
+    assert "health checks every 3 s; two legs always" in line
 
 
 class FakeLimits:
