@@ -213,7 +213,7 @@ class Exchange:
             raise
         finally:
             self._decided(decision)
-        self._enter(Phase.HANDOFF)
+        self._enter(Phase.HANDOFF if decision.mode is Mode.PD else Phase.DECODE)
         body = (
             lowering.decode_body(self.body, params)
             if decision.mode is Mode.PD
@@ -235,7 +235,7 @@ class Exchange:
         self.record.decode_route = decode.decision
         try:
             if self.client_gone:
-                self._leg.fail(f"{self.client_gone}: decode's answer abandoned", "handoff")
+                self._leg.fail(f"{self.client_gone}: decode's answer abandoned", self.phase.value)
                 abandon(response)
                 log.info(
                     "decode for {request_id} abandoned, unread: {why}",

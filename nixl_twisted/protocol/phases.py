@@ -8,6 +8,8 @@ a client disconnect does in each phase:
 - ``handoff`` (prefill answered, decode not yet): prefill holds KV blocks
   that only decode can free, so the decode leg is still sent and abandoned
   as soon as it answers; decode then tells prefill to free them;
+- ``decode`` (a decode-only request, no prefill leg: ``routing.md``): no
+  other instance holds blocks for it, so the decode request is cancelled;
 - ``relay``: the decode connection is closed at once.
 """
 
@@ -21,6 +23,7 @@ from typing import Final
 class Phase(enum.Enum):
     PREFILL = "prefill"
     HANDOFF = "handoff"
+    DECODE = "decode"
     RELAY = "relay"
 
 
@@ -41,5 +44,6 @@ class Rule:
 RULES: Final[dict[Phase, Rule]] = {
     Phase.PREFILL: Rule(OnClientLeft.CANCEL, ("prefill-timeout",)),
     Phase.HANDOFF: Rule(OnClientLeft.FINISH_THEN_ABANDON, ("prefill-timeout", "decode-timeout")),
+    Phase.DECODE: Rule(OnClientLeft.CANCEL, ("decode-timeout",)),
     Phase.RELAY: Rule(OnClientLeft.CANCEL, ("stream-idle-timeout",)),
 }

@@ -60,6 +60,18 @@ def test_client_leaves_during_handoff_still_sends_decode_then_abandons_it() -> N
     assert setup.proxy.app.exchanges == set()
 
 
+def test_client_leaves_a_decode_only_request_and_its_decode_request_is_cancelled() -> None:
+    setup = Setup(decode_only_below=64)
+    setup.decode.hold_answers()
+    client = setup.post("/v1/chat/completions", CHAT)
+    assert setup.phase() == "decode"
+    client.disconnect()
+    assert setup.decode.disconnects == 1  # no prefill holds blocks for it: vLLM aborts it
+    assert setup.prefill.requests == []
+    assert setup.proxy.app.in_flight == 0
+    assert [i.in_flight for i in setup.proxy.service.backends.decode.instances] == [0]
+
+
 def test_a_batch_cancelling_a_part_in_handoff_follows_the_table_and_blames_no_client() -> None:
     ledger = TransferLedger()
     held, failing = (FakeVLLM(name=f"prefill-{i}", ledger=ledger) for i in range(2))
@@ -127,6 +139,17 @@ def test_decode_timeout_in_handoff_is_a_504() -> None:
     (decode,) = setup.proxy.service.backends.decode.instances
     # A slow answer, not a dead instance: one failure of the three that mark it down.
     assert (decode.healthy, decode.failures) == (True, 1)
+
+
+def test_decode_timeout_of_a_decode_only_request_is_a_504() -> None:
+    setup = Setup(decode_only_below=64)
+    setup.decode.hold_answers()
+    client = setup.post("/v1/chat/completions", CHAT)
+    assert setup.phase() == "decode"
+    setup.proxy.advance(TIMEOUTS.decode)
+    assert (status(client), error_code(client)) == (504, "decode_timeout")
+    assert setup.decode.disconnects == 1
+    assert setup.prefill.requests == []
 
 
 def test_stream_idle_timeout_in_relay_ends_with_an_error_event_and_a_short_close() -> None:
