@@ -94,6 +94,9 @@ class BackendService(Service):
             pool.policy = routing.policy(name, policies.balance)
             pool.policy_name = name
             pool.reads_load = name == "load" or (busy_rule and pool is self.prefill)
+            if not pool.reads_load:
+                for instance in pool.instances:
+                    instance.load = {}  # no longer read: not shown as if it were current
 
     def use_pools(self, pools: Pools) -> None:
         """Make each pool these URLs: the new join, those no longer listed drain."""

@@ -198,6 +198,9 @@ async def send_leg(
         for number in range(1, 2 + retries):
             if not go_on():
                 raise CancelledError()
+            if reserved is not None and not _still_usable(pool, reserved.instance):
+                reserved.release()  # drained, removed or down while prefill ran: choose again
+                reserved = None
             if reserved is not None:
                 lease, reserved = reserved, None
             else:
@@ -235,6 +238,13 @@ async def send_leg(
     finally:
         if reserved is not None:
             reserved.release()  # never sent: the leg ended before its first attempt
+
+
+def _still_usable(pool: BackendPool, instance: Instance) -> bool:
+    """Still in rotation, and up (or the pool in panic, where a down one is as good as any)."""
+    if instance.draining or instance not in pool.instances:
+        return False
+    return pool.panicking or pool.available(instance)
 
 
 @dataclass(frozen=True)

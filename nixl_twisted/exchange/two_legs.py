@@ -190,43 +190,18 @@ class Exchange:
         # Decode first: the rules may ask what its instance holds, and a
         # request with no decode instance to go to is refused before prefill runs.
         reserved = reserve(self.backends.decode, self.metrics, self.routing)
-        decision = ALWAYS
-        params: lowering.JSONObject = {}
         try:
-            decision = decide(
-                self.rules,
-                self.path,
-                self.body,
-                reserved.instance,
-                self.backends.prefill,
-                self.legs.holdings,
-            )
-            if decision.mode is Mode.PD:
-                try:
-                    params = await self._prefill_leg()
-                except NoInstanceServed:
-                    if self.rules.fallback != "decode":
-                        raise
-                    decision = FALLBACK
+            completed = await self._before_decode(reserved)
         except BaseException:
-            reserved.release()
+            reserved.release()  # (until send_leg takes it over, the lease is ours to give back)
             raise
-        finally:
-            self._decided(decision)
-        self._enter(Phase.HANDOFF if decision.mode is Mode.PD else Phase.DECODE)
-        body = (
-            lowering.decode_body(self.body, params)
-            if decision.mode is Mode.PD
-            else lowering.decode_only_body(self.body)
-        )
-        completed = DecodeRequest(
-            self.target, lowering.encode(body), self.headers, self.timeouts.decode
-        )
         decode, response = await send_leg(
             self.backends.decode,
             self.retries.decode,
             self.metrics,
             lambda instance, leg: self._decode(instance, leg, completed),
+            # A decode-only request has no prefill blocks to free: nobody to answer, no retry.
+            go_on=lambda: not (self.client_gone and self.decision.mode is Mode.DECODE_ONLY),
             routing=self.routing,
             trace=self.trace,
             record=self.record,
@@ -247,6 +222,38 @@ class Exchange:
             await self._relay(response, decode)
         finally:
             decode.release()
+
+    async def _before_decode(self, reserved: Lease) -> DecodeRequest:
+        """Decide, run the prefill leg if it pays, and say what the decode leg sends."""
+        decision = ALWAYS
+        params: lowering.JSONObject = {}
+        try:
+            decision = decide(
+                self.rules,
+                self.path,
+                self.body,
+                reserved.instance,
+                self.backends.prefill,
+                self.legs.holdings,
+            )
+            if decision.mode is Mode.PD:
+                try:
+                    params = await self._prefill_leg()
+                except NoInstanceServed:
+                    if self.rules.fallback != "decode":
+                        raise
+                    decision = FALLBACK
+        finally:
+            self._decided(decision)
+        if decision.mode is Mode.PD:
+            self._enter(Phase.HANDOFF)
+            body = lowering.decode_body(self.body, params)
+        else:
+            if self.client_gone:  # (left while prefill's last error was being read)
+                raise CancelledError()
+            self._enter(Phase.DECODE)
+            body = lowering.decode_only_body(self.body)
+        return DecodeRequest(self.target, lowering.encode(body), self.headers, self.timeouts.decode)
 
     def _decided(self, decision: Decision) -> None:
         self.decision = decision

@@ -206,7 +206,7 @@ def access_line(f: dict[str, Any]) -> str:
         if f"{leg}_route" in f:
             details.append(f"route {f[f'{leg}_route']}")
         parts.append(f"{leg}={f[leg]}" + (f" ({', '.join(details)})" if details else ""))
-    if f.get("decided_by", "always") != "always":
+    if f.get("mode") == "decode_only":
         parts.append(f"mode={f['mode']} ({f['decided_by']})")
     if "model" in f:
         parts.append(f"model={f['model']}")

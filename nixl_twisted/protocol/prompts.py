@@ -26,21 +26,42 @@ PROMPT_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Content parts whose tokens the model's encoder decides (hundreds or thousands an
+#: image): a prompt holding one has no estimate, so no rule skips its prefill.
+MEDIA_PARTS = frozenset(
+    {
+        "image_url",
+        "image",
+        "input_image",
+        "input_audio",
+        "audio_url",
+        "video_url",
+        "file",
+        "input_file",
+        "document",
+    }
+)
+#: Fields that bring in turns the body does not show (the Responses API's).
+_STORED_TURNS = ("previous_response_id", "conversation")
+
+
 def estimate_tokens(path: str, body: dict[str, Any]) -> int | None:
     """The prompt's tokens, estimated; None when the body holds no prompt the proxy can measure.
 
     Every string in the route's prompt fields counts (message text, tool
-    definitions, an image's URL or base64 data: an image costs far more
-    tokens than its URL's bytes say, never fewer than a base64 image's).
+    definitions). A prompt with an image, audio, video or file part, or one
+    that continues stored turns, has none: its length is not in its bytes.
     """
+    if any(body.get(name) is not None for name in _STORED_TURNS):
+        return None
     prompt = body.get("prompt")
     if path == routes.COMPLETIONS and isinstance(prompt, list) and _token_ids(prompt):
         return len(prompt)
     texts = [body[name] for name in PROMPT_FIELDS.get(path, ()) if name in body]
     if not any(_has_text(value) for value in texts):
         return None
-    size = sum(_text_bytes(value) for value in texts)
-    return -(-size // BYTES_PER_TOKEN)
+    sizes = [_text_bytes(value) for value in texts]
+    return None if -1 in sizes else -(-sum(sizes) // BYTES_PER_TOKEN)
 
 
 def _token_ids(prompt: list[Any]) -> bool:
@@ -52,7 +73,9 @@ def _has_text(value: object) -> bool:
 
 
 def _text_bytes(value: object) -> int:
-    """The UTF-8 bytes of every string in ``value`` (keys aside); a token id counts as a token.
+    """The UTF-8 bytes of every string in ``value`` (keys aside), -1 if it holds a media part.
+
+    A token id counts as a token.
 
     Walked with a stack, not recursion: a body nested as deep as the JSON
     parser allowed must not overflow Python's stack here.
@@ -66,6 +89,8 @@ def _text_bytes(value: object) -> int:
         elif isinstance(item, list):
             pending.extend(item)
         elif isinstance(item, dict):
+            if item.get("type") in MEDIA_PARTS:
+                return -1  # its tokens are the encoder's to say, not its bytes
             pending.extend(item.values())
         elif type(item) is int:
             size += BYTES_PER_TOKEN

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
 
 from nixl_twisted.config import ProxyConfig, resolve
 from nixl_twisted.protocol import routes
@@ -270,3 +272,71 @@ def test_the_uncached_rule_says_once_that_it_cannot_see_what_decode_caches(
     blind = [e for e in logged if "does nothing" in str(e.get("blind", ""))]
     assert len(blind) == 1 and blind[0]["log_level"].name == "warn"
     assert service.app.exchange_factory.config.disaggregation.short_prompt == 32
+
+
+def test_a_decode_only_body_refused_at_encoding_gives_its_decode_instance_back() -> None:
+    setup = Setup(decode_only_below=64)
+    refused = 0
+    for depth in range(900, 1000, 4):  # somewhere here the parse passes and the encoding not
+        nested = "[" * depth + '"hi"' + "]" * depth
+        raw = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "extra": %s}'
+        answer = setup.post(routes.CHAT_COMPLETIONS, (raw % nested).encode()).answer()
+        refused += answer.status == 400
+    assert refused > 0
+    assert setup.proxy.service.backends.decode.instances[0].in_flight == 0
+
+
+class SlowRefusal(Resource):
+    """A prefill instance whose 503 sends its headers, then its body when told."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting: list[Request] = []
+
+    def render_POST(self, request: Request) -> object:
+        request.setResponseCode(503)
+        request.setHeader(b"content-length", b"2")
+        request.write(b"{")
+        self.waiting.append(request)
+        return NOT_DONE_YET
+
+    def finish(self) -> None:
+        for request in self.waiting:
+            request.write(b"}")
+            request.finish()
+
+
+def test_a_client_gone_before_the_fallback_is_not_served_decode_only() -> None:
+    setup = Setup(prefill_fallback="decode", prefill_retries=0)
+    refusal = SlowRefusal()
+    setup.proxy.serve(setup.prefill, refusal)
+    client = setup.post(routes.CHAT_COMPLETIONS, CHAT)
+    assert setup.phase() == "handoff"  # prefill answered: its body is being read
+    client.disconnect()
+    refusal.finish()
+    setup.proxy.flush()
+    assert setup.decode.requests == []
+    assert setup.proxy.service.backends.decode.instances[0].in_flight == 0
+    assert setup.proxy.app.in_flight == 0
+
+
+@pytest.mark.parametrize("leaves", ["drain", "remove"])
+def test_a_decode_instance_that_leaves_while_prefill_runs_is_not_sent_the_leg(
+    leaves: str,
+) -> None:
+    setup = Setup(decodes=2)
+    setup.prefill.hold_answers()
+    client = setup.post(routes.CHAT_COMPLETIONS, CHAT)
+    setup.proxy.flush()
+    pool = setup.proxy.service.backends.decode
+    (chosen,) = [i for i in pool.instances if i.in_flight == 1]
+    getattr(pool, leaves)(chosen.url)
+    setup.prefill.release()
+    setup.proxy.flush()
+    assert client.answer().status == 200
+    (served,) = [d for d in setup.decodes if d.requests_for("decode")]
+    assert served.url != chosen.url
+    assert chosen.in_flight == 0
+    assert chosen not in pool.instances  # drained: gone once its leg is given back

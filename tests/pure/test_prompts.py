@@ -59,9 +59,32 @@ def test_each_route_counts_the_fields_its_template_renders(
         (routes.COMPLETIONS, {"prompt": []}),
         (routes.CHAT_COMPLETIONS, {"messages": []}),
         (routes.RESPONSES, {"input": None}),
+        (routes.RESPONSES, {"input": "hi", "previous_response_id": "resp_1"}),
+        (routes.RESPONSES, {"input": "hi", "conversation": "conv_1"}),
+        (
+            routes.CHAT_COMPLETIONS,
+            {
+                "messages": [
+                    {"role": "system", "content": "abcd"},
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is this?"},
+                            {"type": "image_url", "image_url": {"url": "https://x/a.png"}},
+                        ],
+                    },
+                ]
+            },
+        ),
+        (
+            routes.RESPONSES,
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+        ),
     ],
 )
-def test_a_prompt_the_proxy_cannot_measure_has_no_estimate(path: str, body: dict[str, Any]) -> None:
+def test_a_prompt_the_proxy_cannot_measure_has_no_estimate_so_takes_two_legs(
+    path: str, body: dict[str, Any]
+) -> None:
     assert estimate_tokens(path, body) is None
 
 
