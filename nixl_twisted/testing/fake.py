@@ -22,14 +22,14 @@ from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorTime
-from twisted.internet.task import deferLater
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.testing import answers, schema
 from nixl_twisted.testing.controls import Controls
+from nixl_twisted.testing.engine import EngineTime
 from nixl_twisted.testing.ledger import TransferLedger
-from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text
+from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text, token_count
 from nixl_twisted.testing.routes import OtherRoutes
 from nixl_twisted.testing.site import FakeSite, cut_off, netloc
 
@@ -65,8 +65,18 @@ class ReceivedRequest:
 
 
 @dataclass
-class FakeVLLM(Controls, OtherRoutes):
-    """A fake vLLM instance; ``tokens`` per answer, ``token_interval`` s apart."""
+class FakeVLLM(Controls, EngineTime, OtherRoutes):
+    """A fake vLLM instance; ``tokens`` per answer, ``token_interval`` s apart.
+
+    Its engine takes time only when told to, each wait on ``clock``: a
+    prompt computed here (a prefill leg, or a plain request such as a
+    decode-only one) costs ``prefill_cost_per_token`` per token its prefix
+    cache lacks; a decode leg pulls the prompt's KV first
+    (``kv_load_latency`` plus ``kv_load_cost_per_token`` per prompt token);
+    with ``computing_stalls_streams``, a compute holds back the next token
+    of every stream on this instance until it ends, as vLLM runs a prefill
+    in the same engine step as the decodes.
+    """
 
     name: str = "fake-vllm"
     ledger: TransferLedger = field(default_factory=TransferLedger)
@@ -89,6 +99,17 @@ class FakeVLLM(Controls, OtherRoutes):
     waiting: int = 0
     #: Seconds of prefill per prompt token not found in the prefix cache (on ``clock``).
     prefill_cost_per_token: float = 0.0
+    #: While a prompt is computed here, no stream of this instance writes its
+    #: next event (each stream's first event is its own: it comes after its
+    #: own compute or KV pull). Off: computes and streams run side by side.
+    computing_stalls_streams: bool = False
+    #: Seconds per prompt token a decode leg (``do_remote_prefill``) waits
+    #: before its first token, pulling the KV: every prompt token, counted as
+    #: the prefix cache counts them (this fake's own cache is not looked up
+    #: for a decode leg, and what the prefill had cached moves all the same).
+    kv_load_cost_per_token: float = 0.0
+    #: Seconds every KV pull waits besides, whatever its size (NIXL's handshake).
+    kv_load_latency: float = 0.0
     #: The prefix cache: tokens per block, blocks kept (LRU).
     block_tokens: int = 128
     cache_blocks: int = 4096
@@ -99,6 +120,7 @@ class FakeVLLM(Controls, OtherRoutes):
 
     def __post_init__(self) -> None:
         Controls.__init__(self)
+        EngineTime.__init__(self)
         self._port: IListeningPort | None = None
         #: The fake's site: its open connections, and how many it accepted.
         self.site = FakeSite(self.resource())
@@ -208,9 +230,7 @@ class FakeVLLM(Controls, OtherRoutes):
         if role in ("prefill", "plain"):
             found, tokens = self.cache.compute(prompt_text(body))
             cached = found
-            if self.prefill_cost_per_token > 0:
-                computing = self.prefill_cost_per_token * (tokens - found)
-                await deferLater(self.clock, computing)  # type: ignore[arg-type]
+            await self._compute(tokens - found)
         kv_answer: JSONObject | None = None
         if role == "prefill" and behaviour.issues_params:
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
@@ -221,6 +241,7 @@ class FakeVLLM(Controls, OtherRoutes):
                 request.setResponseCode(500)
                 return answers.vllm_error(500, f"KV load failed: {problem}")
             cached = int(kv.get("remote_prefill_cached_tokens", 0)) if isinstance(kv, dict) else 0
+            await self._pull_kv(token_count(prompt_text(body)))
 
         limit = (
             body.get("max_output_tokens")
@@ -305,11 +326,11 @@ class FakeVLLM(Controls, OtherRoutes):
         if cut_after is not None:
             events = events[:cut_after]
         for index, event in enumerate(events):
+            if index > 0:
+                await self._before_next_token()
             if self._hold_after is not None and index >= self._hold_after:
                 await self._wait_at_hold()
             request.write(event)
-            if self.token_interval > 0 and index < len(events) - 1:
-                await deferLater(self.clock, self.token_interval)  # type: ignore[arg-type]
         if cut_after is not None:
             await cut_off(request)
 

@@ -36,6 +36,11 @@ def prompt_text(body: dict[str, Any]) -> str:
     return str(prompt or "")
 
 
+def token_count(text: str) -> int:
+    """A prompt's tokens as this module counts them: four bytes of UTF-8 each, at least one."""
+    return max(1, len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
+
+
 class PrefixCache:
     """One instance's prefix cache: ``capacity`` blocks of ``block_tokens`` tokens, LRU."""
 
@@ -55,7 +60,7 @@ class PrefixCache:
     def compute(self, text: str) -> tuple[int, int]:
         """Look a prompt up and cache its blocks; returns (cached tokens, prompt tokens)."""
         raw = text.encode("utf-8", "surrogatepass")
-        tokens = max(1, len(raw) // BYTES_PER_TOKEN)
+        tokens = token_count(text)
         size = self.block_tokens * BYTES_PER_TOKEN
         chain = b""
         cached_blocks = 0

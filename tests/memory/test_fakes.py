@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from treq.testing import StubTreq
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
 
 from nixl_twisted.testing import FakeVLLM, TransferLedger
 
@@ -68,3 +72,118 @@ def test_a_subclass_of_the_fake_serves_its_own_handler() -> None:
         {"prompt": "a b c"},
     )
     assert (status, answer) == (200, {"count": 0, "tokens": []})
+
+
+class Exchange:
+    """One request to a fake's own site over a ``StringTransport``: what it wrote so far."""
+
+    def __init__(self, fake: FakeVLLM, body: dict[str, Any]) -> None:
+        channel = fake.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        assert channel is not None
+        channel.timeOut = None  # no idle timer on the global reactor
+        self.transport = StringTransport()
+        channel.makeConnection(self.transport)
+        raw = json.dumps(body).encode()
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: fake\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n"
+        )
+        channel.dataReceived(head.encode() + raw)
+
+    def events(self) -> int:
+        """The SSE events written so far."""
+        return self.transport.value().count(b"data: ")
+
+    def answered(self) -> bool:
+        return self.transport.value().startswith(b"HTTP/1.1 200")
+
+
+def at(clock: Clock, when: float) -> None:
+    """Let ``clock`` reach ``when`` half a second at a time (every time here is a multiple).
+
+    One ``advance`` past two timers chained one after the other would fire
+    the second late, at the end of the advance.
+    """
+    while clock.seconds() < when:
+        clock.advance(0.5)
+
+
+@pytest.mark.parametrize("stalls", [False, True])
+def test_a_compute_holds_back_the_next_token_of_every_stream_on_its_instance(
+    stalls: bool,
+) -> None:
+    clock = Clock()
+    fake = FakeVLLM(
+        name="decode-0",
+        clock=clock,
+        tokens=4,
+        token_interval=1.0,
+        prefill_cost_per_token=1.0,
+        computing_stalls_streams=stalls,
+    )
+    # "abcd": one token, computed in 1 s; then an event a second (4 words, [DONE]).
+    stream = Exchange(fake, {"prompt": "abcd", "stream": True})
+    at(clock, 2)
+    assert stream.events() == 2
+    # Ten tokens not cached: a 10 s compute, from 2 s to 12 s.
+    computed = Exchange(fake, {"prompt": "x" * 40})
+
+    at(clock, 3)
+    assert stream.events() == (2 if stalls else 3)
+    at(clock, 11.5)
+    assert stream.events() == (2 if stalls else 5)
+    assert not computed.answered()
+    at(clock, 12)
+    assert computed.answered()
+    # The stalled event comes as the compute ends, then the interval resumes.
+    assert stream.events() == (3 if stalls else 5)
+    at(clock, 13)
+    assert stream.events() == (4 if stalls else 5)
+
+
+def test_a_stalled_stream_waits_for_a_compute_that_starts_while_it_waits() -> None:
+    clock = Clock()
+    fake = FakeVLLM(
+        name="decode-0",
+        clock=clock,
+        tokens=4,
+        token_interval=1.0,
+        prefill_cost_per_token=1.0,
+        computing_stalls_streams=True,
+    )
+    stream = Exchange(fake, {"prompt": "abcd", "stream": True})
+    at(clock, 2)
+    Exchange(fake, {"prompt": "x" * 16})  # 2 s to 6 s
+    at(clock, 4)
+    Exchange(fake, {"prompt": "y" * 32})  # 4 s to 12 s: the stream's wait grows
+    at(clock, 6)
+    assert stream.events() == 2
+    at(clock, 12)
+    assert stream.events() == 3
+
+
+def test_a_decode_leg_pulls_its_kv_before_its_first_token_and_only_a_decode_leg() -> None:
+    clock = Clock()
+    ledger = TransferLedger()
+    prefill = FakeVLLM(name="prefill-0", ledger=ledger)
+    decode = FakeVLLM(
+        name="decode-0",
+        ledger=ledger,
+        clock=clock,
+        kv_load_latency=2.0,
+        kv_load_cost_per_token=0.5,
+    )
+    prompt = "x" * 40  # ten tokens: 2 s + 10 x 0.5 s
+    _, answer = post(
+        StubTreq(prefill.resource()),
+        "http://prefill/v1/completions",
+        {"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    leg = Exchange(decode, {"prompt": prompt, "kv_transfer_params": answer["kv_transfer_params"]})
+    plain = Exchange(decode, {"prompt": prompt})
+    assert plain.answered()
+    at(clock, 6.5)
+    assert not leg.answered()
+    at(clock, 7)
+    assert leg.answered()
+    assert [r.role for r in decode.requests] == ["decode", "plain"]
