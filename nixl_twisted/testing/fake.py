@@ -43,7 +43,7 @@ DEFAULT_TEXT = (
 
 @dataclass
 class ReceivedRequest:
-    """One request as the fake saw it."""
+    """One request as the fake saw it (``carried_kv_transfer_params``: the body had the key)."""
 
     method: str
     path: str
@@ -62,6 +62,14 @@ class ReceivedRequest:
     def authorization(self) -> str | None:
         values = self.headers.getRawHeaders(b"authorization")
         return values[0].decode("utf-8") if values else None
+
+    @property
+    def carried_kv_transfer_params(self) -> bool:
+        """Whether the body had a ``kv_transfer_params`` key, whatever its value (``null`` too).
+
+        A decode-only request must carry none: vLLM then computes the prompt itself.
+        """
+        return isinstance(self.body, dict) and "kv_transfer_params" in self.body
 
 
 @dataclass

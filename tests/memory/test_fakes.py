@@ -187,3 +187,28 @@ def test_a_decode_leg_pulls_its_kv_before_its_first_token_and_only_a_decode_leg(
     at(clock, 7)
     assert leg.answered()
     assert [r.role for r in decode.requests] == ["decode", "plain"]
+
+
+def test_a_request_says_whether_it_carried_kv_transfer_params() -> None:
+    ledger = TransferLedger()
+    prefill, decode = FakeVLLM(name="p", ledger=ledger), FakeVLLM(name="d", ledger=ledger)
+    to_prefill, to_decode = StubTreq(prefill.resource()), StubTreq(decode.resource())
+    _, answer = post(
+        to_prefill,
+        "http://prefill/v1/completions",
+        {"prompt": "a b c", "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    post(
+        to_decode,
+        "http://decode/v1/completions",
+        {"prompt": "a b c", "kv_transfer_params": answer["kv_transfer_params"]},
+    )
+    post(to_decode, "http://decode/v1/completions", {"prompt": "a b c"})
+    post(to_decode, "http://decode/v1/completions", {"prompt": "a", "kv_transfer_params": None})
+
+    assert [r.carried_kv_transfer_params for r in prefill.requests] == [True]
+    assert [(r.role, r.carried_kv_transfer_params) for r in decode.requests] == [
+        ("decode", True),
+        ("plain", False),
+        ("plain", True),  # null is still the key: a decode-only leg must not send it
+    ]
