@@ -89,6 +89,30 @@ def test_a_short_routing_run_prints_its_table() -> None:
     )
 
 
+def test_a_short_decide_run_prints_its_row_and_fails_nothing() -> None:
+    """Run a only: the other runs need the proxy's conditional disaggregation options."""
+    ran = run(
+        [
+            PYTHON,
+            "-m",
+            "bench.decide",
+            "--only",
+            "a",
+            "--requests",
+            "12",
+            "--concurrency",
+            "4",
+            "--turns",
+            "2",
+        ]
+    )
+    ms = r"\d+\.\d+ / \d+\.\d+ ms"
+    row = rf"\| a: rules off \(always P/D\) \| {ms} \| {ms} \| {ms} \| {ms} \| (-|\d+\.\d%) \| 0 \|"
+    assert ran.code == 0 and re.search(row, ran.stdout), ran.why(
+        f"exit 0 and a row matching {row!r}"
+    )
+
+
 def test_the_routing_index_memory_run_prints_its_figures() -> None:
     ran = run([PYTHON, "-m", "bench.routing", "--index-memory"])
     figures = '"prompts": 100000' in ran.stdout and '"retained_bytes": ' in ran.stdout
