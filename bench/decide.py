@@ -20,10 +20,12 @@ decode instance too, when it is sent a prompt without
 ``--kv-latency`` plus ``--kv-cost`` per prompt token, and tokens come
 ``--token-interval`` apart. Each run prints, as the client saw them: TTFT
 p50 / p99 of the short prompts, of the long ones and of the conversations'
-turns; the gap between consecutive tokens of a stream, p50 / p99; the share
-of requests the proxy served decode-only (its
+turns (the fakes' first token comes one token interval after the role's
+chunk, in every run alike); the gap between consecutive tokens of a
+stream, p50 / p99; the share of requests the proxy served decode-only (its
 ``nixlproxy_disaggregation_decisions_total``; ``-`` when it has no such
-metric); failed requests. The runs (``--only a,b`` picks some):
+metric); failed requests. The runs (``--only a,b`` picks some; ``--json``
+prints each run's figures, the decisions included, as JSON):
 
 - ``a``: no rule, every request prefilled then decoded (P/D);
 - ``b``: ``--decode-only-below 256``: short prompts skip prefill;
@@ -37,6 +39,9 @@ metric); failed requests. The runs (``--only a,b`` picks some):
 - ``e2``: no prefill instance listens at all, ``--prefill-fallback decode``.
 
     python -m bench.decide [--requests 200] [--concurrency 8] [--only a,b,c]
+
+A run the proxy refuses to start (an option it does not have) prints
+``not run`` and twistd's reason, and the command exits 1 after the table.
 """
 
 from __future__ import annotations
@@ -273,7 +278,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cost", type=float, default=0.0001, help="s per uncached token")
     parser.add_argument("--kv-cost", type=float, default=0.00001, help="s per token pulled")
     parser.add_argument("--kv-latency", type=float, default=0.002, help="s per KV pull")
-    parser.add_argument("--token-interval", type=float, default=0.005, help="s between tokens")
+    # 10 ms, not 5: the client parses every chunk with the openai client, on the
+    # fakes' core; half the chunks keep it from blurring the gaps it measures.
+    parser.add_argument("--token-interval", type=float, default=0.01, help="s between tokens")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per answer")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", default="", help="the runs' keys, comma-separated: a,b,c")
