@@ -50,7 +50,6 @@ import argparse
 import asyncio
 import json
 import re
-import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -59,7 +58,7 @@ from typing import Any
 
 from bench.mixed import drive, percentile, workload
 from bench.routing import _get, _samples
-from bench.run import _free_port, _pinned, nixlproxy
+from bench.run import _free_port, nixlproxy, served_fakes
 from nixl_twisted.testing.process import TwistdFailed
 
 DECISIONS = "nixlproxy_disaggregation_decisions_total"
@@ -165,13 +164,8 @@ def serve_fakes(spec: Fakes) -> None:
 @contextmanager
 def fakes(spec: Fakes) -> Iterator[dict[str, list[str]]]:
     command = [sys.executable, "-m", "bench.decide", "--serve-fakes", json.dumps(asdict(spec))]
-    process = subprocess.Popen(_pinned("1", command), stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        yield json.loads(process.stdout.readline())
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
+    with served_fakes(command) as urls:
+        yield urls
 
 
 def decisions(metrics: str) -> dict[str, float] | None:

@@ -26,7 +26,6 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -34,7 +33,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bench.run import _pinned, nixlproxy
+from bench.run import nixlproxy, served_fakes
 
 SYSTEM = "You are a careful assistant for people who run disaggregated LLM serving. " * 8
 
@@ -104,13 +103,8 @@ def fakes(run: Run, cost: float) -> Iterator[dict[str, list[str]]]:
         "--cost",
         str(cost),
     ] + (["--slow"] if run.slow else [])
-    process = subprocess.Popen(_pinned("1", command), stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        yield json.loads(process.stdout.readline())
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
+    with served_fakes(command) as urls:
+        yield urls
 
 
 # -- the workload --------------------------------------------------------------

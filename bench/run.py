@@ -95,6 +95,18 @@ def _pinned(cores: str, command: Sequence[str]) -> list[str]:
     return ["taskset", "-c", cores, *command] if shutil.which("taskset") else list(command)
 
 
+@contextmanager
+def served_fakes(command: Sequence[str]) -> Iterator[dict[str, list[str]]]:
+    """A child process serving fakes (pinned off the proxy's core), and the URLs it prints."""
+    process = subprocess.Popen(_pinned("1", command), stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        yield json.loads(process.stdout.readline())
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
 def _wait_for_port(port: int, deadline: float) -> None:
     while time.monotonic() < deadline:
         with socket.socket() as probe:
