@@ -108,12 +108,9 @@ def at(clock: Clock, when: float) -> None:
         clock.advance(0.5)
 
 
-@pytest.mark.parametrize("stalls", [False, True])
-def test_a_compute_holds_back_the_next_token_of_every_stream_on_its_instance(
-    stalls: bool,
-) -> None:
-    clock = Clock()
-    fake = FakeVLLM(
+def computing_decode(clock: Clock, stalls: bool) -> FakeVLLM:
+    """A decode fake: four tokens a second apart, a second per computed token."""
+    return FakeVLLM(
         name="decode-0",
         clock=clock,
         tokens=4,
@@ -121,6 +118,14 @@ def test_a_compute_holds_back_the_next_token_of_every_stream_on_its_instance(
         prefill_cost_per_token=1.0,
         computing_stalls_streams=stalls,
     )
+
+
+@pytest.mark.parametrize("stalls", [False, True])
+def test_a_compute_holds_back_the_next_token_of_every_stream_on_its_instance(
+    stalls: bool,
+) -> None:
+    clock = Clock()
+    fake = computing_decode(clock, stalls)
     # "abcd": one token, computed in 1 s; then an event a second (4 words, [DONE]).
     stream = Exchange(fake, {"prompt": "abcd", "stream": True})
     at(clock, 2)
@@ -143,14 +148,7 @@ def test_a_compute_holds_back_the_next_token_of_every_stream_on_its_instance(
 
 def test_a_stalled_stream_waits_for_a_compute_that_starts_while_it_waits() -> None:
     clock = Clock()
-    fake = FakeVLLM(
-        name="decode-0",
-        clock=clock,
-        tokens=4,
-        token_interval=1.0,
-        prefill_cost_per_token=1.0,
-        computing_stalls_streams=True,
-    )
+    fake = computing_decode(clock, stalls=True)
     stream = Exchange(fake, {"prompt": "abcd", "stream": True})
     at(clock, 2)
     Exchange(fake, {"prompt": "x" * 16})  # 2 s to 6 s
