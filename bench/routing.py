@@ -1,8 +1,11 @@
-"""Routing policies side by side on a seeded multi-turn chat workload.
+"""Routing policies side by side on seeded chat workloads.
 
-Conversations share a system prompt; each turn repeats its whole history
-and adds a user message; turns of different conversations interleave at
-random (seeded), ``--concurrency`` at a time. The fakes (one process, one
+``--workload chat``: conversations share a system prompt; each turn repeats
+its whole history and adds a user message. ``--workload documents``: many
+conversations over a few long documents (retrieval-augmented chat): each
+opens with one of ``--documents`` documents and a question of its own.
+Turns of different conversations interleave at random (seeded),
+``--concurrency`` at a time. The fakes (one process, one
 shared ledger, pinned off the proxy's core) model vLLM's prefix cache and
 take ``--cost`` seconds per prompt token they had to compute. For each run
 it prints the prefill prefix-cache hit rate (hits / queries in tokens, from
@@ -16,7 +19,7 @@ how the legs spread over the prefill instances, and failures:
 - skew: one of two prefill instances 4x slower (least-loaded and load must
   send it less than round-robin).
 
-    python -m bench.routing [--conversations 24] [--turns 6] [--concurrency 8]
+    python -m bench.routing [--workload chat|documents] [--conversations 24] [--turns 6]
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ from typing import Any
 from bench.run import nixlproxy, served_fakes
 
 SYSTEM = "You are a careful assistant for people who run disaggregated LLM serving. " * 8
+#: A few words to make documents of: each document is its own seeded draw.
+WORDS = (
+    "prefill decode cache block token instance request latency queue model engine transfer "
+    "memory network kernel batch stream schedule router policy prefix"
+).split()
 
 
 @dataclass(frozen=True)
@@ -129,20 +137,42 @@ def _samples(text: str, name: str) -> list[tuple[str, float]]:
     return found
 
 
-async def conversations(
-    urls: Sequence[str], count: int, turns: int, concurrency: int, seed: int
-) -> dict[str, Any]:
-    from openai import AsyncOpenAI
-
-    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0) for url in urls]
-    rng = random.Random(seed)
-    histories: list[list[dict[str, str]]] = [
+def openings(workload: str, count: int, documents: int, rng: random.Random) -> list[list[Any]]:
+    """Each conversation's first messages: a chat of its own, or a question on a document."""
+    if workload == "chat":
+        return [
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * 900},
+            ]
+            for n in range(count)
+        ]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(1200)) for _ in range(documents)]
+    return [
         [
             {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * 900},
+            {
+                "role": "user",
+                "content": f"Document:\n{rng.choice(texts)}\n\nQuestion {n}: what does it "
+                f"say about {rng.choice(WORDS)} and {rng.choice(WORDS)}?",
+            },
         ]
         for n in range(count)
     ]
+
+
+async def conversations(
+    urls: Sequence[str],
+    histories: list[list[Any]],
+    turns: int,
+    concurrency: int,
+    rng: random.Random,
+) -> dict[str, Any]:
+    """Every conversation's turns, interleaved in ``rng``'s order (it drew the openings too)."""
+    from openai import AsyncOpenAI
+
+    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0) for url in urls]
+    count = len(histories)
     order = [n for n in range(count) for _ in range(turns)]
     rng.shuffle(order)
     done_turns = [0] * count
@@ -227,9 +257,9 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
             stack.enter_context(nixlproxy(proxy_args, "0", run.workers))[1]
             for _ in range(run.proxies)
         ]
-        result = asyncio.run(
-            conversations(proxies, args.conversations, args.turns, args.concurrency, args.seed)
-        )
+        rng = random.Random(args.seed)
+        histories = openings(args.workload, args.conversations, args.documents, rng)
+        result = asyncio.run(conversations(proxies, histories, args.turns, args.concurrency, rng))
         hits = queries = 0.0
         legs = []
         for url in urls["prefill"]:
@@ -278,8 +308,10 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("chat", "documents"), default="chat")
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--documents", type=int, default=6, help="documents: how many")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cost", type=float, default=0.0001, help="s per uncached token")
     parser.add_argument("--seed", type=int, default=12)

@@ -24,6 +24,7 @@ from twisted.logger import Logger
 from nixl_twisted.backends import health
 from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.prefixes import SentPrefixes
 from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
 from nixl_twisted.config.values import backend_url, rank_urls
 
@@ -77,6 +78,8 @@ class BackendPool:
         self.policy_name = "round-robin"
         #: The health checks also read each instance's load from vLLM's ``/metrics``.
         self.reads_load = False
+        #: cache-aware's memory of which instance was sent which prompt prefix.
+        self.sent = SentPrefixes(0)
 
     def configure(self, thresholds: Thresholds, checked: bool) -> None:
         """New health rules; ``checked``: new instances wait for their first check."""

@@ -18,9 +18,10 @@ import hashlib
 import math
 import random
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
 from nixl_twisted.protocol.lowering import JSONObject
 
 
@@ -32,6 +33,9 @@ class Routing:
     prompt: bytes | None = None
     #: ``X-Session-ID``, else the body's ``user``.
     session: str | None = None
+    #: The whole prompt as chained pieces (``prefixes.pieces``), and its length in bytes.
+    chain: tuple[int, ...] = ()
+    prompt_bytes: int = 0
 
 
 #: A request that offers nothing to route on.
@@ -94,14 +98,21 @@ def rendezvous(key: bytes, candidates: Sequence[Candidate]) -> list[Any]:
 
 @dataclass(frozen=True)
 class CacheAware:
-    """The conversation's own instance, unless that would make the load too uneven.
+    """Where the longest part of this prompt went before, else the conversation's own instance.
 
-    The balance guard: an instance may hold at most ``balance`` times the
-    pool's mean legs in flight (plus one) before the key's next instance is
-    taken instead.
+    ``sent`` remembers which instance this proxy sent each prompt prefix to
+    (``nixl_twisted.backends.prefixes``). A new prompt goes where its longest
+    remembered prefix went when that prefix is at least ``min_match`` of the
+    prompt ("prefix": many conversations over one document); otherwise to
+    the first instance of its key's rendezvous order ("affinity": a
+    conversation's first sight, agreed by every worker and replica). The
+    balance guard: an instance may hold at most ``balance`` times the pool's
+    mean legs in flight (plus one) before the key's next instance is taken.
     """
 
     balance: float
+    sent: SentPrefixes = field(default_factory=lambda: SentPrefixes(0))
+    min_match: float = 0.5
 
     def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
         if routing.prompt is None:
@@ -109,10 +120,32 @@ class CacheAware:
         ordered = rendezvous(routing.prompt, candidates)
         total = sum(c.in_flight for c in candidates)
         cap = math.ceil(self.balance * (total + 1) / len(candidates))
-        for rank, candidate in enumerate(ordered):
-            if candidate.in_flight < cap:
-                return candidate, "affinity" if rank == 0 else "balanced"
-        return min(ordered, key=lambda c: c.in_flight), "balanced"
+        chosen, decision = self._remembered(candidates, routing, cap)
+        if chosen is None:
+            chosen, decision = min(ordered, key=lambda c: c.in_flight), "balanced"
+            for rank, candidate in enumerate(ordered):
+                if candidate.in_flight < cap:
+                    chosen, decision = candidate, "affinity" if rank == 0 else "balanced"
+                    break
+        self.sent.sent(routing.chain, chosen.url)
+        return chosen, decision
+
+    def _remembered(
+        self, candidates: Sequence[Candidate], routing: Routing, cap: int
+    ) -> tuple[Any, str]:
+        """The candidate sent most of this prompt before, under the guard's cap, if enough."""
+        if not routing.chain:
+            return None, ""
+        by_url = {c.url: c for c in candidates}
+        least = self.min_match * routing.prompt_bytes
+        held = [
+            (depth, -by_url[url].in_flight, url)
+            for url, depth in self.sent.longest(routing.chain, by_url).items()
+            if depth * PIECE_BYTES >= least and by_url[url].in_flight < cap
+        ]
+        if not held:
+            return None, ""
+        return by_url[max(held)[2]], "prefix"
 
 
 def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
@@ -124,20 +157,30 @@ def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Ch
 Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
 
 
-def policies(balance: float) -> dict[str, Policy]:
-    """Every policy by the name ``settings.POLICIES`` gives it; ``balance`` is cache-aware's."""
+def policies(
+    balance: float, sent: SentPrefixes | None = None, min_match: float = 0.5
+) -> dict[str, Policy]:
+    """Every policy by the name ``settings.POLICIES`` gives it.
+
+    ``balance``, ``sent`` (the pool's memory of prefixes sent) and ``min_match`` are
+    cache-aware's.
+    """
     return {
         "round-robin": round_robin,
         "least-loaded": least_loaded,
         "load": by_load,
-        "cache-aware": CacheAware(balance),
+        "cache-aware": CacheAware(
+            balance, sent if sent is not None else SentPrefixes(0), min_match
+        ),
         "session": session,
     }
 
 
-def policy(name: str, balance: float) -> Policy:
+def policy(
+    name: str, balance: float, sent: SentPrefixes | None = None, min_match: float = 0.5
+) -> Policy:
     """The policy of this name."""
-    return policies(balance)[name]
+    return policies(balance, sent, min_match)[name]
 
 
 #: The most of a chat's leading messages that the key keeps.
@@ -174,6 +217,27 @@ def prompt_key(body: JSONObject, completion_bytes: int) -> bytes | None:
     return None
 
 
+def prompt_text(body: JSONObject) -> bytes:
+    """The whole prompt as text, rendered as ``prompt_key`` renders its start (b"": none).
+
+    Chat: every message, role then text. A completion: its prompt; token
+    ids as four bytes each, so a piece is 64 of them.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return b"".join(
+            _utf8(f"{_text(m.get('role'))}\n{_text(m.get('content'))}\n")
+            for m in messages
+            if isinstance(m, dict)
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return _utf8(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return b"".join((t & 0xFFFFFFFF).to_bytes(4, "big") for t in prompt)
+    return b""
+
+
 def _utf8(text: str) -> bytes:
     """A key's bytes; a lone surrogate (valid as a JSON escape, not as UTF-8) kept as is."""
     return text.encode("utf-8", "surrogatepass")
@@ -199,9 +263,14 @@ def routing_for(
     """
     if "cache-aware" not in policies and "session" not in policies:
         return NO_ROUTING
+    if "cache-aware" not in policies:
+        return Routing(session=session_key(session, body))
+    rendered = prompt_text(body)
     return Routing(
-        prompt=prompt_key(body, key_bytes) if "cache-aware" in policies else None,
+        prompt=prompt_key(body, key_bytes),
         session=session_key(session, body) if "session" in policies else None,
+        chain=pieces(rendered) if rendered else (),
+        prompt_bytes=len(rendered),
     )
 
 

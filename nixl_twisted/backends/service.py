@@ -91,7 +91,8 @@ class BackendService(Service):
         busy_rule = rules is not None and rules.busy_prompt > 0
         for pool in self.pools():
             name = policies.of(pool.role)
-            pool.policy = routing.policy(name, policies.balance)
+            pool.sent.resize(policies.entries if name == "cache-aware" else 0)
+            pool.policy = routing.policy(name, policies.balance, pool.sent, policies.min_match)
             pool.policy_name = name
             pool.reads_load = name == "load" or (busy_rule and pool is self.prefill)
             if not pool.reads_load:

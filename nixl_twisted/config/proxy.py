@@ -43,6 +43,10 @@ class Policies:
     #: cache-aware's balance guard, and the prompt bytes that name a conversation.
     balance: float
     key_bytes: int
+    #: cache-aware's memory of prefixes sent (entries per pool), and the share of a
+    #: prompt a remembered prefix must cover to be followed.
+    entries: int = 100_000
+    min_match: float = 0.5
 
     def of(self, role: str) -> str:
         return self.prefill if role == "prefill" else self.decode

@@ -242,6 +242,26 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "cache-aware-entries",
+        "policies.entries",
+        100_000,
+        count(0),
+        help=(
+            "cache-aware: prompt prefixes remembered per pool, 256 bytes of prompt each "
+            "(about 150 bytes of memory each; least recently used go first; 0: none)."
+        ),
+    ),
+    Setting(
+        "cache-aware-min-match",
+        "policies.min_match",
+        0.5,
+        fraction,
+        help=(
+            "cache-aware: a prompt follows the instance sent its longest known prefix "
+            "when that prefix is at least this share of the prompt."
+        ),
+    ),
+    Setting(
         "cache-key-bytes",
         "policies.key_bytes",
         512,

@@ -11,7 +11,14 @@ from twisted.internet.task import Clock
 from nixl_twisted.backends import routing
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
-from nixl_twisted.backends.routing import Routing, load_score, prompt_key, rendezvous
+from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
+from nixl_twisted.backends.routing import (
+    Routing,
+    load_score,
+    prompt_key,
+    rendezvous,
+    routing_for,
+)
 from nixl_twisted.config.settings import POLICIES
 
 
@@ -163,8 +170,99 @@ def test_a_request_is_routed_on_what_the_policies_in_use_look_at() -> None:
 
     body = {"prompt": "p" * 100, "user": "u1"}
     assert routing_for({"round-robin", "load"}, 8, b"s1", body) is NO_ROUTING
-    assert routing_for({"cache-aware"}, 8, b"s1", body) == Routing(prompt=b"p" * 8)
+    assert routing_for({"cache-aware"}, 8, b"s1", body) == Routing(
+        prompt=b"p" * 8, prompt_bytes=100
+    )
     assert routing_for({"session"}, 8, b"s1", body) == Routing(session="s1")
     assert routing_for({"session", "round-robin"}, 8, None, body) == Routing(session="u1")
     both = routing_for({"cache-aware", "session"}, 4, None, body)
-    assert both == Routing(prompt=b"pppp", session="u1")
+    assert both == Routing(prompt=b"pppp", session="u1", prompt_bytes=100)
+    long = routing_for({"cache-aware"}, 8, None, {"prompt": "q" * 600})
+    assert long.chain == pieces(b"q" * 600) and len(long.chain) == 2
+
+
+def remembering(count: int, entries: int = 1000, min_match: float = 0.5) -> BackendPool:
+    pool = pool_of(count)
+    pool.sent = SentPrefixes(entries)
+    pool.policy = routing.policy("cache-aware", 1.5, pool.sent, min_match)
+    pool.policy_name = "cache-aware"
+    return pool
+
+
+def asking(document: str, question: str) -> Routing:
+    body = {"messages": [{"role": "user", "content": f"{document}\n\n{question}"}]}
+    return routing_for({"cache-aware"}, 512, None, body)
+
+
+DOCUMENT = "The KV cache of a long document, block after block. " * 60
+
+
+def test_a_new_conversation_over_a_known_document_goes_where_the_document_went() -> None:
+    pool = remembering(4)
+    questions = [f"Question {n}: why?" for n in range(40)]
+    # Without the memory, the opening decides: these would spread over all four.
+    assert (
+        len({rendezvous(asking(DOCUMENT, q).prompt or b"", pool.instances)[0] for q in questions})
+        > 1
+    )
+    first, decision = pool.choose(routing=asking(DOCUMENT, questions[0]))
+    assert decision == "affinity"
+    for question in questions[1:]:
+        assert pool.choose(routing=asking(DOCUMENT, question)) == (first, "prefix")
+
+
+def test_a_prefix_shorter_than_the_min_match_share_is_not_followed() -> None:
+    pool = remembering(4, min_match=0.5)
+    home, _ = pool.choose(routing=asking(DOCUMENT, "first"))
+    # The same document under a longer question of its own: under half is shared.
+    chosen, decision = pool.choose(routing=asking(DOCUMENT, "another " * 500))
+    assert decision in ("affinity", "balanced")
+    followed = remembering(4, min_match=0.1)
+    home, _ = followed.choose(routing=asking(DOCUMENT, "first"))
+    assert followed.choose(routing=asking(DOCUMENT, "another " * 500)) == (home, "prefix")
+
+
+def test_the_balance_guard_and_membership_win_over_the_memory() -> None:
+    pool = remembering(2)
+    home, _ = pool.choose(routing=asking(DOCUMENT, "first"))
+    home.in_flight = 4  # cap: ceil(1.5 * 5 / 2) = 4
+    other, decision = pool.choose(routing=asking(DOCUMENT, "second"))
+    assert other is not home and decision in ("affinity", "balanced")
+    home.in_flight = 0
+    pool.remove(home.url)
+    assert pool.choose(routing=asking(DOCUMENT, "third"))[0] is other
+
+
+def test_the_memory_follows_the_last_instance_sent_and_forgets_the_oldest() -> None:
+    chain = pieces(DOCUMENT.encode())
+    sent = SentPrefixes(entries=len(chain))
+    both = {"http://a", "http://b"}
+    sent.sent(chain, "http://a")
+    assert sent.longest(chain, both) == {"http://a": len(chain)}
+    sent.sent(chain[:3], "http://b")  # a shorter prompt, sent elsewhere since: both hold it
+    assert sent.longest(chain, both) == {"http://a": len(chain), "http://b": 3}
+    assert sent.longest(chain, {"http://b"}) == {"http://b": 3}  # a is no candidate
+    for n in range(5):  # at most four holders per prefix, the latest kept
+        sent.sent(chain[:1], f"http://c{n}")
+    assert sent.longest(chain[:1], both | {f"http://c{n}" for n in range(5)}) == {
+        f"http://c{n}": 1 for n in range(1, 5)
+    }
+    other = pieces(b"another prompt entirely " * 40)
+    sent.sent(other, "http://b")  # the least recently used (the 4th to 6th pieces) give way
+    assert len(sent) == len(chain)
+    assert sent.longest(chain, both) == {"http://a": 3, "http://b": 3}
+    sent.resize(2)
+    assert len(sent) == 2
+    sent.resize(0)
+    sent.sent(chain, "http://a")
+    assert len(sent) == 0
+
+
+def test_a_prefix_hash_stands_for_everything_before_it() -> None:
+    text = DOCUMENT.encode()
+    chain = pieces(text)
+    assert len(chain) == len(text) // PIECE_BYTES
+    assert pieces(text + b"a different tail")[: len(chain)] == chain
+    changed = b"X" + text[1:]
+    assert not set(pieces(changed)) & set(chain)  # one byte early changes every later hash
+    assert pieces(b"short") == ()

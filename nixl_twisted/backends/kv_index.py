@@ -1,0 +1,207 @@
+"""What each instance's KV cache holds, as vLLM's KV events tell it: block keys per instance.
+
+vLLM names a block by its own hash (seeded per process, so two instances
+never agree on it). The proxy names a block by a key of its own, computed
+from the block's token ids and its parent's key (``block_keys``), the same
+way for the prompts it routes: a prompt's leading keys found under an
+instance are the blocks that instance would not have to compute.
+
+``KvIndex`` keeps, per instance, vLLM's hash of each block to the proxy's
+key, bounded by ``max_blocks`` (the oldest stored going first), and per key
+the instances that hold it. Events are applied in sequence order
+(``EventStream``, per instance, in ``kv_events``); this module is pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: The key of the empty prefix a first block chains from, per LoRA adapter (none: b"").
+ROOT = b"nixl-twisted kv"
+
+
+def _root(lora: str | None) -> bytes:
+    return hashlib.blake2b(ROOT + (lora or "").encode(), digest_size=8).digest()
+
+
+def block_keys(
+    tokens: Sequence[int], block_size: int, lora: str | None = None, parent: bytes | None = None
+) -> list[bytes]:
+    """The key of each whole block of ``tokens``, each chained to the one before it.
+
+    ``parent``: the key of the block these follow (None: they start the prompt).
+    """
+    key = parent if parent is not None else _root(lora)
+    packed = memoryview(_packed(tokens))
+    step = block_size * 4
+    keys = []
+    for start in range(0, len(packed) - step + 1, step):
+        key = hashlib.blake2b(key + packed[start : start + step], digest_size=8).digest()
+        keys.append(key)
+    return keys
+
+
+def _packed(tokens: Sequence[int]) -> bytes:
+    """Token ids as four bytes each (ids past 32 bits, or not ids, as their low 32 bits)."""
+    try:
+        return array("I", tokens).tobytes()
+    except (OverflowError, TypeError):
+        return b"".join((int(t) & 0xFFFFFFFF).to_bytes(4, "little") for t in tokens)
+
+
+@dataclass(frozen=True)
+class Stored:
+    """``BlockStored``: blocks an instance computed and now holds, after ``parent``."""
+
+    hashes: tuple[Any, ...]
+    parent: Any
+    tokens: tuple[int, ...]
+    block_size: int
+    lora: str | None = None
+    #: Where the blocks are kept (vLLM: "GPU", "CPU" with offloading; None: unsaid).
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class Removed:
+    """``BlockRemoved``: blocks an instance evicted from one medium."""
+
+    hashes: tuple[Any, ...]
+    medium: str | None = None
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """``AllBlocksCleared``: the instance's whole cache is gone (a reset)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+class InstanceBlocks:
+    """One instance's blocks: vLLM's hash (and medium) to the proxy's key, oldest stored first.
+
+    A block offloaded to CPU memory is held twice (GPU and CPU) until one
+    copy is removed; the instance holds it while either is left.
+    """
+
+    def __init__(self) -> None:
+        self.keys: OrderedDict[tuple[Any, str | None], bytes] = OrderedDict()
+        #: vLLM's hash to the proxy's key, whatever the medium (to chain from a parent).
+        self.chain: dict[Any, bytes] = {}
+        #: The block size its events carry (None until the first ``BlockStored``).
+        self.block_size: int | None = None
+        #: Blocks whose parent was unknown (stored before the index listened): not indexed.
+        self.orphans = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class KvIndex:
+    """For one pool: which instances hold which blocks, by the proxy's own block keys."""
+
+    def __init__(self, max_blocks: int) -> None:
+        #: The most blocks kept per instance; past it the oldest stored are forgotten.
+        self.max_blocks = max_blocks
+        self._instances: dict[str, InstanceBlocks] = {}
+        #: Each key's holders, with how many of their copies (media) hold it.
+        self._holders: dict[bytes, dict[str, int]] = {}
+
+    def blocks(self, url: str) -> int:
+        """How many blocks the index says ``url`` holds."""
+        held = self._instances.get(url)
+        return len(held) if held is not None else 0
+
+    def block_size(self, url: str) -> int | None:
+        held = self._instances.get(url)
+        return held.block_size if held is not None else None
+
+    def urls(self) -> list[str]:
+        return list(self._instances)
+
+    def apply(self, url: str, events: Iterable[Event]) -> None:
+        """One batch of an instance's events, in order."""
+        held = self._instances.setdefault(url, InstanceBlocks())
+        for event in events:
+            if isinstance(event, Stored):
+                self._stored(url, held, event)
+            elif isinstance(event, Removed):
+                for engine_hash in event.hashes:
+                    self._forget(url, held, (engine_hash, event.medium))
+            else:
+                self.clear(url)
+                held = self._instances.setdefault(url, InstanceBlocks())
+
+    def _stored(self, url: str, held: InstanceBlocks, event: Stored) -> None:
+        parent = None
+        if event.parent is not None:
+            parent = held.chain.get(event.parent)
+            if parent is None:  # chained to a block the index never saw
+                held.orphans += len(event.hashes)
+                return
+        held.block_size = event.block_size
+        keys = block_keys(event.tokens, event.block_size, event.lora, parent)
+        for engine_hash, key in zip(event.hashes, keys, strict=False):
+            copy = (engine_hash, event.medium)
+            held.chain[engine_hash] = key
+            if copy in held.keys:
+                held.keys.move_to_end(copy)
+                continue
+            held.keys[copy] = key
+            holders = self._holders.setdefault(key, {})
+            holders[url] = holders.get(url, 0) + 1
+        while len(held.keys) > self.max_blocks:
+            self._forget(url, held, next(iter(held.keys)))
+
+    def _forget(self, url: str, held: InstanceBlocks, copy: tuple[Any, str | None]) -> None:
+        key = held.keys.pop(copy, None)
+        if key is None:
+            return
+        holders = self._holders.get(key)
+        if holders is not None:
+            left = holders.get(url, 0) - 1
+            if left > 0:
+                holders[url] = left
+            else:
+                holders.pop(url, None)
+                held.chain.pop(copy[0], None)
+                if not holders:
+                    del self._holders[key]
+
+    def clear(self, url: str) -> None:
+        """Forget every block of ``url`` (a restart, a reset, a gap, or it left the pool)."""
+        held = self._instances.pop(url, None)
+        if held is None:
+            return
+        for key in held.keys.values():
+            holders = self._holders.get(key)
+            if holders is not None:
+                holders.pop(url, None)
+                if not holders:
+                    del self._holders[key]
+
+    def matched(
+        self, tokens: Sequence[int], urls: Collection[str], lora: str | None = None
+    ) -> dict[str, int]:
+        """Each of ``urls`` that holds a leading block of ``tokens``: how many tokens in a row."""
+        matched: dict[str, int] = {}
+        by_size: dict[int, list[str]] = {}
+        for url in urls:
+            size = self.block_size(url)
+            if size:
+                by_size.setdefault(size, []).append(url)
+        for size, group in by_size.items():
+            alive = set(group)
+            for blocks, key in enumerate(block_keys(tokens, size, lora), 1):
+                alive &= self._holders.get(key, {}).keys()
+                if not alive:
+                    break
+                for url in alive:
+                    matched[url] = blocks * size
+        return matched

@@ -1,0 +1,89 @@
+"""What this proxy sent where: prompts as chains of hashed pieces, remembered per pool, LRU.
+
+``cache-aware`` asks it which instance was last sent the longest leading
+part of a new prompt. A piece is ``PIECE_BYTES`` bytes of the prompt as
+rendered text (about 64 tokens), hashed together with every piece before
+it, so one hash stands for the whole prefix up to its end: two prompts
+share a hash only when they share everything before it too. This is the
+proxy's own memory of what it sent, not of what vLLM still holds (for
+that, ``kv-aware`` and vLLM's KV events): it never asks vLLM, and an entry
+may outlive the blocks it stands for. Bounded by ``--cache-aware-entries``
+(one entry per piece), the least recently used going first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+#: Bytes of rendered prompt per piece: a piece is the finest prefix the memory knows.
+PIECE_BYTES = 256
+#: The most instances remembered per prefix.
+HOLDERS = 4
+#: The most of a prompt that is hashed (about 16k tokens; past that, a prefix is known to
+#: be long enough, and hashing stays under half a millisecond).
+MAX_PROMPT_BYTES = 64 * 1024
+
+
+def pieces(prompt: bytes) -> tuple[int, ...]:
+    """The hash of each whole piece of ``prompt`` with all before it (a short tail: none)."""
+    running = hashlib.blake2b(digest_size=8)
+    view = memoryview(prompt)
+    hashes = []
+    end = min(len(prompt), MAX_PROMPT_BYTES)
+    for start in range(0, end - PIECE_BYTES + 1, PIECE_BYTES):
+        running.update(view[start : start + PIECE_BYTES])
+        hashes.append(int.from_bytes(running.copy().digest(), "big"))
+    return tuple(hashes)
+
+
+class SentPrefixes:
+    """For one pool: the instances each prefix (a piece's chained hash) was last sent to.
+
+    Up to ``HOLDERS`` instances per prefix, the latest first: when the
+    balance guard moved a hot prefix to a second instance, both hold it.
+    """
+
+    def __init__(self, entries: int) -> None:
+        #: The most entries kept (0: remember nothing).
+        self.entries = entries
+        self._sent: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def longest(self, chain: Sequence[int], urls: Collection[str]) -> dict[str, int]:
+        """Each of ``urls`` sent a prefix of ``chain``, and its longest one in pieces.
+
+        The walk stops at the first piece never sent anywhere: a longer
+        prefix has that one's hash in its chain, so it was not sent either.
+        """
+        depths: dict[str, int] = {}
+        for at, piece in enumerate(chain, 1):
+            holders = self._sent.get(piece)
+            if holders is None:
+                break
+            for url in holders:
+                if url in urls:
+                    depths[url] = at
+        return depths
+
+    def sent(self, chain: Sequence[int], url: str) -> None:
+        """``url`` was sent this prompt: it is now the first holder of each of its prefixes."""
+        if not self.entries:
+            return
+        remembered = self._sent
+        for piece in chain:
+            holders = remembered.get(piece, ())
+            if holders[:1] != (url,):
+                remembered[piece] = (url, *(h for h in holders if h != url))[:HOLDERS]
+            remembered.move_to_end(piece)
+        while len(remembered) > self.entries:
+            remembered.popitem(last=False)
+
+    def resize(self, entries: int) -> None:
+        """A reload's new bound: the oldest entries beyond it go now."""
+        self.entries = entries
+        while len(self._sent) > entries:
+            self._sent.popitem(last=False)
