@@ -32,6 +32,9 @@ setup(
         "opentelemetry-sdk>=1.27",
         "opentelemetry-exporter-otlp-proto-http>=1.27",
         'tomli>=2.0; python_version < "3.11"',
+        # vLLM's KV cache events: a ZeroMQ PUB socket, msgpack batches (kv-aware).
+        "pyzmq>=25",
+        "msgpack>=1.0",
     ],
     extras_require={
         "demo": ["openai>=1.0"],

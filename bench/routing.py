@@ -40,10 +40,29 @@ from bench.run import nixlproxy, served_fakes
 
 SYSTEM = "You are a careful assistant for people who run disaggregated LLM serving. " * 8
 #: A few words to make documents of: each document is its own seeded draw.
-WORDS = (
-    "prefill decode cache block token instance request latency queue model engine transfer "
-    "memory network kernel batch stream schedule router policy prefix"
-).split()
+WORDS = [
+    "prefill",
+    "decode",
+    "cache",
+    "block",
+    "token",
+    "instance",
+    "request",
+    "latency",
+    "queue",
+    "model",
+    "engine",
+    "transfer",
+    "memory",
+    "network",
+    "kernel",
+    "batch",
+    "stream",
+    "schedule",
+    "router",
+    "policy",
+    "prefix",
+]
 
 
 @dataclass(frozen=True)
@@ -190,12 +209,12 @@ async def conversations(
         try:
             stream = await client.chat.completions.create(
                 model="m",
-                messages=histories[n],  # type: ignore[arg-type]
+                messages=histories[n],
                 stream=True,
                 max_tokens=16,
                 user=f"conversation-{n}",
             )
-            async for chunk in stream:  # type: ignore[union-attr]
+            async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:
                     first = first or time.monotonic()
                     text.append(chunk.choices[0].delta.content)

@@ -32,6 +32,9 @@ class Instance:
     #: vLLM's own load from its ``/metrics`` (``running``, ``waiting``,
     #: ``kv_cache_usage``) and this proxy's legs then (``ours``); empty if unread.
     load: dict[str, float] = field(default_factory=dict)
+    #: Where it publishes its KV cache events, as its URL says (``kv-events``,
+    #: ``kv-replay``: a port on its host, or ``tcp://HOST:PORT``); else the pool's.
+    kv: dict[str, str] = field(default_factory=dict)
 
     @property
     def healthy(self) -> bool:
@@ -41,6 +44,14 @@ class Instance:
     def base(self) -> str:
         """Where its legs go: the URL without its rank."""
         return self.url.split("#", 1)[0]
+
+    @property
+    def declared(self) -> str:
+        """Its URL as a pool is given it: with its KV event ports, if it has its own."""
+        if not self.kv:
+            return self.url
+        ports = "&".join(f"{name}={self.kv[name]}" for name in sorted(self.kv))
+        return f"{self.url}{'&' if '#' in self.url else '#'}{ports}"
 
     @property
     def rank(self) -> int | None:

@@ -26,7 +26,7 @@ from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.prefixes import SentPrefixes
 from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
-from nixl_twisted.config.values import backend_url, rank_urls
+from nixl_twisted.config.values import backend_url, instance_url, kv_ports, rank_urls
 
 log = Logger()
 
@@ -87,11 +87,15 @@ class BackendPool:
         self._initial = State.PENDING if checked else State.UP
 
     def _new(self, url: str) -> Instance:
-        return Instance(backend_url(url), self.role, state=self._initial)
+        declared = backend_url(url)
+        return Instance(
+            instance_url(declared), self.role, state=self._initial, kv=kv_ports(declared)
+        )
 
     @property
     def urls(self) -> tuple[str, ...]:
-        return tuple(i.url for i in self.instances)
+        """The instances as declared (with their own KV event ports)."""
+        return tuple(i.declared for i in self.instances)
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -160,7 +164,7 @@ class BackendPool:
             log.info("{role} instance {url} drained and removed", role=self.role, url=instance.url)
 
     def find(self, url: str) -> Instance | None:
-        url = backend_url(url)
+        url = instance_url(backend_url(url))
         return next((i for i in self.instances if i.url == url), None)
 
     def _by_url(self) -> dict[str, Instance]:
@@ -170,7 +174,8 @@ class BackendPool:
     def find_all(self, url: str) -> list[Instance]:
         """The instances a URL names: itself, or each rank of ``URL#dp=N``."""
         by_url = self._by_url()
-        return [by_url[name] for name in rank_urls(url) if name in by_url]
+        names = [instance_url(name) for name in rank_urls(url)]
+        return [by_url[name] for name in names if name in by_url]
 
     def add(self, url: str) -> list[Instance]:
         """Put an instance (each of its ranks) in rotation; a draining one is taken back."""
@@ -181,11 +186,12 @@ class BackendPool:
         by_url = self._by_url()
         added = []
         for name in names:
-            instance = by_url.get(name)
+            instance = by_url.get(instance_url(name))
             if instance is None:
-                instance = by_url[name] = self._new(name)
+                instance = by_url[instance_url(name)] = self._new(name)
                 self.instances.append(instance)
                 log.info("{role} instance {url} added", role=self.role, url=instance.url)
+            instance.kv = kv_ports(name)  # (a reload may move its events)
             instance.draining = False
             added.append(instance)
         return added

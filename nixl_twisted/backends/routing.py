@@ -36,6 +36,12 @@ class Routing:
     #: The whole prompt as chained pieces (``prefixes.pieces``), and its length in bytes.
     chain: tuple[int, ...] = ()
     prompt_bytes: int = 0
+    #: The prompt's token ids as vLLM will see them, for ``kv-aware`` (None: not known),
+    #: and why not, when they were asked for and could not be had.
+    tokens: tuple[int, ...] | None = None
+    untokenized: str | None = None
+    #: Per pool role, the tokens of the prompt its ``kv-aware`` choice holds (set by it).
+    matched: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 #: A request that offers nothing to route on.
@@ -148,6 +154,66 @@ class CacheAware:
         return by_url[max(held)[2]], "prefix"
 
 
+class Holdings(Protocol):
+    """What the KV events say each instance of a pool holds (``backends.kv_events``)."""
+
+    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
+        """Per instance, the leading tokens of ``tokens`` it holds (in whole blocks)."""
+
+    def listening(self, role: str, url: str) -> bool:
+        """Whether the instance's events are read at all."""
+
+    def stale(self, role: str, url: str) -> bool:
+        """Whether its entries may be wrong now (a gap being replayed, or cleared after one)."""
+
+
+@dataclass(frozen=True)
+class KvAware:
+    """The instance that holds the longest prefix of this prompt, by vLLM's own KV events.
+
+    Under the same balance guard as ``cache-aware``: an instance may hold
+    at most ``balance`` times the pool's mean legs in flight (plus one).
+    The longest held prefix under the cap wins ("kv_match"; "balanced" when
+    the longest was over the cap); ties and no match go to the fewest legs
+    in flight ("no_match"). When the index cannot serve (no token ids for
+    the prompt, an instance's events not read or stale), ``fallback``
+    (``cache-aware``) chooses, and the decision says why: a request never
+    fails because of the index.
+    """
+
+    balance: float
+    held: Holdings
+    fallback: CacheAware
+
+    def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
+        role = getattr(pool, "role", "")
+        why = self._cannot(role, candidates, routing)
+        if why is not None:
+            return self.fallback(pool, candidates, routing)[0], f"fallback_{why}"
+        assert routing.tokens is not None
+        urls = [c.url for c in candidates]
+        matched = self.held.matched(role, routing.tokens, urls)
+        total = sum(c.in_flight for c in candidates)
+        cap = math.ceil(self.balance * (total + 1) / len(candidates))
+        under = [c for c in candidates if c.in_flight < cap] or list(candidates)
+        fewest = min(c.in_flight for c in under)
+        best = max(under, key=lambda c: (matched.get(c.url, 0), -c.in_flight))
+        held = matched.get(best.url, 0)
+        routing.matched[role] = held
+        if held == 0:
+            return pool.round_robin([c for c in under if c.in_flight == fewest]), "no_match"
+        return best, "kv_match" if held == max(matched.values()) else "balanced"
+
+    def _cannot(self, role: str, candidates: Sequence[Candidate], routing: Routing) -> str | None:
+        if routing.tokens is None:
+            return routing.untokenized or "no_tokens"
+        if not all(self.held.listening(role, c.url) for c in candidates):
+            return "no_events"
+        if any(self.held.stale(role, c.url) for c in candidates):
+            return "stale"
+        return None
+
+
 def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
     if routing.session is None:
         return pool.round_robin(candidates), "no_session"
@@ -158,29 +224,52 @@ Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
 
 
 def policies(
-    balance: float, sent: SentPrefixes | None = None, min_match: float = 0.5
+    balance: float,
+    sent: SentPrefixes | None = None,
+    min_match: float = 0.5,
+    held: Holdings | None = None,
 ) -> dict[str, Policy]:
     """Every policy by the name ``settings.POLICIES`` gives it.
 
     ``balance``, ``sent`` (the pool's memory of prefixes sent) and ``min_match`` are
-    cache-aware's.
+    cache-aware's; ``held`` (what the KV events say) is kv-aware's.
     """
+    cache_aware = CacheAware(balance, sent if sent is not None else SentPrefixes(0), min_match)
     return {
         "round-robin": round_robin,
         "least-loaded": least_loaded,
         "load": by_load,
-        "cache-aware": CacheAware(
-            balance, sent if sent is not None else SentPrefixes(0), min_match
-        ),
+        "cache-aware": cache_aware,
         "session": session,
+        "kv-aware": KvAware(balance, held if held is not None else NO_HOLDINGS, cache_aware),
     }
 
 
 def policy(
-    name: str, balance: float, sent: SentPrefixes | None = None, min_match: float = 0.5
+    name: str,
+    balance: float,
+    sent: SentPrefixes | None = None,
+    min_match: float = 0.5,
+    held: Holdings | None = None,
 ) -> Policy:
     """The policy of this name."""
-    return policies(balance, sent, min_match)[name]
+    return policies(balance, sent, min_match, held)[name]
+
+
+class _NoHoldings:
+    """No KV events read: ``kv-aware`` falls back to ``cache-aware`` (``fallback_no_events``)."""
+
+    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
+        return {}
+
+    def listening(self, role: str, url: str) -> bool:
+        return False
+
+    def stale(self, role: str, url: str) -> bool:
+        return False
+
+
+NO_HOLDINGS: Holdings = _NoHoldings()
 
 
 #: The most of a chat's leading messages that the key keeps.
@@ -261,16 +350,19 @@ def routing_for(
     ``session`` is the request's ``X-Session-Id``; ``key_bytes`` the
     completion prompt bytes that key a conversation (``--cache-key-bytes``).
     """
-    if "cache-aware" not in policies and "session" not in policies:
+    if not {"cache-aware", "kv-aware", "session"} & set(policies):
         return NO_ROUTING
-    if "cache-aware" not in policies:
+    if "cache-aware" not in policies and "kv-aware" not in policies:
         return Routing(session=session_key(session, body))
     rendered = prompt_text(body)
+    prompt = body.get("prompt")
+    ids = isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
     return Routing(
         prompt=prompt_key(body, key_bytes),
         session=session_key(session, body) if "session" in policies else None,
         chain=pieces(rendered) if rendered else (),
         prompt_bytes=len(rendered),
+        tokens=tuple(prompt) if ids and isinstance(prompt, list) else None,
     )
 
 

@@ -22,9 +22,17 @@ from twisted.web.http_headers import Headers
 from nixl_twisted.backends import routing
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.kv_events import KvEvents, PoolEvents
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.upstream import Upstream, read_body
-from nixl_twisted.config import Disaggregation, Health, Policies, Pools, ProxyConfig
+from nixl_twisted.config import (
+    Disaggregation,
+    Health,
+    KvEventsConfig,
+    Policies,
+    Pools,
+    ProxyConfig,
+)
 from nixl_twisted.events import Happened
 from nixl_twisted.protocol.headers import for_rank
 
@@ -45,6 +53,7 @@ class BackendService(Service):
         health: Health,
         health_client: Upstream | None = None,
         runs_checks: bool = True,
+        reactor: Any = None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -59,6 +68,10 @@ class BackendService(Service):
         self._checks: LoopingCall | None = None
         self._probes: set[Deferred[None]] = set()
         self._first_round = Happened()
+        #: vLLM's KV events per instance, for kv-aware (a child service of the root's).
+        self.kv_events = KvEvents(
+            reactor if reactor is not None else clock, clock, self.pools, 1_000_000
+        )
 
     def pools(self) -> tuple[BackendPool, BackendPool]:
         return (self.prefill, self.decode)
@@ -91,13 +104,21 @@ class BackendService(Service):
         busy_rule = rules is not None and rules.busy_prompt > 0
         for pool in self.pools():
             name = policies.of(pool.role)
-            pool.sent.resize(policies.entries if name == "cache-aware" else 0)
-            pool.policy = routing.policy(name, policies.balance, pool.sent, policies.min_match)
+            remembers = name in ("cache-aware", "kv-aware")  # (kv-aware falls back to it)
+            pool.sent.resize(policies.entries if remembers else 0)
+            pool.policy = routing.policy(
+                name, policies.balance, pool.sent, policies.min_match, self.kv_events
+            )
             pool.policy_name = name
             pool.reads_load = name == "load" or (busy_rule and pool is self.prefill)
             if not pool.reads_load:
                 for instance in pool.instances:
                     instance.load = {}  # no longer read: not shown as if it were current
+
+    def use_kv_events(self, config: KvEventsConfig) -> None:
+        """Where each pool's instances publish their KV events, and the index bound."""
+        defaults = {pool.role: PoolEvents(*config.ports(pool.role)) for pool in self.pools()}
+        self.kv_events.configure(defaults, config.max_blocks)
 
     def use_pools(self, pools: Pools) -> None:
         """Make each pool these URLs: the new join, those no longer listed drain."""
@@ -111,6 +132,7 @@ class BackendService(Service):
         new health interval takes effect at once, its first round now.
         """
         self.use_pools(config.pools)
+        self.use_kv_events(config.kv_events)
         self.use_policies(config.policies, config.disaggregation)
         health = config.health
         thresholds = Thresholds.of(health)

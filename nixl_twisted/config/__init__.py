@@ -7,6 +7,7 @@ the frozen ``ProxyConfig`` and its parts, re-exported here.
 from nixl_twisted.config.proxy import (
     Disaggregation,
     Health,
+    KvEventsConfig,
     Limits,
     Policies,
     Pools,
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigError",
     "Disaggregation",
     "Health",
+    "KvEventsConfig",
     "Limits",
     "Policies",
     "Pools",

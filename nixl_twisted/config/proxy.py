@@ -73,6 +73,27 @@ class Disaggregation:
 
 
 @dataclass(frozen=True)
+class KvEventsConfig:
+    """Where instances publish vLLM's KV cache events, for ``kv-aware`` (0: a port unset)."""
+
+    #: Each pool's ports for instances whose URL names none (``#kv-events=``).
+    prefill_port: int
+    prefill_replay_port: int
+    decode_port: int
+    decode_replay_port: int
+    #: Blocks indexed per instance, the oldest stored forgotten first.
+    max_blocks: int
+    #: Seconds a render request (a prompt's token ids from vLLM) may take.
+    render_timeout: float
+
+    def ports(self, role: str) -> tuple[int, int]:
+        """A pool's default events and replay ports."""
+        if role == "prefill":
+            return self.prefill_port, self.prefill_replay_port
+        return self.decode_port, self.decode_replay_port
+
+
+@dataclass(frozen=True)
 class Timeouts:
     """Seconds, for each thing the proxy waits on."""
 
@@ -146,6 +167,7 @@ class ProxyConfig:
     pools: Pools
     policies: Policies
     disaggregation: Disaggregation
+    kv_events: KvEventsConfig
     timeouts: Timeouts
     retries: Retries
     health: Health
@@ -249,6 +271,7 @@ _PARTS: dict[str, type] = {
     "pools": Pools,
     "policies": Policies,
     "disaggregation": Disaggregation,
+    "kv_events": KvEventsConfig,
     "timeouts": Timeouts,
     "retries": Retries,
     "health": Health,

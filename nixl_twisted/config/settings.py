@@ -21,6 +21,7 @@ from nixl_twisted.config.values import (
     count,
     endpoint,
     fraction,
+    port_or_off,
     ratio,
     seconds,
     seconds_or_off,
@@ -38,7 +39,7 @@ TRACES_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 
 #: The routing policies by name (``nixl_twisted.backends.routing.policies`` makes
 #: each; a test checks that the two agree), so the table imports nothing of the proxy.
-POLICIES = ("round-robin", "least-loaded", "load", "cache-aware", "session")
+POLICIES = ("round-robin", "least-loaded", "load", "cache-aware", "session", "kv-aware")
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ SETTINGS: tuple[Setting, ...] = (
         choice(*POLICIES),
         help=(
             "How the prefill instance of each request is chosen: round-robin, "
-            "least-loaded, load, cache-aware or session (docs/routing.md)."
+            "least-loaded, load, cache-aware, session or kv-aware (docs/routing.md)."
         ),
     ),
     Setting(
@@ -269,6 +270,68 @@ SETTINGS: tuple[Setting, ...] = (
         help=(
             "cache-aware: the leading bytes of a completion's prompt that name its "
             "conversation (about one vLLM block on CPU)."
+        ),
+    ),
+    Setting(
+        "prefill-kv-events-port",
+        "kv_events.prefill_port",
+        0,
+        port_or_off,
+        help=(
+            "kv-aware: the port where each prefill instance publishes vLLM's KV cache "
+            "events, for instances whose URL names none (#kv-events=PORT); plus the rank "
+            "for data-parallel ranks. 0: none."
+        ),
+    ),
+    Setting(
+        "prefill-kv-replay-port",
+        "kv_events.prefill_replay_port",
+        0,
+        port_or_off,
+        help=(
+            "kv-aware: the port where each prefill instance answers KV event replays "
+            "(vLLM's replay_endpoint), for instances whose URL names none. 0: none."
+        ),
+    ),
+    Setting(
+        "decode-kv-events-port",
+        "kv_events.decode_port",
+        0,
+        port_or_off,
+        help=(
+            "kv-aware: the port where each decode instance publishes vLLM's KV cache "
+            "events, for instances whose URL names none (#kv-events=PORT); plus the rank "
+            "for data-parallel ranks. 0: none."
+        ),
+    ),
+    Setting(
+        "decode-kv-replay-port",
+        "kv_events.decode_replay_port",
+        0,
+        port_or_off,
+        help=(
+            "kv-aware: the port where each decode instance answers KV event replays "
+            "(vLLM's replay_endpoint), for instances whose URL names none. 0: none."
+        ),
+    ),
+    Setting(
+        "kv-index-blocks",
+        "kv_events.max_blocks",
+        1_000_000,
+        count(1),
+        help=(
+            "kv-aware: KV blocks indexed per instance (about 200 bytes each); past it "
+            "the oldest stored are forgotten."
+        ),
+    ),
+    Setting(
+        "render-timeout",
+        "kv_events.render_timeout",
+        1.0,
+        seconds,
+        help=(
+            "kv-aware: seconds a prompt's render request (its token ids, from vLLM) may "
+            "take before the request is routed without them."
         ),
     ),
     Setting(

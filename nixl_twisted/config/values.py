@@ -62,6 +62,14 @@ def count(least: int) -> Callable[[object], int]:
     return parse
 
 
+def port_or_off(value: object) -> int:
+    """A TCP port, or 0 for none."""
+    number = _number(value, int, "a port number")
+    if not 0 <= number <= 65535:
+        raise InvalidValue(f"must be a port from 1 to 65535, or 0 (none), not {value!r}")
+    return int(number)
+
+
 def choice(*choices: str) -> Callable[[object], str]:
     def parse(value: object) -> str:
         if value not in choices:
@@ -118,38 +126,74 @@ def endpoint(value: object) -> str:
 #: ``URL#dp=N``: an instance serving N data-parallel ranks; ``URL#rank=I``: one of them
 #: (ASCII digits only; leading zeros dropped, and more than 9 digits is past any bound).
 _RANKS = re.compile(r"(dp|rank)=0*([0-9]{1,9})")
+#: ``kv-events=PORT`` or ``kv-events=tcp://HOST:PORT`` (and ``kv-replay=``): where the
+#: instance publishes its KV cache events, and answers replays.
+_KV = re.compile(r"(kv-events|kv-replay)=(0*[0-9]{1,5}|tcp://[^&#\s]+:[0-9]{1,5})")
 #: The most ranks one ``#dp=N`` declares. Each rank is an instance: health-checked,
 #: scraped, a label in every metric. A vLLM engine per GPU makes 1024 far more than
 #: any deployment has behind one port, while a typo (``#dp=100000``) cannot make a
 #: pool of a hundred thousand instances.
 MAX_RANKS = 1024
+_FRAGMENTS = (
+    "the fragment is #dp=N (N ranks) or #rank=I, and kv-events=PORT and kv-replay=PORT "
+    "(or tcp://HOST:PORT), joined by &"
+)
 
 
 def backend_url(value: object) -> str:
-    """A backend base URL, without a trailing slash, maybe with its data-parallel ranks.
+    """A backend base URL, without a trailing slash, maybe with its ranks and KV event ports.
 
     A path prefix is allowed (an instance behind a path-routing ingress);
     query strings and credentials are not, since every leg appends its own
-    path. The one fragment allowed says the instance's data-parallel ranks:
+    path. The fragment (never sent on the wire, so it cannot be mistaken
+    for part of the path) says the instance's data-parallel ranks,
     ``#dp=N`` (it serves N engines behind one port) or ``#rank=I`` (one of
-    them). A fragment is never sent on the wire, so it cannot be mistaken
-    for part of the path.
+    them), and where it publishes its KV cache events (``kv-events=5557``,
+    its replay endpoint ``kv-replay=5558``), joined by ``&``.
     """
     url = text(value)
     parts = _http_url(url)
     if parts.query:
         raise InvalidValue(f"{url!r} must not have a query")
-    ranks = _RANKS.fullmatch(parts.fragment) if parts.fragment else None
-    if parts.fragment and ranks is None:
-        raise InvalidValue(f"{url!r}: the only fragment allowed is #dp=N (N ranks) or #rank=I")
+    if parts.username is not None or parts.password is not None:
+        raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
+    ranks: re.Match[str] | None = None
+    kv: dict[str, str] = {}
+    for part in parts.fragment.split("&") if parts.fragment else ():
+        if (found := _RANKS.fullmatch(part)) is not None and ranks is None:
+            ranks = found
+        elif (found := _KV.fullmatch(part)) is not None and found[1] not in kv:
+            kv[found[1]] = _kv_where(url, found[2])
+        else:
+            raise InvalidValue(f"{url!r}: {_FRAGMENTS}")
     if ranks is not None and ranks[1] == "dp" and not 1 <= int(ranks[2]) <= MAX_RANKS:
         raise InvalidValue(f"{url!r}: #dp=N must be at least 1 and at most {MAX_RANKS} ranks")
     if ranks is not None and ranks[1] == "rank" and int(ranks[2]) >= MAX_RANKS:
         raise InvalidValue(f"{url!r}: #rank=I must be below {MAX_RANKS}")
-    if parts.username is not None or parts.password is not None:
-        raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
     base = url.split("#", 1)[0].rstrip("/")
-    return f"{base}#{ranks[1]}={int(ranks[2])}" if ranks else base
+    fragment = [f"{ranks[1]}={int(ranks[2])}"] if ranks else []
+    fragment += [f"{name}={kv[name]}" for name in ("kv-events", "kv-replay") if name in kv]
+    return f"{base}#{'&'.join(fragment)}" if fragment else base
+
+
+def _kv_where(url: str, where: str) -> str:
+    port = int(where.rsplit(":", 1)[-1]) if where.startswith("tcp://") else int(where)
+    if not 1 <= port <= 65535:
+        raise InvalidValue(f"{url!r}: a KV events port is from 1 to 65535, not {port}")
+    return where.rsplit(":", 1)[0] + f":{port}" if where.startswith("tcp://") else str(port)
+
+
+def instance_url(url: str) -> str:
+    """What names an instance: its URL and rank, without where its KV events are."""
+    base, _, fragment = url.partition("#")
+    ranks = [part for part in fragment.split("&") if part.startswith(("dp=", "rank="))]
+    return f"{base}#{ranks[0]}" if ranks else base
+
+
+def kv_ports(url: str) -> dict[str, str]:
+    """Where a declared URL says its KV events are: ``{"kv-events": ..., "kv-replay": ...}``."""
+    _, _, fragment = url.partition("#")
+    return dict(part.split("=", 1) for part in fragment.split("&") if part.startswith("kv-"))
 
 
 def _http_url(url: str) -> SplitResult:
@@ -171,8 +215,14 @@ def _http_url(url: str) -> SplitResult:
 
 
 def rank_urls(url: str) -> list[str]:
-    """The instances a declared URL stands for: ``#dp=N`` is N ranks, ``#rank=I`` each."""
-    base, _, fragment = backend_url(url).partition("#")
+    """The instances a declared URL stands for: ``#dp=N`` is N ranks, ``#rank=I`` each.
+
+    Each keeps the URL's KV event ports (the rank's own port is that plus its rank).
+    """
+    declared = backend_url(url)
+    base, _, fragment = declared.partition("#")
     if fragment.startswith("dp="):
-        return [f"{base}#rank={rank}" for rank in range(int(fragment[3:]))]
-    return [backend_url(url)]
+        ranks, _, rest = fragment.partition("&")
+        tail = f"&{rest}" if rest else ""
+        return [f"{base}#rank={rank}{tail}" for rank in range(int(ranks[3:]))]
+    return [declared]

@@ -28,6 +28,7 @@ from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.exchange.decide import Holdings
+from nixl_twisted.exchange.tokens import Renderer
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
@@ -155,6 +156,9 @@ def by_policy(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_RO
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
         metrics.child(metrics.routing_decisions, pool.role, pool.policy_name, decision).inc()
+        matched = routing.matched.get(pool.role)
+        if matched is not None:
+            metrics.child(metrics.kv_matched_tokens, pool.role).observe(matched)
         return instance, decision
 
     return choose
@@ -279,6 +283,8 @@ class Legs:
         self.metrics = metrics
         #: What each instance caches of a prompt, where its KV events say (none yet).
         self.holdings: Holdings | None = None
+        #: Prompts' token ids from vLLM's render endpoints, for kv-aware.
+        self.renderer = Renderer(backends.upstream, clock)
 
     async def decode_attempt(
         self,

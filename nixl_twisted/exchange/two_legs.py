@@ -10,6 +10,7 @@ off as complete.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -110,6 +111,7 @@ class Exchange:
         self._current: Deferred[Any] | None = None
         #: When a prefill leg is skipped (``nixl_twisted.exchange.decide``), as in effect now.
         self.rules = config.disaggregation
+        self.render_timeout = config.kv_events.render_timeout
         self.decision = ALWAYS
         self._decode_sent = 0.0
         self._params_at = 0.0
@@ -187,6 +189,16 @@ class Exchange:
             await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
 
     async def _legs(self) -> None:
+        kv_aware = [p for p in self.backends.pools() if p.policy_name == "kv-aware"]
+        if kv_aware and self.routing.tokens is None:
+            ids, why = await self._track(
+                ensureDeferred(
+                    self.legs.renderer.tokens(
+                        kv_aware[0], self.path, self.body, self.headers, self.render_timeout
+                    )
+                )
+            )
+            self.routing = replace(self.routing, tokens=ids, untokenized=why)
         # Decode first: the rules may ask what its instance holds, and a
         # request with no decode instance to go to is refused before prefill runs.
         reserved = reserve(self.backends.decode, self.metrics, self.routing)
@@ -208,6 +220,7 @@ class Exchange:
             reserved=reserved,
         )
         self.record.decode_route = decode.decision
+        self.record.decode_matched_tokens = self.routing.matched.get("decode")
         try:
             if self.client_gone:
                 self._leg.fail(f"{self.client_gone}: decode's answer abandoned", self.phase.value)
@@ -276,6 +289,7 @@ class Exchange:
             record=self.record,
         )
         self.record.prefill_route = prefill.decision
+        self.record.prefill_matched_tokens = self.routing.matched.get("prefill")
         self._params_at = self.clock.seconds()
         prefill.release()
         return params

@@ -45,6 +45,9 @@ class AccessRecord:
     decode_status: int | None = None
     decode_first_byte_seconds: float | None = None
     decode_route: str | None = None
+    #: Prompt tokens kv-aware's choice held, by its index (per leg; None: not kv-aware).
+    prefill_matched_tokens: int | None = None
+    decode_matched_tokens: int | None = None
     #: Whether it took a prefill leg ("pd", "decode_only"), and the rule that decided.
     mode: str | None = None
     decided_by: str | None = None
@@ -165,6 +168,8 @@ class AccessLog:
             "decode_status": record.decode_status,
             "decode_ttfb_ms": _ms(record.decode_first_byte_seconds),
             "decode_route": record.decode_route,
+            "prefill_matched_tokens": record.prefill_matched_tokens,
+            "decode_matched_tokens": record.decode_matched_tokens,
             "mode": record.mode,
             "decided_by": record.decided_by,
             "model": record.model,

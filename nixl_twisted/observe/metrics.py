@@ -8,7 +8,7 @@ prompt is never a label.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -31,6 +31,15 @@ from nixl_twisted.protocol import routes
 if TYPE_CHECKING:
     from nixl_twisted.backends.pools import BackendPool
 
+
+class KvStatus(Protocol):
+    """What the KV events say of an instance (``backends.kv_events.KvEvents``)."""
+
+    def status(self, role: str, url: str) -> dict[str, Any] | None: ...
+
+
+#: Prompt tokens an instance held, by kv-aware's index: from nothing to a long document.
+TOKEN_BUCKETS = (0, 16, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 #: Seconds, from a fast loopback leg to a long prefill or generation.
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -46,8 +55,9 @@ class _InstanceHealth(Collector):
     supervisor's verdict (the same in every worker), legs in flight its own.
     """
 
-    def __init__(self, pools: Iterable[BackendPool]) -> None:
+    def __init__(self, pools: Iterable[BackendPool], events: KvStatus | None = None) -> None:
         self._pools = list(pools)
+        self._events = events
 
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
@@ -66,9 +76,24 @@ class _InstanceHealth(Collector):
             "kv_cache_usage.",
             labels=["pool", "instance", "kind"],
         )
+        blocks = GaugeMetricFamily(
+            "nixlproxy_kv_index_blocks",
+            "KV blocks the index says each instance holds, from its KV events (kv-aware).",
+            labels=["pool", "instance"],
+        )
+        stale = GaugeMetricFamily(
+            "nixlproxy_kv_index_stale",
+            "Whether an instance's index may be wrong now (1): a gap being replayed, or "
+            "cleared after one it could not fill.",
+            labels=["pool", "instance"],
+        )
         for pool in self._pools:
             for instance in pool.instances:
                 labels = [pool.role, instance.url]
+                events = self._events.status(pool.role, instance.url) if self._events else None
+                if events is not None:
+                    blocks.add_metric(labels, float(events["blocks"]))
+                    stale.add_metric(labels, 1.0 if events["state"] == "stale" else 0.0)
                 healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
                 in_flight.add_metric(labels, float(instance.in_flight))
                 for kind, value in instance.load.items():
@@ -77,6 +102,8 @@ class _InstanceHealth(Collector):
         yield healthy
         yield in_flight
         yield load
+        yield blocks
+        yield stale
 
 
 class MetricsResource(Resource):
@@ -99,9 +126,15 @@ class MetricsResource(Resource):
 class ProxyMetrics:
     """Every metric the proxy exports, and the events that move them."""
 
-    def __init__(self, pools: Iterable[BackendPool] = (), shared_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        pools: Iterable[BackendPool] = (),
+        shared_dir: str | None = None,
+        events: KvStatus | None = None,
+    ) -> None:
         """``shared_dir``: a worker's; its /metrics then sums every worker's files there."""
         self._pools = list(pools)
+        self._events = events
         self._shared_dir = shared_dir
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # No ``*_created`` series: one per counter and histogram child, they
@@ -207,7 +240,21 @@ class ProxyMetrics:
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )
-        r.register(_InstanceHealth(self._pools))
+        self.kv_events = Counter(
+            "nixlproxy_kv_events",
+            "KV event batches from each instance (batch), and what went wrong on the way: "
+            "gap, replay (asked), restart (the sequence went back), bad (unreadable).",
+            ["pool", "instance", "kind"],
+            registry=r,
+        )
+        self.kv_matched_tokens = Histogram(
+            "nixlproxy_kv_matched_tokens",
+            "Prompt tokens the instance kv-aware chose already held, by its index.",
+            ["pool"],
+            registry=r,
+            buckets=TOKEN_BUCKETS,
+        )
+        r.register(_InstanceHealth(self._pools, events))
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the hot path asks for the same few.
@@ -230,5 +277,5 @@ class ProxyMetrics:
         scrape = CollectorRegistry()
         MultiProcessCollector(scrape, path=self._shared_dir)
         # Health is the supervisor's verdict, the same in every worker: this one's will do.
-        scrape.register(_InstanceHealth(self._pools))
+        scrape.register(_InstanceHealth(self._pools, self._events))
         return generate_latest(scrape)

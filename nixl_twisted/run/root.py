@@ -221,7 +221,9 @@ def backend_service(
         health,
         probes,
         runs_checks=run_checks,
+        reactor=reactor,
     )
+    backends.use_kv_events(config.kv_events)
     backends.use_policies(config.policies, config.disaggregation)
     return backends
 
@@ -247,7 +249,12 @@ def build(
     shared = config.worker is not None
     # A worker's pools take their health from the supervisor, which checks.
     backends = backend_service(config, reactor, clock, agent, run_checks=not shared)
-    metrics = ProxyMetrics(backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None)
+    metrics = ProxyMetrics(
+        backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None, backends.kv_events
+    )
+    backends.kv_events.counted = lambda role, url, kind: metrics.child(
+        metrics.kv_events, role, url, kind
+    ).inc()
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
@@ -264,6 +271,7 @@ def build(
         refusals=refusals,
     )
     root = ProxyService(config, app, site, backends, reactor, clock)
+    backends.kv_events.setServiceParent(root)
     if traces.enabled:
         traces.setServiceParent(root)
     for description in config.listen:

@@ -23,7 +23,7 @@ def test_a_prompt_matches_the_blocks_an_instance_stored_in_a_row() -> None:
     index.apply(B, [stored(PROMPT[:16], [9])])
     assert index.matched(PROMPT, {A, B}) == {A: 32, B: 16}
     assert index.matched(PROMPT, {B}) == {B: 16}
-    assert index.matched([1] + PROMPT[1:], {A, B}) == {}  # a different first token: nothing
+    assert index.matched([1, *PROMPT[1:]], {A, B}) == {}  # a different first token: nothing
     assert index.blocks(A) == 2 and index.block_size(A) == 16
 
 
@@ -80,9 +80,9 @@ def test_instances_with_other_block_sizes_are_matched_by_their_own() -> None:
 def test_keys_depend_on_every_token_before_them(tokens: list[int]) -> None:
     keys = block_keys(tokens, 16)
     assert len(keys) == len(tokens) // 16
-    assert block_keys(tokens + [1, 2, 3], 16)[: len(keys)] == keys
+    assert block_keys([*tokens, 1, 2, 3], 16)[: len(keys)] == keys
     if keys:
-        changed = [tokens[0] + 1] + tokens[1:]
+        changed = [tokens[0] + 1, *tokens[1:]]
         assert not set(block_keys(changed, 16)) & set(keys)
         assert block_keys(tokens[16:], 16, parent=keys[0]) == keys[1:]
 

@@ -215,7 +215,7 @@ def test_a_prefix_shorter_than_the_min_match_share_is_not_followed() -> None:
     pool = remembering(4, min_match=0.5)
     home, _ = pool.choose(routing=asking(DOCUMENT, "first"))
     # The same document under a longer question of its own: under half is shared.
-    chosen, decision = pool.choose(routing=asking(DOCUMENT, "another " * 500))
+    _, decision = pool.choose(routing=asking(DOCUMENT, "another " * 500))
     assert decision in ("affinity", "balanced")
     followed = remembering(4, min_match=0.1)
     home, _ = followed.choose(routing=asking(DOCUMENT, "first"))

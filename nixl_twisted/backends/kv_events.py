@@ -1,0 +1,255 @@
+"""vLLM's KV cache events, subscribed to per instance and kept in each pool's ``KvIndex``.
+
+``KvEvents`` is a service: once a second (and at once after a pool
+changes) it makes the subscriptions match the pools: an instance with an
+events endpoint (its URL's ``kv-events=``, else its pool's
+``--{pool}-kv-events-port``) gets an ``EventStream``, a SUB socket on that
+endpoint and, with a replay port, a DEALER on the replay endpoint; an
+instance that left its pool, or whose endpoint moved, loses its stream and
+its entries. A data-parallel rank's ports are the declared ones plus its
+rank, as vLLM offsets them. Each worker under ``--workers`` subscribes for
+itself: every subscriber of a PUB socket gets every batch, so the workers'
+indexes agree, at the memory and decoding cost of one index per worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+from twisted.application.service import Service
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.kv_index import KvIndex
+from nixl_twisted.backends.kv_wire import END_SEQ, BadBatch, Sequencer, sequence
+from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
+
+log = Logger()
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where one instance publishes its events, and answers replays (None: no replay)."""
+
+    events: str
+    replay: str | None = None
+
+
+def _where(spec: str, host: str, rank: int | None) -> str:
+    """A port on the instance's host, or ``tcp://HOST:PORT``; plus the rank (vLLM's offset)."""
+    if spec.startswith("tcp://"):
+        host_part, _, port = spec.rpartition(":")
+        return f"{host_part}:{int(port) + (rank or 0)}"
+    return f"tcp://{host}:{int(spec) + (rank or 0)}"
+
+
+def endpoints(instance: Instance, events_port: int, replay_port: int) -> Endpoints | None:
+    """Where ``instance`` publishes: its own ports, else its pool's (0: none)."""
+    events = instance.kv.get("kv-events") or (str(events_port) if events_port else None)
+    if events is None:
+        return None
+    replay = instance.kv.get("kv-replay") or (str(replay_port) if replay_port else None)
+    host = urlsplit(instance.base).hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return Endpoints(
+        _where(events, host, instance.rank),
+        _where(replay, host, instance.rank) if replay else None,
+    )
+
+
+class EventStream:
+    """One instance's events: read, kept in sequence, applied to its pool's index."""
+
+    def __init__(
+        self,
+        reactor: Any,
+        clock: IReactorTime,
+        url: str,
+        where: Endpoints,
+        index: KvIndex,
+        counted: Callable[[str], object],
+    ) -> None:
+        self.where = where
+        self.counted = counted
+        self.subscriber = ZmqSocket(reactor, zmq.SUB, self._live)
+        self.replayer = ZmqSocket(reactor, zmq.DEALER, self._replayed) if where.replay else None
+        self.sequencer = Sequencer(
+            index, url, clock, self._ask if self.replayer is not None else None, counted
+        )
+        self.subscriber.connect(where.events)
+        self.subscriber.subscribe(b"")
+        if self.replayer is not None and where.replay is not None:
+            self.replayer.connect(where.replay)
+
+    def _live(self, frames: Frames) -> None:
+        try:
+            if len(frames) != 3:
+                raise BadBatch(f"a batch is 3 frames, not {len(frames)}")
+            self.counted("batch")
+            self.sequencer.live(sequence(frames[1]), frames[2])
+        except BadBatch as error:
+            self.counted("bad")
+            log.debug("unreadable KV events from {where}: {error}", where=self.where, error=error)
+
+    def _ask(self, first: int) -> None:
+        if self.replayer is not None:
+            self.replayer.send([b"", first.to_bytes(8, "big", signed=True)])
+
+    def _replayed(self, frames: Frames) -> None:
+        # [b"", topic, seq, payload] since vLLM 0.26, [b"", seq, payload] before.
+        parts = frames[1:] if frames and frames[0] == b"" else frames
+        if len(parts) == 3:
+            parts = parts[1:]
+        if len(parts) != 2:
+            self.counted("bad")
+            return
+        raw_seq, payload = parts
+        if raw_seq == END_SEQ:
+            self.sequencer.replay_ended()
+            return
+        try:
+            self.sequencer.replayed(sequence(raw_seq), payload)
+        except BadBatch:
+            self.counted("bad")
+
+    def state(self) -> str:
+        if self.sequencer.stale():
+            return "stale"
+        return "listening" if self.sequencer.last is None else "live"
+
+    def close(self) -> None:
+        self.subscriber.close()
+        if self.replayer is not None:
+            self.replayer.close()
+
+
+@dataclass(frozen=True)
+class PoolEvents:
+    """A pool's default event ports, for instances whose URL names none (0: none)."""
+
+    events_port: int = 0
+    replay_port: int = 0
+
+
+class KvEvents(Service):
+    """Every instance's event stream, matched to the pools; one ``KvIndex`` per pool."""
+
+    name = "kv-events"
+
+    def __init__(
+        self,
+        reactor: Any,
+        clock: IReactorTime,
+        pools: Callable[[], tuple[BackendPool, ...]],
+        max_blocks: int,
+        counted: Callable[[str, str, str], object] = lambda role, url, what: None,
+    ) -> None:
+        self.reactor = reactor
+        self.clock = clock
+        self._pools = pools
+        self.counted = counted
+        self.indexes: dict[str, KvIndex] = {}
+        self.defaults: dict[str, PoolEvents] = {}
+        self.streams: dict[tuple[str, str], EventStream] = {}
+        self.max_blocks = max_blocks
+        self._loop: LoopingCall | None = None
+
+    def configure(self, defaults: dict[str, PoolEvents], max_blocks: int) -> None:
+        """Each pool's default ports and the index bound, as the config says now."""
+        self.defaults = defaults
+        self.max_blocks = max_blocks
+        for index in self.indexes.values():
+            index.max_blocks = max_blocks
+        if self.running:
+            self.reconcile()
+
+    def index(self, role: str) -> KvIndex:
+        if role not in self.indexes:
+            self.indexes[role] = KvIndex(self.max_blocks)
+        return self.indexes[role]
+
+    def stream(self, role: str, url: str) -> EventStream | None:
+        return self.streams.get((role, url))
+
+    def reconcile(self) -> None:
+        """Subscribe to the instances that publish, and drop those that left or moved."""
+        wanted: dict[tuple[str, str], tuple[Endpoints, Instance]] = {}
+        for pool in self._pools():
+            default = self.defaults.get(pool.role, PoolEvents())
+            for instance in pool.instances:
+                where = endpoints(instance, default.events_port, default.replay_port)
+                if where is not None:
+                    wanted[(pool.role, instance.url)] = (where, instance)
+        for key, stream in list(self.streams.items()):
+            if key not in wanted or wanted[key][0] != stream.where:
+                stream.close()
+                del self.streams[key]
+                self.index(key[0]).clear(key[1])
+        for (role, url), (where, _) in wanted.items():
+            if (role, url) not in self.streams:
+                self.streams[(role, url)] = EventStream(
+                    self.reactor, self.clock, url, where, self.index(role), self._counter(role, url)
+                )
+                log.info(
+                    "{role} instance {url}: KV events from {where}",
+                    role=role,
+                    url=url,
+                    where=where.events,
+                )
+
+    def _counter(self, role: str, url: str) -> Callable[[str], object]:
+        return lambda what: self.counted(role, url, what)
+
+    # -- what kv-aware asks (``routing.Holdings``) ---------------------------
+
+    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
+        return self.index(role).matched(tokens, urls)
+
+    def listening(self, role: str, url: str) -> bool:
+        return (role, url) in self.streams
+
+    def stale(self, role: str, url: str) -> bool:
+        stream = self.streams.get((role, url))
+        return stream is not None and stream.sequencer.stale()
+
+    def restarted(self, role: str, url: str) -> None:
+        """The health loop saw the instance come back up: what it held is gone."""
+        stream = self.streams.get((role, url))
+        if stream is not None:
+            stream.sequencer.restarted()
+
+    def status(self, role: str, url: str) -> dict[str, Any] | None:
+        """What /healthcheck and the admin listing say of an instance's events."""
+        stream = self.streams.get((role, url))
+        if stream is None:
+            return None
+        return {
+            "endpoint": stream.where.events,
+            "replay": stream.where.replay,
+            "state": stream.state(),
+            "sequence": stream.sequencer.last,
+            "blocks": self.index(role).blocks(url),
+        }
+
+    def startService(self) -> None:
+        super().startService()
+        self.reconcile()
+        self._loop = LoopingCall(self.reconcile)
+        self._loop.clock = self.clock
+        self._loop.start(1.0, now=False)
+
+    def stopService(self) -> Any:
+        super().stopService()
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        for stream in self.streams.values():
+            stream.close()
+        self.streams.clear()
+        return None
