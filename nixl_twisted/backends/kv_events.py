@@ -219,6 +219,13 @@ class KvEvents(Service):
         stream = self.streams.get((role, url))
         return stream is not None and stream.sequencer.stale()
 
+    def cached_tokens(self, instance: Instance, tokens: Sequence[int]) -> int | None:
+        """The leading tokens of a prompt ``instance`` holds (None: not known), for decide."""
+        role, url = instance.role, instance.url
+        if not self.listening(role, url) or self.stale(role, url):
+            return None
+        return self.matched(role, tokens, [url]).get(url, 0)
+
     def restarted(self, role: str, url: str) -> None:
         """The health loop saw the instance come back up: what it held is gone."""
         stream = self.streams.get((role, url))

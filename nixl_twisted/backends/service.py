@@ -147,6 +147,12 @@ class BackendService(Service):
             if self.running:
                 self._start_checks()
 
+    def status(self, instance: Instance) -> dict[str, Any]:
+        """What /healthcheck and the admin listing say of an instance, its KV events included."""
+        said = instance.status()
+        said["kv_events"] = self.kv_events.status(instance.role, instance.url)
+        return said
+
     def ready(self) -> bool:
         """Both pools have an instance that is up now."""
         return all(pool.ready() for pool in self.pools())

@@ -12,7 +12,7 @@ Each value passes the parser of its ``settings.Setting``; an error is a
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -85,6 +85,10 @@ class KvEventsConfig:
     max_blocks: int
     #: Seconds a render request (a prompt's token ids from vLLM) may take.
     render_timeout: float
+
+    def read_for(self, role: str, urls: Sequence[str]) -> bool:
+        """Whether any instance of that pool has its KV events read."""
+        return bool(self.ports(role)[0]) or any("kv-events=" in url for url in urls)
 
     def ports(self, role: str) -> tuple[int, int]:
         """A pool's default events and replay ports."""

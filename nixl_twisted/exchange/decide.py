@@ -12,6 +12,7 @@ when not to use them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,8 +60,8 @@ _BUSY = Decision(Mode.DECODE_ONLY, Reason.PREFILL_BUSY)
 class Holdings(Protocol):
     """How many of a prompt's tokens an instance holds in its prefix cache (from its KV events)."""
 
-    def cached_tokens(self, instance: Instance, path: str, body: dict[str, Any]) -> int | None:
-        """None: not known (no events from that instance)."""
+    def cached_tokens(self, instance: Instance, tokens: Sequence[int]) -> int | None:
+        """None: not known (no events read from that instance, or its index stale)."""
 
 
 def prefill_load(instance: Instance) -> float:
@@ -75,25 +76,28 @@ def decide(
     decode: Instance,
     prefill: BackendPool,
     holdings: Holdings | None = None,
+    token_ids: Sequence[int] | None = None,
 ) -> Decision:
     """Two legs, or decode alone, for this request on the ``decode`` instance chosen for it.
 
     In order: no usable prefill instance (with the fallback on); a short
     prompt; a prompt mostly cached on ``decode``; a short-ish prompt while
-    every usable prefill instance is busy. A prompt the proxy cannot
-    measure (``estimate_tokens``: None) always takes two legs.
+    every usable prefill instance is busy. ``token_ids``: the prompt's, when
+    known (rendered by vLLM), counted exactly; otherwise estimated, and a
+    prompt the proxy cannot measure (``estimate_tokens``: None) always
+    takes two legs. The cached rule needs the token ids.
     """
     if rules.fallback == "decode" and not _usable(prefill):
         return FALLBACK
     if rules.always:
         return ALWAYS
-    tokens = estimate_tokens(path, body)
+    tokens = len(token_ids) if token_ids is not None else estimate_tokens(path, body)
     if tokens is None:
         return _LONG
     if tokens < rules.short_prompt:
         return _SHORT
-    if rules.uncached and holdings is not None:
-        cached = holdings.cached_tokens(decode, path, body)
+    if rules.uncached and holdings is not None and token_ids is not None:
+        cached = holdings.cached_tokens(decode, token_ids)
         if cached is not None and tokens - cached < rules.uncached:
             return _CACHED
     if tokens < rules.busy_prompt and _busy(prefill, rules.busy_at):
@@ -111,16 +115,18 @@ def _busy(pool: BackendPool, at: int) -> bool:
     return bool(usable) and all(prefill_load(i) >= at for i in usable)
 
 
-def blind_rules(rules: Disaggregation) -> str | None:
+def blind_rules(rules: Disaggregation, decode_events: bool) -> str | None:
     """What a set rule cannot see, said once at startup and at a reload that sets it.
 
-    This version reads no KV events, so it never knows what a decode
-    instance caches (``Holdings``).
+    ``decode_events``: some decode instance's KV events are read (a URL's
+    ``#kv-events=`` or ``--decode-kv-events-port``); without them the proxy
+    never knows what a decode instance caches.
     """
-    if rules.uncached:
+    if rules.uncached and not decode_events:
         return (
             "--decode-only-uncached-below does nothing: it needs to know what each decode "
-            "instance caches, from vLLM's KV events, which this version does not read"
+            "instance caches, from vLLM's KV events; set --decode-kv-events-port or "
+            "#kv-events=PORT on the decode URLs"
         )
     return None
 

@@ -27,7 +27,6 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.service import BackendService
-from nixl_twisted.exchange.decide import Holdings
 from nixl_twisted.exchange.tokens import Renderer
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
@@ -281,8 +280,6 @@ class Legs:
         self.backends = backends
         self.clock = clock
         self.metrics = metrics
-        #: What each instance caches of a prompt, where its KV events say (none yet).
-        self.holdings: Holdings | None = None
         #: Prompts' token ids from vLLM's render endpoints, for kv-aware.
         self.renderer = Renderer(backends.upstream, clock)
 

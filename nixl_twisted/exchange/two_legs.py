@@ -189,12 +189,14 @@ class Exchange:
             await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
 
     async def _legs(self) -> None:
-        kv_aware = [p for p in self.backends.pools() if p.policy_name == "kv-aware"]
-        if kv_aware and self.routing.tokens is None:
+        wants = [p for p in self.backends.pools() if p.policy_name == "kv-aware"]
+        if self.rules.uncached and self.backends.kv_events.streams:
+            wants.append(self.backends.decode)  # (the cached rule counts exact tokens)
+        if wants and self.routing.tokens is None:
             ids, why = await self._track(
                 ensureDeferred(
                     self.legs.renderer.tokens(
-                        kv_aware[0], self.path, self.body, self.headers, self.render_timeout
+                        wants[0], self.path, self.body, self.headers, self.render_timeout
                     )
                 )
             )
@@ -247,7 +249,8 @@ class Exchange:
                 self.body,
                 reserved.instance,
                 self.backends.prefill,
-                self.legs.holdings,
+                self.backends.kv_events,
+                self.routing.tokens,
             )
             if decision.mode is Mode.PD:
                 try:

@@ -103,6 +103,8 @@ def said(reload: Reload, where: str = "") -> None:
             need_restart=list(reload.need_restart),
             overridden=list(reload.overridden),
         )
-    blind = decide.blind_rules(config.disaggregation)
+    blind = decide.blind_rules(
+        config.disaggregation, config.kv_events.read_for("decode", config.pools.decode)
+    )
     if blind is not None and "decode-only-uncached-below" in reload.changed:
         log.warn("SIGHUP: {blind}", blind=blind)

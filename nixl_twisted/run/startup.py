@@ -108,6 +108,8 @@ def summary(config: ProxyConfig) -> str:
 def announce(config: ProxyConfig) -> None:
     """The summary, as a lifecycle line; and what a rule set cannot do, as a warning."""
     lifecycle.info("{summary}", summary=summary(config))
-    blind = decide.blind_rules(config.disaggregation)
+    blind = decide.blind_rules(
+        config.disaggregation, config.kv_events.read_for("decode", config.pools.decode)
+    )
     if blind is not None:
         log.warn("{blind}", blind=blind)

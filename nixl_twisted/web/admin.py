@@ -57,7 +57,10 @@ class AdminAPI:
             raise ProxyError(ErrorCode.UNAUTHORIZED, "a valid admin bearer token is required")
 
     def listing(self) -> dict[str, Any]:
-        return {pool.role: [i.status() for i in pool.instances] for pool in self.backends.pools()}
+        return {
+            pool.role: [self.backends.status(i) for i in pool.instances]
+            for pool in self.backends.pools()
+        }
 
     def _target(self, body: bytes) -> tuple[BackendPool, str]:
         try:
@@ -94,7 +97,7 @@ class AdminAPI:
             raise ProxyError(ErrorCode.LAST_INSTANCE, str(error)) from None
         if not instances:
             raise ProxyError(ErrorCode.NOT_FOUND, f"no {pool.role} instance {url}")
-        described = [instance.status() for instance in instances]
+        described = [self.backends.status(instance) for instance in instances]
         # One instance: its description; the ranks of URL#dp=N: each of theirs.
         answer = described[0] if len(described) == 1 else {"instances": described}
         # Answered once every worker has the change too.

@@ -128,7 +128,7 @@ class ProxyApp:
                 "in_flight": self.in_flight,
                 "pid": os.getpid(),
                 "instances": {
-                    pool.role: [i.status() for i in pool.instances]
+                    pool.role: [self.backends.status(i) for i in pool.instances]
                     for pool in self.backends.pools()
                 },
             }

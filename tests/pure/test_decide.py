@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,16 +25,21 @@ class Known:
 
     tokens: int | None
 
-    def cached_tokens(self, instance: Instance, path: str, body: dict[str, Any]) -> int | None:
+    def cached_tokens(self, instance: Instance, tokens: Sequence[int]) -> int | None:
         return self.tokens
 
 
 def decided(
-    body: dict[str, Any] = BODY, holdings: Known | None = None, **rules: Any
+    body: dict[str, Any] = BODY,
+    holdings: Known | None = None,
+    token_ids: Sequence[int] | None = None,
+    **rules: Any,
 ) -> tuple[str, str]:
     prefill = _prefill_pool()
     decode = BackendPool("decode", ["http://d:1"], Clock()).instances[0]
-    decision = decide(replace(RULES, **rules), routes.COMPLETIONS, body, decode, prefill, holdings)
+    decision = decide(
+        replace(RULES, **rules), routes.COMPLETIONS, body, decode, prefill, holdings, token_ids
+    )
     return decision.mode.value, decision.reason.value
 
 
@@ -57,10 +63,21 @@ def test_a_prompt_under_the_threshold_skips_prefill() -> None:
 
 
 def test_a_prompt_mostly_cached_on_decode_skips_prefill() -> None:
-    assert decided(holdings=Known(60), uncached=41) == ("decode_only", "cached_on_decode")
-    assert decided(holdings=Known(60), uncached=40) == ("pd", "long_prompt")
-    assert decided(holdings=Known(None), uncached=1000) == ("pd", "long_prompt")  # not known
-    assert decided(holdings=None, uncached=1000) == ("pd", "long_prompt")  # no events at all
+    ids = list(range(100))  # the prompt's token ids, as vLLM rendered them
+    assert decided(holdings=Known(60), token_ids=ids, uncached=41) == (
+        "decode_only",
+        "cached_on_decode",
+    )
+    assert decided(holdings=Known(60), token_ids=ids, uncached=40) == ("pd", "long_prompt")
+    assert decided(holdings=Known(None), token_ids=ids, uncached=1000) == ("pd", "long_prompt")
+    assert decided(holdings=None, token_ids=ids, uncached=1000) == ("pd", "long_prompt")
+    # Without token ids (no render), the rule cannot count what is held.
+    assert decided(holdings=Known(100), uncached=1000) == ("pd", "long_prompt")
+    # Token ids are counted exactly, not estimated.
+    assert decided({"prompt": "a"}, token_ids=ids, short_prompt=101) == (
+        "decode_only",
+        "short_prompt",
+    )
 
 
 def test_a_short_ish_prompt_skips_prefill_only_while_every_prefill_is_busy() -> None:
@@ -95,9 +112,10 @@ def test_the_fallback_decides_before_any_prefill_when_none_is_usable() -> None:
 
 
 def test_the_uncached_rule_says_it_is_blind_and_the_summary_names_each_rule() -> None:
-    assert blind_rules(RULES) is None
-    said = blind_rules(replace(RULES, uncached=64))
+    assert blind_rules(RULES, decode_events=False) is None
+    said = blind_rules(replace(RULES, uncached=64), decode_events=False)
     assert said is not None and "does nothing" in said
+    assert blind_rules(replace(RULES, uncached=64), decode_events=True) is None
     assert describe(RULES) == "two legs always"
     every = replace(RULES, short_prompt=256, busy_prompt=1024, busy_at=4, fallback="decode")
     assert describe(every) == (

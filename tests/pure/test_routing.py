@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Collection, Sequence
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,6 +11,7 @@ from twisted.internet.task import Clock
 
 from nixl_twisted.backends import routing
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.kv_index import KvIndex, Stored
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
 from nixl_twisted.backends.routing import (
@@ -266,3 +268,66 @@ def test_a_prefix_hash_stands_for_everything_before_it() -> None:
     changed = b"X" + text[1:]
     assert not set(pieces(changed)) & set(chain)  # one byte early changes every later hash
     assert pieces(b"short") == ()
+
+
+class Indexed:
+    """``Holdings`` over a real ``KvIndex``: what kv-aware asks of the KV events."""
+
+    def __init__(self, listening: set[str], stale: Collection[str] = ()) -> None:
+        self.index = KvIndex(1000)
+        self._listening = listening
+        self._stale = stale
+
+    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
+        return self.index.matched(tokens, urls)
+
+    def listening(self, role: str, url: str) -> bool:
+        return url in self._listening
+
+    def stale(self, role: str, url: str) -> bool:
+        return url in self._stale
+
+
+TOKENS = tuple(range(2000, 2064))
+
+
+def kv_pool(count: int, held: Indexed) -> BackendPool:
+    pool = pool_of(count)
+    pool.policy = routing.policy("kv-aware", 1.5, held=held)
+    pool.policy_name = "kv-aware"
+    return pool
+
+
+def test_kv_aware_takes_the_instance_holding_the_longest_prefix() -> None:
+    held = Indexed({f"http://p{i}:1" for i in range(3)})
+    pool = kv_pool(3, held)
+    a, b, c = pool.instances
+    held.index.apply(a.url, [Stored((1,), None, TOKENS[:16], 16)])
+    held.index.apply(b.url, [Stored((1, 2), None, TOKENS[:32], 16)])
+    asked = Routing(prompt=b"k", tokens=TOKENS)
+    assert pool.choose(routing=asked) == (b, "kv_match")
+    assert asked.matched == {"prefill": 32}
+    b.in_flight = 3  # over the cap (ceil(1.5 * 4 / 3) = 2): the next longest
+    assert pool.choose(routing=Routing(prompt=b"k", tokens=TOKENS)) == (a, "balanced")
+    b.in_flight = 0
+    other = Routing(prompt=b"k", tokens=tuple(range(64)))
+    a.in_flight = b.in_flight = 1
+    assert pool.choose(routing=other) == (c, "no_match")  # nobody holds it: the least loaded
+    assert other.matched == {"prefill": 0}
+
+
+def test_kv_aware_falls_back_to_cache_aware_and_says_why() -> None:
+    urls = {f"http://p{i}:1" for i in range(2)}
+    pool = kv_pool(2, Indexed(urls))
+    assert pool.choose(routing=Routing(prompt=b"k"))[1] == "fallback_no_tokens"
+    untokenized = Routing(prompt=b"k", untokenized="render")
+    assert pool.choose(routing=untokenized)[1] == "fallback_render"
+    pool = kv_pool(2, Indexed({"http://p0:1"}))
+    assert pool.choose(routing=Routing(prompt=b"k", tokens=TOKENS))[1] == "fallback_no_events"
+    pool = kv_pool(2, Indexed(urls, stale={"http://p1:1"}))
+    instance, decision = pool.choose(routing=Routing(prompt=b"k", tokens=TOKENS))
+    assert decision == "fallback_stale"
+    # The fallback is cache-aware: the key's own instance, by rendezvous.
+    assert instance.url == rendezvous(b"k", pool.instances)[0].url
+    # A token-id prompt needs no render.
+    assert routing_for({"kv-aware"}, 8, None, {"prompt": list(TOKENS)}).tokens == TOKENS
