@@ -303,7 +303,8 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def index_memory(prompts: int = 100_000) -> dict[str, Any]:
-    """What cache-aware keeps after choosing for ``prompts`` distinct prompts (tracemalloc)."""
+    """What cache-aware keeps after choosing for ``prompts`` distinct prompts (tracemalloc):
+    its memory of prefixes sent, full at ``--cache-aware-entries``."""
     import tracemalloc
 
     from twisted.internet.task import Clock
@@ -314,15 +315,48 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
 
     pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
     balance = BY_NAME["cache-aware-balance"].default
-    pool.policy, pool.policy_name = routing.policy("cache-aware", balance), "cache-aware"
+    pool.sent.resize(BY_NAME["cache-aware-entries"].default)
+    pool.policy = routing.policy("cache-aware", balance, pool.sent)
+    pool.policy_name = "cache-aware"
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for n in range(prompts):
         body = {"messages": [{"role": "user", "content": f"distinct prompt {n} " * 20}]}
-        pool.choose(routing=routing.Routing(prompt=routing.prompt_key(body, 512)))
+        pool.choose(routing=routing.routing_for({"cache-aware"}, 512, None, body))
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    return {"prompts": prompts, "retained_bytes": after - before}
+    return {"prompts": prompts, "entries": len(pool.sent), "retained_bytes": after - before}
+
+
+def kv_index_memory(blocks: int = 200_000, size: int = 16) -> dict[str, Any]:
+    """What kv-aware's index keeps per block, two instances holding each (tracemalloc),
+    and the time to match an 8k-token prompt against it."""
+    import tracemalloc
+
+    from nixl_twisted.backends.kv_index import KvIndex, Stored
+
+    index = KvIndex(blocks)
+    rng = random.Random(1)
+    urls = ("http://a:8100", "http://b:8100")
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    tokens: tuple[int, ...] = ()
+    for _ in range(blocks // 50):
+        tokens = tuple(rng.randrange(32000) for _ in range(size * 50))
+        hashes = tuple(rng.getrandbits(64) for _ in range(50))
+        for url in urls:
+            index.apply(url, [Stored(hashes, None, tokens, size, None, "GPU")])
+    held = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    prompt = tokens * 11  # 8,800 tokens, its first 800 held
+    started = time.perf_counter()
+    for _ in range(100):
+        index.matched(prompt, urls)
+    return {
+        "blocks_per_instance": blocks,
+        "bytes_per_block_per_instance": round(held / (2 * blocks)),
+        "match_8800_tokens_us": round((time.perf_counter() - started) / 100 * 1e6),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -342,7 +376,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="what cache-aware keeps after 100k distinct prompts",
     )
+    parser.add_argument(
+        "--kv-index-memory",
+        action="store_true",
+        help="what kv-aware's index keeps per block, and the time to match a prompt",
+    )
     args = parser.parse_args(argv)
+    if args.kv_index_memory:
+        print(json.dumps(kv_index_memory()))
+        return 0
     if args.index_memory:
         print(json.dumps(index_memory()))
         return 0

@@ -14,34 +14,33 @@ the instances that hold it. Events are applied in sequence order
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: The key of the empty prefix a first block chains from, per LoRA adapter (none: b"").
-ROOT = b"nixl-twisted kv"
-
-
-def _root(lora: str | None) -> bytes:
-    return hashlib.blake2b(ROOT + (lora or "").encode(), digest_size=8).digest()
+#: What the key of a prompt's first block chains from, with its LoRA adapter's name.
+ROOT = "nixl-twisted kv"
 
 
 def block_keys(
-    tokens: Sequence[int], block_size: int, lora: str | None = None, parent: bytes | None = None
-) -> list[bytes]:
+    tokens: Sequence[int], block_size: int, lora: str | None = None, parent: int | None = None
+) -> list[int]:
     """The key of each whole block of ``tokens``, each chained to the one before it.
 
-    ``parent``: the key of the block these follow (None: they start the prompt).
+    ``parent``: the key of the block these follow (None: they start the
+    prompt). A key is Python's own 64-bit hash of (parent key, the block's
+    token ids): fast (SipHash, in C) and, like vLLM's own hashes, seeded
+    per process, so keys are never compared across processes (each
+    ``--workers`` worker computes its own, from the same events).
     """
-    key = parent if parent is not None else _root(lora)
-    packed = memoryview(_packed(tokens))
+    key = parent if parent is not None else hash((ROOT, lora))
+    packed = _packed(tokens)
     step = block_size * 4
     keys = []
     for start in range(0, len(packed) - step + 1, step):
-        key = hashlib.blake2b(key + packed[start : start + step], digest_size=8).digest()
+        key = hash((key, packed[start : start + step]))
         keys.append(key)
     return keys
 
@@ -91,9 +90,9 @@ class InstanceBlocks:
     """
 
     def __init__(self) -> None:
-        self.keys: OrderedDict[tuple[Any, str | None], bytes] = OrderedDict()
+        self.keys: OrderedDict[tuple[Any, str | None], int] = OrderedDict()
         #: vLLM's hash to the proxy's key, whatever the medium (to chain from a parent).
-        self.chain: dict[Any, bytes] = {}
+        self.chain: dict[Any, int] = {}
         #: The block size its events carry (None until the first ``BlockStored``).
         self.block_size: int | None = None
         #: Blocks whose parent was unknown (stored before the index listened): not indexed.
@@ -111,7 +110,7 @@ class KvIndex:
         self.max_blocks = max_blocks
         self._instances: dict[str, InstanceBlocks] = {}
         #: Each key's holders, with how many of their copies (media) hold it.
-        self._holders: dict[bytes, dict[str, int]] = {}
+        self._holders: dict[int, dict[str, int]] = {}
 
     def blocks(self, url: str) -> int:
         """How many blocks the index says ``url`` holds."""

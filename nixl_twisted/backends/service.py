@@ -70,7 +70,7 @@ class BackendService(Service):
         self._first_round = Happened()
         #: vLLM's KV events per instance, for kv-aware (a child service of the root's).
         self.kv_events = KvEvents(
-            reactor if reactor is not None else clock, clock, self.pools, 1_000_000
+            reactor if reactor is not None else clock, clock, self.pools, 131_072
         )
 
     def pools(self) -> tuple[BackendPool, BackendPool]:

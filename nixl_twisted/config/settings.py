@@ -249,7 +249,7 @@ SETTINGS: tuple[Setting, ...] = (
         count(0),
         help=(
             "cache-aware: prompt prefixes remembered per pool, 256 bytes of prompt each "
-            "(about 150 bytes of memory each; least recently used go first; 0: none)."
+            "(about 190 bytes of memory each; least recently used go first; 0: none)."
         ),
     ),
     Setting(
@@ -317,10 +317,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "kv-index-blocks",
         "kv_events.max_blocks",
-        1_000_000,
+        131_072,
         count(1),
         help=(
-            "kv-aware: KV blocks indexed per instance (about 200 bytes each); past it "
+            "kv-aware: KV blocks indexed per instance (about 400 bytes each); past it "
             "the oldest stored are forgotten."
         ),
     ),
