@@ -83,8 +83,16 @@ def decode_event(raw: Any) -> Event | None:
                 raise BadBatch("BlockStored needs token_ids and a block_size")
             parent = fields.get("parent_block_hash")
             lora = fields.get("lora_name")
+            hashes = tuple(_block_hash(h) for h in fields["block_hashes"])
+            # A block with extra keys (an image's hash, a cache salt) is more than its
+            # tokens: it, and what follows it, is not indexed.
+            extra = fields.get("extra_keys")
+            if isinstance(extra, list):
+                cut = next((i for i, keys in enumerate(extra) if keys is not None), None)
+                if cut is not None:
+                    hashes, tokens = hashes[:cut], tokens[: cut * size]
             return Stored(
-                tuple(_block_hash(h) for h in fields["block_hashes"]),
+                hashes,
                 None if parent is None else _block_hash(parent),
                 tuple(tokens),
                 size,

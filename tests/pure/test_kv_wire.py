@@ -65,6 +65,10 @@ def test_both_encodings_vllm_has_used_decode_to_the_same_events() -> None:
         Cleared(),
     ]
     assert decode_batch(as_map) == decode_batch(as_array) == expected
+    with_image = {**stored_map([7, 8], TOKENS[:32]), "extra_keys": [None, ["mm-hash-1"]]}
+    assert decode_batch(batch(with_image)) == [
+        Stored((7,), None, tuple(TOKENS[:16]), 16, None, "GPU")
+    ]  # the image's block, and what follows it, are more than their tokens
     as_bytes = decode_batch(batch({**stored_map([0], TOKENS[:16]), "block_hashes": [b"\x01" * 32]}))
     assert as_bytes == [Stored((b"\x01" * 32,), None, tuple(TOKENS[:16]), 16, None, "GPU")]
 
