@@ -81,9 +81,12 @@ RUNS = (
         Run(f"{p}, 2 prefills", policy=p)
         for p in ("round-robin", "least-loaded", "load", "cache-aware", "session")
     ),
+    Run("kv-aware, 2 prefills", policy="kv-aware"),
     Run("round-robin, 4 prefills", prefills=4),
     Run("cache-aware, 4 prefills", prefills=4, policy="cache-aware"),
+    Run("kv-aware, 4 prefills", prefills=4, policy="kv-aware"),
     Run("cache-aware, 2 prefills, --workers 2", policy="cache-aware", workers=2),
+    Run("kv-aware, 2 prefills, --workers 2", policy="kv-aware", workers=2),
     Run("cache-aware, 2 prefills, 2 proxies", policy="cache-aware", proxies=2),
     *(
         Run(f"skew: {p}, one prefill 4x slower", policy=p, slow=True)
@@ -156,7 +159,9 @@ def _samples(text: str, name: str) -> list[tuple[str, float]]:
     return found
 
 
-def openings(workload: str, count: int, documents: int, rng: random.Random) -> list[list[Any]]:
+def openings(
+    workload: str, count: int, documents: int, rng: random.Random, words: int = 1200
+) -> list[list[Any]]:
     """Each conversation's first messages: a chat of its own, or a question on a document."""
     if workload == "chat":
         return [
@@ -166,7 +171,7 @@ def openings(workload: str, count: int, documents: int, rng: random.Random) -> l
             ]
             for n in range(count)
         ]
-    texts = [" ".join(rng.choice(WORDS) for _ in range(1200)) for _ in range(documents)]
+    texts = [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(documents)]
     return [
         [
             {"role": "system", "content": SYSTEM},
@@ -186,6 +191,7 @@ async def conversations(
     turns: int,
     concurrency: int,
     rng: random.Random,
+    model: str = "m",
 ) -> dict[str, Any]:
     """Every conversation's turns, interleaved in ``rng``'s order (it drew the openings too)."""
     from openai import AsyncOpenAI
@@ -208,7 +214,7 @@ async def conversations(
         text = []
         try:
             stream = await client.chat.completions.create(
-                model="m",
+                model=model,
                 messages=histories[n],
                 stream=True,
                 max_tokens=16,
@@ -258,8 +264,46 @@ async def conversations(
     }
 
 
+def _prefix_cache(urls: Sequence[str]) -> tuple[float, float]:
+    """The prefill instances' prefix-cache counters now: (hits, queries), in tokens."""
+    hits = queries = 0.0
+    for url in urls:
+        metrics = asyncio.run(_get(url.split("#", 1)[0] + "/metrics"))
+        hits += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_hits_total"))
+        queries += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_queries_total"))
+    return hits, queries
+
+
+async def _reset(url: str) -> None:
+    """vLLM's ``POST /reset_prefix_cache`` (only with ``VLLM_SERVER_DEV_MODE=1``), so one
+    run does not find what the run before it computed."""
+    host, port = url.removeprefix("http://").split("/", 1)[0].split("#", 1)[0].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /reset_prefix_cache HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+        b"Connection: close\r\n\r\n"
+    )
+    await reader.read()
+    writer.close()
+
+
+@contextmanager
+def instances(run: Run, args: argparse.Namespace) -> Iterator[dict[str, list[str]]]:
+    """The fakes for this run, or the real vLLM instances given (``--real-prefill``)."""
+    if not args.real_prefill:
+        with fakes(run, args.cost) as urls:
+            yield urls
+        return
+    prefill = args.real_prefill[: run.prefills]
+    if len(prefill) < run.prefills:
+        raise SystemExit(f"{run.name}: needs {run.prefills} --real-prefill URLs")
+    for url in prefill:
+        asyncio.run(_reset(url))
+    yield {"prefill": prefill, "decode": args.real_decode}
+
+
 def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
-    with fakes(run, args.cost) as urls, ExitStack() as stack:
+    with instances(run, args) as urls, ExitStack() as stack:
         proxy_args = [
             "--health-interval",
             "1",
@@ -276,15 +320,15 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
             stack.enter_context(nixlproxy(proxy_args, "0", run.workers))[1]
             for _ in range(run.proxies)
         ]
+        hits_before, queries_before = _prefix_cache(urls["prefill"])
         rng = random.Random(args.seed)
-        histories = openings(args.workload, args.conversations, args.documents, rng)
-        result = asyncio.run(conversations(proxies, histories, args.turns, args.concurrency, rng))
-        hits = queries = 0.0
+        histories = openings(args.workload, args.conversations, args.documents, rng, args.doc_words)
+        result = asyncio.run(
+            conversations(proxies, histories, args.turns, args.concurrency, rng, args.model)
+        )
+        hits, queries = _prefix_cache(urls["prefill"])
+        hits, queries = hits - hits_before, queries - queries_before
         legs = []
-        for url in urls["prefill"]:
-            metrics = asyncio.run(_get(url + "/metrics"))
-            hits += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_hits_total"))
-            queries += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_queries_total"))
         for proxy in proxies:
             metrics = asyncio.run(_get(proxy + "/metrics"))
             for labels, value in _samples(metrics, "nixlproxy_backend_requests_total"):
@@ -293,7 +337,7 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     spread: dict[str, float] = {}
     for instance, value in legs:
         spread[instance] = spread.get(instance, 0) + value
-    ordered = [int(spread.get(u, 0)) for u in urls["prefill"]]
+    ordered = [int(spread.get(u.split("#", 1)[0], 0)) for u in urls["prefill"]]
     return {
         "run": run.name,
         "hit_rate": round(hits / queries, 3) if queries else None,
@@ -365,6 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--documents", type=int, default=6, help="documents: how many")
+    parser.add_argument("--doc-words", type=int, default=1200, help="documents: words each")
+    parser.add_argument(
+        "--real-prefill",
+        action="append",
+        default=[],
+        help="a real vLLM prefill instance instead of the fakes (repeat; #kv-events=PORT)",
+    )
+    parser.add_argument("--real-decode", action="append", default=[], help="with --real-prefill")
+    parser.add_argument("--model", default="m", help="the model name the requests ask for")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cost", type=float, default=0.0001, help="s per uncached token")
     parser.add_argument("--seed", type=int, default=12)

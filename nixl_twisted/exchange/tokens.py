@@ -20,6 +20,7 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+from twisted.internet.defer import CancelledError, ensureDeferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
@@ -80,17 +81,22 @@ class Renderer:
             return None, "render"
         instance = instances[self._cursor % len(instances)]
         self._cursor += 1
-        try:
-            asking = self.upstream.post(
-                instance.base + target, raw, for_rank(headers, instance.rank)
-            )
-            response = await asking.addTimeout(timeout, self.clock)
+
+        async def render() -> tuple[int, ...]:
+            url = instance.base + target
+            response = await self.upstream.post(url, raw, for_rank(headers, instance.rank))
             answer = await read_body(response)
             if response.code != 200:
                 raise ValueError(f"{target} answered HTTP {response.code}")
             ids = token_ids(json.loads(answer))
             if ids is None:
                 raise ValueError(f"{target} answered no token_ids")
+            return ids
+
+        try:
+            ids = await ensureDeferred(render()).addTimeout(timeout, self.clock)
+        except CancelledError:
+            raise  # the client left: nothing failed
         except Exception as error:
             self._failed(instance.url, f"{type(error).__name__}: {error}")
             return None, "render"
@@ -104,10 +110,12 @@ class Renderer:
 
     def _failed(self, url: str, reason: str) -> None:
         if self._failing is None:
+            gated = "403" in reason or "404" in reason
             log.warn(
-                "kv-aware cannot render prompts ({url}: {reason}); requests are routed as "
-                "cache-aware until it can (vllm serve needs --enable-scale-out)",
+                "kv-aware cannot render prompts ({url}: {reason}){hint}; such requests are "
+                "routed as cache-aware until it can",
                 url=url,
                 reason=reason,
+                hint=": vllm serve needs --enable-scale-out" if gated else "",
             )
         self._failing = reason

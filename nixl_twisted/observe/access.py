@@ -210,6 +210,8 @@ def access_line(f: dict[str, Any]) -> str:
             details.append(f"{f[timing]}ms" if leg == "prefill" else f"first byte {f[timing]}ms")
         if f"{leg}_route" in f:
             details.append(f"route {f[f'{leg}_route']}")
+        if f"{leg}_matched_tokens" in f:
+            details.append(f"{f[f'{leg}_matched_tokens']} tokens held")
         parts.append(f"{leg}={f[leg]}" + (f" ({', '.join(details)})" if details else ""))
     if f.get("mode") == "decode_only":
         parts.append(f"mode={f['mode']} ({f['decided_by']})")
