@@ -29,7 +29,7 @@ from nixl_twisted.testing import answers, schema
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
 from nixl_twisted.testing.ledger import TransferLedger
-from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text, token_count
+from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_tokens
 from nixl_twisted.testing.routes import OtherRoutes
 from nixl_twisted.testing.site import FakeSite, cut_off, netloc
 
@@ -233,23 +233,23 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
             request.setHeader(b"Content-Type", content_type)
             return raw
 
-        prompt_tokens = answers.prompt_tokens(body, chat)
+        input_tokens = answers.prompt_tokens(body, chat)
         cached = 0
+        tokens = prompt_tokens(body)
         if role in ("prefill", "plain"):
-            found, tokens = self.cache.compute(prompt_text(body))
-            cached = found
-            await self._compute(tokens - found)
+            cached, _ = self.cache.compute(tokens)
+            await self._compute(len(tokens) - cached)
         kv_answer: JSONObject | None = None
         if role == "prefill" and behaviour.issues_params:
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
-            kv_answer = self.ledger.issue(self.name, request_id, prompt_tokens, self._kv_port)
+            kv_answer = self.ledger.issue(self.name, request_id, input_tokens, self._kv_port)
         elif role == "decode":
             problem = self.ledger.redeem(kv)
             if problem is not None:
                 request.setResponseCode(500)
                 return answers.vllm_error(500, f"KV load failed: {problem}")
             cached = int(kv.get("remote_prefill_cached_tokens", 0)) if isinstance(kv, dict) else 0
-            await self._pull_kv(token_count(prompt_text(body)))
+            await self._pull_kv(len(tokens))
 
         limit = (
             body.get("max_output_tokens")
@@ -260,7 +260,7 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
         words = answers.words(self.text, count)
         if responses_api:
             reply = answers.Response(
-                model=str(body.get("model", self.model)), words=words, input_tokens=prompt_tokens
+                model=str(body.get("model", self.model)), words=words, input_tokens=input_tokens
             )
             if role != "prefill" and body.get("store", True):
                 self.responses[reply.id] = reply.whole()
@@ -291,9 +291,9 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
             words=words,
             finish_reason="length" if count == limit else "stop",
             usage={
-                "prompt_tokens": prompt_tokens,
+                "prompt_tokens": input_tokens,
                 "completion_tokens": len(words),
-                "total_tokens": prompt_tokens + len(words),
+                "total_tokens": input_tokens + len(words),
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
         )

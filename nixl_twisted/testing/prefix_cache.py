@@ -1,19 +1,31 @@
-"""vLLM's automatic prefix caching, as a fake models it: blocks of tokens, hashed in a chain, LRU.
+"""vLLM's automatic prefix caching as a fake models it: blocks of token ids, hashed in a chain, LRU.
 
-A "token" is approximated as four bytes of the rendered prompt (vLLM's
+A prompt's tokens (``prompt_tokens``) are its own when it is token ids;
+otherwise each four bytes of the rendered prompt are one token (vLLM's
 tokenizers average three to five bytes per token on English text). Like
 vLLM, a block is cached only when full, a prompt hits the leading blocks
-it shares with what the instance computed before, and the counters are in
-tokens: ``queries`` (prompt tokens looked up) and ``hits`` (of those, cached).
+it shares with what the instance computed before, the counters are in
+tokens (``queries``: prompt tokens looked up; ``hits``: of those, cached),
+each block's hash is seeded per instance (two instances never agree on
+one) and, when told (``on_events``), the cache reports what it stored and
+evicted as vLLM's KV cache events do.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import struct
+from array import array
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from itertools import islice
 from typing import Any
 
 BYTES_PER_TOKEN = 4
+
+#: One KV cache event, a map tagged by ``"type"`` as vLLM encodes it.
+KvEvent = dict[str, Any]
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -36,18 +48,90 @@ def prompt_text(body: dict[str, Any]) -> str:
     return str(prompt or "")
 
 
+def text_tokens(text: str) -> list[int]:
+    """Four bytes of UTF-8 a token (little-endian), a shorter tail dropped, at least one."""
+    raw = text.encode("utf-8", "surrogatepass")
+    whole = len(raw) // BYTES_PER_TOKEN
+    if whole == 0:  # a prompt shorter than a token is still one
+        return [int.from_bytes(raw, "little")]
+    return list(struct.unpack(f"<{whole}I", raw[: whole * BYTES_PER_TOKEN]))
+
+
+def prompt_tokens(body: dict[str, Any]) -> list[int]:
+    """The token ids the engine computes for a request: a token-id prompt's own, else the
+    rendered prompt's (``text_tokens``). ``/tokenize`` and the render endpoints answer these."""
+    prompt = body.get("prompt")
+    if (
+        not isinstance(body.get("messages"), list)
+        and isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return list(prompt)
+    return text_tokens(prompt_text(body))
+
+
 def token_count(text: str) -> int:
-    """A prompt's tokens as this module counts them: four bytes of UTF-8 each, at least one."""
+    """A text prompt's tokens as this module counts them: four bytes of UTF-8 each, at least one."""
     return max(1, len(text.encode("utf-8", "surrogatepass")) // BYTES_PER_TOKEN)
 
 
-class PrefixCache:
-    """One instance's prefix cache: ``capacity`` blocks of ``block_tokens`` tokens, LRU."""
+def _packed(tokens: Sequence[int]) -> bytes:
+    try:
+        return array("q", tokens).tobytes()
+    except OverflowError:  # ids past 64 bits: any stable spelling will do
+        return repr(list(tokens)).encode()
 
-    def __init__(self, block_tokens: int = 128, capacity: int = 4096) -> None:
+
+def block_stored(
+    hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int
+) -> KvEvent:
+    """vLLM's ``BlockStored``: full blocks newly cached, after ``parent`` (None: the first)."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": list(hashes),
+        "parent_block_hash": parent,
+        "token_ids": list(tokens),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None] * len(hashes),
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+    }
+
+
+def block_removed(block_hash: int) -> KvEvent:
+    """vLLM's ``BlockRemoved``: one evicted block (vLLM sends one event per eviction)."""
+    return {"type": "BlockRemoved", "block_hashes": [block_hash], "medium": "GPU", "group_idx": 0}
+
+
+def all_blocks_cleared() -> KvEvent:
+    """vLLM's ``AllBlocksCleared``: the whole cache reset."""
+    return {"type": "AllBlocksCleared"}
+
+
+class PrefixCache:
+    """One instance's prefix cache: ``capacity`` blocks of ``block_tokens`` tokens, LRU.
+
+    ``seed`` keys the block hashes (random unless given, as vLLM seeds them
+    per process); ``on_events`` is called with each change's KV cache events.
+    """
+
+    def __init__(
+        self,
+        block_tokens: int = 128,
+        capacity: int = 4096,
+        seed: bytes | None = None,
+        on_events: Callable[[list[KvEvent]], object] | None = None,
+    ) -> None:
         self.block_tokens = block_tokens
         self.capacity = capacity
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self.seed = os.urandom(16) if seed is None else seed
+        self.on_events = on_events
+        #: Block hashes, the next to evict first.
+        self._blocks: OrderedDict[int, None] = OrderedDict()
         #: Prompt tokens looked up, and of those the ones found cached (vLLM's counters).
         self.queries = 0
         self.hits = 0
@@ -57,26 +141,75 @@ class PrefixCache:
         """The share of the cache in use, as ``vllm:kv_cache_usage_perc`` (0 to 1)."""
         return len(self._blocks) / self.capacity
 
-    def compute(self, text: str) -> tuple[int, int]:
-        """Look a prompt up and cache its blocks; returns (cached tokens, prompt tokens)."""
-        raw = text.encode("utf-8", "surrogatepass")
-        tokens = token_count(text)
-        size = self.block_tokens * BYTES_PER_TOKEN
-        chain = b""
-        cached_blocks = 0
-        missing = False
-        for start in range(0, len(raw) - size + 1, size):
-            chain = hashlib.blake2b(chain + raw[start : start + size], digest_size=16).digest()
-            if not missing and chain in self._blocks:
-                cached_blocks += 1
-                self._blocks.move_to_end(chain)
-                continue
-            missing = True
-            self._blocks[chain] = None
-            self._blocks.move_to_end(chain)
-        while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
-        cached = min(tokens, cached_blocks * self.block_tokens)
-        self.queries += tokens
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+    def block_hashes(self, tokens: Sequence[int]) -> list[int]:
+        """The hash of each full block of ``tokens``, each covering its parent's hash: 64 bits."""
+        size = self.block_tokens
+        parent = b""
+        hashes = []
+        for start in range(0, len(tokens) - size + 1, size):
+            parent = hashlib.blake2b(
+                parent + _packed(tokens[start : start + size]), digest_size=8, key=self.seed
+            ).digest()
+            hashes.append(int.from_bytes(parent, "big"))
+        return hashes
+
+    def compute(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """Look a prompt up and cache its blocks; returns (cached tokens, prompt tokens).
+
+        Its blocks after the leading cached ones are computed and stored
+        (one ``BlockStored``); room is made first by evicting the least
+        recently used blocks of other prompts (a ``BlockRemoved`` each).
+        """
+        hashes = self.block_hashes(tokens)
+        found = 0
+        while found < len(hashes) and hashes[found] in self._blocks:
+            found += 1
+        computed = hashes[found:]
+        events = [block_removed(h) for h in self._make_room(computed, set(hashes))]
+        # A prompt's last block is marked used first, its first block last: the
+        # tail goes before the head, as vLLM frees a request's blocks in reverse.
+        for block_hash in reversed(hashes):
+            self._blocks[block_hash] = None
+            self._blocks.move_to_end(block_hash)
+        if computed:
+            size = self.block_tokens
+            events.append(
+                block_stored(
+                    computed,
+                    hashes[found - 1] if found else None,
+                    tokens[found * size : len(hashes) * size],
+                    size,
+                )
+            )
+        while len(self._blocks) > self.capacity:  # a prompt longer than the whole cache
+            events.append(block_removed(self._blocks.popitem(last=False)[0]))
+        cached = min(len(tokens), found * self.block_tokens)
+        self.queries += len(tokens)
         self.hits += cached
-        return cached, tokens
+        self._report(events)
+        return cached, len(tokens)
+
+    def _make_room(self, computed: list[int], own: set[int]) -> list[int]:
+        """Evict the least recently used blocks not of this prompt, for ``computed``."""
+        adding = sum(1 for h in computed if h not in self._blocks)
+        excess = len(self._blocks) + adding - self.capacity
+        if excess <= 0:
+            return []
+        victims = list(islice((h for h in self._blocks if h not in own), excess))
+        for block_hash in victims:
+            del self._blocks[block_hash]
+        return victims
+
+    def clear(self, report: bool = True) -> None:
+        """Empty the cache (vLLM's prefix-cache reset): ``AllBlocksCleared``, unless not
+        ``report`` (an engine that restarted says nothing of its old cache)."""
+        self._blocks.clear()
+        if report:
+            self._report([all_blocks_cleared()])
+
+    def _report(self, events: list[KvEvent]) -> None:
+        if events and self.on_events is not None:
+            self.on_events(events)

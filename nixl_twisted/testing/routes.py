@@ -12,7 +12,7 @@ from typing import Any
 from twisted.web.server import Request
 
 from nixl_twisted.testing import answers
-from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_text
+from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_tokens
 
 JSONObject = dict[str, Any]
 
@@ -70,15 +70,10 @@ class OtherRoutes:
         return answers.models(self.model)
 
     def _tokenize(self, request: Request) -> bytes:
-        """vLLM's answer shape; a token is four bytes of the prompt, as the prefix cache counts."""
-        count = max(1, len(prompt_text(self._json(request)).encode("utf-8")) // 4)
+        """vLLM's answer shape; the prompt's tokens as the prefix cache computes them."""
+        tokens = prompt_tokens(self._json(request))
         return answers.encode(
-            {
-                "count": count,
-                "max_model_len": 1024,
-                "tokens": list(range(count)),
-                "token_strs": None,
-            }
+            {"count": len(tokens), "max_model_len": 1024, "tokens": tokens, "token_strs": None}
         )
 
     def _detokenize(self, request: Request) -> bytes:
