@@ -3,6 +3,8 @@
 - :class:`FakeVLLM` plays prefill and decode as NIXL-enabled vLLM does
   (``fake``), sharing a :class:`TransferLedger` (``ledger``), answering in
   OpenAI's shapes (``answers``), failing as scripted (``behaviours``);
+- :class:`KvPublisher` (``kv_publisher``) publishes a fake's KV cache events
+  on ZeroMQ as vLLM does (``FakeVLLM(kv_events=True)``), replays included;
 - :func:`start_cluster` (``cluster``) starts N fake prefills and M fake
   decodes sharing one ledger;
 - :func:`start_pair`, :func:`start_proxy` and :func:`run_proxy`
@@ -28,6 +30,7 @@ from nixl_twisted.testing.harness import (
     start_pair,
     start_proxy,
 )
+from nixl_twisted.testing.kv_publisher import KvPublisher
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.memory import InMemoryClient, InMemoryProxy
 from nixl_twisted.testing.process import Twistd, TwistdProtocol, spawn_twistd
@@ -43,6 +46,7 @@ __all__ = [
     "FakeVLLM",
     "InMemoryClient",
     "InMemoryProxy",
+    "KvPublisher",
     "RawAnswer",
     "ReceivedRequest",
     "ReceivedSpan",

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from klein import Klein
 from twisted.internet.address import IPv4Address, IPv6Address
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, maybeDeferred
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.web.http_headers import Headers
@@ -28,6 +28,7 @@ from twisted.web.server import Request
 from nixl_twisted.testing import answers, schema
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
+from nixl_twisted.testing.kv_publisher import KvEventsMixin
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_tokens
 from nixl_twisted.testing.routes import OtherRoutes
@@ -73,7 +74,7 @@ class ReceivedRequest:
 
 
 @dataclass
-class FakeVLLM(Controls, EngineTime, OtherRoutes):
+class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     """A fake vLLM instance; ``tokens`` per answer, ``token_interval`` s apart.
 
     Its engine takes time only when told to, each wait on ``clock``: a
@@ -84,6 +85,9 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
     with ``computing_stalls_streams``, a compute holds back the next token
     of every stream on this instance until it ends, as vLLM runs a prefill
     in the same engine step as the decodes.
+
+    With ``kv_events``, what its prefix cache stores and evicts is published
+    as vLLM's KV cache events, on ZeroMQ (``kv_publisher``).
     """
 
     name: str = "fake-vllm"
@@ -121,6 +125,15 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
     #: The prefix cache: tokens per block, blocks kept (LRU).
     block_tokens: int = 128
     cache_blocks: int = 4096
+    #: Publish the prefix cache's KV events (vLLM's ``--kv-events-config``) on a
+    #: free port of ``kv_interface`` once listening, and (``kv_replay``) answer replays.
+    kv_events: bool = False
+    kv_replay: bool = False
+    kv_topic: bytes = b"kv"
+    kv_buffer_steps: int = 10_000
+    kv_interface: str = "127.0.0.1"
+    #: The status the render endpoints answer (vLLM without ``--enable-scale-out``: 404).
+    render_status: int = 200
 
     #: Every fake's routes, made once (werkzeug compiles each rule, which takes
     #: longer than a test in memory); Klein binds them to each fake.
@@ -129,12 +142,13 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
     def __post_init__(self) -> None:
         Controls.__init__(self)
         EngineTime.__init__(self)
+        KvEventsMixin.__init__(self)
         self._port: IListeningPort | None = None
         #: The fake's site: its open connections, and how many it accepted.
         self.site = FakeSite(self.resource())
         self.url = ""
         self._kv_port = 5600
-        self.cache = PrefixCache(self.block_tokens, self.cache_blocks)
+        self.cache = PrefixCache(self.block_tokens, self.cache_blocks, on_events=self._kv_changed)
         #: Generation requests being served now (``vllm:num_requests_running``).
         self.running = 0
         #: The Responses API answers this instance produced, by id (as vLLM stores them).
@@ -148,7 +162,7 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
     async def listen(
         self, description: str = "tcp:0:interface=127.0.0.1", reactor: Any = None
     ) -> str:
-        """Serve on a Twisted endpoint; return the base URL."""
+        """Serve on a Twisted endpoint (and publish KV events, if told); return the base URL."""
         if reactor is None:
             from twisted.internet import reactor as default_reactor
 
@@ -156,6 +170,12 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
         if self.clock is None:
             self.clock = reactor
         self._port = await serverFromString(reactor, description).listen(self.site)
+        try:
+            self._start_kv_events(reactor)
+        except BaseException:
+            port, self._port = self._port, None
+            await maybeDeferred(port.stopListening)
+            raise
         host = self._port.getHost()
         assert isinstance(host, IPv4Address | IPv6Address)
         scheme = "https" if description.startswith("ssl:") else "http"
@@ -168,6 +188,7 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
         if self._hold_after is not None:
             self.release()
         port, self._port = self._port, None
+        self._stop_kv_events()
         return self.site.stop(port)
 
     def resource(self) -> Any:
@@ -237,6 +258,7 @@ class FakeVLLM(Controls, EngineTime, OtherRoutes):
         cached = 0
         tokens = prompt_tokens(body)
         if role in ("prefill", "plain"):
+            # The lookup publishes what it stored and evicted: one batch, as a vLLM step.
             cached, _ = self.cache.compute(tokens)
             await self._compute(len(tokens) - cached)
         kv_answer: JSONObject | None = None
@@ -359,6 +381,8 @@ for _path, _method, _name in (
     ("/v1/models", "GET", "_models"),
     ("/tokenize", "POST", "_tokenize"),
     ("/detokenize", "POST", "_detokenize"),
+    ("/v1/completions/render", "POST", "_render"),
+    ("/v1/chat/completions/render", "POST", "_render"),
     ("/v1/completions", "POST", "_generate"),
     ("/v1/chat/completions", "POST", "_generate"),
     ("/v1/messages", "POST", "_generate"),

@@ -1,4 +1,4 @@
-"""The fake's routes besides generation: health, metrics, models, tokens, stored responses.
+"""The fake's routes besides generation: health, metrics, models, tokens, renders, stored responses.
 
 Each answers as vLLM 0.32 does, and records the request (role ``other``)
 so that tests see what reached the instance.
@@ -7,6 +7,7 @@ so that tests see what reached the instance.
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from twisted.web.server import Request
@@ -26,6 +27,7 @@ class OtherRoutes:
     metrics_status: int
     running: int
     waiting: int
+    render_status: int
     cache: PrefixCache
     responses: dict[str, JSONObject]
 
@@ -76,6 +78,23 @@ class OtherRoutes:
             {"count": len(tokens), "max_model_len": 1024, "tokens": tokens, "token_strs": None}
         )
 
+    def _render(self, request: Request) -> bytes:
+        """vLLM's ``/v1/completions/render`` (a list, one per prompt) and
+        ``/v1/chat/completions/render`` (one object): the token ids the engine
+        would compute, the very ones its KV events carry."""
+        body = self._json(request)
+        if self.render_status != 200:
+            request.setResponseCode(self.render_status)
+            if self.render_status == 404:  # vLLM serves no such route: FastAPI's answer
+                return answers.encode({"detail": "Not Found"})
+            return answers.vllm_error(self.render_status, "rendering failed")
+        if request.path.endswith(b"/chat/completions/render"):
+            return answers.encode(_rendered("chatcmpl", prompt_tokens(body)))
+        prompt = body.get("prompt")
+        batch = isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt)
+        bodies = [{**body, "prompt": p} for p in prompt] if batch and prompt else [body]
+        return answers.encode([_rendered("cmpl", prompt_tokens(b)) for b in bodies])
+
     def _detokenize(self, request: Request) -> bytes:
         tokens = self._json(request).get("tokens") or []
         return answers.encode({"prompt": " ".join(f"t{t}" for t in tokens)})
@@ -93,3 +112,8 @@ class OtherRoutes:
             request.setResponseCode(404)
             return answers.vllm_error(404, f"Response with id '{response_id}' not found.")
         return answers.encode(stored)
+
+
+def _rendered(kind: str, tokens: list[int]) -> JSONObject:
+    """One prompt rendered, as vLLM 0.32 answers it (its id, its token ids: nothing else)."""
+    return {"request_id": f"{kind}-{uuid.uuid4().hex[:16]}", "token_ids": tokens}
