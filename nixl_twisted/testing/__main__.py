@@ -4,7 +4,10 @@ All of them in this one process, sharing one ``TransferLedger``, so that a
 proxy may pair any prefill with any decode, as it does real vLLM instances
 (two processes would hold two ledgers, and a decode would refuse the other
 process's params as a KV-load failure). Prints each instance's URL once all
-listen, then a ``twistd nixlproxy`` command line that serves them.
+listen, then a ``twistd nixlproxy`` command line that serves them. With
+``--kv-events``, each also publishes its KV cache events on ZeroMQ and
+answers replays (each pair of ports said on a line of its own, after its
+URL's), and the command line routes prefills ``kv-aware`` on them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from twisted.internet.endpoints import quoteStringArgument
 
 from nixl_twisted.testing.cluster import FakeCluster, start_cluster
+from nixl_twisted.testing.fake import FakeVLLM
 
 #: The proxy's own listening endpoint in the command line printed for the user.
 PROXY_LISTEN = "tcp:8000"
@@ -112,6 +116,12 @@ def arguments() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between two generated tokens",
     )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish each instance's KV cache events on ZeroMQ, as vLLM's "
+        "--kv-events-config does, with a replay endpoint; their ports are printed",
+    )
     return parser
 
 
@@ -122,11 +132,32 @@ def endpoints(first_port: int, count: int, interface: str) -> list[str]:
     return [f"tcp:{port}:interface={where}" for port in ports]
 
 
+def declared(fake: FakeVLLM) -> str:
+    """A fake's URL as the proxy is given it: with its KV event ports, when it publishes."""
+    if fake.kv_events_port is None:
+        return fake.url
+    ports = [f"kv-events={fake.kv_events_port}"]
+    if fake.kv_replay_port is not None:
+        ports.append(f"kv-replay={fake.kv_replay_port}")
+    return f"{fake.url}#{'&'.join(ports)}"
+
+
+def kv_line(fake: FakeVLLM) -> str | None:
+    """Where a fake publishes its KV events and answers replays (None: it does not)."""
+    if fake.kv_publisher is None:
+        return None
+    events = fake.kv_publisher.where(fake.kv_events_port)
+    replay = fake.kv_publisher.where(fake.kv_replay_port) or "none"
+    return f"fake {fake.name} kv events on {events}, replay on {replay}"
+
+
 def proxy_command(cluster: FakeCluster) -> str:
     """The ``twistd nixlproxy`` command line that serves ``cluster``'s instances."""
     command = ["twistd", "-n", "--pidfile=", "nixlproxy", "--listen", PROXY_LISTEN]
-    command += [arg for fake in cluster.prefills for arg in ("--prefill", fake.url)]
-    command += [arg for fake in cluster.decodes for arg in ("--decode", fake.url)]
+    if any(fake.kv_events_port is not None for fake in cluster.prefills):
+        command += ["--prefill-policy", "kv-aware"]
+    command += [arg for fake in cluster.prefills for arg in ("--prefill", declared(fake))]
+    command += [arg for fake in cluster.decodes for arg in ("--decode", declared(fake))]
     return shlex.join(command)
 
 
@@ -151,10 +182,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             reactor,
             tokens=args.tokens,
             token_interval=args.token_interval,
+            kv_events=args.kv_events,
+            kv_replay=args.kv_events,
+            kv_interface=args.interface,
         )
         reactor.addSystemEventTrigger("before", "shutdown", cluster.stop)
         for fake in cluster.instances:
             print(f"fake {fake.name} listening on {fake.url}", flush=True)
+            said = kv_line(fake)
+            if said is not None:
+                print(said, flush=True)
         print(f"serve them with nixlproxy:\n  {proxy_command(cluster)}", flush=True)
 
     def could_not_start(failure: Any) -> None:

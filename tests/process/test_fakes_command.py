@@ -11,8 +11,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import msgpack
+import zmq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
+from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
+from nixl_twisted.testing.prefix_cache import prompt_tokens
 from nixl_twisted.testing.process import WatchedProcess
 from tests.process.support import TwistdCase, installed_env
 
@@ -26,6 +32,7 @@ OPTIONS = {
     "--interface": "127.0.0.1",
     "--tokens": "32",
     "--token-interval": "0.05",
+    "--kv-events": "False",
 }
 COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
@@ -116,6 +123,58 @@ class FakesCommandTests(TwistdCase):
         await self.terminate(proxy)
         await self.stop(process)
 
+    async def test_with_kv_events_each_says_its_ports_and_the_twistd_line_routes_on_them(
+        self,
+    ) -> None:
+        process = self.spawn_fakes(
+            *("--prefills", "2", "--prefill-port", "0", "--decode-port", "0"),
+            *("--tokens", "4", "--token-interval", "0", "--kv-events"),
+        )
+        line = await process.line_with(b"twistd -n ")
+        said = process.output.decode()
+        urls = dict(re.findall(r"fake (\S+) listening on (\S+)", said))
+        ports = {
+            name: (events, replay)
+            for name, events, replay in re.findall(
+                r"fake (\S+) kv events on tcp://127\.0\.0\.1:(\d+), "
+                r"replay on tcp://127\.0\.0\.1:(\d+)",
+                said,
+            )
+        }
+        self.assertEqual(set(ports), set(urls))
+        declared = {
+            name: f"{urls[name]}#kv-events={events}&kv-replay={replay}"
+            for name, (events, replay) in ports.items()
+        }
+        words = shlex.split(line.decode())
+        args = words[words.index("nixlproxy") + 1 :]
+        self.assertEqual(
+            args,
+            [
+                *("--listen", "tcp:8000", "--prefill-policy", "kv-aware"),
+                *("--prefill", declared["prefill-0"], "--prefill", declared["prefill-1"]),
+                *("--decode", declared["decode-0"]),
+            ],
+        )
+        args[1] = "tcp:0:interface=127.0.0.1"
+        proxy = self.spawn(*args, "--health-interval", "0")
+        url = f"http://{await proxy.listening}"
+        prompt = "A prompt long enough for a block of 128 tokens. " * 12
+        response = await self.fresh_connections().post(
+            url + "/v1/completions", json={"model": "fake-model", "prompt": prompt}
+        )
+        self.assertEqual(response.code, 200, await response.text())
+
+        # Whichever prefill computed it kept its batch for replays: ask both from 0.
+        stored = []
+        for name in ("prefill-0", "prefill-1"):
+            for payload in await replayed(int(ports[name][1])):
+                stored += [e for e in msgpack.unpackb(payload)[1] if e["type"] == "BlockStored"]
+        self.assertEqual(len(stored), 1, stored)
+        self.assertEqual(stored[0]["token_ids"], prompt_tokens({"prompt": prompt})[:128])
+        await self.terminate(proxy)
+        await self.stop(process)
+
     async def test_a_port_in_use_is_said_and_exits_1(self) -> None:
         first, urls = await self.fakes(1, 1)
         taken = urls["decode-0"].rsplit(":", 1)[1]
@@ -155,3 +214,24 @@ def test_help_explains_every_option_and_shows_its_default() -> None:
 def test_the_testing_docs_name_every_option() -> None:
     page = (DOCS / "testing.md").read_text(encoding="utf-8")
     assert [option for option in OPTIONS if f"`{option}" not in page] == []
+
+
+async def replayed(port: int) -> list[bytes]:
+    """Every batch a fake's replay endpoint keeps, asked from sequence 0."""
+    payloads: list[bytes] = []
+    done: Deferred[None] = Deferred()
+
+    def received(frames: Frames) -> None:
+        if frames[1] == b"":  # the end marker's empty topic
+            done.callback(None)
+        else:
+            payloads.append(frames[-1])
+
+    dealer = ZmqSocket(reactor, zmq.DEALER, received)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send([b"", (0).to_bytes(8, "big")])
+        await done
+    finally:
+        dealer.close()
+    return payloads
