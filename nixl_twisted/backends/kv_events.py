@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import zmq
 from twisted.application.service import Service
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -83,6 +84,8 @@ class EventStream:
         self.sequencer = Sequencer(
             index, url, clock, self._ask if self.replayer is not None else None, counted
         )
+        #: Waiting for the next message to be read (``KvEvents.read``).
+        self._waiting: list[Deferred[None]] = []
         self.subscriber.connect(where.events)
         self.subscriber.subscribe(b"")
         if self.replayer is not None and where.replay is not None:
@@ -97,6 +100,18 @@ class EventStream:
         except BadBatch as error:
             self.counted("bad")
             log.debug("unreadable KV events from {where}: {error}", where=self.where, error=error)
+        self._read()
+
+    def _read(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for done in waiting:
+            done.callback(None)
+
+    def read(self) -> Deferred[None]:
+        """Fires once the next message (live, or a replay's end) has been taken in."""
+        done: Deferred[None] = Deferred()
+        self._waiting.append(done)
+        return done
 
     def _ask(self, first: int) -> None:
         if self.replayer is not None:
@@ -113,6 +128,7 @@ class EventStream:
         raw_seq, payload = parts
         if raw_seq == END_SEQ:
             self.sequencer.replay_ended()
+            self._read()
             return
         try:
             self.sequencer.replayed(sequence(raw_seq), payload)
@@ -225,6 +241,13 @@ class KvEvents(Service):
         if not self.listening(role, url) or self.stale(role, url):
             return None
         return self.matched(role, tokens, [url]).get(url, 0)
+
+    def read(self, role: str, url: str) -> Deferred[None]:
+        """Fires once the instance's next message has been taken in (for tests and operators)."""
+        stream = self.streams.get((role, url))
+        if stream is None:
+            raise KeyError(f"no KV events are read from {role} instance {url}")
+        return stream.read()
 
     def restarted(self, role: str, url: str) -> None:
         """The health loop saw the instance come back up: what it held is gone."""

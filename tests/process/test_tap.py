@@ -14,6 +14,7 @@ from twisted.application.service import IServiceCollection
 from twisted.internet import reactor
 
 import nixl_twisted
+from nixl_twisted.backends.kv_events import KvEvents
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.run.root import ProxyService, build
@@ -32,13 +33,14 @@ def options(*args: str) -> Options:
     return parsed
 
 
-def test_service_tree_has_backends_one_listener_per_endpoint_and_signals() -> None:
+def test_service_tree_has_backends_kv_events_one_listener_per_endpoint_and_signals() -> None:
     service = makeService(
         options("--listen", "tcp:0", "--listen", "tcp:0:interface=127.0.0.1", *POOLS)
     )
     assert IServiceCollection.providedBy(service)
     assert [type(c) for c in service] == [
         BackendService,
+        KvEvents,
         StreamServerEndpointService,
         StreamServerEndpointService,
         SignalService,

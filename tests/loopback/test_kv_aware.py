@@ -1,0 +1,188 @@
+"""kv-aware over real ZeroMQ and HTTP: fakes publish their KV events, the proxy routes on them.
+
+Each fake's publisher tells when the proxy's subscription has arrived
+(``subscribed``) and the proxy tells when it has taken a batch in
+(``KvEvents.read``), so nothing here waits on the wall clock.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.web.http_headers import Headers
+
+from nixl_twisted.testing import FakeVLLM
+from tests.support import ProxyCase
+
+DOCUMENT = "A long shared document about prefill, decode and KV blocks. " * 40
+
+
+def chat(question: str) -> dict[str, Any]:
+    return {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": f"{DOCUMENT}\n{question}"}],
+        "max_tokens": 2,
+    }
+
+
+class KvAwareTests(ProxyCase):
+    timeout = 15
+
+    async def start_kv(self, replay: bool = True, **proxy: object) -> None:
+        await self.start(
+            prefills=2,
+            proxy={"prefill_policy": "kv-aware", "health_interval": 0, **proxy},
+            kv_events=True,
+            kv_replay=replay,
+        )
+        await self.proxy.stop()
+        # The fakes' URLs again, each with where it publishes.
+        urls = [self.published(fake, replay) for fake in self.prefills]
+        self.proxy = self.start_proxy(
+            urls,
+            [f.url for f in self.decodes],
+            prefill_policy="kv-aware",
+            health_interval=0,
+            **proxy,  # type: ignore[arg-type]
+        )
+        self.events = self.proxy.service.backends.kv_events
+        for fake in self.prefills:
+            await fake.subscribed()
+
+    def published(self, fake: FakeVLLM, replay: bool) -> str:
+        url = f"{fake.url}#kv-events={fake.kv_events_port}"
+        return url + (f"&kv-replay={fake.kv_replay_port}" if replay else "")
+
+    async def ask(self, body: dict[str, Any]) -> dict[str, Any]:
+        response = await self.http.post(
+            self.proxy.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers=Headers({b"Content-Type": [b"application/json"]}),
+        )
+        answer = json.loads(await response.content())
+        self.assertEqual(response.code, 200, answer)
+        return answer
+
+    def prefilled(self) -> list[int]:
+        return [len(fake.requests_for("prefill")) for fake in self.prefills]
+
+    def routes(self, logged: list[dict[str, Any]]) -> list[tuple[str, int | None]]:
+        found = []
+        for event in logged:
+            access = event.get("access")
+            if access and access.get("path") == "/v1/chat/completions":
+                found.append((access.get("prefill_route"), access.get("prefill_matched_tokens")))
+        return found
+
+    async def test_a_prompt_goes_to_the_instance_whose_events_say_it_holds_its_prefix(
+        self,
+    ) -> None:
+        await self.start_kv()
+        logged = self.logged()
+        first = self.prefilled()
+        reading = [self.events.read("prefill", self.proxy_url(f)) for f in self.prefills]
+        await self.ask(chat("What is it about?"))
+        home = next(i for i, n in enumerate(self.prefilled()) if n > first[i])
+        await reading[home]  # its BlockStored taken in
+        blocks = self.events.index("prefill").blocks(self.proxy_url(self.prefills[home]))
+        self.assertGreater(blocks, 0)
+        for question in ("Why?", "Who uses it?", "How fast is it?"):
+            await self.ask(chat(question))
+        self.assertEqual(self.prefilled()[home], 4)
+        routes = self.routes(logged)
+        self.assertEqual(routes[0], ("no_match", 0))
+        for decision, held in routes[1:]:
+            self.assertEqual(decision, "kv_match")
+            self.assertGreaterEqual(held or 0, 128)  # at least one whole block of 128
+        # What vLLM's own counters say: every later prompt hit the blocks where routed.
+        self.assertGreater(self.prefills[home].cache.hits, 0)
+
+    def proxy_url(self, fake: FakeVLLM) -> str:
+        return fake.url
+
+    async def test_a_gap_is_replayed_and_the_index_stays_whole(self) -> None:
+        await self.start_kv()
+        target = self.prefills[0]
+        url = self.proxy_url(target)
+        publisher = target.kv_publisher
+        assert publisher is not None
+        reading = self.events.read("prefill", url)
+        target.cache.compute(list(range(1000, 1256)))  # 2 blocks, seq 0
+        await reading
+        publisher.skip(1)  # seq 1 is kept for replay but never sent
+        target.cache.compute(list(range(2000, 2128)))
+        reading = self.events.read("prefill", url)
+        target.cache.compute(list(range(3000, 3128)))  # seq 2: the gap is seen
+        await reading
+        self.assertTrue(self.events.stale("prefill", url))  # while the replay is out
+        await self.events.read("prefill", url)  # the replay's end
+        index = self.events.index("prefill")
+        self.assertEqual(
+            [index.matched(list(range(n, n + 128)), [url]).get(url, 0) for n in (2000, 3000)],
+            [128, 128],
+        )
+        self.assertFalse(self.events.stale("prefill", url))
+        self.assertEqual(publisher.replays, 1)
+
+    async def test_without_replay_a_gap_clears_the_instance_and_it_routes_as_cache_aware(
+        self,
+    ) -> None:
+        await self.start_kv(replay=False)
+        target = self.prefills[0]
+        url = self.proxy_url(target)
+        publisher = target.kv_publisher
+        assert publisher is not None
+        reading = self.events.read("prefill", url)
+        target.cache.compute(list(range(1000, 1256)))
+        await reading
+        publisher.skip(1, keep=False)
+        target.cache.compute(list(range(2000, 2128)))
+        reading = self.events.read("prefill", url)
+        target.cache.compute(list(range(3000, 3128)))
+        await reading
+        self.assertTrue(self.events.stale("prefill", url))
+        index = self.events.index("prefill")
+        self.assertEqual(index.matched(list(range(1000, 1256)), [url]), {})
+        logged = self.logged()
+        await self.ask(chat("And now?"))
+        self.assertEqual(self.routes(logged)[0][0], "fallback_stale")
+
+    async def test_a_restarted_publisher_clears_what_the_instance_held(self) -> None:
+        await self.start_kv()
+        target = self.prefills[0]
+        url = self.proxy_url(target)
+        reading = self.events.read("prefill", url)
+        target.cache.compute(list(range(1000, 1256)))
+        await reading
+        target.restart_engine()
+        reading = self.events.read("prefill", url)
+        target.cache.compute(list(range(5000, 5128)))  # seq 0 again
+        await reading
+        index = self.events.index("prefill")
+        self.assertEqual(index.matched(list(range(1000, 1256)), [url]), {})
+        self.assertEqual(index.matched(list(range(5000, 5128)), [url]), {url: 128})
+
+    async def test_an_instance_that_leaves_loses_its_stream_and_its_entries(self) -> None:
+        await self.start_kv()
+        target = self.prefills[0]
+        url = self.proxy_url(target)
+        reading = self.events.read("prefill", url)
+        target.cache.compute(list(range(1000, 1256)))
+        await reading
+        self.proxy.service.backends.prefill.remove(url)
+        self.events.reconcile()
+        self.assertIsNone(self.events.status("prefill", url))
+        self.assertEqual(self.events.index("prefill").blocks(url), 0)
+
+    async def test_a_render_that_fails_routes_as_cache_aware_and_the_request_is_served(
+        self,
+    ) -> None:
+        await self.start_kv()
+        for fake in self.prefills:
+            fake.render_status = 403  # vllm serve without --enable-scale-out
+        logged = self.logged()
+        await self.ask(chat("Still served?"))
+        self.assertEqual(self.routes(logged)[0][0], "fallback_render")
+        warned = [e for e in logged if "cannot render" in str(e.get("log_format", ""))]
+        self.assertEqual(len(warned), 1)
