@@ -75,6 +75,12 @@ async def _serve(
                 writer.write(_head(b"200 OK", b"text/plain", 0))
                 continue
             request = json.loads(body) if body else {}
+            if b"/render " in head[: head.find(b"\r\n")]:  # kv-aware's render: 8 token ids
+                answer = {"request_id": "cmpl-bench", "token_ids": list(range(8))}
+                raw = json.dumps(answer if b"/chat/" in head[:40] else [answer]).encode()
+                writer.write(_head(b"200 OK", b"application/json", len(raw)) + raw)
+                await writer.drain()
+                continue
             kv = request.get("kv_transfer_params") or {}
             if kv.get("do_remote_decode"):
                 writer.write(_head(b"200 OK", b"application/json", len(PREFILL)) + PREFILL)

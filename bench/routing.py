@@ -110,9 +110,17 @@ def serve_fakes(prefills: int, decodes: int, cost: float, slow: bool) -> None:
         for i in range(prefills):
             factor = 4 if slow and i == 0 else 1
             fake = FakeVLLM(
-                name=f"prefill-{i}", ledger=ledger, tokens=16, prefill_cost_per_token=cost * factor
+                name=f"prefill-{i}",
+                ledger=ledger,
+                tokens=16,
+                prefill_cost_per_token=cost * factor,
+                kv_events=True,
+                kv_replay=True,
             )
-            urls["prefill"].append(await fake.listen("tcp:0:interface=127.0.0.1", reactor))
+            url = await fake.listen("tcp:0:interface=127.0.0.1", reactor)
+            urls["prefill"].append(
+                f"{url}#kv-events={fake.kv_events_port}&kv-replay={fake.kv_replay_port}"
+            )
         for i in range(decodes):
             fake = FakeVLLM(name=f"decode-{i}", ledger=ledger, tokens=16)
             urls["decode"].append(await fake.listen("tcp:0:interface=127.0.0.1", reactor))
@@ -304,6 +312,8 @@ def instances(run: Run, args: argparse.Namespace) -> Iterator[dict[str, list[str
 
 def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     with instances(run, args) as urls, ExitStack() as stack:
+        if run.policy != "kv-aware":  # (only kv-aware reads the events)
+            urls = {role: [u.split("#", 1)[0] for u in found] for role, found in urls.items()}
         proxy_args = [
             "--health-interval",
             "1",
