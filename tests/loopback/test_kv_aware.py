@@ -101,20 +101,22 @@ class KvAwareTests(ProxyCase):
     def proxy_url(self, fake: FakeVLLM) -> str:
         return fake.url
 
+    async def computed(self, fake: FakeVLLM, first: int, count: int) -> None:
+        """Tokens ``first`` on computed on ``fake``, once the proxy has read the batch."""
+        reading = self.events.read("prefill", fake.url)
+        fake.cache.compute(list(range(first, first + count)))
+        await reading
+
     async def test_a_gap_is_replayed_and_the_index_stays_whole(self) -> None:
         await self.start_kv()
         target = self.prefills[0]
         url = self.proxy_url(target)
         publisher = target.kv_publisher
         assert publisher is not None
-        reading = self.events.read("prefill", url)
-        target.cache.compute(list(range(1000, 1256)))  # 2 blocks, seq 0
-        await reading
+        await self.computed(target, 1000, 256)  # 2 blocks, seq 0
         publisher.skip(1)  # seq 1 is kept for replay but never sent
         target.cache.compute(list(range(2000, 2128)))
-        reading = self.events.read("prefill", url)
-        target.cache.compute(list(range(3000, 3128)))  # seq 2: the gap is seen
-        await reading
+        await self.computed(target, 3000, 128)  # seq 2: the gap is seen
         self.assertTrue(self.events.stale("prefill", url))  # while the replay is out
         await self.events.read("prefill", url)  # the replay's end
         index = self.events.index("prefill")
@@ -133,14 +135,10 @@ class KvAwareTests(ProxyCase):
         url = self.proxy_url(target)
         publisher = target.kv_publisher
         assert publisher is not None
-        reading = self.events.read("prefill", url)
-        target.cache.compute(list(range(1000, 1256)))
-        await reading
+        await self.computed(target, 1000, 256)
         publisher.skip(1, keep=False)
         target.cache.compute(list(range(2000, 2128)))
-        reading = self.events.read("prefill", url)
-        target.cache.compute(list(range(3000, 3128)))
-        await reading
+        await self.computed(target, 3000, 128)
         self.assertTrue(self.events.stale("prefill", url))
         index = self.events.index("prefill")
         self.assertEqual(index.matched(list(range(1000, 1256)), [url]), {})
@@ -152,13 +150,9 @@ class KvAwareTests(ProxyCase):
         await self.start_kv()
         target = self.prefills[0]
         url = self.proxy_url(target)
-        reading = self.events.read("prefill", url)
-        target.cache.compute(list(range(1000, 1256)))
-        await reading
+        await self.computed(target, 1000, 256)
         target.restart_engine()
-        reading = self.events.read("prefill", url)
-        target.cache.compute(list(range(5000, 5128)))  # seq 0 again
-        await reading
+        await self.computed(target, 5000, 128)  # seq 0 again
         index = self.events.index("prefill")
         self.assertEqual(index.matched(list(range(1000, 1256)), [url]), {})
         self.assertEqual(index.matched(list(range(5000, 5128)), [url]), {url: 128})
@@ -167,9 +161,7 @@ class KvAwareTests(ProxyCase):
         await self.start_kv()
         target = self.prefills[0]
         url = self.proxy_url(target)
-        reading = self.events.read("prefill", url)
-        target.cache.compute(list(range(1000, 1256)))
-        await reading
+        await self.computed(target, 1000, 256)
         self.proxy.service.backends.prefill.remove(url)
         self.events.reconcile()
         self.assertIsNone(self.events.status("prefill", url))
