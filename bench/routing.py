@@ -365,6 +365,7 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
 
     from nixl_twisted.backends import routing
     from nixl_twisted.backends.pools import BackendPool
+    from nixl_twisted.backends.prompt_keys import routing_for
     from nixl_twisted.config.settings import BY_NAME
 
     pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
@@ -376,7 +377,7 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
     before = tracemalloc.get_traced_memory()[0]
     for n in range(prompts):
         body = {"messages": [{"role": "user", "content": f"distinct prompt {n} " * 20}]}
-        pool.choose(routing=routing.routing_for({"cache-aware"}, 512, None, body))
+        pool.choose(routing=routing_for({"cache-aware"}, 512, None, body))
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return {"prompts": prompts, "entries": len(pool.sent), "retained_bytes": after - before}

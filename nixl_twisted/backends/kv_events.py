@@ -249,12 +249,6 @@ class KvEvents(Service):
             raise KeyError(f"no KV events are read from {role} instance {url}")
         return stream.read()
 
-    def restarted(self, role: str, url: str) -> None:
-        """The health loop saw the instance come back up: what it held is gone."""
-        stream = self.streams.get((role, url))
-        if stream is not None:
-            stream.sequencer.restarted()
-
     def status(self, role: str, url: str) -> dict[str, Any] | None:
         """What /healthcheck and the admin listing say of an instance's events."""
         stream = self.streams.get((role, url))

@@ -242,9 +242,3 @@ class Sequencer:
             self._lost(*pending[0])
             for seq, events in pending[1:]:
                 self._next(seq, events, may_replay=False)
-
-    def restarted(self) -> None:
-        """The health loop saw the instance come back: whatever it held is gone."""
-        self.index.clear(self.url)
-        self.last = None
-        self.pending = None

@@ -21,8 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
-from nixl_twisted.protocol.lowering import JSONObject
+from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,9 @@ class KvAware:
 def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
     if routing.session is None:
         return pool.round_robin(candidates), "no_session"
-    return rendezvous(_utf8(routing.session), candidates)[0], "session"
+    # (A lone surrogate, valid as a JSON escape, not as UTF-8, kept as is.)
+    key = routing.session.encode("utf-8", "surrogatepass")
+    return rendezvous(key, candidates)[0], "session"
 
 
 Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
@@ -270,104 +271,3 @@ class _NoHoldings:
 
 
 NO_HOLDINGS: Holdings = _NoHoldings()
-
-
-#: The most of a chat's leading messages that the key keeps.
-CHAT_KEY_LIMIT = 64 * 1024
-
-
-def prompt_key(body: JSONObject, completion_bytes: int) -> bytes | None:
-    """The leading part of a prompt that every later turn of its conversation repeats.
-
-    Chat: the messages rendered (role, then text) up to the end of the
-    first user message, so that conversations sharing a system prompt still
-    differ (at most ``CHAT_KEY_LIMIT`` bytes). A completion, whose prompt
-    only grows: its first ``completion_bytes`` bytes (a prompt shorter than
-    that fills no cache block worth finding again).
-    """
-    limit = CHAT_KEY_LIMIT
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        parts: list[bytes] = []
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            parts.append(_utf8(f"{_text(message.get('role'))}\n{_text(message.get('content'))}\n"))
-            if message.get("role") == "user":
-                break
-        rendered = b"".join(parts)
-        return rendered[:limit] if rendered else None
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
-        return _utf8(prompt)[:completion_bytes]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        # Token ids: about four bytes of text each.
-        return b",".join(str(t).encode() for t in prompt[: max(1, completion_bytes // 4)])
-    return None
-
-
-def prompt_text(body: JSONObject) -> bytes:
-    """The whole prompt as text, rendered as ``prompt_key`` renders its start (b"": none).
-
-    Chat: every message, role then text. A completion: its prompt; token
-    ids as four bytes each, so a piece is 64 of them.
-    """
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return b"".join(
-            _utf8(f"{_text(m.get('role'))}\n{_text(m.get('content'))}\n")
-            for m in messages
-            if isinstance(m, dict)
-        )
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return _utf8(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return b"".join((t & 0xFFFFFFFF).to_bytes(4, "big") for t in prompt)
-    return b""
-
-
-def _utf8(text: str) -> bytes:
-    """A key's bytes; a lone surrogate (valid as a JSON escape, not as UTF-8) kept as is."""
-    return text.encode("utf-8", "surrogatepass")
-
-
-def _text(content: object) -> str:
-    """The text of a message's field: a string, or its text parts; anything else adds none."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # content parts: the text ones
-        texts = (part.get("text") for part in content if isinstance(part, dict))
-        return "".join(text for text in texts if isinstance(text, str))
-    return ""
-
-
-def routing_for(
-    policies: Collection[str], key_bytes: int, session: bytes | None, body: JSONObject
-) -> Routing:
-    """What a request is routed on, worked out only if one of the ``policies`` in use looks.
-
-    ``session`` is the request's ``X-Session-Id``; ``key_bytes`` the
-    completion prompt bytes that key a conversation (``--cache-key-bytes``).
-    """
-    if not {"cache-aware", "kv-aware", "session"} & set(policies):
-        return NO_ROUTING
-    if "cache-aware" not in policies and "kv-aware" not in policies:
-        return Routing(session=session_key(session, body))
-    rendered = prompt_text(body)
-    prompt = body.get("prompt")
-    ids = isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
-    return Routing(
-        prompt=prompt_key(body, key_bytes),
-        session=session_key(session, body) if "session" in policies else None,
-        chain=pieces(rendered) if rendered else (),
-        prompt_bytes=len(rendered),
-        tokens=tuple(prompt) if ids and isinstance(prompt, list) else None,
-    )
-
-
-def session_key(header: bytes | None, body: JSONObject) -> str | None:
-    if header:
-        return header.decode("utf-8", "replace")
-    user = body.get("user")
-    return user if isinstance(user, str) and user else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 from twisted.internet.defer import CancelledError, ensureDeferred
@@ -26,7 +27,10 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.routing import Routing
+from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, read_body
+from nixl_twisted.config import Disaggregation
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.headers import for_rank
 from nixl_twisted.protocol.lowering import JSONObject
@@ -52,6 +56,18 @@ def token_ids(answer: Any) -> tuple[int, ...] | None:
     return None
 
 
+def wanted(backends: BackendService, rules: Disaggregation) -> BackendPool | None:
+    """The pool to render a prompt with, when anything in use needs its token ids.
+
+    A ``kv-aware`` pool's, or, for the cached-on-decode rule while decode
+    instances' events are read, the decode pool's; None: nothing looks.
+    """
+    for pool in backends.pools():
+        if pool.policy_name == "kv-aware":
+            return pool
+    return backends.decode if rules.uncached and backends.kv_events.streams else None
+
+
 class Renderer:
     """Token ids for prompts, from the render endpoint of an instance of ``pool``."""
 
@@ -62,6 +78,22 @@ class Renderer:
         self._cursor = 0
         #: The last failure, logged once until a render works again.
         self._failing: str | None = None
+
+    async def routed(
+        self,
+        pool: BackendPool,
+        routing: Routing,
+        path: str,
+        body: JSONObject,
+        headers: Headers,
+        timeout: float,
+    ) -> Routing:
+        """``routing`` with the prompt's token ids, or why there are none."""
+        if routing.tokens is not None:
+            return routing
+        ids, why = await self.tokens(pool, path, body, headers, timeout)
+        # (A fresh ``matched``: the one given may be a shared one, ``NO_ROUTING``'s.)
+        return replace(routing, tokens=ids, untokenized=why, matched={})
 
     async def tokens(
         self, pool: BackendPool, path: str, body: JSONObject, headers: Headers, timeout: float

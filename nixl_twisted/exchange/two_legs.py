@@ -10,7 +10,6 @@ off as complete.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -22,7 +21,7 @@ from twisted.web.iweb import IResponse
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
-from nixl_twisted.backends.routing import routing_for
+from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
@@ -47,6 +46,7 @@ from nixl_twisted.exchange.relay import (
     start_response,
 )
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
+from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
@@ -189,18 +189,13 @@ class Exchange:
             await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
 
     async def _legs(self) -> None:
-        wants = [p for p in self.backends.pools() if p.policy_name == "kv-aware"]
-        if self.rules.uncached and self.backends.kv_events.streams:
-            wants.append(self.backends.decode)  # (the cached rule counts exact tokens)
-        if wants and self.routing.tokens is None:
-            ids, why = await self._track(
-                ensureDeferred(
-                    self.legs.renderer.tokens(
-                        wants[0], self.path, self.body, self.headers, self.render_timeout
-                    )
-                )
+        renders = wanted(self.backends, self.rules)
+        if renders is not None:  # (kv-aware, or the cached rule: the prompt's token ids)
+            renderer, timeout = self.legs.renderer, self.render_timeout
+            rendering = renderer.routed(
+                renders, self.routing, self.path, self.body, self.headers, timeout
             )
-            self.routing = replace(self.routing, tokens=ids, untokenized=why)
+            self.routing = await self._track(ensureDeferred(rendering))
         # Decode first: the rules may ask what its instance holds, and a
         # request with no decode instance to go to is refused before prefill runs.
         reserved = reserve(self.backends.decode, self.metrics, self.routing)

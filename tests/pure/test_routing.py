@@ -14,13 +14,8 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.kv_index import KvIndex, Stored
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
-from nixl_twisted.backends.routing import (
-    Routing,
-    load_score,
-    prompt_key,
-    rendezvous,
-    routing_for,
-)
+from nixl_twisted.backends.prompt_keys import prompt_key, routing_for, session_key
+from nixl_twisted.backends.routing import Routing, load_score, rendezvous
 from nixl_twisted.config.settings import POLICIES
 
 
@@ -150,8 +145,8 @@ def test_session_follows_the_session_key_else_rotates() -> None:
     chosen = {pool.choose(routing=Routing(session="alice"))[0] for _ in range(10)}
     assert len(chosen) == 1
     assert pool.choose()[1] == "no_session"
-    assert routing.session_key(b"s-1", {"user": "bob"}) == "s-1"
-    assert routing.session_key(None, {"user": "bob"}) == "bob"
+    assert session_key(b"s-1", {"user": "bob"}) == "s-1"
+    assert session_key(None, {"user": "bob"}) == "bob"
 
 
 def test_every_policy_skips_down_and_draining_instances() -> None:
@@ -168,7 +163,7 @@ def test_every_policy_skips_down_and_draining_instances() -> None:
 
 
 def test_a_request_is_routed_on_what_the_policies_in_use_look_at() -> None:
-    from nixl_twisted.backends.routing import NO_ROUTING, routing_for
+    from nixl_twisted.backends.routing import NO_ROUTING
 
     body = {"prompt": "p" * 100, "user": "u1"}
     assert routing_for({"round-robin", "load"}, 8, b"s1", body) is NO_ROUTING
