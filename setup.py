@@ -35,6 +35,8 @@ setup(
         # vLLM's KV cache events: a ZeroMQ PUB socket, msgpack batches (kv-aware).
         "pyzmq>=25",
         "msgpack>=1.0",
+        # A kubeconfig file, for Kubernetes discovery from outside a cluster.
+        "pyyaml>=6.0",
     ],
     extras_require={
         "demo": ["openai>=1.0"],
@@ -50,6 +52,7 @@ setup(
             "hypothesis>=6.100",
             "mypy>=1.10",
             "mypy-zope>=1.0.5",
+            "types-PyYAML>=6.0",
             "tomli>=2.0",  # lets mypy check the Python 3.10 branch
             "sphinx>=7",
             "myst-parser>=2",

@@ -35,6 +35,10 @@ class Instance:
     #: Where it publishes its KV cache events, as its URL says (``kv-events``,
     #: ``kv-replay``: a port on its host, or ``tcp://HOST:PORT``); else the pool's.
     kv: dict[str, str] = field(default_factory=dict)
+    #: What lists it: ``static`` (the pools' URLs), ``admin`` (the admin API), or a
+    #: discovery source (``dns+http://NAME:PORT``, ``kubernetes:NS/SELECTOR``); it
+    #: drains once none does.
+    sources: set[str] = field(default_factory=set)
 
     @property
     def healthy(self) -> bool:
@@ -59,11 +63,18 @@ class Instance:
         _, _, fragment = self.url.partition("#")
         return int(fragment.removeprefix("rank=")) if fragment else None
 
+    @property
+    def source(self) -> str:
+        """Where it came from: ``static``, ``admin``, ``dns``, ``dnssrv`` or ``kubernetes``."""
+        return min((source_kind(s) for s in self.sources), key=_SOURCE_ORDER.index, default="admin")
+
     def status(self) -> dict[str, Any]:
         """What /healthcheck and the admin API say of this instance."""
         return {
             "url": self.url,
             "rank": self.rank,
+            "source": self.source,
+            "discovered_by": sorted(s for s in self.sources if s not in ("static", "admin")),
             "state": self.state.value,
             "healthy": self.healthy,
             "draining": self.draining,
@@ -85,3 +96,16 @@ class Instance:
             "last_error": self.last_error,
             "load": self.load,
         }
+
+
+#: Where instances come from, the one an instance listed by several shows first.
+_SOURCE_ORDER = ("static", "admin", "dns", "dnssrv", "kubernetes")
+
+
+def source_kind(source: str) -> str:
+    """``static``, ``admin``, ``dns``, ``dnssrv`` or ``kubernetes``, from a source's name."""
+    if source in ("static", "admin"):
+        return source
+    if source.startswith("kubernetes:"):
+        return "kubernetes"
+    return source.split("+", 1)[0]

@@ -34,6 +34,10 @@ log = Logger()
 Report = Callable[[str, str, "str | None"], None]
 
 
+#: The sources of instances given rather than discovered.
+_GIVEN = frozenset({"static", "admin"})
+
+
 class NoHealthyInstance(Exception):
     """Every instance of a pool is draining or was already tried for this leg."""
 
@@ -58,14 +62,16 @@ class BackendPool:
         thresholds: Thresholds = DEFAULT_THRESHOLDS,
         checked: bool = False,
     ) -> None:
-        """``checked``: health checks run, so new instances wait for the first one."""
-        if not urls:
-            raise ValueError(f"the {role} pool needs at least one instance")
+        """``checked``: health checks run, so new instances wait for the first one.
+
+        ``urls``: the instances given (``static``); discovery may add more
+        (``discovered``), and a pool that only discovers starts empty.
+        """
         self.role = role
         self.clock = clock
         self.thresholds = thresholds
         self._initial = State.PENDING if checked else State.UP
-        self.instances = [self._new(name) for url in urls for name in rank_urls(url)]
+        self.instances = [self._new(name, "static") for url in urls for name in rank_urls(url)]
         self._cursor = 0
         #: Set in a worker: outcomes go to the supervisor, which decides.
         self.report: Report | None = None
@@ -80,22 +86,33 @@ class BackendPool:
         self.reads_load = False
         #: cache-aware's memory of which instance was sent which prompt prefix.
         self.sent = SentPrefixes(0)
+        #: Discovery may fill it: an update may leave it empty for a while.
+        self.discovers = False
 
     def configure(self, thresholds: Thresholds, checked: bool) -> None:
         """New health rules; ``checked``: new instances wait for their first check."""
         self.thresholds = thresholds
         self._initial = State.PENDING if checked else State.UP
 
-    def _new(self, url: str) -> Instance:
+    def _new(self, url: str, source: str) -> Instance:
         declared = backend_url(url)
         return Instance(
-            instance_url(declared), self.role, state=self._initial, kv=kv_ports(declared)
+            instance_url(declared),
+            self.role,
+            state=self._initial,
+            kv=kv_ports(declared),
+            sources={source},
         )
 
     @property
     def urls(self) -> tuple[str, ...]:
         """The instances as declared (with their own KV event ports)."""
         return tuple(i.declared for i in self.instances)
+
+    @property
+    def given(self) -> tuple[str, ...]:
+        """The instances given, not discovered: the configuration and the admin API's."""
+        return tuple(i.declared for i in self.instances if not i.draining and i.sources & _GIVEN)
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -123,6 +140,9 @@ class BackendPool:
         ``NoHealthyInstance`` when every instance was tried or is draining.
         """
         candidates = [i for i in self.instances if i not in exclude and self.available(i)]
+        checked = [i for i in candidates if i.state is not State.PENDING]
+        # Checked instances first; only when none is, those still waiting for theirs.
+        candidates = checked or candidates
         panic = not candidates
         if panic:
             candidates = [i for i in self.instances if i not in exclude and not i.draining]
@@ -177,24 +197,64 @@ class BackendPool:
         names = [instance_url(name) for name in rank_urls(url)]
         return [by_url[name] for name in names if name in by_url]
 
-    def add(self, url: str) -> list[Instance]:
+    def add(self, url: str, source: str = "admin") -> list[Instance]:
         """Put an instance (each of its ranks) in rotation; a draining one is taken back."""
-        return self._add(rank_urls(url))
+        return self._add(rank_urls(url), source)
 
-    def _add(self, names: Sequence[str]) -> list[Instance]:
+    def _add(self, names: Sequence[str], source: str, quiet: bool = False) -> list[Instance]:
         """Put these instances (URLs as ``rank_urls`` gives them) in rotation, in order."""
         by_url = self._by_url()
         added = []
         for name in names:
             instance = by_url.get(instance_url(name))
             if instance is None:
-                instance = by_url[instance_url(name)] = self._new(name)
+                instance = by_url[instance_url(name)] = self._new(name, source)
                 self.instances.append(instance)
-                log.info("{role} instance {url} added", role=self.role, url=instance.url)
+                if not quiet:
+                    log.info("{role} instance {url} added", role=self.role, url=instance.url)
             instance.kv = kv_ports(name)  # (a reload may move its events)
+            instance.sources.add(source)
             instance.draining = False
             added.append(instance)
         return added
+
+    def discovered(self, source: str, urls: Sequence[str]) -> tuple[list[Instance], list[Instance]]:
+        """What ``source`` (a DNS name, a selector) lists now: the new join, the vanished drain.
+
+        Only the instances this source listed are touched, and one another
+        source (or the configuration) lists too stays. Never refused: the
+        discovery decides when a source may empty a pool. Returns the
+        instances that joined and those that began draining.
+        """
+        names = [name for url in urls for name in rank_urls(url)]
+        before = [i for i in self.instances if source in i.sources]
+        serving = {i for i in self.instances if not i.draining}
+        listed = [i for n in names if (i := self._listed_by(n, source)) is not None]
+        new = [n for n in names if self._listed_by(n, source) is None]
+        kept = listed + self._add(new, source, quiet=True)
+        joined = [i for i in kept if i not in serving]
+        vanished = [i for i in before if i not in set(kept)]
+        leaving = []
+        for instance in vanished:
+            instance.sources.discard(source)
+            if not instance.sources and not instance.draining:
+                leaving.append(instance)
+        self._leave(leaving, "draining", at_once=False, refuse=False, quiet=True)
+        if joined or leaving:
+            changes = [f"+{i.url}" for i in joined] + [f"-{i.url} draining" for i in leaving]
+            log.info(
+                "{role}: {changes} ({source})",
+                role=self.role,
+                changes=", ".join(changes),
+                source=source,
+                joined=[i.url for i in joined],
+                leaving=[i.url for i in leaving],
+            )
+        return joined, leaving
+
+    def _listed_by(self, name: str, source: str) -> Instance | None:
+        found = self.find(name)
+        return found if found is not None and source in found.sources else None
 
     def _drop(self, leaving: Collection[Instance]) -> None:
         """Take these out of the list in one pass (``list.remove`` each is quadratic)."""
@@ -222,23 +282,42 @@ class BackendPool:
         return instances
 
     def update(self, urls: Sequence[str]) -> None:
-        """Make the pool these URLs: add the new, drain those no longer listed."""
-        if not urls:
-            raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
-        kept = set(self._add([name for url in urls for name in rank_urls(url)]))
-        self._leave([i for i in self.instances if i not in kept], "draining", at_once=False)
+        """Make the given instances these URLs (a reload): add the new, drain the unlisted.
 
-    def _leave(self, leaving: list[Instance], said: str, at_once: bool) -> None:
+        Instances the admin API added count as given: a reload drains them
+        too. Discovered ones stay while their source lists them.
+        """
+        if not urls and not self.discovers:
+            raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
+        kept = set(self._add([name for url in urls for name in rank_urls(url)], "static"))
+        leaving = []
+        for instance in self.instances:
+            if instance not in kept:
+                instance.sources -= _GIVEN
+                if not instance.sources:
+                    leaving.append(instance)
+        self._leave(leaving, "draining", at_once=False, refuse=not self.discovers)
+
+    def _leave(
+        self,
+        leaving: list[Instance],
+        said: str,
+        at_once: bool,
+        refuse: bool = True,
+        quiet: bool = False,
+    ) -> None:
         """The one way instances leave; refused if it would leave no instance in rotation.
 
         No new legs from now; out of the list at once if ``at_once`` or idle,
-        else when their last leg ends (``_released``).
+        else when their last leg ends (``_released``). ``refuse=False``: a
+        discovery's change, which may empty the pool.
         """
         if not leaving:
             return
-        self._refuse_emptying(leaving)
+        if refuse:
+            self._refuse_emptying(leaving)
         for instance in leaving:
-            if at_once or not instance.draining:  # (a reload finds one still draining: said once)
+            if not quiet and (at_once or not instance.draining):  # (a reload: said once)
                 log.info(
                     "{role} instance {url} {said}", role=self.role, url=instance.url, said=said
                 )

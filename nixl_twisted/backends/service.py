@@ -27,6 +27,7 @@ from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.upstream import Upstream, read_body
 from nixl_twisted.config import (
     Disaggregation,
+    DiscoveryConfig,
     Health,
     KvEventsConfig,
     Policies,
@@ -68,6 +69,8 @@ class BackendService(Service):
         self._checks: LoopingCall | None = None
         self._probes: set[Deferred[None]] = set()
         self._first_round = Happened()
+        #: Each discovery source's state (``discovery.Membership.status``), as last told.
+        self.sources: list[dict[str, Any]] = []
         #: vLLM's KV events per instance, for kv-aware (a child service of the root's).
         self.kv_events = KvEvents(
             reactor if reactor is not None else clock, clock, self.pools, 131_072
@@ -95,6 +98,16 @@ class BackendService(Service):
             return pool.drain(change["url"])
         return pool.remove(change["url"])
 
+    def discovered(self, role: str, source: str, urls: tuple[str, ...]) -> None:
+        """What a discovery source lists now: the new join (checked first), the vanished drain."""
+        pool = self.pool(role)
+        if pool is None:
+            return
+        joined, _ = pool.discovered(source, urls)
+        if self.running and self.runs_checks and self.health_interval > 0:
+            for instance in joined:
+                self._check(pool, instance)
+
     def use_policies(self, policies: Policies, rules: Disaggregation | None = None) -> None:
         """Each pool chooses its instances by its policy from now on.
 
@@ -120,10 +133,15 @@ class BackendService(Service):
         defaults = {pool.role: PoolEvents(*config.ports(pool.role)) for pool in self.pools()}
         self.kv_events.configure(defaults, config.max_blocks)
 
-    def use_pools(self, pools: Pools) -> None:
-        """Make each pool these URLs: the new join, those no longer listed drain."""
+    def use_pools(self, pools: Pools, discovery: DiscoveryConfig) -> None:
+        """Make each pool these URLs: the new join, those no longer listed drain.
+
+        A pool with a DNS name or a selector may be left with none given:
+        discovery fills it.
+        """
         for pool in self.pools():
-            pool.update(pools.of(pool.role))
+            pool.discovers = bool(pools.names(pool.role) or discovery.selector(pool.role))
+            pool.update(pools.static(pool.role))
 
     def configure(self, config: ProxyConfig) -> None:
         """A reload: pools, policies, health rules and idle connections as ``config`` says.
@@ -131,7 +149,7 @@ class BackendService(Service):
         New instances join (checked first), those no longer listed drain; a
         new health interval takes effect at once, its first round now.
         """
-        self.use_pools(config.pools)
+        self.use_pools(config.pools, config.discovery)
         self.use_kv_events(config.kv_events)
         self.use_policies(config.policies, config.disaggregation)
         health = config.health

@@ -6,6 +6,7 @@ the frozen ``ProxyConfig`` and its parts, re-exported here.
 
 from nixl_twisted.config.proxy import (
     Disaggregation,
+    DiscoveryConfig,
     Health,
     KvEventsConfig,
     Limits,
@@ -22,6 +23,7 @@ from nixl_twisted.config.sources import ConfigError
 __all__ = [
     "ConfigError",
     "Disaggregation",
+    "DiscoveryConfig",
     "Health",
     "KvEventsConfig",
     "Limits",

@@ -19,19 +19,52 @@ from typing import Any
 from nixl_twisted.config.endpoints import tcp_address
 from nixl_twisted.config.settings import SETTINGS
 from nixl_twisted.config.sources import ConfigError, from_environment, parse, read_file
+from nixl_twisted.config.values import discovered_by
 
 __all__ = ["ConfigError", "ProxyConfig", "resolve"]
 
 
 @dataclass(frozen=True)
 class Pools:
-    """The backend base URLs of each role (checked, normalized, never empty)."""
+    """Each role's members: instances' base URLs, and ``dns+``/``dnssrv+`` names (checked)."""
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
 
     def of(self, role: str) -> tuple[str, ...]:
         return self.prefill if role == "prefill" else self.decode
+
+    def static(self, role: str) -> tuple[str, ...]:
+        """A pool's instances as given, without the names discovery resolves."""
+        return tuple(url for url in self.of(role) if discovered_by(url) is None)
+
+    def names(self, role: str) -> tuple[str, ...]:
+        """A pool's ``dns+`` and ``dnssrv+`` members: names that give instances."""
+        return tuple(url for url in self.of(role) if discovered_by(url) is not None)
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """Where instances come from besides the pools' URLs: DNS names and Kubernetes selectors."""
+
+    prefill_selector: str | None
+    decode_selector: str | None
+    #: The selected pods' namespace (None: the proxy's own, the context's, or default).
+    namespace: str | None
+    #: Each pod's vLLM port: a number or a container port's name.
+    port: str
+    kubeconfig: str | None
+    #: ``HOST:PORT`` of the resolver for dns+ and dnssrv+; None: the system's.
+    dns_server: str | None
+    dns_min_refresh: float
+    dns_max_refresh: float
+    #: Seconds of authoritative "none" before a source's instances drain.
+    grace: float
+    #: Networks and host names discovery and the admin API may add; (): any but metadata.
+    allowed: tuple[str, ...] = ()
+
+    def selector(self, role: str) -> str | None:
+        return self.prefill_selector if role == "prefill" else self.decode_selector
 
 
 @dataclass(frozen=True)
@@ -172,6 +205,7 @@ class ProxyConfig:
     policies: Policies
     disaggregation: Disaggregation
     kv_events: KvEventsConfig
+    discovery: DiscoveryConfig
     timeouts: Timeouts
     retries: Retries
     health: Health
@@ -207,10 +241,18 @@ class ProxyConfig:
         parsed = parse(values, lambda key: f"{key}: ")
         v: dict[str, Any] = {s.name: parsed.get(s.name, s.default) for s in SETTINGS}
         for role in ("prefill", "decode"):
-            if not v[role]:
+            if not v[role] and not v[f"{role}-selector"]:
                 raise ConfigError(
-                    role, f"at least one --{role} URL is required (a vLLM {role} instance)"
+                    role,
+                    f"at least one --{role} URL (or --{role}-selector) is required "
+                    f"(a vLLM {role} instance)",
                 )
+        if v["dns-min-refresh"] > v["dns-max-refresh"]:
+            raise ConfigError(
+                "dns-min-refresh",
+                f"--dns-min-refresh {v['dns-min-refresh']} is more than "
+                f"--dns-max-refresh {v['dns-max-refresh']}",
+            )
         if v["workers"] > 1 and worker is None and None in map(tcp_address, v["listen"]):
             raise ConfigError(
                 "listen", "--workers needs every --listen to be tcp:PORT[:interface=...]"
@@ -276,6 +318,7 @@ _PARTS: dict[str, type] = {
     "policies": Policies,
     "disaggregation": Disaggregation,
     "kv_events": KvEventsConfig,
+    "discovery": DiscoveryConfig,
     "timeouts": Timeouts,
     "retries": Retries,
     "health": Health,

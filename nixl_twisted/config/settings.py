@@ -15,12 +15,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from nixl_twisted.config.values import (
-    backend_url,
+    allowed_backend,
     choice,
     collector_url,
     count,
     endpoint,
     fraction,
+    host_port,
+    label_selector,
+    pool_member,
+    port_or_name,
     port_or_off,
     ratio,
     seconds,
@@ -80,24 +84,116 @@ SETTINGS: tuple[Setting, ...] = (
         "prefill",
         "pools.prefill",
         (),
-        backend_url,
+        pool_member,
         many=True,
         help=(
             "Base URL of a vLLM prefill instance, e.g. http://10.0.0.1:8100 "
-            "(repeatable; at least one); URL#dp=N: N data-parallel ranks behind one "
-            "port, URL#rank=I: one of them."
+            "(repeatable; at least one, or --prefill-selector); URL#dp=N: N data-parallel "
+            "ranks behind one port, URL#rank=I: one of them; dns+http://NAME:PORT: every "
+            "A/AAAA record of NAME, dnssrv+http://_SERVICE._tcp.NAME: every SRV record."
+        ),
+    ),
+    Setting(
+        "prefill-selector",
+        "discovery.prefill_selector",
+        None,
+        label_selector,
+        help=(
+            "Kubernetes label selector of the prefill pods (e.g. app=vllm,role=prefill): "
+            "their Ready pods are the pool's instances, listed and watched."
         ),
     ),
     Setting(
         "decode",
         "pools.decode",
         (),
-        backend_url,
+        pool_member,
         many=True,
         help=(
             "Base URL of a vLLM decode instance, e.g. http://10.0.0.2:8200 "
-            "(repeatable; at least one); URL#dp=N: N data-parallel ranks behind one "
-            "port, URL#rank=I: one of them."
+            "(repeatable; at least one, or --decode-selector); URL#dp=N: N data-parallel "
+            "ranks behind one port, URL#rank=I: one of them; dns+http://NAME:PORT: every "
+            "A/AAAA record of NAME, dnssrv+http://_SERVICE._tcp.NAME: every SRV record."
+        ),
+    ),
+    Setting(
+        "decode-selector",
+        "discovery.decode_selector",
+        None,
+        label_selector,
+        help=(
+            "Kubernetes label selector of the decode pods (e.g. app=vllm,role=decode): "
+            "their Ready pods are the pool's instances, listed and watched."
+        ),
+    ),
+    Setting(
+        "kubernetes-namespace",
+        "discovery.namespace",
+        None,
+        text,
+        help=(
+            "Namespace of the pods the selectors match; unset: the proxy's own (in a "
+            "cluster), else the kubeconfig context's, else default."
+        ),
+    ),
+    Setting(
+        "kubernetes-port",
+        "discovery.port",
+        "8000",
+        port_or_name,
+        help=("Port of each selected pod's vLLM: a number, or a container port's name (http)."),
+    ),
+    Setting(
+        "kubeconfig",
+        "discovery.kubeconfig",
+        None,
+        text,
+        env=("KUBECONFIG",),
+        help=(
+            "kubeconfig file for the selectors outside a cluster (its current context); "
+            "unset in a pod: the service account's token and CA."
+        ),
+    ),
+    Setting(
+        "dns-server",
+        "discovery.dns_server",
+        None,
+        host_port,
+        help=("DNS server (HOST:PORT) that resolves dns+ and dnssrv+ names; unset: the system's."),
+    ),
+    Setting(
+        "dns-min-refresh",
+        "discovery.dns_min_refresh",
+        1.0,
+        seconds,
+        help=("Least seconds between two resolutions of a name, whatever its TTL."),
+    ),
+    Setting(
+        "dns-max-refresh",
+        "discovery.dns_max_refresh",
+        30.0,
+        seconds,
+        help=("Most seconds between two resolutions of a name, whatever its TTL."),
+    ),
+    Setting(
+        "discovery-grace",
+        "discovery.grace",
+        30.0,
+        seconds_or_off,
+        help=(
+            "Seconds a name or selector must answer 'none' (NXDOMAIN, no records, no "
+            "Ready pod) before its instances drain; errors never empty a pool."
+        ),
+    ),
+    Setting(
+        "allowed-backends",
+        "discovery.allowed",
+        (),
+        allowed_backend,
+        many=True,
+        help=(
+            "Networks (10.0.0.0/8) and host names (*.svc.cluster.local) that discovery and "
+            "the admin API may add (repeatable); unset: any but 169.254.169.254."
         ),
     ),
     Setting(
@@ -593,7 +689,9 @@ def default_text(setting: Setting) -> str:
         names = " or ".join(f"${name}" for name in setting.env)
         return names if setting.default is None else f"{names}, else {setting.default}"
     if setting.many:
-        return ", ".join(setting.default) if setting.default else "(required)"
+        if setting.default:
+            return ", ".join(setting.default)
+        return "(required)" if setting.name in ("prefill", "decode") else "(none)"
     if setting.default is None:
         return "(none)"
     if isinstance(setting.default, bool):

@@ -6,6 +6,7 @@ worker's JSON, or a reload) parses to itself.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable
 from typing import Any
@@ -174,6 +175,119 @@ def backend_url(value: object) -> str:
     fragment = [f"{ranks[1]}={int(ranks[2])}"] if ranks else []
     fragment += [f"{name}={kv[name]}" for name in ("kv-events", "kv-replay") if name in kv]
     return f"{base}#{'&'.join(fragment)}" if fragment else base
+
+
+#: The prefixes that make a pool member a name to resolve instead of an instance
+#: (Thanos' notation): every A/AAAA record at the URL's port, or every SRV record.
+DISCOVERY_PREFIXES = ("dns+", "dnssrv+")
+
+
+def pool_member(value: object) -> str:
+    """A pool member: an instance's URL (``backend_url``), or a DNS name that gives instances.
+
+    ``dns+http://NAME:PORT``: each A and AAAA record of NAME is an instance at
+    PORT; ``dnssrv+http://_SERVICE._tcp.NAME``: each SRV record's target and
+    port is one. Path and fragment apply to each instance found.
+    """
+    member = text(value)
+    prefix = next((p for p in DISCOVERY_PREFIXES if member.startswith(p)), None)
+    if prefix is None:
+        return backend_url(member)
+    url = backend_url(member.removeprefix(prefix))
+    port = urlsplit(url).port
+    if prefix == "dns+" and port is None:
+        raise InvalidValue(f"{member!r}: dns+ needs the instances' port, dns+http://NAME:PORT")
+    if prefix == "dnssrv+" and port is not None:
+        raise InvalidValue(f"{member!r}: dnssrv+ takes each port from its SRV record, not the URL")
+    host = urlsplit(url).hostname or ""
+    if _is_address(host):
+        raise InvalidValue(f"{member!r}: {prefix} needs a DNS name, not an address")
+    return prefix + url
+
+
+def discovered_by(member: str) -> str | None:
+    """``dns`` or ``dnssrv`` for a member that is a name to resolve, else None."""
+    prefix = next((p for p in DISCOVERY_PREFIXES if member.startswith(p)), None)
+    return prefix[:-1] if prefix else None
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+#: A Kubernetes label selector as ``kubectl -l`` takes it: equality (``a=b``,
+#: ``a!=b``) and set-based (``a in (x,y)``, ``a notin (x)``, ``a``, ``!a``) terms.
+_LABEL = r"(?:[A-Za-z0-9][-A-Za-z0-9_.]*/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+_TERM = re.compile(
+    rf"\s*(?:{_LABEL}\s+(?:in|notin)\s+\(\s*{_VALUE}(?:\s*,\s*{_VALUE})*\s*\)"
+    rf"|{_LABEL}\s*(?:==?|!=)\s*{_VALUE}|!?{_LABEL})\s*(?=,|$)"
+)
+
+
+def label_selector(value: object) -> str:
+    """A Kubernetes label selector, checked term by term, passed to the API as given."""
+    selector = text(value).strip()
+    if not selector:
+        raise InvalidValue("must not be empty (a selector that matches every pod is a mistake)")
+    rest = selector
+    while rest:
+        found = _TERM.match(rest)
+        if found is None or found.end() == 0:
+            raise InvalidValue(f"{selector!r} is not a label selector (e.g. app=vllm,role=prefill)")
+        rest = rest[found.end() :]
+        if rest and not rest.startswith(","):
+            raise InvalidValue(f"{selector!r} is not a label selector (e.g. app=vllm,role=prefill)")
+        rest = rest[1:]
+    return selector
+
+
+def port_or_name(value: object) -> str:
+    """A container port: a number, or the name the pod gives it (``http``)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    port = text(value)
+    if port.isdigit():
+        if not 1 <= int(port) <= 65535:
+            raise InvalidValue(f"must be a port from 1 to 65535, not {value!r}")
+        return str(int(port))
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?", port) or port.isdigit():
+        raise InvalidValue(f"must be a port number or an IANA port name (http), not {value!r}")
+    return port
+
+
+def host_port(value: object) -> str:
+    """``HOST:PORT`` (``[v6]:PORT``), or ``HOST`` for port 53: a DNS server."""
+    where = text(value)
+    try:
+        parts = urlsplit(f"//{where}")
+        port = parts.port
+    except ValueError:
+        raise InvalidValue(f"{where!r} is not HOST:PORT") from None
+    if not parts.hostname or parts.path or parts.username:
+        raise InvalidValue(f"{where!r} is not HOST:PORT")
+    return f"{parts.netloc.rsplit(':', 1)[0] if port else parts.netloc}:{port or 53}"
+
+
+def allowed_backend(value: object) -> str:
+    """A network in CIDR notation (an address alone is /32 or /128), or a host name.
+
+    A name starting with ``*.`` allows every name under it.
+    """
+    allowed = text(value).strip().lower()
+    try:
+        return str(ipaddress.ip_network(allowed, strict=False))
+    except ValueError:
+        pass
+    name = allowed.removeprefix("*.")
+    labels = name.rstrip(".").split(".")
+    if not name or not all(re.fullmatch(r"[a-z0-9_]([-a-z0-9_]*[a-z0-9])?", x) for x in labels):
+        raise InvalidValue(f"{value!r} is neither a network (10.0.0.0/8) nor a host name")
+    return allowed.rstrip(".")
 
 
 def _kv_where(url: str, where: str) -> str:

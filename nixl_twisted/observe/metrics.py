@@ -7,7 +7,8 @@ prompt is never a label.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import (
@@ -19,7 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -55,9 +56,15 @@ class _InstanceHealth(Collector):
     supervisor's verdict (the same in every worker), legs in flight its own.
     """
 
-    def __init__(self, pools: Iterable[BackendPool], events: KvStatus | None = None) -> None:
+    def __init__(
+        self,
+        pools: Iterable[BackendPool],
+        events: KvStatus | None = None,
+        sources: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
+    ) -> None:
         self._pools = list(pools)
         self._events = events
+        self._sources = sources
 
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
@@ -87,7 +94,27 @@ class _InstanceHealth(Collector):
             "cleared after one it could not fill.",
             labels=["pool", "instance"],
         )
+        discovered = GaugeMetricFamily(
+            "nixlproxy_discovered_instances",
+            "Instances in rotation (not draining) by where they came from: static, admin, dns, "
+            "dnssrv, kubernetes.",
+            labels=["pool", "source"],
+        )
+        errors = CounterMetricFamily(
+            "nixlproxy_discovery_errors",
+            "Lookups and watches that failed (the last known instances were kept), by source.",
+            labels=["pool", "source"],
+        )
+        failed: dict[tuple[str, str], float] = {}
+        for said in self._sources() if self._sources is not None else ():
+            key = (str(said["pool"]), str(said["source"]))
+            failed[key] = failed.get(key, 0.0) + float(said["errors"])
+        for (role, kind), count in failed.items():
+            errors.add_metric([role, kind], count)
         for pool in self._pools:
+            kinds = Tally(i.source for i in pool.instances if not i.draining)
+            for kind, count in kinds.items():
+                discovered.add_metric([pool.role, kind], float(count))
             for instance in pool.instances:
                 labels = [pool.role, instance.url]
                 events = self._events.status(pool.role, instance.url) if self._events else None
@@ -104,6 +131,8 @@ class _InstanceHealth(Collector):
         yield load
         yield blocks
         yield stale
+        yield discovered
+        yield errors
 
 
 class MetricsResource(Resource):
@@ -131,10 +160,15 @@ class ProxyMetrics:
         pools: Iterable[BackendPool] = (),
         shared_dir: str | None = None,
         events: KvStatus | None = None,
+        sources: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
     ) -> None:
-        """``shared_dir``: a worker's; its /metrics then sums every worker's files there."""
+        """``shared_dir``: a worker's; its /metrics then sums every worker's files there.
+
+        ``sources``: each discovery source's state now (``BackendService.sources``).
+        """
         self._pools = list(pools)
         self._events = events
+        self._sources = sources
         self._shared_dir = shared_dir
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # No ``*_created`` series: one per counter and histogram child, they
@@ -254,7 +288,7 @@ class ProxyMetrics:
             registry=r,
             buckets=TOKEN_BUCKETS,
         )
-        r.register(_InstanceHealth(self._pools, events))
+        r.register(_InstanceHealth(self._pools, events, sources))
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the hot path asks for the same few.
@@ -277,5 +311,5 @@ class ProxyMetrics:
         scrape = CollectorRegistry()
         MultiProcessCollector(scrape, path=self._shared_dir)
         # Health is the supervisor's verdict, the same in every worker: this one's will do.
-        scrape.register(_InstanceHealth(self._pools, self._events))
+        scrape.register(_InstanceHealth(self._pools, self._events, self._sources))
         return generate_latest(scrape)

@@ -11,6 +11,8 @@ worker to its file descriptor 3::
                           {"config": ProxyConfig.to_json()}      SIGHUP's reload
                           {"change": {"op", "pool", "url"}}       made at another worker
                           {"done": N}                             change N reached all
+                          {"discovered": {"pool", "source", "urls"}}  what a source lists
+                          {"sources": [SourceState.status(), ...]}    the sources' states
     worker -> supervisor  {"outcome": {"pool", "url", "failure"}} a leg's outcome
                           {"change": {...}, "id": N}              an admin API change
 """
@@ -94,16 +96,42 @@ class Coordinator:
     def __init__(self, backends: BackendService, peers: Callable[[], Iterable[Peer]]) -> None:
         self.backends = backends
         self._peers = peers
+        #: What each discovery source lists now, for workers started later.
+        self._discovered: dict[tuple[str, str], tuple[str, ...]] = {}
         for pool in backends.pools():
             pool.on_change = self._health_changed
 
     def welcome(self, worker: Peer) -> None:
-        """What a new worker is told first: every instance's health as it stands."""
+        """What a new worker is told first: what each source lists, every instance's health."""
+        for (role, source), urls in self._discovered.items():
+            worker.send({"discovered": {"pool": role, "source": source, "urls": list(urls)}})
+        if self.backends.sources:
+            worker.send({"sources": self.backends.sources})
         worker.send({"health": [i.health() for p in self.backends.pools() for i in p.instances]})
 
-    def pools(self) -> Pools:
-        """The pools as they are now (what a restarted worker starts with)."""
-        return Pools(self.backends.prefill.urls, self.backends.decode.urls)
+    def pools(self, names: Pools | None = None) -> Pools:
+        """The instances given now, and the DNS names (what a restarted worker starts with).
+
+        Discovered instances are not in it: ``welcome`` tells each worker
+        what every source lists, so that they stay discovered (and drain
+        when their source stops listing them).
+        """
+        prefill, decode = self.backends.prefill.given, self.backends.decode.given
+        if names is not None:
+            prefill, decode = prefill + names.names("prefill"), decode + names.names("decode")
+        return Pools(prefill, decode)
+
+    def discovered(self, role: str, source: str, urls: tuple[str, ...]) -> None:
+        """A source lists these now (applied here already): every worker applies it too."""
+        if urls:
+            self._discovered[(role, source)] = urls
+        else:
+            self._discovered.pop((role, source), None)
+        self._send_all({"discovered": {"pool": role, "source": source, "urls": list(urls)}})
+
+    def sources(self, status: list[dict[str, Any]]) -> None:
+        """The sources' states changed: every worker's /healthcheck and /metrics say it."""
+        self._send_all({"sources": status})
 
     def received(self, origin: Peer, message: Message) -> None:
         if "outcome" in message:
@@ -222,6 +250,12 @@ class SupervisorLink(Service):
             log.info("configuration reloaded from the supervisor")
         elif "change" in message:
             _apply(self.backends, message["change"], "worker")
+        elif "discovered" in message:
+            found = message["discovered"]
+            urls = tuple(str(url) for url in found["urls"])
+            self.backends.discovered(str(found["pool"]), str(found["source"]), urls)
+        elif "sources" in message:
+            self.backends.sources = list(message["sources"])
         elif "done" in message:
             waiting = self._waiting.pop(message["done"], None)
             if waiting is not None:

@@ -5,6 +5,8 @@ is resolved here, once, and handed down. The tree::
 
     ProxyService              stops in one order: accept, drain, close, backends
     ├── BackendService        pools, health checks, the pooled HTTP client
+    ├── KvEvents              vLLM's KV events, when an instance publishes them
+    ├── Discovery             DNS names and Kubernetes selectors (not in a worker)
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
     ├── Tracing               when tracing is on: flushes queued spans at stop
@@ -34,6 +36,7 @@ from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, pooled_upstream
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.events import Happened
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.observe import tracing
@@ -81,6 +84,8 @@ class ProxyService(ProcessTree):
         self._ports_closed = Happened()
         self._stopped: Happened | None = None
         backends.setServiceParent(self)
+        #: Finds the instances of DNS names and selectors (not in a worker: its supervisor does).
+        self.discovery: Discovery | None = None
 
     def privilegedStartService(self) -> None:
         """Bind every port now (before twistd sheds privileges); one that cannot be, one line."""
@@ -121,6 +126,8 @@ class ProxyService(ProcessTree):
         for site in {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}:
             site.configure(config)
         self.backends.configure(config)
+        if self.discovery is not None:
+            self.discovery.configure(config)
         super().reconfigure(config)
 
     def stopService(self) -> Deferred[None]:
@@ -214,8 +221,8 @@ def backend_service(
     thresholds = Thresholds.of(health)
     checked = health.interval > 0
     backends = BackendService(
-        BackendPool("prefill", config.pools.prefill, clock, thresholds, checked),
-        BackendPool("decode", config.pools.decode, clock, thresholds, checked),
+        BackendPool("prefill", config.pools.static("prefill"), clock, thresholds, checked),
+        BackendPool("decode", config.pools.static("decode"), clock, thresholds, checked),
         legs,
         clock,
         health,
@@ -223,9 +230,21 @@ def backend_service(
         runs_checks=run_checks,
         reactor=reactor,
     )
+    for pool in backends.pools():
+        names, selector = config.pools.names(pool.role), config.discovery.selector(pool.role)
+        pool.discovers = bool(names or selector)
     backends.use_kv_events(config.kv_events)
     backends.use_policies(config.policies, config.disaggregation)
     return backends
+
+
+def discovery(
+    config: ProxyConfig, reactor: Any, clock: IReactorTime, backends: BackendService
+) -> Discovery:
+    """The DNS names and selectors of ``config``, found and applied to ``backends``' pools."""
+    found = Discovery(reactor, clock, backends)
+    found.configure(config)
+    return found
 
 
 def build(
@@ -250,7 +269,10 @@ def build(
     # A worker's pools take their health from the supervisor, which checks.
     backends = backend_service(config, reactor, clock, agent, run_checks=not shared)
     metrics = ProxyMetrics(
-        backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None, backends.kv_events
+        backends.pools(),
+        os.environ.get(METRICS_DIR_ENV) if shared else None,
+        backends.kv_events,
+        lambda: backends.sources,
     )
     backends.kv_events.counted = lambda role, url, kind: metrics.child(
         metrics.kv_events, role, url, kind
@@ -272,6 +294,9 @@ def build(
     )
     root = ProxyService(config, app, site, backends, reactor, clock)
     backends.kv_events.setServiceParent(root)
+    if not shared:  # (a worker's supervisor discovers for all)
+        root.discovery = discovery(config, reactor, clock, backends)
+        root.discovery.setServiceParent(root)
     if traces.enabled:
         traces.setServiceParent(root)
     for description in config.listen:

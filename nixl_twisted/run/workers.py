@@ -47,7 +47,7 @@ from nixl_twisted.run.coordination import (
     encode,
 )
 from nixl_twisted.run.ports import cannot_listen, shared_socket
-from nixl_twisted.run.root import backend_service
+from nixl_twisted.run.root import backend_service, discovery
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import ProcessTree
 
@@ -126,6 +126,10 @@ class WorkerSupervisor(Service):
         self.reactor = reactor
         self.workers: dict[int, _Worker] = {}
         self.coordinator = Coordinator(backends, lambda: list(self.workers.values()))
+        #: The supervisor discovers once, for all: each change goes to every worker.
+        self.discovery = discovery(config, reactor, reactor, backends)
+        self.discovery.publish = self.coordinator.discovered
+        self.discovery.on_status = self.coordinator.sources
         self._reserved: list[socket.socket] = []
         self._listen: tuple[str, ...] = ()
         self._metrics_listen: str | None = None
@@ -181,7 +185,7 @@ class WorkerSupervisor(Service):
     def _spawn(self, number: int) -> None:
         if not self.running:
             return
-        current = replace(self.config, pools=self.coordinator.pools())
+        current = replace(self.config, pools=self.coordinator.pools(self.config.pools))
         config = current.for_worker(number, self._listen, self._metrics_listen)
         worker = _Worker(self, number, config.to_json())
         self.workers[number] = worker
@@ -212,6 +216,7 @@ class WorkerSupervisor(Service):
         """A reload: pools and health checks applied here, each worker sent its configuration."""
         self.config = config
         self.coordinator.backends.configure(config)
+        self.discovery.configure(config)
         for worker in self.workers.values():
             mine = config.for_worker(worker.number, self._listen, self._metrics_listen)
             worker.send({"config": mine.to_json()})
@@ -250,6 +255,7 @@ class SupervisorService(ProcessTree):
         if take_signals:  # first: its handlers go in before any worker is spawned
             SignalService(reactor, self.reload).setServiceParent(self)
         backends.setServiceParent(self)  # stopped after the workers
+        supervisor.discovery.setServiceParent(self)
         supervisor.setServiceParent(self)
 
     def reconfigure(self, config: ProxyConfig) -> None:

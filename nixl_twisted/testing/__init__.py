@@ -10,6 +10,8 @@
 - :func:`start_pair`, :func:`start_proxy` and :func:`run_proxy`
   (``harness``) put a real proxy before fakes on loopback, and
   :class:`InMemoryProxy` (``memory``) the same proxy wholly in memory;
+- :class:`FakeDns` (``dns``) answers A, AAAA and SRV queries on loopback,
+  its records changed while it runs;
 - :class:`FakeCollector` (``collector``) receives OTLP/HTTP trace exports
   and decodes their spans;
 - :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
@@ -22,6 +24,7 @@ Serve fakes from a shell with ``python -m nixl_twisted.testing --prefills N
 from nixl_twisted.testing.behaviours import Behaviour, ErrorAnswer, RawAnswer
 from nixl_twisted.testing.cluster import FakeCluster, start_cluster
 from nixl_twisted.testing.collector import FakeCollector, ReceivedSpan
+from nixl_twisted.testing.dns import FakeDns
 from nixl_twisted.testing.fake import FakeVLLM, ReceivedRequest
 from nixl_twisted.testing.harness import (
     FakePair,
@@ -41,6 +44,7 @@ __all__ = [
     "ErrorAnswer",
     "FakeCluster",
     "FakeCollector",
+    "FakeDns",
     "FakePair",
     "FakeSite",
     "FakeVLLM",

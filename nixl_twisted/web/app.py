@@ -131,6 +131,7 @@ class ProxyApp:
                     pool.role: [self.backends.status(i) for i in pool.instances]
                     for pool in self.backends.pools()
                 },
+                "sources": self.backends.sources,
             }
         ).encode("utf-8")
 

@@ -171,7 +171,7 @@ def test_a_missing_pool_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     )
     assert result.returncode != 0
     output = result.stdout + result.stderr
-    assert "at least one --prefill URL is required" in output
+    assert "at least one --prefill URL (or --prefill-selector) is required" in output
     assert "Traceback" not in output
 
 
@@ -182,7 +182,7 @@ def test_a_usage_error_prints_the_error_and_a_hint_not_the_whole_help(tmp_path: 
     assert result.returncode != 0
     output = (result.stdout + result.stderr).strip().splitlines()
     assert len(output) <= 5, output
-    assert "at least one --decode URL is required" in output[-1]
+    assert "at least one --decode URL (or --decode-selector) is required" in output[-1]
     assert any("twistd nixlproxy --help" in line for line in output)
 
 

@@ -121,8 +121,14 @@ def test_the_command_line_wins(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--decode", "http://d:1"], "at least one --prefill URL is required"),
-        (["--prefill", "http://p:1"], "at least one --decode URL is required"),
+        (
+            ["--decode", "http://d:1"],
+            "at least one --prefill URL (or --prefill-selector) is required",
+        ),
+        (
+            ["--prefill", "http://p:1"],
+            "at least one --decode URL (or --decode-selector) is required",
+        ),
         (["--prefill", "p1:8100", "--decode", "http://d:1"], "--prefill 'p1:8100' must start"),
         (["--prefill", "http://p:1", "--decode", "http://d:x"], "--decode 'http://d:x'"),
         ([*POOLS, "--listen", "bogus:1"], "--listen 'bogus:1' is not a usable endpoint"),
@@ -139,7 +145,7 @@ def test_the_command_line_wins(tmp_path: Path) -> None:
 def test_unusable_options_are_usage_errors_naming_the_problem(
     args: list[str], message: str
 ) -> None:
-    with pytest.raises(usage.UsageError, match=message.replace("?", r"\?")):
+    with pytest.raises(usage.UsageError, match=re.escape(message)):
         parse(*args)
 
 

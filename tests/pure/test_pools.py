@@ -31,9 +31,60 @@ def test_round_robin_in_order_and_wraps() -> None:
     assert len(pool) == 3
 
 
-def test_a_pool_needs_an_instance() -> None:
-    with pytest.raises(ValueError, match="at least one"):
-        BackendPool("prefill", [], Clock())
+def test_a_pool_that_only_discovers_starts_empty_and_refuses_legs() -> None:
+    pool = BackendPool("prefill", [], Clock())
+    with pytest.raises(NoHealthyInstance):
+        pool.choose()
+    assert not pool.ready()
+
+
+def test_a_source_adds_its_instances_and_drains_only_those_it_listed() -> None:
+    pool = BackendPool("decode", ["http://static:1"], Clock(), checked=True)
+    joined, leaving = pool.discovered(
+        "dns+http://d.test:1", ["http://10.0.0.1:1", "http://static:1"]
+    )
+    assert [i.url for i in joined] == ["http://10.0.0.1:1"]  # static was serving already
+    assert leaving == []
+    assert {i.url: i.source for i in pool.instances} == {
+        "http://static:1": "static",
+        "http://10.0.0.1:1": "dns",
+    }
+    # Listed no more: the discovered one drains; the static one stays, still given.
+    joined, leaving = pool.discovered("dns+http://d.test:1", [])
+    assert joined == [] and [i.url for i in leaving] == ["http://10.0.0.1:1"]
+    assert pool.given == ("http://static:1",)
+    # Back again: taken back, with no other instance touched.
+    joined, _ = pool.discovered("dns+http://d.test:1", ["http://10.0.0.1:1"])
+    assert [i.url for i in joined] == ["http://10.0.0.1:1"] and not joined[0].draining
+
+
+def test_an_instance_two_sources_list_stays_until_both_drop_it() -> None:
+    pool = BackendPool("decode", [], Clock())
+    pool.discovered("dns+http://a.test:1", ["http://10.0.0.1:1"])
+    pool.discovered("kubernetes:ns/app=x", ["http://10.0.0.1:1"])
+    _, leaving = pool.discovered("dns+http://a.test:1", [])
+    assert leaving == []
+    assert pool.instances[0].source == "kubernetes" and not pool.instances[0].draining
+    _, leaving = pool.discovered("kubernetes:ns/app=x", [])
+    assert [i.url for i in leaving] == ["http://10.0.0.1:1"]
+
+
+def test_a_discovered_instance_waits_for_its_check_while_a_checked_one_serves() -> None:
+    pool = BackendPool("decode", ["http://static:1"], Clock(), checked=True)
+    pool.record_success(pool.instances[0])
+    (new,), _ = pool.discovered("dns+http://d.test:1", ["http://10.0.0.1:1"])
+    assert new.state is State.PENDING
+    assert {pool.choose()[0].url for _ in range(4)} == {"http://static:1"}
+    pool.record_success(new)
+    assert {pool.choose()[0].url for _ in range(4)} == {"http://static:1", "http://10.0.0.1:1"}
+
+
+def test_a_reload_keeps_discovered_instances_and_may_leave_only_them() -> None:
+    pool = BackendPool("decode", ["http://static:1"], Clock())
+    pool.discovers = True
+    pool.discovered("dns+http://d.test:1", ["http://10.0.0.1:1"])
+    pool.update([])
+    assert [(i.url, i.draining) for i in pool.instances] == [("http://10.0.0.1:1", False)]
 
 
 @pytest.mark.parametrize(

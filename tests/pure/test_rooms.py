@@ -28,6 +28,7 @@ ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     ("config", frozenset({"nixl_twisted.config"})),
     ("protocol", frozenset({"nixl_twisted.protocol"})),
     ("backends", frozenset({"nixl_twisted.backends"})),
+    ("discovery", frozenset({"nixl_twisted.discovery"})),
     ("observe", frozenset({"nixl_twisted.observe"})),
     ("exchange", frozenset({"nixl_twisted.exchange"})),
     ("web", frozenset({"nixl_twisted.web"})),

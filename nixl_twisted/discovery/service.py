@@ -1,0 +1,159 @@
+"""``Discovery``: the service that runs the sources and applies what they find.
+
+It matches the running sources to the configuration at start and at each
+reload (a source no longer configured stops, and its instances drain), and
+hands each change to the backends as a reload would (``BackendService.discovered``:
+the new are checked before they take legs, the vanished drain). Under
+``--workers`` only the supervisor runs it; ``publish`` tells the workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from nixl_twisted.backends.allowed import AllowedBackends
+from nixl_twisted.backends.service import BackendService
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.discovery import dns
+from nixl_twisted.discovery.kubernetes import KubernetesSource, source_name
+from nixl_twisted.discovery.membership import Membership
+
+log = Logger()
+
+
+class Source(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Discovery(Service):
+    """Every ``dns+``/``dnssrv+`` member and Kubernetes selector, found and applied."""
+
+    name = "discovery"
+
+    def __init__(self, reactor: Any, clock: IReactorTime, backends: BackendService) -> None:
+        self.reactor = reactor
+        self.clock = clock
+        self.backends = backends
+        self.membership = Membership(clock, self._apply)
+        self.membership.on_status = self._status_changed
+        #: Also told of each change applied: (role, source, urls) (the supervisor's workers).
+        self.publish: Callable[[str, str, tuple[str, ...]], None] | None = None
+        #: Also told when any source's state changed (the supervisor's workers).
+        self.on_status: Callable[[list[dict[str, Any]]], None] | None = None
+        self._sources: dict[tuple[Any, ...], tuple[str, str, Source]] = {}
+        self._config: ProxyConfig | None = None
+        self._resolver: Any = None
+        self._dns_server: str | None = None
+        self._changed: list[Deferred[None]] = []
+        self._noticed: list[Deferred[None]] = []
+
+    def configure(self, config: ProxyConfig) -> None:
+        """The sources ``config`` names run from now on; the others stop (theirs drain)."""
+        self._config = config
+        found = config.discovery
+        self.membership.grace = found.grace
+        self.membership.allowed = AllowedBackends(found.allowed)
+        if self.running:
+            self._reconcile()
+
+    def _wanted(self) -> dict[tuple[Any, ...], tuple[str, str]]:
+        assert self._config is not None
+        config, found = self._config, self._config.discovery
+        wanted: dict[tuple[Any, ...], tuple[str, str]] = {}
+        refresh = (found.dns_min_refresh, found.dns_max_refresh)
+        for role in ("prefill", "decode"):
+            for member in config.pools.names(role):
+                wanted[("dns", role, member, found.dns_server, refresh)] = (role, member)
+            selector = found.selector(role)
+            if selector is not None:
+                key = ("kubernetes", role, selector, found.namespace, found.port, found.kubeconfig)
+                wanted[key] = (role, source_name(found.namespace, selector))
+        return wanted
+
+    def _reconcile(self) -> None:
+        wanted = self._wanted()
+        still = set(wanted.values())
+        for key in [k for k in self._sources if k not in wanted]:
+            role, source, running = self._sources.pop(key)
+            running.stop()
+            if (role, source) not in still:  # (else it only resolves differently now)
+                self.membership.forget(role, source)
+        for key, (role, source) in wanted.items():
+            if key not in self._sources:
+                made = self._make(key, role, source)
+                self._sources[key] = (role, source, made)
+                made.start()
+
+    def _make(self, key: tuple[Any, ...], role: str, source: str) -> Source:
+        assert self._config is not None
+        found = self._config.discovery
+        if key[0] == "dns":
+            return dns.DnsSource(
+                role,
+                source,
+                self._dns_resolver(found.dns_server),
+                self.clock,
+                self.membership,
+                (found.dns_min_refresh, found.dns_max_refresh),
+            )
+        return KubernetesSource(role, source, found, self.reactor, self.clock, self.membership)
+
+    def _dns_resolver(self, server: str | None) -> Any:
+        if self._resolver is None or server != self._dns_server:
+            if self._resolver is not None:
+                dns.close(self._resolver)
+            self._resolver = dns.resolver(server, self.reactor)
+            self._dns_server = server
+        return self._resolver
+
+    def _apply(self, role: str, source: str, urls: tuple[str, ...]) -> None:
+        self.backends.discovered(role, source, urls)
+        if self.publish is not None:
+            self.publish(role, source, urls)
+        waiting, self._changed = self._changed, []
+        for each in waiting:
+            each.callback(None)
+
+    def _status_changed(self) -> None:
+        status = self.membership.status()
+        self.backends.sources = status
+        if self.on_status is not None:
+            self.on_status(status)
+        waiting, self._noticed = self._noticed, []
+        for each in waiting:
+            each.callback(None)
+
+    def changed(self) -> Deferred[None]:
+        """Fires after the next change is applied to the pools (what tests wait on)."""
+        waiting: Deferred[None] = Deferred()
+        self._changed.append(waiting)
+        return waiting
+
+    def noticed(self) -> Deferred[None]:
+        """Fires after any source's state next changes (an error counted, a grace begun)."""
+        waiting: Deferred[None] = Deferred()
+        self._noticed.append(waiting)
+        return waiting
+
+    def startService(self) -> None:
+        super().startService()
+        if self._config is not None:
+            self._reconcile()
+
+    def stopService(self) -> None:
+        super().stopService()
+        for _, _, running in self._sources.values():
+            running.stop()
+        self._sources.clear()
+        self.membership.stop()
+        if self._resolver is not None:
+            dns.close(self._resolver)
+            self._resolver = None
