@@ -154,6 +154,12 @@ class ErrorCode(enum.Enum):
         _CLIENT,
         'an admin change whose `pool` is not `"prefill"` or `"decode"`',
     )
+    BACKEND_NOT_ALLOWED = (
+        "backend_not_allowed",
+        403,
+        _CLIENT,
+        "an admin change adding an instance `--allowed-backends` does not allow",
+    )
     LAST_INSTANCE = (
         "last_instance",
         409,

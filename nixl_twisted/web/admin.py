@@ -22,6 +22,7 @@ from twisted.web.iweb import IRequest
 
 from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
+from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.config.values import InvalidValue, backend_url
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -37,6 +38,8 @@ class AdminAPI:
         self._token = token.encode("utf-8") if token else None
         #: Tells the other workers of a change (``nixl_twisted.run.coordination``); alone, nobody.
         self.publish: Callable[[dict[str, str]], Deferred[None]] = lambda change: succeed(None)
+        #: Where an instance the API adds may be (``--allowed-backends``).
+        self.allowed = AllowedBackends()
 
     def use_token(self, token: str | None) -> None:
         """The bearer token from now on (a reload); None: there is no admin API."""
@@ -91,6 +94,9 @@ class AdminAPI:
 
     def _change(self, op: str, body: bytes) -> Deferred[dict[str, Any]]:
         pool, url = self._target(body)
+        refusal = self.allowed.refusal(url) if op == "add" else None
+        if refusal is not None:
+            raise ProxyError(ErrorCode.BACKEND_NOT_ALLOWED, refusal)
         try:
             instances = self.backends.apply_change({"op": op, "pool": pool.role, "url": url})
         except PoolChangeRefused as error:

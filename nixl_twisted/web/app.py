@@ -22,6 +22,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
+from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.batch import Batch, PartRequest
@@ -85,6 +86,7 @@ class ProxyApp:
         #: Off when /metrics is served on its own --metrics-listen endpoint.
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
+        self.admin.allowed = AllowedBackends(config.discovery.allowed)
         legs = Legs(backends, clock, metrics)
         self.one_leg = OneLeg(config, legs)
         #: Which decode instance produced each Responses API response.
@@ -101,6 +103,7 @@ class ProxyApp:
         self.exchange_factory.config = config
         self.admission.max_in_flight = config.limits.max_in_flight
         self.admin.use_token(config.admin_token)
+        self.admin.allowed = AllowedBackends(config.discovery.allowed)
 
     def resource(self) -> IResource:
         """The Twisted Web resource that serves this app."""

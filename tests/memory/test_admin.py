@@ -163,6 +163,27 @@ def test_a_url_with_cr_lf_is_refused_unstored_and_never_logged_raw(
     assert not [line for line in lines if "\r" in line or "\n" in line]
 
 
+def test_an_instance_outside_the_allowed_backends_is_refused_and_never_added() -> None:
+    setup = Setup(admin_token=TOKEN, allowed_backends=["10.0.0.0/8", "*.svc.cluster.local"])
+    for url in ("http://192.168.0.9:8200", "http://evil.example:8200"):
+        code, answer = admin(setup, "POST", "/admin/backends", {"pool": "decode", "url": url})
+        assert (code, answer["error"]["code"]) == (403, "backend_not_allowed")
+    code, answer = admin(
+        setup, "POST", "/admin/backends", {"pool": "decode", "url": "http://10.1.2.3:8200"}
+    )
+    assert code == 201 and answer["source"] == "admin"
+    _, listing = admin(setup, "GET", "/admin/backends")
+    assert [i["url"] for i in listing["decode"]] == [setup.decode.url, "http://10.1.2.3:8200"]
+
+
+def test_the_metadata_address_is_never_added_unless_listed() -> None:
+    setup = Setup(admin_token=TOKEN)
+    body = {"pool": "decode", "url": "http://169.254.169.254:80"}
+    code, answer = admin(setup, "POST", "/admin/backends", body)
+    assert (code, answer["error"]["code"]) == (403, "backend_not_allowed")
+    assert "metadata" in answer["error"]["message"]
+
+
 # -- pool updates ----------------------------------------------------------------
 
 

@@ -142,3 +142,38 @@ def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path:
         directory.mkdir()
     remove_stale_metrics(str(tmp_path))
     assert (stale.exists(), live.exists(), other.exists()) == (False, True, True)
+
+
+def test_what_a_source_lists_goes_to_every_worker_and_to_each_new_one() -> None:
+    coordinator, first, second = supervisor()
+    source = "dns+http://decode.test:1"
+    coordinator.discovered("decode", source, (D2,))
+    message = {"discovered": {"pool": "decode", "source": source, "urls": [D2]}}
+    assert first.sent == second.sent == [message]
+    coordinator.backends.sources = [{"pool": "decode", "source": "dns", "errors": 0}]
+    late = Peer()
+    coordinator.welcome(late)
+    assert late.sent[:2] == [message, {"sources": coordinator.backends.sources}]
+    # A restarted worker's configuration: the instances given and the names, not the found.
+    coordinator.backends.decode.discovered(source, (D2,))
+    names = Pools((P,), (D1, "dns+http://decode.test:1"))
+    assert coordinator.pools(names) == Pools((P,), (D1, "dns+http://decode.test:1"))
+    coordinator.discovered("decode", source, ())
+    assert first.sent[-1] == {"discovered": {"pool": "decode", "source": source, "urls": []}}
+    assert coordinator.backends.sources  # (unchanged by a change of membership)
+    newest = Peer()
+    coordinator.welcome(newest)
+    assert not [m for m in newest.sent if "discovered" in m]  # the source lists nothing now
+
+
+def test_a_worker_applies_what_the_supervisor_discovered_and_shows_its_sources() -> None:
+    worker = backends(checked=False)
+    link = SupervisorLink(None, worker, lambda config: None)
+    source = "dns+http://decode.test:1"
+    link.received({"discovered": {"pool": "decode", "source": source, "urls": [D2]}})
+    assert [(i.url, i.source) for i in worker.decode.instances] == [(D1, "static"), (D2, "dns")]
+    link.received({"discovered": {"pool": "decode", "source": source, "urls": []}})
+    assert [i.url for i in worker.decode.instances] == [D1]  # no leg on it: gone at once
+    status = [{"pool": "decode", "source": "dns", "name": source, "errors": 2}]
+    link.received({"sources": status})
+    assert worker.sources == status
