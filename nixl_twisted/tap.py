@@ -83,9 +83,13 @@ class Options(usage.Options):
     def opt_decode(self, url: str) -> None:
         self["decode"].append(url)
 
+    def opt_allowed_backends(self, allowed: str) -> None:
+        self["allowed-backends"].append(allowed)
+
     opt_listen.__doc__ = _help("listen")
     opt_prefill.__doc__ = _help("prefill")
     opt_decode.__doc__ = _help("decode")
+    opt_allowed_backends.__doc__ = _help("allowed-backends")
 
     def opt_version(self) -> None:
         """Print the package's version and the protocol identity, then exit."""
@@ -141,6 +145,7 @@ def makeService(options: Options) -> IService:
     config = options.config
     assert config is not None, "Options.parseOptions makes the configuration"
     startup.preload()  # twistd calls this before it sheds --uid/--gid
+    startup.check_discovery(config, os.environ)
     tree = supervise(config, reactor) if config.workers > 1 else build(config, reactor)
     twistd_options = getattr(options, "parent", None)
     levels = logs.LogLevels(config.log_level)

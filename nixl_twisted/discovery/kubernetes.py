@@ -57,9 +57,9 @@ class WatchFailed(Exception):
     """The API server refused a request, or a watch broke."""
 
 
-def source_name(namespace: str | None, selector: str) -> str:
+def source_name(found: DiscoveryConfig, selector: str) -> str:
     """How a selector is named as a source: ``kubernetes:NAMESPACE/SELECTOR``."""
-    where = kubeconfig.namespace(namespace, None, os.environ) if namespace is None else namespace
+    where = kubeconfig.namespace(found.namespace, found.kubeconfig, os.environ)
     return f"kubernetes:{where}/{selector}"
 
 
@@ -149,8 +149,11 @@ class KubernetesSource:
             except (CancelledError, GeneratorExit):
                 raise
             except Exception as error:
+                # The next try is set before the failure is told: whoever it
+                # wakes finds it scheduled.
+                waiting: Deferred[None] = deferLater(self.clock, backoff)
                 self.membership.failed(self.role, self.source, _reason(error))
-                await deferLater(self.clock, backoff)
+                await waiting
                 backoff = min(BACKOFF_MOST, backoff * 2)
 
     def _client(self) -> tuple[HTTPClient, kubeconfig.ApiAccess]:

@@ -75,7 +75,7 @@ class Discovery(Service):
             selector = found.selector(role)
             if selector is not None:
                 key = ("kubernetes", role, selector, found.namespace, found.port, found.kubeconfig)
-                wanted[key] = (role, source_name(found.namespace, selector))
+                wanted[key] = (role, source_name(found, selector))
         return wanted
 
     def _reconcile(self) -> None:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import codecs
 import importlib
 import resource
+from collections.abc import Mapping
 
 from twisted.logger import Logger
 
 from nixl_twisted import __version__
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.discovery import kubeconfig
 from nixl_twisted.exchange import decide
 from nixl_twisted.logs import lifecycle
 
@@ -85,8 +87,7 @@ def check_descriptors(config: ProxyConfig) -> tuple[int, int]:
 
 def summary(config: ProxyConfig) -> str:
     """One line: the pools, their policies and the limits in effect."""
-    pools, policies, limits, timeouts = (
-        config.pools,
+    policies, limits, timeouts = (
         config.policies,
         config.limits,
         config.timeouts,
@@ -95,14 +96,32 @@ def summary(config: ProxyConfig) -> str:
     interval = config.health.interval
     checks = f"every {interval:g} s" if interval else "off"
     return (
-        f"nixl-twisted {__version__}{workers}: prefill {', '.join(pools.prefill)} "
-        f"({policies.prefill}); decode {', '.join(pools.decode)} ({policies.decode}); "
+        f"nixl-twisted {__version__}{workers}: prefill {_members(config, 'prefill')} "
+        f"({policies.prefill}); decode {_members(config, 'decode')} ({policies.decode}); "
         f"max-in-flight {limits.max_in_flight}, max-connections {limits.max_connections}, "
         f"max-body-size {limits.max_body_size}, retries {config.retries.prefill}/"
         f"{config.retries.decode}, prefill-timeout {timeouts.prefill:g} s, "
         f"decode-timeout {timeouts.decode:g} s, drain-timeout {timeouts.drain:g} s, "
         f"health checks {checks}; {decide.describe(config.disaggregation)}"
     )
+
+
+def _members(config: ProxyConfig, role: str) -> str:
+    """A pool's URLs and DNS names as given, and its selector."""
+    selector = config.discovery.selector(role)
+    named = [*config.pools.of(role), *([f"pods {selector}"] if selector else [])]
+    return ", ".join(named)
+
+
+def check_discovery(config: ProxyConfig, environ: Mapping[str, str]) -> None:
+    """A selector with no way to reach the API server is said at once, not retried forever."""
+    selectors = [config.discovery.selector(role) for role in ("prefill", "decode")]
+    if config.worker is not None or not any(selectors):
+        return
+    try:
+        kubeconfig.access(config.discovery.kubeconfig, environ)
+    except kubeconfig.NoApiAccess as error:
+        raise SystemExit(f"nixlproxy: --prefill-selector/--decode-selector: {error}") from None
 
 
 def announce(config: ProxyConfig) -> None:

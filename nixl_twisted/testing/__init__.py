@@ -12,6 +12,8 @@
   :class:`InMemoryProxy` (``memory``) the same proxy wholly in memory;
 - :class:`FakeDns` (``dns``) answers A, AAAA and SRV queries on loopback,
   its records changed while it runs;
+- :class:`FakeKubernetes` (``kubernetes``) lists and watches pods as the
+  API server does, changed by tests while it runs;
 - :class:`FakeCollector` (``collector``) receives OTLP/HTTP trace exports
   and decodes their spans;
 - :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
@@ -33,6 +35,7 @@ from nixl_twisted.testing.harness import (
     start_pair,
     start_proxy,
 )
+from nixl_twisted.testing.kubernetes import FakeKubernetes
 from nixl_twisted.testing.kv_publisher import KvPublisher
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.memory import InMemoryClient, InMemoryProxy
@@ -45,6 +48,7 @@ __all__ = [
     "FakeCluster",
     "FakeCollector",
     "FakeDns",
+    "FakeKubernetes",
     "FakePair",
     "FakeSite",
     "FakeVLLM",

@@ -20,9 +20,9 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
+from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
-from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.config.values import InvalidValue, backend_url
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError

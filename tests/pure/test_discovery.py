@@ -16,7 +16,7 @@ from nixl_twisted.config.sources import ConfigError
 from nixl_twisted.config.values import InvalidValue, label_selector, pool_member
 from nixl_twisted.discovery import kubeconfig
 from nixl_twisted.discovery.dns import DnsSource
-from nixl_twisted.discovery.kubernetes import instance_url
+from nixl_twisted.discovery.kubernetes import Gone, KubernetesSource, instance_url
 from nixl_twisted.discovery.membership import Membership
 
 Applied = list[tuple[str, str, tuple[str, ...]]]
@@ -310,3 +310,57 @@ def test_in_a_pod_the_service_account_is_used_and_its_token_read_each_time(tmp_p
     assert kubeconfig.in_cluster({}, tmp_path) is None
     with pytest.raises(kubeconfig.NoApiAccess, match="--kubeconfig"):
         kubeconfig.access(None, {})
+
+
+def test_watch_events_move_the_pods_and_the_version_and_410_means_list_again() -> None:
+    clock, applied = Clock(), []
+    found = Membership(clock, lambda *change: applied.append(change), grace=0)
+    config = ProxyConfig.create(
+        prefill=["http://p:1"], decode_selector="app=x", kubernetes_namespace="ns"
+    )
+    source = KubernetesSource("decode", "kubernetes:ns/app=x", config.discovery, None, clock, found)
+    found.add("decode", "kubernetes:ns/app=x")
+    source._event({"type": "ADDED", "object": pod()})
+    assert applied == [("decode", "kubernetes:ns/app=x", ("http://10.1.2.3:8000",))]
+    bookmark = {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "12"}}
+    source._event({"type": "BOOKMARK", "object": bookmark})
+    assert source.version == "12" and len(applied) == 1
+    source._event({"type": "DELETED", "object": pod()})
+    assert applied[-1] == ("decode", "kubernetes:ns/app=x", ())
+    with pytest.raises(Gone):
+        source._event({"type": "ERROR", "object": {"kind": "Status", "code": 410}})
+
+
+def test_the_documented_manifests_grant_list_and_watch_only_and_configure_a_proxy() -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from nixl_twisted.tap import Options
+
+    text = (Path(__file__).parents[2] / "docs" / "discovery.md").read_text()
+    (block,) = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(block)}
+    assert set(documents) == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+    role, binding = documents["Role"], documents["RoleBinding"]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    account = documents["ServiceAccount"]["metadata"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]}
+    ]
+    pod = documents["Deployment"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["name"]
+    args = pod["containers"][0]["args"]
+    options = Options()
+    options.parseOptions(args[args.index("nixlproxy") + 1 :])
+    config = options.config
+    assert config is not None
+    assert config.discovery.selector("prefill") == "app=vllm,role=prefill"
+    assert config.discovery.selector("decode") == "app=vllm,role=decode"
+    assert config.discovery.port == "http"
