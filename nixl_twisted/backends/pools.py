@@ -229,11 +229,17 @@ class BackendPool:
         names = [name for url in urls for name in rank_urls(url)]
         before = [i for i in self.instances if source in i.sources]
         serving = {i for i in self.instances if not i.draining}
-        listed = [i for n in names if (i := self._listed_by(n, source)) is not None]
-        new = [n for n in names if self._listed_by(n, source) is None]
-        kept = listed + self._add(new, source, quiet=True)
-        joined = [i for i in kept if i not in serving]
-        vanished = [i for i in before if i not in set(kept)]
+        by_url = self._by_url()
+        listed, new = [], []
+        for name in names:
+            found = by_url.get(instance_url(name))
+            if found is not None and source in found.sources:
+                listed.append(found)
+            else:
+                new.append(name)
+        kept = set(listed + self._add(new, source, quiet=True))
+        joined = [i for i in self.instances if i in kept and i not in serving]
+        vanished = [i for i in before if i not in kept]
         leaving = []
         for instance in vanished:
             instance.sources.discard(source)
@@ -251,10 +257,6 @@ class BackendPool:
                 leaving=[i.url for i in leaving],
             )
         return joined, leaving
-
-    def _listed_by(self, name: str, source: str) -> Instance | None:
-        found = self.find(name)
-        return found if found is not None and source in found.sources else None
 
     def _drop(self, leaving: Collection[Instance]) -> None:
         """Take these out of the list in one pass (``list.remove`` each is quadratic)."""

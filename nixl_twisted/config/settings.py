@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from nixl_twisted.config.values import (
+    address_port,
     allowed_backend,
     choice,
     collector_url,
     count,
     endpoint,
     fraction,
-    host_port,
     label_selector,
     pool_member,
     port_or_name,
@@ -158,8 +158,10 @@ SETTINGS: tuple[Setting, ...] = (
         "dns-server",
         "discovery.dns_server",
         None,
-        host_port,
-        help=("DNS server (HOST:PORT) that resolves dns+ and dnssrv+ names; unset: the system's."),
+        address_port,
+        help=(
+            "DNS server (ADDRESS:PORT) that resolves dns+ and dnssrv+ names; unset: the system's."
+        ),
     ),
     Setting(
         "dns-min-refresh",

@@ -260,16 +260,19 @@ def port_or_name(value: object) -> str:
     return port
 
 
-def host_port(value: object) -> str:
-    """``HOST:PORT`` (``[v6]:PORT``), or ``HOST`` for port 53: a DNS server."""
+def address_port(value: object) -> str:
+    """``ADDRESS:PORT`` (``[v6]:PORT``), or ``ADDRESS`` for port 53: a DNS server.
+
+    An address, not a name: the resolver's own server cannot need resolving.
+    """
     where = text(value)
     try:
         parts = urlsplit(f"//{where}")
         port = parts.port
     except ValueError:
-        raise InvalidValue(f"{where!r} is not HOST:PORT") from None
-    if not parts.hostname or parts.path or parts.username:
-        raise InvalidValue(f"{where!r} is not HOST:PORT")
+        raise InvalidValue(f"{where!r} is not ADDRESS:PORT") from None
+    if not parts.hostname or parts.path or parts.username or not _is_address(parts.hostname):
+        raise InvalidValue(f"{where!r} is not ADDRESS:PORT (an IP address, e.g. 10.96.0.10:53)")
     return f"{parts.netloc.rsplit(':', 1)[0] if port else parts.netloc}:{port or 53}"
 
 

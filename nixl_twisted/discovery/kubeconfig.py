@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
 from twisted.internet import ssl
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool
 from twisted.web.iweb import IPolicyForHTTPS
@@ -95,6 +94,8 @@ def in_cluster(environ: Mapping[str, str], account: Path = SERVICE_ACCOUNT) -> A
 
 def from_kubeconfig(path: str) -> ApiAccess:
     """The current context of a kubeconfig file; ``NoApiAccess`` says what is wrong with it."""
+    import yaml  # (only a kubeconfig needs it)
+
     file = Path(path.split(os.pathsep, 1)[0]).expanduser()
     try:
         config = yaml.safe_load(file.read_text())

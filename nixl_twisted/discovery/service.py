@@ -10,7 +10,7 @@ the new are checked before they take legs, the vanished drain). Under
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
@@ -20,9 +20,10 @@ from twisted.logger import Logger
 from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.discovery import dns
-from nixl_twisted.discovery.kubernetes import KubernetesSource, source_name
 from nixl_twisted.discovery.membership import Membership
+
+if TYPE_CHECKING:
+    pass
 
 log = Logger()
 
@@ -74,6 +75,8 @@ class Discovery(Service):
                 wanted[("dns", role, member, found.dns_server, refresh)] = (role, member)
             selector = found.selector(role)
             if selector is not None:
+                from nixl_twisted.discovery.kubernetes import source_name
+
                 key = ("kubernetes", role, selector, found.namespace, found.port, found.kubeconfig)
                 wanted[key] = (role, source_name(found, selector))
         return wanted
@@ -94,6 +97,10 @@ class Discovery(Service):
 
     def _make(self, key: tuple[Any, ...], role: str, source: str) -> Source:
         assert self._config is not None
+        # Twisted Names, PyYAML and the sources load only when a source is configured.
+        from nixl_twisted.discovery import dns
+        from nixl_twisted.discovery.kubernetes import KubernetesSource
+
         found = self._config.discovery
         if key[0] == "dns":
             return dns.DnsSource(
@@ -107,6 +114,8 @@ class Discovery(Service):
         return KubernetesSource(role, source, found, self.reactor, self.clock, self.membership)
 
     def _dns_resolver(self, server: str | None) -> Any:
+        from nixl_twisted.discovery import dns
+
         if self._resolver is None or server != self._dns_server:
             if self._resolver is not None:
                 dns.close(self._resolver)
@@ -155,5 +164,7 @@ class Discovery(Service):
         self._sources.clear()
         self.membership.stop()
         if self._resolver is not None:
+            from nixl_twisted.discovery import dns
+
             dns.close(self._resolver)
             self._resolver = None

@@ -23,7 +23,6 @@ from twisted.logger import Logger
 
 from nixl_twisted import __version__
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.discovery import kubeconfig
 from nixl_twisted.exchange import decide
 from nixl_twisted.logs import lifecycle
 
@@ -114,10 +113,18 @@ def _members(config: ProxyConfig, role: str) -> str:
 
 
 def check_discovery(config: ProxyConfig, environ: Mapping[str, str]) -> None:
-    """A selector with no way to reach the API server is said at once, not retried forever."""
+    """Discovery's modules imported (before ``--uid``), when it is configured; and a selector
+    with no way to reach the API server said at once, not retried forever."""
     selectors = [config.discovery.selector(role) for role in ("prefill", "decode")]
-    if config.worker is not None or not any(selectors):
+    names = config.pools.names("prefill") + config.pools.names("decode")
+    if config.worker is not None or not (any(selectors) or names):
         return
+    for name in ("nixl_twisted.discovery.dns", "nixl_twisted.discovery.kubernetes", "yaml"):
+        importlib.import_module(name)
+    if not any(selectors):
+        return
+    from nixl_twisted.discovery import kubeconfig
+
     try:
         kubeconfig.access(config.discovery.kubeconfig, environ)
     except kubeconfig.NoApiAccess as error:

@@ -17,6 +17,7 @@ from twisted.internet import reactor
 from twisted.internet.task import Clock
 from twisted.web.client import Agent, HTTPConnectionPool
 
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.testing import FakeDns, FakeVLLM, TransferLedger
 from tests.support import CHAT, ChunkCollector, ProxyCase, sse_events
@@ -185,7 +186,8 @@ class DnsDiscoveryTests(ProxyCase):
         self.assertEqual([await self.chat() for _ in range(2)], [200] * 2)
         self.assertEqual((len(first.requests), len(second.requests)), (5, 3))
 
-    async def test_errors_keep_the_last_known_instances(self) -> None:
+    async def one_named_decode(self, **settings: Any) -> str:
+        """A decode pool of one name with one A record, and a static prefill; its port."""
         await self.begin()
         (decode,) = await self.fakes_on("127.0.0.1")
         port = decode.url.rsplit(":", 1)[1]
@@ -194,9 +196,16 @@ class DnsDiscoveryTests(ProxyCase):
         self.addCleanup(prefill.stop)
         self.dns.set_addresses("decode.test", ["127.0.0.1"])
         self.proxy = self.start_proxy(
-            [prefill.url], [f"dns+http://decode.test:{port}"], dns_server=self.dns.address
+            [prefill.url],
+            [f"dns+http://decode.test:{port}"],
+            dns_server=self.dns.address,
+            **settings,
         )
         await self.until(lambda: len(self.serving("decode")) == 1)
+        return port
+
+    async def test_errors_keep_the_last_known_instances(self) -> None:
+        port = await self.one_named_decode()
 
         # SERVFAIL: counted and said, the instance kept.
         self.dns.fail("decode.test")
@@ -223,20 +232,7 @@ class DnsDiscoveryTests(ProxyCase):
     test_errors_keep_the_last_known_instances.timeout = 15  # type: ignore[attr-defined]
 
     async def test_nxdomain_empties_the_pool_only_after_the_grace_period(self) -> None:
-        await self.begin()
-        (decode,) = await self.fakes_on("127.0.0.1")
-        port = decode.url.rsplit(":", 1)[1]
-        prefill = FakeVLLM(name="prefill", ledger=self.ledger)
-        await prefill.listen()
-        self.addCleanup(prefill.stop)
-        self.dns.set_addresses("decode.test", ["127.0.0.1"])
-        self.proxy = self.start_proxy(
-            [prefill.url],
-            [f"dns+http://decode.test:{port}"],
-            dns_server=self.dns.address,
-            discovery_grace=10,
-        )
-        await self.until(lambda: len(self.serving("decode")) == 1)
+        port = await self.one_named_decode(discovery_grace=10)
 
         self.dns.remove("decode.test")
         noticed = self.discovery().noticed()
@@ -260,3 +256,32 @@ class DnsDiscoveryTests(ProxyCase):
         await changed
         self.assertEqual(self.serving("decode"), [f"http://127.0.0.1:{port}"])
         self.assertEqual(await self.chat(), 200)
+
+    async def test_a_reload_that_drops_a_name_drains_only_its_instances(self) -> None:
+        await self.begin()
+        (found,) = await self.fakes_on("127.0.0.1")
+        port = found.url.rsplit(":", 1)[1]
+        static = FakeVLLM(name="static", ledger=self.ledger)
+        prefill = FakeVLLM(name="prefill", ledger=self.ledger)
+        for fake in (static, prefill):
+            await fake.listen()
+            self.addCleanup(fake.stop)
+        self.dns.set_addresses("decode.test", ["127.0.0.1"])
+        named = f"dns+http://decode.test:{port}"
+        self.proxy = self.start_proxy(
+            [prefill.url], [static.url, named], dns_server=self.dns.address
+        )
+        await self.until(lambda: len(self.serving("decode")) == 2)
+        config = self.proxy.service.config
+
+        def reloaded(decode: list[str]) -> ProxyConfig:
+            settings = dict(config.settings(), decode=decode)
+            return ProxyConfig.from_settings({k: v for k, v in settings.items() if v is not None})
+
+        self.proxy.service.reconfigure(reloaded([static.url]))
+        self.assertEqual(self.serving("decode"), [static.url])  # (no leg on it: gone at once)
+        self.assertEqual(self.proxy.service.backends.sources, [])
+        self.proxy.service.reconfigure(reloaded([named]))  # the static one drains, the name is back
+        await self.until(lambda: self.serving("decode") == [found.url])
+        self.assertEqual([await self.chat() for _ in range(2)], [200, 200])
+        self.assertEqual((len(static.requests), len(found.requests)), (0, 2))

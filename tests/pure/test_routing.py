@@ -71,6 +71,15 @@ def test_rendezvous_moves_only_the_keys_of_a_removed_instance(key: bytes) -> Non
     assert again is first or first is removed
 
 
+@given(st.binary(min_size=1, max_size=64))
+def test_rendezvous_gives_a_joining_instance_only_the_keys_it_now_ranks_first(key: bytes) -> None:
+    instances = [Instance(f"http://p{i}:1", "prefill") for i in range(4)]
+    first = rendezvous(key, instances)[0]
+    joined = Instance("http://10.0.0.7:1", "prefill")  # (what discovery adds)
+    again = rendezvous(key, [*instances, joined])[0]
+    assert again is first or again is joined
+
+
 def test_cache_aware_keeps_a_conversation_on_one_instance_across_pools_and_processes() -> None:
     opening = [
         {"role": "system", "content": "be brief"},
