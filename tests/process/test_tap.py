@@ -17,6 +17,7 @@ import nixl_twisted
 from nixl_twisted.backends.kv_events import KvEvents
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.run.root import ProxyService, build
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.workers import SupervisorService, WorkerSupervisor
@@ -33,7 +34,9 @@ def options(*args: str) -> Options:
     return parsed
 
 
-def test_service_tree_has_backends_kv_events_one_listener_per_endpoint_and_signals() -> None:
+def test_service_tree_has_backends_events_discovery_a_listener_per_endpoint_signals() -> (
+    None
+):
     service = makeService(
         options("--listen", "tcp:0", "--listen", "tcp:0:interface=127.0.0.1", *POOLS)
     )
@@ -41,6 +44,7 @@ def test_service_tree_has_backends_kv_events_one_listener_per_endpoint_and_signa
     assert [type(c) for c in service] == [
         BackendService,
         KvEvents,
+        Discovery,
         StreamServerEndpointService,
         StreamServerEndpointService,
         SignalService,
@@ -51,7 +55,12 @@ def test_workers_make_a_supervisor_tree() -> None:
     service = makeService(options("--workers", "2", "--listen", "tcp:0", *POOLS))
     assert isinstance(service, SupervisorService)
     # The backends stop after the workers: their health checks serve all of them.
-    assert [type(c) for c in service] == [SignalService, BackendService, WorkerSupervisor]
+    assert [type(c) for c in service] == [
+        SignalService,
+        BackendService,
+        Discovery,
+        WorkerSupervisor,
+    ]
 
 
 def test_ports_are_bound_in_privileged_start_before_privileges_are_shed() -> None:
