@@ -34,9 +34,7 @@ def options(*args: str) -> Options:
     return parsed
 
 
-def test_service_tree_has_backends_events_discovery_a_listener_per_endpoint_signals() -> (
-    None
-):
+def test_service_tree_has_backends_events_discovery_a_listener_per_endpoint_signals() -> None:
     service = makeService(
         options("--listen", "tcp:0", "--listen", "tcp:0:interface=127.0.0.1", *POOLS)
     )
