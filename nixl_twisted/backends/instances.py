@@ -39,6 +39,8 @@ class Instance:
     #: discovery source (``dns+http://NAME:PORT``, ``kubernetes:NS/SELECTOR``); it
     #: drains once none does.
     sources: set[str] = field(default_factory=set)
+    #: The source that first listed it (what it shows once none lists it).
+    came_from: str = "static"
 
     @property
     def healthy(self) -> bool:
@@ -66,7 +68,8 @@ class Instance:
     @property
     def source(self) -> str:
         """Where it came from: ``static``, ``admin``, ``dns``, ``dnssrv`` or ``kubernetes``."""
-        return min((source_kind(s) for s in self.sources), key=_SOURCE_ORDER.index, default="admin")
+        kinds = [source_kind(s) for s in self.sources if s != "retiring"]
+        return min(kinds, key=_SOURCE_ORDER.index, default=source_kind(self.came_from))
 
     def status(self) -> dict[str, Any]:
         """What /healthcheck and the admin API say of this instance."""
@@ -74,7 +77,9 @@ class Instance:
             "url": self.url,
             "rank": self.rank,
             "source": self.source,
-            "discovered_by": sorted(s for s in self.sources if s not in ("static", "admin")),
+            "discovered_by": sorted(
+                s for s in self.sources if s not in ("static", "admin", "retiring")
+            ),
             "state": self.state.value,
             "healthy": self.healthy,
             "draining": self.draining,

@@ -36,6 +36,8 @@ Report = Callable[[str, str, "str | None"], None]
 
 #: The sources of instances given rather than discovered.
 _GIVEN = frozenset({"static", "admin"})
+#: What lists an instance no source lists any more, kept as the pool's last.
+_RETIRING = frozenset({"retiring"})
 
 
 class NoHealthyInstance(Exception):
@@ -88,6 +90,11 @@ class BackendPool:
         self.sent = SentPrefixes(0)
         #: Discovery may fill it: an update may leave it empty for a while.
         self.discovers = False
+        #: Instances the admin API drained or removed: discovery does not take them back
+        #: while their source still lists them.
+        self.withheld: set[str] = set()
+        #: What each discovery source listed last (instance URLs).
+        self._listed: dict[str, set[str]] = {}
 
     def configure(self, thresholds: Thresholds, checked: bool) -> None:
         """New health rules; ``checked``: new instances wait for their first check."""
@@ -102,6 +109,7 @@ class BackendPool:
             state=self._initial,
             kv=kv_ports(declared),
             sources={source},
+            came_from=source,
         )
 
     @property
@@ -199,7 +207,11 @@ class BackendPool:
 
     def add(self, url: str, source: str = "admin") -> list[Instance]:
         """Put an instance (each of its ranks) in rotation; a draining one is taken back."""
-        return self._add(rank_urls(url), source)
+        names = rank_urls(url)
+        self.withheld -= {instance_url(name) for name in names}
+        added = self._add(names, source)
+        self._end_retirement()
+        return added
 
     def _add(self, names: Sequence[str], source: str, quiet: bool = False) -> list[Instance]:
         """Put these instances (URLs as ``rank_urls`` gives them) in rotation, in order."""
@@ -212,21 +224,33 @@ class BackendPool:
                 self.instances.append(instance)
                 if not quiet:
                     log.info("{role} instance {url} added", role=self.role, url=instance.url)
+            if instance.sources == _RETIRING:
+                instance.sources = set()  # (listed again: no longer retiring)
             instance.kv = kv_ports(name)  # (a reload may move its events)
             instance.sources.add(source)
             instance.draining = False
             added.append(instance)
         return added
 
-    def discovered(self, source: str, urls: Sequence[str]) -> tuple[list[Instance], list[Instance]]:
+    def discovered(
+        self, source: str, urls: Sequence[str], retire: bool = False
+    ) -> tuple[list[Instance], list[Instance]]:
         """What ``source`` (a DNS name, a selector) lists now: the new join, the vanished drain.
 
         Only the instances this source listed are touched, and one another
         source (or the configuration) lists too stays. Never refused: the
-        discovery decides when a source may empty a pool. Returns the
+        discovery decides when a source may empty a pool. An instance the
+        admin API drained or removed stays out while the source lists it.
+        ``retire``: the source is no longer configured; if its instances
+        are the last in rotation they stay until another joins. Returns the
         instances that joined and those that began draining.
         """
         names = [name for url in urls for name in rank_urls(url)]
+        listed_now = {instance_url(name) for name in names}
+        self.withheld -= self._listed.pop(source, set()) - listed_now
+        if listed_now:
+            self._listed[source] = listed_now
+        names = [name for name in names if instance_url(name) not in self.withheld]
         before = [i for i in self.instances if source in i.sources]
         serving = {i for i in self.instances if not i.draining}
         by_url = self._by_url()
@@ -245,7 +269,11 @@ class BackendPool:
             instance.sources.discard(source)
             if not instance.sources and not instance.draining:
                 leaving.append(instance)
+        if retire:
+            leaving = self._retire(leaving)
         self._leave(leaving, "draining", at_once=False, refuse=False, quiet=True)
+        if joined:
+            self._end_retirement()
         if joined or leaving:
             changes = [f"+{i.url}" for i in joined] + [f"-{i.url} draining" for i in leaving]
             log.info(
@@ -275,13 +303,44 @@ class BackendPool:
         """No new legs for an instance (each of its ranks); it leaves when its last leg ends."""
         instances = self.find_all(url)
         self._leave(instances, "draining", at_once=False)
+        self.withheld |= {i.url for i in instances}  # (discovery may not take it back)
         return instances
 
     def remove(self, url: str) -> list[Instance]:
         """Take an instance (each of its ranks) out now; legs it serves finish undisturbed."""
         instances = self.find_all(url)
         self._leave(instances, "removed", at_once=True)
+        self.withheld |= {i.url for i in instances}
         return instances
+
+    def _retire(self, leaving: list[Instance]) -> list[Instance]:
+        """Those that may leave now: all, unless they are the last in rotation.
+
+        The last stay (``retiring``) until another instance joins: a reload
+        that swaps a pool's URLs for a name or selector, or renames one, does
+        not leave the pool empty while the new source has not answered yet.
+        """
+        gone = set(leaving)
+        if not leaving or any(
+            i not in gone and not i.draining and i.sources != _RETIRING for i in self.instances
+        ):
+            return leaving
+        for instance in leaving:
+            instance.sources = set(_RETIRING)
+            log.warn(
+                "{role} instance {url} kept until another joins: it is the last in rotation",
+                role=self.role,
+                url=instance.url,
+            )
+        return []
+
+    def _end_retirement(self) -> None:
+        """Another instance is in rotation: the retiring ones drain now."""
+        retiring = [i for i in self.instances if i.sources == _RETIRING and not i.draining]
+        if retiring and any(not i.draining and i.sources != _RETIRING for i in self.instances):
+            for instance in retiring:
+                instance.sources = set()
+            self._leave(retiring, "draining", at_once=False, refuse=False)
 
     def update(self, urls: Sequence[str]) -> None:
         """Make the given instances these URLs (a reload): add the new, drain the unlisted.
@@ -291,14 +350,19 @@ class BackendPool:
         """
         if not urls and not self.discovers:
             raise PoolChangeRefused(f"the {self.role} pool needs at least one instance")
-        kept = set(self._add([name for url in urls for name in rank_urls(url)], "static"))
+        names = [name for url in urls for name in rank_urls(url)]
+        self.withheld -= {instance_url(name) for name in names}
+        kept = set(self._add(names, "static"))
         leaving = []
         for instance in self.instances:
             if instance not in kept:
                 instance.sources -= _GIVEN
                 if not instance.sources:
                     leaving.append(instance)
+        if self.discovers:  # (a discovered pool may be empty now: it keeps its last instead)
+            leaving = self._retire(leaving)
         self._leave(leaving, "draining", at_once=False, refuse=not self.discovers)
+        self._end_retirement()
 
     def _leave(
         self,

@@ -71,6 +71,8 @@ class BackendService(Service):
         self._first_round = Happened()
         #: Each discovery source's state (``discovery.Membership.status``), as last told.
         self.sources: list[dict[str, Any]] = []
+        #: Discovery's failures by pool and kind (``discovery.Membership.counted``).
+        self.discovery_errors: list[dict[str, Any]] = []
         #: vLLM's KV events per instance, for kv-aware (a child service of the root's).
         self.kv_events = KvEvents(
             reactor if reactor is not None else clock, clock, self.pools, 131_072
@@ -98,12 +100,17 @@ class BackendService(Service):
             return pool.drain(change["url"])
         return pool.remove(change["url"])
 
-    def discovered(self, role: str, source: str, urls: tuple[str, ...]) -> None:
-        """What a discovery source lists now: the new join (checked first), the vanished drain."""
+    def discovered(
+        self, role: str, source: str, urls: tuple[str, ...], retire: bool = False
+    ) -> None:
+        """What a discovery source lists now: the new join (checked first), the vanished drain.
+
+        ``retire``: the source is no longer configured (``BackendPool.discovered``).
+        """
         pool = self.pool(role)
         if pool is None:
             return
-        joined, _ = pool.discovered(source, urls)
+        joined, _ = pool.discovered(source, urls, retire)
         if self.running and self.runs_checks and self.health_interval > 0:
             for instance in joined:
                 self._check(pool, instance)

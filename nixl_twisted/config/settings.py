@@ -194,8 +194,9 @@ SETTINGS: tuple[Setting, ...] = (
         allowed_backend,
         many=True,
         help=(
-            "Networks (10.0.0.0/8) and host names (*.svc.cluster.local) that discovery and "
-            "the admin API may add (repeatable); unset: any but 169.254.169.254."
+            "Networks (10.0.0.0/8) that discovery and the admin API may add instances in, and "
+            "host names (*.example.internal) the admin API may (repeatable); unset: any but "
+            "the cloud metadata service."
         ),
     ),
     Setting(

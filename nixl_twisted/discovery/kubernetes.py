@@ -46,6 +46,8 @@ WATCH_SECONDS = 300
 SILENCE = WATCH_SECONDS + 60
 #: Pods asked per page of a list.
 PAGE = 500
+#: Seconds a list (each page, and its body) or a watch's headers may take.
+REQUEST_SECONDS = 30.0
 BACKOFF_LEAST, BACKOFF_MOST = 1.0, 30.0
 
 
@@ -119,6 +121,8 @@ class KubernetesSource:
         self._loop: Deferred[None] | None = None
         self._http: HTTPClient | None = None
         self._access: kubeconfig.ApiAccess | None = None
+        #: The current watch was accepted (then its end or break is no failure to back off).
+        self._watched = False
 
     def start(self) -> None:
         self.running = True
@@ -136,16 +140,24 @@ class KubernetesSource:
             log.failure("Kubernetes discovery stopped", failure)
 
     async def _run(self) -> None:
-        backoff = BACKOFF_LEAST
+        backoff, gone = BACKOFF_LEAST, 0
         while self.running:
+            if self._watched:  # (the last watch was accepted: from the least wait again)
+                backoff, gone = BACKOFF_LEAST, 0
+            started, self._watched = self.clock.seconds(), False
             try:
                 if self.version is None:
                     await self._list()
                 await self._watch()
-                backoff = BACKOFF_LEAST
+                backoff, gone = BACKOFF_LEAST, 0
+                if self.clock.seconds() - started < BACKOFF_LEAST:
+                    await deferLater(self.clock, BACKOFF_LEAST)  # (a server ending at once)
             except Gone:
                 log.info("{source}: resource version too old, listing again", source=self.source)
                 self.version = None
+                gone += 1
+                if gone > 1:  # (a server that keeps saying so is not asked in a loop)
+                    await deferLater(self.clock, min(BACKOFF_MOST, BACKOFF_LEAST * 2**gone))
             except (CancelledError, GeneratorExit):
                 raise
             except Exception as error:
@@ -180,8 +192,11 @@ class KubernetesSource:
         pods: dict[str, dict[str, Any]] = {}
         page: dict[str, str] = {"limit": str(PAGE)}
         while True:
-            response = await http.get(self._url(**page), headers=self._headers())
-            body = await treq.content(response)
+            asked = http.get(self._url(**page), headers=self._headers())
+            response = await asked.addTimeout(REQUEST_SECONDS, self.clock)
+            body = await treq.content(response).addTimeout(REQUEST_SECONDS, self.clock)
+            if response.code == 410:
+                raise Gone()  # (a continue token too old: list from the start)
             if response.code != 200:
                 raise _refused(response, body)
             listing = json.loads(body)
@@ -204,12 +219,16 @@ class KubernetesSource:
             allowWatchBookmarks="true",
             timeoutSeconds=str(WATCH_SECONDS),
         )
-        response: IResponse = await http.get(url, headers=self._headers(), unbuffered=True)
+        asked = http.get(url, headers=self._headers(), unbuffered=True)
+        response: IResponse = await asked.addTimeout(REQUEST_SECONDS, self.clock)
         if response.code == 410:
-            await treq.content(response)
+            await treq.content(response).addTimeout(REQUEST_SECONDS, self.clock)
             raise Gone()
         if response.code != 200:
-            raise _refused(response, await treq.content(response))
+            body = await treq.content(response).addTimeout(REQUEST_SECONDS, self.clock)
+            raise _refused(response, body)
+        self._watched = True
+        self._report()  # (watching again: what is known is current, the source answers)
         events = _Events(self._event, self.clock)
         response.deliverBody(events)
         await events.done

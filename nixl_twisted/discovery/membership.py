@@ -23,8 +23,10 @@ from nixl_twisted.backends.instances import source_kind
 
 log = Logger()
 
-#: (role, source, urls): apply what a source lists now to that pool.
-Apply = Callable[[str, str, tuple[str, ...]], None]
+#: (role, source, urls, retire): apply what a source lists now to that pool;
+#: ``retire``: the source is no longer configured (its last instances stay until
+#: another joins, ``BackendPool.discovered``).
+Apply = Callable[[str, str, tuple[str, ...], bool], None]
 
 
 @dataclass
@@ -35,6 +37,8 @@ class SourceState:
     source: str
     #: What it lists now, as applied to the pool.
     urls: tuple[str, ...] = ()
+    #: What it last answered, before --allowed-backends (applied again when that changes).
+    answered: tuple[str, ...] | None = None
     #: ``starting``, ``ok``, ``failing``, ``emptying`` (grace running) or ``empty``.
     state: str = "starting"
     errors: int = 0
@@ -70,6 +74,8 @@ class Membership:
         self.grace = grace
         self.allowed = allowed if allowed is not None else AllowedBackends()
         self.sources: dict[tuple[str, str], SourceState] = {}
+        #: Failures by pool and kind since start, forgotten sources' included (a counter).
+        self.errors: dict[tuple[str, str], int] = {}
         #: Told of every change of any source's state (the supervisor tells its workers).
         self.on_status: Callable[[], None] | None = None
         #: Told of each failure: (role, kind), for the errors metric.
@@ -86,7 +92,7 @@ class Membership:
         if state.grace is not None and state.grace.active():
             state.grace.cancel()
         if state.urls:
-            self._apply(role, source, ())
+            self._apply(role, source, (), True)
         self._said()
 
     def found(self, role: str, source: str, urls: Sequence[str]) -> None:
@@ -94,6 +100,7 @@ class Membership:
         state = self.sources.get((role, source))
         if state is None:
             return  # forgotten while it was asking
+        state.answered = tuple(urls)
         allowed = tuple(sorted(set(self._allowed(state, urls))))
         was, had = state.state, state.urls
         if state.state == "failing":
@@ -106,7 +113,7 @@ class Membership:
             if state.state != was or state.urls != had:
                 self._said()  # (first: whoever waits for the change then reads this state)
             if allowed != had:
-                self._apply(role, source, allowed)
+                self._apply(role, source, allowed, False)
             return
         if not state.urls or self.grace <= 0:
             self._empty(state)
@@ -132,8 +139,10 @@ class Membership:
             return
         state.errors += 1
         state.last_error = reason
+        kind = (role, source_kind(source))
+        self.errors[kind] = self.errors.get(kind, 0) + 1
         if self.on_error is not None:
-            self.on_error(role, source_kind(source))
+            self.on_error(*kind)
         if state.state != "failing":
             log.warn(
                 "{role}: {source} failed, keeping its {count} known instances: {reason}",
@@ -142,9 +151,24 @@ class Membership:
                 count=len(state.urls),
                 reason=reason,
             )
-            self._stop_grace(state)
+            # (A grace already running goes on: its "none" was the last answer.)
             state.state = "failing"
         self._said()
+
+    def use_allowed(self, allowed: AllowedBackends) -> None:
+        """A new --allowed-backends: each source's last answer applied again through it."""
+        self.allowed = allowed
+        for state in list(self.sources.values()):
+            state.refused.clear()
+            if state.answered is not None:
+                self.found(state.role, state.source, state.answered)
+
+    def counted(self) -> list[dict[str, Any]]:
+        """The failures by pool and kind, for ``nixlproxy_discovery_errors_total``."""
+        return [
+            {"pool": role, "source": kind, "errors": count}
+            for (role, kind), count in sorted(self.errors.items())
+        ]
 
     def status(self) -> list[dict[str, Any]]:
         """Each source's state: what /healthcheck and the workers are told."""
@@ -164,7 +188,7 @@ class Membership:
         if was != "empty" or had:
             self._said()
         if had:
-            self._apply(state.role, state.source, ())
+            self._apply(state.role, state.source, (), False)
 
     def _stop_grace(self, state: SourceState) -> None:
         if state.grace is not None:

@@ -45,10 +45,10 @@ class Discovery(Service):
         self.backends = backends
         self.membership = Membership(clock, self._apply)
         self.membership.on_status = self._status_changed
-        #: Also told of each change applied: (role, source, urls) (the supervisor's workers).
-        self.publish: Callable[[str, str, tuple[str, ...]], None] | None = None
-        #: Also told when any source's state changed (the supervisor's workers).
-        self.on_status: Callable[[list[dict[str, Any]]], None] | None = None
+        #: Also told of each change applied: (role, source, urls, retire) (the workers).
+        self.publish: Callable[[str, str, tuple[str, ...], bool], None] | None = None
+        #: Also told when any source's state changed: (states, failures) (the workers).
+        self.on_status: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None
         self._sources: dict[tuple[Any, ...], tuple[str, str, Source]] = {}
         self._config: ProxyConfig | None = None
         self._resolver: Any = None
@@ -61,7 +61,9 @@ class Discovery(Service):
         self._config = config
         found = config.discovery
         self.membership.grace = found.grace
-        self.membership.allowed = AllowedBackends(found.allowed)
+        allowed = AllowedBackends(found.allowed)
+        if allowed.entries != self.membership.allowed.entries:
+            self.membership.use_allowed(allowed)
         if self.running:
             self._reconcile()
 
@@ -123,19 +125,20 @@ class Discovery(Service):
             self._dns_server = server
         return self._resolver
 
-    def _apply(self, role: str, source: str, urls: tuple[str, ...]) -> None:
-        self.backends.discovered(role, source, urls)
+    def _apply(self, role: str, source: str, urls: tuple[str, ...], retire: bool) -> None:
+        self.backends.discovered(role, source, urls, retire)
         if self.publish is not None:
-            self.publish(role, source, urls)
+            self.publish(role, source, urls, retire)
         waiting, self._changed = self._changed, []
         for each in waiting:
             each.callback(None)
 
     def _status_changed(self) -> None:
-        status = self.membership.status()
+        status, counted = self.membership.status(), self.membership.counted()
         self.backends.sources = status
+        self.backends.discovery_errors = counted
         if self.on_status is not None:
-            self.on_status(status)
+            self.on_status(status, counted)
         waiting, self._noticed = self._noticed, []
         for each in waiting:
             each.callback(None)

@@ -105,12 +105,8 @@ class _InstanceHealth(Collector):
             "Lookups and watches that failed (the last known instances were kept), by source.",
             labels=["pool", "source"],
         )
-        failed: dict[tuple[str, str], float] = {}
         for said in self._sources() if self._sources is not None else ():
-            key = (str(said["pool"]), str(said["source"]))
-            failed[key] = failed.get(key, 0.0) + float(said["errors"])
-        for (role, kind), count in failed.items():
-            errors.add_metric([role, kind], count)
+            errors.add_metric([str(said["pool"]), str(said["source"])], float(said["errors"]))
         for pool in self._pools:
             kinds = Tally(i.source for i in pool.instances if not i.draining)
             for kind, count in kinds.items():
@@ -164,7 +160,7 @@ class ProxyMetrics:
     ) -> None:
         """``shared_dir``: a worker's; its /metrics then sums every worker's files there.
 
-        ``sources``: each discovery source's state now (``BackendService.sources``).
+        ``sources``: discovery's failures by pool and kind (``BackendService.discovery_errors``).
         """
         self._pools = list(pools)
         self._events = events

@@ -11,8 +11,8 @@ worker to its file descriptor 3::
                           {"config": ProxyConfig.to_json()}      SIGHUP's reload
                           {"change": {"op", "pool", "url"}}       made at another worker
                           {"done": N}                             change N reached all
-                          {"discovered": {"pool", "source", "urls"}}  what a source lists
-                          {"sources": [SourceState.status(), ...]}    the sources' states
+                          {"discovered": {"pool", "source", "urls", "retire"}}  a source's
+                          {"sources": [...], "errors": [...]}     the sources' states, failures
     worker -> supervisor  {"outcome": {"pool", "url", "failure"}} a leg's outcome
                           {"change": {...}, "id": N}              an admin API change
 """
@@ -105,8 +105,10 @@ class Coordinator:
         """What a new worker is told first: what each source lists, every instance's health."""
         for (role, source), urls in self._discovered.items():
             worker.send({"discovered": {"pool": role, "source": source, "urls": list(urls)}})
-        if self.backends.sources:
-            worker.send({"sources": self.backends.sources})
+        if self.backends.sources or self.backends.discovery_errors:
+            worker.send(
+                {"sources": self.backends.sources, "errors": self.backends.discovery_errors}
+            )
         worker.send({"health": [i.health() for p in self.backends.pools() for i in p.instances]})
 
     def pools(self, names: Pools | None = None) -> Pools:
@@ -121,17 +123,20 @@ class Coordinator:
             prefill, decode = prefill + names.names("prefill"), decode + names.names("decode")
         return Pools(prefill, decode)
 
-    def discovered(self, role: str, source: str, urls: tuple[str, ...]) -> None:
+    def discovered(
+        self, role: str, source: str, urls: tuple[str, ...], retire: bool = False
+    ) -> None:
         """A source lists these now (applied here already): every worker applies it too."""
         if urls:
             self._discovered[(role, source)] = urls
         else:
             self._discovered.pop((role, source), None)
-        self._send_all({"discovered": {"pool": role, "source": source, "urls": list(urls)}})
+        found = {"pool": role, "source": source, "urls": list(urls), "retire": retire}
+        self._send_all({"discovered": found})
 
-    def sources(self, status: list[dict[str, Any]]) -> None:
+    def sources(self, status: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
         """The sources' states changed: every worker's /healthcheck and /metrics say it."""
-        self._send_all({"sources": status})
+        self._send_all({"sources": status, "errors": errors})
 
     def received(self, origin: Peer, message: Message) -> None:
         if "outcome" in message:
@@ -253,9 +258,11 @@ class SupervisorLink(Service):
         elif "discovered" in message:
             found = message["discovered"]
             urls = tuple(str(url) for url in found["urls"])
-            self.backends.discovered(str(found["pool"]), str(found["source"]), urls)
+            retire = bool(found.get("retire"))
+            self.backends.discovered(str(found["pool"]), str(found["source"]), urls, retire)
         elif "sources" in message:
             self.backends.sources = list(message["sources"])
+            self.backends.discovery_errors = list(message.get("errors") or [])
         elif "done" in message:
             waiting = self._waiting.pop(message["done"], None)
             if waiting is not None:

@@ -52,7 +52,7 @@ def reloaded(config: ProxyConfig, environ: Mapping[str, str]) -> Reload:
     values = {**in_file, **given}
     values.update(from_environment(values, environ))
     for role in ("prefill", "decode"):
-        if role in in_file and not in_file[role]:
+        if role in in_file and not in_file[role] and not values.get(f"{role}-selector"):
             raise ConfigError(role, f"--config {path}: {role!r} must not be empty")
     now = ProxyConfig.from_settings(values, path, config.worker, given)
     old, new = config.settings(), now.settings()

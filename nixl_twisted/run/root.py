@@ -272,7 +272,7 @@ def build(
         backends.pools(),
         os.environ.get(METRICS_DIR_ENV) if shared else None,
         backends.kv_events,
-        lambda: backends.sources,
+        lambda: backends.discovery_errors,
     )
     backends.kv_events.counted = lambda role, url, kind: metrics.child(
         metrics.kv_events, role, url, kind

@@ -8,6 +8,8 @@ at its named container port.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,9 @@ class KubernetesDiscoveryTests(ProxyCase):
         self.prefills = [FakeVLLM(name="prefill", ledger=self.ledger)]
         await self.prefill.listen()
         self.addCleanup(self.prefill.stop)
-        config = Path(self.mktemp())
+        where = Path(tempfile.mkdtemp(prefix="nixlproxy-kubeconfig-"))
+        self.addCleanup(shutil.rmtree, where)
+        config = where / "config"
         config.write_text(
             "apiVersion: v1\nkind: Config\ncurrent-context: test\n"
             "contexts: [{name: test, context: {cluster: fake, user: proxy, namespace: serving}}]\n"

@@ -148,18 +148,22 @@ def test_what_a_source_lists_goes_to_every_worker_and_to_each_new_one() -> None:
     coordinator, first, second = supervisor()
     source = "dns+http://decode.test:1"
     coordinator.discovered("decode", source, (D2,))
-    message = {"discovered": {"pool": "decode", "source": source, "urls": [D2]}}
+    found = {"pool": "decode", "source": source, "urls": [D2]}
+    message = {"discovered": dict(found, retire=False)}
     assert first.sent == second.sent == [message]
     coordinator.backends.sources = [{"pool": "decode", "source": "dns", "errors": 0}]
     late = Peer()
     coordinator.welcome(late)
-    assert late.sent[:2] == [message, {"sources": coordinator.backends.sources}]
+    assert late.sent[:2] == [
+        {"discovered": found},
+        {"sources": coordinator.backends.sources, "errors": []},
+    ]
     # A restarted worker's configuration: the instances given and the names, not the found.
     coordinator.backends.decode.discovered(source, (D2,))
     names = Pools((P,), (D1, "dns+http://decode.test:1"))
     assert coordinator.pools(names) == Pools((P,), (D1, "dns+http://decode.test:1"))
     coordinator.discovered("decode", source, ())
-    assert first.sent[-1] == {"discovered": {"pool": "decode", "source": source, "urls": []}}
+    assert first.sent[-1] == {"discovered": dict(found, urls=[], retire=False)}
     assert coordinator.backends.sources  # (unchanged by a change of membership)
     newest = Peer()
     coordinator.welcome(newest)
@@ -175,5 +179,6 @@ def test_a_worker_applies_what_the_supervisor_discovered_and_shows_its_sources()
     link.received({"discovered": {"pool": "decode", "source": source, "urls": []}})
     assert [i.url for i in worker.decode.instances] == [D1]  # no leg on it: gone at once
     status = [{"pool": "decode", "source": "dns", "name": source, "errors": 2}]
-    link.received({"sources": status})
-    assert worker.sources == status
+    errors = [{"pool": "decode", "source": "dns", "errors": 2}]
+    link.received({"sources": status, "errors": errors})
+    assert (worker.sources, worker.discovery_errors) == (status, errors)

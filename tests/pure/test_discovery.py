@@ -79,7 +79,10 @@ def membership(
     clock = Clock()
     applied: Applied = []
     found = Membership(
-        clock, lambda *change: applied.append(change), grace, AllowedBackends(allowed)
+        clock,
+        lambda role, source, urls, retire: applied.append((role, source, urls)),
+        grace,
+        AllowedBackends(allowed),
     )
     found.add("decode", "dns+http://d.test:1")
     return found, applied, clock
@@ -143,7 +146,12 @@ def test_the_guard_leaves_out_what_it_refuses() -> None:
     [
         ((), "http://169.254.169.254:80", True),
         ((), "http://[fd00:ec2::254]:80", True),
+        ((), "http://[::ffff:169.254.169.254]:80", True),
+        ((), "http://2852039166:80", True),
+        ((), "http://0251.0376.0251.0376:80", True),
+        ((), "http://metadata.google.internal:80", True),
         ((), "http://10.0.0.1:80", False),
+        ((), "http://abc:80", False),
         ((), "http://anything.example:80", False),
         (("169.254.0.0/16",), "http://169.254.169.254:80", True),  # only if listed exactly
         (("169.254.169.254/32",), "http://169.254.169.254:80", False),
@@ -181,7 +189,9 @@ class Answers:
 
 def source(least: float = 1, most: float = 30) -> tuple[DnsSource, Answers, Clock, Applied]:
     clock, answers, applied = Clock(), Answers(), []
-    found = Membership(clock, lambda *change: applied.append(change), 10)
+    found = Membership(
+        clock, lambda role, source, urls, retire: applied.append((role, source, urls)), 10
+    )
     dns_source = DnsSource("decode", "dns+http://d.test:8200", answers, clock, found, (least, most))
     return dns_source, answers, clock, applied
 
@@ -314,7 +324,9 @@ def test_in_a_pod_the_service_account_is_used_and_its_token_read_each_time(tmp_p
 
 def test_watch_events_move_the_pods_and_the_version_and_410_means_list_again() -> None:
     clock, applied = Clock(), []
-    found = Membership(clock, lambda *change: applied.append(change), grace=0)
+    found = Membership(
+        clock, lambda role, source, urls, retire: applied.append((role, source, urls)), grace=0
+    )
     config = ProxyConfig.create(
         prefill=["http://p:1"], decode_selector="app=x", kubernetes_namespace="ns"
     )
@@ -339,8 +351,8 @@ def test_the_documented_manifests_grant_list_and_watch_only_and_configure_a_prox
 
     from nixl_twisted.tap import Options
 
-    text = (Path(__file__).parents[2] / "docs" / "discovery.md").read_text()
-    (block,) = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    text = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kind: Role" in b]
     documents = {doc["kind"]: doc for doc in yaml.safe_load_all(block)}
     assert set(documents) == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
     role, binding = documents["Role"], documents["RoleBinding"]
@@ -364,3 +376,28 @@ def test_the_documented_manifests_grant_list_and_watch_only_and_configure_a_prox
     assert config.discovery.selector("prefill") == "app=vllm,role=prefill"
     assert config.discovery.selector("decode") == "app=vllm,role=decode"
     assert config.discovery.port == "http"
+
+
+def test_a_failure_does_not_stop_a_grace_already_running() -> None:
+    found, applied, clock = membership(grace=10)
+    found.found("decode", "dns+http://d.test:1", ["http://10.0.0.1:1"])
+    found.found("decode", "dns+http://d.test:1", [])
+    found.failed("decode", "dns+http://d.test:1", "timed out")
+    clock.advance(10)
+    assert applied[-1] == ("decode", "dns+http://d.test:1", ())
+
+
+def test_failures_are_counted_for_good_even_once_their_source_is_forgotten() -> None:
+    found, _, _ = membership()
+    found.failed("decode", "dns+http://d.test:1", "timed out")
+    found.forget("decode", "dns+http://d.test:1")
+    assert found.counted() == [{"pool": "decode", "source": "dns", "errors": 1}]
+    assert found.status() == []
+
+
+def test_a_new_allowed_list_applies_to_what_each_source_last_answered() -> None:
+    found, applied, _ = membership(allowed=("10.0.0.0/8",))
+    urls = ["http://10.0.0.1:1", "http://192.168.0.1:1"]
+    found.found("decode", "dns+http://d.test:1", urls)
+    found.use_allowed(AllowedBackends(("10.0.0.0/8", "192.168.0.0/16")))
+    assert applied[-1] == ("decode", "dns+http://d.test:1", tuple(urls))

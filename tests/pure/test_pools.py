@@ -359,3 +359,39 @@ def test_a_reload_says_once_that_an_instance_drains_and_a_removal_is_said_too() 
         globalLogPublisher.removeObserver(observer)
     assert said == ["prefill instance http://b:1 draining", "prefill instance http://b:1 removed"]
     lease.release()
+
+
+def test_an_instance_the_admin_api_drained_stays_out_while_its_source_lists_it() -> None:
+    pool = BackendPool("decode", [], Clock())
+    source = "dns+http://d.test:1"
+    pool.discovered(source, ["http://10.0.0.1:1", "http://10.0.0.2:1"])
+    pool.drain("http://10.0.0.1:1")  # idle: gone at once
+    pool.discovered(source, ["http://10.0.0.1:1", "http://10.0.0.2:1", "http://10.0.0.3:1"])
+    assert [i.url for i in pool.instances] == ["http://10.0.0.2:1", "http://10.0.0.3:1"]
+    # Its source stops listing it, then lists it again: it is back.
+    pool.discovered(source, ["http://10.0.0.2:1", "http://10.0.0.3:1"])
+    (back,), _ = pool.discovered(source, ["http://10.0.0.1:1", "http://10.0.0.2:1"])
+    assert back.url == "http://10.0.0.1:1" and not back.draining
+
+
+def test_a_retired_source_keeps_the_pools_last_instances_until_another_joins() -> None:
+    pool = BackendPool("decode", [], Clock())
+    pool.discovers = True
+    pool.discovered("kubernetes:ns/app=x", ["http://10.0.0.1:1"])
+    # The selector was renamed by a reload: the old source's instances are the last.
+    _, leaving = pool.discovered("kubernetes:ns/app=x", [], retire=True)
+    assert leaving == [] and not pool.instances[0].draining
+    assert pool.choose()[0].url == "http://10.0.0.1:1"
+    (joined,), _ = pool.discovered("kubernetes:ns/app=x,tier=gpu", ["http://10.0.0.9:1"])
+    assert [(i.url, i.draining) for i in pool.instances] == [("http://10.0.0.9:1", False)]
+    assert joined.url == "http://10.0.0.9:1"
+
+
+def test_a_reload_from_urls_to_a_name_keeps_the_urls_until_the_name_answers() -> None:
+    pool = BackendPool("decode", ["http://static:1"], Clock())
+    pool.discovers = True
+    pool.update([])
+    assert [(i.url, i.draining) for i in pool.instances] == [("http://static:1", False)]
+    assert pool.instances[0].source == "static"
+    pool.discovered("dns+http://d.test:1", ["http://10.0.0.1:1"])
+    assert [(i.url, i.draining) for i in pool.instances] == [("http://10.0.0.1:1", False)]
