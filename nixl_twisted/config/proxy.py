@@ -212,6 +212,8 @@ class ProxyConfig:
     limits: Limits
     traces: Traces
     metrics_listen: str | None
+    #: The admin endpoint: /admin/*, /healthcheck in full and /metrics there only.
+    admin_listen: str | None
     workers: int
     log_format: str
     log_level: str
@@ -257,11 +259,10 @@ class ProxyConfig:
             raise ConfigError(
                 "listen", "--workers needs every --listen to be tcp:PORT[:interface=...]"
             )
-        shared_metrics = v["workers"] > 1 and worker is None and v["metrics-listen"]
-        if shared_metrics and tcp_address(v["metrics-listen"]) is None:
-            raise ConfigError(
-                "metrics-listen", "--workers needs --metrics-listen to be tcp:PORT[:...]"
-            )
+        for own in ("metrics-listen", "admin-listen"):
+            shared = v["workers"] > 1 and worker is None and v[own]
+            if shared and tcp_address(v[own]) is None:
+                raise ConfigError(own, f"--workers needs --{own} to be tcp:PORT[:...]")
         top: dict[str, Any] = {}
         parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
         for setting in SETTINGS:
@@ -306,10 +307,21 @@ class ProxyConfig:
         return cls.from_settings(given, data["config_path"], data["worker"])
 
     def for_worker(
-        self, number: int, listen: tuple[str, ...], metrics_listen: str | None
+        self,
+        number: int,
+        listen: tuple[str, ...],
+        metrics_listen: str | None,
+        admin_listen: str | None = None,
     ) -> ProxyConfig:
         """This configuration for worker ``number``, serving the supervisor's shared ports."""
-        return replace(self, listen=listen, metrics_listen=metrics_listen, workers=1, worker=number)
+        return replace(
+            self,
+            listen=listen,
+            metrics_listen=metrics_listen,
+            admin_listen=admin_listen,
+            workers=1,
+            worker=number,
+        )
 
 
 #: The parts of a configuration, by the field name their settings give (``part.attribute``).

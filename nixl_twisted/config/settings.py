@@ -579,6 +579,18 @@ SETTINGS: tuple[Setting, ...] = (
         live=False,
     ),
     Setting(
+        "admin-listen",
+        "admin_listen",
+        None,
+        endpoint,
+        help=(
+            "Serve /admin/*, /healthcheck in full and /metrics on this endpoint only (e.g. "
+            "tcp:9000:interface=127.0.0.1); the --listen endpoints then answer /healthcheck "
+            "with readiness alone."
+        ),
+        live=False,
+    ),
+    Setting(
         "workers",
         "workers",
         1,

@@ -47,7 +47,7 @@ class Retry(Exception):
     """The instance failed (``down`` says why): another may serve the same leg."""
 
     def __init__(self, error: ProxyError, outcome: str, down: str) -> None:
-        super().__init__(error.message)
+        super().__init__(error.detail)
         #: What the client sees if no other instance serves the leg.
         self.error = error
         self.outcome = outcome
@@ -77,15 +77,18 @@ class PrefillRefused(Exception):
 def unreachable(instance: Instance, error: BaseException) -> Retry:
     """The instance could not be reached: nothing was sent, so another may serve the leg."""
     reason = reason_of(error)
-    message = f"{instance.role} instance {instance.url} could not be reached: {reason}"
-    return Retry(ProxyError(codes.unreachable(instance.role), message), "unreachable", reason)
+    detail = f"{instance.role} instance {instance.url} could not be reached: {reason}"
+    message = f"a {instance.role} instance could not be reached"
+    failed = ProxyError(codes.unreachable(instance.role), message, detail=detail)
+    return Retry(failed, "unreachable", reason)
 
 
 def timed_out(instance: Instance, seconds: float) -> ProxyError:
     """A 504: the instance did not answer in time."""
     return ProxyError(
         codes.timed_out(instance.role),
-        f"{instance.role} instance {instance.url} did not answer within {seconds:g} s",
+        f"a {instance.role} instance did not answer within {seconds:g} s",
+        detail=f"{instance.role} instance {instance.url} did not answer within {seconds:g} s",
     )
 
 
@@ -122,7 +125,7 @@ class NoInstanceServed(ProxyError):
 
     def __init__(self, error: ProxyError) -> None:
         status = None if error.code.status is not None else error.status
-        super().__init__(error.code, error.message, error.retry_after, status)
+        super().__init__(error.code, error.message, error.retry_after, status, error.detail)
 
 
 def traced(lease: Lease, trace: RequestTrace, attempt: int) -> LegTrace:

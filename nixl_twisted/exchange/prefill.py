@@ -83,11 +83,14 @@ async def prefill_attempt(
     except Exception as error:
         raise ProxyError(
             ErrorCode.PREFILL_INVALID_RESPONSE,
-            f"prefill instance {instance.url} broke off its answer: {reason_of(error)}",
+            "the prefill instance broke off its answer",
+            detail=f"prefill instance {instance.url} broke off its answer: {reason_of(error)}",
         ) from None
     verdict = classify_prefill(status)
     failed = ProxyError(
-        ErrorCode.PREFILL_FAILED, f"prefill instance {instance.url} answered HTTP {status}"
+        ErrorCode.PREFILL_FAILED,
+        f"the prefill instance answered HTTP {status}",
+        detail=f"prefill instance {instance.url} answered HTTP {status}",
     )
     if verdict is PrefillVerdict.RETRY:
         raise Retry(failed, "error_status", f"answered HTTP {status}")

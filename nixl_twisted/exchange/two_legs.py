@@ -378,9 +378,11 @@ class Exchange:
             self._leg.fail(str(error) if silent else f"broke off: {reason_of(error)}", "relay")
             if silent and not self.request.startedWriting:
                 self.request.responseHeaders = Headers({REQUEST_ID: [self.request_id.encode()]})
+                url = decode.instance.url
                 raise ProxyError(
                     ErrorCode.DECODE_TIMEOUT,
-                    f"decode instance {decode.instance.url} sent headers, then nothing: {error}",
+                    "the decode instance sent headers, then nothing",
+                    detail=f"decode instance {url} sent headers, then nothing: {error}",
                 ) from None
             log.error(
                 "decode body for {request_id} broke off: {reason}",

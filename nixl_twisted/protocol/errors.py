@@ -29,8 +29,11 @@ class ProxyError(Exception):
         message: str,
         retry_after: float | None = None,
         status: int | None = None,
+        detail: str | None = None,
     ) -> None:
-        super().__init__(message)
+        """``detail``: what the log and the access event say instead of ``message``,
+        which the client gets (an instance's address is for the operator only)."""
+        super().__init__(detail if detail is not None else message)
         if code.status is not None and status is not None:
             raise ValueError(f"{code.value} is always a {code.status}: give no status")
         answered = code.status if code.status is not None else status
@@ -41,6 +44,8 @@ class ProxyError(Exception):
         self.message = message
         #: Seconds after which trying again may succeed (sent as Retry-After).
         self.retry_after = retry_after
+        #: What the operator reads: the message with the instance and the cause.
+        self.detail = detail if detail is not None else message
 
 
 def error_body(message: str, code: ErrorCode) -> bytes:

@@ -25,7 +25,8 @@ COUNT_TOKENS = "/v1/messages/count_tokens"
 RESPONSE = "/v1/responses/{id}"
 RESPONSE_CANCEL = "/v1/responses/{id}/cancel"
 
-#: The proxy's own routes.
+#: The proxy's own routes; ``/health`` as vLLM answers it (what load balancers probe).
+HEALTH = "/health"
 HEALTHCHECK = "/healthcheck"
 METRICS = "/metrics"
 ADMIN_BACKENDS = "/admin/backends"
@@ -38,12 +39,17 @@ _FIXED = frozenset(
         TOKENIZE,
         DETOKENIZE,
         COUNT_TOKENS,
+        HEALTH,
         HEALTHCHECK,
         METRICS,
         ADMIN_BACKENDS,
         ADMIN_DRAIN,
     }
 )
+#: What an --admin-listen endpoint serves, and the --listen endpoints then do not
+#: (``/healthcheck`` they answer with readiness alone).
+ADMIN_ONLY = frozenset({METRICS, ADMIN_BACKENDS, ADMIN_DRAIN})
+ADMIN_PORT = ADMIN_ONLY | {HEALTH, HEALTHCHECK}
 _RESPONSE_PREFIX = RESPONSES + "/"
 
 

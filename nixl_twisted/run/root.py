@@ -304,6 +304,9 @@ def build(
     if config.metrics_listen is not None:
         metrics_site = TrackingSite(MetricsResource(metrics), ClientLimits.of(config), clock)
         listener(config.metrics_listen, metrics_site, reactor, shared).setServiceParent(root)
+    if config.admin_listen is not None:
+        admin_site = TrackingSite(app.resource(admin=True), ClientLimits.of(config), clock)
+        listener(config.admin_listen, admin_site, reactor, shared).setServiceParent(root)
     if take_signals:
         # A worker's pools are the supervisor's: SIGHUP goes there.
         hangup = _worker_hangup if shared else root.reload

@@ -133,6 +133,7 @@ class WorkerSupervisor(Service):
         self._reserved: list[socket.socket] = []
         self._listen: tuple[str, ...] = ()
         self._metrics_listen: str | None = None
+        self._admin_listen: str | None = None
         #: Where every worker's metrics are, for whichever worker is scraped.
         self.metrics_dir: str | None = None
 
@@ -153,6 +154,8 @@ class WorkerSupervisor(Service):
         self._listen = tuple(self._share(description) for description in self.config.listen)
         if self.config.metrics_listen is not None:
             self._metrics_listen = self._share(self.config.metrics_listen)
+        if self.config.admin_listen is not None:
+            self._admin_listen = self._share(self.config.admin_listen)
         remove_stale_metrics(tempfile.gettempdir())
         self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
 
@@ -186,7 +189,7 @@ class WorkerSupervisor(Service):
         if not self.running:
             return
         current = replace(self.config, pools=self.coordinator.pools(self.config.pools))
-        config = current.for_worker(number, self._listen, self._metrics_listen)
+        config = current.for_worker(number, self._listen, self._metrics_listen, self._admin_listen)
         worker = _Worker(self, number, config.to_json())
         self.workers[number] = worker
         assert self.metrics_dir is not None
@@ -218,7 +221,9 @@ class WorkerSupervisor(Service):
         self.coordinator.backends.configure(config)
         self.discovery.configure(config)
         for worker in self.workers.values():
-            mine = config.for_worker(worker.number, self._listen, self._metrics_listen)
+            mine = config.for_worker(
+                worker.number, self._listen, self._metrics_listen, self._admin_listen
+            )
             worker.send({"config": mine.to_json()})
         self.coordinator.backends.check_health()  # a new instance is checked at once
 

@@ -105,9 +105,10 @@ class ProxyApp:
         self.admin.use_token(config.admin_token)
         self.admin.allowed = AllowedBackends(config.discovery.allowed)
 
-    def resource(self) -> IResource:
-        """The Twisted Web resource that serves this app."""
-        return FrontDoor(self.app.resource())
+    def resource(self, admin: bool = False) -> IResource:
+        """The Twisted Web resource that serves this app (``admin``: on --admin-listen)."""
+        split = self.config.admin_listen is not None
+        return FrontDoor(self.app.resource(), admin=admin, split=split)
 
     @property
     def in_flight(self) -> int:
@@ -116,11 +117,24 @@ class ProxyApp:
 
     # -- routes -----------------------------------------------------------
 
+    @property
+    def ready(self) -> bool:
+        """Both pools have an instance up, and the proxy is not leaving."""
+        return self.backends.ready() and not self.admission.leaving
+
+    @app.route(routes.HEALTH, methods=["GET"])
+    def health(self, request: Request) -> bytes:
+        """vLLM's own probe: 200 with an empty body when ready, else 503."""
+        request.setResponseCode(200 if self.ready else 503)
+        return b""
+
     @app.route(routes.HEALTHCHECK, methods=["GET"])
     def healthcheck(self, request: Request) -> bytes:
-        ready = self.backends.ready() and not self.admission.leaving
+        ready = self.ready
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"Content-Type", _JSON)
+        if not getattr(request, "full_health", True):  # (the admin endpoint has the rest)
+            return json.dumps({"ready": ready}).encode("utf-8")
         return json.dumps(
             {
                 "ready": ready,
@@ -279,12 +293,12 @@ class ProxyApp:
         """A ``ProxyError``, as the route's JSON error; a refusal counted, a 5xx logged."""
         error = failure.value
         assert isinstance(error, ProxyError)
-        record_of(request).error = error.message
+        record_of(request).error = error.detail
         code = error.code
         if code.error_type == "overloaded_error":
             self.refusals.refused(code, error.message)
         elif error.status >= 500:
-            said = f"{error.status} {code.value} for {_request_id(request)}: {error.message}"
+            said = f"{error.status} {code.value} for {_request_id(request)}: {error.detail}"
             self.refusals.throttle.emit(code.value, LogLevel.error, said)
         return json_answer(request, error)
 

@@ -16,6 +16,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from werkzeug.exceptions import BadHost
 
+from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, json_answer
 
@@ -43,22 +44,36 @@ def host_problem(request: IRequest) -> str | None:
 
 
 class FrontDoor(Resource):
-    """Refuses a URL that is not UTF-8 or a bad ``Host`` with a JSON 400; the rest to the app."""
+    """Refuses a URL that is not UTF-8 or a bad ``Host`` with a JSON 400; the rest to the app.
+
+    With ``--admin-listen`` (``split``), the admin endpoint's door (``admin``)
+    lets in only the admin routes, and the client endpoints' door keeps them
+    out (404, as for a route that does not exist); ``request.full_health``
+    says which ``/healthcheck`` to answer.
+    """
 
     isLeaf = True
 
-    def __init__(self, app: IResource) -> None:
+    def __init__(self, app: IResource, admin: bool = False, split: bool = False) -> None:
         super().__init__()
         self._app = app
+        self._admin = admin
+        self._split = split
 
     def render(self, request: IRequest) -> bytes | int:
         try:
-            unquote_to_bytes(request.path).decode("utf-8")
+            path = unquote_to_bytes(request.path).decode("utf-8")
         except UnicodeDecodeError:
             return _refuse(request, ErrorCode.INVALID_URL, "the request URL is not valid UTF-8")
         problem = host_problem(request)
         if problem is not None:
             return _refuse(request, ErrorCode.INVALID_HOST, problem)
+        if (self._admin and path not in routes.ADMIN_PORT) or (
+            self._split and not self._admin and path in routes.ADMIN_ONLY
+        ):
+            method = request.method.decode("ascii", "replace")
+            return _refuse(request, ErrorCode.NOT_FOUND, f"{method} {path}: Not Found")
+        request.full_health = self._admin or not self._split  # type: ignore[attr-defined]
         try:
             return self._app.render(request)
         except BadHost:  # a name Werkzeug will not bind to (IDNA), past the syntax above

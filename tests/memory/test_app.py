@@ -64,9 +64,11 @@ def test_any_error_connecting_ends_the_leg_as_unreachable(
     setup.proxy.break_connections(fake, LookupError("unknown encoding: idna"), raised)
     client = setup.proxy.request("GET", path) if body is None else setup.post(path, body)
     assert (status(client), error_code(client)) == (502, f"{role}_unreachable")
-    assert "unknown encoding: idna" in client.answer().json()["error"]["message"]
+    said = client.answer().json()["error"]["message"]
+    assert said == f"a {role} instance could not be reached"  # (no address, no cause)
     (instance,) = getattr(setup.proxy.service.backends, role).instances
     assert (instance.failures, instance.in_flight) == (1, 0)
+    assert "unknown encoding: idna" in str(instance.last_error)  # (the operator's view)
 
 
 def test_a_body_that_is_not_json_is_refused_before_any_backend() -> None:

@@ -166,7 +166,8 @@ def test_an_unreachable_instance_is_a_retry_and_nothing_is_counted_yet() -> None
         502,
         ErrorCode.DECODE_UNREACHABLE,
     )
-    assert retry.error.message.startswith(f"decode instance {DEAD} could not be reached: ")
+    assert retry.error.detail.startswith(f"decode instance {DEAD} could not be reached: ")
+    assert retry.error.message == "a decode instance could not be reached"  # (the client's)
     # send_leg accounts for a Retry: the attempt itself has counted nothing.
     assert setup.outcomes(DEAD) == {"answered": 0, "error_status": 0, "timeout": 0}
     assert setup.failures(DEAD) == 0
@@ -185,7 +186,8 @@ def test_no_headers_within_the_timeout_is_a_504_counted_against_the_instance() -
     error = failure.value
     assert isinstance(error, ProxyError)
     assert (error.status, error.code) == (504, ErrorCode.DECODE_TIMEOUT)
-    assert error.message == f"decode instance {LIVE} did not answer within 5 s"
+    assert error.detail == f"decode instance {LIVE} did not answer within 5 s"
+    assert error.message == "a decode instance did not answer within 5 s"
     assert len(setup.decode.cut) == 1  # its connection closed: vLLM aborts the request
     assert setup.outcomes(LIVE) == {"answered": 0, "error_status": 0, "timeout": 1}
     assert setup.failures(LIVE) == 1

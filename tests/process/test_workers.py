@@ -118,3 +118,27 @@ class WorkersActAsOneTests(TwistdCase):
         seen, pids = await readiness()
         self.assertEqual((seen, len(pids)), ({(503, False)}, 2))
         await self.terminate(process)
+
+    async def test_an_admin_endpoint_is_shared_by_the_workers(self) -> None:
+        await self.start()
+        process, address = await self.spawn_workers(
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--admin-listen",
+            "tcp:0:interface=127.0.0.1",
+        )
+        (admin,) = re.findall(rb"workers share (\S+)", process.output)[1:]
+        http = self.fresh_connections()
+        pids, said = set(), set()
+        for _ in range(10):
+            full = json.loads(
+                await (await http.get(f"http://{admin.decode()}/healthcheck")).content()
+            )
+            pids.add(full["pid"])
+            short = await (await http.get(f"http://{address}/healthcheck")).content()
+            said.add(short)
+        self.assertEqual(len(pids), 2)  # both workers serve the admin endpoint
+        self.assertEqual(said, {b'{"ready": true}'})
+        await self.terminate(process)
