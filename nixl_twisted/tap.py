@@ -86,10 +86,14 @@ class Options(usage.Options):
     def opt_allowed_backends(self, allowed: str) -> None:
         self["allowed-backends"].append(allowed)
 
+    def opt_api_key(self, key: str) -> None:
+        self["api-key"].append(key)
+
     opt_listen.__doc__ = _help("listen")
     opt_prefill.__doc__ = _help("prefill")
     opt_decode.__doc__ = _help("decode")
     opt_allowed_backends.__doc__ = _help("allowed-backends")
+    opt_api_key.__doc__ = _help("api-key")
 
     def opt_version(self) -> None:
         """Print the package's version and the protocol identity, then exit."""

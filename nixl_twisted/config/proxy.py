@@ -219,6 +219,9 @@ class ProxyConfig:
     log_level: str
     access_log: bool
     backend_api_key: str | None = field(repr=False)
+    #: Keys clients must send (with ``api_keys_file``'s); none: anyone is served.
+    api_keys: tuple[str, ...] = field(repr=False)
+    api_keys_file: str | None
     admin_token: str | None = field(repr=False)
     #: The ``--config`` file, whose pools SIGHUP reloads.
     config_path: str | None = None
@@ -305,6 +308,11 @@ class ProxyConfig:
         data = json.loads(raw)
         given = {key: value for key, value in data["settings"].items() if value is not None}
         return cls.from_settings(given, data["config_path"], data["worker"])
+
+    @property
+    def keyed(self) -> bool:
+        """Clients must send a key: theirs is then never forwarded to vLLM."""
+        return bool(self.api_keys) or self.api_keys_file is not None
 
     def for_worker(
         self,

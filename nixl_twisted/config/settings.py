@@ -18,6 +18,7 @@ from nixl_twisted.config.values import (
     address_port,
     allowed_backend,
     choice,
+    client_key,
     collector_url,
     count,
     endpoint,
@@ -197,6 +198,29 @@ SETTINGS: tuple[Setting, ...] = (
             "Networks (10.0.0.0/8) that discovery and the admin API may add instances in, and "
             "host names (*.example.internal) the admin API may (repeatable); unset: any but "
             "the cloud metadata service."
+        ),
+    ),
+    Setting(
+        "api-key",
+        "api_keys",
+        (),
+        client_key,
+        many=True,
+        env=("NIXLPROXY_API_KEYS",),
+        help=(
+            "A key clients must send (Authorization: Bearer KEY, or x-api-key on "
+            "/v1/messages); repeatable; $NIXLPROXY_API_KEYS: comma-separated. Unset, with "
+            "no --api-keys-file: anyone is served."
+        ),
+    ),
+    Setting(
+        "api-keys-file",
+        "api_keys_file",
+        None,
+        text,
+        help=(
+            "A file of client keys, one per line, each optionally followed by its tenant's "
+            "name; read again on SIGHUP and when it changes."
         ),
     ),
     Setting(
@@ -702,7 +726,9 @@ def default_text(setting: Setting) -> str:
     """The default as ``--help`` and ``docs/configuration.md`` show it."""
     if setting.env:
         names = " or ".join(f"${name}" for name in setting.env)
-        return names if setting.default is None else f"{names}, else {setting.default}"
+        if setting.default is None or setting.default == ():
+            return names
+        return f"{names}, else {setting.default}"
     if setting.many:
         if setting.default:
             return ", ".join(setting.default)

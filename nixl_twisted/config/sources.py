@@ -55,7 +55,10 @@ def from_environment(given: Mapping[str, object], environ: Mapping[str, str]) ->
             continue
         name = next((name for name in setting.env if environ.get(name)), None)
         if name is not None:
-            found.update(parse({setting.name: environ[name]}, _from_variable(name)))
+            value: object = environ[name]
+            if setting.many:  # (a list in one variable: comma-separated)
+                value = [item.strip() for item in environ[name].split(",") if item.strip()]
+            found.update(parse({setting.name: value}, _from_variable(name)))
     return found
 
 

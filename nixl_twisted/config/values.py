@@ -104,6 +104,14 @@ def collector_url(value: object) -> str:
     return url
 
 
+def client_key(value: object) -> str:
+    """A client API key: printable, no whitespace (it travels in a header)."""
+    key = text(value)
+    if not key or any(char.isspace() or not char.isprintable() for char in key):
+        raise InvalidValue("must be a non-empty key without whitespace or control characters")
+    return key
+
+
 def text(value: object) -> str:
     if not isinstance(value, str):
         raise InvalidValue(f"must be a string, not {value!r}")

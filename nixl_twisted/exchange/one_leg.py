@@ -133,6 +133,7 @@ class OneLeg:
             request_id,
             self.config.backend_api_key,
             json_body=raw is not None,
+            keyed=self.config.keyed,
         )
         sent = DecodeRequest(path, raw, headers, self.config.timeouts.decode)
 

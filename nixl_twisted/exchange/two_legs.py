@@ -83,7 +83,7 @@ class Exchange:
         self.body = body
         self.request_id = request_id
         self.headers = backend_request_headers(
-            request.requestHeaders, request_id, config.backend_api_key
+            request.requestHeaders, request_id, config.backend_api_key, keyed=config.keyed
         )
         self.backends = legs.backends
         self.timeouts = config.timeouts

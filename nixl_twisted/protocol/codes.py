@@ -142,6 +142,12 @@ class ErrorCode(enum.Enum):
     )
     REQUEST_TOO_LARGE = ("request_too_large", 413, _CLIENT, "a body larger than `--max-body-size`")
     # -- the admin API -------------------------------------------------------
+    INVALID_API_KEY = (
+        "invalid_api_key",
+        401,
+        "authentication_error",
+        "a client request without a key `--api-key` or `--api-keys-file` gives",
+    )
     UNAUTHORIZED = (
         "unauthorized",
         401,

@@ -42,6 +42,9 @@ _PROXY_OWNED_REQUEST = frozenset(
     }
 )
 
+#: Where a client's key to the proxy travels (``x-api-key``: Anthropic's clients).
+_CLIENT_KEYS = frozenset({b"authorization", b"x-api-key"})
+
 REQUEST_ID = b"X-Request-Id"
 AUTHORIZATION = b"Authorization"
 
@@ -74,13 +77,16 @@ def backend_request_headers(
     request_id: str,
     backend_api_key: str | None,
     json_body: bool = True,
+    keyed: bool = False,
 ) -> Headers:
     """The headers a backend call carries: the client's end-to-end ones plus ours.
 
     The client's ``Authorization`` wins; the operator's backend key is used
-    only when the client sent none.
+    only when the client sent none. ``keyed``: clients authenticate to the
+    proxy (``--api-key``), so their key stays here and vLLM gets the backend
+    key alone.
     """
-    headers = _end_to_end(client, _PROXY_OWNED_REQUEST)
+    headers = _end_to_end(client, _PROXY_OWNED_REQUEST | (_CLIENT_KEYS if keyed else frozenset()))
     if json_body:
         headers.setRawHeaders(b"Content-Type", [b"application/json"])
     headers.setRawHeaders(REQUEST_ID, [request_id.encode("ascii")])

@@ -71,3 +71,8 @@ def route_label(path: bytes) -> str:
 def speaks_anthropic(path: bytes) -> bool:
     """The Messages routes, whose clients parse Anthropic's shapes (errors too)."""
     return path.startswith(MESSAGES.encode())
+
+
+#: The routes a client key is not asked for: health, metrics, and the admin API
+#: (which has its own token).
+UNKEYED = frozenset({HEALTH, HEALTHCHECK, METRICS, ADMIN_BACKENDS, ADMIN_DRAIN})

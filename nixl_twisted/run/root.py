@@ -160,6 +160,7 @@ class ProxyService(ProcessTree):
         rest = [s for s in self if s not in listeners and s.running]
         await DeferredList([maybeDeferred(s.stopService) for s in reversed(rest)])
         self.app.refusals.throttle.stop()
+        self.app.client_keys.stop()
 
     def when_ports_closed(self) -> Deferred[None]:
         """Fires once a stopping proxy accepts no more connections."""
@@ -292,6 +293,7 @@ def build(
         body_budget=BodyBudget(config.limits.max_buffered_bodies),
         refusals=refusals,
     )
+    site.client_keys = app.client_keys
     root = ProxyService(config, app, site, backends, reactor, clock)
     backends.kv_events.setServiceParent(root)
     if not shared:  # (a worker's supervisor discovers for all)

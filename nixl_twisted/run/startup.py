@@ -134,6 +134,12 @@ def check_discovery(config: ProxyConfig, environ: Mapping[str, str]) -> None:
 def announce(config: ProxyConfig) -> None:
     """The summary, as a lifecycle line; and what a rule set cannot do, as a warning."""
     lifecycle.info("{summary}", summary=summary(config))
+    if not config.keyed:
+        lent = " and lends --backend-api-key to every client" if config.backend_api_key else ""
+        log.warn(
+            "no --api-key: the --listen endpoints serve anyone{lent} (docs/security.md)",
+            lent=lent,
+        )
     blind = decide.blind_rules(
         config.disaggregation, config.kv_events.read_for("decode", config.pools.decode)
     )

@@ -46,6 +46,7 @@ from nixl_twisted.protocol.headers import REQUEST_ID
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
+from nixl_twisted.web.keys import ClientKeys
 
 log = Logger()
 
@@ -87,6 +88,9 @@ class ProxyApp:
         self.serve_metrics = config.metrics_listen is None
         self.admin = AdminAPI(backends, config.admin_token)
         self.admin.allowed = AllowedBackends(config.discovery.allowed)
+        #: The keys clients must send (checked by the site, as the headers arrive).
+        self.client_keys = ClientKeys(clock)
+        self.client_keys.configure(config)
         legs = Legs(backends, clock, metrics)
         self.one_leg = OneLeg(config, legs)
         #: Which decode instance produced each Responses API response.
@@ -104,6 +108,7 @@ class ProxyApp:
         self.admission.max_in_flight = config.limits.max_in_flight
         self.admin.use_token(config.admin_token)
         self.admin.allowed = AllowedBackends(config.discovery.allowed)
+        self.client_keys.configure(config)
 
     def resource(self, admin: bool = False) -> IResource:
         """The Twisted Web resource that serves this app (``admin``: on --admin-listen)."""

@@ -27,13 +27,15 @@ from nixl_twisted.events import Happened
 from nixl_twisted.observe.access import AccessLog
 from nixl_twisted.observe.refusals import Refusals
 from nixl_twisted.protocol.codes import ErrorCode
-from nixl_twisted.protocol.errors import error_body
+from nixl_twisted.protocol.errors import ProxyError, for_route
 from nixl_twisted.web.deadlines import ClientLimits, RequestDeadlines
 from nixl_twisted.web.intake import BodyBudget, LimitedRequest
+from nixl_twisted.web.keys import ClientKeys, needs_key
 
 #: The status lines of the answers written before any resource ran.
 _STATUS_LINES = {
     400: b"400 Bad Request",
+    401: b"401 Unauthorized",
     408: b"408 Request Timeout",
     413: b"413 Payload Too Large",
     431: b"431 Request Header Fields Too Large",
@@ -69,6 +71,8 @@ class _TrackedChannel(HTTPChannel):
         super().dataReceived(data)
 
     def allHeadersReceived(self) -> None:
+        if self._unkeyed():
+            return  # answered 401 and closing: nothing more is read
         super().allHeadersReceived()
         if self._deadlines is not None and self.length != 0:
             self._deadlines.body(self.factory.limits)
@@ -126,15 +130,38 @@ class _TrackedChannel(HTTPChannel):
         # (A private hook: the fuzz tests notice if Twisted renames it.)
         self.refuse(ErrorCode.MALFORMED_REQUEST, "malformed HTTP request")
 
-    def refuse(self, code: ErrorCode, message: str, headers: bytes = b"") -> None:
-        """Answer an OpenAI error body before any resource ran, and close."""
-        self.answer_early(code, message, headers)
+    def _unkeyed(self) -> bool:
+        """A client route without a key the proxy knows: 401 now, before any body is read."""
+        keys = self.factory.client_keys
+        request = self.requests[-1] if self.requests else None
+        path = getattr(self, "_path", b"")  # (Twisted's request line, read so far)
+        if keys is None or not keys.required or request is None or not needs_key(path):
+            return False
+        if keys.tenant(request.requestHeaders, path) is not None:
+            return False
+        message = "a valid API key is required (Authorization: Bearer KEY)"
+        if isinstance(request, LimitedRequest):
+            request._refused = True  # no access event: it was never served
+        self.factory.refused(ErrorCode.INVALID_API_KEY, message)
+        self.refuse(ErrorCode.INVALID_API_KEY, message, b"WWW-Authenticate: Bearer\r\n", path)
+        return True
+
+    def refuse(
+        self, code: ErrorCode, message: str, headers: bytes = b"", path: bytes = b""
+    ) -> None:
+        """Answer an error body (in ``path``'s route's shape) before any resource ran, and close."""
+        self.answer_early(code, message, headers, path)
         self.loseConnection()
 
-    def answer_early(self, code: ErrorCode, message: str, headers: bytes = b"") -> None:
-        """Write an OpenAI error answer (``Connection: close``) before any resource ran."""
+    def answer_early(
+        self, code: ErrorCode, message: str, headers: bytes = b"", path: bytes = b""
+    ) -> None:
+        """Write an error answer (``Connection: close``) before any resource ran.
+
+        OpenAI's shape, or Anthropic's for a Messages route's ``path``.
+        """
         assert code.status is not None
-        body = error_body(message, code)
+        body = for_route(path, ProxyError(code, message))
         if self.transport is not None:
             self.transport.write(
                 b"HTTP/1.1 %s\r\nContent-Type: application/json\r\n%s"
@@ -179,6 +206,8 @@ class TrackingSite(Site):
         self.body_budget = body_budget
         #: When set, replaces Twisted's access line with one structured event.
         self.access_log = access_log
+        #: The keys clients must send (``--api-key``), on the client endpoints only.
+        self.client_keys: ClientKeys | None = None
         self.refusals = refusals
         self.displayTracebacks = False
         self._open: dict[_TrackedChannel, Happened] = {}

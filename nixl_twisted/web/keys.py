@@ -1,0 +1,145 @@
+"""``--api-key`` and ``--api-keys-file``: the keys clients must send, and whose each is.
+
+A key travels as ``Authorization: Bearer KEY`` (the scheme in any case, as
+RFC 9110 has it), or as ``x-api-key`` on the Messages routes (Anthropic's
+header). Keys are held as SHA-256 digests and a presented key is looked up
+by its digest, so the time a refusal takes says nothing of how close a guess
+was (what a constant-time comparison is for), and no key stays in the clear. The file holds one
+key per line, optionally followed by its tenant's name (blank lines and
+``#`` comments skipped); it is read again on SIGHUP and whenever its
+modification time or size changes (looked at every 2 s), and a file that
+cannot be read keeps the keys as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.web.http_headers import Headers
+
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config.values import InvalidValue, client_key
+from nixl_twisted.protocol import routes
+from nixl_twisted.protocol.routes import speaks_anthropic
+
+log = Logger()
+
+#: Seconds between two looks at the keys file.
+FILE_CHECK = 2.0
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def _bearer(credentials: bytes | None) -> bytes | None:
+    scheme, space, token = (credentials or b"").partition(b" ")
+    if scheme.lower() != b"bearer" or not space:
+        return None
+    return token.lstrip(b" ") or None
+
+
+def read_keys(path: str) -> dict[str, str | None]:
+    """The keys of a keys file, each with its tenant's name (or None); ``OSError``,
+    ``InvalidValue`` (naming the line) if it cannot be used."""
+    keys: dict[str, str | None] = {}
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            words = line.split("#", 1)[0].split()
+            if not words:
+                continue
+            if len(words) > 2:
+                raise InvalidValue(f"{path}:{number}: a key, then at most a tenant's name")
+            keys[client_key(words[0])] = words[1] if len(words) == 2 else None
+    return keys
+
+
+class ClientKeys:
+    """The keys clients must send now; none: every client is served."""
+
+    def __init__(self, clock: IReactorTime) -> None:
+        self.clock = clock
+        self._given: Sequence[str] = ()
+        self._path: str | None = None
+        self._seen: tuple[int, int] | None = None
+        self._digests: dict[bytes, str] = {}
+        self._watch: LoopingCall | None = None
+
+    @property
+    def required(self) -> bool:
+        return bool(self._digests) or self._path is not None
+
+    def configure(self, config: ProxyConfig) -> None:
+        """The keys ``config`` gives (the file read now: a reload reads it again)."""
+        self._given, self._path, self._seen = config.api_keys, config.api_keys_file, None
+        self._load()
+        if self._path is not None and self._watch is None:
+            self._watch = LoopingCall(self._look)
+            self._watch.clock = self.clock
+            self._watch.start(FILE_CHECK, now=False)
+        elif self._path is None and self._watch is not None:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._watch is not None and self._watch.running:
+            self._watch.stop()
+        self._watch = None
+
+    def tenant(self, headers: Headers, path: bytes) -> str | None:
+        """The tenant whose key the request carries, or None (refused)."""
+        presented = _bearer(headers.getRawHeaders(b"authorization", [None])[0])
+        if presented is None and speaks_anthropic(path):
+            presented = headers.getRawHeaders(b"x-api-key", [None])[0]
+        if not presented:
+            return None
+        # Looked up by its digest: how long it takes says nothing of how much
+        # of a key a guess got right (no byte-by-byte comparison of secrets).
+        return self._digests.get(_digest(presented))
+
+    def _look(self) -> None:
+        try:
+            stat = os.stat(self._path) if self._path is not None else None
+        except OSError:
+            stat = None
+        seen = (stat.st_mtime_ns, stat.st_size) if stat is not None else None
+        if seen != self._seen:
+            self._load()
+
+    def _load(self) -> None:
+        keys: dict[str, str | None] = {key: None for key in self._given}
+        if self._path is not None:
+            try:
+                stat = os.stat(self._path)
+                keys.update(read_keys(self._path))
+                self._seen = (stat.st_mtime_ns, stat.st_size)
+            except (OSError, InvalidValue) as error:
+                if self._digests or not self._given:
+                    log.error(
+                        "--api-keys-file {path}: {error}; the keys stay as they were",
+                        path=self._path,
+                        error=str(error),
+                    )
+                if self._digests:
+                    return
+        before = len(self._digests)
+        self._digests = {
+            _digest(key.encode("utf-8")): tenant or _fingerprint(key)
+            for key, tenant in keys.items()
+        }
+        if self._path is not None and before != len(self._digests):
+            log.info("client keys: {count} in effect", count=len(self._digests))
+
+
+def _fingerprint(key: str) -> str:
+    """A keyed client's tenant when the file names none: never the key itself."""
+    return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
+
+
+def needs_key(path: bytes) -> bool:
+    """Every client route does; health, metrics and the admin API (its own token) do not."""
+    return path.split(b"?", 1)[0].decode("utf-8", "replace") not in routes.UNKEYED

@@ -1,0 +1,130 @@
+"""``--api-key`` and ``--api-keys-file``: the official clients with their keys, refusals first."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import openai
+from twisted.internet.threads import deferToThread
+
+from tests.support import CHAT, ProxyCase
+
+KEY, OTHER, BACKEND = "sk-proxy-client", "sk-team-b", "sk-backend"
+
+
+class ClientKeyTests(ProxyCase):
+    async def keyed(self, **settings: Any) -> None:
+        await self.start(tokens=4, proxy={"backend_api_key": BACKEND, **settings})
+
+    async def raw(self, path: str, headers: dict[str, str], body: bytes = b"{}") -> tuple[int, Any]:
+        """One request over a socket of its own: what the proxy answers before reading a body."""
+        host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
+
+        def exchange() -> bytes:
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+                # The body is announced but never sent: a 401 must not wait for it.
+                sock.sendall(
+                    f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body) + 1000}\r\n{head}\r\n".encode()
+                )
+                chunks = []
+                while chunk := sock.recv(65536):
+                    chunks.append(chunk)
+                return b"".join(chunks)
+
+        answer = await deferToThread(exchange)
+        status = int(answer.split(b" ", 2)[1])
+        return status, json.loads(answer.split(b"\r\n\r\n", 1)[1])
+
+    async def test_no_key_or_a_wrong_one_is_401_in_the_routes_shape_before_the_body(self) -> None:
+        await self.keyed(api_key=[KEY])
+        status, body = await self.raw("/v1/chat/completions", {})
+        self.assertEqual((status, body["error"]["code"]), (401, "invalid_api_key"))
+        status, body = await self.raw("/v1/chat/completions", {"Authorization": "Bearer nope"})
+        self.assertEqual((status, body["error"]["type"]), (401, "authentication_error"))
+        status, body = await self.raw("/v1/messages", {"x-api-key": "nope"})
+        self.assertEqual(
+            (status, body),
+            (
+                401,
+                {
+                    "type": "error",
+                    "error": {
+                        "type": "authentication_error",
+                        "message": "a valid API key is required (Authorization: Bearer KEY)",
+                    },
+                },
+            ),
+        )
+        self.assertEqual(self.prefill.requests, [])
+        response = await self.http.get(self.proxy.url + "/healthcheck")  # (asks for no key)
+        self.assertEqual(response.code, 200)
+        await response.content()
+
+    async def test_the_openai_client_with_its_key_and_vllm_gets_the_backend_key(self) -> None:
+        await self.keyed(api_key=[KEY, OTHER])
+
+        def call(key: str) -> str:
+            client = openai.OpenAI(base_url=self.proxy.url + "/v1", api_key=key, max_retries=0)
+            try:
+                answer = client.chat.completions.create(
+                    model="fake-model", messages=[{"role": "user", "content": "hi"}]
+                )
+                return str(answer.choices[0].message.content)
+            finally:
+                client.close()
+
+        self.assertTrue(await deferToThread(call, KEY))
+        with self.assertRaises(openai.AuthenticationError):
+            await deferToThread(call, "sk-wrong")
+        (prefill,) = self.prefill.requests
+        (decode,) = self.decode.requests
+        self.assertEqual((prefill.authorization, decode.authorization), (f"Bearer {BACKEND}",) * 2)
+
+    async def test_the_anthropic_client_with_its_x_api_key(self) -> None:
+        await self.keyed(api_key=[KEY])
+
+        def call(key: str) -> str:
+            client = anthropic.Anthropic(base_url=self.proxy.url, api_key=key, max_retries=0)
+            try:
+                answer = client.messages.create(
+                    model="fake-model",
+                    max_tokens=8,
+                    messages=[{"role": "user", "content": "hi"}],
+                )
+                return answer.content[0].text  # type: ignore[union-attr]
+            finally:
+                client.close()
+
+        self.assertTrue(await deferToThread(call, KEY))
+        with self.assertRaises(anthropic.AuthenticationError):
+            await deferToThread(call, "sk-wrong")
+        self.assertEqual(self.decode.requests[0].authorization, f"Bearer {BACKEND}")
+        self.assertIsNone(self.decode.requests[0].headers.getRawHeaders(b"x-api-key"))
+
+    async def test_a_keys_file_is_read_again_when_it_changes(self) -> None:
+        where = Path(tempfile.mkdtemp(prefix="nixlproxy-keys-"))
+        self.addCleanup(shutil.rmtree, where)
+        keys = where / "keys"
+        keys.write_text(f"# the teams\n{KEY} team-a\n")
+        await self.keyed(api_keys_file=str(keys))
+        headers = {"Authorization": f"bearer {KEY}"}  # (the scheme in any case)
+        response, _ = await self.post_json("/v1/chat/completions", CHAT, headers)
+        self.assertEqual(response.code, 200)
+
+        keys.write_text(f"{OTHER} team-b\n")
+        os.utime(keys, ns=(1, 1))  # (a change the clock-driven look sees, whatever the mtime)
+        self.clock.advance(2)
+        response, _ = await self.post_json("/v1/chat/completions", CHAT, headers)
+        self.assertEqual(response.code, 401)
+        headers = {"Authorization": f"Bearer {OTHER}"}
+        response, _ = await self.post_json("/v1/chat/completions", CHAT, headers)
+        self.assertEqual(response.code, 200)
