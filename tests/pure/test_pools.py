@@ -347,7 +347,10 @@ def test_a_reload_says_once_that_an_instance_drains_and_a_removal_is_said_too() 
 
     @provider(ILogObserver)
     def observer(event: dict[str, Any]) -> None:
-        if event.get("log_namespace") == "nixl_twisted.backends.pools":
+        if event.get("log_namespace") in (
+            "nixl_twisted.backends.pools",
+            "nixl_twisted.backends.roster",
+        ):
             said.append(formatEvent(event))
 
     globalLogPublisher.addObserver(observer)
