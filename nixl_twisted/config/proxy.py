@@ -21,7 +21,7 @@ from nixl_twisted.config.settings import SETTINGS
 from nixl_twisted.config.sources import ConfigError, from_environment, parse, read_file
 from nixl_twisted.config.values import discovered_by
 
-__all__ = ["ConfigError", "ProxyConfig", "resolve"]
+__all__ = ["ConfigError", "ProxyConfig", "TenantsConfig", "resolve"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,19 @@ class DiscoveryConfig:
 
     def selector(self, role: str) -> str | None:
         return self.prefill_selector if role == "prefill" else self.decode_selector
+
+
+@dataclass(frozen=True)
+class TenantsConfig:
+    """Whose a request is (``header``, else a client key's tenant) and what each may use."""
+
+    header: str | None
+    #: The defaults for every tenant (0: no limit).
+    max_in_flight: int
+    requests_per_minute: int
+    tokens_per_minute: int
+    #: Each listed tenant's own: (name, in flight, requests, tokens); -1: the default.
+    table: tuple[tuple[str, int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -206,6 +219,7 @@ class ProxyConfig:
     disaggregation: Disaggregation
     kv_events: KvEventsConfig
     discovery: DiscoveryConfig
+    tenants: TenantsConfig
     timeouts: Timeouts
     retries: Retries
     health: Health
@@ -339,6 +353,7 @@ _PARTS: dict[str, type] = {
     "disaggregation": Disaggregation,
     "kv_events": KvEventsConfig,
     "discovery": DiscoveryConfig,
+    "tenants": TenantsConfig,
     "timeouts": Timeouts,
     "retries": Retries,
     "health": Health,

@@ -31,6 +31,7 @@ from nixl_twisted.config.values import (
     seconds,
     seconds_or_off,
     switch,
+    tenant_table,
     text,
 )
 
@@ -221,6 +222,50 @@ SETTINGS: tuple[Setting, ...] = (
         help=(
             "A file of client keys, one per line, each optionally followed by its tenant's "
             "name; read again on SIGHUP and when it changes."
+        ),
+    ),
+    Setting(
+        "tenant-header",
+        "tenants.header",
+        None,
+        text,
+        help=(
+            "A request header naming the client's tenant, for proxies behind a gateway that "
+            "authenticates; with client keys, the key's tenant wins."
+        ),
+    ),
+    Setting(
+        "tenant-max-in-flight",
+        "tenants.max_in_flight",
+        0,
+        count(0),
+        help=("Requests one tenant may have in flight at once (0: no limit); past it, 429."),
+    ),
+    Setting(
+        "tenant-requests-per-minute",
+        "tenants.requests_per_minute",
+        0,
+        count(0),
+        help=("Requests one tenant may start in any 60 s (0: no limit); past it, 429."),
+    ),
+    Setting(
+        "tenant-tokens-per-minute",
+        "tenants.tokens_per_minute",
+        0,
+        count(0),
+        help=(
+            "Prompt plus completion tokens one tenant may use in any 60 s, as vLLM counts "
+            "them (0: no limit); past it, 429."
+        ),
+    ),
+    Setting(
+        "tenants",
+        "tenants.table",
+        (),
+        tenant_table,
+        help=(
+            "Each tenant's own limits, [tenants.NAME] tables in the file (max-in-flight, "
+            "requests-per-minute, tokens-per-minute), JSON on the command line."
         ),
     ),
     Setting(
@@ -733,7 +778,7 @@ def default_text(setting: Setting) -> str:
         if setting.default:
             return ", ".join(setting.default)
         return "(required)" if setting.name in ("prefill", "decode") else "(none)"
-    if setting.default is None:
+    if setting.default is None or setting.default == ():
         return "(none)"
     if isinstance(setting.default, bool):
         return "on" if setting.default else "off"

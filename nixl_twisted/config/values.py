@@ -7,6 +7,7 @@ worker's JSON, or a reload) parses to itself.
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -110,6 +111,42 @@ def client_key(value: object) -> str:
     if not key or any(char.isspace() or not char.isprintable() for char in key):
         raise InvalidValue("must be a non-empty key without whitespace or control characters")
     return key
+
+
+#: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
+TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
+
+
+def tenant_table(value: object) -> tuple[tuple[str, int, int, int], ...]:
+    """``[tenants.NAME]`` tables (or the same as JSON text, or this parser's own output):
+    each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``,
+    as (name, in flight, requests, tokens), sorted by name; a limit left out is the default's
+    (-1)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise InvalidValue("must be a table of tenants (JSON on the command line)") from None
+    if isinstance(value, list | tuple):
+        rows = [tuple(row) for row in value]
+        if not all(len(row) == 4 and isinstance(row[0], str) for row in rows):
+            raise InvalidValue("must be rows of (tenant, in flight, requests, tokens)")
+        value = {row[0]: dict(zip(TENANT_LIMITS, row[1:], strict=True)) for row in rows}
+    if not isinstance(value, dict):
+        raise InvalidValue("must be a table of tenants, e.g. [tenants.team-a]")
+    table = []
+    for name, limits in value.items():
+        if not isinstance(limits, dict) or set(limits) - set(TENANT_LIMITS):
+            known = ", ".join(TENANT_LIMITS)
+            raise InvalidValue(f"tenant {name!r}: its keys are {known}")
+        numbers = []
+        for key in TENANT_LIMITS:
+            number = limits.get(key, -1)
+            if isinstance(number, bool) or not isinstance(number, int) or number < -1:
+                raise InvalidValue(f"tenant {name!r}: {key} must be 0 (no limit) or more")
+            numbers.append(number)
+        table.append((str(name), *numbers))
+    return tuple(sorted(table))  # type: ignore[arg-type]
 
 
 def text(value: object) -> str:

@@ -17,6 +17,7 @@ ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
     "overloaded_error",
+    "rate_limit_error",
     "upstream_error",
     "proxy_error",
 ]
@@ -173,6 +174,12 @@ class ErrorCode(enum.Enum):
         "an admin change that would leave a pool no instance in rotation",
     )
     # -- the proxy's own limits ------------------------------------------------
+    TENANT_LIMIT = (
+        "rate_limit_exceeded",
+        429,
+        "rate_limit_error",
+        "the client's tenant is at one of its limits (in flight, requests or tokens per minute)",
+    )
     TOO_MANY_REQUESTS_IN_FLIGHT = (
         "too_many_requests_in_flight",
         503,

@@ -64,7 +64,11 @@ _ANTHROPIC_TYPES: dict[ErrorType, str] = {
     "invalid_request_error": "invalid_request_error",
     "authentication_error": "authentication_error",
     "overloaded_error": "overloaded_error",
+    "rate_limit_error": "rate_limit_error",
 }
+
+
+_PHRASES = {429: b"Too Many Requests"}
 
 
 def anthropic_error_body(message: str, error_type: ErrorType, status: int) -> bytes:
@@ -100,7 +104,8 @@ def stream_error_event(path: bytes, message: str, code: ErrorCode) -> bytes:
 
 def json_answer(request: IRequest, error: ProxyError) -> bytes:
     """Set ``request`` up to answer ``error`` as JSON in the route's shape; returns the body."""
-    request.setResponseCode(error.status)
+    # (Twisted's table has no phrase for 429: its status line would say "Unknown Status".)
+    request.setResponseCode(error.status, _PHRASES.get(error.status))
     if error.retry_after is not None:
         request.setHeader(b"Retry-After", str(max(1, math.ceil(error.retry_after))).encode())
     body = for_route(request.path, error)

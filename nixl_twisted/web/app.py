@@ -43,10 +43,12 @@ from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, json_answer
 from nixl_twisted.protocol.headers import REQUEST_ID
+from nixl_twisted.protocol.prompts import estimate_tokens
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.keys import ClientKeys
+from nixl_twisted.web.tenants import TenantLimits
 
 log = Logger()
 
@@ -91,6 +93,9 @@ class ProxyApp:
         #: The keys clients must send (checked by the site, as the headers arrive).
         self.client_keys = ClientKeys(clock)
         self.client_keys.configure(config)
+        #: What each tenant may use (``--tenant-*``, ``[tenants.NAME]``).
+        self.tenants = TenantLimits(clock)
+        self.tenants.configure(config)
         legs = Legs(backends, clock, metrics)
         self.one_leg = OneLeg(config, legs)
         #: Which decode instance produced each Responses API response.
@@ -109,6 +114,7 @@ class ProxyApp:
         self.admin.use_token(config.admin_token)
         self.admin.allowed = AllowedBackends(config.discovery.allowed)
         self.client_keys.configure(config)
+        self.tenants.configure(config)
 
     def resource(self, admin: bool = False) -> IResource:
         """The Twisted Web resource that serves this app (``admin``: on --admin-listen)."""
@@ -193,6 +199,7 @@ class ProxyApp:
 
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         trace = self._trace(request)
+        self._admit_tenant(request, path)  # (in flight and requests: no tokens generated)
         return self.admission.serve(
             lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace))
         )
@@ -257,6 +264,7 @@ class ProxyApp:
         if isinstance(model, str):
             record_of(request).model = lowering.printable(model)
         lowering.check_servable(path, body)
+        self._admit_tenant(request, path, body)
         batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
         if batch is None:
             return self.admission.serve(
@@ -268,6 +276,36 @@ class ProxyApp:
             return self._exchange(to, path, one, lowering.new_request_id(), trace)
 
         return self.admission.serve(lambda: Batch(request, batch, body, part).start())
+
+    def _tenant(self, request: Request, path: str) -> str | None:
+        """Whose the request is: its client key's tenant, else the tenant header's."""
+        headers = request.requestHeaders
+        if self.client_keys.required:
+            return self.client_keys.tenant(headers, path.encode("utf-8"))
+        if self.tenants.header is None:
+            return None
+        named = headers.getRawHeaders(self.tenants.header, [None])[0]
+        return lowering.printable(named.decode("utf-8", "replace")) if named else None
+
+    def _admit_tenant(
+        self, request: Request, path: str, body: lowering.JSONObject | None = None
+    ) -> None:
+        """Hold the request to its tenant's limits (429 past one) until it ends."""
+        estimate = 0
+        if body is not None:
+            estimate = (estimate_tokens(path, body) or 0) + _max_tokens(body)
+        ticket = self.tenants.admit(self._tenant(request, path), estimate)
+
+        def ended(_: object) -> None:
+            usage = record_of(request).total_usage()
+            used = (
+                None
+                if usage is None
+                else (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
+            )
+            ticket.release(used)
+
+        request.notifyFinish().addBoth(ended)
 
     def _exchange(
         self,
@@ -338,6 +376,15 @@ class ProxyApp:
         message = "the proxy failed unexpectedly; see its log"
         record_of(request).error = f"{message}: {failure.getErrorMessage()}"
         return json_answer(request, ProxyError(ErrorCode.INTERNAL_ERROR, message))
+
+
+def _max_tokens(body: lowering.JSONObject) -> int:
+    """The most a request may generate, as it says (0 if it does not)."""
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def _request_id(request: IRequest) -> str | None:

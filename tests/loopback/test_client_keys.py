@@ -12,7 +12,10 @@ from typing import Any
 
 import anthropic
 import openai
+from treq.client import HTTPClient
+from twisted.internet import reactor
 from twisted.internet.threads import deferToThread
+from twisted.web.client import Agent, HTTPConnectionPool
 
 from tests.support import CHAT, ProxyCase
 
@@ -127,4 +130,62 @@ class ClientKeyTests(ProxyCase):
         self.assertEqual(response.code, 401)
         headers = {"Authorization": f"Bearer {OTHER}"}
         response, _ = await self.post_json("/v1/chat/completions", CHAT, headers)
+        self.assertEqual(response.code, 200)
+
+
+class TenantLimitTests(ProxyCase):
+    async def teams(self, **settings: Any) -> None:
+        where = Path(tempfile.mkdtemp(prefix="nixlproxy-keys-"))
+        self.addCleanup(shutil.rmtree, where)
+        (where / "keys").write_text(f"{KEY} team-a\n{OTHER} team-b\n")
+        await self.start(tokens=4, proxy={"api_keys_file": str(where / "keys"), **settings})
+
+    async def refused_or_served(
+        self, headers: dict[str, str], path: str = "/v1/chat/completions", body: Any = CHAT
+    ) -> tuple[Any, Any]:
+        """A request on a connection of its own (a held stream keeps one busy; the proxy's
+        clock, moved by a test, times idle ones out)."""
+        sent: dict[bytes | str, bytes | str] = {name: value for name, value in headers.items()}
+        response = await self.fresh().post(self.proxy.url + path, json=body, headers=sent)
+        return response, json.loads(await response.content())
+
+    def fresh(self) -> HTTPClient:
+        return HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
+
+    async def test_a_tenant_at_its_in_flight_limit_gets_429_while_another_is_served(self) -> None:
+        await self.teams(tenant_max_in_flight=1)
+        team_a = {"Authorization": f"Bearer {KEY}"}
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        stream = await self.post("/v1/chat/completions", dict(CHAT, stream=True), team_a)
+        await held
+        response, answer = await self.refused_or_served(team_a)
+        self.assertEqual((response.code, answer["error"]["code"]), (429, "rate_limit_exceeded"))
+        self.assertEqual(response.headers.getRawHeaders(b"retry-after"), [b"1"])
+        self.assertIn("team-a", answer["error"]["message"])
+        # (The fake holds every generation now: another tenant's request that is not one.)
+        tokenize = {"model": "fake-model", "prompt": "hello"}
+        response, _ = await self.refused_or_served(
+            {"Authorization": f"Bearer {OTHER}"}, "/tokenize", tokenize
+        )
+        self.assertEqual(response.code, 200)
+        response, _ = await self.refused_or_served(team_a, "/tokenize", tokenize)
+        self.assertEqual(response.code, 429)
+        self.decode.release()
+        await stream.content()
+        response, _ = await self.refused_or_served(team_a)
+        self.assertEqual(response.code, 200)  # its stream ended: room again
+
+    async def test_tokens_per_minute_are_counted_from_the_usage_of_a_stream(self) -> None:
+        await self.teams(tenant_tokens_per_minute=8)
+        team_a = {"Authorization": f"Bearer {KEY}"}
+        body = dict(CHAT, stream=True, stream_options={"include_usage": True})
+        response = await self.post("/v1/chat/completions", body, team_a)
+        self.assertEqual(response.code, 200)
+        await response.content()  # usage: the fake's prompt tokens plus its 4 generated
+        response, answer = await self.post_json("/v1/chat/completions", CHAT, team_a)
+        self.assertEqual((response.code, answer["error"]["code"]), (429, "rate_limit_exceeded"))
+        self.assertIn("8 tokens per minute", answer["error"]["message"])
+        self.clock.advance(60)
+        response, _ = await self.refused_or_served(team_a)
         self.assertEqual(response.code, 200)

@@ -1,0 +1,167 @@
+"""Per-tenant limits: requests in flight, requests and tokens per minute.
+
+A request's tenant is its client key's (``--api-keys-file``'s name, or a
+fingerprint of the key), else the ``--tenant-header``'s value; a request
+with neither has no tenant and only ``--max-in-flight`` holds it. Past a
+limit the answer is 429 ``rate_limit_exceeded`` with ``Retry-After`` (503
+means the fleet, not the client). Minutes are 60 s sliding windows. Tokens
+are prompt plus completion as vLLM reports them in the usage of its answer
+(streams included); until a request ends it counts its estimate (the
+prompt's estimated tokens plus its ``max_tokens``), and a tenant with nothing
+in its window is let through whatever the estimate, so that one large
+request is slow, not impossible.
+
+Counted in each process: under ``--workers N`` each worker holds every
+tenant to the limits, so a tenant may get up to N times them
+(``security.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from twisted.internet.interfaces import IReactorTime
+
+from nixl_twisted.config import ProxyConfig, TenantsConfig
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
+
+WINDOW = 60.0
+#: The longest tenant name kept (a header's value is the client's to choose).
+MAX_NAME = 128
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One tenant's limits (0: none)."""
+
+    max_in_flight: int = 0
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+
+
+@dataclass
+class _Usage:
+    in_flight: int = 0
+    started: deque[float] = field(default_factory=deque)
+    #: (when, tokens) of requests that ended, and the estimates of those in flight.
+    tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    estimated: int = 0
+
+    def forget_before(self, when: float) -> None:
+        while self.started and self.started[0] <= when:
+            self.started.popleft()
+        while self.tokens and self.tokens[0][0] <= when:
+            self.tokens.popleft()
+
+    @property
+    def idle(self) -> bool:
+        return not (self.in_flight or self.started or self.tokens)
+
+
+class Ticket:
+    """A request admitted for a tenant: given back once, with the tokens it used."""
+
+    def __init__(self, release: Callable[[int | None], None]) -> None:
+        self._release: Callable[[int | None], None] | None = release
+
+    def release(self, tokens: int | None) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release(tokens)
+
+
+NO_TICKET = Ticket(lambda tokens: None)
+
+
+class TenantLimits:
+    """Each tenant's use now, held to its rule."""
+
+    def __init__(self, clock: IReactorTime) -> None:
+        self.clock = clock
+        self.header: bytes | None = None
+        self.default = Rule()
+        self.rules: dict[str, Rule] = {}
+        self._use: dict[str, _Usage] = {}
+        self._swept = 0.0
+
+    def configure(self, config: ProxyConfig) -> None:
+        tenants: TenantsConfig = config.tenants
+        self.header = tenants.header.encode("ascii") if tenants.header else None
+        self.default = Rule(
+            tenants.max_in_flight, tenants.requests_per_minute, tenants.tokens_per_minute
+        )
+        self.rules = {
+            name: Rule(
+                *(
+                    own if own >= 0 else default
+                    for own, default in zip(
+                        limits,
+                        (
+                            tenants.max_in_flight,
+                            tenants.requests_per_minute,
+                            tenants.tokens_per_minute,
+                        ),
+                        strict=True,
+                    )
+                )
+            )
+            for name, *limits in tenants.table
+        }
+
+    def rule(self, tenant: str) -> Rule:
+        return self.rules.get(tenant, self.default)
+
+    def admit(self, tenant: str | None, estimate: int) -> Ticket:
+        """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits."""
+        if tenant is None:
+            return NO_TICKET
+        tenant = tenant[:MAX_NAME]
+        rule = self.rule(tenant)
+        if rule == Rule():
+            return NO_TICKET
+        now = self.clock.seconds()
+        if now - self._swept >= WINDOW:  # (tenants seen once, by header, are not kept)
+            self._sweep(now)
+        use = self._use.setdefault(tenant, _Usage())
+        use.forget_before(now - WINDOW)
+        if rule.max_in_flight and use.in_flight >= rule.max_in_flight:
+            self._refuse(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
+        if rule.requests_per_minute and len(use.started) >= rule.requests_per_minute:
+            wait = use.started[0] + WINDOW - now
+            self._refuse(tenant, f"{rule.requests_per_minute} requests per minute", wait)
+        used = sum(tokens for _, tokens in use.tokens) + use.estimated
+        if rule.tokens_per_minute and used and used + estimate > rule.tokens_per_minute:
+            wait = (use.tokens[0][0] + WINDOW - now) if use.tokens else 1.0
+            self._refuse(tenant, f"{rule.tokens_per_minute} tokens per minute", wait)
+        use.in_flight += 1
+        use.estimated += estimate
+        if rule.requests_per_minute:
+            use.started.append(now)
+
+        def release(tokens: int | None) -> None:
+            use.in_flight -= 1
+            use.estimated -= estimate
+            if rule.tokens_per_minute:
+                use.tokens.append((self.clock.seconds(), estimate if tokens is None else tokens))
+            if use.idle:
+                self._use.pop(tenant, None)
+
+        return Ticket(release)
+
+    def _sweep(self, now: float) -> None:
+        self._swept = now
+        for tenant, use in list(self._use.items()):
+            use.forget_before(now - WINDOW)
+            if use.idle:
+                del self._use[tenant]
+
+    def _refuse(self, tenant: str, limit: str, wait: float) -> None:
+        raise ProxyError(
+            ErrorCode.TENANT_LIMIT,
+            f"tenant {tenant!r} is at its limit of {limit}; try again in {math.ceil(wait)} s",
+            retry_after=max(1.0, wait),
+        )

@@ -1,0 +1,74 @@
+"""Per-tenant limits, by the clock: in flight, requests and tokens per minute."""
+
+from __future__ import annotations
+
+import pytest
+from twisted.internet.task import Clock
+
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.web.tenants import TenantLimits
+
+
+def limits(**settings: object) -> tuple[TenantLimits, Clock]:
+    clock = Clock()
+    tenants = TenantLimits(clock)
+    tenants.configure(ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], **settings))
+    return tenants, clock
+
+
+def refused(tenants: TenantLimits, tenant: str, estimate: int = 0) -> ProxyError:
+    with pytest.raises(ProxyError) as raised:
+        tenants.admit(tenant, estimate)
+    assert (raised.value.status, raised.value.code.value) == (429, "rate_limit_exceeded")
+    return raised.value
+
+
+def test_in_flight_is_per_tenant_and_given_back_when_a_request_ends() -> None:
+    tenants, _ = limits(tenant_max_in_flight=2)
+    first, _second = tenants.admit("a", 0), tenants.admit("a", 0)
+    assert refused(tenants, "a").retry_after == 1.0
+    tenants.admit("b", 0)  # another tenant is served
+    first.release(None)
+    tenants.admit("a", 0)
+
+
+def test_requests_per_minute_slide_with_the_clock() -> None:
+    tenants, clock = limits(tenant_requests_per_minute=2)
+    tenants.admit("a", 0).release(None)
+    clock.advance(30)
+    tenants.admit("a", 0).release(None)
+    error = refused(tenants, "a")
+    assert error.retry_after == 30.0 and "2 requests per minute" in error.message
+    clock.advance(30)  # the first left the window
+    tenants.admit("a", 0)
+
+
+def test_tokens_per_minute_count_what_vllm_reported_and_estimates_in_flight() -> None:
+    tenants, clock = limits(tenant_tokens_per_minute=100)
+    big = tenants.admit("a", 500)  # nothing used yet: let through whatever its estimate
+    refused(tenants, "a", 10)  # its estimate counts while it runs
+    big.release(60)  # vLLM said 60
+    tenants.admit("a", 40).release(40)
+    refused(tenants, "a", 1)
+    clock.advance(60)
+    tenants.admit("a", 99)
+
+
+def test_a_tenants_own_limits_override_the_defaults() -> None:
+    tenants, _ = limits(tenant_max_in_flight=1, tenants={"vip": {"max-in-flight": 3}, "free": {}})
+    for _ in range(3):
+        tenants.admit("vip", 0)
+    refused(tenants, "vip")
+    tenants.admit("free", 0)  # (a limit left out is the default's)
+    refused(tenants, "free")
+    tenants.admit(None, 0)  # no tenant: no tenant limit
+
+
+def test_an_idle_tenant_is_forgotten() -> None:
+    tenants, clock = limits(tenant_requests_per_minute=5)
+    tenants.admit("once", 0).release(None)
+    assert set(tenants._use) == {"once"}  # its request is in the window
+    clock.advance(61)
+    tenants.admit("other", 0)
+    assert set(tenants._use) == {"other"}
