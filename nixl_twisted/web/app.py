@@ -291,10 +291,13 @@ class ProxyApp:
         self, request: Request, path: str, body: lowering.JSONObject | None = None
     ) -> None:
         """Hold the request to its tenant's limits (429 past one) until it ends."""
+        tenant = self._tenant(request, path)
+        if tenant is None or not self.tenants.limits(tenant):
+            return  # (the common case: nothing to count, no prompt to measure)
         estimate = 0
         if body is not None:
             estimate = (estimate_tokens(path, body) or 0) + _max_tokens(body)
-        ticket = self.tenants.admit(self._tenant(request, path), estimate)
+        ticket = self.tenants.admit(tenant, estimate)
 
         def ended(_: object) -> None:
             usage = record_of(request).total_usage()

@@ -113,7 +113,11 @@ class TenantLimits:
         }
 
     def rule(self, tenant: str) -> Rule:
-        return self.rules.get(tenant, self.default)
+        return self.rules.get(tenant[:MAX_NAME], self.default)
+
+    def limits(self, tenant: str) -> bool:
+        """Whether ``tenant`` has any limit to be held to."""
+        return self.rule(tenant) != Rule()
 
     def admit(self, tenant: str | None, estimate: int) -> Ticket:
         """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits."""
