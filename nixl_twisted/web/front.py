@@ -68,8 +68,9 @@ class FrontDoor(Resource):
         problem = host_problem(request)
         if problem is not None:
             return _refuse(request, ErrorCode.INVALID_HOST, problem)
-        if (self._admin and path not in routes.ADMIN_PORT) or (
-            self._split and not self._admin and path in routes.ADMIN_ONLY
+        routed = "/" + path.lstrip("/")  # (Werkzeug routes //admin/... as /admin/...)
+        if (self._admin and routed not in routes.ADMIN_PORT) or (
+            self._split and not self._admin and routed in routes.ADMIN_ONLY
         ):
             method = request.method.decode("ascii", "replace")
             return _refuse(request, ErrorCode.NOT_FOUND, f"{method} {path}: Not Found")

@@ -23,7 +23,7 @@ class AdminPortTests(ProxyCase):
         )
         response = await self.http.get(client + "/health")
         self.assertEqual((response.code, await response.content()), (200, b""))
-        for path in ("/metrics", "/admin/backends"):
+        for path in ("/metrics", "/admin/backends", "//admin/backends", "/admin/backends?x=1"):
             response = await self.http.get(client + path, headers=bearer)
             self.assertEqual(response.code, 404, path)
             self.assertEqual(json.loads(await response.content())["error"]["code"], "not_found")
