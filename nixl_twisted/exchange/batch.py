@@ -248,4 +248,4 @@ def _as_error(part: _Part) -> ProxyError:
 
 def _reason(failure: Any) -> str:
     value = failure.value
-    return value.detail if isinstance(value, ProxyError) else str(value)
+    return value.message if isinstance(value, ProxyError) else str(value)

@@ -301,11 +301,12 @@ class ProxyApp:
 
         def ended(_: object) -> None:
             usage = record_of(request).total_usage()
-            used = (
-                None
-                if usage is None
-                else (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
-            )
+            if usage is not None:
+                used = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
+            elif 200 <= request.code < 300:
+                used = estimate  # (answered, but vLLM said nothing of its usage)
+            else:
+                used = 0  # (refused or failed: nothing generated is charged)
             ticket.release(used)
 
         request.notifyFinish().addBoth(ended)

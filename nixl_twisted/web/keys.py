@@ -50,7 +50,11 @@ def read_keys(path: str) -> dict[str, str | None]:
     keys: dict[str, str | None] = {}
     with open(path, encoding="utf-8") as file:
         for number, line in enumerate(file, 1):
-            words = line.split("#", 1)[0].split()
+            words = line.split()
+            # A comment is a word that starts with "#": a "#" inside a key is the key's.
+            words = next(
+                (words[:at] for at, word in enumerate(words) if word.startswith("#")), words
+            )
             if not words:
                 continue
             if len(words) > 2:

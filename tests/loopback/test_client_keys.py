@@ -189,3 +189,12 @@ class TenantLimitTests(ProxyCase):
         self.clock.advance(60)
         response, _ = await self.refused_or_served(team_a)
         self.assertEqual(response.code, 200)
+
+    async def test_a_refused_request_is_not_charged_its_estimate(self) -> None:
+        await self.teams(tenant_tokens_per_minute=8, max_batch_prompts=2)
+        team_a = {"Authorization": f"Bearer {KEY}"}
+        too_many = {"model": "fake-model", "prompt": ["a", "b", "c"], "max_tokens": 1000}
+        response, _ = await self.refused_or_served(team_a, "/v1/completions", too_many)
+        self.assertEqual(response.code, 400)
+        response, _ = await self.refused_or_served(team_a)
+        self.assertEqual(response.code, 200)  # (charged 1,000 tokens before: a 429 for a minute)

@@ -72,3 +72,13 @@ def test_an_idle_tenant_is_forgotten() -> None:
     clock.advance(61)
     tenants.admit("other", 0)
     assert set(tenants._use) == {"other"}
+
+
+def test_a_keys_file_keeps_a_hash_inside_a_key_and_skips_comments(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from nixl_twisted.web.keys import read_keys
+
+    keys = Path(str(tmp_path)) / "keys"
+    keys.write_text("# the teams\nsk-ab#cd team-a  # paid\nsk-ef\n")
+    assert read_keys(str(keys)) == {"sk-ab#cd": "team-a", "sk-ef": None}
