@@ -26,6 +26,7 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue, client_key
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.routes import speaks_anthropic
+from nixl_twisted.web.admin import bearer_token
 
 log = Logger()
 
@@ -35,13 +36,6 @@ FILE_CHECK = 2.0
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
-
-
-def _bearer(credentials: bytes | None) -> bytes | None:
-    scheme, space, token = (credentials or b"").partition(b" ")
-    if scheme.lower() != b"bearer" or not space:
-        return None
-    return token.lstrip(b" ") or None
 
 
 def read_keys(path: str) -> dict[str, str | None]:
@@ -96,7 +90,7 @@ class ClientKeys:
 
     def tenant(self, headers: Headers, path: bytes) -> str | None:
         """The tenant whose key the request carries, or None (refused)."""
-        presented = _bearer(headers.getRawHeaders(b"authorization", [None])[0])
+        presented = bearer_token(headers.getRawHeaders(b"authorization", [None])[0])
         if presented is None and speaks_anthropic(path):
             presented = headers.getRawHeaders(b"x-api-key", [None])[0]
         if not presented:
