@@ -126,7 +126,7 @@ async def drive(url: str, work: Workload, concurrency: int, max_tokens: int) -> 
         text: list[str] = []
         try:
             stream = await client.chat.completions.create(
-                model="m", messages=messages, stream=True, max_tokens=max_tokens
+                model="fake-model", messages=messages, stream=True, max_tokens=max_tokens
             )
             async for chunk in stream:
                 if chunk.choices and chunk.choices[0].delta.content:

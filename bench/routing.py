@@ -199,7 +199,7 @@ async def conversations(
     turns: int,
     concurrency: int,
     rng: random.Random,
-    model: str = "m",
+    model: str = "fake-model",
 ) -> dict[str, Any]:
     """Every conversation's turns, interleaved in ``rng``'s order (it drew the openings too)."""
     from openai import AsyncOpenAI
@@ -428,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a real vLLM prefill instance instead of the fakes (repeat; #kv-events=PORT)",
     )
     parser.add_argument("--real-decode", action="append", default=[], help="with --real-prefill")
-    parser.add_argument("--model", default="m", help="the model name the requests ask for")
+    parser.add_argument("--model", default="fake-model", help="the model name the requests ask for")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--cost", type=float, default=0.0001, help="s per uncached token")
     parser.add_argument("--seed", type=int, default=12)

@@ -56,6 +56,7 @@ class Judged(Protocol):
     retry_at: float
     last_error: str | None
     load: dict[str, float]
+    models: dict[str, dict[str, Any]] | None
 
 
 def failed(instance: Judged, reason: str, thresholds: Thresholds, now: float) -> bool:
@@ -99,4 +100,6 @@ def adopt(instance: Judged, health: dict[str, Any]) -> bool:
     instance.retry_at = float(health["retry_at"])
     instance.last_error = health["last_error"]
     instance.load = dict(health.get("load") or {})
+    models = health.get("models")
+    instance.models = None if models is None else dict(models)
     return was is not instance.state

@@ -41,6 +41,19 @@ class Instance:
     sources: set[str] = field(default_factory=set)
     #: The source that first listed it (what it shows once none lists it).
     came_from: str = "static"
+    #: The models it serves, as its ``GET /v1/models`` said last (id -> card; LoRA
+    #: adapters too); None: not read (health checks off, or it could not be read).
+    models: dict[str, dict[str, Any]] | None = None
+    #: The models ``[models.NAME]`` lists it under (served whatever it says).
+    named: frozenset[str] = frozenset()
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for ``model`` may go here (``nixl_twisted.backends.models``)."""
+        if model in self.named:
+            return True
+        if self.models is None:
+            return not self.named  # (never read: anything, unless listed for its models)
+        return model in self.models
 
     @property
     def healthy(self) -> bool:
@@ -87,6 +100,7 @@ class Instance:
             "failures": self.failures,
             "last_error": self.last_error,
             "load": self.load or None,
+            "models": None if self.models is None else sorted(self.models),
         }
 
     def health(self) -> dict[str, Any]:
@@ -100,6 +114,7 @@ class Instance:
             "retry_at": self.retry_at,
             "last_error": self.last_error,
             "load": self.load,
+            "models": self.models,
         }
 
 

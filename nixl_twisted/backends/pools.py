@@ -40,8 +40,10 @@ Report = Callable[[str, str, "str | None"], None]
 class NoHealthyInstance(Exception):
     """Every instance of a pool is draining or was already tried for this leg."""
 
-    def __init__(self, role: str, retry_after: float) -> None:
-        super().__init__(f"no healthy {role} instance")
+    def __init__(self, role: str, retry_after: float, model: str | None = None) -> None:
+        #: What the client is told: the pool, and the model when the request named one.
+        self.what = f"{role} instance" + (f" serving {model!r}" if model is not None else "")
+        super().__init__(f"no healthy {self.what}")
         self.role = role
         self.retry_after = retry_after
 
@@ -81,6 +83,8 @@ class BackendPool(Roster):
         #: Which candidate serves the next leg (``nixl_twisted.backends.routing``).
         self.policy: Policy = round_robin
         self.policy_name = "round-robin"
+        #: A model's own policy, where ``[models.NAME]`` gives one (name, policy).
+        self.model_policies: dict[str, tuple[str, Policy]] = {}
         #: The health checks also read each instance's load from vLLM's ``/metrics``.
         self.reads_load = False
         #: cache-aware's memory of which instance was sent which prompt prefix.
@@ -139,15 +143,19 @@ class BackendPool(Roster):
         among those not draining (panic, logged once). Raises
         ``NoHealthyInstance`` when every instance was tried or is draining.
         """
-        candidates = [i for i in self.instances if i not in exclude and self.available(i)]
+        model = routing.model
+        serving = (
+            self.instances if model is None else [i for i in self.instances if i.serves(model)]
+        )
+        candidates = [i for i in serving if i not in exclude and self.available(i)]
         checked = [i for i in candidates if i.state is not State.PENDING]
         # Checked instances first; only when none is, those still waiting for theirs.
         candidates = checked or candidates
         panic = not candidates
         if panic:
-            candidates = [i for i in self.instances if i not in exclude and not i.draining]
+            candidates = [i for i in serving if i not in exclude and not i.draining]
         if not candidates:
-            raise NoHealthyInstance(self.role, self.retry_after())
+            raise NoHealthyInstance(self.role, self.retry_after(), model)
         if panic and not self.panicking:
             log.warn(
                 "{role} pool in panic: every instance is down, legs go to them anyway",
@@ -156,8 +164,14 @@ class BackendPool(Roster):
         elif not panic and self.panicking:
             log.info("{role} pool out of panic", role=self.role)
         self.panicking = panic
-        instance, decision = self.policy(self, candidates, routing)
+        _, policy = self.policy_for(model)
+        instance, decision = policy(self, candidates, routing)
         return instance, decision
+
+    def policy_for(self, model: str | None) -> tuple[str, Policy]:
+        """The policy (name, policy) that chooses for ``model``: its own, else the pool's."""
+        own = self.model_policies.get(model) if model is not None else None
+        return own if own is not None else (self.policy_name, self.policy)
 
     def round_robin(self, candidates: Sequence[Instance]) -> Instance:
         """The next of ``candidates`` in the pool's rotation."""

@@ -41,6 +41,9 @@ class Routing:
     untokenized: str | None = None
     #: Per pool role, the tokens of the prompt its ``kv-aware`` choice holds (set by it).
     matched: dict[str, int] = field(default_factory=dict, compare=False)
+    #: The model the request is for: only instances that serve it are candidates
+    #: (None: any; ``nixl_twisted.backends.models.resolve``).
+    model: str | None = None
 
 
 #: A request that offers nothing to route on.

@@ -23,6 +23,7 @@ from nixl_twisted.backends import routing
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.kv_events import KvEvents, PoolEvents
+from nixl_twisted.backends.models import read_models
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.upstream import Upstream, read_body
 from nixl_twisted.config import (
@@ -30,10 +31,12 @@ from nixl_twisted.config import (
     DiscoveryConfig,
     Health,
     KvEventsConfig,
+    ModelPools,
     Policies,
     Pools,
     ProxyConfig,
 )
+from nixl_twisted.config.values import backend_url, discovered_by, instance_url, rank_urls
 from nixl_twisted.events import Happened
 from nixl_twisted.protocol.headers import for_rank
 
@@ -73,6 +76,11 @@ class BackendService(Service):
         self.sources: list[dict[str, Any]] = []
         #: Discovery's failures by pool and kind (``discovery.Membership.counted``).
         self.discovery_errors: list[dict[str, Any]] = []
+        #: The models ``[models.NAME]`` lists each member under, by pool role and by
+        #: instance URL or discovery source (``Pools.named``).
+        self._named: dict[str, dict[str, frozenset[str]]] = {}
+        #: Sent with the health checks' ``GET /v1/models`` (vLLM's --api-key guards it).
+        self.backend_api_key: str | None = None
         #: vLLM's KV events per instance, for kv-aware (a child service of the root's).
         self.kv_events = KvEvents(
             reactor if reactor is not None else clock, clock, self.pools, 131_072
@@ -111,26 +119,41 @@ class BackendService(Service):
         if pool is None:
             return
         joined, _ = pool.discovered(source, urls, retire)
+        _name(pool, self._named.get(role, {}))
         if self.running and self.runs_checks and self.health_interval > 0:
             for instance in joined:
                 self._check(pool, instance)
 
-    def use_policies(self, policies: Policies, rules: Disaggregation | None = None) -> None:
-        """Each pool chooses its instances by its policy from now on.
+    def use_policies(
+        self,
+        policies: Policies,
+        rules: Disaggregation | None = None,
+        models: tuple[ModelPools, ...] = (),
+    ) -> None:
+        """Each pool chooses its instances by its policy (a model's own, for its requests).
 
         The health checks read vLLM's load for the ``load`` policy, and the
         prefill pool's for the busy-prefill rule (``rules.busy_prompt``).
         """
         busy_rule = rules is not None and rules.busy_prompt > 0
+        busy_rule = busy_rule or any(m.setting("decode-only-busy-below", 0) for m in models)
         for pool in self.pools():
             name = policies.of(pool.role)
-            remembers = name in ("cache-aware", "kv-aware")  # (kv-aware falls back to it)
+            key = f"{pool.role}-policy"
+            own = {m.name: m.setting(key, name) for m in models if key in dict(m.own)}
+            used = {name, *own.values()}
+            remembers = bool(used & {"cache-aware", "kv-aware"})  # (kv-aware falls back to it)
             pool.sent.resize(policies.entries if remembers else 0)
-            pool.policy = routing.policy(
-                name, policies.balance, pool.sent, policies.min_match, self.kv_events
-            )
+            made = {
+                named: routing.policy(
+                    named, policies.balance, pool.sent, policies.min_match, self.kv_events
+                )
+                for named in used
+            }
+            pool.policy = made[name]
             pool.policy_name = name
-            pool.reads_load = name == "load" or (busy_rule and pool is self.prefill)
+            pool.model_policies = {model: (named, made[named]) for model, named in own.items()}
+            pool.reads_load = "load" in used or (busy_rule and pool is self.prefill)
             if not pool.reads_load:
                 for instance in pool.instances:
                     instance.load = {}  # no longer read: not shown as if it were current
@@ -149,6 +172,13 @@ class BackendService(Service):
         for pool in self.pools():
             pool.discovers = bool(pools.names(pool.role) or discovery.selector(pool.role))
             pool.update(pools.static(pool.role))
+        self.use_models(pools)
+
+    def use_models(self, pools: Pools) -> None:
+        """Which models ``[models.NAME]`` lists each instance under, from now on."""
+        for pool in self.pools():
+            self._named[pool.role] = _by_instance(pools.named(pool.role))
+            _name(pool, self._named[pool.role])
 
     def configure(self, config: ProxyConfig) -> None:
         """A reload: pools, policies, health rules and idle connections as ``config`` says.
@@ -158,7 +188,8 @@ class BackendService(Service):
         """
         self.use_pools(config.pools, config.discovery)
         self.use_kv_events(config.kv_events)
-        self.use_policies(config.policies, config.disaggregation)
+        self.use_policies(config.policies, config.disaggregation, config.pools.models)
+        self.backend_api_key = config.backend_api_key
         health = config.health
         thresholds = Thresholds.of(health)
         for pool in self.pools():
@@ -223,6 +254,7 @@ class BackendService(Service):
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
+            await self._read_models(pool, instance)
             if pool.reads_load:
                 await self._scrape(pool, instance)
 
@@ -243,6 +275,36 @@ class BackendService(Service):
         checking.addCallbacks(lambda _: pool.record_success(instance), failed)
         checking.addErrback(lambda failure: log.failure("health check error", failure))
         return checking
+
+    async def _read_models(self, pool: BackendPool, instance: Instance) -> None:
+        """What the instance serves, from its ``/v1/models``; unreadable: the last known kept.
+
+        The workers are told of a change, as of one in health.
+        """
+        asking = for_rank(Headers(), instance.rank)
+        if self.backend_api_key is not None:
+            asking.setRawHeaders(b"authorization", [f"Bearer {self.backend_api_key}".encode()])
+        try:
+            response = await self.health_client.get(instance.base + "/v1/models", asking)
+            body = await read_body(response)
+            if response.code != 200:
+                raise ValueError(f"GET /v1/models answered HTTP {response.code}")
+            models = read_models(body)
+        except Exception as error:
+            if instance.models is None:
+                log.debug("no models from {url}: {error}", url=instance.url, error=str(error))
+            else:
+                log.warn(
+                    "{url} could not say its models ({error}): its last list is kept",
+                    url=instance.url,
+                    error=str(error),
+                )
+            return
+        if models != instance.models:
+            if instance.models is not None or len(models) > 1:
+                log.info("{url} serves {models}", url=instance.url, models=", ".join(models))
+            instance.models = models
+            pool.load_changed(instance)
 
     async def _scrape(self, pool: BackendPool, instance: Instance) -> None:
         """vLLM's own load from its ``/metrics``; unreadable: the policy falls back, no mark."""
@@ -269,6 +331,25 @@ class BackendService(Service):
         if self.health_client is not self.upstream:
             closing.append(self.health_client.close())
         return DeferredList(closing).addCallback(lambda _: None)
+
+
+def _by_instance(named: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+    """``Pools.named`` keyed as instances are: each rank's URL (and each DNS name as is)."""
+    keyed = dict(named)
+    for member, models in named.items():
+        if discovered_by(member) is None:
+            for rank in rank_urls(member):
+                keyed[instance_url(backend_url(rank))] = models
+    return keyed
+
+
+def _name(pool: BackendPool, named: dict[str, frozenset[str]]) -> None:
+    """Each instance's ``named`` models: its URL's and its discovery sources'."""
+    for instance in pool.instances:
+        names = set(named.get(instance.url, ()))
+        for source in instance.sources:
+            names |= named.get(source, frozenset())
+        instance.named = frozenset(names)
 
 
 #: vLLM's gauges the ``load`` policy reads, summed over its engines (and their

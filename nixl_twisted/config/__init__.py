@@ -4,6 +4,7 @@ Imports nothing else of the proxy. Every other room reads its settings from
 the frozen ``ProxyConfig`` and its parts, re-exported here.
 """
 
+from nixl_twisted.config.models import ModelPools
 from nixl_twisted.config.proxy import (
     Disaggregation,
     DiscoveryConfig,
@@ -28,6 +29,7 @@ __all__ = [
     "Health",
     "KvEventsConfig",
     "Limits",
+    "ModelPools",
     "Policies",
     "Pools",
     "ProxyConfig",

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nixl_twisted.config.endpoints import tcp_address
+from nixl_twisted.config.models import ModelPools
 from nixl_twisted.config.settings import SETTINGS
 from nixl_twisted.config.sources import ConfigError, from_environment, parse, read_file
 from nixl_twisted.config.values import discovered_by
@@ -26,13 +27,31 @@ __all__ = ["ConfigError", "ProxyConfig", "TenantsConfig", "resolve"]
 
 @dataclass(frozen=True)
 class Pools:
-    """Each role's members: instances' base URLs, and ``dns+``/``dnssrv+`` names (checked)."""
+    """Each role's members: instances' base URLs, and ``dns+``/``dnssrv+`` names (checked).
+
+    ``models``' members are in their role's pool too, named as serving their model.
+    """
 
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
+    models: tuple[ModelPools, ...] = ()
 
     def of(self, role: str) -> tuple[str, ...]:
-        return self.prefill if role == "prefill" else self.decode
+        given = self.prefill if role == "prefill" else self.decode
+        listed = [url for model in self.models for url in model.members(role)]
+        return tuple(dict.fromkeys((*given, *listed)))  # (each once, in order)
+
+    def named(self, role: str) -> dict[str, frozenset[str]]:
+        """The models each member of a pool is listed under (``[models.NAME]``)."""
+        named: dict[str, set[str]] = {}
+        for model in self.models:
+            for url in model.members(role):
+                named.setdefault(url, set()).add(model.name)
+        return {url: frozenset(names) for url, names in named.items()}
+
+    def model(self, name: str | None) -> ModelPools | None:
+        """The ``[models.NAME]`` table of this name, if there is one."""
+        return next((model for model in self.models if model.name == name), None)
 
     def static(self, role: str) -> tuple[str, ...]:
         """A pool's instances as given, without the names discovery resolves."""
@@ -260,7 +279,8 @@ class ProxyConfig:
         parsed = parse(values, lambda key: f"{key}: ")
         v: dict[str, Any] = {s.name: parsed.get(s.name, s.default) for s in SETTINGS}
         for role in ("prefill", "decode"):
-            if not v[role] and not v[f"{role}-selector"]:
+            listed = any(model.members(role) for model in v["models"])
+            if not v[role] and not v[f"{role}-selector"] and not listed:
                 raise ConfigError(
                     role,
                     f"at least one --{role} URL (or --{role}-selector) is required "
@@ -322,6 +342,24 @@ class ProxyConfig:
         data = json.loads(raw)
         given = {key: value for key, value in data["settings"].items() if value is not None}
         return cls.from_settings(given, data["config_path"], data["worker"])
+
+    def rules_for(self, model: str | None) -> Disaggregation:
+        """When a request for ``model`` skips prefill: its ``[models.NAME]`` table's rules."""
+        table = self.pools.model(model)
+        if table is None or not table.own:
+            return self.disaggregation
+        fields = {
+            "short_prompt": "decode-only-below",
+            "uncached": "decode-only-uncached-below",
+            "busy_prompt": "decode-only-busy-below",
+            "busy_at": "prefill-busy-at",
+            "fallback": "prefill-fallback",
+        }
+        rules = self.disaggregation
+        return replace(
+            rules,
+            **{name: table.setting(key, getattr(rules, name)) for name, key in fields.items()},
+        )
 
     @property
     def keyed(self) -> bool:

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nixl_twisted.config.models import model_table
 from nixl_twisted.config.values import (
+    POLICIES,
     address_port,
     allowed_backend,
     choice,
@@ -42,10 +44,6 @@ ADMIN_TOKEN_ENV = "NIXLPROXY_ADMIN_TOKEN"
 #: The OpenTelemetry SDK's own variables, read as the SDK reads them.
 TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 TRACES_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
-
-#: The routing policies by name (``nixl_twisted.backends.routing.policies`` makes
-#: each; a test checks that the two agree), so the table imports nothing of the proxy.
-POLICIES = ("round-robin", "least-loaded", "load", "cache-aware", "session", "kv-aware")
 
 
 @dataclass(frozen=True)
@@ -93,6 +91,16 @@ SETTINGS: tuple[Setting, ...] = (
             "(repeatable; at least one, or --prefill-selector); URL#dp=N: N data-parallel "
             "ranks behind one port, URL#rank=I: one of them; dns+http://NAME:PORT: every "
             "A/AAAA record of NAME, dnssrv+http://_SERVICE._tcp.NAME: every SRV record."
+        ),
+    ),
+    Setting(
+        "models",
+        "pools.models",
+        (),
+        model_table,
+        help=(
+            "Each model's own pools, [models.NAME] tables in the file (prefill, decode, "
+            "and optionally its policies and decide rules), JSON on the command line."
         ),
     ),
     Setting(

@@ -15,6 +15,10 @@ from urllib.parse import SplitResult, urlsplit
 
 from twisted.internet.endpoints import serverFromString
 
+#: The routing policies by name (``nixl_twisted.backends.routing.policies`` makes
+#: each; a test checks that the two agree), so the table imports nothing of the proxy.
+POLICIES = ("round-robin", "least-loaded", "load", "cache-aware", "session", "kv-aware")
+
 
 class InvalidValue(ValueError):
     """A value a setting cannot take; the message says why, without the setting's name."""

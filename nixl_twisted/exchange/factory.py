@@ -31,7 +31,13 @@ class ExchangeFactory:
         body: lowering.JSONObject,
         request_id: str,
         trace: RequestTrace = NO_TRACE,
+        model: str | None = None,
     ) -> Exchange:
-        """The exchange serving ``body`` to ``request``: a client's, or one prompt of a batch."""
+        """The exchange serving ``body`` to ``request``: a client's, or one prompt of a batch.
+
+        ``model``: the one its instances must serve (``backends.models.resolve``).
+        """
         watch = self.responses.watcher if path == routes.RESPONSES else None
-        return Exchange(self.legs, self.config, request, path, body, request_id, trace, watch)
+        return Exchange(
+            self.legs, self.config, request, path, body, request_id, trace, watch, model
+        )

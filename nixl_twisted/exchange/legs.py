@@ -96,7 +96,7 @@ def unavailable(error: NoHealthyInstance) -> ProxyError:
     """503 with Retry-After: the pool has no instance to send a leg to now."""
     return ProxyError(
         codes.no_healthy(error.role),
-        f"no healthy {error.role} instance: try again shortly",
+        f"no healthy {error.what}: try again shortly",
         retry_after=error.retry_after,
     )
 
@@ -157,7 +157,8 @@ def by_policy(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_RO
         instance, decision = pool.choose(exclude=tried, routing=routing)
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
-        metrics.child(metrics.routing_decisions, pool.role, pool.policy_name, decision).inc()
+        policy_name, _ = pool.policy_for(routing.model)
+        metrics.child(metrics.routing_decisions, pool.role, policy_name, decision).inc()
         matched = routing.matched.get(pool.role)
         if matched is not None:
             metrics.child(metrics.kv_matched_tokens, pool.role).observe(matched)

@@ -19,6 +19,7 @@ from twisted.web.server import Request
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
+from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.legs import DecodeRequest, Elsewhere, Legs, reason_of, send_leg
 from nixl_twisted.exchange.relay import abandon, break_off, relay_body, start_response
@@ -69,14 +70,29 @@ class OneLeg:
         self.clock = legs.clock
 
     async def serve(
-        self, request: Request, path: str, body: bytes | None, trace: RequestTrace
+        self,
+        request: Request,
+        path: str,
+        body: bytes | None,
+        trace: RequestTrace,
+        model: str | None = None,
     ) -> None:
-        """Relay ``request`` to decode's ``path``; ``body`` is JSON to pass on (POST)."""
+        """Relay ``request`` to decode's ``path``; ``body`` is JSON to pass on (POST).
+
+        ``model``: only a decode instance that serves it is asked.
+        """
         attempt = self._attempt(request, path, body)
         pool = self.backends.decode
         retries = self.config.retries.decode
+        routing = NO_ROUTING if model is None else Routing(model=model)
         lease, (response, leg) = await send_leg(
-            pool, retries, self.metrics, attempt, trace=trace, record=record_of(request)
+            pool,
+            retries,
+            self.metrics,
+            attempt,
+            trace=trace,
+            record=record_of(request),
+            routing=routing,
         )
         await self._relay(request, path, lease, response, leg)
 

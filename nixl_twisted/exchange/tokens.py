@@ -56,14 +56,17 @@ def token_ids(answer: Any) -> tuple[int, ...] | None:
     return None
 
 
-def wanted(backends: BackendService, rules: Disaggregation) -> BackendPool | None:
+def wanted(
+    backends: BackendService, rules: Disaggregation, model: str | None = None
+) -> BackendPool | None:
     """The pool to render a prompt with, when anything in use needs its token ids.
 
-    A ``kv-aware`` pool's, or, for the cached-on-decode rule while decode
-    instances' events are read, the decode pool's; None: nothing looks.
+    A pool's whose policy for ``model`` is ``kv-aware``, or, for the
+    cached-on-decode rule while decode instances' events are read, the
+    decode pool's; None: nothing looks.
     """
     for pool in backends.pools():
-        if pool.policy_name == "kv-aware":
+        if pool.policy_for(model)[0] == "kv-aware":
             return pool
     return backends.decode if rules.uncached and backends.kv_events.streams else None
 
@@ -91,14 +94,23 @@ class Renderer:
         """``routing`` with the prompt's token ids, or why there are none."""
         if routing.tokens is not None:
             return routing
-        ids, why = await self.tokens(pool, path, body, headers, timeout)
+        ids, why = await self.tokens(pool, path, body, headers, timeout, routing.model)
         # (A fresh ``matched``: the one given may be a shared one, ``NO_ROUTING``'s.)
         return replace(routing, tokens=ids, untokenized=why, matched={})
 
     async def tokens(
-        self, pool: BackendPool, path: str, body: JSONObject, headers: Headers, timeout: float
+        self,
+        pool: BackendPool,
+        path: str,
+        body: JSONObject,
+        headers: Headers,
+        timeout: float,
+        model: str | None = None,
     ) -> tuple[tuple[int, ...] | None, str | None]:
-        """The prompt's token ids, or None and why not (``render`` failed, ``no_render``)."""
+        """The prompt's token ids, or None and why not (``render`` failed, ``no_render``).
+
+        Rendered by an instance that serves ``model`` (its tokenizer is the one that counts).
+        """
         target = RENDER_PATHS.get(path)
         if target is None:
             return None, "no_render"  # (Responses, Messages: vLLM renders neither for us)
@@ -108,7 +120,9 @@ class Renderer:
         if cached is not None:
             self._cache.move_to_end(key)
             return cached, None
-        instances = [i for i in pool.instances if pool.available(i)]
+        instances = [
+            i for i in pool.instances if pool.available(i) and (model is None or i.serves(model))
+        ]
         if not instances:
             return None, "render"
         instance = instances[self._cursor % len(instances)]

@@ -10,6 +10,7 @@ off as complete.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -74,8 +75,12 @@ class Exchange:
         request_id: str,
         trace: RequestTrace = NO_TRACE,
         watch: Callable[[str], Callable[[bytes], bool]] | None = None,
+        model: str | None = None,
     ) -> None:
-        """Made by ``ExchangeFactory``: ``legs`` the proxy's, ``config`` the one now in effect."""
+        """Made by ``ExchangeFactory``: ``legs`` the proxy's, ``config`` the one now in effect.
+
+        ``model``: only instances serving it take its legs, by its own policies and rules.
+        """
         self.legs = legs
         self.request = request
         self.path = path
@@ -91,10 +96,12 @@ class Exchange:
         self.clock = legs.clock
         self.metrics = legs.metrics
         self.record = record_of(request)
-        policies = {pool.policy_name for pool in self.backends.pools()}
+        policies = {pool.policy_for(model)[0] for pool in self.backends.pools()}
         self.routing = routing_for(
             policies, config.policies.key_bytes, request.getHeader(b"x-session-id"), body
         )
+        if model is not None:
+            self.routing = replace(self.routing, model=model)
         #: Given the decode instance, what watches its answer pass (the Responses ids).
         self.watch = watch
         self.trace = trace
@@ -110,7 +117,7 @@ class Exchange:
         self.broke_off = False
         self._current: Deferred[Any] | None = None
         #: When a prefill leg is skipped (``nixl_twisted.exchange.decide``), as in effect now.
-        self.rules = config.disaggregation
+        self.rules = config.rules_for(model)
         self.render_timeout = config.kv_events.render_timeout
         self.decision = ALWAYS
         self._decode_sent = 0.0
@@ -189,7 +196,7 @@ class Exchange:
             await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
 
     async def _legs(self) -> None:
-        renders = wanted(self.backends, self.rules)
+        renders = wanted(self.backends, self.rules, self.routing.model)
         if renders is not None:  # (kv-aware, or the cached rule: the prompt's token ids)
             renderer, timeout = self.legs.renderer, self.render_timeout
             rendering = renderer.routed(

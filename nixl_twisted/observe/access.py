@@ -67,6 +67,9 @@ class AccessRecord:
     started: float = field(default_factory=time.monotonic)
     #: The ``model`` the client asked for (bounded, printable).
     model: str | None = None
+    #: The model it was routed on, when an instance is known to serve it: the
+    #: metrics' ``model`` label, so bounded by what the fleet serves.
+    served_model: str = ""
     #: What decode's answer reported using, when it said.
     usage: Usage | None = None
     #: Every attempt of every leg, in order: (leg, instance, outcome).
@@ -133,9 +136,11 @@ class AccessLog:
 
     def first_byte(self, request: Request, waited: float) -> None:
         """The request's first byte of answer was written, ``waited`` seconds after it arrived."""
-        record_of(request).time_to_first_byte_seconds = waited
+        record = record_of(request)
+        record.time_to_first_byte_seconds = waited
         route = route_label(request.path)
-        self.metrics.child(self.metrics.time_to_first_byte, route).observe(waited)
+        model = record.served_model
+        self.metrics.child(self.metrics.time_to_first_byte, route, model).observe(waited)
 
     def request_ended(self, request: Request, client_left: bool = False) -> None:
         record = record_of(request)
@@ -145,7 +150,7 @@ class AccessLog:
         elapsed = time.monotonic() - record.started
         route = route_label(request.path)
         status = record.ended if cut else str(request.code)
-        self.metrics.child(self.metrics.requests, route, status).inc()
+        self.metrics.child(self.metrics.requests, route, status, record.served_model).inc()
         if route in routes.TWO_LEG and not client_left:
             self.metrics.request_seconds.observe(elapsed)
         record.trace.end(request, record)

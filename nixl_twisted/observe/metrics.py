@@ -175,8 +175,8 @@ class ProxyMetrics:
         r = self.registry
         self.requests = Counter(
             "nixlproxy_requests",
-            "Client requests by route and final status.",
-            ["route", "status"],
+            "Client requests by route, final status and the model served ('' when not known).",
+            ["route", "status", "model"],
             registry=r,
         )
         self.backend_requests = Counter(
@@ -202,8 +202,9 @@ class ProxyMetrics:
         )
         self.time_to_first_byte = Histogram(
             "nixlproxy_time_to_first_byte_seconds",
-            "The client's request arriving to the first byte of the answer written to it.",
-            ["route"],
+            "The client's request arriving to the first byte of the answer written to it, "
+            "by route and model.",
+            ["route", "model"],
             registry=r,
             buckets=LEG_BUCKETS,
         )

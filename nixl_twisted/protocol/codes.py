@@ -104,6 +104,18 @@ class ErrorCode(enum.Enum):
         "no such route, no admin API (no `--admin-token`), no such instance (admin), "
         "or no decode instance holds the response",
     )
+    MODEL_NOT_FOUND = (
+        "model_not_found",
+        404,
+        _CLIENT,
+        "a request for a `model` no decode instance serves (`/v1/models` lists those served)",
+    )
+    MODEL_REQUIRED = (
+        "model_required",
+        400,
+        _CLIENT,
+        "a request without `model` while the instances serve several",
+    )
     METHOD_NOT_ALLOWED = (
         "method_not_allowed",
         405,

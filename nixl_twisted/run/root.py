@@ -234,8 +234,10 @@ def backend_service(
     for pool in backends.pools():
         names, selector = config.pools.names(pool.role), config.discovery.selector(pool.role)
         pool.discovers = bool(names or selector)
+    backends.use_models(config.pools)
     backends.use_kv_events(config.kv_events)
-    backends.use_policies(config.policies, config.disaggregation)
+    backends.use_policies(config.policies, config.disaggregation, config.pools.models)
+    backends.backend_api_key = config.backend_api_key
     return backends
 
 

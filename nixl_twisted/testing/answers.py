@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +22,15 @@ def vllm_error(status: int, message: str) -> bytes:
     return encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
-def models(model: str) -> bytes:
-    """``GET /v1/models`` with one model."""
-    return encode(
-        {
-            "object": "list",
-            "data": [{"id": model, "object": "model", "owned_by": "vllm", "root": model}],
-        }
-    )
+def models(model: str, adapters: Sequence[str] = ()) -> bytes:
+    """``GET /v1/models``: the base model, then each LoRA adapter (its ``parent``)."""
+    cards = [{"id": model, "object": "model", "owned_by": "vllm", "root": model, "parent": None}]
+    for adapter in adapters:
+        root = f"/adapters/{adapter}"
+        cards.append(
+            {"id": adapter, "object": "model", "owned_by": "vllm", "root": root, "parent": model}
+        )
+    return encode({"object": "list", "data": cards})
 
 
 @dataclass

@@ -95,6 +95,8 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     tokens: int = 8
     token_interval: float = 0.0
     model: str = "fake-model"
+    #: LoRA adapters it serves besides ``model``: ``/v1/models`` lists each, as vLLM does.
+    adapters: tuple[str, ...] = ()
     text: str = DEFAULT_TEXT
     clock: IReactorTime | None = None
     requests: list[ReceivedRequest] = field(default_factory=list)
@@ -105,6 +107,8 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     #: ``GET /health`` checks received, and the status they are answered with.
     health_checks: int = 0
     health_status: int = 200
+    #: ``GET /v1/models`` from the proxy's health loop (not in ``requests``).
+    model_reads: int = 0
     #: The status ``GET /metrics`` answers (500: vLLM's metrics unreadable).
     metrics_status: int = 200
     #: The requests ``GET /metrics`` says are waiting (a queue the fake does not model).

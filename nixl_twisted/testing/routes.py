@@ -22,7 +22,9 @@ class OtherRoutes:
     """Mixed into ``FakeVLLM``, whose state these read."""
 
     model: str
+    adapters: tuple[str, ...]
     health_checks: int
+    model_reads: int
     health_status: int
     metrics_status: int
     running: int
@@ -67,9 +69,14 @@ class OtherRoutes:
         return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
 
     def _models(self, request: Request) -> bytes:
-        self._record(request, None, "other")
+        """A client's request the proxy relayed (it has a request id) is recorded; the
+        proxy's health loop reading what the instance serves is counted apart, as a check."""
+        if request.getHeader(b"x-request-id") is None:
+            self.model_reads += 1
+        else:
+            self._record(request, None, "other")
         request.setHeader(b"Content-Type", b"application/json")
-        return answers.models(self.model)
+        return answers.models(self.model, self.adapters)
 
     def _tokenize(self, request: Request) -> bytes:
         """vLLM's answer shape; the prompt's tokens as the prefix cache computes them."""

@@ -23,6 +23,7 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted.backends.allowed import AllowedBackends
+from nixl_twisted.backends.models import listing
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.batch import Batch, PartRequest
@@ -48,6 +49,7 @@ from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.keys import ClientKeys
+from nixl_twisted.web.models import requested_model, routed_model
 from nixl_twisted.web.tenants import TenantLimits
 
 log = Logger()
@@ -186,8 +188,13 @@ class ProxyApp:
         return self.admin.drain(_client_body(request)).addCallback(partial(_json, request, 202))
 
     @app.route(routes.MODELS, methods=["GET"])
-    def models(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, routes.MODELS, None)
+    def models(self, request: Request) -> Deferred[None] | bytes:
+        """What the healthy decode instances serve, each model once; else one instance's say."""
+        served = listing(self.backends.decode.instances)
+        if served is None:
+            return self._one_leg(request, routes.MODELS, None)
+        self._admit_tenant(request, routes.MODELS)
+        return _json(request, 200, served)
 
     @app.route(routes.TOKENIZE, methods=["POST"])
     def tokenize(self, request: Request) -> Deferred[None]:
@@ -199,9 +206,10 @@ class ProxyApp:
 
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         trace = self._trace(request)
+        model = routed_model(self.backends, requested_model(body), record_of(request)).model
         self._admit_tenant(request, path)  # (in flight and requests: no tokens generated)
         return self.admission.serve(
-            lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace))
+            lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace, model))
         )
 
     @app.route(routes.COMPLETIONS, methods=["POST"])
@@ -264,16 +272,18 @@ class ProxyApp:
         if isinstance(model, str):
             record_of(request).model = lowering.printable(model)
         lowering.check_servable(path, body)
+        served = routed_model(self.backends, model, record_of(request)).model
         self._admit_tenant(request, path, body)
         batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
         if batch is None:
             return self.admission.serve(
-                lambda: self._exchange(request, path, body, request_id, trace)
+                lambda: self._exchange(request, path, body, request_id, trace, served)
             )
 
         # One exchange per prompt, each with its own request id, all in one trace.
         def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
-            return self._exchange(to, path, one, lowering.new_request_id(), trace)
+            record_of(to).served_model = record_of(request).served_model
+            return self._exchange(to, path, one, lowering.new_request_id(), trace, served)
 
         return self.admission.serve(lambda: Batch(request, batch, body, part).start())
 
@@ -318,8 +328,9 @@ class ProxyApp:
         body: lowering.JSONObject,
         request_id: str,
         trace: RequestTrace,
+        model: str | None = None,
     ) -> Deferred[None]:
-        exchange = self.exchange_factory.make(request, path, body, request_id, trace)
+        exchange = self.exchange_factory.make(request, path, body, request_id, trace, model)
         self.exchanges.add(exchange)
 
         def ended(result: object) -> object:

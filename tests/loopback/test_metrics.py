@@ -38,7 +38,10 @@ class MetricsEndpointTests(ScrapingCase):
         metrics_url = f"http://127.0.0.1:{metrics_port.getHost().port}"  # type: ignore[attr-defined]
         await self.post_json("/v1/completions", {"model": "m", "prompt": "x"})
         m = await self.scrape(metrics_url)
-        key = ("nixlproxy_requests_total", (("route", "/v1/completions"), ("status", "200")))
+        key = (
+            "nixlproxy_requests_total",
+            (("model", ""), ("route", "/v1/completions"), ("status", "200")),
+        )
         self.assertEqual(m[key], 1)
 
 

@@ -91,3 +91,44 @@ class OpenAIClientTests(ProxyCase):
         client = await self.client()
         models = await deferToThread(lambda: client.models.list())
         self.assertEqual([m.id for m in models.data], ["fake-model"])
+
+
+class SeveralModelsTests(ProxyCase):
+    """Two models on their own instances, as each one's ``/v1/models`` says over HTTP."""
+
+    async def test_the_client_lists_the_union_and_each_model_reaches_its_instances(self) -> None:
+        await self.start(prefills=2, decodes=2, proxy={"health_interval": 5})
+        for fakes in (self.prefills, self.decodes):
+            fakes[0].model, fakes[1].model = "llama", "qwen"
+            fakes[1].adapters = ("qwen-sql",)
+        await self.proxy.service.backends.check_health()
+        client = openai.OpenAI(
+            base_url=self.proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=20
+        )
+        self.addCleanup(client.close)
+
+        def call() -> tuple[list[str], list[str], Any]:
+            listed = [model.id for model in client.models.list()]
+            said = []
+            for model in ("qwen", "llama", "qwen-sql"):
+                completion = client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+                said.append(completion.model)
+            try:
+                client.chat.completions.create(
+                    model="mistral", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+            except openai.NotFoundError as error:
+                return listed, said, error
+            raise AssertionError("an unknown model was served")
+
+        listed, said, refused = await deferToThread(call)
+        self.assertEqual(listed, ["llama", "qwen", "qwen-sql"])
+        self.assertEqual(said, ["qwen", "llama", "qwen-sql"])
+        self.assertEqual(refused.code, "model_not_found")
+        for fakes in (self.prefills, self.decodes):
+            sent = [
+                [(r.body or {})["model"] for r in f.requests if r.method == "POST"] for f in fakes
+            ]
+            self.assertEqual(sent, [["llama"], ["qwen", "qwen-sql"]])

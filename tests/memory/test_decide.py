@@ -16,9 +16,9 @@ from nixl_twisted.protocol import routes
 from nixl_twisted.run.root import build
 from tests.memory.support import CHAT, Setup, assert_error, sse_events
 
-SHORT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+SHORT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 #: About 500 estimated tokens.
-LONG = {"model": "m", "messages": [{"role": "user", "content": "tell me more " * 150}]}
+LONG = {"model": "fake-model", "messages": [{"role": "user", "content": "tell me more " * 150}]}
 
 
 def decisions(setup: Setup) -> dict[tuple[str, str], float]:
@@ -93,10 +93,10 @@ def test_no_decode_instance_is_a_503_before_any_prefill() -> None:
     ("path", "body"),
     [
         (routes.CHAT_COMPLETIONS, SHORT),
-        (routes.COMPLETIONS, {"model": "m", "prompt": "hi", "max_tokens": 3}),
-        (routes.COMPLETIONS, {"model": "m", "prompt": [1, 2, 3], "max_tokens": 3}),
-        (routes.RESPONSES, {"model": "m", "input": "hi"}),
-        (routes.MESSAGES, {"model": "m", "max_tokens": 3, "messages": SHORT["messages"]}),
+        (routes.COMPLETIONS, {"model": "fake-model", "prompt": "hi", "max_tokens": 3}),
+        (routes.COMPLETIONS, {"model": "fake-model", "prompt": [1, 2, 3], "max_tokens": 3}),
+        (routes.RESPONSES, {"model": "fake-model", "input": "hi"}),
+        (routes.MESSAGES, {"model": "fake-model", "max_tokens": 3, "messages": SHORT["messages"]}),
     ],
 )
 def test_a_short_prompt_goes_to_decode_alone_on_every_two_leg_route(
@@ -210,7 +210,7 @@ def test_while_every_prefill_is_busy_short_ish_prompts_go_decode_only() -> None:
     setup.proxy.flush()
     assert setup.post(routes.CHAT_COMPLETIONS, LONG).answer().status == 200
     assert roles(setup.decode) == ["plain"]
-    huge = {"model": "m", "messages": [{"role": "user", "content": "x" * 8000}]}
+    huge = {"model": "fake-model", "messages": [{"role": "user", "content": "x" * 8000}]}
     third = setup.post(routes.CHAT_COMPLETIONS, huge)  # too long for the rule: waits its turn
     setup.prefill.release()
     setup.proxy.flush()
@@ -234,7 +234,9 @@ def test_the_busy_rule_reads_the_prefill_queue_vllm_reports() -> None:
 def test_each_part_of_a_batch_decides_for_itself(access_events: list[dict[str, Any]]) -> None:
     setup = Setup(decode_only_below=64)
     prompts = ["short one", "a long one " * 100]
-    answer = setup.post(routes.COMPLETIONS, {"model": "m", "prompt": prompts, "max_tokens": 2})
+    answer = setup.post(
+        routes.COMPLETIONS, {"model": "fake-model", "prompt": prompts, "max_tokens": 2}
+    )
     assert answer.answer().status == 200
     assert [r.body["prompt"] for r in setup.prefill.requests if r.body] == [prompts[1]]
     assert sorted(roles(setup.decode)) == ["decode", "plain"]
@@ -279,7 +281,7 @@ def test_a_decode_only_body_refused_at_encoding_gives_its_decode_instance_back()
     refused = 0
     for depth in range(900, 1000, 4):  # somewhere here the parse passes and the encoding not
         nested = "[" * depth + '"hi"' + "]" * depth
-        raw = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "extra": %s}'
+        raw = '{"model": "fake-model", "messages": [{"role": "user", "content": "x"}], "extra": %s}'
         answer = setup.post(routes.CHAT_COMPLETIONS, (raw % nested).encode()).answer()
         refused += answer.status == 400
     assert refused > 0

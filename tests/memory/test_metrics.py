@@ -39,10 +39,10 @@ def test_counters_histograms_and_gauges_move_with_real_requests() -> None:
     assert during[("nixlproxy_requests_in_flight", ())] == 1
     assert value("nixlproxy_requests_in_flight") == 0
     chat = "/v1/chat/completions"
-    assert value("nixlproxy_requests_total", route=chat, status="200") == 3
-    assert value("nixlproxy_requests_total", route=chat, status="502") == 1
-    assert value("nixlproxy_requests_total", route=chat, status="client_left") == 1
-    assert value("nixlproxy_requests_total", route="/v1/completions", status="400") == 1
+    assert value("nixlproxy_requests_total", route=chat, status="200", model="") == 3
+    assert value("nixlproxy_requests_total", route=chat, status="502", model="") == 1
+    assert value("nixlproxy_requests_total", route=chat, status="client_left", model="") == 1
+    assert value("nixlproxy_requests_total", route="/v1/completions", status="400", model="") == 1
 
     def legs(pool: str, instance: str, outcome: str) -> float:
         return value(
@@ -79,7 +79,7 @@ def test_the_client_ttfb_and_handoff_gap_are_observed_per_route() -> None:
     setup.post("/v1/completions", {"model": "m", "prompt": "x"}).answer()
     m = setup.scrape()
     for route in ("/v1/chat/completions", "/v1/completions"):
-        key = ("nixlproxy_time_to_first_byte_seconds_count", (("route", route),))
+        key = ("nixlproxy_time_to_first_byte_seconds_count", (("model", ""), ("route", route)))
         assert m[key] == 1
     assert m[("nixlproxy_handoff_gap_seconds_count", ())] == 2
     assert m.get(("nixlproxy_handoff_gap_over_warning_total", ()), 0) == 0
@@ -123,7 +123,10 @@ def test_access_log_off_emits_no_event_and_still_counts(
         assert setup.post("/v1/chat/completions", FULL_CHAT).answer().status == 200
     samples = setup.scrape()
     assert access_events == []
-    key = ("nixlproxy_requests_total", (("route", "/v1/chat/completions"), ("status", "200")))
+    key = (
+        "nixlproxy_requests_total",
+        (("model", ""), ("route", "/v1/chat/completions"), ("status", "200")),
+    )
     assert samples[key] == 2
 
 

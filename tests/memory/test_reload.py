@@ -30,6 +30,33 @@ def test_a_reload_makes_the_pools_what_the_file_says(tmp_path: Path) -> None:
     assert service.config.pools.decode == ("http://d2:1",)
 
 
+def test_a_reload_gives_a_model_its_instances_and_its_own_policy(tmp_path: Path) -> None:
+    """A model's table in the file (TOML's ``[models.NAME]``), added and then changed."""
+    path = tmp_path / "nixlproxy.toml"
+    path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n')
+    service = proxy_from(path)
+    path.write_text(
+        'prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n'
+        '[models.qwen]\ndecode = ["http://d2:1#dp=2"]\ndecode-policy = "session"\n'
+    )
+    service.reload()
+    decode = service.backends.decode
+    assert [(i.url, sorted(i.named)) for i in decode.instances] == [
+        ("http://d1:1", []),
+        ("http://d2:1#rank=0", ["qwen"]),
+        ("http://d2:1#rank=1", ["qwen"]),
+    ]
+    assert decode.policy_for("qwen")[0] == "session"
+    assert decode.policy_for("llama")[0] == "round-robin"
+    path.write_text(
+        'prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n'
+        '[models.qwen]\ndecode = ["http://d1:1"]\n'
+    )
+    service.reload()
+    assert [(i.url, sorted(i.named)) for i in decode.instances] == [("http://d1:1", ["qwen"])]
+    assert decode.policy_for("qwen")[0] == "round-robin"
+
+
 def test_a_reload_that_fails_leaves_the_pools_alone_and_logs_the_key(
     tmp_path: Path, logged: list[dict[str, Any]]
 ) -> None:

@@ -13,7 +13,7 @@ SYSTEM = {"role": "system", "content": "You answer questions about disaggregated
 
 def turn(conversation: int, history: list[dict[str, str]]) -> dict[str, Any]:
     opening = [SYSTEM, {"role": "user", "content": f"Conversation {conversation}: " + "why? " * 80}]
-    return {"model": "m", "messages": opening + history}
+    return {"model": "fake-model", "messages": opening + history}
 
 
 def test_two_replicas_send_every_turn_of_a_conversation_to_one_prefill() -> None:

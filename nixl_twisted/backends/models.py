@@ -1,0 +1,117 @@
+"""Which models a fleet serves, and which instances may serve a request's ``model``.
+
+An instance serves what its ``GET /v1/models`` says (read by the health
+checks: base models and LoRA adapters alike) and what ``[models.NAME]``
+lists it under. An instance whose models were never read serves anything,
+as before the proxy read them: with health checks off, or an instance that
+cannot answer ``/v1/models``, routing stays as it was. A model is unknown
+(404) only when every decode instance's models are known and none serves it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from nixl_twisted.backends.instances import Instance
+
+
+class UnknownModel(Exception):
+    """No decode instance serves the request's ``model``."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the model {model!r} is not served here")
+        self.model = model
+
+
+class ModelRequired(Exception):
+    """The request names no ``model`` while several are served."""
+
+    def __init__(self, served: Iterable[str]) -> None:
+        names = ", ".join(sorted(served))
+        super().__init__(f"the request must name its model: this proxy serves {names}")
+
+
+def read_models(body: bytes) -> dict[str, dict[str, Any]]:
+    """vLLM's ``/v1/models`` answer as each model's card by id (ValueError: not one)."""
+    answer = json.loads(body)
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(cards, list):
+        raise ValueError("no list of models in the answer")
+    return {
+        card["id"]: card
+        for card in cards
+        if isinstance(card, dict) and isinstance(card.get("id"), str)
+    }
+
+
+def _known(instance: Instance) -> set[str] | None:
+    """The models an instance is known to serve; None: anything (never read, never named)."""
+    if instance.models is None:
+        return set(instance.named) if instance.named else None
+    return {*instance.named, *instance.models}
+
+
+class Resolved(NamedTuple):
+    """The model a request is routed on (None: any instance will do), and whether an
+    instance is known to serve it (its name is then a bounded metric label)."""
+
+    model: str | None
+    known: bool
+
+
+#: A request routed as before the proxy knew of models.
+ANY_MODEL = Resolved(None, False)
+
+
+def resolve(requested: object, decode: Iterable[Instance]) -> Resolved:
+    """The model to route a request on, from its ``model`` and the decode instances'.
+
+    Raises ``UnknownModel`` for a model no decode instance serves, and
+    ``ModelRequired`` for a request without one while several are served.
+    A ``model`` that is not a string is vLLM's to refuse.
+    """
+    served: set[str] = set()
+    unread = False
+    for instance in decode:
+        if instance.draining:
+            continue
+        known = _known(instance)
+        if known is None:
+            unread = True
+        else:
+            served |= known
+    if requested is None:
+        if len(served) > 1:
+            raise ModelRequired(served)
+        return ANY_MODEL  # (one model, or none known: as vLLM's default model serves it)
+    if not isinstance(requested, str) or not served:
+        return ANY_MODEL
+    if requested in served:
+        return Resolved(requested, True)
+    if not unread:
+        raise UnknownModel(requested)
+    return Resolved(requested, False)  # (only an instance that never said may serve it)
+
+
+def listing(decode: Iterable[Instance]) -> dict[str, Any] | None:
+    """``GET /v1/models``' answer: each model the healthy decode instances serve, once.
+
+    None when none of them has said (the route then asks one, as before).
+    """
+    cards: dict[str, dict[str, Any]] = {}
+    said = False
+    for instance in decode:
+        if instance.draining or not instance.healthy:
+            continue
+        if instance.models is not None:
+            said = True
+            for model, card in instance.models.items():
+                cards.setdefault(model, card)
+        for model in sorted(instance.named):
+            said = True
+            cards.setdefault(model, {"id": model, "object": "model", "owned_by": "vllm"})
+    if not said:
+        return None
+    return {"object": "list", "data": [cards[model] for model in sorted(cards)]}

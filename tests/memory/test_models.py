@@ -1,0 +1,163 @@
+"""Several models behind one proxy: each request to instances that serve its ``model``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nixl_twisted.protocol import routes
+from nixl_twisted.testing import FakeVLLM
+from tests.memory.support import Setup
+
+
+def chat(model: str | None, content: str = "hi") -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def legs(fake: FakeVLLM) -> int:
+    """The legs a fake served (its health checks and ``/v1/models`` reads aside)."""
+    return sum(1 for request in fake.requests if request.method == "POST")
+
+
+def two_models(**settings: Any) -> Setup:
+    """Two models, each its own prefill and decode instance, as ``[models.NAME]`` lists them."""
+    table = {
+        "llama": {"prefill": ["http://prefill-0.memory"], "decode": ["http://decode-0.memory"]},
+        "qwen": {"prefill": ["http://prefill-1.memory"], "decode": ["http://decode-1.memory"]},
+    }
+    return Setup(prefills=2, decodes=2, prefill=[], decode=[], models=table, **settings)
+
+
+def test_two_models_are_routed_to_their_own_pools() -> None:
+    setup = two_models()
+    for model in ("llama", "qwen", "llama", "qwen", "llama"):
+        assert setup.post(routes.CHAT_COMPLETIONS, chat(model)).answer().status == 200
+    assert [legs(f) for f in setup.prefills] == [3, 2]
+    assert [legs(f) for f in setup.decodes] == [3, 2]
+    models = setup.get(routes.MODELS).answer()
+    assert [card["id"] for card in models.json()["data"]] == ["llama", "qwen"]
+    assert [legs(f) for f in setup.decodes] == [3, 2]  # (answered by the proxy itself)
+
+
+def test_an_unknown_model_is_404_in_the_routes_shape_and_none_is_sent() -> None:
+    setup = two_models()
+    answer = setup.post(routes.CHAT_COMPLETIONS, chat("mistral")).answer()
+    assert answer.status == 404
+    error = answer.json()["error"]
+    assert (error["code"], error["type"]) == ("model_not_found", "invalid_request_error")
+    assert error["message"] == "The model `mistral` does not exist."
+    messages = {"model": "mistral", "max_tokens": 2, "messages": chat(None)["messages"]}
+    anthropic = setup.post(routes.MESSAGES, messages).answer()
+    assert anthropic.status == 404
+    assert anthropic.json()["error"]["type"] == "not_found_error"
+    assert anthropic.json()["type"] == "error"
+    assert sum(legs(f) for f in [*setup.prefills, *setup.decodes]) == 0
+
+
+def test_no_model_is_400_while_several_are_served() -> None:
+    setup = two_models()
+    answer = setup.post(routes.CHAT_COMPLETIONS, chat(None)).answer()
+    assert answer.status == 400
+    error = answer.json()["error"]
+    assert error["code"] == "model_required"
+    assert "llama, qwen" in error["message"]
+
+
+def test_the_health_loop_learns_what_each_instance_serves_lora_adapters_included() -> None:
+    setup = Setup(prefills=2, decodes=3, health_interval=5, start=False)
+    for fake, model in zip([*setup.prefills, *setup.decodes], ["llama", "qwen"] * 3, strict=False):
+        fake.model = model
+    setup.decodes[2].model = "llama"
+    setup.decodes[2].adapters = ("sql-lora",)
+    setup.prefills[0].adapters = ("sql-lora",)
+    setup.proxy.start()
+    setup.settle(setup.proxy.service.backends.first_round())
+
+    listed = setup.get(routes.MODELS).answer().json()["data"]
+    assert [card["id"] for card in listed] == ["llama", "qwen", "sql-lora"]
+    assert listed[2]["parent"] == "llama"
+    # decode-0 and decode-2 serve llama; only decode-2 its adapter; decode-1 qwen.
+    for _ in range(4):
+        assert setup.post(routes.CHAT_COMPLETIONS, chat("llama")).answer().status == 200
+    assert setup.post(routes.CHAT_COMPLETIONS, chat("sql-lora")).answer().status == 200
+    assert setup.post(routes.CHAT_COMPLETIONS, chat("qwen")).answer().status == 200
+    assert [legs(f) for f in setup.decodes] == [2, 1, 3]
+    assert [legs(f) for f in setup.prefills] == [5, 1]
+    assert all(f.model_reads == 1 for f in [*setup.prefills, *setup.decodes])  # (one round)
+    assert setup.post(routes.CHAT_COMPLETIONS, chat("mistral")).answer().status == 404
+
+    # tokenize goes to an instance of the model it names, too.
+    said = setup.post(routes.TOKENIZE, {"model": "qwen", "prompt": "hi"}).answer()
+    assert said.status == 200
+    assert [r.path for r in setup.decodes[1].requests if r.method == "POST"][-1] == "/tokenize"
+
+
+def test_an_adapter_without_a_prefill_instance_is_a_503_naming_the_model() -> None:
+    setup = Setup(health_interval=5, start=False)
+    setup.decode.adapters = ("sql-lora",)
+    setup.proxy.start()
+    setup.settle(setup.proxy.service.backends.first_round())
+    answer = setup.post(routes.CHAT_COMPLETIONS, chat("sql-lora")).answer()
+    assert answer.status == 503
+    assert "no healthy prefill instance serving 'sql-lora'" in answer.json()["error"]["message"]
+
+
+def test_a_models_own_rules_and_policies_apply_to_its_requests_only() -> None:
+    table = {
+        "llama": {"prefill": ["http://prefill-0.memory"], "decode": ["http://decode-0.memory"]},
+        "qwen": {
+            "prefill": ["http://prefill-1.memory"],
+            "decode": ["http://decode-1.memory", "http://decode-2.memory"],
+            "decode-only-below": 10_000,
+            "decode-policy": "session",
+        },
+    }
+    setup = Setup(prefills=2, decodes=3, prefill=[], decode=[], models=table)
+    for _ in range(3):
+        sent = dict(chat("qwen"), user="alice")
+        assert setup.post(routes.CHAT_COMPLETIONS, sent).answer().status == 200
+    assert setup.post(routes.CHAT_COMPLETIONS, chat("llama")).answer().status == 200
+    assert [legs(f) for f in setup.prefills] == [1, 0]  # qwen's short prompts: decode only
+    assert sorted(legs(f) for f in setup.decodes[1:]) == [0, 3]  # one session, one instance
+    m = setup.scrape()
+    decided = ("nixlproxy_routing_decisions_total", "decode", "session")
+    assert sum(v for (name, labels), v in m.items() if (name, *_pool_policy(labels)) == decided)
+    assert (
+        m[
+            (
+                "nixlproxy_requests_total",
+                _labels(route="/v1/chat/completions", status="200", model="qwen"),
+            )
+        ]
+        == 3
+    )
+    assert (
+        m[
+            (
+                "nixlproxy_requests_total",
+                _labels(route="/v1/chat/completions", status="200", model="llama"),
+            )
+        ]
+        == 1
+    )
+
+
+def _pool_policy(labels: tuple[tuple[str, str], ...]) -> tuple[str | None, str | None]:
+    found = dict(labels)
+    return found.get("pool"), found.get("policy")
+
+
+def _labels(**labels: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted(labels.items()))
+
+
+def test_with_nothing_read_every_model_goes_where_it_did() -> None:
+    """Health checks off: no instance has said what it serves; nothing is refused."""
+    setup = Setup(decodes=2)
+    for model in ("anything", "else"):
+        assert setup.post(routes.CHAT_COMPLETIONS, chat(model)).answer().status == 200
+    assert setup.post(routes.CHAT_COMPLETIONS, chat(None)).answer().status == 200
+    setup.get(routes.MODELS).answer()
+    assert sum(1 for f in setup.decodes for r in f.requests if r.path == "/v1/models") == 1

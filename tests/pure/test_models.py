@@ -1,0 +1,194 @@
+"""Several models: the ``[models.NAME]`` table, which instance serves what, the resolution."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from nixl_twisted.backends import health
+from nixl_twisted.backends.health import State
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.models import (
+    ModelRequired,
+    UnknownModel,
+    listing,
+    read_models,
+    resolve,
+)
+from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.config.models import MODEL_KEYS, ModelPools, model_table
+from nixl_twisted.config.settings import BY_NAME
+from nixl_twisted.config.values import InvalidValue
+from nixl_twisted.testing import answers
+
+TABLE = {
+    "llama": {
+        "prefill": ["http://10.0.0.1:8100"],
+        "decode": ["http://10.0.0.2:8200#dp=2"],
+        "decode-policy": "session",
+        "decode-only-below": 64,
+    },
+    "qwen": {"decode": ["http://10.0.1.2:8200"], "prefill-fallback": "decode"},
+}
+
+
+def make(**settings: Any) -> ProxyConfig:
+    return ProxyConfig.create(**settings)
+
+
+# -- the table -----------------------------------------------------------------
+
+
+def test_a_table_reads_as_the_options_do_and_reads_back_to_itself() -> None:
+    parsed = model_table(TABLE)
+    assert parsed == (
+        ModelPools(
+            "llama",
+            ("http://10.0.0.1:8100",),
+            ("http://10.0.0.2:8200#dp=2",),
+            (("decode-only-below", 64), ("decode-policy", "session")),
+        ),
+        ModelPools("qwen", (), ("http://10.0.1.2:8200",), (("prefill-fallback", "decode"),)),
+    )
+    assert model_table(parsed) == parsed
+    assert model_table(json.dumps(TABLE)) == parsed  # (the command line's JSON)
+    config = make(prefill=["http://p:1"], decode=["http://d:2"], models=TABLE)
+    assert ProxyConfig.from_json(config.to_json()) == config  # (what a worker is handed)
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ({"m": {"weights": 3}}, "model 'm': its keys are prefill, decode"),
+        ({"m": {"decode-policy": "fastest"}}, "model 'm': decode-policy must be one of"),
+        ({"m": {"decode": "http://d:2"}}, "model 'm': decode must be a list of URLs"),
+        ({"m": {"decode": ["ftp://d:2"]}}, "model 'm': decode "),
+        ({"m": {"prefill-busy-at": 0}}, "model 'm': prefill-busy-at must be at least 1"),
+        ({"a b": {}}, "model 'a b': a name is printable, without whitespace"),
+        ("[1, 2]", "must be rows of (model, prefill, decode, own)"),
+        ("{", "must be a table of models"),
+        (7, "must be a table of models"),
+    ],
+)
+def test_a_wrong_table_says_which_model_and_key(table: object, said: str) -> None:
+    with pytest.raises(InvalidValue) as refused:
+        model_table(table)
+    assert said in str(refused.value)
+
+
+@pytest.mark.parametrize("key", list(MODEL_KEYS))
+def test_each_key_is_parsed_as_its_top_level_setting(key: str) -> None:
+    """A model's key takes what the option takes, and refuses what it refuses."""
+    setting = BY_NAME[key]
+    for value in [
+        "http://d:2",
+        "dns+http://d:2",
+        "ftp://d",
+        "session",
+        "nope",
+        0,
+        1,
+        64,
+        -1,
+        "decode",
+    ]:
+        outcomes = []
+        for parse in (setting.parse, MODEL_KEYS[key]):
+            try:
+                outcomes.append(("took", parse(value)))
+            except InvalidValue:
+                outcomes.append(("refused", None))
+        assert outcomes[0] == outcomes[1], (key, value)
+
+
+def test_models_alone_may_give_the_pools() -> None:
+    config = make(models=TABLE)
+    assert config.pools.of("decode") == ("http://10.0.0.2:8200#dp=2", "http://10.0.1.2:8200")
+    assert config.pools.named("decode")["http://10.0.1.2:8200"] == {"qwen"}
+    with pytest.raises(ConfigError, match="at least one --prefill URL"):
+        make(models={"qwen": TABLE["qwen"]})  # (no prefill instance anywhere)
+
+
+def test_a_models_rules_are_the_top_levels_but_for_what_it_gives() -> None:
+    config = make(prefill=["http://p:1"], decode=["http://d:2"], models=TABLE, prefill_busy_at=3)
+    assert config.rules_for(None) is config.disaggregation
+    assert config.rules_for("other") is config.disaggregation
+    llama = config.rules_for("llama")
+    assert (llama.short_prompt, llama.busy_at, llama.fallback) == (64, 3, "none")
+    assert config.rules_for("qwen").fallback == "decode"
+
+
+# -- what instances serve ----------------------------------------------------------
+
+
+def decode(
+    url: str, models: list[str] | None = None, named: frozenset[str] = frozenset()
+) -> Instance:
+    instance = Instance(url, "decode", state=State.UP, named=named)
+    if models is not None:
+        instance.models = read_models(answers.models(models[0], models[1:]))
+    return instance
+
+
+def test_vllms_answer_is_read_as_cards_by_id_lora_adapters_included() -> None:
+    cards = read_models(answers.models("llama", ["sql-lora"]))
+    assert list(cards) == ["llama", "sql-lora"]
+    assert cards["sql-lora"]["parent"] == "llama"
+    for wrong in (b"[]", b'{"data": 3}', b"not json"):
+        with pytest.raises(ValueError):
+            read_models(wrong)
+
+
+def test_an_instance_serves_what_it_said_what_it_is_listed_for_or_if_unread_anything() -> None:
+    said = decode("http://a", ["llama", "sql-lora"])
+    assert said.serves("sql-lora") and not said.serves("qwen")
+    assert decode("http://b").serves("anything")  # (never read: as before models were read)
+    listed = decode("http://c", named=frozenset({"qwen"}))
+    assert listed.serves("qwen") and not listed.serves("llama")
+    both = decode("http://d", ["llama"], named=frozenset({"qwen"}))
+    assert both.serves("qwen") and both.serves("llama")
+
+
+def test_a_request_is_resolved_against_what_the_decode_instances_serve() -> None:
+    fleet = [decode("http://a", ["llama", "sql-lora"]), decode("http://b", ["qwen"])]
+    assert resolve("sql-lora", fleet) == ("sql-lora", True)
+    with pytest.raises(UnknownModel):
+        resolve("mistral", fleet)
+    with pytest.raises(ModelRequired, match="llama, qwen, sql-lora"):
+        resolve(None, fleet)
+    assert resolve(7, fleet) == (None, False)  # (vLLM's to refuse)
+    one = [decode("http://a", ["llama"])]
+    assert resolve(None, one) == (None, False)  # one model: as today
+    unread = [*fleet, decode("http://c")]
+    assert resolve("mistral", unread) == ("mistral", False)  # the unread one may serve it
+    assert resolve("mistral", [decode("http://c")]) == (None, False)  # nothing known
+    draining = decode("http://d", ["mistral"])
+    draining.draining = True
+    with pytest.raises(UnknownModel):
+        resolve("mistral", [*fleet, draining])
+
+
+def test_the_listing_is_each_model_of_the_healthy_decode_instances_once() -> None:
+    down = decode("http://c", ["mistral"])
+    down.state = State.DOWN
+    fleet = [
+        decode("http://a", ["llama", "sql-lora"]),
+        decode("http://b", ["llama"]),
+        decode("http://d", named=frozenset({"qwen"})),
+        down,
+    ]
+    listed = listing(fleet)
+    assert listed is not None
+    assert [card["id"] for card in listed["data"]] == ["llama", "qwen", "sql-lora"]
+    assert listed["data"][2]["parent"] == "llama"  # (vLLM's card, as it said it)
+    assert listing([decode("http://e")]) is None  # none said: one instance is asked
+
+
+def test_workers_are_told_what_each_instance_serves() -> None:
+    supervisor = decode("http://a", ["llama"])
+    worker = decode("http://a")
+    health.adopt(worker, json.loads(json.dumps(supervisor.health())))
+    assert worker.models == supervisor.models
+    assert supervisor.status()["models"] == ["llama"]
