@@ -101,8 +101,18 @@ def summary(config: ProxyConfig) -> str:
         f"max-body-size {limits.max_body_size}, retries {config.retries.prefill}/"
         f"{config.retries.decode}, prefill-timeout {timeouts.prefill:g} s, "
         f"decode-timeout {timeouts.decode:g} s, drain-timeout {timeouts.drain:g} s, "
-        f"health checks {checks}; {decide.describe(config.disaggregation)}"
+        f"health checks {checks}; {decide.describe(config.disaggregation)}{_models(config)}"
     )
+
+
+def _models(config: ProxyConfig) -> str:
+    """Each ``[models.NAME]`` table: its instances, and what it sets of its own."""
+    said = []
+    for model in config.pools.models:
+        own = ", ".join(f"{key} {value}" for key, value in model.own)
+        counts = f"{len(model.prefill)} prefill, {len(model.decode)} decode"
+        said.append(f"{model.name} ({counts}{'; ' + own if own else ''})")
+    return f"; models: {'; '.join(said)}" if said else ""
 
 
 def _members(config: ProxyConfig, role: str) -> str:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import resource
+from dataclasses import replace
 
 import pytest
 
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config.models import model_table
 from nixl_twisted.run import startup
 
 CONFIG = ProxyConfig.create(
@@ -23,6 +25,13 @@ def test_the_summary_names_the_pools_policies_and_limits() -> None:
     assert "prefill http://p:1, http://p:2 (round-robin); decode http://d:1 (session)" in line
     assert "max-in-flight 100, max-connections 200" in line
     assert "health checks every 3 s; two legs always" in line
+    assert "models" not in line
+
+
+def test_the_summary_names_each_models_table() -> None:
+    table = {"qwen": {"decode": ["http://q:1", "http://q:2"], "decode-policy": "session"}}
+    line = startup.summary(replace(CONFIG, pools=replace(CONFIG.pools, models=model_table(table))))
+    assert line.endswith("; models: qwen (0 prefill, 2 decode; decode-policy session)")
 
 
 class FakeLimits:
