@@ -70,10 +70,8 @@ class LimitedRequest(Request):
     closed). The bodies all requests hold (``--max-buffered-bodies``) count
     what has arrived, not what was announced, so a slow upload cannot
     reserve bytes it never sends: past the budget, 503 with ``Retry-After``
-    at once, the rest of the body read and dropped (so that a client still
-    sending it gets the answer rather than a reset connection), or, when
-    the client waits for ``100 Continue``, the connection closed. What a
-    request holds is given back when it ends.
+    at once, the rest of the body read and dropped (``refuse_unread``). What
+    a request holds is given back when it ends.
     """
 
     _refused = False
@@ -108,6 +106,9 @@ class LimitedRequest(Request):
         super().gotLength(length)
 
     def handleContentChunk(self, data: bytes) -> None:
+        if self._discarding:
+            self._drop(len(data))
+            return
         if self._refused:
             return  # dropped: answered already
         self._received += len(data)
@@ -163,12 +164,39 @@ class LimitedRequest(Request):
 
     def _refuse_busy(self) -> None:
         message = "the proxy holds as many request bodies as it may now; try again shortly"
-        self._site().refused(ErrorCode.REQUEST_BODIES_BUFFER_FULL, message)
-        # A client that waits for 100 Continue sends no body to read: close.
-        self._refused, self._discarding = True, not self._no_continue()
+        self.refuse_unread(ErrorCode.REQUEST_BODIES_BUFFER_FULL, message, b"Retry-After: 1\r\n")
+
+    def refuse_unread(
+        self,
+        code: ErrorCode,
+        message: str,
+        headers: bytes = b"",
+        path: bytes = b"",
+        announced: int | None = None,
+    ) -> bool:
+        """Refuse the request before the rest of its body is read; True while that is read.
+
+        The answer goes now, then the rest of the body is read and dropped
+        (up to ``--max-body-size``) and the connection closed: a client still
+        sending would otherwise get a reset connection, not the answer. It
+        closes at once when the client waits for ``100 Continue`` (no body
+        follows) or ``announced`` a body past the limit (not worth reading).
+        """
+        self._site().refused(code, message)
+        waiting = self._no_continue()
+        too_large = announced is not None and announced > self._site().limits.max_body_size
+        self._refused, self._discarding = True, not waiting and not too_large
         channel = self._channel()
         answer = channel.answer_early if self._discarding else channel.refuse
-        answer(ErrorCode.REQUEST_BODIES_BUFFER_FULL, message, b"Retry-After: 1\r\n")
+        answer(code, message, headers, path)
+        return self._discarding
+
+    def _drop(self, size: int) -> None:
+        """Bytes of a refused body, dropped; past ``--max-body-size``, the connection closed."""
+        self._received += size
+        if self._received > self._site().limits.max_body_size:
+            self._discarding = False
+            self.channel.loseConnection()
 
     def _no_continue(self) -> bool:
         """Refused: no ``100 Continue`` may follow; True if the client was waiting for one.

@@ -72,7 +72,7 @@ class _TrackedChannel(HTTPChannel):
 
     def allHeadersReceived(self) -> None:
         if self._unkeyed():
-            return  # answered 401 and closing: nothing more is read
+            return  # answered 401: the body, if any, is read and dropped (or closed)
         super().allHeadersReceived()
         if self._deadlines is not None and self.length != 0:
             self._deadlines.body(self.factory.limits)
@@ -100,6 +100,10 @@ class _TrackedChannel(HTTPChannel):
         assert self._deadlines is not None and self._deadlines.awaiting is not None
         what = self._deadlines.awaiting
         self._deadlines.done()
+        request = self.requests[-1] if self.requests else None
+        if isinstance(request, LimitedRequest) and request._discarding:
+            self.loseConnection()  # a refused body, dropped: its answer was written already
+            return
         limits = self.factory.limits
         seconds = limits.header_timeout if what == "header" else limits.body_timeout
         code = _TIMEOUTS[what]
@@ -131,7 +135,11 @@ class _TrackedChannel(HTTPChannel):
         self.refuse(ErrorCode.MALFORMED_REQUEST, "malformed HTTP request")
 
     def _unkeyed(self) -> bool:
-        """A client route without a key the proxy knows: 401 now, before any body is read."""
+        """A client route without a key the proxy knows: 401 now, before any body is read.
+
+        The body is then read and dropped (``LimitedRequest.refuse_unread``),
+        under the body's deadline, so that a client sending it reads the 401.
+        """
         keys = self.factory.client_keys
         request = self.requests[-1] if self.requests else None
         path = getattr(self, "_path", b"")  # (Twisted's request line, read so far)
@@ -139,11 +147,14 @@ class _TrackedChannel(HTTPChannel):
             return False
         if keys.tenant(request.requestHeaders, path) is not None:
             return False
+        assert isinstance(request, LimitedRequest)  # (the site's request factory)
         message = "a valid API key is required (Authorization: Bearer KEY)"
-        if isinstance(request, LimitedRequest):
-            request._refused = True  # no access event: it was never served
-        self.factory.refused(ErrorCode.INVALID_API_KEY, message)
-        self.refuse(ErrorCode.INVALID_API_KEY, message, b"WWW-Authenticate: Bearer\r\n", path)
+        # (Refused: no access event, it was never served.)
+        reading = request.refuse_unread(
+            ErrorCode.INVALID_API_KEY, message, b"WWW-Authenticate: Bearer\r\n", path, self.length
+        )
+        if reading and self.length != 0 and self._deadlines is not None:
+            self._deadlines.body(self.factory.limits)
         return True
 
     def refuse(

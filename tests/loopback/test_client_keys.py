@@ -26,26 +26,50 @@ class ClientKeyTests(ProxyCase):
     async def keyed(self, **settings: Any) -> None:
         await self.start(tokens=4, proxy={"backend_api_key": BACKEND, **settings})
 
-    async def raw(self, path: str, headers: dict[str, str], body: bytes = b"{}") -> tuple[int, Any]:
-        """One request over a socket of its own: what the proxy answers before reading a body."""
+    async def raw(
+        self,
+        path: str,
+        headers: dict[str, str],
+        body: bytes = b"",
+        announced: int = 1000,
+        closes: bool = False,
+    ) -> tuple[int, Any]:
+        """One request over a socket of its own: its head, announcing ``announced`` bytes
+        of body, then ``body``; the answer read by its ``Content-Length`` (not by a close:
+        a 401 must not wait for a body never sent).
+
+        ``closes``: then read on until the proxy closes, and nothing more may come. An
+        error on the socket (a reset while sending) fails the test: no answer was heard.
+        """
         host, port = self.proxy.url.removeprefix("http://").rsplit(":", 1)
 
-        def exchange() -> bytes:
+        def exchange() -> tuple[bytes, bytes]:
             with socket.create_connection((host, int(port)), timeout=5) as sock:
                 head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
-                # The body is announced but never sent: a 401 must not wait for it.
                 sock.sendall(
                     f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    f"Content-Length: {len(body) + 1000}\r\n{head}\r\n".encode()
+                    f"Content-Length: {announced}\r\n{head}\r\n".encode()
+                    + body
                 )
-                chunks = []
-                while chunk := sock.recv(65536):
-                    chunks.append(chunk)
-                return b"".join(chunks)
+                received = b""
+                while b"\r\n\r\n" not in received or len(received) < answer_length(received):
+                    chunk = sock.recv(65536)
+                    self.assertTrue(chunk, f"closed before a whole answer: {received!r}")
+                    received += chunk
+                after = b""
+                while closes and (chunk := sock.recv(65536)):
+                    after += chunk
+                return received, after
 
-        answer = await deferToThread(exchange)
-        status = int(answer.split(b" ", 2)[1])
-        return status, json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        def answer_length(received: bytes) -> int:
+            head = received.split(b"\r\n\r\n", 1)[0]
+            length = head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]
+            return len(head) + 4 + int(length)
+
+        answer, after = await deferToThread(exchange)
+        self.assertEqual(after, b"")
+        head, _, content = answer.partition(b"\r\n\r\n")
+        return int(head.split(b" ", 2)[1]), json.loads(content)
 
     async def test_no_key_or_a_wrong_one_is_401_in_the_routes_shape_before_the_body(self) -> None:
         await self.keyed(api_key=[KEY])
@@ -67,10 +91,22 @@ class ClientKeyTests(ProxyCase):
                 },
             ),
         )
+        # Waiting for 100 Continue, the client has sent no body: closed at once, no 100.
+        status, body = await self.raw("/v1/completions", {"Expect": "100-continue"}, closes=True)
+        self.assertEqual((status, body["error"]["code"]), (401, "invalid_api_key"))
         self.assertEqual(self.prefill.requests, [])
         response = await self.http.get(self.proxy.url + "/healthcheck")  # (asks for no key)
         self.assertEqual(response.code, 200)
         await response.content()
+
+    async def test_a_large_body_without_a_key_gets_the_whole_401_then_a_close(self) -> None:
+        """The body is read and dropped after the 401: a client still sending it hears the
+        answer, not a reset connection (which is what closing at once gave it)."""
+        await self.keyed(api_key=[KEY])
+        body = b'{"prompt": "' + b"x" * (4 * 1024 * 1024) + b'"}'
+        status, answer = await self.raw("/v1/completions", {}, body, len(body), closes=True)
+        self.assertEqual((status, answer["error"]["code"]), (401, "invalid_api_key"))
+        self.assertEqual(self.prefill.requests, [])
 
     async def test_the_openai_client_with_its_key_and_vllm_gets_the_backend_key(self) -> None:
         await self.keyed(api_key=[KEY, OTHER])

@@ -195,3 +195,58 @@ def test_a_body_within_the_limit_gets_its_100_continue() -> None:
     assert answer.startswith(b"HTTP/1.1 200 ")
     (prefill_leg,) = setup.prefill.requests
     assert prefill_leg.headers.getRawHeaders(b"expect") is None
+
+
+def _unkeyed(setup: Setup, head: bytes) -> InMemoryClient:
+    """A request's head with no client key; the proxy answers it 401 at once."""
+    client = _slow(setup, b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n" + head + b"\r\n")
+    answer = client.answer()
+    assert (answer.status, answer.json()["error"]["code"]) == (401, "invalid_api_key")
+    return client
+
+
+def test_without_a_key_the_body_is_read_and_dropped_after_the_401_then_closed() -> None:
+    setup = Setup(api_key=["sk-k"], max_body_size=1000)
+    client = _unkeyed(setup, b"Content-Length: 600\r\n")
+    client.send(b"x" * 599)
+    assert not client.transport.disconnecting  # still sending: closing now would reset it
+    client.send(b"x")
+    assert client.transport.disconnecting
+    assert setup.prefill.requests == [] and setup.decode.requests == []
+    assert setup.proxy.service.site.body_budget.held == 0
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        pytest.param(b"Expect: 100-continue\r\nContent-Length: 600\r\n", id="waits-for-100"),
+        pytest.param(b"Content-Length: 5000\r\n", id="past-the-limit"),
+    ],
+)
+def test_without_a_key_closed_at_once_when_no_body_is_worth_waiting_for(head: bytes) -> None:
+    setup = Setup(api_key=["sk-k"], max_body_size=1000)
+    client = _unkeyed(setup, head)
+    assert client.transport.disconnecting
+    assert b"100 Continue" not in client.received()
+
+
+def test_a_dropped_chunked_body_is_closed_past_the_body_limit() -> None:
+    setup = Setup(api_key=["sk-k"], max_body_size=1000)
+    client = _unkeyed(setup, b"Transfer-Encoding: chunked\r\n")
+    chunk = b"%x\r\n%s\r\n" % (600, b"x" * 600)
+    client.send(chunk)
+    assert not client.transport.disconnecting
+    client.send(chunk)
+    assert client.transport.disconnecting
+
+
+def test_a_dropped_body_that_stalls_is_closed_at_its_deadline_with_no_second_answer() -> None:
+    setup = Setup(api_key=["sk-k"], body_timeout=30, body_min_rate=0)
+    client = _unkeyed(setup, b"Content-Length: 600\r\n")
+    written = client.received()
+    client.send(b"x" * 10)
+    setup.proxy.advance(29)
+    assert not client.transport.disconnecting
+    setup.proxy.advance(2)
+    assert client.transport.disconnecting
+    assert client.received() == written  # the 401 alone: no 408 after it
