@@ -150,6 +150,7 @@ def makeService(options: Options) -> IService:
     assert config is not None, "Options.parseOptions makes the configuration"
     startup.preload()  # twistd calls this before it sheds --uid/--gid
     startup.check_discovery(config, os.environ)
+    startup.check_keys_file(config)
     tree = supervise(config, reactor) if config.workers > 1 else build(config, reactor)
     twistd_options = getattr(options, "parent", None)
     levels = logs.LogLevels(config.log_level)

@@ -229,7 +229,7 @@ SETTINGS: tuple[Setting, ...] = (
         text,
         help=(
             "A file of client keys, one per line, each optionally followed by its tenant's "
-            "name; read again on SIGHUP and when it changes."
+            "name; it must be readable at start; read again on SIGHUP and when it changes."
         ),
     ),
     Setting(

@@ -8,7 +8,8 @@ Every client connection and every leg holds a file descriptor; a limit
 below what ``--max-connections`` and ``--max-in-flight`` need turns into
 accept errors under load. Like Go's runtime, the proxy raises its soft
 limit toward the hard one when it is short, and warns when even that is not
-enough. The summary line is a lifecycle line (``logs.LIFECYCLE``): shown at
+enough. A keys file that cannot be read stops the start (``check_keys_file``).
+The summary line is a lifecycle line (``logs.LIFECYCLE``): shown at
 any ``--log-level``.
 """
 
@@ -23,8 +24,10 @@ from twisted.logger import Logger
 
 from nixl_twisted import __version__
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.exchange import decide
 from nixl_twisted.logs import lifecycle
+from nixl_twisted.web.keys import read_keys
 
 log = Logger()
 
@@ -139,6 +142,22 @@ def check_discovery(config: ProxyConfig, environ: Mapping[str, str]) -> None:
         kubeconfig.access(config.discovery.kubeconfig, environ)
     except kubeconfig.NoApiAccess as error:
         raise SystemExit(f"nixlproxy: --prefill-selector/--decode-selector: {error}") from None
+
+
+def check_keys_file(config: ProxyConfig) -> None:
+    """A keys file that cannot be used at start stops the proxy with the reason.
+
+    A typo in its path is then said at once, not found later as every client
+    refused (or, beside ``--api-key``, as the file's keys quietly missing).
+    Once running, a file that breaks keeps its keys (``web.keys``). A worker
+    does not check: its supervisor did, and a worker that exits is restarted.
+    """
+    if config.api_keys_file is None or config.worker is not None:
+        return
+    try:
+        read_keys(config.api_keys_file)
+    except InvalidValue as error:
+        raise SystemExit(f"nixlproxy: --api-keys-file: {error}") from None
 
 
 def announce(config: ProxyConfig) -> None:

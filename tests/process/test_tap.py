@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -94,6 +96,17 @@ def test_a_bind_error_is_raised_at_once() -> None:
             service.privilegedStartService()
     finally:
         taken.close()
+
+
+def test_a_keys_file_that_cannot_be_read_stops_the_start() -> None:
+    """A typo in its path is said at once, beside --api-key too, not found as 401s later."""
+    missing = os.path.join(tempfile.mkdtemp(prefix="nixlproxy-keys-"), "kyes")
+    try:
+        said = re.escape(f"--api-keys-file: {missing}: No such file or directory")
+        with pytest.raises(SystemExit, match=said):
+            makeService(options(*POOLS, "--api-key", "sk-a", "--api-keys-file", missing))
+    finally:
+        os.rmdir(os.path.dirname(missing))
 
 
 def installed_env() -> dict[str, str]:

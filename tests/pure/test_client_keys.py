@@ -1,0 +1,150 @@
+"""``--api-keys-file``: what a broken file keeps, and what the log says of it (once).
+
+The file is looked at every 2 s on a ``Clock``; a test moves the clock by
+hand, and sets a file's modification time itself when a change must (or
+must not) be seen.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
+from twisted.web.http_headers import Headers
+from zope.interface import provider
+
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config.values import InvalidValue
+from nixl_twisted.run import startup
+from nixl_twisted.web.keys import FILE_CHECK, ClientKeys, read_keys
+
+POOLS: dict[str, Any] = {"prefill": ["http://p:1"], "decode": ["http://d:1"]}
+
+
+@pytest.fixture
+def where() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="nixlproxy-keys-"))
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.fixture
+def lines() -> Iterator[list[tuple[LogLevel, str]]]:
+    """What ``web.keys`` logs, each line with its level."""
+    seen: list[tuple[LogLevel, str]] = []
+
+    @provider(ILogObserver)
+    def observe(event: dict[str, Any]) -> None:
+        if event.get("log_namespace") == "nixl_twisted.web.keys":
+            seen.append((event["log_level"], formatEvent(event)))
+
+    globalLogPublisher.addObserver(observe)
+    yield seen
+    globalLogPublisher.removeObserver(observe)
+
+
+def write(path: Path, text: str, mtime_ns: int) -> None:
+    """``text`` into ``path``, with the modification time the look compares."""
+    path.write_text(text)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def tenant(keys: ClientKeys, key: str) -> str | None:
+    return keys.tenant(Headers({b"authorization": [f"Bearer {key}".encode()]}), b"/v1/models")
+
+
+def keyed(path: Path, *given: str) -> tuple[ClientKeys, Clock]:
+    clock = Clock()
+    keys = ClientKeys(clock)
+    keys.configure(ProxyConfig.create(**POOLS, api_key=list(given), api_keys_file=str(path)))
+    return keys, clock
+
+
+def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
+    where: Path, lines: list[tuple[LogLevel, str]]
+) -> None:
+    path = where / "keys"
+    write(path, "sk-a team-a\n", 1)
+    keys, clock = keyed(path)
+    assert lines == [(LogLevel.info, "client keys: 1 in effect")]
+    del lines[:]
+
+    write(path, "sk-a team-a extra\n", 2)
+    for _ in range(10):  # 20 s of looks while it stays broken
+        clock.advance(FILE_CHECK)
+    assert lines == [
+        (
+            LogLevel.error,
+            f"--api-keys-file cannot be used: {path}:1: a key, then at most a tenant's name; "
+            "the 1 keys it gave in effect until it can be read",
+        )
+    ]
+    assert tenant(keys, "sk-a") == "team-a"  # kept meanwhile
+
+    path.unlink()  # another error: said
+    clock.advance(FILE_CHECK)
+    clock.advance(FILE_CHECK)
+    assert len(lines) == 2
+    assert lines[-1][1].startswith(f"--api-keys-file cannot be used: {path}: No such file")
+
+    write(path, "sk-b team-b\n", 3)
+    clock.advance(FILE_CHECK)
+    clock.advance(FILE_CHECK)
+    assert lines[2:] == [
+        (LogLevel.info, f"--api-keys-file {path} read again: 1 client keys in effect")
+    ]
+    assert (tenant(keys, "sk-a"), tenant(keys, "sk-b")) == (None, "team-b")
+    keys.stop()
+
+
+def test_a_file_mended_without_a_new_mtime_or_size_is_read_at_the_next_look(
+    where: Path, lines: list[tuple[LogLevel, str]]
+) -> None:
+    """As a chmod mends an unreadable file: nothing the look compares changes."""
+    path = where / "keys"
+    write(path, "sk-a b c\n", 5)
+    keys, clock = keyed(path, "sk-given")
+    assert [level for level, _ in lines] == [LogLevel.error]
+    assert "none of its keys in effect" in lines[0][1]
+    assert tenant(keys, "sk-given") is not None  # --api-key's keys apply meanwhile
+    write(path, "sk-a b_c\n", 5)  # the same size and modification time
+    clock.advance(FILE_CHECK)
+    assert lines[1:] == [
+        (LogLevel.info, f"--api-keys-file {path} read again: 2 client keys in effect")
+    ]
+    assert tenant(keys, "sk-a") == "b_c"
+    keys.stop()
+
+
+def test_a_reload_says_again_what_is_wrong(where: Path, lines: list[tuple[LogLevel, str]]) -> None:
+    path = where / "keys"
+    write(path, "sk-a b c\n", 1)
+    keys, clock = keyed(path)
+    clock.advance(FILE_CHECK)
+    keys.configure(ProxyConfig.create(**POOLS, api_keys_file=str(path)))  # SIGHUP
+    assert [level for level, _ in lines] == [LogLevel.error] * 2
+    keys.stop()
+
+
+def test_a_keys_file_that_is_not_utf_8_is_an_invalid_value(where: Path) -> None:
+    path = where / "keys"
+    path.write_bytes(b"sk-\xff\n")
+    with pytest.raises(InvalidValue, match="not UTF-8 text"):
+        read_keys(str(path))
+
+
+def test_a_keys_file_that_cannot_be_read_at_start_stops_the_proxy(where: Path) -> None:
+    missing = str(where / "kyes")
+    config = ProxyConfig.create(**POOLS, api_key=["sk-a"], api_keys_file=missing)
+    with pytest.raises(SystemExit, match=re.escape(f"--api-keys-file: {missing}: No such file")):
+        startup.check_keys_file(config)
+    (where / "kyes").write_text("sk-a\n")
+    startup.check_keys_file(config)  # readable: nothing to say
