@@ -97,11 +97,13 @@ async def _connection(
         writer.close()
 
 
-def request_bytes(path: str, body: dict[str, Any]) -> bytes:
+def request_bytes(path: str, body: dict[str, Any], api_key: str | None = None) -> bytes:
+    """One request, sent as it is on every turn; ``api_key`` as ``Authorization: Bearer``."""
     raw = json.dumps(body).encode()
+    key = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key is not None else b""
     return (
-        b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(raw), raw)
+        b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n%s"
+        b"Content-Length: %d\r\n\r\n%s" % (path.encode(), key, len(raw), raw)
     )
 
 
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     length.add_argument("--requests", type=int, help="instead: send this many in all, then stop")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--api-key", help="send it as Authorization: Bearer KEY")
     args = parser.parse_args(argv)
     if args.requests is not None and args.requests < 1:
         parser.error("--requests must be at least 1")
@@ -164,9 +167,10 @@ def main(argv: list[str] | None = None) -> None:
             "stream": True,
             "max_tokens": args.tokens,
         }
-        request = request_bytes("/v1/chat/completions", body)
+        request = request_bytes("/v1/chat/completions", body, args.api_key)
     else:
-        request = request_bytes("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 16})
+        completion = {"model": "m", "prompt": "hi", "max_tokens": 16}
+        request = request_bytes("/v1/completions", completion, args.api_key)
     ran = run(host, int(port), request, args.connections, args.seconds, args.requests)
     print(json.dumps(asyncio.run(ran)))
 

@@ -10,6 +10,7 @@ requests and its peak RSS.
     python -m bench.run --repeat 3      # medians of three runs of each load
     python -m bench.run --requests 20   # a smoke run: 20 requests per load, however slow
     python -m bench.run --traced        # every request traced, to a collector process
+    python -m bench.run --api-key k1    # client keys on: the proxy checks k1 on every request
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ def _peak_rss_mb(pid: int) -> float:
     return 0.0
 
 
-def _load(url: str, load: Load, length: Length, cores: str) -> dict[str, Any]:
+def _load(
+    url: str, load: Load, length: Length, cores: str, api_key: str | None = None
+) -> dict[str, Any]:
     command = [
         sys.executable,
         "-m",
@@ -160,6 +163,8 @@ def _load(url: str, load: Load, length: Length, cores: str) -> dict[str, Any]:
     ]
     if load.stream:
         command.append("--stream")
+    if api_key is not None:
+        command += ["--api-key", api_key]
     out = subprocess.run(_pinned(cores, command), capture_output=True, text=True, check=False)
     if out.returncode != 0:
         # Its traceback, not only "returned non-zero exit status 1".
@@ -231,7 +236,13 @@ def measure(
     workers: int = 1,
     proxy_args: Sequence[str] = (),
     traced: bool = False,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
+    """One load direct to the backend, then through a proxy started for it.
+
+    ``api_key``: the proxy requires it (``--api-key``) and the load sends it
+    to the proxy alone (the backend checks nothing; its baseline is unchanged).
+    """
     cores = os.cpu_count() or 2
     others = "1" if cores == 2 else f"1-{cores - 1}"
     proxy_cores = "0" if workers == 1 else f"0-{min(workers, cores) - 1}"
@@ -256,6 +267,7 @@ def measure(
         f"http://127.0.0.1:{backend_port}",
         "--workers",
         str(workers),
+        *(["--api-key", api_key] if api_key is not None else []),
         *proxy_args,
     ]
     with (
@@ -266,7 +278,7 @@ def measure(
         with nixlproxy([*proxy, *tracing], proxy_cores, workers) as (running, url):
             pids = _descendants(running.process.pid)
             cpu_before = sum(_cpu_seconds(pid) for pid in pids)
-            proxied = _load(url, load, length, others)
+            proxied = _load(url, load, length, others, api_key)
             cpu = sum(_cpu_seconds(pid) for pid in pids) - cpu_before
             rss = max(_peak_rss_mb(pid) for pid in pids)
     requests = max(1, proxied["requests"])
@@ -352,6 +364,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="one more twistd nixlproxy option, e.g. --proxy-arg=--access-log=off",
     )
     parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="start the proxy with this client key (--api-key) and send it "
+        "(Authorization: Bearer KEY) on every proxied request",
+    )
+    parser.add_argument(
         "--traced",
         action="store_true",
         help="trace every request to a collector process (bench.collector) on the other cores",
@@ -368,6 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.workers,
                     args.proxy_arg,
                     args.traced,
+                    args.api_key,
                 )
                 for _ in range(args.repeat)
             ]

@@ -24,9 +24,24 @@ pytestmark = pytest.mark.timeout(270)
 PYTHON = sys.executable
 
 
-def test_a_short_benchmark_run_prints_its_table() -> None:
+@pytest.mark.parametrize(
+    "keys", [pytest.param([], id="keys-off"), pytest.param(["--api-key", "k1"], id="keys-on")]
+)
+def test_a_short_benchmark_run_prints_its_table(keys: list[str]) -> None:
+    """Keys on, a request the proxy refused (a 401) would be an error, and exit 1."""
     ran = run(
-        [PYTHON, "-m", "bench.run", "--requests", "20", "--loads", "1", "--backend-processes", "1"]
+        [
+            PYTHON,
+            "-m",
+            "bench.run",
+            "--requests",
+            "20",
+            "--loads",
+            "1",
+            "--backend-processes",
+            "1",
+            *keys,
+        ]
     )
     row = "| non-streaming completions, 1 connection | "
     assert ran.code == 0 and row in ran.stdout and "/s |" in ran.stdout, ran.why(
