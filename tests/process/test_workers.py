@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+from treq.client import HTTPClient
 
 from tests.process.support import TwistdCase
 from tests.support import CHAT
@@ -28,6 +29,18 @@ def chat_requests(exposition: bytes) -> float:
 
 
 class WorkersActAsOneTests(TwistdCase):
+    async def chats(self, http: HTTPClient, address: str, times: int) -> tuple[list[int], set[int]]:
+        """``times`` chat requests, each followed by a health check on a new connection:
+        the chats' status codes, and the pids of the workers that answered the checks."""
+        codes, pids = [], set()
+        for _ in range(times):
+            response = await http.post(f"http://{address}/v1/chat/completions", json=CHAT)
+            codes.append(response.code)
+            await response.content()
+            health = await http.get(f"http://{address}/healthcheck")
+            pids.add(json.loads(await health.content())["pid"])
+        return codes, pids
+
     async def test_metrics_report_the_whole_proxy_on_either_port(self) -> None:
         await self.start()
         process, address = await self.spawn_workers(
@@ -40,14 +53,8 @@ class WorkersActAsOneTests(TwistdCase):
         )
         (metrics_address,) = re.findall(rb"workers share (\S+)", process.output)[1:]
         http = self.fresh_connections()
-        pids = set()
-        for _ in range(20):
-            response = await http.post(f"http://{address}/v1/chat/completions", json=CHAT)
-            self.assertEqual(response.code, 200)
-            await response.content()
-            health = await http.get(f"http://{address}/healthcheck")
-            pids.add(json.loads(await health.content())["pid"])
-        self.assertEqual(len(pids), 2)  # both workers served
+        codes, pids = await self.chats(http, address, 20)
+        self.assertEqual((set(codes), len(pids)), ({200}, 2))  # both workers served
 
         counts = []
         for _ in range(10):
@@ -77,15 +84,8 @@ class WorkersActAsOneTests(TwistdCase):
         self.assertEqual(removed.code, 200)
         await removed.content()
 
-        codes, pids = [], set()
-        for _ in range(50):
-            response = await http.post(url + "/v1/chat/completions", json=CHAT)
-            codes.append(response.code)
-            await response.content()
-            health = await http.get(url + "/healthcheck")
-            pids.add(json.loads(await health.content())["pid"])
-        self.assertEqual(set(codes), {200})
-        self.assertEqual(len(pids), 2)
+        codes, pids = await self.chats(http, address, 50)
+        self.assertEqual((set(codes), len(pids)), ({200}, 2))
         self.assertEqual((len(old.requests), len(new.requests)), (0, 50))
         await self.terminate(process)
 
