@@ -25,6 +25,7 @@ from nixl_twisted.config.values import (
     count,
     endpoint,
     fraction,
+    header_name,
     label_selector,
     pool_member,
     port_or_name,
@@ -236,7 +237,7 @@ SETTINGS: tuple[Setting, ...] = (
         "tenant-header",
         "tenants.header",
         None,
-        text,
+        header_name,
         help=(
             "A request header naming the client's tenant, for proxies behind a gateway that "
             "authenticates; with client keys, the key's tenant wins."

@@ -117,6 +117,21 @@ def client_key(value: object) -> str:
     return key
 
 
+#: RFC 9110's tchar: what a header's name is made of.
+_TCHAR = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+
+
+def header_name(value: object) -> str:
+    """A request header's name: an HTTP token (RFC 9110), as ASCII letters, digits and
+    ``!#$%&'*+-.^_`|~``."""
+    name = text(value)
+    if not name or not set(name) <= _TCHAR:
+        raise InvalidValue(
+            f"must be a header name (ASCII letters, digits and !#$%&'*+-.^_`|~), not {name!r}"
+        )
+    return name
+
+
 #: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
 TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
 

@@ -32,12 +32,14 @@ class ExchangeFactory:
         request_id: str,
         trace: RequestTrace = NO_TRACE,
         model: str | None = None,
+        hide_usage: bool = False,
     ) -> Exchange:
         """The exchange serving ``body`` to ``request``: a client's, or one prompt of a batch.
 
-        ``model``: the one its instances must serve (``backends.models.resolve``).
+        ``model``: the one its instances must serve (``backends.models.resolve``);
+        ``hide_usage``: ``body`` asked for usage the client did not (``Exchange``).
         """
         watch = self.responses.watcher if path == routes.RESPONSES else None
         return Exchange(
-            self.legs, self.config, request, path, body, request_id, trace, watch, model
+            self.legs, self.config, request, path, body, request_id, trace, watch, model, hide_usage
         )

@@ -25,6 +25,7 @@ from nixl_twisted.exchange.request import ExchangeRequest, connected
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import stream_error_event
 from nixl_twisted.protocol.headers import client_response_headers
+from nixl_twisted.protocol.usage import UsageChunkHidden
 
 _DONE = Failure(ResponseDone())
 
@@ -49,7 +50,10 @@ class _BodyRelay(Protocol):
         on_first_byte: Callable[[], None] | None = None,
         watch: Callable[[bytes], bool] | None = None,
         on_end: Callable[[bytes], None] | None = None,
+        hidden: UsageChunkHidden | None = None,
     ) -> None:
+        #: Takes out what the proxy asked for itself (the usage chunk) on the way.
+        self._hidden = hidden
         self._on_first_byte = on_first_byte
         #: Shown each chunk as it passes, until it says it has seen enough.
         self._watch = watch
@@ -76,6 +80,10 @@ class _BodyRelay(Protocol):
             self._watch = None
         self._before_last, self._last = self._last, data
         self._restart_timer()
+        if self._hidden is not None:
+            data = self._hidden(data)
+            if not data:
+                return
         self._request.write(data)
 
     def _restart_timer(self) -> None:
@@ -107,6 +115,9 @@ class _BodyRelay(Protocol):
             client.unregisterProducer()
         if self._on_end is not None:
             self._on_end(self._before_last + self._last)
+        rest = self._hidden.rest() if self._hidden is not None else b""
+        if rest and not self._finished.called:
+            self._request.write(rest)
         if self._finished.called:
             return
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -139,18 +150,20 @@ def relay_body(
     on_first_byte: Callable[[], None] | None = None,
     watch: Callable[[bytes], bool] | None = None,
     on_end: Callable[[bytes], None] | None = None,
+    hidden: UsageChunkHidden | None = None,
 ) -> Deferred[None]:
     """Relay a backend body to the client; fires when the backend's body ended.
 
     ``watch`` is shown each chunk as it passes (unchanged), until it returns
-    True; ``on_end`` is given the body's last two chunks, however it ended.
+    True; ``on_end`` is given the body's last two chunks, however it ended (as
+    the backend sent them: ``hidden`` takes its chunk out of what the client gets).
 
     Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data.
     Cancelling the Deferred closes the backend connection, which makes vLLM
     abort the request and free its KV blocks.
     """
     finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte, watch, on_end)
+    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte, watch, on_end, hidden)
     response.deliverBody(relay)
     return finished
 

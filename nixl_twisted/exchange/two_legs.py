@@ -55,7 +55,7 @@ from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers, for_rank
 from nixl_twisted.protocol.phases import RULES, OnClientLeft, Phase
-from nixl_twisted.protocol.usage import read_usage
+from nixl_twisted.protocol.usage import UsageChunkHidden, read_usage
 
 log = Logger()
 
@@ -76,11 +76,15 @@ class Exchange:
         trace: RequestTrace = NO_TRACE,
         watch: Callable[[str], Callable[[bytes], bool]] | None = None,
         model: str | None = None,
+        hide_usage: bool = False,
     ) -> None:
         """Made by ``ExchangeFactory``: ``legs`` the proxy's, ``config`` the one now in effect.
 
         ``model``: only instances serving it take its legs, by its own policies and rules.
+        ``hide_usage``: ``body`` asks for the stream's usage for the proxy's sake
+        (a tenant's tokens), not the client's, whose stream goes without it.
         """
+        self.hide_usage = hide_usage
         self.legs = legs
         self.request = request
         self.path = path
@@ -376,6 +380,7 @@ class Exchange:
                     partial(self._first_byte, decode.instance),
                     watching,
                     self._used,
+                    UsageChunkHidden() if self.hide_usage else None,
                 )
             )
         except CancelledError:

@@ -197,6 +197,26 @@ def json_kind(value: object) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
+def usage_asked(path: str, body: JSONObject) -> JSONObject | None:
+    """The body of an OpenAI stream asking vLLM for its usage, if the client did not.
+
+    None when there is nothing to ask: not a chat or text completion stream,
+    usage already asked, or ``stream_options`` not an object (vLLM refuses it).
+    A client's ``continuous_usage_stats`` had no effect without ``include_usage``:
+    it is turned off, so that no chunk changes but the last.
+    """
+    if path not in (routes.CHAT_COMPLETIONS, routes.COMPLETIONS) or body.get("stream") is not True:
+        return None
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    if not isinstance(options, dict) or options.get("include_usage") is True:
+        return None
+    asked = dict(options, include_usage=True)
+    if "continuous_usage_stats" in asked:
+        asked["continuous_usage_stats"] = False
+    return dict(body, stream_options=asked)
+
+
 def prefill_body(
     body: JSONObject, request_id: str, path: str = routes.CHAT_COMPLETIONS
 ) -> JSONObject:

@@ -65,3 +65,42 @@ def read_usage(tail: bytes) -> Usage | None:
     ]
     # Whole numbers only (a bool is an int to Python, not to JSON).
     return Usage(*[count if type(count) is int else None for count in counts])
+
+
+class UsageChunkHidden:
+    """An OpenAI stream with its usage-only chunk taken out, as the client would have had it.
+
+    A tenant whose tokens are counted has ``stream_options.include_usage`` asked
+    of vLLM for it (``lowering.usage_asked``); a client that did not ask must
+    not see the chunk that brings. Events pass whole as they complete (vLLM
+    writes each in one piece); a part of one is held until its end arrives.
+    """
+
+    def __init__(self) -> None:
+        self._held = b""
+
+    def __call__(self, data: bytes) -> bytes:
+        data = self._held + data
+        end = data.rfind(b"\n\n")
+        cut = end + 2 if end >= 0 else 0
+        complete, self._held = data[:cut], data[cut:]
+        if b'"usage"' not in complete:
+            return complete
+        events = complete.split(b"\n\n")[:-1]
+        return b"".join(event + b"\n\n" for event in events if not _usage_only(event))
+
+    def rest(self) -> bytes:
+        """What was held when the stream ended (an event cut short), as it came."""
+        held, self._held = self._held, b""
+        return held
+
+
+def _usage_only(event: bytes) -> bool:
+    payload = event.strip()
+    if not payload.startswith(b"data:") or b'"usage"' not in payload:
+        return False
+    try:
+        chunk = json.loads(payload[5:])
+    except ValueError:
+        return False
+    return isinstance(chunk, dict) and chunk.get("choices") == [] and bool(chunk.get("usage"))

@@ -44,12 +44,12 @@ from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, json_answer
 from nixl_twisted.protocol.headers import REQUEST_ID
-from nixl_twisted.protocol.prompts import estimate_tokens
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.models import requested_model, routed_model
+from nixl_twisted.web.tenancy import Tenancy
 from nixl_twisted.web.tenants import TenantLimits
 
 log = Logger()
@@ -98,6 +98,7 @@ class ProxyApp:
         #: What each tenant may use (``--tenant-*``, ``[tenants.NAME]``).
         self.tenants = TenantLimits(clock)
         self.tenants.configure(config)
+        self.tenancy = Tenancy(self.client_keys, self.tenants)
         legs = Legs(backends, clock, metrics)
         self.one_leg = OneLeg(config, legs)
         #: Which decode instance produced each Responses API response.
@@ -193,7 +194,7 @@ class ProxyApp:
         served = listing(self.backends.decode.instances)
         if served is None:
             return self._one_leg(request, routes.MODELS, None)
-        self._admit_tenant(request, routes.MODELS)
+        self.tenancy.admit(request, routes.MODELS, None)
         return _json(request, 200, served)
 
     @app.route(routes.TOKENIZE, methods=["POST"])
@@ -207,7 +208,7 @@ class ProxyApp:
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         trace = self._trace(request)
         model = routed_model(self.backends, requested_model(body), record_of(request)).model
-        self._admit_tenant(request, path)  # (in flight and requests: no tokens generated)
+        self.tenancy.admit(request, path, None)  # (in flight and requests: no tokens generated)
         return self.admission.serve(
             lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace, model))
         )
@@ -237,6 +238,7 @@ class ProxyApp:
         self, request: Request, path: str, response_id: str, body: bytes | None
     ) -> Deferred[None]:
         trace = self._trace(request)
+        self.tenancy.admit(request, path, None)
         where = self.responses_seen.where(response_id)
         return self.admission.serve(
             lambda: Deferred.fromCoroutine(
@@ -273,53 +275,24 @@ class ProxyApp:
             record_of(request).model = lowering.printable(model)
         lowering.check_servable(path, body)
         served = routed_model(self.backends, model, record_of(request)).model
-        self._admit_tenant(request, path, body)
+        counted = self.tenancy.admit(request, path, body)
         batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
+        # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
+        asked = lowering.usage_asked(path, body) if counted else None
+        upstream = body if asked is None else asked
         if batch is None:
+            hide = asked is not None
             return self.admission.serve(
-                lambda: self._exchange(request, path, body, request_id, trace, served)
+                lambda: self._exchange(request, path, upstream, request_id, trace, served, hide)
             )
 
-        # One exchange per prompt, each with its own request id, all in one trace.
+        # One exchange per prompt, each with its own request id, all in one trace
+        # (the batch sums its parts' usage chunks, and sends one only if asked).
         def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
             record_of(to).served_model = record_of(request).served_model
             return self._exchange(to, path, one, lowering.new_request_id(), trace, served)
 
-        return self.admission.serve(lambda: Batch(request, batch, body, part).start())
-
-    def _tenant(self, request: Request, path: str) -> str | None:
-        """Whose the request is: its client key's tenant, else the tenant header's."""
-        headers = request.requestHeaders
-        if self.client_keys.required:
-            return self.client_keys.tenant(headers, path.encode("utf-8"))
-        if self.tenants.header is None:
-            return None
-        named = headers.getRawHeaders(self.tenants.header, [None])[0]
-        return lowering.printable(named.decode("utf-8", "replace")) if named else None
-
-    def _admit_tenant(
-        self, request: Request, path: str, body: lowering.JSONObject | None = None
-    ) -> None:
-        """Hold the request to its tenant's limits (429 past one) until it ends."""
-        tenant = self._tenant(request, path)
-        if tenant is None or not self.tenants.limits(tenant):
-            return  # (the common case: nothing to count, no prompt to measure)
-        estimate = 0
-        if body is not None:
-            estimate = (estimate_tokens(path, body) or 0) + _max_tokens(body)
-        ticket = self.tenants.admit(tenant, estimate)
-
-        def ended(_: object) -> None:
-            usage = record_of(request).total_usage()
-            if usage is not None:
-                used = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
-            elif 200 <= request.code < 300:
-                used = estimate  # (answered, but vLLM said nothing of its usage)
-            else:
-                used = 0  # (refused or failed: nothing generated is charged)
-            ticket.release(used)
-
-        request.notifyFinish().addBoth(ended)
+        return self.admission.serve(lambda: Batch(request, batch, upstream, part).start())
 
     def _exchange(
         self,
@@ -329,8 +302,11 @@ class ProxyApp:
         request_id: str,
         trace: RequestTrace,
         model: str | None = None,
+        hide_usage: bool = False,
     ) -> Deferred[None]:
-        exchange = self.exchange_factory.make(request, path, body, request_id, trace, model)
+        exchange = self.exchange_factory.make(
+            request, path, body, request_id, trace, model, hide_usage
+        )
         self.exchanges.add(exchange)
 
         def ended(result: object) -> object:
@@ -391,15 +367,6 @@ class ProxyApp:
         message = "the proxy failed unexpectedly; see its log"
         record_of(request).error = f"{message}: {failure.getErrorMessage()}"
         return json_answer(request, ProxyError(ErrorCode.INTERNAL_ERROR, message))
-
-
-def _max_tokens(body: lowering.JSONObject) -> int:
-    """The most a request may generate, as it says (0 if it does not)."""
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0
 
 
 def _request_id(request: IRequest) -> str | None:

@@ -50,12 +50,18 @@ class _Usage:
     #: (when, tokens) of requests that ended, and the estimates of those in flight.
     tokens: deque[tuple[float, int]] = field(default_factory=deque)
     estimated: int = 0
+    #: The tokens in ``tokens``, kept as entries come and go (not summed at each admission).
+    charged: int = 0
+
+    def charge(self, when: float, tokens: int) -> None:
+        self.tokens.append((when, tokens))
+        self.charged += tokens
 
     def forget_before(self, when: float) -> None:
         while self.started and self.started[0] <= when:
             self.started.popleft()
         while self.tokens and self.tokens[0][0] <= when:
-            self.tokens.popleft()
+            self.charged -= self.tokens.popleft()[1]
 
     @property
     def idle(self) -> bool:
@@ -119,8 +125,12 @@ class TenantLimits:
         """Whether ``tenant`` has any limit to be held to."""
         return self.rule(tenant) != Rule()
 
-    def admit(self, tenant: str | None, estimate: int) -> Ticket:
-        """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits."""
+    def admit(self, tenant: str | None, estimate: int | None) -> Ticket:
+        """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits.
+
+        ``estimate`` None: a request that generates nothing (models, tokenize, a stored
+        response), held to the in-flight and requests limits only, and charged no tokens.
+        """
         if tenant is None:
             return NO_TICKET
         tenant = tenant[:MAX_NAME]
@@ -137,20 +147,22 @@ class TenantLimits:
         if rule.requests_per_minute and len(use.started) >= rule.requests_per_minute:
             wait = use.started[0] + WINDOW - now
             self._refuse(tenant, f"{rule.requests_per_minute} requests per minute", wait)
-        used = sum(tokens for _, tokens in use.tokens) + use.estimated
-        if rule.tokens_per_minute and used and used + estimate > rule.tokens_per_minute:
+        counted = rule.tokens_per_minute and estimate is not None
+        used = use.charged + use.estimated
+        if counted and used and used + (estimate or 0) > rule.tokens_per_minute:
             wait = (use.tokens[0][0] + WINDOW - now) if use.tokens else 1.0
             self._refuse(tenant, f"{rule.tokens_per_minute} tokens per minute", wait)
+        held = estimate if counted and estimate is not None else 0
         use.in_flight += 1
-        use.estimated += estimate
+        use.estimated += held
         if rule.requests_per_minute:
             use.started.append(now)
 
         def release(tokens: int | None) -> None:
             use.in_flight -= 1
-            use.estimated -= estimate
-            if rule.tokens_per_minute:
-                use.tokens.append((self.clock.seconds(), estimate if tokens is None else tokens))
+            use.estimated -= held
+            if counted:
+                use.charge(self.clock.seconds(), held if tokens is None else tokens)
             if use.idle:
                 self._use.pop(tenant, None)
 

@@ -17,7 +17,7 @@ from twisted.internet import reactor
 from twisted.internet.threads import deferToThread
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from tests.support import CHAT, ProxyCase
+from tests.support import CHAT, ProxyCase, sse_events
 
 KEY, OTHER, BACKEND = "sk-proxy-client", "sk-team-b", "sk-backend"
 
@@ -234,3 +234,49 @@ class TenantLimitTests(ProxyCase):
         self.assertEqual(response.code, 400)
         response, _ = await self.refused_or_served(team_a)
         self.assertEqual(response.code, 200)  # (charged 1,000 tokens before: a 429 for a minute)
+
+    async def test_a_stream_that_did_not_ask_for_usage_is_charged_it_and_never_sees_it(
+        self,
+    ) -> None:
+        # team-b has no tokens limit: its stream is what the client sees without one.
+        await self.teams(tenant_tokens_per_minute=8, tenants={"team-b": {"tokens-per-minute": 0}})
+        streamed = dict(CHAT, stream=True)
+        seen = []
+        for key in (OTHER, KEY):
+            response = await self.post(
+                "/v1/chat/completions", streamed, {"Authorization": f"Bearer {key}"}
+            )
+            self.assertEqual(response.code, 200)
+            seen.append(sse_events(await response.content()))
+        unlimited, counted = seen
+        self.assertEqual(
+            [len(event["choices"]) if isinstance(event, dict) else event for event in counted],
+            [len(event["choices"]) if isinstance(event, dict) else event for event in unlimited],
+        )
+        self.assertFalse([event for event in counted if "usage" in event])
+        asked = [(r.body or {}).get("stream_options") for r in self.decode.requests_for("decode")]
+        self.assertEqual(asked, [None, {"include_usage": True}])  # (team-a's, for the proxy)
+        # Charged what vLLM said (its prompt and 4 tokens), not a prompt alone.
+        response, answer = await self.post_json(
+            "/v1/chat/completions", CHAT, {"Authorization": f"Bearer {KEY}"}
+        )
+        self.assertEqual((response.code, answer["error"]["code"]), (429, "rate_limit_exceeded"))
+
+    async def test_stored_responses_count_as_requests_and_generate_no_tokens(self) -> None:
+        await self.teams(tenant_requests_per_minute=3, tenant_tokens_per_minute=1)
+        team_a = {"Authorization": f"Bearer {KEY}"}
+        response, _ = await self.post_json("/v1/chat/completions", CHAT, team_a)
+        self.assertEqual(response.code, 200)  # (nothing in its window: let through)
+        tokenize = {"model": "fake-model", "prompt": "hello"}
+        response, _ = await self.refused_or_served(team_a, "/tokenize", tokenize)
+        self.assertEqual(response.code, 200)  # over its tokens, but it generates none
+        keyed: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {KEY}"}
+        fetched = await self.fresh().get(
+            self.proxy.url + "/v1/responses/resp_unknown",
+            headers=keyed,
+        )
+        await fetched.content()
+        self.assertNotEqual(fetched.code, 429)
+        response, answer = await self.refused_or_served(team_a, "/tokenize", tokenize)
+        self.assertEqual((response.code, answer["error"]["code"]), (429, "rate_limit_exceeded"))
+        self.assertIn("3 requests per minute", answer["error"]["message"])

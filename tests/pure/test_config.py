@@ -276,3 +276,12 @@ def test_python_values_are_checked_as_the_command_line_is() -> None:
 def test_every_setting_round_trips_through_settings() -> None:
     config = parse(*POOLS)
     assert set(config.settings()) == {s.name for s in SETTINGS}
+
+
+@pytest.mark.parametrize("name", ["x-tenänt", "x tenant", "", "x-tenant:"])
+def test_the_tenant_header_must_be_a_header_name(name: str) -> None:
+    with pytest.raises(usage.UsageError, match=r"tenant-header.*must be a header name"):
+        parse("--prefill", "http://p:1", "--decode", "http://d:1", "--tenant-header", name)
+    assert parse(
+        "--prefill", "http://p:1", "--decode", "http://d:1", "--tenant-header", "X-Team_1.b~"
+    )

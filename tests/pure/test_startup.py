@@ -62,3 +62,38 @@ def test_the_soft_descriptor_limit_is_raised_toward_what_the_limits_need(
     before, raised = startup.check_descriptors(CONFIG)
     assert (before, raised) == (soft, after)
     assert fake.limits == (after, hard)
+
+
+@pytest.mark.parametrize(
+    ("settings", "warned"),
+    [
+        ({"tenant_max_in_flight": 2}, True),
+        ({"tenants": {"team-a": {"tokens-per-minute": 10}}}, True),
+        ({"tenants": {"team-a": {}}}, False),  # (no limit of its own, none by default)
+        ({"tenant_max_in_flight": 2, "tenant_header": "x-team"}, False),
+        ({"tenant_max_in_flight": 2, "api_key": ["sk-a"]}, False),
+    ],
+)
+def test_tenant_limits_that_no_request_can_have_are_warned_of(
+    settings: dict[str, object], warned: bool
+) -> None:
+    from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
+    from zope.interface import provider
+
+    events: list[dict[str, object]] = []
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, object]) -> None:
+        events.append(event)
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        startup.announce(
+            ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], **settings)
+        )
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    warnings = [
+        e for e in events if e["log_level"] == LogLevel.warn and "tenant" in str(e["log_format"])
+    ]
+    assert len(warnings) == (1 if warned else 0)

@@ -82,3 +82,39 @@ def test_a_keys_file_keeps_a_hash_inside_a_key_and_skips_comments(tmp_path: obje
     keys = Path(str(tmp_path)) / "keys"
     keys.write_text("# the teams\nsk-ab#cd team-a  # paid\nsk-ef\n")
     assert read_keys(str(keys)) == {"sk-ab#cd": "team-a", "sk-ef": None}
+
+
+def test_a_request_that_generates_nothing_is_not_held_to_tokens_nor_charged() -> None:
+    tenants, _ = limits(tenant_tokens_per_minute=10, tenant_requests_per_minute=2)
+    tenants.admit("a", 50).release(50)  # over its tokens for a minute
+    refused(tenants, "a", 1)
+    tenants.admit("a", None).release(None)  # (models, tokenize: counted as a request)
+    assert tenants._use["a"].charged == 50
+    error = refused(tenants, "a")  # ... and held to its requests per minute
+    assert "2 requests per minute" in error.message
+
+
+def test_the_tokens_in_the_window_are_a_running_total() -> None:
+    tenants, clock = limits(tenant_tokens_per_minute=1000)
+    tenants.admit("a", 10).release(30)
+    clock.advance(30)
+    tenants.admit("a", 10).release(40)
+    assert tenants._use["a"].charged == 70
+    clock.advance(31)  # the first left the window
+    tenants.admit("a", 5)
+    assert tenants._use["a"].charged == 40 and tenants._use["a"].estimated == 5
+
+
+def test_a_batch_is_estimated_as_each_prompt_times_n_times_max_tokens() -> None:
+    from nixl_twisted.protocol.prompts import estimate_tokens
+    from nixl_twisted.web.tenancy import estimate_of
+
+    one = {"prompt": [1, 2, 3, 4], "max_tokens": 10}
+    assert estimate_of("/v1/completions", one) == 4 + 10
+    batch = {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 10, "n": 2}
+    assert estimate_of("/v1/completions", batch) - estimate_of(
+        "/v1/completions", dict(batch, max_tokens=0)
+    ) == (2 * 2 * 10)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 3}
+    prompt = estimate_tokens("/v1/chat/completions", chat)
+    assert prompt and estimate_of("/v1/chat/completions", chat) == prompt + 3 * 7

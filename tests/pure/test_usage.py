@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from nixl_twisted.protocol.usage import TAIL, Usage, read_usage
+from nixl_twisted.protocol.lowering import usage_asked
+from nixl_twisted.protocol.usage import TAIL, Usage, UsageChunkHidden, read_usage
 
 CHAT = {
     "id": "c",
@@ -59,3 +60,45 @@ def test_only_the_last_bytes_are_read() -> None:
 
 def test_a_batchs_usage_is_its_parts_summed() -> None:
     assert Usage(1, 2, None) + Usage(3, None, 4) == Usage(4, 2, 4)
+
+
+STREAM = [
+    b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n',
+    b'data: {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}\n\n',
+    b'data: {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 10_000])
+def test_the_usage_chunk_is_taken_out_however_the_stream_is_cut(size: int) -> None:
+    raw = b"".join(STREAM)
+    hidden = UsageChunkHidden()
+    passed = b"".join(hidden(raw[at : at + size]) for at in range(0, len(raw), size))
+    assert passed + hidden.rest() == STREAM[0] + STREAM[1] + STREAM[3]
+
+
+def test_a_chunk_with_choices_and_usage_passes_and_a_cut_event_comes_out_at_the_end() -> None:
+    hidden = UsageChunkHidden()
+    both = b'data: {"choices": [{"index": 0}], "usage": {"prompt_tokens": 1}}\n\n'
+    assert hidden(both + b'data: {"cho') == both
+    assert hidden.rest() == b'data: {"cho'
+
+
+def test_usage_is_asked_of_an_openai_stream_that_did_not_ask() -> None:
+    chat = {"messages": [], "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    assert usage_asked("/v1/chat/completions", chat) == dict(
+        chat, stream_options={"include_usage": True, "continuous_usage_stats": False}
+    )
+    assert usage_asked("/v1/completions", {"prompt": "a", "stream": True}) == {
+        "prompt": "a",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    asked = {"stream": True, "stream_options": {"include_usage": True}}
+    assert usage_asked("/v1/chat/completions", asked) is None  # (asked already)
+    assert usage_asked("/v1/chat/completions", {"stream": False}) is None
+    assert usage_asked("/v1/chat/completions", {"stream": True, "stream_options": 3}) is None
+    # Responses and Messages streams carry their usage in their last event.
+    assert usage_asked("/v1/responses", {"stream": True}) is None
+    assert usage_asked("/v1/messages", {"stream": True}) is None
