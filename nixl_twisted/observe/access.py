@@ -70,6 +70,8 @@ class AccessRecord:
     #: The model it was routed on, when an instance is known to serve it: the
     #: metrics' ``model`` label, so bounded by what the fleet serves.
     served_model: str = ""
+    #: Whose the request is (``web.tenancy``): a client key's tenant, or the tenant header's.
+    tenant: str | None = None
     #: What decode's answer reported using, when it said.
     usage: Usage | None = None
     #: Every attempt of every leg, in order: (leg, instance, outcome).
@@ -178,6 +180,7 @@ class AccessLog:
             "mode": record.mode,
             "decided_by": record.decided_by,
             "model": record.model,
+            "tenant": record.tenant,
             "ended": record.ended,
         }
         usage = record.total_usage()
@@ -222,6 +225,8 @@ def access_line(f: dict[str, Any]) -> str:
         parts.append(f"mode={f['mode']} ({f['decided_by']})")
     if "model" in f:
         parts.append(f"model={f['model']}")
+    if "tenant" in f:
+        parts.append(f"tenant={f['tenant']}")
     tokens = [f"{f[key]} {key.split('_')[0]}" for key in _TOKENS if key in f]
     if tokens:
         parts.append(f"tokens=({', '.join(tokens)})")

@@ -51,6 +51,7 @@ class Figures(Protocol):
     error: str | None
     mode: str | None
     decided_by: str | None
+    tenant: str | None
 
 
 #: The longest ``traceparent`` read (version 00 is 55 characters). The SDK
@@ -264,6 +265,7 @@ def _outcome(request: Request, record: Figures) -> dict[str, str | int | float]:
         "nixlproxy.ended": record.ended,
         "nixlproxy.mode": record.mode,
         "nixlproxy.decided_by": record.decided_by,
+        "nixlproxy.tenant": record.tenant,
     }
     return {name: value for name, value in said.items() if value is not None}
 

@@ -13,7 +13,7 @@ from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.prompts import estimate_tokens
 from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.tenants import TenantLimits
+from nixl_twisted.web.tenants import MAX_NAME, TenantLimits
 
 
 class Tenancy:
@@ -43,6 +43,7 @@ class Tenancy:
         tenant = self.tenant(request, path)
         if tenant is None:
             return False
+        record_of(request).tenant = tenant[:MAX_NAME]  # (as it is counted)
         rule = self.limits.rule(tenant)
         if not self.limits.limits(tenant):
             return False  # (the common case: nothing to count, no prompt to measure)

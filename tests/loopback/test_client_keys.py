@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -280,3 +281,12 @@ class TenantLimitTests(ProxyCase):
         response, answer = await self.refused_or_served(team_a, "/tokenize", tokenize)
         self.assertEqual((response.code, answer["error"]["code"]), (429, "rate_limit_exceeded"))
         self.assertIn("3 requests per minute", answer["error"]["message"])
+
+    async def test_the_access_event_names_the_tenant_whether_or_not_it_has_limits(self) -> None:
+        await self.start(tokens=4, proxy={"api_key": [KEY], "tenant_header": "x-team"})
+        events = self.access_events()
+        headers = {"Authorization": f"Bearer {KEY}", "x-team": "ignored: the key wins"}
+        response, _ = await self.post_json("/v1/chat/completions", CHAT, headers)
+        self.assertEqual(response.code, 200)
+        fingerprint = "key-" + hashlib.sha256(KEY.encode()).hexdigest()[:12]
+        self.assertEqual([event.get("tenant") for event in events], [fingerprint])
