@@ -95,8 +95,11 @@ class TenantsConfig:
     max_in_flight: int
     requests_per_minute: int
     tokens_per_minute: int
-    #: Each listed tenant's own: (name, in flight, requests, tokens); -1: the default.
-    table: tuple[tuple[str, int, int, int], ...] = ()
+    #: Each listed tenant's own: (name, in flight, requests, tokens, priority); -1 (None
+    #: for the priority): the default.
+    table: tuple[tuple[str, int, int, int, int | None], ...] = ()
+    #: The vLLM ``priority`` of every tenant's requests (None: the client's own).
+    priority: int | None = None
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from nixl_twisted.config.values import (
     pool_member,
     port_or_name,
     port_or_off,
+    priority,
     ratio,
     seconds,
     seconds_or_off,
@@ -268,13 +269,23 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "tenant-priority",
+        "tenants.priority",
+        None,
+        priority,
+        help=(
+            "The vLLM priority of a tenant's requests (lower is served earlier); a client "
+            "may ask a later one, never an earlier. Needs vLLM's --scheduling-policy priority."
+        ),
+    ),
+    Setting(
         "tenants",
         "tenants.table",
         (),
         tenant_table,
         help=(
             "Each tenant's own limits, [tenants.NAME] tables in the file (max-in-flight, "
-            "requests-per-minute, tokens-per-minute), JSON on the command line."
+            "requests-per-minute, tokens-per-minute, priority), JSON on the command line."
         ),
     ),
     Setting(

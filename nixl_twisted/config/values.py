@@ -132,15 +132,32 @@ def header_name(value: object) -> str:
     return name
 
 
+#: The bounds of vLLM's ``priority`` (a 64-bit integer; lower is served earlier).
+PRIORITY_BOUNDS = (-(2**63), 2**63 - 1)
+
+
+def priority(value: object) -> int:
+    """A vLLM request ``priority``: a whole number, lower served earlier (vLLM's bounds)."""
+    number = _number(value, int, "a whole number")
+    if not PRIORITY_BOUNDS[0] <= number <= PRIORITY_BOUNDS[1]:
+        raise InvalidValue(f"must be a 64-bit whole number, not {value!r}")
+    return int(number)
+
+
 #: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
 TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
+#: What else a tenant's table may say.
+TENANT_KEYS = (*TENANT_LIMITS, "priority")
+
+#: One tenant's row: name, in flight, requests, tokens (-1: the default's), priority (None: unset).
+TenantRow = tuple[str, int, int, int, int | None]
 
 
-def tenant_table(value: object) -> tuple[tuple[str, int, int, int], ...]:
+def tenant_table(value: object) -> tuple[TenantRow, ...]:
     """``[tenants.NAME]`` tables (or the same as JSON text, or this parser's own output):
-    each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``,
-    as (name, in flight, requests, tokens), sorted by name; a limit left out is the default's
-    (-1)."""
+    each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``
+    (one left out is the default's, -1) and its vLLM ``priority`` (None: the default's),
+    as (name, in flight, requests, tokens, priority), sorted by name."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -148,15 +165,22 @@ def tenant_table(value: object) -> tuple[tuple[str, int, int, int], ...]:
             raise InvalidValue("must be a table of tenants (JSON on the command line)") from None
     if isinstance(value, list | tuple):
         rows = [tuple(row) for row in value]
-        if not all(len(row) == 4 and isinstance(row[0], str) for row in rows):
-            raise InvalidValue("must be rows of (tenant, in flight, requests, tokens)")
-        value = {row[0]: dict(zip(TENANT_LIMITS, row[1:], strict=True)) for row in rows}
+        if not all(len(row) == 5 and isinstance(row[0], str) for row in rows):
+            raise InvalidValue("must be rows of (tenant, in flight, requests, tokens, priority)")
+        value = {
+            row[0]: {
+                key: number
+                for key, number in zip(TENANT_KEYS, row[1:], strict=True)
+                if number is not None
+            }
+            for row in rows
+        }
     if not isinstance(value, dict):
         raise InvalidValue("must be a table of tenants, e.g. [tenants.team-a]")
     table = []
     for name, limits in value.items():
-        if not isinstance(limits, dict) or set(limits) - set(TENANT_LIMITS):
-            known = ", ".join(TENANT_LIMITS)
+        if not isinstance(limits, dict) or set(limits) - set(TENANT_KEYS):
+            known = ", ".join(TENANT_KEYS)
             raise InvalidValue(f"tenant {name!r}: its keys are {known}")
         numbers = []
         for key in TENANT_LIMITS:
@@ -164,8 +188,12 @@ def tenant_table(value: object) -> tuple[tuple[str, int, int, int], ...]:
             if isinstance(number, bool) or not isinstance(number, int) or number < -1:
                 raise InvalidValue(f"tenant {name!r}: {key} must be 0 (no limit) or more")
             numbers.append(number)
-        table.append((str(name), *numbers))
-    return tuple(sorted(table))  # type: ignore[arg-type]
+        try:
+            own = None if limits.get("priority") is None else priority(limits["priority"])
+        except InvalidValue as error:
+            raise InvalidValue(f"tenant {name!r}: priority {error}") from None
+        table.append((str(name), *numbers, own))
+    return tuple(sorted(table, key=lambda row: row[0]))  # type: ignore[arg-type]
 
 
 def text(value: object) -> str:

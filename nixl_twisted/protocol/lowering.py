@@ -197,6 +197,24 @@ def json_kind(value: object) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
+#: The routes whose vLLM request takes a ``priority`` (its Messages route has none).
+PRIORITY_ROUTES = frozenset((routes.CHAT_COMPLETIONS, routes.COMPLETIONS, routes.RESPONSES))
+
+
+def with_priority(path: str, body: JSONObject, priority: int) -> JSONObject:
+    """The body with its tenant's vLLM ``priority`` (lower is served earlier).
+
+    A client may ask a later one than its tenant's (a larger number: its own
+    background work), never an earlier one; anything else it sent is replaced.
+    """
+    if path not in PRIORITY_ROUTES:
+        return body
+    asked = body.get("priority")
+    if type(asked) is int and asked >= priority:
+        return body
+    return dict(body, priority=priority)
+
+
 def usage_asked(path: str, body: JSONObject) -> JSONObject | None:
     """The body of an OpenAI stream asking vLLM for its usage, if the client did not.
 

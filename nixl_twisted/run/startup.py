@@ -171,12 +171,12 @@ def announce(config: ProxyConfig) -> None:
         )
     tenants = config.tenants
     limited = tenants.max_in_flight or tenants.requests_per_minute or tenants.tokens_per_minute
-    if (limited or any(max(row[1:]) > 0 for row in tenants.table)) and not (
-        config.keyed or tenants.header
-    ):
+    limited = limited or tenants.priority is not None
+    limited = limited or any(max(row[1:4]) > 0 or row[4] is not None for row in tenants.table)
+    if limited and not (config.keyed or tenants.header):
         log.warn(
-            "tenant limits are set, but no request has a tenant: they apply to a client "
-            "key's tenant or to --tenant-header's (docs/security.md)"
+            "tenant limits or priorities are set, but no request has a tenant: they apply "
+            "to a client key's tenant or to --tenant-header's (docs/security.md)"
         )
     blind = decide.blind_rules(
         config.disaggregation, config.kv_events.read_for("decode", config.pools.decode)

@@ -275,11 +275,13 @@ class ProxyApp:
             record_of(request).model = lowering.printable(model)
         lowering.check_servable(path, body)
         served = routed_model(self.backends, model, record_of(request)).model
-        counted = self.tenancy.admit(request, path, body)
+        rule = self.tenancy.admit(request, path, body)
         batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
         # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
-        asked = lowering.usage_asked(path, body) if counted else None
+        asked = lowering.usage_asked(path, body) if rule.tokens_per_minute else None
         upstream = body if asked is None else asked
+        if rule.priority is not None:  # (both legs are lowered from this body)
+            upstream = lowering.with_priority(path, upstream, rule.priority)
         if batch is None:
             hide = asked is not None
             return self.admission.serve(

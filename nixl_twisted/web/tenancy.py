@@ -13,7 +13,10 @@ from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.prompts import estimate_tokens
 from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.tenants import MAX_NAME, TenantLimits
+from nixl_twisted.web.tenants import MAX_NAME, Rule, TenantLimits
+
+#: A request with no tenant: no limit, no priority.
+NO_RULE = Rule()
 
 
 class Tenancy:
@@ -33,20 +36,19 @@ class Tenancy:
         named = headers.getRawHeaders(self.limits.header, [None])[0]
         return lowering.printable(named.decode("utf-8", "replace")) if named else None
 
-    def admit(self, request: Request, path: str, body: lowering.JSONObject | None) -> bool:
-        """Hold the request to its tenant's limits (429 past one) until it ends.
+    def admit(self, request: Request, path: str, body: lowering.JSONObject | None) -> Rule:
+        """Hold the request to its tenant's limits (429 past one) until it ends; its rule.
 
         ``body`` None: a request that generates no tokens (models, tokenize, a
         stored response), held to in flight and requests per minute only.
-        True when the tenant's tokens are counted (a stream's usage is then needed).
         """
         tenant = self.tenant(request, path)
         if tenant is None:
-            return False
+            return NO_RULE
         record_of(request).tenant = tenant[:MAX_NAME]  # (as it is counted)
         rule = self.limits.rule(tenant)
-        if not self.limits.limits(tenant):
-            return False  # (the common case: nothing to count, no prompt to measure)
+        if not rule.counted:
+            return rule  # (the common case: nothing to count, no prompt to measure)
         estimate = None if body is None else estimate_of(path, body)
         ticket = self.limits.admit(tenant, estimate)
 
@@ -61,7 +63,7 @@ class Tenancy:
             ticket.release(used)
 
         request.notifyFinish().addBoth(ended)
-        return bool(rule.tokens_per_minute) and body is not None
+        return rule
 
 
 def estimate_of(path: str, body: lowering.JSONObject) -> int:

@@ -36,11 +36,17 @@ MAX_NAME = 128
 
 @dataclass(frozen=True)
 class Rule:
-    """One tenant's limits (0: none)."""
+    """One tenant's limits (0: none), and the vLLM priority of its requests (None: unset)."""
 
     max_in_flight: int = 0
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
+    priority: int | None = None
+
+    @property
+    def counted(self) -> bool:
+        """Whether there is anything to count: a limit."""
+        return bool(self.max_in_flight or self.requests_per_minute or self.tokens_per_minute)
 
 
 @dataclass
@@ -97,25 +103,20 @@ class TenantLimits:
     def configure(self, config: ProxyConfig) -> None:
         tenants: TenantsConfig = config.tenants
         self.header = tenants.header.encode("ascii") if tenants.header else None
-        self.default = Rule(
-            tenants.max_in_flight, tenants.requests_per_minute, tenants.tokens_per_minute
+        default = self.default = Rule(
+            tenants.max_in_flight,
+            tenants.requests_per_minute,
+            tenants.tokens_per_minute,
+            tenants.priority,
         )
         self.rules = {
-            name: Rule(
-                *(
-                    own if own >= 0 else default
-                    for own, default in zip(
-                        limits,
-                        (
-                            tenants.max_in_flight,
-                            tenants.requests_per_minute,
-                            tenants.tokens_per_minute,
-                        ),
-                        strict=True,
-                    )
-                )
+            name: Rule(  # (-1, or None for the priority: the default's)
+                in_flight if in_flight >= 0 else default.max_in_flight,
+                requests if requests >= 0 else default.requests_per_minute,
+                tokens if tokens >= 0 else default.tokens_per_minute,
+                default.priority if priority is None else priority,
             )
-            for name, *limits in tenants.table
+            for name, in_flight, requests, tokens, priority in tenants.table
         }
 
     def rule(self, tenant: str) -> Rule:
@@ -123,7 +124,7 @@ class TenantLimits:
 
     def limits(self, tenant: str) -> bool:
         """Whether ``tenant`` has any limit to be held to."""
-        return self.rule(tenant) != Rule()
+        return self.rule(tenant).counted
 
     def admit(self, tenant: str | None, estimate: int | None) -> Ticket:
         """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits.
@@ -135,7 +136,7 @@ class TenantLimits:
             return NO_TICKET
         tenant = tenant[:MAX_NAME]
         rule = self.rule(tenant)
-        if rule == Rule():
+        if not rule.counted:
             return NO_TICKET
         now = self.clock.seconds()
         if now - self._swept >= WINDOW:  # (tenants seen once, by header, are not kept)

@@ -290,3 +290,21 @@ class TenantLimitTests(ProxyCase):
         self.assertEqual(response.code, 200)
         fingerprint = "key-" + hashlib.sha256(KEY.encode()).hexdigest()[:12]
         self.assertEqual([event.get("tenant") for event in events], [fingerprint])
+
+    async def test_a_tenants_priority_reaches_both_legs_and_a_client_cannot_better_it(
+        self,
+    ) -> None:
+        await self.teams(tenants={"team-a": {"priority": 4}})
+        team_a = {"Authorization": f"Bearer {KEY}"}
+        for asked in (-50, 9):
+            response, _ = await self.post_json(
+                "/v1/chat/completions", dict(CHAT, priority=asked), team_a
+            )
+            self.assertEqual(response.code, 200)
+        response, _ = await self.post_json(
+            "/v1/chat/completions", CHAT, {"Authorization": f"Bearer {OTHER}"}
+        )
+        self.assertEqual(response.code, 200)
+        for role, fake in (("prefill", self.prefill), ("decode", self.decode)):
+            sent = [(r.body or {}).get("priority") for r in fake.requests_for(role)]
+            self.assertEqual(sent, [4, 9, None], role)  # (team-b has none: the client's)

@@ -251,3 +251,15 @@ def test_unusable_prefill_answers_are_502(raw: bytes, code: str) -> None:
 def test_request_ids_are_fresh() -> None:
     ids = {new_request_id() for _ in range(1000)}
     assert len(ids) == 1000
+
+
+def test_a_tenants_priority_replaces_an_earlier_one_and_keeps_a_later_one() -> None:
+    from nixl_twisted.protocol.lowering import with_priority
+
+    chat = "/v1/chat/completions"
+    assert with_priority(chat, {"model": "m"}, 5) == {"model": "m", "priority": 5}
+    assert with_priority(chat, {"priority": -100}, 5) == {"priority": 5}  # never earlier
+    assert with_priority(chat, {"priority": 9}, 5) == {"priority": 9}  # later: its own choice
+    assert with_priority(chat, {"priority": "0"}, 5) == {"priority": 5}
+    assert with_priority("/v1/responses", {}, 0) == {"priority": 0}
+    assert with_priority("/v1/messages", {"max_tokens": 1}, 5) == {"max_tokens": 1}

@@ -118,3 +118,30 @@ def test_a_batch_is_estimated_as_each_prompt_times_n_times_max_tokens() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 3}
     prompt = estimate_tokens("/v1/chat/completions", chat)
     assert prompt and estimate_of("/v1/chat/completions", chat) == prompt + 3 * 7
+
+
+def test_a_tenants_priority_is_its_own_else_the_default_and_is_no_limit() -> None:
+    tenants, _ = limits(
+        tenant_priority=5, tenants={"vip": {"priority": -10}, "batch": {"max-in-flight": 1}}
+    )
+    assert [tenants.rule(name).priority for name in ("vip", "batch", "other")] == [-10, 5, 5]
+    assert not tenants.limits("vip")  # a priority alone: nothing to count
+    assert tenants.limits("batch")
+
+
+def test_the_tenant_table_with_priorities_survives_the_workers_json() -> None:
+    config = ProxyConfig.create(
+        prefill=["http://p:1"],
+        decode=["http://d:1"],
+        tenants={"vip": {"priority": -3}, "free": {"requests-per-minute": 2}},
+    )
+    assert config.tenants.table == (("free", -1, 2, -1, None), ("vip", -1, -1, -1, -3))
+    assert ProxyConfig.from_json(config.to_json()).tenants == config.tenants
+
+
+@pytest.mark.parametrize("priority", ["high", 1.5, True, 2**63])
+def test_a_priority_is_a_64_bit_whole_number(priority: object) -> None:
+    from nixl_twisted.config import ConfigError
+
+    with pytest.raises(ConfigError, match="priority"):
+        limits(tenants={"vip": {"priority": priority}})
