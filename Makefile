@@ -10,9 +10,11 @@ BIN := $(VENV)/bin
 # What each step of `make test` needs first. `make test` installs once, then
 # runs every step with it empty: each step alone (`make lint`) still installs.
 STEP_NEEDS ?= install
+# What the test layers need besides: a real redis-server (--limits-redis).
+LAYER_NEEDS ?= redis-server
 TEST_STEPS := lint layers docs-check bench-smoke demo-check
 
-.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo clean
+.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo redis-server clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +25,16 @@ $(BIN)/python:
 install: $(BIN)/python
 	rm -rf build
 	$(BIN)/python -m pip install --quiet ".[test]"
+
+# The tests of --limits-redis start a real redis-server (with CI=true they fail
+# without one, never skip): installed with apt-get when it is missing; a
+# redis-server already on the PATH is enough where there is no apt-get.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		command -v apt-get >/dev/null || { echo "make: redis-server is missing, and there is no apt-get to install it" >&2; exit 1; }; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }; \
+	}
 
 # The demo needs the package and the openai client only, not the test toolchain.
 install-demo: $(BIN)/python
@@ -41,16 +53,16 @@ lint: $(STEP_NEEDS)
 # docs build, a benchmark smoke run and the demo, each a step of its own.
 # Every step runs even when one before it failed (a lint error must not hide
 # a failing test); the failed ones are listed at the end, and make fails.
-test: install
+test: install redis-server
 	@failed=""; \
 	for step in $(TEST_STEPS); do \
 		echo "==> make $$step"; \
-		$(MAKE) --no-print-directory STEP_NEEDS= $$step || failed="$$failed $$step"; \
+		$(MAKE) --no-print-directory STEP_NEEDS= LAYER_NEEDS= $$step || failed="$$failed $$step"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
 	echo "make test: every step passed ($(TEST_STEPS))"
 
-layers: $(STEP_NEEDS)
+layers: $(STEP_NEEDS) $(LAYER_NEEDS)
 	$(BIN)/python -m pytest tests/pure tests/memory tests/loopback tests/process
 
 docs-check: $(STEP_NEEDS)

@@ -42,7 +42,10 @@ setup(
         "demo": ["openai>=1.0"],
         # OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=grpc: the SDK's gRPC exporter (grpcio).
         "otlp-grpc": ["opentelemetry-exporter-otlp-proto-grpc>=1.27"],
+        # --limits-redis: tenants' limits shared through Redis (imported only when set).
+        "redis": ["txredisapi>=1.4.10"],
         "test": [
+            "txredisapi>=1.4.10",
             "openai>=1.0",
             "anthropic>=0.40",
             # The tests' OTLP receiver decodes what the exporter sent.

@@ -100,6 +100,8 @@ class TenantsConfig:
     table: tuple[tuple[str, int, int, int, int | None], ...] = ()
     #: The vLLM ``priority`` of every tenant's requests (None: the client's own).
     priority: int | None = None
+    #: The Redis that every replica counts requests and tokens per minute in (None: each its own).
+    redis: str | None = None
 
 
 @dataclass(frozen=True)

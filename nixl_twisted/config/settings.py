@@ -32,6 +32,7 @@ from nixl_twisted.config.values import (
     port_or_off,
     priority,
     ratio,
+    redis_url,
     seconds,
     seconds_or_off,
     switch,
@@ -276,6 +277,18 @@ SETTINGS: tuple[Setting, ...] = (
         help=(
             "The vLLM priority of a tenant's requests (lower is served earlier); a client "
             "may ask a later one, never an earlier. Needs vLLM's --scheduling-policy priority."
+        ),
+    ),
+    Setting(
+        "limits-redis",
+        "tenants.redis",
+        None,
+        redis_url,
+        live=False,
+        env=("NIXLPROXY_LIMITS_REDIS",),
+        help=(
+            "A Redis server (redis://HOST:PORT/DB) where every replica and worker counts each "
+            "tenant's requests and tokens per minute; unreachable, each counts its own."
         ),
     ),
     Setting(

@@ -109,6 +109,24 @@ def collector_url(value: object) -> str:
     return url
 
 
+def redis_url(value: object) -> str:
+    """A Redis server's URL: ``redis://[:PASSWORD@]HOST[:PORT][/DB]`` (``rediss://``: TLS)."""
+    url = text(value)
+    if any(char.isspace() or not char.isprintable() for char in url):
+        raise InvalidValue(f"{url!r} must not contain whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        _ = parts.port
+    except ValueError as error:
+        raise InvalidValue(f"{url!r} is not a valid URL: {error}") from None
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise InvalidValue(f"{url!r} must be redis://HOST[:PORT][/DB] (or rediss:// for TLS)")
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        raise InvalidValue(f"{url!r}: the database after the host must be a number")
+    return url
+
+
 def client_key(value: object) -> str:
     """A client API key: printable, no whitespace (it travels in a header)."""
     key = text(value)

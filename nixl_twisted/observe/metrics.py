@@ -231,6 +231,13 @@ class ProxyMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
+        self.tenant_limits_fallback = Gauge(
+            "nixlproxy_tenant_limits_fallback",
+            "1 while --limits-redis does not answer and this process counts tenants' requests "
+            "and tokens per minute alone; 0 while they are shared.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.missing_kv_transfer_params = Counter(
             "nixlproxy_prefill_missing_kv_transfer_params",
             "Prefill answers without usable kv_transfer_params.",

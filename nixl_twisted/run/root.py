@@ -52,6 +52,7 @@ from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.deadlines import ClientLimits
 from nixl_twisted.web.intake import BodyBudget
+from nixl_twisted.web.shared_limits import SharedWindows
 from nixl_twisted.web.site import TrackingSite
 
 if TYPE_CHECKING:
@@ -297,6 +298,13 @@ def build(
     )
     site.client_keys = app.client_keys
     root = ProxyService(config, app, site, backends, reactor, clock)
+    if config.tenants.redis is not None:
+        fallback = metrics.tenant_limits_fallback
+        windows = SharedWindows(
+            config.tenants.redis, clock, reactor, lambda alone: fallback.set(int(alone))
+        )
+        windows.setServiceParent(root)
+        app.tenancy.shared = windows
     backends.kv_events.setServiceParent(root)
     if not shared:  # (a worker's supervisor discovers for all)
         root.discovery = discovery(config, reactor, clock, backends)

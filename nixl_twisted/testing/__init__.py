@@ -17,7 +17,9 @@
 - :class:`FakeCollector` (``collector``) receives OTLP/HTTP trace exports
   and decodes their spans;
 - :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
-  ``twistd nixlproxy`` and learn where it listens.
+  ``twistd nixlproxy`` and learn where it listens;
+- ``redis.RedisServer`` runs a real ``redis-server`` on loopback (for
+  ``--limits-redis``), ready when it says so.
 
 Serve fakes from a shell with ``python -m nixl_twisted.testing --prefills N
 --decodes M`` (``--help`` for the rest).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from functools import partial
 
 from klein import Klein
@@ -50,7 +51,7 @@ from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.models import requested_model, routed_model
 from nixl_twisted.web.tenancy import Tenancy
-from nixl_twisted.web.tenants import TenantLimits
+from nixl_twisted.web.tenants import Rule, TenantLimits
 
 log = Logger()
 
@@ -208,9 +209,14 @@ class ProxyApp:
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         trace = self._trace(request)
         model = routed_model(self.backends, requested_model(body), record_of(request)).model
-        self.tenancy.admit(request, path, None)  # (in flight and requests: no tokens generated)
-        return self.admission.serve(
-            lambda: Deferred.fromCoroutine(self.one_leg.serve(request, path, body, trace, model))
+        # (In flight and requests per minute: no tokens generated.)
+        return _then(
+            self.tenancy.admit(request, path, None),
+            lambda _: self.admission.serve(
+                lambda: Deferred.fromCoroutine(
+                    self.one_leg.serve(request, path, body, trace, model)
+                )
+            ),
         )
 
     @app.route(routes.COMPLETIONS, methods=["POST"])
@@ -238,12 +244,14 @@ class ProxyApp:
         self, request: Request, path: str, response_id: str, body: bytes | None
     ) -> Deferred[None]:
         trace = self._trace(request)
-        self.tenancy.admit(request, path, None)
         where = self.responses_seen.where(response_id)
-        return self.admission.serve(
-            lambda: Deferred.fromCoroutine(
-                self.one_leg.follow_up(request, path, body, where, trace)
-            )
+        return _then(
+            self.tenancy.admit(request, path, None),
+            lambda _: self.admission.serve(
+                lambda: Deferred.fromCoroutine(
+                    self.one_leg.follow_up(request, path, body, where, trace)
+                )
+            ),
         )
 
     @app.route(routes.MESSAGES, methods=["POST"])
@@ -275,8 +283,25 @@ class ProxyApp:
             record_of(request).model = lowering.printable(model)
         lowering.check_servable(path, body)
         served = routed_model(self.backends, model, record_of(request)).model
-        rule = self.tenancy.admit(request, path, body)
         batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
+        return _then(
+            self.tenancy.admit(request, path, body),
+            lambda rule: self._serve(request, path, body, request_id, trace, batch, rule, served),
+        )
+
+    def _serve(
+        self,
+        request: Request,
+        path: str,
+        body: lowering.JSONObject,
+        request_id: str,
+        trace: RequestTrace,
+        batch: lowering.BatchRequest | None,
+        rule: Rule,
+        served: str | None,
+    ) -> Deferred[None]:
+        """A completion admitted for its tenant, served as its ``rule`` says, by instances
+        that serve the ``served`` model (None: any)."""
         # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
         asked = lowering.usage_asked(path, body) if rule.tokens_per_minute else None
         upstream = body if asked is None else asked
@@ -369,6 +394,15 @@ class ProxyApp:
         message = "the proxy failed unexpectedly; see its log"
         record_of(request).error = f"{message}: {failure.getErrorMessage()}"
         return json_answer(request, ProxyError(ErrorCode.INTERNAL_ERROR, message))
+
+
+def _then(
+    admitted: Rule | Deferred[Rule], serve: Callable[[Rule], Deferred[None]]
+) -> Deferred[None]:
+    """Serve once the tenant is admitted: at once, or when Redis has said (``--limits-redis``)."""
+    if isinstance(admitted, Deferred):
+        return admitted.addCallback(serve)
+    return serve(admitted)
 
 
 def _request_id(request: IRequest) -> str | None:

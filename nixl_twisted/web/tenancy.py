@@ -7,13 +7,17 @@ and charged, when it ends, the tokens vLLM's usage says it used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.server import Request
 
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.prompts import estimate_tokens
 from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.tenants import MAX_NAME, Rule, TenantLimits
+from nixl_twisted.web.shared_limits import SharedWindows, Verdict
+from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, Rule, TenantLimits, refusal
 
 #: A request with no tenant: no limit, no priority.
 NO_RULE = Rule()
@@ -25,6 +29,8 @@ class Tenancy:
     def __init__(self, keys: ClientKeys, limits: TenantLimits) -> None:
         self.keys = keys
         self.limits = limits
+        #: Where requests and tokens per minute are counted for every process (None: here).
+        self.shared: SharedWindows | None = None
 
     def tenant(self, request: Request, path: str) -> str | None:
         """Whose the request is: its client key's tenant, else the tenant header's."""
@@ -36,8 +42,11 @@ class Tenancy:
         named = headers.getRawHeaders(self.limits.header, [None])[0]
         return lowering.printable(named.decode("utf-8", "replace")) if named else None
 
-    def admit(self, request: Request, path: str, body: lowering.JSONObject | None) -> Rule:
-        """Hold the request to its tenant's limits (429 past one) until it ends; its rule.
+    def admit(
+        self, request: Request, path: str, body: lowering.JSONObject | None
+    ) -> Rule | Deferred[Rule]:
+        """Hold the request to its tenant's limits (429 past one) until it ends; its rule
+        (a Deferred when Redis counts the tenant's windows, ``--limits-redis``).
 
         ``body`` None: a request that generates no tokens (models, tokenize, a
         stored response), held to in flight and requests per minute only.
@@ -45,25 +54,65 @@ class Tenancy:
         tenant = self.tenant(request, path)
         if tenant is None:
             return NO_RULE
-        record_of(request).tenant = tenant[:MAX_NAME]  # (as it is counted)
+        tenant = record_of(request).tenant = tenant[:MAX_NAME]  # (as it is counted)
         rule = self.limits.rule(tenant)
         if not rule.counted:
             return rule  # (the common case: nothing to count, no prompt to measure)
         estimate = None if body is None else estimate_of(path, body)
-        ticket = self.limits.admit(tenant, estimate)
+        tpm = rule.tokens_per_minute if estimate is not None else 0
+        held = _Held(request, estimate)
+        request.notifyFinish().addBoth(held.ended)
+        if self.shared is None or not (rule.requests_per_minute or tpm):
+            held.ticket = self.limits.admit(tenant, estimate)
+            return rule
+        # In flight here (a 429 at once), then the windows in Redis.
+        held.ticket = self.limits.admit(tenant, estimate, windows=False)
+        shared = self.shared
 
-        def ended(_: object) -> None:
-            usage = record_of(request).total_usage()
-            if usage is not None:
-                used = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
-            elif 200 <= request.code < 300:
-                used = estimate or 0  # (answered, but vLLM said nothing of its usage)
-            else:
-                used = 0  # (refused or failed: nothing generated is charged)
-            ticket.release(used)
+        def decided(verdict: Verdict | None) -> Rule:
+            if held.over:  # (its client left while Redis was asked)
+                raise CancelledError()
+            if verdict is None:  # (Redis could not say: this process decides)
+                held.give_back()
+                held.ticket = self.limits.admit(tenant, estimate)
+            elif not verdict.admitted:
+                held.give_back()
+                raise refusal(tenant, verdict.limit, verdict.wait)
+            elif tpm:
+                held.charge = lambda used: shared.charge(tenant, verdict.member, used)
+            return rule
 
-        request.notifyFinish().addBoth(ended)
-        return rule
+        return shared.admit(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
+
+
+class _Held:
+    """What a request holds of its tenant's limits, given back when it ends."""
+
+    def __init__(self, request: Request, estimate: int | None) -> None:
+        self.request = request
+        self.estimate = estimate
+        self.ticket = NO_TICKET
+        #: Given what it used, in Redis, when its windows are counted there.
+        self.charge: Callable[[int], None] | None = None
+        self.over = False
+
+    def give_back(self) -> None:
+        """Out of flight, charged nothing (refused, or counted again another way)."""
+        ticket, self.ticket = self.ticket, NO_TICKET
+        ticket.release(0)
+
+    def ended(self, _: object) -> None:
+        self.over = True
+        usage = record_of(self.request).total_usage()
+        if usage is not None:
+            used = (usage.prompt_tokens or 0) + (usage.completion_tokens or 0)
+        elif 200 <= self.request.code < 300:
+            used = self.estimate or 0  # (answered, but vLLM said nothing of its usage)
+        else:
+            used = 0  # (refused or failed: nothing generated is charged)
+        self.ticket.release(used)
+        if self.charge is not None:
+            self.charge(used)
 
 
 def estimate_of(path: str, body: lowering.JSONObject) -> int:

@@ -126,11 +126,13 @@ class TenantLimits:
         """Whether ``tenant`` has any limit to be held to."""
         return self.rule(tenant).counted
 
-    def admit(self, tenant: str | None, estimate: int | None) -> Ticket:
+    def admit(self, tenant: str | None, estimate: int | None, windows: bool = True) -> Ticket:
         """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits.
 
         ``estimate`` None: a request that generates nothing (models, tokenize, a stored
         response), held to the in-flight and requests limits only, and charged no tokens.
+        ``windows`` False: requests and tokens per minute are counted elsewhere (Redis,
+        ``shared_limits``), in flight only here.
         """
         if tenant is None:
             return NO_TICKET
@@ -143,20 +145,21 @@ class TenantLimits:
             self._sweep(now)
         use = self._use.setdefault(tenant, _Usage())
         use.forget_before(now - WINDOW)
+        rpm = rule.requests_per_minute if windows else 0
         if rule.max_in_flight and use.in_flight >= rule.max_in_flight:
-            self._refuse(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
-        if rule.requests_per_minute and len(use.started) >= rule.requests_per_minute:
+            raise refusal(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
+        if rpm and len(use.started) >= rpm:
             wait = use.started[0] + WINDOW - now
-            self._refuse(tenant, f"{rule.requests_per_minute} requests per minute", wait)
-        counted = rule.tokens_per_minute and estimate is not None
+            raise refusal(tenant, f"{rpm} requests per minute", wait)
+        counted = windows and rule.tokens_per_minute and estimate is not None
         used = use.charged + use.estimated
         if counted and used and used + (estimate or 0) > rule.tokens_per_minute:
             wait = (use.tokens[0][0] + WINDOW - now) if use.tokens else 1.0
-            self._refuse(tenant, f"{rule.tokens_per_minute} tokens per minute", wait)
+            raise refusal(tenant, f"{rule.tokens_per_minute} tokens per minute", wait)
         held = estimate if counted and estimate is not None else 0
         use.in_flight += 1
         use.estimated += held
-        if rule.requests_per_minute:
+        if rpm:
             use.started.append(now)
 
         def release(tokens: int | None) -> None:
@@ -176,9 +179,11 @@ class TenantLimits:
             if use.idle:
                 del self._use[tenant]
 
-    def _refuse(self, tenant: str, limit: str, wait: float) -> None:
-        raise ProxyError(
-            ErrorCode.TENANT_LIMIT,
-            f"tenant {tenant!r} is at its limit of {limit}; try again in {math.ceil(wait)} s",
-            retry_after=max(1.0, wait),
-        )
+
+def refusal(tenant: str, limit: str, wait: float) -> ProxyError:
+    """The 429 of a tenant at ``limit``, to try again in ``wait`` seconds."""
+    return ProxyError(
+        ErrorCode.TENANT_LIMIT,
+        f"tenant {tenant!r} is at its limit of {limit}; try again in {math.ceil(wait)} s",
+        retry_after=max(1.0, wait),
+    )
