@@ -144,3 +144,49 @@ class WorkersActAsOneTests(TwistdCase):
         self.assertEqual(len(pids), 2)  # both workers serve the admin endpoint
         self.assertEqual(said, {b'{"ready": true}'})
         await self.terminate(process)
+
+
+class SharedLimitsAcrossWorkersTests(TwistdCase):
+    async def test_workers_hold_a_tenant_to_one_limit_through_redis(self) -> None:
+        import os
+
+        from twisted.internet import reactor
+        from twisted.trial.unittest import SkipTest
+
+        from nixl_twisted.testing.redis import RedisMissing, RedisServer
+
+        redis = RedisServer(reactor)
+        self.addCleanup(redis.cleanup)
+        try:
+            await redis.start()
+        except RedisMissing as missing:
+            if os.environ.get("CI"):
+                raise
+            raise SkipTest(str(missing)) from None
+        await self.start()
+        process, address = await self.spawn_workers(
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--tenant-header",
+            "x-team",
+            "--tenant-requests-per-minute",
+            "10",
+            "--limits-redis",
+            redis.url,
+        )
+        http = self.fresh_connections()
+        team: dict[bytes | str, bytes | str] = {"x-team": "a"}
+        codes, pids = [], set()
+        for _ in range(20):
+            response = await http.post(
+                f"http://{address}/v1/chat/completions", json=CHAT, headers=team
+            )
+            codes.append(response.code)
+            await response.content()
+            health = await http.get(f"http://{address}/healthcheck")
+            pids.add(json.loads(await health.content())["pid"])
+        self.assertEqual(len(pids), 2)  # both workers served
+        self.assertEqual(sorted(codes), [200] * 10 + [429] * 10)  # one limit, not one each
+        await self.terminate(process)
