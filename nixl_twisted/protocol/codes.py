@@ -190,7 +190,8 @@ class ErrorCode(enum.Enum):
         "rate_limit_exceeded",
         429,
         "rate_limit_error",
-        "the client's tenant is at one of its limits (in flight, requests or tokens per minute)",
+        "the client's tenant is at one of its limits (in flight, requests or tokens per "
+        "minute; with `--limits-redis`, the last two counted for every replica)",
     )
     TOO_MANY_REQUESTS_IN_FLIGHT = (
         "too_many_requests_in_flight",
