@@ -308,3 +308,18 @@ class TenantLimitTests(ProxyCase):
         for role, fake in (("prefill", self.prefill), ("decode", self.decode)):
             sent = [(r.body or {}).get("priority") for r in fake.requests_for(role)]
             self.assertEqual(sent, [4, 9, None], role)  # (team-b has none: the client's)
+
+    async def test_a_streamed_batch_is_charged_its_parts_usage_and_shows_none(self) -> None:
+        await self.teams(tenant_tokens_per_minute=12)
+        team_a = {"Authorization": f"Bearer {KEY}"}
+        batch = {"model": "fake-model", "prompt": ["a", "b"], "stream": True}
+        response = await self.post("/v1/completions", batch, team_a)
+        self.assertEqual(response.code, 200)
+        events = sse_events(await response.content())
+        self.assertEqual(events[-1], "[DONE]")
+        self.assertFalse([event for event in events if "usage" in event])
+        asked = [(r.body or {}).get("stream_options") for r in self.decode.requests_for("decode")]
+        self.assertEqual(asked, [{"include_usage": True}] * 2)
+        # Both parts' prompts and 4 tokens each: past 12.
+        response, answer = await self.refused_or_served(team_a)
+        self.assertEqual((response.code, answer["error"]["code"]), (429, "rate_limit_exceeded"))
