@@ -12,8 +12,9 @@ in its window is let through whatever the estimate, so that one large
 request is slow, not impossible.
 
 Counted in each process: under ``--workers N`` each worker holds every
-tenant to the limits, so a tenant may get up to N times them
-(``security.md``).
+tenant to the limits, so a tenant may get up to N times them, unless
+``--limits-redis`` counts the requests and tokens per minute of every
+process (``shared_limits``; in flight stays here, ``security.md``).
 """
 
 from __future__ import annotations
