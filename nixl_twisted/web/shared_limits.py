@@ -130,7 +130,12 @@ class SharedWindows(Service):
         self._names = (f"{uuid.uuid4().hex[:12]}:{n}" for n in itertools.count())
         self.fallback = False
         self._waiting: list[Deferred[None]] = []
-        self.redis = _connect(url, self._connected)
+        #: txredisapi's connection, from the start of the service (before the listeners').
+        self.redis: Any = None
+
+    def startService(self) -> None:
+        super().startService()
+        self.redis = _connect(self.url, self._connected)
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
@@ -155,7 +160,7 @@ class SharedWindows(Service):
             self._shared()
             if int(answer[0]) == 0:
                 return Verdict(True, member=member)
-            wait = (float(answer[1]) + WINDOW_MS - now) / 1000
+            wait = max(1.0, (float(answer[1]) + WINDOW_MS - now) / 1000)  # (clocks may differ)
             limit = (
                 f"{rpm} requests per minute" if int(answer[0]) == 1 else f"{tpm} tokens per minute"
             )
