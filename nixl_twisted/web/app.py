@@ -190,12 +190,14 @@ class ProxyApp:
         return self.admin.drain(_client_body(request)).addCallback(partial(_json, request, 202))
 
     @app.route(routes.MODELS, methods=["GET"])
-    def models(self, request: Request) -> Deferred[None] | bytes:
+    def models(self, request: Request) -> Deferred[None] | Deferred[bytes] | bytes:
         """What the healthy decode instances serve, each model once; else one instance's say."""
         served = listing(self.backends.decode.instances)
         if served is None:
             return self._one_leg(request, routes.MODELS, None)
-        self.tenancy.admit(request, routes.MODELS, None)
+        admitted = self.tenancy.admit(request, routes.MODELS, None)
+        if isinstance(admitted, Deferred):  # (--limits-redis: once Redis has said)
+            return admitted.addCallback(lambda _: _json(request, 200, served))
         return _json(request, 200, served)
 
     @app.route(routes.TOKENIZE, methods=["POST"])
