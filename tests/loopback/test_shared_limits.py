@@ -108,3 +108,20 @@ class SharedLimitTests(ProxyCase):
         self.assertEqual(self.fallback(one), 0)
         again = [e for e in events if "answers again" in str(e.get("log_format"))]
         self.assertEqual(len(again), 1)
+
+    async def test_the_models_the_proxy_lists_count_as_requests_too(self) -> None:
+        one, two = await self.shared(tenant_requests_per_minute=1, health_interval=5)
+        for each in (one, two):
+            await each.service.backends.check_health()  # (each reads what the fakes serve)
+        client = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
+        headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {KEY}"}
+        response = await client.get(one.url + "/v1/models", headers=headers)
+        listed = json.loads(await response.content())
+        self.assertEqual([card["id"] for card in listed["data"]], ["fake-model"])
+        refused = await client.get(two.url + "/v1/models", headers=headers)
+        self.assertEqual(refused.code, 429)  # (the other proxy's request counted in Redis)
+        self.assertEqual(
+            json.loads(await refused.content())["error"]["code"], "rate_limit_exceeded"
+        )
+        relayed = [r for f in self.decodes for r in f.requests if r.path == "/v1/models"]
+        self.assertEqual(relayed, [])  # (the proxy answered from what its checks read)
