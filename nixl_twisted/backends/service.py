@@ -300,8 +300,9 @@ class BackendService(Service):
                     error=str(error),
                 )
             return
-        if models != instance.models:
-            if instance.models is not None or len(models) > 1:
+        said = instance.models
+        if said is None or set(models) != set(said):  # (vLLM's cards say "created": now)
+            if said is not None or len(models) > 1:
                 log.info("{url} serves {models}", url=instance.url, models=", ".join(models))
             instance.models = models
             pool.load_changed(instance)

@@ -22,14 +22,13 @@ def vllm_error(status: int, message: str) -> bytes:
     return encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
-def models(model: str, adapters: Sequence[str] = ()) -> bytes:
-    """``GET /v1/models``: the base model, then each LoRA adapter (its ``parent``)."""
-    cards = [{"id": model, "object": "model", "owned_by": "vllm", "root": model, "parent": None}]
+def models(model: str, adapters: Sequence[str] = (), created: int = 0) -> bytes:
+    """``GET /v1/models``: the base model, then each LoRA adapter (its ``parent``); each
+    card ``created`` when asked, as vLLM's are."""
+    card = {"object": "model", "created": created, "owned_by": "vllm"}
+    cards = [{"id": model, **card, "root": model, "parent": None}]
     for adapter in adapters:
-        root = f"/adapters/{adapter}"
-        cards.append(
-            {"id": adapter, "object": "model", "owned_by": "vllm", "root": root, "parent": model}
-        )
+        cards.append({"id": adapter, **card, "root": f"/adapters/{adapter}", "parent": model})
     return encode({"object": "list", "data": cards})
 
 

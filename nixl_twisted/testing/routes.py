@@ -7,6 +7,7 @@ so that tests see what reached the instance.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
@@ -76,7 +77,8 @@ class OtherRoutes:
         else:
             self._record(request, None, "other")
         request.setHeader(b"Content-Type", b"application/json")
-        return answers.models(self.model, self.adapters)
+        created = int(time.time()) + self.model_reads  # (vLLM's: the time of the answer)
+        return answers.models(self.model, self.adapters, created)
 
     def _tokenize(self, request: Request) -> bytes:
         """vLLM's answer shape; the prompt's tokens as the prefix cache computes them."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nixl_twisted.backends.instances import Instance
 from nixl_twisted.protocol import routes
 from nixl_twisted.testing import FakeVLLM
 from tests.memory.support import Setup
@@ -92,6 +93,26 @@ def test_the_health_loop_learns_what_each_instance_serves_lora_adapters_included
     said = setup.post(routes.TOKENIZE, {"model": "qwen", "prompt": "hi"}).answer()
     assert said.status == 200
     assert [r.path for r in setup.decodes[1].requests if r.method == "POST"][-1] == "/tokenize"
+
+
+def test_a_list_said_again_is_no_change_though_vllm_dates_each_answer(
+    logged: list[dict[str, Any]],
+) -> None:
+    """vLLM's cards say ``created``: now. Only a change of models is logged and told."""
+    setup = Setup(health_interval=5, start=False)
+    setup.decode.adapters = ("sql-lora",)
+    setup.proxy.start()
+    backends = setup.proxy.service.backends
+    setup.settle(backends.first_round())
+    told: list[Instance] = []
+    backends.decode.on_change = told.append
+    setup.settle(backends.check_health())
+    setup.decode.adapters = ("sql-lora", "chat-lora")
+    setup.settle(backends.check_health())
+    serves = [e["models"] for e in logged if e.get("log_format") == "{url} serves {models}"]
+    assert serves == ["fake-model, sql-lora", "fake-model, sql-lora, chat-lora"]
+    assert told == [backends.decode.instances[0]]  # (the workers hear of the change alone)
+    assert setup.decode.model_reads == 3
 
 
 def test_an_adapter_without_a_prefill_instance_is_a_503_naming_the_model() -> None:
