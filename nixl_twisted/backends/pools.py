@@ -78,8 +78,10 @@ class BackendPool(Roster):
         self.report: Report | None = None
         #: Called when an instance's health changed (the supervisor tells its workers).
         self.on_change: Callable[[Instance], None] | None = None
-        #: True while every instance not draining is down (legs go to them anyway).
+        #: True when the last choice found every instance not draining down (legs go to
+        #: them anyway); each model whose instances are so, None for the whole pool.
         self.panicking = False
+        self._in_panic: set[str | None] = set()
         #: Which candidate serves the next leg (``nixl_twisted.backends.routing``).
         self.policy: Policy = round_robin
         self.policy_name = "round-robin"
@@ -156,13 +158,21 @@ class BackendPool(Roster):
             candidates = [i for i in serving if i not in exclude and not i.draining]
         if not candidates:
             raise NoHealthyInstance(self.role, self.retry_after(), model)
-        if panic and not self.panicking:
+        # Said once per change, for the pool or for a model's instances in it.
+        if panic and model not in self._in_panic:
+            self._in_panic.add(model)
             log.warn(
-                "{role} pool in panic: every instance is down, legs go to them anyway",
+                "{role} pool in panic: every instance{serving} is down, legs go to them anyway",
                 role=self.role,
+                serving="" if model is None else f" serving {model!r}",
             )
-        elif not panic and self.panicking:
-            log.info("{role} pool out of panic", role=self.role)
+        elif not panic and model in self._in_panic:
+            self._in_panic.discard(model)
+            log.info(
+                "{role} pool out of panic{serving}",
+                role=self.role,
+                serving="" if model is None else f" (serving {model!r})",
+            )
         self.panicking = panic
         _, policy = self.policy_for(model)
         instance, decision = policy(self, candidates, routing)

@@ -14,6 +14,7 @@ from zope.interface import provider
 
 from nixl_twisted.backends.health import BACKOFF_MAX, State, Thresholds
 from nixl_twisted.backends.pools import BackendPool, NoHealthyInstance
+from nixl_twisted.backends.routing import Routing
 from nixl_twisted.config.values import InvalidValue, backend_url
 
 
@@ -297,6 +298,36 @@ def test_panic_when_every_instance_is_down_legs_still_go_to_them() -> None:
         pool.record_success(b)
     clock.advance(0.1)
     assert pool.choose()[0] is b and not pool.panicking
+
+
+def test_a_models_instances_in_panic_are_said_once_while_the_others_serve() -> None:
+    pool, _ = pool_of("http://a:1", "http://b:2")
+    a, b = pool.instances
+    a.named, b.named = frozenset({"llama"}), frozenset({"qwen"})
+    for _ in range(3):
+        pool.record_failure(a, "refused")
+    said: list[str] = []
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, Any]) -> None:
+        if event.get("log_namespace") == "nixl_twisted.backends.pools":
+            said.append(formatEvent(event))
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        for _ in range(3):
+            assert pool.choose(routing=Routing(model="llama"))[0] is a and pool.panicking
+            assert pool.choose(routing=Routing(model="qwen"))[0] is b and not pool.panicking
+        for _ in range(2):
+            pool.record_success(a)
+        pool.choose(routing=Routing(model="llama"))
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert said == [
+        "prefill pool in panic: every instance serving 'llama' is down, legs go to them anyway",
+        "prefill instance http://a:1 is back",
+        "prefill pool out of panic (serving 'llama')",
+    ]
 
 
 def test_draining_instances_are_not_used_even_in_panic() -> None:
