@@ -5,7 +5,7 @@ the frozen ``ProxyConfig`` and its parts, re-exported here.
 """
 
 from nixl_twisted.config.models import ModelPools
-from nixl_twisted.config.proxy import (
+from nixl_twisted.config.parts import (
     Disaggregation,
     DiscoveryConfig,
     Health,
@@ -13,13 +13,12 @@ from nixl_twisted.config.proxy import (
     Limits,
     Policies,
     Pools,
-    ProxyConfig,
     Retries,
     TenantsConfig,
     Timeouts,
     Traces,
-    resolve,
 )
+from nixl_twisted.config.proxy import ProxyConfig, resolve
 from nixl_twisted.config.sources import ConfigError
 
 __all__ = [
