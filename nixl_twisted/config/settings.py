@@ -15,28 +15,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from nixl_twisted.config.models import model_table
+from nixl_twisted.config.tenants import client_key, header_name, priority, redis_url, tenant_table
 from nixl_twisted.config.values import (
     POLICIES,
     address_port,
     allowed_backend,
     choice,
-    client_key,
     collector_url,
     count,
     endpoint,
     fraction,
-    header_name,
     label_selector,
     pool_member,
     port_or_name,
     port_or_off,
-    priority,
     ratio,
-    redis_url,
     seconds,
     seconds_or_off,
     switch,
-    tenant_table,
     text,
 )
 

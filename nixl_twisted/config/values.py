@@ -7,7 +7,6 @@ worker's JSON, or a reload) parses to itself.
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,8 @@ class InvalidValue(ValueError):
     """A value a setting cannot take; the message says why, without the setting's name."""
 
 
-def _number(value: object, kind: type[int] | type[float], what: str) -> Any:
+def as_number(value: object, kind: type[int] | type[float], what: str) -> Any:
+    """``value`` as an int or a float (``kind``), or ``InvalidValue`` saying it must be ``what``."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise InvalidValue(f"must be {what}, not {value!r}")
     try:
@@ -38,21 +38,21 @@ def _number(value: object, kind: type[int] | type[float], what: str) -> Any:
 
 def ratio(value: object) -> float:
     """A number of at least 1."""
-    number = _number(value, float, "a number")
+    number = as_number(value, float, "a number")
     if number < 1:
         raise InvalidValue(f"must be at least 1, not {value!r}")
     return float(number)
 
 
 def seconds(value: object) -> float:
-    number = _number(value, float, "a number of seconds")
+    number = as_number(value, float, "a number of seconds")
     if not number > 0:
         raise InvalidValue(f"must be greater than 0, not {value!r}")
     return float(number)
 
 
 def seconds_or_off(value: object) -> float:
-    number = _number(value, float, "a number of seconds")
+    number = as_number(value, float, "a number of seconds")
     if number < 0:
         raise InvalidValue(f"must be 0 (off) or more, not {value!r}")
     return float(number)
@@ -60,7 +60,7 @@ def seconds_or_off(value: object) -> float:
 
 def count(least: int) -> Callable[[object], int]:
     def parse(value: object) -> int:
-        number = _number(value, int, "a whole number")
+        number = as_number(value, int, "a whole number")
         if number < least:
             raise InvalidValue(f"must be at least {least}, not {value!r}")
         return int(number)
@@ -70,7 +70,7 @@ def count(least: int) -> Callable[[object], int]:
 
 def port_or_off(value: object) -> int:
     """A TCP port, or 0 for none."""
-    number = _number(value, int, "a port number")
+    number = as_number(value, int, "a port number")
     if not 0 <= number <= 65535:
         raise InvalidValue(f"must be a port from 1 to 65535, or 0 (none), not {value!r}")
     return int(number)
@@ -96,7 +96,7 @@ def switch(value: object) -> bool:
 
 def fraction(value: object) -> float:
     """A number from 0 to 1."""
-    number = _number(value, float, "a number from 0 to 1")
+    number = as_number(value, float, "a number from 0 to 1")
     if not 0 <= number <= 1:
         raise InvalidValue(f"must be from 0 to 1, not {value!r}")
     return float(number)
@@ -107,111 +107,6 @@ def collector_url(value: object) -> str:
     url = text(value)
     _http_url(url)
     return url
-
-
-def redis_url(value: object) -> str:
-    """A Redis server's URL: ``redis://[:PASSWORD@]HOST[:PORT][/DB]`` (``rediss://``: TLS)."""
-    url = text(value)
-    if any(char.isspace() or not char.isprintable() for char in url):
-        raise InvalidValue(f"{url!r} must not contain whitespace or control characters")
-    try:
-        parts = urlsplit(url)
-        _ = parts.port
-    except ValueError as error:
-        raise InvalidValue(f"{url!r} is not a valid URL: {error}") from None
-    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
-        raise InvalidValue(f"{url!r} must be redis://HOST[:PORT][/DB] (or rediss:// for TLS)")
-    database = parts.path.strip("/")
-    if database and not database.isdigit():
-        raise InvalidValue(f"{url!r}: the database after the host must be a number")
-    return url
-
-
-def client_key(value: object) -> str:
-    """A client API key: printable, no whitespace (it travels in a header)."""
-    key = text(value)
-    if not key or any(char.isspace() or not char.isprintable() for char in key):
-        raise InvalidValue("must be a non-empty key without whitespace or control characters")
-    return key
-
-
-#: RFC 9110's tchar: what a header's name is made of.
-_TCHAR = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-
-
-def header_name(value: object) -> str:
-    """A request header's name: an HTTP token (RFC 9110), as ASCII letters, digits and
-    ``!#$%&'*+-.^_`|~``."""
-    name = text(value)
-    if not name or not set(name) <= _TCHAR:
-        raise InvalidValue(
-            f"must be a header name (ASCII letters, digits and !#$%&'*+-.^_`|~), not {name!r}"
-        )
-    return name
-
-
-#: The bounds of vLLM's ``priority`` (a 64-bit integer; lower is served earlier).
-PRIORITY_BOUNDS = (-(2**63), 2**63 - 1)
-
-
-def priority(value: object) -> int:
-    """A vLLM request ``priority``: a whole number, lower served earlier (vLLM's bounds)."""
-    number = _number(value, int, "a whole number")
-    if not PRIORITY_BOUNDS[0] <= number <= PRIORITY_BOUNDS[1]:
-        raise InvalidValue(f"must be a 64-bit whole number, not {value!r}")
-    return int(number)
-
-
-#: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
-TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
-#: What else a tenant's table may say.
-TENANT_KEYS = (*TENANT_LIMITS, "priority")
-
-#: One tenant's row: name, in flight, requests, tokens (-1: the default's), priority (None: unset).
-TenantRow = tuple[str, int, int, int, int | None]
-
-
-def tenant_table(value: object) -> tuple[TenantRow, ...]:
-    """``[tenants.NAME]`` tables (or the same as JSON text, or this parser's own output):
-    each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``
-    (one left out is the default's, -1) and its vLLM ``priority`` (None: the default's),
-    as (name, in flight, requests, tokens, priority), sorted by name."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise InvalidValue("must be a table of tenants (JSON on the command line)") from None
-    if isinstance(value, list | tuple):
-        rows = [tuple(row) for row in value]
-        if not all(len(row) == 5 and isinstance(row[0], str) for row in rows):
-            raise InvalidValue("must be rows of (tenant, in flight, requests, tokens, priority)")
-        value = {
-            row[0]: {
-                key: number
-                for key, number in zip(TENANT_KEYS, row[1:], strict=True)
-                if number is not None
-            }
-            for row in rows
-        }
-    if not isinstance(value, dict):
-        raise InvalidValue("must be a table of tenants, e.g. [tenants.team-a]")
-    table = []
-    for name, limits in value.items():
-        if not isinstance(limits, dict) or set(limits) - set(TENANT_KEYS):
-            known = ", ".join(TENANT_KEYS)
-            raise InvalidValue(f"tenant {name!r}: its keys are {known}")
-        numbers = []
-        for key in TENANT_LIMITS:
-            number = limits.get(key, -1)
-            if isinstance(number, bool) or not isinstance(number, int) or number < -1:
-                raise InvalidValue(f"tenant {name!r}: {key} must be 0 (no limit) or more")
-            numbers.append(number)
-        try:
-            own = None if limits.get("priority") is None else priority(limits["priority"])
-        except InvalidValue as error:
-            raise InvalidValue(f"tenant {name!r}: priority {error}") from None
-        table.append((str(name), *numbers, own))
-    return tuple(sorted(table, key=lambda row: row[0]))  # type: ignore[arg-type]
 
 
 def text(value: object) -> str:

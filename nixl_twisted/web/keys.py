@@ -24,7 +24,8 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.config.values import InvalidValue, client_key
+from nixl_twisted.config.tenants import client_key
+from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.routes import speaks_anthropic
 from nixl_twisted.web.admin import bearer_token
