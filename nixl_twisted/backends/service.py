@@ -103,7 +103,9 @@ class BackendService(Service):
         if pool is None:
             return []
         if change["op"] == "add":
-            return pool.add(change["url"])
+            added = pool.add(change["url"])
+            _name(pool, self._named.get(pool.role, {}))  # (a [models.NAME] member added back)
+            return added
         if change["op"] == "drain":
             return pool.drain(change["url"])
         return pool.remove(change["url"])
@@ -254,7 +256,6 @@ class BackendService(Service):
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
-            await self._read_models(pool, instance)
             if pool.reads_load:
                 await self._scrape(pool, instance)
 
@@ -271,10 +272,31 @@ class BackendService(Service):
             reason = "timed out" if failure.check(TimeoutError) else failure.getErrorMessage()
             pool.record_failure(instance, f"health check failed: {reason}")
 
+        def succeeded(_: object) -> Deferred[None]:
+            # What it serves is read before it is judged up (a pending instance then
+            # takes only its models' legs), under a timeout of its own: a slow or
+            # failing /v1/models keeps the last list, and never fails the check.
+            return self._read(pool, instance).addCallback(lambda _: pool.record_success(instance))
+
         checking.addBoth(done)
-        checking.addCallbacks(lambda _: pool.record_success(instance), failed)
+        checking.addCallbacks(succeeded, failed)
         checking.addErrback(lambda failure: log.failure("health check error", failure))
         return checking
+
+    def _read(self, pool: BackendPool, instance: Instance) -> Deferred[None]:
+        """``_read_models`` within ``--health-timeout``; never fails."""
+        reading = ensureDeferred(self._read_models(pool, instance))
+        reading.addTimeout(self.health_timeout, self.clock)
+        self._probes.add(reading)
+
+        def done(result: object) -> None:
+            self._probes.discard(reading)
+            if isinstance(result, Failure) and self.running:
+                log.debug(
+                    "models of {url} not read: {why}", url=instance.url, why=str(result.value)
+                )
+
+        return reading.addBoth(done)
 
     async def _read_models(self, pool: BackendPool, instance: Instance) -> None:
         """What the instance serves, from its ``/v1/models``; unreadable: the last known kept.

@@ -107,8 +107,10 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     #: ``GET /health`` checks received, and the status they are answered with.
     health_checks: int = 0
     health_status: int = 200
-    #: ``GET /v1/models`` from the proxy's health loop (not in ``requests``).
+    #: ``GET /v1/models`` from the proxy's health loop (not in ``requests``), and
+    #: whether those go unanswered.
     model_reads: int = 0
+    models_stalled: bool = False
     #: The status ``GET /metrics`` answers (500: vLLM's metrics unreadable).
     metrics_status: int = 200
     #: The requests ``GET /metrics`` says are waiting (a queue the fake does not model).

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
 from nixl_twisted.testing import answers
@@ -26,6 +27,7 @@ class OtherRoutes:
     adapters: tuple[str, ...]
     health_checks: int
     model_reads: int
+    models_stalled: bool
     health_status: int
     metrics_status: int
     running: int
@@ -69,11 +71,14 @@ class OtherRoutes:
         request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")
         return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
 
-    def _models(self, request: Request) -> bytes:
+    def _models(self, request: Request) -> bytes | Deferred[bytes]:
         """A client's request the proxy relayed (it has a request id) is recorded; the
-        proxy's health loop reading what the instance serves is counted apart, as a check."""
+        proxy's health loop reading what the instance serves is counted apart, as a check
+        (``models_stalled``: never answered)."""
         if request.getHeader(b"x-request-id") is None:
             self.model_reads += 1
+            if self.models_stalled:
+                return Deferred()
         else:
             self._record(request, None, "other")
         request.setHeader(b"Content-Type", b"application/json")

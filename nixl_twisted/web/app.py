@@ -210,7 +210,9 @@ class ProxyApp:
 
     def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
         trace = self._trace(request)
-        model = routed_model(self.backends, requested_model(body), record_of(request)).model
+        model = None  # (GET /v1/models, relayed: for any model, whatever is served)
+        if body is not None:
+            model = routed_model(self.backends, requested_model(body), record_of(request)).model
         # (In flight and requests per minute: no tokens generated.)
         return _then(
             self.tenancy.admit(request, path, None),

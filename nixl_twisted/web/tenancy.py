@@ -71,6 +71,8 @@ class Tenancy:
 
         def decided(verdict: Verdict | None) -> Rule:
             if held.over:  # (its client left while Redis was asked)
+                if verdict is not None and verdict.admitted and tpm:
+                    shared.charge(tenant, verdict.member, 0)  # (its estimate, given back)
                 raise CancelledError()
             if verdict is None:  # (Redis could not say: this process decides)
                 held.give_back()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from nixl_twisted.backends.instances import Instance
@@ -182,3 +183,44 @@ def test_with_nothing_read_every_model_goes_where_it_did() -> None:
     assert setup.post(routes.CHAT_COMPLETIONS, chat(None)).answer().status == 200
     setup.get(routes.MODELS).answer()
     assert sum(1 for f in setup.decodes for r in f.requests if r.path == "/v1/models") == 1
+
+
+def test_with_no_healthy_decode_the_listing_is_relayed_not_refused_for_its_model() -> None:
+    """Several models named, every decode instance down: GET /v1/models asks one anyway."""
+    setup = two_models(health_interval=5, unhealthy_threshold=1, start=False)
+    for fake in setup.decodes:
+        fake.health_status = 503
+    setup.proxy.start()
+    setup.settle(setup.proxy.service.backends.first_round())
+    answer = setup.get(routes.MODELS).answer()
+    assert answer.status == 200  # (in panic, relayed; not a 400 model_required)
+    assert answer.json()["data"][0]["id"] == "fake-model"
+
+
+def test_a_stalled_model_list_keeps_the_instance_up_and_its_last_list() -> None:
+    setup = Setup(health_interval=5, health_timeout=1, start=False)
+    setup.proxy.start()
+    backends = setup.proxy.service.backends
+    setup.settle(backends.first_round())
+    (decode,) = backends.decode.instances
+    assert decode.models is not None and list(decode.models) == ["fake-model"]
+    setup.decode.models_stalled = True
+    checked = backends.check_health()
+    setup.proxy.advance(1)  # (the read's own timeout; /health answered at once)
+    setup.settle(checked)
+    assert decode.healthy and decode.failures == 0
+    assert list(decode.models) == ["fake-model"]
+    assert setup.post(routes.CHAT_COMPLETIONS, chat("fake-model")).answer().status == 200
+
+
+def test_a_table_member_the_admin_api_adds_back_serves_its_model_again() -> None:
+    setup = two_models(admin_token="t")
+    headers = {"Authorization": "Bearer t"}
+    member = {"pool": "decode", "url": "http://decode-1.memory"}
+    raw = json.dumps(member).encode()
+    assert setup.proxy.request("DELETE", "/admin/backends", raw, headers).answer().status == 200
+    assert setup.proxy.request("POST", "/admin/backends", raw, headers).answer().status == 201
+    back = setup.proxy.service.backends.decode.find("http://decode-1.memory")
+    assert back is not None and back.named == {"qwen"}
+    assert setup.post(routes.CHAT_COMPLETIONS, chat("llama")).answer().status == 200
+    assert legs(setup.decodes[1]) == 0  # (llama's legs stay on llama's instance)
