@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.config.values import backend_url, discovered_by, instance_url, rank_urls
 
 
 class UnknownModel(Exception):
@@ -115,3 +116,22 @@ def listing(decode: Iterable[Instance]) -> dict[str, Any] | None:
     if not said:
         return None
     return {"object": "list", "data": [cards[model] for model in sorted(cards)]}
+
+
+def named_by_instance(named: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
+    """``Pools.named`` keyed as instances are: each rank's URL (and each DNS name as is)."""
+    keyed = dict(named)
+    for member, models in named.items():
+        if discovered_by(member) is None:
+            for rank in rank_urls(member):
+                keyed[instance_url(backend_url(rank))] = models
+    return keyed
+
+
+def name_instances(instances: Iterable[Instance], named: dict[str, frozenset[str]]) -> None:
+    """Each instance's ``named`` models: its URL's and its discovery sources'."""
+    for instance in instances:
+        names = set(named.get(instance.url, ()))
+        for source in instance.sources:
+            names |= named.get(source, frozenset())
+        instance.named = frozenset(names)

@@ -85,17 +85,22 @@ def _text(content: object) -> str:
 
 
 def routing_for(
-    policies: Collection[str], key_bytes: int, session: bytes | None, body: JSONObject
+    policies: Collection[str],
+    key_bytes: int,
+    session: bytes | None,
+    body: JSONObject,
+    model: str | None = None,
 ) -> Routing:
     """What a request is routed on, worked out only if one of the ``policies`` in use looks.
 
     ``session`` is the request's ``X-Session-Id``; ``key_bytes`` the
-    completion prompt bytes that key a conversation (``--cache-key-bytes``).
+    completion prompt bytes that key a conversation (``--cache-key-bytes``);
+    ``model`` the one its instances must serve (None: any).
     """
     if not {"cache-aware", "kv-aware", "session"} & set(policies):
-        return NO_ROUTING
+        return NO_ROUTING if model is None else Routing(model=model)
     if "cache-aware" not in policies and "kv-aware" not in policies:
-        return Routing(session=session_key(session, body))
+        return Routing(session=session_key(session, body), model=model)
     rendered = prompt_text(body)
     prompt = body.get("prompt")
     ids = (
@@ -109,6 +114,7 @@ def routing_for(
         chain=pieces(rendered) if rendered else (),
         prompt_bytes=len(rendered),
         tokens=ids,  # (a token-id prompt needs no render)
+        model=model,
     )
 
 

@@ -23,7 +23,8 @@ from nixl_twisted.backends import routing
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.kv_events import KvEvents, PoolEvents
-from nixl_twisted.backends.models import read_models
+from nixl_twisted.backends.load import vllm_load
+from nixl_twisted.backends.models import name_instances, named_by_instance, read_models
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.upstream import Upstream, read_body
 from nixl_twisted.config import (
@@ -36,7 +37,6 @@ from nixl_twisted.config import (
     Pools,
     ProxyConfig,
 )
-from nixl_twisted.config.values import backend_url, discovered_by, instance_url, rank_urls
 from nixl_twisted.events import Happened
 from nixl_twisted.protocol.headers import for_rank
 
@@ -104,7 +104,7 @@ class BackendService(Service):
             return []
         if change["op"] == "add":
             added = pool.add(change["url"])
-            _name(pool, self._named.get(pool.role, {}))  # (a [models.NAME] member added back)
+            self._name(pool)  # (a [models.NAME] member added back)
             return added
         if change["op"] == "drain":
             return pool.drain(change["url"])
@@ -121,7 +121,7 @@ class BackendService(Service):
         if pool is None:
             return
         joined, _ = pool.discovered(source, urls, retire)
-        _name(pool, self._named.get(role, {}))
+        self._name(pool)
         if self.running and self.runs_checks and self.health_interval > 0:
             for instance in joined:
                 self._check(pool, instance)
@@ -179,8 +179,12 @@ class BackendService(Service):
     def use_models(self, pools: Pools) -> None:
         """Which models ``[models.NAME]`` lists each instance under, from now on."""
         for pool in self.pools():
-            self._named[pool.role] = _by_instance(pools.named(pool.role))
-            _name(pool, self._named[pool.role])
+            self._named[pool.role] = named_by_instance(pools.named(pool.role))
+            self._name(pool)
+
+    def _name(self, pool: BackendPool) -> None:
+        """The pool's instances named by ``[models.NAME]`` as last configured."""
+        name_instances(pool.instances, self._named.get(pool.role, {}))
 
     def configure(self, config: ProxyConfig) -> None:
         """A reload: pools, policies, health rules and idle connections as ``config`` says.
@@ -354,48 +358,3 @@ class BackendService(Service):
         if self.health_client is not self.upstream:
             closing.append(self.health_client.close())
         return DeferredList(closing).addCallback(lambda _: None)
-
-
-def _by_instance(named: dict[str, frozenset[str]]) -> dict[str, frozenset[str]]:
-    """``Pools.named`` keyed as instances are: each rank's URL (and each DNS name as is)."""
-    keyed = dict(named)
-    for member, models in named.items():
-        if discovered_by(member) is None:
-            for rank in rank_urls(member):
-                keyed[instance_url(backend_url(rank))] = models
-    return keyed
-
-
-def _name(pool: BackendPool, named: dict[str, frozenset[str]]) -> None:
-    """Each instance's ``named`` models: its URL's and its discovery sources'."""
-    for instance in pool.instances:
-        names = set(named.get(instance.url, ()))
-        for source in instance.sources:
-            names |= named.get(source, frozenset())
-        instance.named = frozenset(names)
-
-
-#: vLLM's gauges the ``load`` policy reads, summed over its engines (and their
-#: name before vLLM 0.10, ``gpu_cache_usage_perc``).
-_LOAD_GAUGES = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
-    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
-}
-
-
-def vllm_load(exposition: str) -> dict[str, float]:
-    """The running and waiting requests and the KV cache use from vLLM's ``/metrics`` text."""
-    load: dict[str, float] = {}
-    for line in exposition.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        key = _LOAD_GAUGES.get(name)
-        if key is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        load[key] = load.get(key, 0.0) + value
-    return load

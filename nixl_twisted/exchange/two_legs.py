@@ -10,7 +10,6 @@ off as complete.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -101,11 +100,8 @@ class Exchange:
         self.metrics = legs.metrics
         self.record = record_of(request)
         policies = {pool.policy_for(model)[0] for pool in self.backends.pools()}
-        self.routing = routing_for(
-            policies, config.policies.key_bytes, request.getHeader(b"x-session-id"), body
-        )
-        if model is not None:
-            self.routing = replace(self.routing, model=model)
+        session = request.getHeader(b"x-session-id")
+        self.routing = routing_for(policies, config.policies.key_bytes, session, body, model)
         #: Given the decode instance, what watches its answer pass (the Responses ids).
         self.watch = watch
         self.trace = trace

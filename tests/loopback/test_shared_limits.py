@@ -4,7 +4,6 @@ and each counts alone, saying so once, while Redis is away."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,13 +11,11 @@ from typing import Any
 
 from treq.client import HTTPClient
 from twisted.internet import reactor
-from twisted.trial.unittest import SkipTest
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from nixl_twisted.testing import RunningProxy
-from nixl_twisted.testing.redis import RedisMissing, RedisServer
 from nixl_twisted.web.shared_limits import SharedWindows
-from tests.support import CHAT, ProxyCase
+from tests.support import CHAT, ProxyCase, real_redis
 
 KEY = "sk-team-a"
 
@@ -28,14 +25,7 @@ class SharedLimitTests(ProxyCase):
 
     async def shared(self, **settings: Any) -> tuple[RunningProxy, RunningProxy]:
         """Redis, the fakes, and two proxies counting team-a's requests in it."""
-        self.redis = RedisServer(reactor)
-        self.addCleanup(self.redis.cleanup)
-        try:
-            await self.redis.start()
-        except RedisMissing as missing:
-            if os.environ.get("CI"):
-                raise  # (CI must run these: make test installs redis-server)
-            raise SkipTest(str(missing)) from None
+        self.redis = await real_redis(self)
         where = Path(tempfile.mkdtemp(prefix="nixlproxy-keys-"))
         self.addCleanup(shutil.rmtree, where)
         (where / "keys").write_text(f"{KEY} team-a\n")

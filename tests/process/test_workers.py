@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from treq.client import HTTPClient
 
 from tests.process.support import TwistdCase
-from tests.support import CHAT
+from tests.support import CHAT, real_redis
 
 ADMIN: dict[bytes | str, bytes | str] = {"Authorization": "Bearer t"}
 
@@ -28,19 +28,27 @@ def chat_requests(exposition: bytes) -> float:
     return total
 
 
-class WorkersActAsOneTests(TwistdCase):
-    async def chats(self, http: HTTPClient, address: str, times: int) -> tuple[list[int], set[int]]:
-        """``times`` chat requests, each followed by a health check on a new connection:
-        the chats' status codes, and the pids of the workers that answered the checks."""
-        codes, pids = [], set()
-        for _ in range(times):
-            response = await http.post(f"http://{address}/v1/chat/completions", json=CHAT)
-            codes.append(response.code)
-            await response.content()
-            health = await http.get(f"http://{address}/healthcheck")
-            pids.add(json.loads(await health.content())["pid"])
-        return codes, pids
+async def chats(
+    http: HTTPClient,
+    address: str,
+    times: int,
+    headers: dict[bytes | str, bytes | str] | None = None,
+) -> tuple[list[int], set[int]]:
+    """``times`` chat requests (with ``headers``), each followed by a health check on a
+    new connection: the chats' status codes, and the pids of the workers that answered
+    the checks."""
+    codes, pids = [], set()
+    url = f"http://{address}/v1/chat/completions"
+    for _ in range(times):
+        response = await http.post(url, json=CHAT, headers=headers)
+        codes.append(response.code)
+        await response.content()
+        health = await http.get(f"http://{address}/healthcheck")
+        pids.add(json.loads(await health.content())["pid"])
+    return codes, pids
 
+
+class WorkersActAsOneTests(TwistdCase):
     async def test_metrics_report_the_whole_proxy_on_either_port(self) -> None:
         await self.start()
         process, address = await self.spawn_workers(
@@ -53,7 +61,7 @@ class WorkersActAsOneTests(TwistdCase):
         )
         (metrics_address,) = re.findall(rb"workers share (\S+)", process.output)[1:]
         http = self.fresh_connections()
-        codes, pids = await self.chats(http, address, 20)
+        codes, pids = await chats(http, address, 20)
         self.assertEqual((set(codes), len(pids)), ({200}, 2))  # both workers served
 
         counts = []
@@ -84,7 +92,7 @@ class WorkersActAsOneTests(TwistdCase):
         self.assertEqual(removed.code, 200)
         await removed.content()
 
-        codes, pids = await self.chats(http, address, 50)
+        codes, pids = await chats(http, address, 50)
         self.assertEqual((set(codes), len(pids)), ({200}, 2))
         self.assertEqual((len(old.requests), len(new.requests)), (0, 50))
         await self.terminate(process)
@@ -148,21 +156,7 @@ class WorkersActAsOneTests(TwistdCase):
 
 class SharedLimitsAcrossWorkersTests(TwistdCase):
     async def test_workers_hold_a_tenant_to_one_limit_through_redis(self) -> None:
-        import os
-
-        from twisted.internet import reactor
-        from twisted.trial.unittest import SkipTest
-
-        from nixl_twisted.testing.redis import RedisMissing, RedisServer
-
-        redis = RedisServer(reactor)
-        self.addCleanup(redis.cleanup)
-        try:
-            await redis.start()
-        except RedisMissing as missing:
-            if os.environ.get("CI"):
-                raise
-            raise SkipTest(str(missing)) from None
+        redis = await real_redis(self)
         await self.start()
         process, address = await self.spawn_workers(
             "--prefill",
@@ -177,16 +171,7 @@ class SharedLimitsAcrossWorkersTests(TwistdCase):
             redis.url,
         )
         http = self.fresh_connections()
-        team: dict[bytes | str, bytes | str] = {"x-team": "a"}
-        codes, pids = [], set()
-        for _ in range(20):
-            response = await http.post(
-                f"http://{address}/v1/chat/completions", json=CHAT, headers=team
-            )
-            codes.append(response.code)
-            await response.content()
-            health = await http.get(f"http://{address}/healthcheck")
-            pids.add(json.loads(await health.content())["pid"])
+        codes, pids = await chats(http, address, 20, headers={"x-team": "a"})
         self.assertEqual(len(pids), 2)  # both workers served
         self.assertEqual(sorted(codes), [200] * 10 + [429] * 10)  # one limit, not one each
         await self.terminate(process)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.smoke.support import ROOT, run
+from tests.smoke.support import ROOT, Ran, run
 
 #: Above each command's own timeout (support.run's), so that its message wins.
 pytestmark = pytest.mark.timeout(270)
@@ -24,25 +24,18 @@ pytestmark = pytest.mark.timeout(270)
 PYTHON = sys.executable
 
 
+def short_run(*options: str) -> Ran:
+    """``bench.run``'s first load, 20 requests, one backend process, with ``options``."""
+    first = ["--requests", "20", "--loads", "1", "--backend-processes", "1"]
+    return run([PYTHON, "-m", "bench.run", *first, *options])
+
+
 @pytest.mark.parametrize(
     "keys", [pytest.param([], id="keys-off"), pytest.param(["--api-key", "k1"], id="keys-on")]
 )
 def test_a_short_benchmark_run_prints_its_table(keys: list[str]) -> None:
     """Keys on, a request the proxy refused (a 401) would be an error, and exit 1."""
-    ran = run(
-        [
-            PYTHON,
-            "-m",
-            "bench.run",
-            "--requests",
-            "20",
-            "--loads",
-            "1",
-            "--backend-processes",
-            "1",
-            *keys,
-        ]
-    )
+    ran = short_run(*keys)
     row = "| non-streaming completions, 1 connection | "
     assert ran.code == 0 and row in ran.stdout and "/s |" in ran.stdout, ran.why(
         f"exit 0 and a table row starting {row!r}"
@@ -50,20 +43,7 @@ def test_a_short_benchmark_run_prints_its_table(keys: list[str]) -> None:
 
 
 def test_a_short_traced_run_sends_its_spans_to_the_collector() -> None:
-    ran = run(
-        [
-            PYTHON,
-            "-m",
-            "bench.run",
-            "--requests",
-            "20",
-            "--loads",
-            "1",
-            "--backend-processes",
-            "1",
-            "--traced",
-        ]
-    )
+    ran = short_run("--traced")
     received = re.search(r"spans the collector received, [^:]+: (\d+)", ran.stdout)
     assert ran.code == 0 and received is not None and int(received.group(1)) > 0, ran.why(
         "exit 0 and 'spans the collector received, LOAD: N' with N > 0"
