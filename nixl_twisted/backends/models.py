@@ -73,24 +73,25 @@ def resolve(requested: object, decode: Iterable[Instance]) -> Resolved:
     ``ModelRequired`` for a request without one while several are served.
     A ``model`` that is not a string is vLLM's to refuse.
     """
-    served: set[str] = set()
-    unread = False
-    for instance in decode:
-        if instance.draining:
-            continue
-        known = _known(instance)
-        if known is None:
-            unread = True
-        else:
-            served |= known
+    live = [instance for instance in decode if not instance.draining]
     if requested is None:
+        served = {model for instance in live for model in _known(instance) or ()}
         if len(served) > 1:
             raise ModelRequired(served)
         return ANY_MODEL  # (one model, or none known: as vLLM's default model serves it)
-    if not isinstance(requested, str) or not served:
+    if not isinstance(requested, str):
         return ANY_MODEL
-    if requested in served:
-        return Resolved(requested, True)
+    # (Looked up, not gathered: this runs for every request that names its model.)
+    unread = said = False
+    for instance in live:
+        if instance.models is None and not instance.named:
+            unread = True
+        elif instance.serves(requested):
+            return Resolved(requested, True)
+        elif instance.named or instance.models:
+            said = True
+    if not said:
+        return ANY_MODEL  # (nothing known: routed as before models were read)
     if not unread:
         raise UnknownModel(requested)
     return Resolved(requested, False)  # (only an instance that never said may serve it)
