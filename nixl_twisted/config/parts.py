@@ -69,6 +69,8 @@ class DiscoveryConfig:
     grace: float
     #: Networks and host names discovery and the admin API may add; (): any but metadata.
     allowed: tuple[str, ...] = ()
+    #: Discovered instances one pool takes at most (the first by source and URL).
+    max_instances: int = 256
 
     def selector(self, role: str) -> str | None:
         return self.prefill_selector if role == "prefill" else self.decode_selector

@@ -197,6 +197,16 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "discovery-max-instances",
+        "discovery.max_instances",
+        256,
+        count(1),
+        help=(
+            "Most instances discovery adds to one pool: the first by source name and then "
+            "URL; the rest are ignored, said once and shown by /healthcheck."
+        ),
+    ),
+    Setting(
         "allowed-backends",
         "discovery.allowed",
         (),

@@ -7,6 +7,9 @@ watch). A failure keeps the last known instances; "nothing" empties the
 source only after ``--discovery-grace``, so that a rolling restart of the
 DNS server or an API server that briefly answers empty does not take the
 pool away. Instances ``--allowed-backends`` refuses are left out, said once.
+A pool takes at most ``--discovery-max-instances`` discovered instances: the
+first, by source name and then URL, so that the same ones stay as others
+come and go; the rest are ignored, said once and shown by each source.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ from nixl_twisted.backends.instances import source_kind
 
 log = Logger()
 
+#: --discovery-max-instances' default: discovered instances a pool takes at most.
+MAX_INSTANCES = 256
+
 #: (role, source, urls, retire): apply what a source lists now to that pool;
 #: ``retire``: the source is no longer configured (its last instances stay until
 #: another joins, ``BackendPool.discovered``).
@@ -35,8 +41,10 @@ class SourceState:
 
     role: str
     source: str
-    #: What it lists now, as applied to the pool.
+    #: What it lists now (--allowed-backends applied).
     urls: tuple[str, ...] = ()
+    #: What of it the pool has: ``urls`` within --discovery-max-instances.
+    applied: tuple[str, ...] = ()
     #: What it last answered, before --allowed-backends (applied again when that changes).
     answered: tuple[str, ...] | None = None
     #: ``starting``, ``ok``, ``failing``, ``emptying`` (grace running) or ``empty``.
@@ -53,7 +61,8 @@ class SourceState:
             "source": source_kind(self.source),
             "name": self.source,
             "state": self.state,
-            "instances": len(self.urls),
+            "instances": len(self.applied),
+            "ignored": len(self.urls) - len(self.applied),
             "errors": self.errors,
             "last_error": self.last_error,
         }
@@ -68,11 +77,16 @@ class Membership:
         apply: Apply,
         grace: float = 30.0,
         allowed: AllowedBackends | None = None,
+        most: int = MAX_INSTANCES,
     ) -> None:
         self.clock = clock
         self._apply = apply
         self.grace = grace
         self.allowed = allowed if allowed is not None else AllowedBackends()
+        #: --discovery-max-instances: discovered instances a pool takes at most.
+        self.most = most
+        #: Each pool's discovered instances left out by ``most`` (said when it starts).
+        self._ignored: dict[str, int] = {}
         self.sources: dict[tuple[str, str], SourceState] = {}
         #: Failures by pool and kind since start, forgotten sources' included (a counter).
         self.errors: dict[tuple[str, str], int] = {}
@@ -91,18 +105,20 @@ class Membership:
             return
         if state.grace is not None and state.grace.active():
             state.grace.cancel()
-        if state.urls:
+        if state.applied:
             self._apply(role, source, (), True)
+        changes = self._allot(role)  # (room for what the cap left out)
         self._said()
+        self._applied(changes)
 
     def found(self, role: str, source: str, urls: Sequence[str]) -> None:
         """What ``source`` lists now (authoritative: an empty list means none)."""
         state = self.sources.get((role, source))
         if state is None:
             return  # forgotten while it was asking
+        before = self.status()
         state.answered = tuple(urls)
         allowed = tuple(sorted(set(self._allowed(state, urls))))
-        was, had = state.state, state.urls
         if state.state == "failing":
             log.info("{role}: {source} answers again", role=role, source=source)
         state.last_error = None
@@ -110,10 +126,10 @@ class Membership:
             self._stop_grace(state)
             state.state = "ok"
             state.urls = allowed
-            if state.state != was or state.urls != had:
+            changes = self._allot(role)
+            if self.status() != before:
                 self._said()  # (first: whoever waits for the change then reads this state)
-            if allowed != had:
-                self._apply(role, source, allowed, False)
+            self._applied(changes)
             return
         if not state.urls or self.grace <= 0:
             self._empty(state)
@@ -125,11 +141,11 @@ class Membership:
                 "unless it lists them again",
                 role=role,
                 source=source,
-                count=len(state.urls),
+                count=len(state.applied),
                 grace=self.grace,
             )
             state.grace = self.clock.callLater(self.grace, self._empty, state)
-        if state.state != was or state.urls != had:
+        if self.status() != before:
             self._said()
 
     def failed(self, role: str, source: str, reason: str) -> None:
@@ -148,7 +164,7 @@ class Membership:
                 "{role}: {source} failed, keeping its {count} known instances: {reason}",
                 role=role,
                 source=source,
-                count=len(state.urls),
+                count=len(state.applied),
                 reason=reason,
             )
             # (A grace already running goes on: its "none" was the last answer.)
@@ -162,6 +178,15 @@ class Membership:
             state.refused.clear()
             if state.answered is not None:
                 self.found(state.role, state.source, state.answered)
+
+    def use_most(self, most: int) -> None:
+        """A new --discovery-max-instances: every pool's sources allotted again."""
+        self.most = most
+        roles = sorted({state.role for state in self.sources.values()})
+        changes = [change for role in roles for change in self._allot(role)]
+        if changes:
+            self._said()
+        self._applied(changes)
 
     def counted(self) -> list[dict[str, Any]]:
         """The failures by pool and kind, for ``nixlproxy_discovery_errors_total``."""
@@ -183,12 +208,54 @@ class Membership:
         state.grace = None
         if self.sources.get((state.role, state.source)) is not state:
             return
-        was, had = state.state, state.urls
+        before = self.status()
         state.state, state.urls = "empty", ()
-        if was != "empty" or had:
+        changes = self._allot(state.role)
+        if self.status() != before:
             self._said()
-        if had:
-            self._apply(state.role, state.source, (), False)
+        self._applied(changes)
+
+    def _allot(self, role: str) -> list[tuple[SourceState, tuple[str, ...]]]:
+        """What each source of ``role`` may have within ``most``: sources by name, each's
+        URLs in order, an instance two list counted once; the sources whose share changed."""
+        taken: set[str] = set()
+        listed: set[str] = set()
+        changes = []
+        mine = sorted((s for s in self.sources.values() if s.role == role), key=lambda s: s.source)
+        for state in mine:
+            kept = []
+            for url in state.urls:
+                if url not in taken and len(taken) < self.most:
+                    taken.add(url)
+                if url in taken:
+                    kept.append(url)
+            listed.update(state.urls)
+            if tuple(kept) != state.applied:
+                state.applied = tuple(kept)
+                changes.append((state, state.applied))
+        ignored = len(listed) - len(taken)
+        was, self._ignored[role] = self._ignored.get(role, 0), ignored
+        if ignored and not was:
+            log.warn(
+                "{role}: discovery lists {count} instances, more than --discovery-max-instances "
+                "({most}): the first {most} by source and URL are used, {ignored} ignored",
+                role=role,
+                count=len(listed),
+                most=self.most,
+                ignored=ignored,
+            )
+        elif was and not ignored:
+            log.info(
+                "{role}: every discovered instance is used again (--discovery-max-instances "
+                "{most})",
+                role=role,
+                most=self.most,
+            )
+        return changes
+
+    def _applied(self, changes: list[tuple[SourceState, tuple[str, ...]]]) -> None:
+        for state, urls in changes:
+            self._apply(state.role, state.source, urls, False)
 
     def _stop_grace(self, state: SourceState) -> None:
         if state.grace is not None:

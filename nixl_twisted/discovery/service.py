@@ -61,6 +61,8 @@ class Discovery(Service):
         self._config = config
         found = config.discovery
         self.membership.grace = found.grace
+        if found.max_instances != self.membership.most:
+            self.membership.use_most(found.max_instances)
         allowed = AllowedBackends(found.allowed)
         if allowed.entries != self.membership.allowed.entries:
             self.membership.use_allowed(allowed)

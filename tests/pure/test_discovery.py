@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.names import dns
 from twisted.names.error import DNSNameError, DNSServerError
+from zope.interface import provider
 
 from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.config import ProxyConfig
@@ -126,6 +129,7 @@ def test_failures_never_empty_and_are_counted() -> None:
         "name": None,
         "state": "failing",
         "instances": 1,
+        "ignored": 0,
         "errors": 3,
         "last_error": "timed out",
     }
@@ -401,3 +405,67 @@ def test_a_new_allowed_list_applies_to_what_each_source_last_answered() -> None:
     found.found("decode", "dns+http://d.test:1", urls)
     found.use_allowed(AllowedBackends(("10.0.0.0/8", "192.168.0.0/16")))
     assert applied[-1] == ("decode", "dns+http://d.test:1", tuple(urls))
+
+
+def test_a_pool_takes_the_first_discovered_instances_up_to_the_cap_and_says_so_once(
+    cap_lines: list[str],
+) -> None:
+    clock, applied = Clock(), dict[str, tuple[str, ...]]()
+    found = Membership(
+        clock, lambda role, source, urls, retire: applied.__setitem__(source, urls), most=4
+    )
+    a, b = "dns+http://a.test:1", "dns+http://b.test:1"
+    found.add("decode", b)
+    found.add("decode", a)
+    many = [f"http://10.0.0.{i}:1" for i in (9, 1, 5, 3)]
+    for _ in range(3):  # every refresh lists the same: said once
+        found.found("decode", b, ["http://10.0.1.1:1", "http://10.0.0.1:1"])
+        found.found("decode", a, many)
+    # The first four by source (a before b), then URL; b's 10.0.0.1 is a's already.
+    assert applied == {
+        a: ("http://10.0.0.1:1", "http://10.0.0.3:1", "http://10.0.0.5:1", "http://10.0.0.9:1"),
+        b: ("http://10.0.0.1:1",),
+    }
+    assert [(s["name"], s["instances"], s["ignored"]) for s in found.status()] == [
+        (b, 1, 1),
+        (a, 4, 0),
+    ]
+    assert cap_lines == [
+        "decode: discovery lists 5 instances, more than --discovery-max-instances (4): "
+        "the first 4 by source and URL are used, 1 ignored"
+    ]
+
+    found.found("decode", a, many[:3])  # room again: b's other one joins
+    assert applied[b] == ("http://10.0.0.1:1", "http://10.0.1.1:1")
+    assert cap_lines[1:] == [
+        "decode: every discovered instance is used again (--discovery-max-instances 4)"
+    ]
+    found.use_most(2)  # a reload lowers the cap
+    assert applied == {a: ("http://10.0.0.1:1", "http://10.0.0.5:1"), b: ("http://10.0.0.1:1",)}
+    found.forget("decode", a)  # a source gone makes room for the others
+    assert applied[b] == ("http://10.0.0.1:1", "http://10.0.1.1:1")
+
+
+@pytest.fixture
+def cap_lines() -> Iterator[list[str]]:
+    lines: list[str] = []
+
+    @provider(ILogObserver)
+    def observe(event: dict[str, Any]) -> None:
+        if "discovery-max-instances" in formatEvent(event):
+            lines.append(formatEvent(event))
+
+    globalLogPublisher.addObserver(observe)
+    yield lines
+    globalLogPublisher.removeObserver(observe)
+
+
+def test_the_cap_is_an_option_with_a_default() -> None:
+    config = ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"])
+    assert config.discovery.max_instances == 256
+    config = ProxyConfig.create(
+        prefill=["http://p:1"], decode=["http://d:1"], discovery_max_instances=3
+    )
+    assert config.discovery.max_instances == 3
+    with pytest.raises(ConfigError, match="discovery-max-instances"):
+        ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], discovery_max_instances=0)
