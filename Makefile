@@ -10,11 +10,12 @@ BIN := $(VENV)/bin
 # What each step of `make test` needs first. `make test` installs once, then
 # runs every step with it empty: each step alone (`make lint`) still installs.
 STEP_NEEDS ?= install
-# What the test layers need besides: a real redis-server (--limits-redis).
-LAYER_NEEDS ?= redis-server
+# What the test layers need besides: a real redis-server (--limits-redis) and a
+# real dnsmasq (DNS discovery against a real resolver).
+LAYER_NEEDS ?= redis-server dnsmasq
 TEST_STEPS := lint layers docs-check bench-smoke demo-check
 
-.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo redis-server clean
+.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo redis-server dnsmasq clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +37,16 @@ redis-server:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }; \
 	}
 
+# The tests of DNS discovery against a real resolver start a dnsmasq (with CI=true
+# they fail without one, never skip): Debian's dnsmasq-base, the binary alone (no
+# service started), in /usr/sbin, which may not be on a user's PATH.
+dnsmasq:
+	@command -v dnsmasq >/dev/null || test -x /usr/sbin/dnsmasq || test -x /sbin/dnsmasq || { \
+		command -v apt-get >/dev/null || { echo "make: dnsmasq is missing, and there is no apt-get to install it" >&2; exit 1; }; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq-base >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq-base; }; \
+	}
+
 # The demo needs the package and the openai client only, not the test toolchain.
 install-demo: $(BIN)/python
 	rm -rf build
@@ -53,7 +64,7 @@ lint: $(STEP_NEEDS)
 # docs build, a benchmark smoke run and the demo, each a step of its own.
 # Every step runs even when one before it failed (a lint error must not hide
 # a failing test); the failed ones are listed at the end, and make fails.
-test: install redis-server
+test: install redis-server dnsmasq
 	@failed=""; \
 	for step in $(TEST_STEPS); do \
 		echo "==> make $$step"; \

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Coroutine, Sequence
+import typing
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
 from treq.client import HTTPClient
@@ -20,7 +21,9 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IResponse
 from zope.interface import provider
 
+from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.testing import FakeVLLM, RunningProxy, TransferLedger, start_proxy
+from nixl_twisted.testing.dnsmasq import Dnsmasq, DnsmasqMissing
 from nixl_twisted.testing.redis import RedisMissing, RedisServer
 
 T = TypeVar("T")
@@ -166,6 +169,25 @@ class ProxyCase(TestCase):
         self.assertTrue(answer["error"]["message"])
 
 
+class DiscoveryCase(ProxyCase):
+    """A proxy whose pools discovery fills: what it serves, and waits for its changes."""
+
+    def discovery(self) -> Discovery:
+        found = self.proxy.service.discovery
+        assert found is not None
+        return found
+
+    async def until(self, holds: Callable[[], bool]) -> None:
+        """Wait, change by change, until ``holds()``: each wait is for an applied change."""
+        while not holds():
+            await self.discovery().changed()
+
+    def serving(self, role: str) -> list[str]:
+        pool = self.proxy.service.backends.pool(role)
+        assert pool is not None
+        return sorted(i.url for i in pool.instances if not i.draining)
+
+
 class ChunkCollector(Protocol):
     """Collects a streamed body; ``done`` fires with its chunks at its end."""
 
@@ -198,14 +220,37 @@ def sse_events(body: bytes) -> list[Any]:
 
 
 async def real_redis(case: TestCase) -> RedisServer:
-    """A redis-server on loopback, stopped after ``case``; outside CI, a machine without
-    one skips the test (``make test`` installs it; with CI set, its absence fails)."""
-    redis = RedisServer(reactor)
-    case.addCleanup(redis.cleanup)
+    """A redis-server on loopback, stopped after ``case`` (``make test`` installs it)."""
+    return await _started(case, RedisServer(reactor), RedisMissing)
+
+
+async def real_dnsmasq(
+    case: TestCase, names: dict[str, list[str]], options: Sequence[str] = ()
+) -> Dnsmasq:
+    """A dnsmasq on loopback answering ``names``, stopped after ``case`` (``make test``
+    installs it)."""
+    return await _started(case, Dnsmasq(reactor, names, options), DnsmasqMissing)
+
+
+class _RealServer(typing.Protocol):
+    """A real server a test starts: redis-server, dnsmasq."""
+
+    async def start(self) -> None: ...
+
+    async def cleanup(self) -> None: ...
+
+
+Server = TypeVar("Server", bound=_RealServer)
+
+
+async def _started(case: TestCase, server: Server, missing: type[Exception]) -> Server:
+    """``server`` started, and cleaned up after ``case``; one the machine lacks (``missing``)
+    skips the test outside CI and fails it with CI set (``make test`` installs them)."""
+    case.addCleanup(server.cleanup)
     try:
-        await redis.start()
-    except RedisMissing as missing:
+        await server.start()
+    except missing as error:
         if os.environ.get("CI"):
-            raise  # (CI must run these: make test installs redis-server)
-        raise SkipTest(str(missing)) from None
-    return redis
+            raise
+        raise SkipTest(str(error)) from None
+    return server

@@ -10,17 +10,20 @@ Resolution is Twisted Names': asynchronous, no thread per lookup. A name is
 asked again when the shortest TTL of its answer runs out, bounded by
 ``--dns-min-refresh`` and ``--dns-max-refresh``; after a failure or an
 empty answer, from the least interval doubling to the most.
+
+Each query (A, AAAA, each SRV target's) answers or fails on its own: one
+that fails keeps what it last gave, and says so once; the name fails only
+when all of them fail.
 """
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.names import client, dns, hosts, resolve
@@ -28,15 +31,23 @@ from twisted.names.error import DNSNameError
 from twisted.python.failure import Failure
 
 from nixl_twisted.discovery.membership import Membership
+from nixl_twisted.discovery.queries import Asked, Records, ask_addresses, quiet, why
 
 log = Logger()
 
 #: Seconds a query waits for each try (and tries): 4 s in all, not Twisted's 60.
 QUERY_TIMEOUT = (1, 3)
 
+#: What each query last gave, by (type, name): a failed query's records stand in.
+Known = dict[tuple[str, str], Records]
+
 
 class NoRecords(Exception):
     """The name has no usable records: an authoritative none (NXDOMAIN, NODATA)."""
+
+
+class QueryFailed(Exception):
+    """Every query for the name failed (the reason, in words): its instances stay."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,10 @@ class Answer:
 
     urls: tuple[str, ...]
     ttl: float
+    #: The queries that failed while others answered (their last records stood in), in words.
+    failed: tuple[str, ...] = ()
+    #: What each query asked gave (or, failed, last gave): the next resolution's ``known``.
+    known: Known = field(default_factory=dict)
 
 
 def resolver(server: str | None, reactor: Any) -> Any:
@@ -52,9 +67,11 @@ def resolver(server: str | None, reactor: Any) -> Any:
     if server is not None:
         host, _, port = server.rpartition(":")
         return client.Resolver(
-            servers=[(host.strip("[]"), int(port))], reactor=reactor, timeout=QUERY_TIMEOUT
+            servers=[(host.strip("[]"), int(port))], reactor=quiet(reactor), timeout=QUERY_TIMEOUT
         )
-    system = client.Resolver(resolv="/etc/resolv.conf", reactor=reactor, timeout=QUERY_TIMEOUT)
+    system = client.Resolver(
+        resolv="/etc/resolv.conf", reactor=quiet(reactor), timeout=QUERY_TIMEOUT
+    )
     return resolve.ResolverChain([hosts.Resolver(file=b"/etc/hosts"), system])
 
 
@@ -66,64 +83,63 @@ def close(resolver: Any) -> None:
             call.cancel()
 
 
-async def resolve_member(resolver: Any, member: str) -> Answer:
-    """The instances a ``dns+`` or ``dnssrv+`` member names now; raises ``NoRecords``."""
+async def resolve_member(resolver: Any, member: str, known: Known | None = None) -> Answer:
+    """The instances a ``dns+`` or ``dnssrv+`` member names now, a failed query's ``known``
+    records standing in; raises ``NoRecords``, or ``QueryFailed`` when every query failed."""
+    known = known if known is not None else {}
     kind, _, url = member.partition("+")
     parts = urlsplit(url)
     name = parts.hostname or ""
+    asked: list[Asked] = []
     if kind == "dns":
-        found = await _addresses(resolver, name)
-        if not found:
-            raise NoRecords(f"{name} has no A or AAAA record")
         assert parts.port is not None
-        return Answer(tuple(_url(parts, a, parts.port) for a, _ in found), _ttl(found))
+        asked += await ask_addresses(resolver, name)
+        found = [(_url(parts, a, parts.port), ttl) for a, ttl in _records(asked, known)]
+        return _answer(asked, known, found, f"{name} has no A or AAAA record")
     try:
         answers, _, _ = await resolver.lookupService(name)
     except DNSNameError:
         raise NoRecords(f"{name} does not exist (NXDOMAIN)") from None
+    except CancelledError:
+        raise
+    except Exception:
+        raise QueryFailed(f"SRV query for {name} {why(Failure())}") from None
     records = [a for a in answers if a.type == dns.SRV]
-    urls: list[str] = []
-    ttls = [float(r.ttl) for r in records]
+    found = [("", float(r.ttl)) for r in records]
     for record in records:
-        target = str(record.payload.target)
-        for address, ttl in await _addresses(resolver, target):
-            urls.append(_url(parts, address, record.payload.port))
-            ttls.append(ttl)
+        target = await ask_addresses(resolver, str(record.payload.target))
+        asked += target
+        port = record.payload.port
+        found += [(_url(parts, a, port), ttl) for a, ttl in _records(target, known)]
+    return _answer(asked, known, found, f"{name} has no SRV record whose target has an address")
+
+
+def _records(asked: Iterable[Asked], known: Known) -> Records:
+    """What the queries give: each answered one's records, each failed one's last known."""
+    return tuple(
+        record
+        for each in asked
+        for record in (each.records if each.why is None else known.get((each.kind, each.name), ()))
+    )
+
+
+def _answer(asked: list[Asked], known: Known, found: list[tuple[str, float]], none: str) -> Answer:
+    """The answer the queries make, with ``found``'s (url, ttl); "" urls count for the TTL."""
+    failed = tuple(str(each) for each in asked if each.why is not None)
+    if asked and len(failed) == len(asked):
+        raise QueryFailed("; ".join(failed))
+    urls = tuple(dict.fromkeys(url for url, _ in found if url))
     if not urls:
-        raise NoRecords(f"{name} has no SRV record whose target has an address")
-    return Answer(tuple(urls), min(ttls))
-
-
-async def _addresses(resolver: Any, name: str) -> list[tuple[str, float]]:
-    """``name``'s IPv4 and IPv6 addresses with their TTLs; [] for NXDOMAIN or no record."""
-    asked = [resolver.lookupAddress(name), resolver.lookupIPV6Address(name)]
-    results = await DeferredList(asked, consumeErrors=True)
-    found: list[tuple[str, float]] = []
-    for ok, result in results:
-        if not ok:
-            assert isinstance(result, Failure)
-            if result.check(DNSNameError):
-                continue
-            result.raiseException()
-        answers, _, _ = result
-        for record in answers:
-            if record.type == dns.A:
-                found.append((record.payload.dottedQuad(), float(record.ttl)))
-            elif record.type == dns.AAAA:
-                found.append(
-                    (socket.inet_ntop(socket.AF_INET6, record.payload.address), float(record.ttl))
-                )
-    return found
+        raise NoRecords(none)
+    now = {(each.kind, each.name): each.records for each in asked if each.why is None}
+    was = {(e.kind, e.name): known.get((e.kind, e.name), ()) for e in asked if e.why is not None}
+    return Answer(urls, min(ttl for _, ttl in found), failed, {**was, **now})
 
 
 def _url(parts: Any, address: str, port: int) -> str:
     host = f"[{address}]" if ":" in address else address
     fragment = f"#{parts.fragment}" if parts.fragment else ""
     return f"{parts.scheme}://{host}:{port}{parts.path}{fragment}"
-
-
-def _ttl(found: Sequence[tuple[str, float]]) -> float:
-    return min(ttl for _, ttl in found)
 
 
 class DnsSource:
@@ -148,6 +164,9 @@ class DnsSource:
         self._next: IDelayedCall | None = None
         self._asking: Deferred[Answer] | None = None
         self.running = False
+        #: What each query last gave; the queries failing while others answer (said once).
+        self._known: Known = {}
+        self._failing: tuple[str, ...] = ()
 
     def start(self) -> None:
         self.running = True
@@ -164,7 +183,8 @@ class DnsSource:
     def resolve(self) -> None:
         """Ask now; the answer (or its failure) schedules the next time."""
         self._next = None
-        asking = self._asking = ensureDeferred(resolve_member(self.resolver, self.member))
+        asking = ensureDeferred(resolve_member(self.resolver, self.member, self._known))
+        self._asking = asking
         asking.addCallbacks(self._answered, self._failed)
         asking.addErrback(lambda failure: log.failure("DNS discovery error", failure))
 
@@ -174,7 +194,26 @@ class DnsSource:
         self._asking = None
         self._backoff = self.least
         self._again(min(self.most, max(self.least, answer.ttl)))
-        self.membership.found(self.role, self.member, answer.urls)
+        self._known = answer.known
+        trouble = "; ".join(answer.failed) or None
+        self.membership.found(self.role, self.member, answer.urls, trouble)
+        self._in_part(answer.failed)
+
+    def _in_part(self, failed: tuple[str, ...]) -> None:
+        """Queries failing while others answer: said when that changes, not each time."""
+        was, self._failing = self._failing, failed
+        if failed and failed != was:
+            log.warn(
+                "{role}: {source}: {failed}; the queries that answered are used, and what "
+                "the failed ones last gave",
+                role=self.role,
+                source=self.member,
+                failed="; ".join(failed),
+            )
+        elif was and not failed:
+            log.info(
+                "{role}: {source}: every query answers again", role=self.role, source=self.member
+            )
 
     def _failed(self, failure: Failure) -> None:
         self._asking = None
@@ -184,6 +223,8 @@ class DnsSource:
         self._backoff = min(self.most, self._backoff * 2)
         if failure.check(NoRecords):
             self.membership.found(self.role, self.member, ())
+        elif failure.check(QueryFailed):
+            self.membership.failed(self.role, self.member, failure.getErrorMessage())
         else:
             self.membership.failed(self.role, self.member, _reason(failure))
 

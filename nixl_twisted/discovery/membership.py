@@ -111,8 +111,11 @@ class Membership:
         self._said()
         self._applied(changes)
 
-    def found(self, role: str, source: str, urls: Sequence[str]) -> None:
-        """What ``source`` lists now (authoritative: an empty list means none)."""
+    def found(
+        self, role: str, source: str, urls: Sequence[str], trouble: str | None = None
+    ) -> None:
+        """What ``source`` lists now (authoritative: an empty list means none);
+        ``trouble``: what failed on the way, though the answer stands (its last error)."""
         state = self.sources.get((role, source))
         if state is None:
             return  # forgotten while it was asking
@@ -121,7 +124,7 @@ class Membership:
         allowed = tuple(sorted(set(self._allowed(state, urls))))
         if state.state == "failing":
             log.info("{role}: {source} answers again", role=role, source=source)
-        state.last_error = None
+        state.last_error = trouble
         if allowed:
             self._stop_grace(state)
             state.state = "ok"

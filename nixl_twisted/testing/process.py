@@ -6,7 +6,8 @@ One way to start it and learn its address, for the demo and the benchmark
 very interpreter and read the address from the proxy's own log line,
 ``nixlproxy listening on ADDRESS`` (text) or its ``address`` field (JSON).
 :class:`WatchedProcess`, what ``TwistdProtocol`` is without the proxy's
-address, watches any other child process (``python -m nixl_twisted.testing``).
+address, watches any other child process (``python -m nixl_twisted.testing``);
+:class:`ServerProcess` is a real server's (``redis``, ``dnsmasq``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -134,6 +137,15 @@ class WatchedProcess(ProcessProtocol):
         self._wake()
         return waiting
 
+    async def terminate(self) -> None:
+        """SIGTERM, unless it has ended; returns once it has exited."""
+        if self.ended.called:
+            return
+        exited: Deferred[int | None] = Deferred()
+        self.ended.addBoth(exited.callback)
+        self.transport.signalProcess("TERM")  # type: ignore[union-attr]
+        await exited
+
     def outReceived(self, data: bytes) -> None:
         self.output += data
         self._heard()
@@ -168,6 +180,25 @@ class WatchedProcess(ProcessProtocol):
             self.ended.callback(ended.exitCode)
         else:
             self.ended.errback(reason)
+
+
+class ServerProcess:
+    """A real server a test runs (redis-server, dnsmasq): its process, and a directory of
+    its own that goes with it."""
+
+    def __init__(self, prefix: str) -> None:
+        self.process: WatchedProcess | None = None
+        self._dir = tempfile.mkdtemp(prefix=prefix)
+
+    async def stop(self) -> None:
+        """Stop it (SIGTERM); returns once it has exited."""
+        process, self.process = self.process, None
+        if process is not None:
+            await process.terminate()
+
+    async def cleanup(self) -> None:
+        await self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 class TwistdProtocol(WatchedProcess):

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import shutil
 import socket
-import tempfile
 from typing import Any
 
-from twisted.internet.defer import Deferred
-
-from nixl_twisted.testing.process import WatchedProcess
+from nixl_twisted.testing.process import ServerProcess, WatchedProcess
 
 READY = b"Ready to accept connections"
 
@@ -30,14 +27,13 @@ def _free_port() -> int:
         return port
 
 
-class RedisServer:
+class RedisServer(ServerProcess):
     """One ``redis-server`` process on 127.0.0.1, started and stopped by a test."""
 
     def __init__(self, reactor: Any) -> None:
         self.reactor = reactor
         self.port = _free_port()
-        self.process: WatchedProcess | None = None
-        self._dir = tempfile.mkdtemp(prefix="nixlproxy-redis-")
+        super().__init__("nixlproxy-redis-")
 
     @property
     def url(self) -> str:
@@ -61,20 +57,6 @@ class RedisServer:
 
         process.ended.addBoth(exited)
         await ready
-
-    async def stop(self) -> None:
-        """Stop it (SIGTERM); returns once it has exited."""
-        process, self.process = self.process, None
-        if process is None or process.ended.called:
-            return
-        ended: Deferred[int | None] = Deferred()
-        process.ended.addBoth(ended.callback)
-        process.transport.signalProcess("TERM")  # type: ignore[union-attr]
-        await ended
-
-    async def cleanup(self) -> None:
-        await self.stop()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _exited(process: WatchedProcess) -> Exception:
