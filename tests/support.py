@@ -219,9 +219,10 @@ def sse_events(body: bytes) -> list[Any]:
     return events
 
 
-async def real_redis(case: TestCase) -> RedisServer:
-    """A redis-server on loopback, stopped after ``case`` (``make test`` installs it)."""
-    return await _started(case, RedisServer(reactor), RedisMissing)
+async def real_redis(case: TestCase, *options: str) -> RedisServer:
+    """A redis-server on loopback (with these options of its own), stopped after ``case``
+    (``make test`` installs it)."""
+    return await _started(case, RedisServer(reactor, options), RedisMissing)
 
 
 async def real_dnsmasq(

@@ -238,6 +238,13 @@ class ProxyMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.tenant_limits_decided_alone = Counter(
+            "nixlproxy_tenant_limits_decided_alone",
+            "Requests whose tenant's requests and tokens per minute this process decided "
+            "alone because --limits-redis could not say, by why.",
+            ["reason"],
+            registry=r,
+        )
         self.missing_kv_transfer_params = Counter(
             "nixlproxy_prefill_missing_kv_transfer_params",
             "Prefill answers without usable kv_transfer_params.",

@@ -299,10 +299,7 @@ def build(
     site.client_keys = app.client_keys
     root = ProxyService(config, app, site, backends, reactor, clock)
     if config.tenants.redis is not None:
-        fallback = metrics.tenant_limits_fallback
-        windows = SharedWindows(
-            config.tenants.redis, clock, reactor, lambda alone: fallback.set(int(alone))
-        )
+        windows = SharedWindows(config.tenants.redis, clock, reactor, metrics)
         windows.setServiceParent(root)
         app.tenancy.shared = windows
     backends.kv_events.setServiceParent(root)

@@ -19,7 +19,8 @@
 - :class:`Twistd` and :func:`spawn_twistd` (``process``) run a real
   ``twistd nixlproxy`` and learn where it listens;
 - ``redis.RedisServer`` runs a real ``redis-server`` on loopback (for
-  ``--limits-redis``), ready when it says so;
+  ``--limits-redis``), ready when it says so, and ``resp.ScriptedRedis``
+  speaks Redis's protocol as a test scripts it (garbage and wrong shapes);
 - ``dnsmasq.Dnsmasq`` runs a real ``dnsmasq`` on loopback, its names from a
   hosts file and no upstream (for DNS discovery), ready when it says so.
 

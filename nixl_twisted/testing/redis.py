@@ -2,13 +2,16 @@
 
 Started on a free port with nothing saved to disk, ready once it says it
 accepts connections (no polling), stopped with SIGTERM; started again on
-the same port, it is the same address with an empty memory.
+the same port, it is the same address with an empty memory. Options of
+``redis-server``'s own are passed on (``("--maxclients", "1")``,
+``("--requirepass", "secret")``), to make it refuse a client as it would.
 """
 
 from __future__ import annotations
 
 import shutil
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from nixl_twisted.testing.process import ServerProcess, WatchedProcess
@@ -30,8 +33,9 @@ def _free_port() -> int:
 class RedisServer(ServerProcess):
     """One ``redis-server`` process on 127.0.0.1, started and stopped by a test."""
 
-    def __init__(self, reactor: Any) -> None:
+    def __init__(self, reactor: Any, options: Sequence[str] = ()) -> None:
         self.reactor = reactor
+        self.options = list(options)
         self.port = _free_port()
         super().__init__("nixlproxy-redis-")
 
@@ -46,7 +50,7 @@ class RedisServer(ServerProcess):
             raise RedisMissing("redis-server is not installed (make test installs it)")
         process = self.process = WatchedProcess()
         args = [command, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
-        args += ["--appendonly", "no", "--dir", self._dir]
+        args += ["--appendonly", "no", "--dir", self._dir, *self.options]
         self.reactor.spawnProcess(process, command, args, env={}, path=self._dir)
         ready = process.said(READY)
 

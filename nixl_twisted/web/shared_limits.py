@@ -13,27 +13,33 @@ would be given back by the process that took it, and a process that dies or
 loses Redis mid-request would hold it for good (``security.md``).
 
 Redis must never fail a request: a call not answered within ``TIMEOUT`` s,
-or any error, lets the process decide with its own counters, said once per
-change of state (the log, ``nixlproxy_tenant_limits_fallback``). While Redis
-is known unreachable no call is tried; its connection comes back on its own.
+any error, or a reply of the wrong shape lets the process decide with its
+own counters, said in words once per change of state (the log,
+``nixlproxy_tenant_limits_fallback``) and counted for each request
+(``nixlproxy_tenant_limits_decided_alone_total``). While Redis is known
+unreachable no call is tried; its connection comes back on its own
+(``redis_link``), refused ones included.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import itertools
+import math
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from twisted.application.service import Service
+from twisted.internet import defer
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.web.redis_link import RETRY, RedisLink
 
 log = Logger()
 
@@ -110,89 +116,96 @@ class Verdict:
     member: str = ""
 
 
+class WrongReply(Exception):
+    """Redis answered a script with a reply of another shape than the script's."""
+
+    def __init__(self, reply: object) -> None:
+        shown = repr(reply)
+        super().__init__(shown if len(shown) <= 80 else shown[:77] + "...")
+
+
 class SharedWindows(Service):
     """Requests and tokens per minute in Redis, for every process; None when Redis cannot say."""
 
     def __init__(
-        self,
-        url: str,
-        clock: IReactorTime,
-        timer: IReactorTime,
-        on_fallback: Callable[[bool], None],
+        self, url: str, clock: IReactorTime, timer: IReactorTime, metrics: ProxyMetrics
     ) -> None:
-        """``clock``: the proxy's time (the windows'); ``timer``: the reactor, for the
-        timeout of each call (network time, not the proxy's)."""
+        """``clock``: the proxy's time (the windows', and the wait before a refused
+        connection is made again); ``timer``: the reactor, for the timeout of each
+        call (network time, not the proxy's)."""
         self.url = url
         self.clock = clock
         self.timer = timer
-        self.on_fallback = on_fallback
+        self.metrics = metrics
         #: Each process's requests have names of their own.
         self._names = (f"{uuid.uuid4().hex[:12]}:{n}" for n in itertools.count())
         self.fallback = False
-        self._waiting: list[Deferred[None]] = []
-        #: txredisapi's connection, from the start of the service (before the listeners').
-        self.redis: Any = None
+        #: The connection, opened at the start of the service (before the listeners').
+        self.link = RedisLink(url, clock, self._refused)
 
     def startService(self) -> None:
         super().startService()
-        self.redis = _connect(self.url, self._connected)
+        self.link.start()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
-        closing: Deferred[None] = self.redis.disconnect()
-        return closing.addErrback(lambda _: None)
+        return self.link.stop()
 
     def admit(
         self, tenant: str, rpm: int, tpm: int, estimate: int | None
     ) -> Deferred[Verdict | None]:
         """Count a request for ``tenant`` in Redis; None: Redis could not say in time."""
-        if self.fallback and not self._factory.size:
+        if self.fallback and not self.link.open:
+            self._decided_alone("not_connected")
             return succeed(None)  # (known unreachable: no call, no wait)
         now = self._now_ms()
         member = next(self._names)
-        sent = self.redis.eval(
+        sent = self.link.eval(
             ADMIT,
             _keys(tenant),
             [now, WINDOW_MS, rpm, tpm, -1 if estimate is None else estimate, member],
         )
 
-        def decided(answer: list[Any]) -> Verdict:
+        def decided(answer: object) -> Verdict:
+            code, oldest = _admission(answer)
             self._shared()
-            if int(answer[0]) == 0:
+            if code == 0:
                 return Verdict(True, member=member)
-            wait = max(1.0, (float(answer[1]) + WINDOW_MS - now) / 1000)  # (clocks may differ)
-            limit = (
-                f"{rpm} requests per minute" if int(answer[0]) == 1 else f"{tpm} tokens per minute"
-            )
+            wait = max(1.0, (oldest + WINDOW_MS - now) / 1000)  # (clocks may differ)
+            limit = f"{rpm} requests per minute" if code == 1 else f"{tpm} tokens per minute"
             return Verdict(False, limit, wait)
 
-        return self._bounded(sent).addCallbacks(decided, self._failed)
+        def alone(failure: Failure) -> None:
+            if failure.check(CancelledError):
+                failure.raiseException()  # (its client left: nothing said of Redis)
+            reason, what = _why(failure, self.link.open)
+            self._decided_alone(reason)
+            self._away(what)
+
+        return self._bounded(sent).addCallback(decided).addErrback(alone)
 
     def charge(self, tenant: str, member: str, tokens: int) -> None:
         """What an admitted request used, in place of its estimate (best effort)."""
-        if self.fallback and not self._factory.size:
+        if self.fallback and not self.link.open:
             return  # (its estimate leaves the window on its own)
-        sent = self.redis.eval(
+        sent = self.link.eval(
             CHARGE, _keys(tenant)[1:], [self._now_ms(), WINDOW_MS, member, tokens]
         )
-        self._bounded(sent).addCallbacks(lambda _: self._shared(), self._failed)
+
+        def charged(answer: object) -> None:
+            if answer != 1:
+                raise WrongReply(answer)
+            self._shared()
+
+        def failed(failure: Failure) -> None:
+            if not failure.check(CancelledError):
+                self._away(_why(failure, self.link.open)[1])
+
+        self._bounded(sent).addCallback(charged).addErrback(failed)
 
     def connected(self) -> Deferred[None]:
         """Fires when a connection to Redis is next made (for tests and operators)."""
-        waiting: Deferred[None] = Deferred()
-        self._waiting.append(waiting)
-        return waiting
-
-    @property
-    def _factory(self) -> Any:
-        # (txredisapi's handler keeps its factory private; its size is the
-        # connections open now, which says whether a call can be sent at all)
-        return self.redis._factory
-
-    def _connected(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for each in waiting:
-            each.callback(None)
+        return self.link.connected()
 
     def _now_ms(self) -> int:
         return int(self.clock.seconds() * 1000)
@@ -200,27 +213,61 @@ class SharedWindows(Service):
     def _bounded(self, sent: Deferred[Any]) -> Deferred[Any]:
         return sent.addTimeout(TIMEOUT, self.timer)
 
+    def _decided_alone(self, reason: str) -> None:
+        self.metrics.tenant_limits_decided_alone.labels(reason=reason).inc()
+
+    def _refused(self, why: str) -> None:
+        self._away(f"refused the connection ({why}; tried again every {RETRY:g} s)")
+
     def _shared(self) -> None:
         if self.fallback:
             self.fallback = False
-            self.on_fallback(False)
+            self.metrics.tenant_limits_fallback.set(0)
             log.info(
                 "tenant limits: Redis {url} answers again; limits are shared", url=_shown(self.url)
             )
 
-    def _failed(self, failure: Failure) -> Failure | None:
-        if failure.check(CancelledError):
-            return failure  # (its client left: nothing said of Redis)
+    def _away(self, what: str) -> None:
         if not self.fallback:
             self.fallback = True
-            self.on_fallback(True)
+            self.metrics.tenant_limits_fallback.set(1)
             log.warn(
-                "tenant limits: Redis {url} did not answer ({why}); each process counts its "
-                "own requests and tokens per minute until it does",
+                "tenant limits: Redis {url} {what}; each process counts its own requests and "
+                "tokens per minute until it answers again",
                 url=_shown(self.url),
-                why=failure.getErrorMessage() or repr(failure.value),
+                what=what,
             )
-        return None
+
+
+def _admission(answer: object) -> tuple[int, float]:
+    """The script's answer: its code (0, 1 or 2) and, when refused, the oldest score."""
+    if isinstance(answer, list) and answer and type(answer[0]) is int:
+        if answer == [0]:
+            return 0, 0.0
+        if answer[0] in (1, 2) and len(answer) == 2 and type(answer[1]) in (int, float, str):
+            try:
+                oldest = float(answer[1])
+            except ValueError:
+                raise WrongReply(answer) from None
+            if math.isfinite(oldest):
+                return answer[0], oldest
+    raise WrongReply(answer)
+
+
+def _why(failure: Failure, connected: bool) -> tuple[str, str]:
+    """Why Redis could not say: the reason counted, and what the log says, in words."""
+    message = failure.getErrorMessage()
+    if failure.check(defer.TimeoutError):
+        if connected:
+            return "timeout", f"did not answer within {TIMEOUT * 1000:g} ms"
+        return "not_connected", f"could not be reached (no connection within {TIMEOUT * 1000:g} ms)"
+    if failure.check(WrongReply, "txredisapi.InvalidResponse"):
+        return "wrong_reply", f"answered with a reply of the wrong shape ({message})"
+    if failure.check("txredisapi.ConnectionError"):
+        return "not_connected", f"could not be reached ({message})"
+    if failure.check("txredisapi.ResponseError"):
+        return "error", f"answered with an error ({message})"
+    return "error", f"failed ({type(failure.value).__name__}: {message})"
 
 
 def _keys(tenant: str) -> list[str]:
@@ -233,31 +280,3 @@ def _shown(url: str) -> str:
     parts = urlsplit(url)
     host = parts.hostname or ""
     return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
-
-
-def _connect(url: str, connected: Callable[[], None]) -> Any:
-    """A txredisapi connection that reconnects on its own (imported only when used)."""
-    txredisapi = importlib.import_module("txredisapi")
-    parts = urlsplit(url)
-    database = parts.path.strip("/")
-    redis = txredisapi.lazyConnection(
-        host=parts.hostname,
-        port=parts.port or 6379,
-        dbid=int(database) if database else None,
-        password=unquote(parts.password) if parts.password else None,
-        username=unquote(parts.username) if parts.username else None,
-        ssl_context_factory=parts.scheme == "rediss",
-        connectTimeout=1,
-    )
-    factory = redis._factory
-    # Back within a second of Redis, not txredisapi's ten.
-    factory.initialDelay, factory.maxDelay = 0.1, 1.0
-    added = factory.addConnection
-
-    def addConnection(connection: Any) -> None:
-        added(connection)
-        if factory.size:
-            connected()
-
-    factory.addConnection = addConnection
-    return redis

@@ -156,3 +156,28 @@ def test_the_proxy_imports_no_redis_client_unless_limits_redis_is_set() -> None:
         "assert 'txredisapi' not in sys.modules, 'txredisapi imported'"
     )
     subprocess.run([sys.executable, "-c", check], check=True)
+
+
+@pytest.mark.parametrize(
+    ("given_up", "said"),
+    [
+        (
+            "Redis error: could not set dbid=0: ERR max number of clients reached",
+            "SELECT 0 failed: ERR max number of clients reached",
+        ),
+        (
+            "Redis error: could not auth: WRONGPASS invalid username-password pair",
+            "AUTH failed: WRONGPASS invalid username-password pair",
+        ),
+        (
+            "Redis error: could not set dbid=3: Not received Redis response in 1.0 seconds",
+            "SELECT 3 got no answer within 1 s",
+        ),
+        ("Redis error: could not auth: Lost connection", "the connection closed during AUTH"),
+        ("Redis error: something else", "something else"),
+    ],
+)
+def test_why_txredisapi_gave_up_on_a_connection_is_said_in_words(given_up: str, said: str) -> None:
+    from nixl_twisted.web.redis_link import handshake_failure
+
+    assert handshake_failure(given_up) == said
