@@ -59,7 +59,8 @@ class ErrorCode(enum.Enum):
         "invalid_json",
         400,
         _CLIENT,
-        "the body (a completion's or an admin change's) is not JSON",
+        "the body (a completion's or an admin change's) is not JSON, or holds `NaN`, "
+        "`Infinity` or a number no double holds (`1e400`)",
     )
     INVALID_BODY = (
         "invalid_body",

@@ -7,6 +7,7 @@ of the proxy's identity (``nixl_twisted.identity.VERSION``).
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -45,15 +46,33 @@ def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float; one too large for a double (``1e400``) is refused.
+
+    Python would read it as infinity, which no JSON encoder writes back: a
+    leg's body would then fail to encode, a 500 for a client's mistake.
+    """
+    value = float(text)
+    if math.isinf(value):
+        shown = text if len(text) <= 24 else text[:24] + "..."
+        raise ValueError(f"the number {shown} does not fit in a double")
+    return value
+
+
 # Built once: ``json.loads``/``json.dumps`` with keyword arguments build a new
 # decoder or encoder on every call, which showed in the hot path's profile.
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
 _UTF8_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
 _ASCII_ENCODER = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 
 
-def _loads(raw: bytes) -> Any:
-    """``json.loads`` for bytes (UTF-8, -16 or -32, as RFC 8259 allows)."""
+def read_json(raw: bytes) -> Any:
+    """``json.loads`` for bytes (UTF-8, -16 or -32, as RFC 8259 allows), strictly.
+
+    ``NaN``, ``Infinity`` and numbers too large for a double (``1e400``) are a
+    ``ValueError``, as malformed JSON is; a nesting past Python's recursion
+    limit is a ``RecursionError``.
+    """
     return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
 
 
@@ -65,11 +84,12 @@ def parse_client_body(raw: bytes) -> JSONObject:
     """Parse a client's body; anything but a JSON object is a 400.
 
     ``NaN`` and ``Infinity`` are refused: they are not JSON, and vLLM's
-    parser would refuse them on a leg the client never sees. Nesting past
-    Python's recursion limit (about 990 levels) is a 400 too.
+    parser would refuse them on a leg the client never sees; so is a number
+    too large for a double (``1e400``), which would read as infinity.
+    Nesting past Python's recursion limit (about 990 levels) is a 400 too.
     """
     try:
-        body = _loads(raw)
+        body = read_json(raw)
     except RecursionError:
         raise _too_deep() from None
     except (ValueError, UnicodeDecodeError) as error:
@@ -290,7 +310,7 @@ def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
     current vLLM puts there, including keys that do not exist yet.
     """
     try:
-        answer = _loads(raw)
+        answer = read_json(raw)
     except (ValueError, UnicodeDecodeError):
         raise ProxyError(
             ErrorCode.PREFILL_INVALID_RESPONSE,

@@ -12,7 +12,6 @@ token is a 401, logged without the token.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +23,7 @@ from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config.values import InvalidValue, backend_url
+from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 
@@ -66,9 +66,9 @@ class AdminAPI:
         }
 
     def _target(self, body: bytes) -> tuple[BackendPool, str]:
-        try:
-            change = json.loads(body)
-        except ValueError:
+        try:  # (as strict as a client's body: no NaN, no 1e400, no bottomless nesting)
+            change = lowering.read_json(body)
+        except (ValueError, RecursionError):
             raise ProxyError(
                 ErrorCode.INVALID_JSON, 'the body must be JSON: {"pool": ..., "url": ...}'
             ) from None

@@ -148,6 +148,21 @@ def test_bad_changes_are_4xx() -> None:
     assert code == 404
 
 
+def test_a_change_that_is_not_strict_json_is_400_and_changes_nothing() -> None:
+    setup = Setup(admin_token=TOKEN)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    before = [i.url for i in setup.proxy.app.backends.decode.instances]
+    for raw in (
+        b'{"pool": "decode", "url": "http://x:1", "weight": 1e400}',
+        b'{"pool": "decode", "url": "http://x:1", "weight": NaN}',
+        b"[" * 100_000,
+    ):
+        answer = setup.proxy.request("POST", "/admin/backends", raw, headers).answer()
+        assert answer.status == 400, answer.body
+        assert answer.json()["error"]["code"] == "invalid_json"
+    assert [i.url for i in setup.proxy.app.backends.decode.instances] == before
+
+
 def test_a_url_with_cr_lf_is_refused_unstored_and_never_logged_raw(
     logged: list[dict[str, Any]],
 ) -> None:

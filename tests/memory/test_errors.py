@@ -21,6 +21,34 @@ def test_invalid_json_is_400_and_no_backend_called() -> None:
     assert setup.prefill.requests + setup.decode.requests == []
 
 
+#: A body of each route that parses one, with a number no double holds in a field.
+_OVERFLOWING = {
+    "/v1/completions": b'{"model": "m", "prompt": "hi", "temperature": 1e400}',
+    "/v1/chat/completions": b'{"model": "m", "messages": [], "logit_bias": {"1": -1e400}}',
+    "/v1/responses": b'{"model": "m", "input": "hi", "top_p": 1E+999}',
+    "/v1/messages": b'{"model": "m", "max_tokens": 5, "messages": [], "temperature": 1e400}',
+    "/v1/messages/count_tokens": b'{"model": "m", "messages": [], "x": 1e400}',
+    "/tokenize": b'{"model": "m", "prompt": "hi", "x": [1e400]}',
+    "/detokenize": b'{"model": "m", "tokens": [1], "x": 1e400}',
+    "/v1/responses/resp_1/cancel": b'{"x": 1e400}',
+}
+
+
+def test_a_number_too_large_for_a_double_is_400_on_every_route(
+    logged: list[dict[str, Any]],
+) -> None:
+    setup = Setup()
+    for path, raw in _OVERFLOWING.items():
+        answer = setup.post(path, raw).answer()
+        assert answer.status == 400, (path, answer.body)
+        said = answer.json()["error"]
+        assert "1e400" in said["message"].lower() or "1e+999" in said["message"].lower()
+        if "messages" not in path:  # (Anthropic's error shape has no code)
+            assert said["code"] == "invalid_json"
+    assert setup.prefill.requests + setup.decode.requests == []
+    assert not [e for e in logged if e.get("log_level") in (LogLevel.critical, LogLevel.error)]
+
+
 def test_body_that_is_not_an_object_is_400() -> None:
     setup = Setup()
     for body in ([FULL_CHAT], "text", 3, None):

@@ -145,6 +145,9 @@ def test_a_lone_surrogate_from_the_client_is_sent_escaped() -> None:
         (b"{", "invalid_json"),
         (b'{"a": NaN}', "invalid_json"),
         (b'{"a": Infinity}', "invalid_json"),
+        (b'{"a": 1e400}', "invalid_json"),
+        (b'{"a": [{"b": -1E+999}]}', "invalid_json"),
+        (b'{"a": 1%s.5}' % (b"0" * 400), "invalid_json"),
         (b"\xff", "invalid_json"),
         (b"[]", "invalid_body"),
         (b'"text"', "invalid_body"),
@@ -236,6 +239,7 @@ def test_kv_transfer_params_extracted_verbatim() -> None:
         (b'{"id": "x"}', "missing_kv_transfer_params"),
         (b"[1]", "missing_kv_transfer_params"),
         (b'{"kv_transfer_params": {"x": NaN}}', "prefill_invalid_response"),
+        (b'{"kv_transfer_params": {"x": 1e400}}', "prefill_invalid_response"),
         (b'{"kv_transfer_params": null}', "invalid_kv_transfer_params"),
         (b'{"kv_transfer_params": [1]}', "invalid_kv_transfer_params"),
     ],
@@ -263,3 +267,10 @@ def test_a_tenants_priority_replaces_an_earlier_one_and_keeps_a_later_one() -> N
     assert with_priority(chat, {"priority": "0"}, 5) == {"priority": 5}
     assert with_priority("/v1/responses", {}, 0) == {"priority": 0}
     assert with_priority("/v1/messages", {"max_tokens": 1}, 5) == {"max_tokens": 1}
+
+
+def test_numbers_a_double_holds_are_kept_as_sent() -> None:
+    raw = b'{"a": 1e308, "b": -1.5e-400, "c": %s, "d": 0.1}' % (b"9" * 400)
+    body = parse_client_body(raw)
+    assert body == {"a": 1e308, "b": -0.0, "c": int("9" * 400), "d": 0.1}
+    assert parse_client_body(encode(body)) == body
