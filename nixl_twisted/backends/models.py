@@ -97,6 +97,39 @@ def resolve(requested: object, decode: Iterable[Instance]) -> Resolved:
     return Resolved(requested, False)  # (only an instance that never said may serve it)
 
 
+def context_length(model: object, decode: Iterable[Instance]) -> int | None:
+    """The most tokens one sequence of ``model`` may hold (prompt and completion), as the
+    decode instances' cards say (vLLM's ``max_model_len``; an adapter's is its
+    ``parent``'s); the largest any instance says, for the instance a request
+    lands on may be that one.
+
+    A model no card describes (or None, or not a string) gets the largest any
+    card says; None when no card says one.
+    """
+    named: int | None = None
+    largest: int | None = None
+    for instance in decode:
+        cards = instance.models
+        if instance.draining or not cards:
+            continue
+        for card in cards.values():
+            said = _max_model_len(card, cards)
+            if said is not None and (largest is None or said > largest):
+                largest = said
+        asked = cards.get(model) if isinstance(model, str) else None
+        said = None if asked is None else _max_model_len(asked, cards)
+        if said is not None and (named is None or said > named):
+            named = said
+    return named if named is not None else largest
+
+
+def _max_model_len(card: dict[str, Any], cards: dict[str, dict[str, Any]]) -> int | None:
+    said = card.get("max_model_len")
+    if said is None and isinstance(card.get("parent"), str):
+        said = cards.get(card["parent"], {}).get("max_model_len")  # (a LoRA adapter's)
+    return said if type(said) is int and said > 0 else None
+
+
 def listing(decode: Iterable[Instance]) -> dict[str, Any] | None:
     """``GET /v1/models``' answer: each model the healthy decode instances serve, once.
 

@@ -1,11 +1,13 @@
 """How long a request's prompt is, estimated without a tokenizer (``estimate_tokens``).
 
 The decide rules (``nixl_twisted.exchange.decide``) compare it with their
-thresholds. A token-id prompt is counted exactly; text is counted as its
-UTF-8 bytes over ``BYTES_PER_TOKEN``, about what vLLM's tokenizers give on
-English (three to five bytes a token; fewer bytes on code, more on CJK
-text, where each character is three bytes and about a token). The chat
-template's own tokens are not counted: the estimate errs short by a few.
+thresholds; a tenant's tokens per minute charge it, media parts included
+(``charged_prompt_tokens``, ``charges``). A token-id prompt is counted
+exactly; text is counted as its UTF-8 bytes over ``BYTES_PER_TOKEN``, about
+what vLLM's tokenizers give on English (three to five bytes a token; fewer
+bytes on code, more on CJK text, where each character is three bytes and
+about a token). The chat template's own tokens are not counted: the
+estimate errs short by a few.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ MEDIA_PARTS = frozenset(
         "document",
     }
 )
+#: The tokens a media part is charged to its tenant before vLLM's usage says
+#: (``charged_prompt_tokens``): about a 1024x1024 image for many vision
+#: encoders (576 to 4,096 for the common ones); more in vLLM's usage is
+#: charged when the answer ends.
+MEDIA_PART_TOKENS = 1024
 #: Fields that bring in turns the body does not show (the Responses API's).
 _STORED_TURNS = ("previous_response_id", "conversation")
 
@@ -54,14 +61,39 @@ def estimate_tokens(path: str, body: dict[str, Any]) -> int | None:
     """
     if any(body.get(name) is not None for name in _STORED_TURNS):
         return None
+    measured = _measure(path, body)
+    if measured is None or measured[1]:
+        return None
+    return measured[0]
+
+
+def charged_prompt_tokens(path: str, body: dict[str, Any]) -> int:
+    """The prompt's tokens as a tenant is charged them before vLLM says: its text
+    estimated as ``estimate_tokens`` does, and ``MEDIA_PART_TOKENS`` for each media part.
+
+    Stored turns the body does not show are not counted: vLLM's usage, which
+    replaces the charge when the answer ends, counts them.
+    """
+    measured = _measure(path, body)
+    if measured is None:
+        return 0
+    tokens, media = measured
+    return tokens + media * MEDIA_PART_TOKENS
+
+
+def _measure(path: str, body: dict[str, Any]) -> tuple[int, int] | None:
+    """The prompt's text tokens and its media parts; None when it has no prompt field."""
     prompt = body.get("prompt")
     if path == routes.COMPLETIONS and isinstance(prompt, list) and _token_ids(prompt):
-        return len(prompt)
+        return len(prompt), 0
     texts = [body[name] for name in PROMPT_FIELDS.get(path, ()) if name in body]
     if not any(_has_text(value) for value in texts):
         return None
-    sizes = [_text_bytes(value) for value in texts]
-    return None if -1 in sizes else -(-sum(sizes) // BYTES_PER_TOKEN)
+    size = media = 0
+    for value in texts:
+        more, parts = _text_bytes(value)
+        size, media = size + more, media + parts
+    return -(-size // BYTES_PER_TOKEN), media
 
 
 def _token_ids(prompt: list[Any]) -> bool:
@@ -72,15 +104,16 @@ def _has_text(value: object) -> bool:
     return isinstance(value, str | list | dict) and bool(value)
 
 
-def _text_bytes(value: object) -> int:
-    """The UTF-8 bytes of every string in ``value`` (keys aside), -1 if it holds a media part.
+def _text_bytes(value: object) -> tuple[int, int]:
+    """The UTF-8 bytes of every string in ``value`` (keys aside), and its media parts.
 
-    A token id counts as a token.
+    A token id counts as a token. A media part's own strings (a URL, base64
+    data) are not its tokens: the encoder's are, so it is counted apart.
 
     Walked with a stack, not recursion: a body nested as deep as the JSON
     parser allowed must not overflow Python's stack here.
     """
-    size = 0
+    size = media = 0
     pending = [value]
     while pending:
         item = pending.pop()
@@ -90,8 +123,9 @@ def _text_bytes(value: object) -> int:
             pending.extend(item)
         elif isinstance(item, dict):
             if item.get("type") in MEDIA_PARTS:
-                return -1  # its tokens are the encoder's to say, not its bytes
+                media += 1
+                continue
             pending.extend(item.values())
         elif type(item) is int:
             size += BYTES_PER_TOKEN
-    return size
+    return size, media

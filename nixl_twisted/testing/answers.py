@@ -22,11 +22,14 @@ def vllm_error(status: int, message: str) -> bytes:
     return encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 
-def models(model: str, adapters: Sequence[str] = (), created: int = 0) -> bytes:
-    """``GET /v1/models``: the base model, then each LoRA adapter (its ``parent``); each
-    card ``created`` when asked, as vLLM's are."""
+def models(
+    model: str, adapters: Sequence[str] = (), created: int = 0, max_model_len: int = 1024
+) -> bytes:
+    """``GET /v1/models``: the base model with its context (``max_model_len``), then each
+    LoRA adapter (its ``parent``, no context of its own); each card ``created`` when
+    asked, as vLLM's are."""
     card = {"object": "model", "created": created, "owned_by": "vllm"}
-    cards = [{"id": model, **card, "root": model, "parent": None}]
+    cards = [{"id": model, **card, "root": model, "parent": None, "max_model_len": max_model_len}]
     for adapter in adapters:
         cards.append({"id": adapter, **card, "root": f"/adapters/{adapter}", "parent": model})
     return encode({"object": "list", "data": cards})

@@ -97,6 +97,8 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     model: str = "fake-model"
     #: LoRA adapters it serves besides ``model``: ``/v1/models`` lists each, as vLLM does.
     adapters: tuple[str, ...] = ()
+    #: The model's context, as its ``/v1/models`` card and ``/tokenize`` say it.
+    max_model_len: int = 1024
     text: str = DEFAULT_TEXT
     clock: IReactorTime | None = None
     requests: list[ReceivedRequest] = field(default_factory=list)

@@ -25,6 +25,7 @@ class OtherRoutes:
 
     model: str
     adapters: tuple[str, ...]
+    max_model_len: int
     health_checks: int
     model_reads: int
     models_stalled: bool
@@ -83,13 +84,18 @@ class OtherRoutes:
             self._record(request, None, "other")
         request.setHeader(b"Content-Type", b"application/json")
         created = int(time.time()) + self.model_reads  # (vLLM's: the time of the answer)
-        return answers.models(self.model, self.adapters, created)
+        return answers.models(self.model, self.adapters, created, self.max_model_len)
 
     def _tokenize(self, request: Request) -> bytes:
         """vLLM's answer shape; the prompt's tokens as the prefix cache computes them."""
         tokens = prompt_tokens(self._json(request))
         return answers.encode(
-            {"count": len(tokens), "max_model_len": 1024, "tokens": tokens, "token_strs": None}
+            {
+                "count": len(tokens),
+                "max_model_len": self.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
         )
 
     def _render(self, request: Request) -> bytes:

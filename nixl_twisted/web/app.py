@@ -24,7 +24,7 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted.backends.allowed import AllowedBackends
-from nixl_twisted.backends.models import listing
+from nixl_twisted.backends.models import context_length, listing
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.batch import Batch, PartRequest
@@ -99,7 +99,11 @@ class ProxyApp:
         #: What each tenant may use (``--tenant-*``, ``[tenants.NAME]``).
         self.tenants = TenantLimits(clock)
         self.tenants.configure(config)
-        self.tenancy = Tenancy(self.client_keys, self.tenants)
+        self.tenancy = Tenancy(
+            self.client_keys,
+            self.tenants,
+            lambda model: context_length(model, backends.decode.instances),
+        )
         legs = Legs(backends, clock, metrics)
         self.one_leg = OneLeg(config, legs)
         #: Which decode instance produced each Responses API response.

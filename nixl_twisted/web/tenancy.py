@@ -2,7 +2,8 @@
 
 The tenant is the client key's (``ClientKeys``), else ``--tenant-header``'s
 value. A request is counted by ``TenantLimits`` when its tenant has a limit,
-and charged, when it ends, the tokens vLLM's usage says it used.
+charged while it runs the most it may use (``protocol.charges``), and, when
+it ends, the tokens vLLM's usage says it used instead.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.server import Request
 
 from nixl_twisted.observe.access import record_of
-from nixl_twisted.protocol import lowering, routes
-from nixl_twisted.protocol.prompts import estimate_tokens
+from nixl_twisted.protocol import lowering
+from nixl_twisted.protocol.charges import charge
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows, Verdict
 from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, Rule, TenantLimits, refusal
@@ -26,9 +27,16 @@ NO_RULE = Rule()
 class Tenancy:
     """A request's tenant, found and held to its limits (``TenantLimits``)."""
 
-    def __init__(self, keys: ClientKeys, limits: TenantLimits) -> None:
+    def __init__(
+        self,
+        keys: ClientKeys,
+        limits: TenantLimits,
+        context_of: Callable[[object], int | None] = lambda model: None,
+    ) -> None:
         self.keys = keys
         self.limits = limits
+        #: A model's context length (``max_model_len``), as its instances say (None: unknown).
+        self.context_of = context_of
         #: Where requests and tokens per minute are counted for every process (None: here).
         self.shared: SharedWindows | None = None
 
@@ -58,8 +66,10 @@ class Tenancy:
         rule = self.limits.rule(tenant)
         if not rule.counted:
             return rule  # (the common case: nothing to count, no prompt to measure)
-        estimate = None if body is None else estimate_of(path, body)
-        tpm = rule.tokens_per_minute if estimate is not None else 0
+        tpm = rule.tokens_per_minute if body is not None else 0
+        estimate = None if body is None else 0
+        if body is not None and tpm:
+            estimate = charge(path, body, self.context_of(body.get("model")))
         held = _Held(request, estimate)
         request.notifyFinish().addBoth(held.ended)
         if self.shared is None or not (rule.requests_per_minute or tpm):
@@ -115,21 +125,3 @@ class _Held:
         self.ticket.release(used)
         if self.charge is not None:
             self.charge(used)
-
-
-def estimate_of(path: str, body: lowering.JSONObject) -> int:
-    """The tokens a request may use, before vLLM says: its prompts (estimated), plus
-    ``max_tokens`` for each completion it asks for (each prompt of a batch, times ``n``)."""
-    prompts = lowering.prompt_count(body.get("prompt")) if path == routes.COMPLETIONS else 1
-    n = body.get("n")
-    choices = n if type(n) is int and n > 1 else 1
-    return (estimate_tokens(path, body) or 0) + prompts * choices * _max_tokens(body)
-
-
-def _max_tokens(body: lowering.JSONObject) -> int:
-    """The most one completion may generate, as the request says (0 if it does not)."""
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        value = body.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return 0

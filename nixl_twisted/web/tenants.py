@@ -6,10 +6,10 @@ with neither has no tenant and only ``--max-in-flight`` holds it. Past a
 limit the answer is 429 ``rate_limit_exceeded`` with ``Retry-After`` (503
 means the fleet, not the client). Minutes are 60 s sliding windows. Tokens
 are prompt plus completion as vLLM reports them in the usage of its answer
-(streams included); until a request ends it counts its estimate (the
-prompt's estimated tokens plus its ``max_tokens``), and a tenant with nothing
-in its window is let through whatever the estimate, so that one large
-request is slow, not impossible.
+(streams included); until a request ends it counts its estimate (its
+prompts and the most its completions may generate, ``protocol.charges``),
+and a tenant with nothing in its window is let through whatever the
+estimate, so that one large request is slow, not impossible.
 
 Counted in each process: under ``--workers N`` each worker holds every
 tenant to the limits, so a tenant may get up to N times them, unless

@@ -102,3 +102,43 @@ def test_authorization_never_reaches_a_log_line_or_an_error_body(
     for text in [*lines, *(b.decode("utf-8", "replace") for b in bodies)]:
         assert secret not in text
         assert "sk-operator-secret" not in text
+
+
+# -- a tenant's tokens per minute ------------------------------------------------------
+
+TEAM = {"x-team": "team-a"}
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 64}}
+
+
+def test_a_request_without_max_tokens_is_charged_its_models_context_until_vllm_says() -> None:
+    setup = Setup(tenant_header="x-team", tenant_tokens_per_minute=40)
+    assert setup.decode.max_model_len == 1024  # (its card says so; the health checks read it)
+    setup.decode.hold_answers()
+    first = setup.post("/v1/chat/completions", FULL_CHAT, TEAM)  # (nothing in its window)
+    # While it runs it may generate up to its model's context: nothing else fits.
+    small = dict(FULL_CHAT, max_tokens=1)
+    answer = setup.post("/v1/chat/completions", small, TEAM).answer()
+    assert_error(answer, 429, "rate_limit_exceeded")
+    assert "40 tokens per minute" in answer.json()["error"]["message"]
+    setup.decode.release()
+    setup.proxy.flush()
+    used = first.answer().json()["usage"]["total_tokens"]
+    assert used <= 20  # (the fake's 8 tokens and its prompt)
+    # Then it is charged what vLLM said it used: a small request fits again.
+    assert setup.post("/v1/chat/completions", small, TEAM).answer().status == 200
+
+
+def test_an_image_part_is_charged_its_estimate_while_it_runs() -> None:
+    setup = Setup(tenant_header="x-team", tenant_tokens_per_minute=40)
+    setup.decode.hold_answers()
+    first = setup.post("/v1/chat/completions", dict(FULL_CHAT, max_tokens=2), TEAM)
+    pictured = dict(
+        FULL_CHAT,
+        max_tokens=2,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "what?"}, IMAGE]}],
+    )
+    answer = setup.post("/v1/chat/completions", pictured, TEAM).answer()
+    assert_error(answer, 429, "rate_limit_exceeded")  # (was: charged its 2 tokens alone)
+    setup.decode.release()
+    setup.proxy.flush()
+    assert first.answer().status == 200

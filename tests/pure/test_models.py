@@ -13,6 +13,7 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.models import (
     ModelRequired,
     UnknownModel,
+    context_length,
     listing,
     read_models,
     resolve,
@@ -124,11 +125,14 @@ def test_a_models_rules_are_the_top_levels_but_for_what_it_gives() -> None:
 
 
 def decode(
-    url: str, models: list[str] | None = None, named: frozenset[str] = frozenset()
+    url: str,
+    models: list[str] | None = None,
+    named: frozenset[str] = frozenset(),
+    context: int = 1024,
 ) -> Instance:
     instance = Instance(url, "decode", state=State.UP, named=named)
     if models is not None:
-        instance.models = read_models(answers.models(models[0], models[1:]))
+        instance.models = read_models(answers.models(models[0], models[1:], 0, context))
     return instance
 
 
@@ -184,6 +188,27 @@ def test_the_listing_is_each_model_of_the_healthy_decode_instances_once() -> Non
     assert [card["id"] for card in listed["data"]] == ["llama", "qwen", "sql-lora"]
     assert listed["data"][2]["parent"] == "llama"  # (vLLM's card, as it said it)
     assert listing([decode("http://e")]) is None  # none said: one instance is asked
+
+
+def test_a_models_context_is_the_largest_its_cards_say_an_adapters_its_parents() -> None:
+    fleet = [
+        decode("http://a", ["llama", "sql-lora"], context=8192),
+        decode("http://b", ["llama"], context=4096),
+        decode("http://c", ["qwen"], context=32768),
+        decode("http://d"),  # (never read: says nothing)
+    ]
+    assert context_length("llama", fleet) == 8192
+    assert context_length("sql-lora", fleet) == 8192  # (its card has none: its parent's)
+    # A model no card names, or none named: the largest any card says.
+    assert context_length("mistral", fleet) == context_length(None, fleet) == 32768
+    assert context_length(7, fleet) == 32768
+    fleet[2].draining = True
+    assert context_length(None, fleet) == 8192
+    assert context_length("llama", [decode("http://e")]) is None
+    odd = decode("http://f", ["llama"])
+    assert odd.models is not None
+    odd.models["llama"]["max_model_len"] = "8192"  # (not vLLM's shape: says nothing)
+    assert context_length("llama", [odd]) is None
 
 
 def test_workers_are_told_what_each_instance_serves() -> None:

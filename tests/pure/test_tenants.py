@@ -105,21 +105,6 @@ def test_the_tokens_in_the_window_are_a_running_total() -> None:
     assert tenants._use["a"].charged == 40 and tenants._use["a"].estimated == 5
 
 
-def test_a_batch_is_estimated_as_each_prompt_times_n_times_max_tokens() -> None:
-    from nixl_twisted.protocol.prompts import estimate_tokens
-    from nixl_twisted.web.tenancy import estimate_of
-
-    one = {"prompt": [1, 2, 3, 4], "max_tokens": 10}
-    assert estimate_of("/v1/completions", one) == 4 + 10
-    batch = {"prompt": [[1, 2], [3, 4, 5]], "max_tokens": 10, "n": 2}
-    assert estimate_of("/v1/completions", batch) - estimate_of(
-        "/v1/completions", dict(batch, max_tokens=0)
-    ) == (2 * 2 * 10)
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7, "n": 3}
-    prompt = estimate_tokens("/v1/chat/completions", chat)
-    assert prompt and estimate_of("/v1/chat/completions", chat) == prompt + 3 * 7
-
-
 def test_a_tenants_priority_is_its_own_else_the_default_and_is_no_limit() -> None:
     tenants, _ = limits(
         tenant_priority=5, tenants={"vip": {"priority": -10}, "batch": {"max-in-flight": 1}}
