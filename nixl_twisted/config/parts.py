@@ -172,8 +172,11 @@ class Timeouts:
     #: A client's request line and headers, then its body (extended by its rate).
     header: float
     body: float
-    #: Bytes of body per second that extend ``body`` by one second (0: none).
+    #: Bytes of body per second that extend ``body`` by one second (0: none), and
+    #: the least a body must bring in any ``body`` seconds.
     body_min_rate: int
+    #: The most any body may take, extended or not (at least ``body``).
+    body_max: float
     #: Prefill answered -> decode sent, past which a request is counted and logged.
     handoff_warning: float
 

@@ -644,8 +644,19 @@ SETTINGS: tuple[Setting, ...] = (
         65536,
         count(0),
         help=(
-            "Bytes per second of body that each extend --body-timeout by a second "
-            "(0: the body has --body-timeout seconds, whatever its size)."
+            "Bytes per second of body that each extend --body-timeout by a second; a body "
+            "that brings fewer in any --body-timeout seconds is 408 (0: the body has "
+            "--body-timeout seconds, whatever its size)."
+        ),
+    ),
+    Setting(
+        "body-max-timeout",
+        "timeouts.body_max",
+        120.0,
+        seconds,
+        help=(
+            "Most seconds any body may take, however much --body-min-rate extended "
+            "--body-timeout (never less than --body-timeout); 408 after."
         ),
     ),
     Setting(

@@ -152,7 +152,8 @@ class ErrorCode(enum.Enum):
         "body_timeout",
         408,
         _CLIENT,
-        "a body not in within `--body-timeout` plus 1 s per `--body-min-rate` bytes",
+        "a body not in within `--body-timeout` plus 1 s per `--body-min-rate` bytes "
+        "(`--body-max-timeout` at most), or stalled",
     )
     REQUEST_TOO_LARGE = ("request_too_large", 413, _CLIENT, "a body larger than `--max-body-size`")
     # -- the admin API -------------------------------------------------------

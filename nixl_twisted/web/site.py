@@ -104,22 +104,12 @@ class _TrackedChannel(HTTPChannel):
         if isinstance(request, LimitedRequest) and request._discarding:
             self.loseConnection()  # a refused body, dropped: its answer was written already
             return
-        limits = self.factory.limits
-        seconds = limits.header_timeout if what == "header" else limits.body_timeout
         code = _TIMEOUTS[what]
         if self.requests and isinstance(self.requests[-1], LimitedRequest):
             self.requests[-1]._refused = True  # no access event: it never arrived
-        self.factory.refused(code, f"a request's {what} took longer than {seconds:g} s")
-        self.refuse(
-            code,
-            f"the request's {what} did not arrive in time ({seconds:g} s"
-            + (
-                f", extended by 1 s per {limits.body_min_rate} bytes"
-                if what == "body" and limits.body_min_rate
-                else ""
-            )
-            + ")",
-        )
+        logged, said = _lateness(what, self._deadlines.stalled, self.factory.limits)
+        self.factory.refused(code, logged)
+        self.refuse(code, said)
 
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request line or header line too long: 431, not a silent close."""
@@ -187,6 +177,22 @@ class _TrackedChannel(HTTPChannel):
             super().connectionLost(reason)
         finally:
             self.factory._closed(self)
+
+
+def _lateness(what: str, stalled: bool, limits: ClientLimits) -> tuple[str, str]:
+    """Why a request missed its deadline: as logged, and as its client is told."""
+    rate = limits.body_min_rate
+    if stalled:
+        window = f"fewer than {rate} bytes of body in {limits.body_timeout:g} s"
+        return f"a request's body stalled: {window}", f"the request's body stalled: {window}"
+    seconds = limits.header_timeout if what == "header" else limits.body_timeout
+    rule = f"{seconds:g} s"
+    if what == "body" and rate:
+        rule += f", extended by 1 s per {rate} bytes, {limits.body_max_timeout:g} s at most"
+    return (
+        f"a request's {what} took longer than {seconds:g} s",
+        f"the request's {what} did not arrive in time ({rule})",
+    )
 
 
 class TrackingSite(Site):

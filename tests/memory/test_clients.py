@@ -78,6 +78,52 @@ def test_a_body_at_a_fair_rate_earns_its_time() -> None:
     assert status(client) == 200 and not client.lost
 
 
+def _hog(setup: Setup, size: int, missing: int) -> InMemoryClient:
+    """A body sent all at once but for its last ``missing`` bytes."""
+    return _slow(setup, _post(b"x" * size)[:-missing])
+
+
+def test_bodies_sent_almost_whole_then_trickled_hold_the_budget_one_window_at_most() -> None:
+    setup = Setup(
+        body_timeout=30,
+        body_min_rate=1000,
+        body_max_timeout=600,
+        max_body_size=100_000,
+        max_buffered_bodies=200_000,
+    )
+    # 99,990 bytes each: 100 s earned at 1,000 bytes a second, and the budget is theirs.
+    hogs = [_hog(setup, 100_000, 10) for _ in range(2)]
+    refused = _slow(setup, _post(COMPLETION))
+    assert (status(refused), error_code(refused)) == (503, "request_bodies_buffer_full")
+    for second in range(1, 60):
+        setup.proxy.advance(1)
+        if second % 20 == 0:
+            for hog in hogs:
+                hog.send(b"x")  # a byte now and then: under 1,000 bytes in 30 s
+    assert not any(hog.lost for hog in hogs)  # (the first window brought its bytes)
+    setup.proxy.advance(1)  # the end of the window they stalled in, long before 130 s
+    for hog in hogs:
+        assert (status(hog), error_code(hog)) == (408, "body_timeout")
+        assert "stalled" in hog.answer().json()["error"]["message"]
+        assert hog.lost
+    budget = setup.proxy.service.site.body_budget
+    assert budget is not None and budget.held == 0
+    assert status(_slow(setup, _post(COMPLETION))) == 200
+
+
+def test_no_body_takes_longer_than_the_ceiling_whatever_it_earned() -> None:
+    setup = Setup(body_timeout=30, body_min_rate=1000, body_max_timeout=60, max_body_size=10**6)
+    upload = _hog(setup, 10**6, 10**6 - 2000)
+    for _ in range(59):
+        setup.proxy.advance(1)
+        upload.send(b"x" * 2000)  # twice the minimum rate: 2 s earned every second
+    assert not upload.lost
+    setup.proxy.advance(1)
+    assert (status(upload), error_code(upload)) == (408, "body_timeout")
+    assert "60 s at most" in upload.answer().json()["error"]["message"]
+    assert upload.lost
+
+
 def test_a_kept_alive_connection_waits_between_requests_without_a_head_deadline() -> None:
     setup = Setup(header_timeout=5)
     client = _slow(setup, _post(COMPLETION))

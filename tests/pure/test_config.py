@@ -285,3 +285,15 @@ def test_the_tenant_header_must_be_a_header_name(name: str) -> None:
     assert parse(
         "--prefill", "http://p:1", "--decode", "http://d:1", "--tenant-header", "X-Team_1.b~"
     )
+
+
+def test_a_bodys_ceiling_is_never_below_its_timeout() -> None:
+    from nixl_twisted.web.deadlines import ClientLimits
+
+    def ceiling(**settings: object) -> float:
+        config = ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], **settings)
+        return ClientLimits.of(config).body_max_timeout
+
+    assert ceiling() == 120.0
+    assert ceiling(body_max_timeout=600) == 600.0
+    assert ceiling(body_timeout=300) == 300.0  # (a longer --body-timeout is kept whole)
