@@ -37,14 +37,13 @@ _BOUNDS: dict[str, tuple[str, ...]] = {
 
 def charge(path: str, body: dict[str, Any], context: int | None) -> int:
     """The tokens ``body`` may use on ``path``: its prompts, plus each completion's bound
-    times the completions it asks for (each prompt of a batch, times ``n``).
+    times the completions it asks for (each prompt of a batch, times ``n`` or ``best_of``).
 
     ``context``: the model's ``max_model_len`` (None: unknown).
     """
     prompt = charged_prompt_tokens(path, body)
     prompts = prompt_count(body.get("prompt")) if path == routes.COMPLETIONS else 1
-    n = body.get("n")
-    choices = n if type(n) is int and n > 1 else 1
+    choices = max(_count(body.get("n")), _count(body.get("best_of")))  # (vLLM's v0 best_of)
     bound = completion_bound(path, body)
     if bound is not None:
         per_prompt = bound if context is None else min(bound, context)
@@ -53,6 +52,10 @@ def charge(path: str, body: dict[str, Any], context: int | None) -> int:
         return prompt + choices * prompts * UNKNOWN_CONTEXT_COMPLETION_TOKENS
     # (Each prompt's completion may fill what the context leaves after it.)
     return prompt + choices * max(prompts * context - prompt, 0)
+
+
+def _count(value: object) -> int:
+    return value if type(value) is int and value > 1 else 1
 
 
 def completion_bound(path: str, body: dict[str, Any]) -> int | None:

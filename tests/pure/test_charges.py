@@ -25,6 +25,8 @@ def test_a_batch_is_each_prompt_times_n_times_max_tokens() -> None:
     assert charge(routes.COMPLETIONS, batch, None) == 5 + 2 * 2 * 10
     chat = {"messages": HI, "max_tokens": 7, "n": 3}
     assert charge(routes.CHAT_COMPLETIONS, chat, None) == 3 + 3 * 7
+    best = {"prompt": [1, 2], "max_tokens": 10, "n": 2, "best_of": 5}  # (5 generated, 2 kept)
+    assert charge(routes.COMPLETIONS, best, None) == 2 + 5 * 10
 
 
 @pytest.mark.parametrize(
