@@ -238,7 +238,8 @@ SETTINGS: tuple[Setting, ...] = (
         text,
         help=(
             "A file of client keys, one per line, each optionally followed by its tenant's "
-            "name; it must be readable at start; read again on SIGHUP and when it changes."
+            "name; it must be readable at start (and by the twistd --uid user); read again on "
+            "SIGHUP and when it changes (rename a whole new file into place)."
         ),
     ),
     Setting(

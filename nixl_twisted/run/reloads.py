@@ -1,4 +1,5 @@
-"""SIGHUP: the ``--config`` file read again, and what that says.
+"""SIGHUP: the ``--config`` file read again (without one, the ``--api-keys-file``), and what
+that says.
 
 The proxy and the ``--workers`` supervisor reload alike (:func:`reloaded`)
 and say it alike (:func:`said`): what changed, and, in one warning, what
@@ -43,9 +44,13 @@ def reloaded(config: ProxyConfig, environ: Mapping[str, str]) -> Reload:
     that takes a restart keeps its old one and is named in
     ``Reload.need_restart``. Raises ``ConfigError`` (naming the file and key)
     when the file cannot be read or a value is not valid: nothing changes then.
+    Without a ``--config`` file, ``config`` itself: applied again, it reads
+    the ``--api-keys-file`` again (a key taken out of it is refused from then).
     """
     path = config.config_path
     if path is None:
+        if config.api_keys_file is not None:
+            return Reload(config, (), (), ())
         raise ConfigError("config", "there is no --config file to reload from")
     in_file = read_file(path)
     given = dict(config.command_line)
@@ -80,6 +85,14 @@ def refused(error: ConfigError) -> None:
 def said(reload: Reload, where: str = "") -> None:
     """The reload's outcome: one info line, and one warning for what it did not apply."""
     config = reload.config
+    if config.config_path is None:
+        lifecycle.info(
+            "SIGHUP: no --config file; --api-keys-file {path} read again{where}",
+            path=config.api_keys_file,
+            where=where,
+            reloaded=[],
+        )
+        return
     lifecycle.info(
         "SIGHUP: reloaded {path}{where}: {changed}",
         path=config.config_path,

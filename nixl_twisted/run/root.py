@@ -96,6 +96,7 @@ class ProxyService(ProcessTree):
             raise SystemExit(bind_error(error)) from None
 
     def startService(self) -> None:
+        startup.check_keys_file(self.config, serving=True)  # (as the user twistd --uid gave)
         startup.check_descriptors(self.config)
         super().startService()
         # Said once the reactor runs, after the signal handlers are in (they

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import importlib
+import os
 import resource
 from collections.abc import Mapping
 
@@ -27,7 +28,7 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.exchange import decide
 from nixl_twisted.logs import lifecycle
-from nixl_twisted.web.keys import read_keys
+from nixl_twisted.web.keys_file import read_keys
 
 log = Logger()
 
@@ -144,18 +145,36 @@ def check_discovery(config: ProxyConfig, environ: Mapping[str, str]) -> None:
         raise SystemExit(f"nixlproxy: --prefill-selector/--decode-selector: {error}") from None
 
 
-def check_keys_file(config: ProxyConfig) -> None:
+def check_keys_file(config: ProxyConfig, serving: bool = False) -> None:
     """A keys file that cannot be used at start stops the proxy with the reason.
 
     A typo in its path is then said at once, not found later as every client
     refused (or, beside ``--api-key``, as the file's keys quietly missing).
     Once running, a file that breaks keeps its keys (``web.keys``). A worker
     does not check: its supervisor did, and a worker that exits is restarted.
+
+    ``serving``: checked again once twistd has shed ``--uid``/``--gid``, as
+    the user that serves. The keys were read before the change of user; a
+    file that user cannot read would never be read again, and a key taken
+    out of it would keep working until a restart: refused, saying so.
     """
-    if config.api_keys_file is None or config.worker is not None:
+    path = config.api_keys_file
+    if path is None or config.worker is not None:
         return
     try:
-        read_keys(config.api_keys_file)
+        if serving:
+            open(path, "rb").close()
+    except PermissionError:
+        raise SystemExit(
+            f"nixlproxy: --api-keys-file: {path} cannot be read as uid {os.geteuid()}, the user "
+            "twistd --uid serves as: the proxy could not read it again, and a key taken out of "
+            "it would keep working until a restart; make it readable by that user (e.g. chgrp "
+            "GROUP FILE; chmod 0640 FILE)"
+        ) from None
+    except OSError:
+        pass  # (said below, as at start)
+    try:
+        read_keys(path)
     except InvalidValue as error:
         raise SystemExit(f"nixlproxy: --api-keys-file: {error}") from None
 

@@ -4,19 +4,19 @@ A key travels as ``Authorization: Bearer KEY`` (the scheme in any case, as
 RFC 9110 has it), or as ``x-api-key`` on the Messages routes (Anthropic's
 header). Keys are held as SHA-256 digests and a presented key is looked up
 by its digest, so the time a refusal takes says nothing of how close a guess
-was (what a constant-time comparison is for), and no key stays in the clear. The file holds one
-key per line, optionally followed by its tenant's name (blank lines and
-``#`` comments skipped); it is read again on SIGHUP and whenever its
-modification time or size changes (looked at every 2 s), and a file that
-cannot be read keeps the keys it last gave. At start, one that cannot be
-read stops the proxy (``run.startup.check_keys_file``).
+was (what a constant-time comparison is for), and no key stays in the clear.
+The file holds one key per line, optionally followed by its tenant's name
+(blank lines and ``#`` comments skipped); it is read again on SIGHUP and
+when its bytes change (looked at every 2 s; ``keys_file`` says when a change
+is whole enough to apply), and a file that cannot be used keeps the keys it
+last gave. At start, one that cannot be used stops the proxy
+(``run.startup.check_keys_file``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
@@ -24,11 +24,11 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.config.tenants import client_key
 from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.routes import speaks_anthropic
 from nixl_twisted.web.admin import bearer_token
+from nixl_twisted.web.keys_file import KeysFile
 
 log = Logger()
 
@@ -40,39 +40,10 @@ def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
-def read_keys(path: str) -> dict[str, str | None]:
-    """The keys of a keys file, each with its tenant's name (or None).
-
-    Raises ``InvalidValue`` saying why the file cannot be used, naming it
-    (and the line): one kind of error for the poll, a reload and the start.
-    """
-    try:
-        with open(path, encoding="utf-8") as file:
-            lines = file.readlines()
-    except OSError as error:
-        raise InvalidValue(f"{path}: {error.strerror or error}") from None
-    except UnicodeDecodeError:
-        raise InvalidValue(f"{path}: not UTF-8 text") from None
-    keys: dict[str, str | None] = {}
-    for number, line in enumerate(lines, 1):
-        words = line.split()
-        # A comment is a word that starts with "#": a "#" inside a key is the key's.
-        words = next((words[:at] for at, word in enumerate(words) if word.startswith("#")), words)
-        if not words:
-            continue
-        if len(words) > 2:
-            raise InvalidValue(f"{path}:{number}: a key, then at most a tenant's name")
-        try:
-            keys[client_key(words[0])] = words[1] if len(words) == 2 else None
-        except InvalidValue as error:
-            raise InvalidValue(f"{path}:{number}: the key {error}") from None
-    return keys
-
-
 class ClientKeys:
     """The keys clients must send now; none: every client is served.
 
-    While the keys file cannot be read, the keys it last gave stay in effect
+    While the keys file cannot be used, the keys it last gave stay in effect
     and it is tried again at each look; what is wrong is logged when it
     changes (and on each reload), not at every look, and an info line says
     when the file is read again.
@@ -81,31 +52,34 @@ class ClientKeys:
     def __init__(self, clock: IReactorTime) -> None:
         self.clock = clock
         self._given: Sequence[str] = ()
-        self._path: str | None = None
-        #: The file's modification time and size when last read.
-        self._seen: tuple[int, int] | None = None
+        self._file: KeysFile | None = None
         #: What the file gave when last read, as digests and tenants.
         self._from_file: dict[bytes, str] = {}
-        #: Why the file could not be read, as last logged; None: it was read.
+        #: Why the file could not be used, as last logged; None: it was read.
         self._problem: str | None = None
         self._digests: dict[bytes, str] = {}
         self._watch: LoopingCall | None = None
 
     @property
     def required(self) -> bool:
-        return bool(self._digests) or self._path is not None
+        return bool(self._digests) or self._file is not None
 
     def configure(self, config: ProxyConfig) -> None:
-        """The keys ``config`` gives (the file read now: a reload reads it again,
-        and says again what is wrong with it)."""
-        self._given, self._path = config.api_keys, config.api_keys_file
-        self._seen, self._problem = None, None
-        self._load()
-        if self._path is not None and self._watch is None:
+        """The keys ``config`` gives, the file read at once (a reload, or SIGHUP without
+        ``--config``, reads it again, and says again what is wrong with it)."""
+        self._given = config.api_keys
+        path = config.api_keys_file
+        if path is None:
+            self._file, self._from_file = None, {}
+        elif self._file is None or self._file.path != path:
+            self._file = KeysFile(path)
+        self._problem = None
+        self._apply(self._file.read_now if self._file is not None else None)
+        if self._file is not None and self._watch is None:
             self._watch = LoopingCall(self._look)
             self._watch.clock = self.clock
             self._watch.start(FILE_CHECK, now=False)
-        elif self._path is None and self._watch is not None:
+        elif self._file is None and self._watch is not None:
             self.stop()
 
     def stop(self) -> None:
@@ -125,61 +99,53 @@ class ClientKeys:
         return self._digests.get(_digest(presented))
 
     def _look(self) -> None:
-        try:
-            stat = os.stat(self._path) if self._path is not None else None
-        except OSError:
-            stat = None
-        seen = (stat.st_mtime_ns, stat.st_size) if stat is not None else None
-        # One that could not be read is tried at every look: a chmod that mends
-        # it changes neither its modification time nor its size.
-        if seen != self._seen or self._problem is not None:
-            self._load()
+        if self._file is not None:
+            self._apply(self._file.look)
 
-    def _load(self) -> None:
-        before, was_broken = len(self._digests), self._problem is not None
-        if self._path is None:
-            self._from_file = {}
-        read = self._path is not None and self._read(self._path)
-        given = {_digest(key.encode("utf-8")): _fingerprint(key) for key in self._given}
-        self._digests = given | self._from_file
-        if not read:
-            return  # (no file, or one that cannot be read: logged when that is news)
-        if was_broken:
-            log.info(
-                "--api-keys-file {path} read again: {count} client keys in effect",
-                path=self._path,
-                count=len(self._digests),
-            )
-        elif before != len(self._digests):
-            log.info("client keys: {count} in effect", count=len(self._digests))
-
-    def _read(self, path: str) -> bool:
-        """The file read into ``_from_file``; False if it cannot be (logged when news)."""
+    def _apply(self, read: Callable[[], dict[str, str | None] | None] | None) -> None:
+        """The keys in effect, with what ``read`` gives of the file (None: no change)."""
+        before, was_broken = self._digests, self._problem is not None
         try:
-            stat = os.stat(path)  # (before reading: a change meanwhile is read at the next look)
-            keys = read_keys(path)
-        except OSError as error:
-            problem = f"{path}: {error.strerror or error}"
+            keys = read() if read is not None else None
         except InvalidValue as error:
-            problem = str(error)
+            self._cannot_use(str(error))
+            keys = None
         else:
-            self._seen, self._problem = (stat.st_mtime_ns, stat.st_size), None
+            # Unchanged and readable again (a chmod mended it): said below.
+            if keys is None and self._file is not None and not self._file.waiting:
+                self._problem = None
+        if keys is not None:
+            self._problem = None
             self._from_file = {
                 _digest(key.encode("utf-8")): tenant or _fingerprint(key)
                 for key, tenant in keys.items()
             }
-            return True
-        if problem != self._problem:
-            self._problem = problem
-            log.error(
-                "--api-keys-file cannot be used: {error}; {kept} in effect until it can be read",
-                path=path,
-                error=problem,
-                kept=f"the {len(self._from_file)} keys it gave"
-                if self._from_file
-                else "none of its keys",
+        given = {_digest(key.encode("utf-8")): _fingerprint(key) for key in self._given}
+        self._digests = given | self._from_file
+        if self._problem is not None:
+            return  # (logged when that is news)
+        if was_broken and self._file is not None:
+            log.info(
+                "--api-keys-file {path} read again: {count} client keys in effect",
+                path=self._file.path,
+                count=len(self._digests),
             )
-        return False
+        elif before != self._digests:
+            log.info("client keys: {count} in effect", count=len(self._digests))
+
+    def _cannot_use(self, problem: str) -> None:
+        """The file cannot be used: its keys stay; said when that is news."""
+        if problem == self._problem:
+            return
+        self._problem = problem
+        log.error(
+            "--api-keys-file cannot be used: {error}; {kept} in effect until it can be read",
+            path=self._file.path if self._file is not None else None,
+            error=problem,
+            kept=f"the {len(self._from_file)} keys it gave"
+            if self._from_file
+            else "none of its keys",
+        )
 
 
 def _fingerprint(key: str) -> str:

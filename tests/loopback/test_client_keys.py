@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import socket
 import tempfile
@@ -160,9 +159,10 @@ class ClientKeyTests(ProxyCase):
         response, _ = await self.post_json("/v1/chat/completions", CHAT, headers)
         self.assertEqual(response.code, 200)
 
-        keys.write_text(f"{OTHER} team-b\n")
-        os.utime(keys, ns=(1, 1))  # (a change the clock-driven look sees, whatever the mtime)
-        self.clock.advance(2)
+        (where / "keys.new").write_text(f"{OTHER} team-b\n")
+        (where / "keys.new").replace(keys)  # renamed into place, as docs/security.md says
+        self.clock.advance(2)  # seen,
+        self.clock.advance(2)  # and seen the same: applied
         response, _ = await self.post_json("/v1/chat/completions", CHAT, headers)
         self.assertEqual(response.code, 401)
         headers = {"Authorization": f"Bearer {OTHER}"}

@@ -7,6 +7,7 @@ from typing import Any
 
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import formatEvent
 
 from nixl_twisted.config import resolve
 from nixl_twisted.logs import LogLevels
@@ -131,3 +132,20 @@ def test_a_reloaded_body_limit_is_the_next_requests(tmp_path: Path) -> None:
     path.write_text(path.read_text() + "max-body-size = 100\n")
     setup.proxy.service.reload()
     assert setup.post("/v1/completions", body).answer().status == 413
+
+
+def test_sighup_without_a_config_file_reads_the_keys_file_again(
+    tmp_path: Path, logged: list[dict[str, Any]]
+) -> None:
+    """At once, not at the 2 s looks: whoever sends SIGHUP has finished writing it."""
+    keys = tmp_path / "keys"
+    keys.write_text("sk-a team-a\n")
+    setup = Setup(api_keys_file=str(keys))
+    keys.write_text("sk-b team-b\n")
+    setup.proxy.service.reload()
+    headers = {"Authorization": "Bearer sk-a"}
+    assert setup.get("/v1/models", headers).answer().status == 401
+    headers = {"Authorization": "Bearer sk-b"}
+    assert setup.get("/v1/models", headers).answer().status == 200
+    said = [formatEvent(event) for event in logged if "SIGHUP" in formatEvent(event)]
+    assert said == [f"SIGHUP: no --config file; --api-keys-file {keys} read again"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -85,6 +86,31 @@ class TwistdCase(ProxyCase):
         with open(path, "w", encoding="utf-8") as file:
             file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n{more}')
         return path
+
+    def keys_file(self, text: str, mode: int = 0o644, group: int = -1) -> str:
+        """An --api-keys-file holding ``text``, in a directory any user may enter."""
+        where = tempfile.mkdtemp(prefix="nixlproxy-keys-")
+        self.addCleanup(shutil.rmtree, where)
+        os.chmod(where, 0o755)
+        path = os.path.join(where, "keys")
+        self.rewrite_keys(path, text, mode, group)
+        return path
+
+    def rewrite_keys(self, path: str, text: str, mode: int = 0o644, group: int = -1) -> None:
+        """``text`` written whole beside ``path``, then renamed into place (docs/security.md)."""
+        written = path + ".new"
+        with open(written, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chown(written, -1, group)
+        os.chmod(written, mode)
+        os.replace(written, path)
+
+    async def status_with_key(self, url: str, key: str) -> int:
+        """``GET /v1/models`` with the client key ``key``: 401 when it is not in effect."""
+        headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {key}"}
+        response = await self.http.get(url + "/v1/models", headers=headers)
+        await response.content()
+        return response.code
 
     async def terminate(self, process: TwistdProtocol) -> None:
         """SIGTERM: the proxy drains, stops its services and exits 0."""

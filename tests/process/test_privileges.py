@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from nixl_twisted.testing import TwistdProtocol
+from nixl_twisted.testing.process import TwistdFailed
 from tests.process.support import TwistdCase, installed_env
 from tests.support import CHAT, sse_events
 
@@ -80,6 +83,56 @@ class ShedPrivilegesTests(TwistdCase):
         await self.terminate(process)
         self.assertNotIn(b"Unhandled error", process.output)
         self.assertNotIn(b"marked down", process.output)
+
+
+class KeysFileAsNobodyTests(TwistdCase):
+    """The keys are read as root, before the change of user; the new user must read them again."""
+
+    if os.geteuid() != 0:
+        skip = "twistd --uid/--gid needs root to change user"
+
+    def spawn_as_nobody(self, keys: str) -> TwistdProtocol:
+        return self.spawn(
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--api-keys-file",
+            keys,
+            twistd_args=["--uid", NOBODY, "--gid", NOBODY],
+        )
+
+    async def test_a_keys_file_only_root_reads_is_refused_at_start(self) -> None:
+        """Read once as root, it would never be read again: a key taken out would keep working."""
+        await self.start()
+        keys = self.keys_file("sk-a team-a\n", mode=0o600)
+        process = self.spawn_as_nobody(keys)
+        with self.assertRaises(TwistdFailed):
+            await process.listening
+        self.assertEqual(await process.ended, 1, process.output.decode())
+        self.assertIn(
+            f"nixlproxy: --api-keys-file: {keys} cannot be read as uid {NOBODY}, the user twistd "
+            "--uid serves as: the proxy could not read it again, and a key taken out of it "
+            "would keep working until a restart".encode(),
+            process.output,
+        )
+        self.assertNotIn(b"Traceback", process.output)
+
+    async def test_a_key_taken_out_of_a_file_the_new_user_reads_is_refused(self) -> None:
+        await self.start()
+        keys = self.keys_file("sk-old team-a\n", mode=0o640, group=int(NOBODY))
+        process = self.spawn_as_nobody(keys)
+        url = f"http://{await process.listening}"
+        self.assertEqual(await self.status_with_key(url, "sk-old"), 200)
+        self.rewrite_keys(keys, "sk-new team-b\n", mode=0o640, group=int(NOBODY))
+        os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await process.said(b"SIGHUP: no --config file; --api-keys-file")
+        self.assertEqual(await self.status_with_key(url, "sk-old"), 401)
+        self.assertEqual(await self.status_with_key(url, "sk-new"), 200)
+        self.assertNotIn(b"cannot be used", process.output)
+        await self.terminate(process)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="twistd --uid needs root")

@@ -212,6 +212,30 @@ class TwistdTests(TwistdCase):
         self.assertEqual(len(old.requests) + len(new.requests), 60)
         await self.terminate(process)
 
+    async def test_sighup_without_a_config_file_reads_the_keys_file_again(self) -> None:
+        """At once, as the operator who sends it expects: a key taken out is refused from then."""
+        await self.start()
+        keys = self.keys_file("sk-old team-a\n")
+        process = self.spawn(
+            "--listen",
+            "tcp:0:interface=127.0.0.1",
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--api-keys-file",
+            keys,
+        )
+        url = f"http://{await process.listening}"
+        self.assertEqual(await self.status_with_key(url, "sk-old"), 200)
+        self.rewrite_keys(keys, "sk-new team-b\n")
+        os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await process.said(f"SIGHUP: no --config file; --api-keys-file {keys} read again".encode())
+        self.assertEqual(await self.status_with_key(url, "sk-old"), 401)
+        self.assertEqual(await self.status_with_key(url, "sk-new"), 200)
+        self.assertNotIn(b"nothing reloaded", process.output)
+        await self.terminate(process)
+
     async def test_workers_share_the_port_are_restarted_and_drain_together(self) -> None:
         await self.start()
         process, address = await self.spawn_workers(

@@ -1,12 +1,14 @@
-"""``--api-keys-file``: what a broken file keeps, and what the log says of it (once).
+"""``--api-keys-file``: when a change is applied, what a broken or half-written file keeps,
+and what the log says of it (once).
 
 The file is looked at every 2 s on a ``Clock``; a test moves the clock by
-hand, and sets a file's modification time itself when a change must (or
-must not) be seen.
+hand. A change is applied when two looks in a row read the same bytes, and
+only when its last line ends in a newline.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -24,7 +26,8 @@ from zope.interface import provider
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.run import startup
-from nixl_twisted.web.keys import FILE_CHECK, ClientKeys, read_keys
+from nixl_twisted.web.keys import FILE_CHECK, ClientKeys
+from nixl_twisted.web.keys_file import read_keys
 
 POOLS: dict[str, Any] = {"prefill": ["http://p:1"], "decode": ["http://d:1"]}
 
@@ -91,12 +94,11 @@ def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
 
     path.unlink()  # another error: said
     clock.advance(FILE_CHECK)
-    clock.advance(FILE_CHECK)
     assert len(lines) == 2
     assert lines[-1][1].startswith(f"--api-keys-file cannot be used: {path}: No such file")
 
     write(path, "sk-b team-b\n", 3)
-    clock.advance(FILE_CHECK)
+    clock.advance(FILE_CHECK)  # (seen once: applied when the next look agrees)
     clock.advance(FILE_CHECK)
     assert lines[2:] == [
         (LogLevel.info, f"--api-keys-file {path} read again: 1 client keys in effect")
@@ -105,23 +107,123 @@ def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
     keys.stop()
 
 
-def test_a_file_mended_without_a_new_mtime_or_size_is_read_at_the_next_look(
+def test_a_rewrite_of_the_same_size_and_modification_time_is_seen(where: Path) -> None:
+    """The bytes are compared: a rewrite within the clock's grain, to the same size, is a change."""
+    path = where / "keys"
+    write(path, "sk-a team-a\n", 5)
+    keys, clock = keyed(path)
+    write(path, "sk-b team-b\n", 5)
+    clock.advance(FILE_CHECK)
+    clock.advance(FILE_CHECK)
+    assert (tenant(keys, "sk-a"), tenant(keys, "sk-b")) == (None, "team-b")
+    keys.stop()
+
+
+def test_a_half_written_file_keeps_the_keys_in_effect_and_says_so(
     where: Path, lines: list[tuple[LogLevel, str]]
 ) -> None:
-    """As a chmod mends an unreadable file: nothing the look compares changes."""
+    """Its last line does not end in a newline: none of it is loaded, not even the
+    lines before, until it is whole."""
     path = where / "keys"
-    write(path, "sk-a b c\n", 5)
-    keys, clock = keyed(path, "sk-given")
-    assert [level for level, _ in lines] == [LogLevel.error]
-    assert "none of its keys in effect" in lines[0][1]
-    assert tenant(keys, "sk-given") is not None  # --api-key's keys apply meanwhile
-    write(path, "sk-a b_c\n", 5)  # the same size and modification time
+    write(path, "sk-a team-a\n", 1)
+    keys, clock = keyed(path)
+    del lines[:]
+    write(path, "sk-c team-c\nsk-be", 2)  # a writer stopped mid-key
+    for _ in range(10):
+        clock.advance(FILE_CHECK)
+    assert lines == [
+        (
+            LogLevel.error,
+            f"--api-keys-file cannot be used: {path}: its last line does not end in a newline "
+            "(a file still being written?); write it whole, then rename it into place; "
+            "the 1 keys it gave in effect until it can be read",
+        )
+    ]
+    assert (tenant(keys, "sk-a"), tenant(keys, "sk-be"), tenant(keys, "sk-c")) == (
+        "team-a",
+        None,
+        None,
+    )
+    write(path, "sk-c team-c\nsk-best team-b\n", 3)  # written whole
+    clock.advance(FILE_CHECK)
     clock.advance(FILE_CHECK)
     assert lines[1:] == [
         (LogLevel.info, f"--api-keys-file {path} read again: 2 client keys in effect")
     ]
-    assert tenant(keys, "sk-a") == "b_c"
+    assert [tenant(keys, key) for key in ("sk-a", "sk-be", "sk-best")] == [None, None, "team-b"]
     keys.stop()
+
+
+def test_a_change_is_applied_when_two_looks_in_a_row_read_the_same_bytes(
+    where: Path, lines: list[tuple[LogLevel, str]]
+) -> None:
+    """A writer still writing, between two lines: each look finds other bytes, none is loaded."""
+    path = where / "keys"
+    write(path, "sk-a\n", 1)
+    keys, clock = keyed(path)
+    del lines[:]
+    path.write_text("sk-a\nsk-b\n")
+    clock.advance(FILE_CHECK)
+    assert tenant(keys, "sk-b") is None  # seen once: not yet
+    path.write_text("sk-b\nsk-c\n")  # (the writer goes on: sk-a taken out)
+    clock.advance(FILE_CHECK)
+    assert (tenant(keys, "sk-a"), tenant(keys, "sk-b")) == ("key-" + _hex("sk-a"), None)
+    clock.advance(FILE_CHECK)  # the same bytes again: applied
+    assert [tenant(keys, key) is not None for key in ("sk-a", "sk-b", "sk-c")] == [
+        False,
+        True,
+        True,
+    ]
+    assert lines == [(LogLevel.info, "client keys: 2 in effect")]
+    keys.stop()
+
+
+def test_a_change_undone_before_a_second_look_changes_nothing(
+    where: Path, lines: list[tuple[LogLevel, str]]
+) -> None:
+    path = where / "keys"
+    write(path, "sk-a\n", 1)
+    keys, clock = keyed(path)
+    del lines[:]
+    path.write_text("sk-b\n")
+    clock.advance(FILE_CHECK)
+    path.write_text("sk-a\n")
+    for _ in range(3):
+        clock.advance(FILE_CHECK)
+    assert (tenant(keys, "sk-a") is not None, tenant(keys, "sk-b"), lines) == (True, None, [])
+    keys.stop()
+
+
+def test_the_bytes_in_effect_back_again_are_read_again_at_the_next_look(
+    where: Path, lines: list[tuple[LogLevel, str]]
+) -> None:
+    """As a chmod mends an unreadable file: nothing changed, it can be read again."""
+    path = where / "keys"
+    write(path, "sk-a team-a\n", 1)
+    keys, clock = keyed(path)
+    path.rename(where / "aside")
+    clock.advance(FILE_CHECK)
+    (where / "aside").rename(path)
+    clock.advance(FILE_CHECK)
+    assert [level for level, _ in lines[1:]] == [LogLevel.error, LogLevel.info]
+    assert lines[-1][1] == f"--api-keys-file {path} read again: 1 client keys in effect"
+    assert tenant(keys, "sk-a") == "team-a"
+    keys.stop()
+
+
+def test_a_reload_reads_a_change_at_once(where: Path) -> None:
+    """SIGHUP (or a reload) is the operator saying the file is written: no second look."""
+    path = where / "keys"
+    write(path, "sk-a\n", 1)
+    keys, _ = keyed(path)
+    path.write_text("sk-b team-b\n")
+    keys.configure(ProxyConfig.create(**POOLS, api_keys_file=str(path)))
+    assert (tenant(keys, "sk-a"), tenant(keys, "sk-b")) == (None, "team-b")
+    keys.stop()
+
+
+def _hex(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def test_a_reload_says_again_what_is_wrong(where: Path, lines: list[tuple[LogLevel, str]]) -> None:
@@ -148,3 +250,6 @@ def test_a_keys_file_that_cannot_be_read_at_start_stops_the_proxy(where: Path) -
         startup.check_keys_file(config)
     (where / "kyes").write_text("sk-a\n")
     startup.check_keys_file(config)  # readable: nothing to say
+    (where / "kyes").write_text("sk-a")
+    with pytest.raises(SystemExit, match="its last line does not end in a newline"):
+        startup.check_keys_file(config)

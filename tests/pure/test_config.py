@@ -257,6 +257,15 @@ def test_a_reload_without_a_file_says_so() -> None:
         reloaded(parse(*POOLS), {})
 
 
+def test_a_reload_without_a_file_applies_the_same_configuration_to_read_the_keys_file_again(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "keys").write_text("sk-a\n")
+    config = parse(*POOLS, "--api-keys-file", str(tmp_path / "keys"))
+    reload = reloaded(config, {})
+    assert (reload.config, reload.changed, reload.need_restart) == (config, (), ())
+
+
 def test_a_worker_gets_the_resolved_configuration_back_whole(tmp_path: Path) -> None:
     path = config_file(tmp_path, FILE)
     config = parse("--config", path, "--backend-api-key", "k", "--workers", "2")

@@ -77,7 +77,7 @@ def test_an_idle_tenant_is_forgotten() -> None:
 def test_a_keys_file_keeps_a_hash_inside_a_key_and_skips_comments(tmp_path: object) -> None:
     from pathlib import Path
 
-    from nixl_twisted.web.keys import read_keys
+    from nixl_twisted.web.keys_file import read_keys
 
     keys = Path(str(tmp_path)) / "keys"
     keys.write_text("# the teams\nsk-ab#cd team-a  # paid\nsk-ef\n")
