@@ -167,7 +167,8 @@ class ErrorCode(enum.Enum):
         "unauthorized",
         401,
         "authentication_error",
-        "an admin request without the right bearer token",
+        "an admin request, or `/metrics` on a `--listen` endpoint while clients need a key, "
+        "without the admin bearer token",
     )
     INVALID_POOL = (
         "invalid_pool",

@@ -188,6 +188,12 @@ def announce(config: ProxyConfig) -> None:
             "no --api-key: the --listen endpoints serve anyone{lent} (docs/security.md)",
             lent=lent,
         )
+    if config.keyed and not (config.admin_listen or config.metrics_listen or config.admin_token):
+        log.warn(
+            "clients need a key and there is no --admin-token: the --listen endpoints answer "
+            "/metrics to nobody and /healthcheck with readiness alone; serve them on "
+            "--metrics-listen or --admin-listen, or set an admin token (docs/security.md)"
+        )
     tenants = config.tenants
     limited = tenants.max_in_flight or tenants.requests_per_minute or tenants.tokens_per_minute
     limited = limited or tenants.priority is not None

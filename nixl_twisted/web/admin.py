@@ -6,7 +6,9 @@ have it.
 
 Guarded by a bearer token (``--admin-token`` or ``NIXLPROXY_ADMIN_TOKEN``);
 without one configured the API does not exist (404). A missing or wrong
-token is a 401, logged without the token.
+token is a 401, logged without the token. The same token opens the full
+``/healthcheck`` and ``/metrics`` on a client endpoint while clients need a
+key (``AdminAPI.shows_the_fleet``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from twisted.web.iweb import IRequest
 from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue, backend_url
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
@@ -45,12 +48,33 @@ class AdminAPI:
         """The bearer token from now on (a reload); None: there is no admin API."""
         self._token = token.encode("utf-8") if token else None
 
+    def holds_token(self, request: IRequest) -> bool:
+        """The request carries the admin token (none configured: nobody does)."""
+        sent = bearer_token(request.getHeader(b"authorization"))
+        # In constant time: how much of a guess was right must not show.
+        return (
+            self._token is not None and sent is not None and hmac.compare_digest(sent, self._token)
+        )
+
+    def shows_the_fleet(self, request: IRequest, config: ProxyConfig) -> bool:
+        """Whether ``/healthcheck`` in full and ``/metrics`` (every instance's URL, the
+        process id, last errors) may be shown to ``request`` (``docs/security.md``).
+
+        Always on the ``--admin-listen`` endpoint, never on a client endpoint
+        beside it; with no admin endpoint, to anyone while every client is
+        served, and to the admin token alone once clients need a key: the
+        client endpoints are then where untrusted callers are.
+        """
+        if getattr(request, "admin_port", False):  # (set by ``front.FrontDoor``)
+            return True
+        if config.admin_listen is not None:
+            return False
+        return not config.keyed or self.holds_token(request)
+
     def authorize(self, request: IRequest) -> None:
         if self._token is None:
             raise ProxyError(ErrorCode.NOT_FOUND, "there is no admin API here")
-        sent = bearer_token(request.getHeader(b"authorization"))
-        # In constant time: how much of a guess was right must not show.
-        if sent is None or not hmac.compare_digest(sent, self._token):
+        if not self.holds_token(request):
             log.warn(
                 "admin API refused {method} {path} from {client}: missing or wrong token",
                 method=request.method.decode("ascii", "replace"),

@@ -152,7 +152,7 @@ class ProxyApp:
         ready = self.ready
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"Content-Type", _JSON)
-        if not getattr(request, "full_health", True):  # (the admin endpoint has the rest)
+        if not self.admin.shows_the_fleet(request, self.config):
             return json.dumps({"ready": ready}).encode("utf-8")
         return json.dumps(
             {
@@ -175,6 +175,12 @@ class ProxyApp:
     def prometheus(self, request: Request) -> bytes:
         if not self.serve_metrics:
             raise NotFound()
+        if not self.admin.shows_the_fleet(request, self.config):
+            raise ProxyError(
+                ErrorCode.UNAUTHORIZED,
+                "while clients need a key, /metrics on this endpoint needs the admin token "
+                "(Authorization: Bearer TOKEN); or serve it on --metrics-listen or --admin-listen",
+            )
         request.setHeader(b"Content-Type", CONTENT_TYPE.encode("ascii"))
         return self.metrics.exposition()
 

@@ -48,8 +48,8 @@ class FrontDoor(Resource):
 
     With ``--admin-listen`` (``split``), the admin endpoint's door (``admin``)
     lets in only the admin routes, and the client endpoints' door keeps them
-    out (404, as for a route that does not exist); ``request.full_health``
-    says which ``/healthcheck`` to answer.
+    out (404, as for a route that does not exist); ``request.admin_port``
+    says which endpoint it came in on (``ProxyApp`` shows the fleet there).
     """
 
     isLeaf = True
@@ -74,7 +74,7 @@ class FrontDoor(Resource):
         ):
             method = request.method.decode("ascii", "replace")
             return _refuse(request, ErrorCode.NOT_FOUND, f"{method} {path}: Not Found")
-        request.full_health = self._admin or not self._split  # type: ignore[attr-defined]
+        request.admin_port = self._admin  # type: ignore[attr-defined]
         try:
             return self._app.render(request)
         except BadHost:  # a name Werkzeug will not bind to (IDNA), past the syntax above

@@ -97,3 +97,44 @@ def test_tenant_limits_that_no_request_can_have_are_warned_of(
         e for e in events if e["log_level"] == LogLevel.warn and "tenant" in str(e["log_format"])
     ]
     assert len(warnings) == (1 if warned else 0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "warned"),
+    [
+        ({"api_key": ["sk-a"]}, True),
+        ({"api_key": ["sk-a"], "admin_token": "t"}, False),
+        ({"api_key": ["sk-a"], "metrics_listen": "tcp:9100"}, False),
+        ({"api_key": ["sk-a"], "admin_listen": "tcp:9000"}, False),
+        ({}, False),  # (every client served: the fleet is shown to anyone, warned of apart)
+    ],
+)
+def test_keys_with_metrics_nobody_can_read_are_warned_of(
+    settings: dict[str, object], warned: bool
+) -> None:
+    from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
+    from zope.interface import provider
+
+    events: list[dict[str, object]] = []
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, object]) -> None:
+        events.append(event)
+
+    globalLogPublisher.addObserver(observer)
+    try:
+        startup.announce(
+            ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], **settings)
+        )
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    said = [formatEvent(e) for e in events if e["log_level"] == LogLevel.warn]
+    assert [line for line in said if "/metrics to nobody" in line] == (
+        [
+            "clients need a key and there is no --admin-token: the --listen endpoints answer "
+            "/metrics to nobody and /healthcheck with readiness alone; serve them on "
+            "--metrics-listen or --admin-listen, or set an admin token (docs/security.md)"
+        ]
+        if warned
+        else []
+    )
