@@ -87,6 +87,12 @@ class TwistdCase(ProxyCase):
             file.write(f'prefill = ["{self.prefill.url}"]\ndecode = ["{decode}"]\n{more}')
         return path
 
+    def spawn_keyed(self, keys: str, twistd_args: Sequence[str] = ()) -> TwistdProtocol:
+        """``twistd nixlproxy`` on loopback before the fakes, its clients' keys in ``keys``."""
+        pools = ("--prefill", self.prefill.url, "--decode", self.decode.url)
+        listen = ("--listen", "tcp:0:interface=127.0.0.1")
+        return self.spawn(*listen, *pools, "--api-keys-file", keys, twistd_args=twistd_args)
+
     def keys_file(self, text: str, mode: int = 0o644, group: int = -1) -> str:
         """An --api-keys-file holding ``text``, in a directory any user may enter."""
         where = tempfile.mkdtemp(prefix="nixlproxy-keys-")
@@ -104,6 +110,18 @@ class TwistdCase(ProxyCase):
         os.chown(written, -1, group)
         os.chmod(written, mode)
         os.replace(written, path)
+
+    async def revoke_by_sighup(
+        self, process: TwistdProtocol, url: str, keys: str, mode: int = 0o644, group: int = -1
+    ) -> None:
+        """``sk-old`` taken out of ``keys`` and ``sk-new`` put in, SIGHUP sent: only the new
+        one serves once the proxy says it read the file again."""
+        self.assertEqual(await self.status_with_key(url, "sk-old"), 200)
+        self.rewrite_keys(keys, "sk-new team-b\n", mode, group)
+        os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
+        await process.said(f"SIGHUP: no --config file; --api-keys-file {keys} read again".encode())
+        self.assertEqual(await self.status_with_key(url, "sk-old"), 401)
+        self.assertEqual(await self.status_with_key(url, "sk-new"), 200)
 
     async def status_with_key(self, url: str, key: str) -> int:
         """``GET /v1/models`` with the client key ``key``: 401 when it is not in effect."""

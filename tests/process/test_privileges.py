@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -92,17 +91,7 @@ class KeysFileAsNobodyTests(TwistdCase):
         skip = "twistd --uid/--gid needs root to change user"
 
     def spawn_as_nobody(self, keys: str) -> TwistdProtocol:
-        return self.spawn(
-            "--listen",
-            "tcp:0:interface=127.0.0.1",
-            "--prefill",
-            self.prefill.url,
-            "--decode",
-            self.decode.url,
-            "--api-keys-file",
-            keys,
-            twistd_args=["--uid", NOBODY, "--gid", NOBODY],
-        )
+        return self.spawn_keyed(keys, twistd_args=["--uid", NOBODY, "--gid", NOBODY])
 
     async def test_a_keys_file_only_root_reads_is_refused_at_start(self) -> None:
         """Read once as root, it would never be read again: a key taken out would keep working."""
@@ -125,12 +114,7 @@ class KeysFileAsNobodyTests(TwistdCase):
         keys = self.keys_file("sk-old team-a\n", mode=0o640, group=int(NOBODY))
         process = self.spawn_as_nobody(keys)
         url = f"http://{await process.listening}"
-        self.assertEqual(await self.status_with_key(url, "sk-old"), 200)
-        self.rewrite_keys(keys, "sk-new team-b\n", mode=0o640, group=int(NOBODY))
-        os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
-        await process.said(b"SIGHUP: no --config file; --api-keys-file")
-        self.assertEqual(await self.status_with_key(url, "sk-old"), 401)
-        self.assertEqual(await self.status_with_key(url, "sk-new"), 200)
+        await self.revoke_by_sighup(process, url, keys, mode=0o640, group=int(NOBODY))
         self.assertNotIn(b"cannot be used", process.output)
         await self.terminate(process)
 

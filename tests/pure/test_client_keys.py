@@ -64,6 +64,13 @@ def tenant(keys: ClientKeys, key: str) -> str | None:
     return keys.tenant(Headers({b"authorization": [f"Bearer {key}".encode()]}), b"/v1/models")
 
 
+def keyed_by(where: Path, text: str) -> tuple[Path, ClientKeys, Clock]:
+    """A keys file in ``where`` holding ``text``, and the keys configured from it."""
+    path = where / "keys"
+    write(path, text, 1)
+    return (path, *keyed(path))
+
+
 def keyed(path: Path, *given: str) -> tuple[ClientKeys, Clock]:
     clock = Clock()
     keys = ClientKeys(clock)
@@ -74,9 +81,7 @@ def keyed(path: Path, *given: str) -> tuple[ClientKeys, Clock]:
 def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
     where: Path, lines: list[tuple[LogLevel, str]]
 ) -> None:
-    path = where / "keys"
-    write(path, "sk-a team-a\n", 1)
-    keys, clock = keyed(path)
+    path, keys, clock = keyed_by(where, "sk-a team-a\n")
     assert lines == [(LogLevel.info, "client keys: 1 in effect")]
     del lines[:]
 
@@ -109,10 +114,8 @@ def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
 
 def test_a_rewrite_of_the_same_size_and_modification_time_is_seen(where: Path) -> None:
     """The bytes are compared: a rewrite within the clock's grain, to the same size, is a change."""
-    path = where / "keys"
-    write(path, "sk-a team-a\n", 5)
-    keys, clock = keyed(path)
-    write(path, "sk-b team-b\n", 5)
+    path, keys, clock = keyed_by(where, "sk-a team-a\n")
+    write(path, "sk-b team-b\n", 1)  # (keyed_by wrote it at 1 too)
     clock.advance(FILE_CHECK)
     clock.advance(FILE_CHECK)
     assert (tenant(keys, "sk-a"), tenant(keys, "sk-b")) == (None, "team-b")
@@ -124,9 +127,7 @@ def test_a_half_written_file_keeps_the_keys_in_effect_and_says_so(
 ) -> None:
     """Its last line does not end in a newline: none of it is loaded, not even the
     lines before, until it is whole."""
-    path = where / "keys"
-    write(path, "sk-a team-a\n", 1)
-    keys, clock = keyed(path)
+    path, keys, clock = keyed_by(where, "sk-a team-a\n")
     del lines[:]
     write(path, "sk-c team-c\nsk-be", 2)  # a writer stopped mid-key
     for _ in range(10):
@@ -158,9 +159,7 @@ def test_a_change_is_applied_when_two_looks_in_a_row_read_the_same_bytes(
     where: Path, lines: list[tuple[LogLevel, str]]
 ) -> None:
     """A writer still writing, between two lines: each look finds other bytes, none is loaded."""
-    path = where / "keys"
-    write(path, "sk-a\n", 1)
-    keys, clock = keyed(path)
+    path, keys, clock = keyed_by(where, "sk-a\n")
     del lines[:]
     path.write_text("sk-a\nsk-b\n")
     clock.advance(FILE_CHECK)
@@ -181,9 +180,7 @@ def test_a_change_is_applied_when_two_looks_in_a_row_read_the_same_bytes(
 def test_a_change_undone_before_a_second_look_changes_nothing(
     where: Path, lines: list[tuple[LogLevel, str]]
 ) -> None:
-    path = where / "keys"
-    write(path, "sk-a\n", 1)
-    keys, clock = keyed(path)
+    path, keys, clock = keyed_by(where, "sk-a\n")
     del lines[:]
     path.write_text("sk-b\n")
     clock.advance(FILE_CHECK)
@@ -198,9 +195,7 @@ def test_the_bytes_in_effect_back_again_are_read_again_at_the_next_look(
     where: Path, lines: list[tuple[LogLevel, str]]
 ) -> None:
     """As a chmod mends an unreadable file: nothing changed, it can be read again."""
-    path = where / "keys"
-    write(path, "sk-a team-a\n", 1)
-    keys, clock = keyed(path)
+    path, keys, clock = keyed_by(where, "sk-a team-a\n")
     path.rename(where / "aside")
     clock.advance(FILE_CHECK)
     (where / "aside").rename(path)
@@ -213,9 +208,7 @@ def test_the_bytes_in_effect_back_again_are_read_again_at_the_next_look(
 
 def test_a_reload_reads_a_change_at_once(where: Path) -> None:
     """SIGHUP (or a reload) is the operator saying the file is written: no second look."""
-    path = where / "keys"
-    write(path, "sk-a\n", 1)
-    keys, _ = keyed(path)
+    path, keys, _ = keyed_by(where, "sk-a\n")
     path.write_text("sk-b team-b\n")
     keys.configure(ProxyConfig.create(**POOLS, api_keys_file=str(path)))
     assert (tenant(keys, "sk-a"), tenant(keys, "sk-b")) == (None, "team-b")
@@ -227,9 +220,7 @@ def _hex(key: str) -> str:
 
 
 def test_a_reload_says_again_what_is_wrong(where: Path, lines: list[tuple[LogLevel, str]]) -> None:
-    path = where / "keys"
-    write(path, "sk-a b c\n", 1)
-    keys, clock = keyed(path)
+    path, keys, clock = keyed_by(where, "sk-a b c\n")
     clock.advance(FILE_CHECK)
     keys.configure(ProxyConfig.create(**POOLS, api_keys_file=str(path)))  # SIGHUP
     assert [level for level, _ in lines] == [LogLevel.error] * 2

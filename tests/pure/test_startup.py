@@ -6,6 +6,8 @@ import resource
 from dataclasses import replace
 
 import pytest
+from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
+from zope.interface import provider
 
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.models import model_table
@@ -77,25 +79,7 @@ def test_the_soft_descriptor_limit_is_raised_toward_what_the_limits_need(
 def test_tenant_limits_that_no_request_can_have_are_warned_of(
     settings: dict[str, object], warned: bool
 ) -> None:
-    from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
-    from zope.interface import provider
-
-    events: list[dict[str, object]] = []
-
-    @provider(ILogObserver)
-    def observer(event: dict[str, object]) -> None:
-        events.append(event)
-
-    globalLogPublisher.addObserver(observer)
-    try:
-        startup.announce(
-            ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"], **settings)
-        )
-    finally:
-        globalLogPublisher.removeObserver(observer)
-    warnings = [
-        e for e in events if e["log_level"] == LogLevel.warn and "tenant" in str(e["log_format"])
-    ]
+    warnings = [line for line in warnings_at_start(settings) if "tenant" in line]
     assert len(warnings) == (1 if warned else 0)
 
 
@@ -112,9 +96,20 @@ def test_tenant_limits_that_no_request_can_have_are_warned_of(
 def test_keys_with_metrics_nobody_can_read_are_warned_of(
     settings: dict[str, object], warned: bool
 ) -> None:
-    from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
-    from zope.interface import provider
+    said = [line for line in warnings_at_start(settings) if "/metrics to nobody" in line]
+    assert said == (
+        [
+            "clients need a key and there is no --admin-token: the --listen endpoints answer "
+            "/metrics to nobody and /healthcheck with readiness alone; serve them on "
+            "--metrics-listen or --admin-listen, or set an admin token (docs/security.md)"
+        ]
+        if warned
+        else []
+    )
 
+
+def warnings_at_start(settings: dict[str, object]) -> list[str]:
+    """The warnings ``startup.announce`` logs for a proxy with ``settings``."""
     events: list[dict[str, object]] = []
 
     @provider(ILogObserver)
@@ -128,13 +123,4 @@ def test_keys_with_metrics_nobody_can_read_are_warned_of(
         )
     finally:
         globalLogPublisher.removeObserver(observer)
-    said = [formatEvent(e) for e in events if e["log_level"] == LogLevel.warn]
-    assert [line for line in said if "/metrics to nobody" in line] == (
-        [
-            "clients need a key and there is no --admin-token: the --listen endpoints answer "
-            "/metrics to nobody and /healthcheck with readiness alone; serve them on "
-            "--metrics-listen or --admin-listen, or set an admin token (docs/security.md)"
-        ]
-        if warned
-        else []
-    )
+    return [formatEvent(e) for e in events if e["log_level"] == LogLevel.warn]
