@@ -8,6 +8,7 @@ and its trace (``nixl_twisted.observe.tracing``) ends with the same figures.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -204,12 +205,15 @@ _TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 
 
 def access_line(f: dict[str, Any]) -> str:
-    """The text access line: what did not happen (no prefill, no decode) is left out."""
-    parts = [
-        f"{f['client']} {f['method']} {f['path']} {f['status']} {f['bytes']}B {f['elapsed_ms']}ms"
-    ]
+    """The text access line: what did not happen (no prefill, no decode) is left out.
+
+    What a client chose (method, path, request id, model, tenant) is ``quoted``:
+    no client can end the line, forge a field or reach an operator's terminal.
+    """
+    method, path = quoted(f["method"]), quoted(f["path"])
+    parts = [f"{f['client']} {method} {path} {f['status']} {f['bytes']}B {f['elapsed_ms']}ms"]
     if "request_id" in f:
-        parts.append(f"request_id={f['request_id']}")
+        parts.append(f"request_id={quoted(f['request_id'])}")
     for leg, timing in (("prefill", "prefill_ms"), ("decode", "decode_ttfb_ms")):
         if leg not in f:
             continue
@@ -224,9 +228,9 @@ def access_line(f: dict[str, Any]) -> str:
     if f.get("mode") == "decode_only":
         parts.append(f"mode={f['mode']} ({f['decided_by']})")
     if "model" in f:
-        parts.append(f"model={f['model']}")
+        parts.append(f"model={quoted(f['model'])}")
     if "tenant" in f:
-        parts.append(f"tenant={f['tenant']}")
+        parts.append(f"tenant={quoted(f['tenant'])}")
     tokens = [f"{f[key]} {key.split('_')[0]}" for key in _TOKENS if key in f]
     if tokens:
         parts.append(f"tokens=({', '.join(tokens)})")
@@ -237,6 +241,36 @@ def access_line(f: dict[str, Any]) -> str:
     if "ended" in f:
         parts.append(f"ended={f['ended']}")
     return " ".join(parts)
+
+
+#: A word of the text line as it is: printable ASCII, no space, quote or backslash.
+_PLAIN = re.compile(r"[!#-\[\]-~]+")
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t", " ": " "}
+
+
+def quoted(text: str) -> str:
+    """A client's string as one word of the text line: as it is when plain, else in
+    double quotes, escaped as a Python string literal would be (``\\"``, ``\\\\``,
+    ``\\r``, ``\\n``, ``\\x1b``, ``\\u202e``, ...: every quote, backslash, space
+    other than ``" "`` and character that is not printable), so it reads back."""
+    if _PLAIN.fullmatch(text) or (text and all(map(_plain, text))):
+        return text
+    return '"' + "".join(map(_escaped, text)) + '"'
+
+
+def _plain(char: str) -> bool:
+    return char.isprintable() and not char.isspace() and char not in '"\\'
+
+
+def _escaped(char: str) -> str:
+    if char in _ESCAPES:
+        return _ESCAPES[char]
+    if _plain(char):
+        return char
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _client(request: Request) -> str:

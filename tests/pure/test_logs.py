@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import re
@@ -11,7 +12,7 @@ from twisted.logger import ILogObserver, Logger, LogPublisher
 from twisted.python.failure import Failure
 
 from nixl_twisted import logs
-from nixl_twisted.observe.access import access_line
+from nixl_twisted.observe.access import access_line, quoted
 
 #: An access event's fields as a completion fills them in.
 COMPLETION = {
@@ -114,6 +115,53 @@ def test_the_text_access_line_leaves_out_what_did_not_happen() -> None:
     del left["decode_status"], left["decode_ttfb_ms"]
     assert access_line(left).endswith("decode=http://10.0.0.21:8200 ended=client_left")
     assert "None" not in access_line(left)
+
+
+#: What a client may put in the fields it chooses, to forge a line or reach a terminal.
+FORGED = dict(
+    COMPLETION,
+    method="P\x1bOST",
+    path="/v1/chat/completions\x1b[2J",
+    model="m\r\n10.0.0.1:1 POST /v1/completions 200 1B 1ms request_id=forged",
+    tenant="team-a status=200\u202e\x85\ud800",
+)
+
+
+def test_a_clients_strings_cannot_forge_or_break_the_text_access_line() -> None:
+    line = access_line(FORGED)
+    assert line.isprintable()  # no CR, LF, ESC, NEL, bidirectional override, surrogate
+    assert '"P\\x1bOST" "/v1/chat/completions\\x1b[2J" 200 ' in line
+    assert 'model="m\\r\\n10.0.0.1:1 POST /v1/completions 200 1B 1ms request_id=forged"' in line
+    assert 'tenant="team-a status=200\\u202e\\x85\\ud800"' in line
+    # What is plain stays as it was, and every escape reads back as what was sent.
+    assert access_line(COMPLETION).startswith("10.20.30.40:54321 POST /v1/chat/completions ")
+    for sent in (
+        "fake-model",
+        "café",
+        "",
+        'say "hi"\\',
+        "a\tb c",
+        "\U000e0041",
+        str(FORGED["tenant"]),
+    ):
+        shown = quoted(sent)
+        assert shown == sent or ast.literal_eval(shown) == sent  # (a Python string literal)
+
+
+def test_the_json_access_line_escapes_what_the_client_chose_by_its_format() -> None:
+    out = io.StringIO()
+    emitted(
+        logs.json_lines(out),
+        lambda log: log.info("{access_line}", access_line=access_line(FORGED), access=FORGED),
+    )
+    (line,) = out.getvalue().splitlines()
+    assert line.isascii() and line.isprintable()
+    read = json.loads(line)
+    assert (read["model"], read["tenant"], read["path"]) == (
+        FORGED["model"],
+        FORGED["tenant"],
+        FORGED["path"],
+    )
 
 
 def test_the_level_filter_drops_what_is_less_severe_and_a_reload_changes_it() -> None:
