@@ -56,8 +56,10 @@ class PartRequest:
     def getHeader(self, name: bytes) -> bytes | None:
         return self._client.getHeader(name)
 
-    def __init__(self, client: Request, on_data: Callable[[bytes], None]) -> None:
+    def __init__(self, client: Request, index: int, on_data: Callable[[bytes], None]) -> None:
         self._client = client
+        #: Which prompt of the batch it answers (its request id ends with it).
+        self.index = index
         self.uri = client.uri
         self.path = client.path
         self.requestHeaders = client.requestHeaders
@@ -88,7 +90,7 @@ class _Part:
         self.buffer = b""
         self.done = False  # streamed: its [DONE] arrived
         self.usage: JSONObject | None = None
-        self.request = PartRequest(batch.client, self.received)
+        self.request = PartRequest(batch.client, index, self.received)
 
     def received(self, data: bytes) -> None:
         if not self.batch.stream or self.request.code != 200:

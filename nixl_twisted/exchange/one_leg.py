@@ -28,7 +28,7 @@ from nixl_twisted.observe.spans import LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers
+from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers, request_id_of
 
 log = Logger()
 
@@ -135,7 +135,7 @@ class OneLeg:
         self, request: Request, path: str, body: bytes | None
     ) -> Callable[[Instance, LegTrace], Awaitable[tuple[IResponse, LegTrace]]]:
         """One attempt at the leg: decode's response, and the span it goes on in."""
-        request_id = lowering.new_request_id()
+        request_id = request_id_of(request.requestHeaders)
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record = record_of(request)
         record.request_id = request_id

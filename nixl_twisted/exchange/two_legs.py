@@ -99,6 +99,7 @@ class Exchange:
         self.clock = legs.clock
         self.metrics = legs.metrics
         self.record = record_of(request)
+        self.record.request_id = request_id  # (a batch's part has no other place to get it)
         policies = {pool.policy_for(model)[0] for pool in self.backends.pools()}
         session = request.getHeader(b"x-session-id")
         self.routing = routing_for(policies, config.policies.key_bytes, session, body, model)

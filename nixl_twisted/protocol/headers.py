@@ -7,7 +7,11 @@ what decode answered comes back except what is hop-by-hop.
 
 from __future__ import annotations
 
+import re
+
 from twisted.web.http_headers import Headers
+
+from nixl_twisted.protocol.lowering import new_request_id
 
 #: Hop-by-hop headers: they describe one connection, never the message.
 HOP_BY_HOP = frozenset(
@@ -47,6 +51,20 @@ _CLIENT_KEYS = frozenset({b"authorization", b"x-api-key"})
 
 REQUEST_ID = b"X-Request-Id"
 AUTHORIZATION = b"Authorization"
+
+#: A client's ``X-Request-Id`` the proxy keeps: one token of 1 to 128 letters,
+#: digits and ``._:-`` (a UUID, a ULID, a gateway's trace id), nothing a log
+#: line or a header could be forged with.
+_CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_of(client: Headers) -> str:
+    """The request's id: the client's ``X-Request-Id`` when it is one sane token, else
+    a fresh one (also when the client sent several that differ)."""
+    sent = client.getRawHeaders(REQUEST_ID)
+    if sent and len(set(sent)) == 1 and _CLIENT_REQUEST_ID.fullmatch(sent[0]):
+        return sent[0].decode("ascii")
+    return new_request_id()
 
 
 def _connection_tokens(headers: Headers) -> frozenset[bytes]:

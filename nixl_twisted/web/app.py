@@ -44,7 +44,7 @@ from nixl_twisted.observe.tracing import Tracing
 from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, json_answer
-from nixl_twisted.protocol.headers import REQUEST_ID
+from nixl_twisted.protocol.headers import REQUEST_ID, request_id_of
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
@@ -287,7 +287,7 @@ class ProxyApp:
     def _two_legs(self, request: Request, path: str) -> Deferred[None]:
         trace = self._trace(request)
         # The id comes first, so that every answer, refusals included, has one.
-        request_id = lowering.new_request_id()
+        request_id = request_id_of(request.requestHeaders)
         request.setHeader(REQUEST_ID, request_id.encode("ascii"))
         record_of(request).request_id = request_id
         body = lowering.parse_client_body(_client_body(request))
@@ -327,11 +327,12 @@ class ProxyApp:
                 lambda: self._exchange(request, path, upstream, request_id, trace, served, hide)
             )
 
-        # One exchange per prompt, each with its own request id, all in one trace
-        # (the batch sums its parts' usage chunks, and sends one only if asked).
+        # One exchange per prompt, each with its own request id (the batch's, with
+        # the prompt's index), all in one trace (the batch sums its parts' usage
+        # chunks, and sends one only if asked).
         def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
             record_of(to).served_model = record_of(request).served_model
-            return self._exchange(to, path, one, lowering.new_request_id(), trace, served)
+            return self._exchange(to, path, one, f"{request_id}-{to.index}", trace, served)
 
         return self.admission.serve(lambda: Batch(request, batch, upstream, part).start())
 

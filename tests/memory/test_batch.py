@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from nixl_twisted.observe.access import access_line
 from tests.memory.support import Setup, assert_error, sse_events
 
 PROMPTS = ["first prompt", "second prompt", "third prompt"]
@@ -26,6 +27,30 @@ def test_each_prompt_is_its_own_pair_and_the_answer_is_merged() -> None:
     assert len({r.request_id for r in prefills}) == 3  # its own id each
     assert len(answer.values("x-request-id")) == 1
     assert len(setup.ledger.redeemed) == 3
+
+
+def test_each_part_has_the_batchs_id_and_its_index_on_its_legs_and_in_the_access_line(
+    access_events: list[dict[str, Any]],
+) -> None:
+    setup = Setup(tokens=2)
+    for sent in ({"X-Request-Id": "batch-9"}, {}):
+        answer = setup.post("/v1/completions", batch(), headers=sent).answer()
+        assert answer.status == 200
+        (batch_id,) = answer.values("x-request-id")
+        assert batch_id == sent.get("X-Request-Id", batch_id)
+        part_ids = [f"{batch_id}-{index}" for index in range(len(PROMPTS))]
+        legs = [r for r in setup.prefill.requests if r.body and r.body["prompt"] in PROMPTS]
+        by_prompt = {r.body["prompt"]: r.request_id for r in legs if r.body}
+        assert [by_prompt[prompt] for prompt in PROMPTS] == part_ids
+        assert sorted(str(r.request_id) for r in setup.decode.requests_for("decode")) == part_ids
+        setup.prefill.requests.clear()
+        setup.decode.requests.clear()
+        event = access_events.pop()
+        assert event["request_id"] == batch_id
+        assert [part.split()[:2] for part in event["parts"]] == [
+            [f"{index}:", part_id] for index, part_id in enumerate(part_ids)
+        ]
+        assert "None" not in access_line(event)
 
 
 def test_choice_indices_follow_prompt_index_times_n() -> None:

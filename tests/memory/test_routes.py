@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tests.memory.support import FULL_CHAT, Setup, assert_error
 
 # -- request ids -----------------------------------------------------------------
@@ -12,19 +14,38 @@ def test_one_fresh_id_on_both_legs_in_transfer_id_and_to_the_client() -> None:
     # vLLM can echo an id of its own; the client still gets the proxy's.
     setup.decode.extra_headers["X-Request-Id"] = "decode-echo"
     seen = set()
-    for _ in range(3):
-        answer = setup.post(
-            "/v1/chat/completions", FULL_CHAT, headers={"X-Request-Id": "client-chosen"}
-        ).answer()
-        (echoed,) = answer.values("x-request-id")
+    for sent in ("", "two words", "x" * 129):  # (none that is a sane token)
+        answer = setup.post("/v1/chat/completions", FULL_CHAT, headers={"X-Request-Id": sent})
+        (echoed,) = answer.answer().values("x-request-id")
         seen.add(echoed)
     assert len(seen) == 3
-    assert not {"client-chosen", "decode-echo"} & seen
+    assert all(len(one) == 32 for one in seen)
     for prefill, decode in zip(setup.prefill.requests, setup.decode.requests, strict=True):
         assert prefill.request_id in seen
         assert prefill.request_id == decode.request_id
         assert prefill.body is not None
         assert prefill.body["kv_transfer_params"]["transfer_id"] == f"xfer-{prefill.request_id}"
+
+
+def test_a_clients_sane_request_id_is_kept_on_both_legs_and_in_its_record(
+    access_events: list[dict[str, Any]],
+) -> None:
+    setup = Setup()
+    setup.decode.extra_headers["X-Request-Id"] = "decode-echo"
+    for _ in range(2):  # (reused: vLLM adds its own suffix, and prefill's params say which)
+        answer = setup.post(
+            "/v1/chat/completions", FULL_CHAT, headers={"X-Request-Id": "gw-7f3a:01"}
+        ).answer()
+        assert answer.status == 200
+        assert answer.values("x-request-id") == ["gw-7f3a:01"]
+    models = setup.get("/v1/models", headers={"X-Request-Id": "gw-7f3a:02"}).answer()
+    assert models.values("x-request-id") == ["gw-7f3a:02"]
+    prefill, decode = setup.prefill.requests, setup.decode.requests_for("decode")
+    assert [r.request_id for r in prefill + decode] == ["gw-7f3a:01"] * 4
+    assert all(
+        r.body and r.body["kv_transfer_params"]["transfer_id"] == "xfer-gw-7f3a:01" for r in prefill
+    )
+    assert [e["request_id"] for e in access_events] == ["gw-7f3a:01", "gw-7f3a:01", "gw-7f3a:02"]
 
 
 def test_refusals_carry_a_request_id_too() -> None:

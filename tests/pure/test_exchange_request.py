@@ -27,7 +27,7 @@ def test_a_clients_request_is_connected_until_its_connection_is_lost() -> None:
 
 def test_a_batch_part_has_no_connection_to_pause_or_close() -> None:
     written: list[bytes] = []
-    part: ExchangeRequest = PartRequest(client(), written.append)
+    part: ExchangeRequest = PartRequest(client(), 0, written.append)
     assert connected(part) is None
     part.setResponseCode(200)
     part.write(b"data")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from twisted.web.http_headers import Headers
 
-from nixl_twisted.protocol.headers import backend_request_headers, client_response_headers
+from nixl_twisted.protocol.headers import (
+    backend_request_headers,
+    client_response_headers,
+    request_id_of,
+)
 
 
 def client(**headers: str) -> Headers:
@@ -70,3 +74,26 @@ def test_response_headers_keep_end_to_end_ones_only() -> None:
 def test_a_real_content_encoding_is_kept() -> None:
     kept = client_response_headers(client(content_encoding="gzip"))
     assert kept.getRawHeaders(b"content-encoding") == [b"gzip"]
+
+
+def test_a_clients_request_id_is_kept_when_it_is_one_sane_token() -> None:
+    for sane in ("req-42", "0b8f6c1e-7d1a-4c5e-9f3b-2a6d8e0c4b71", "gw:trace.01", "x" * 128):
+        assert request_id_of(client(x_request_id=sane)) == sane
+    repeated = Headers({b"X-Request-Id": [b"same", b"same"]})
+    assert request_id_of(repeated) == "same"
+
+
+def test_any_other_request_id_is_replaced_by_a_fresh_one() -> None:
+    insane = [
+        Headers(),
+        Headers({b"X-Request-Id": [b""]}),
+        Headers({b"X-Request-Id": [b"x" * 129]}),
+        Headers({b"X-Request-Id": [b"two words"]}),
+        Headers({b"X-Request-Id": [b"a\x1b[31m"]}),
+        Headers({b"X-Request-Id": [b"a/b"]}),
+        Headers({b"X-Request-Id": ["caf\u00e9".encode()]}),
+        Headers({b"X-Request-Id": [b"mine", b"yours"]}),  # (which would be the client's?)
+    ]
+    fresh = {request_id_of(headers) for headers in insane}
+    assert len(fresh) == len(insane)
+    assert all(len(one) == 32 and int(one, 16) >= 0 for one in fresh)  # (uuid4's hex)
