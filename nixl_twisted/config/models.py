@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from nixl_twisted.config.spelling import known_keys
 from nixl_twisted.config.values import POLICIES, InvalidValue, choice, count, pool_member
 
 #: The keys a model's table may give (its pools, their policies and the decide
@@ -75,21 +76,22 @@ def _as_table(row: Any) -> dict[str, Any]:
     return {"prefill": list(prefill), "decode": list(decode), **dict(own)}
 
 
-def _model(name: str, table: object) -> ModelPools:
+def _model(name: str, given: object) -> ModelPools:
+    where = f"model {name!r}: "
     if not name or any(char.isspace() or not char.isprintable() for char in name):
-        raise InvalidValue(f"model {name!r}: a name is printable, without whitespace")
-    if not isinstance(table, Mapping) or set(table) - set(MODEL_KEYS):
-        raise InvalidValue(f"model {name!r}: its keys are {', '.join(MODEL_KEYS)}")
-    parsers = MODEL_KEYS
+        raise InvalidValue(f"{where}a name is printable, without whitespace")
+    if not isinstance(given, Mapping):
+        raise InvalidValue(f"{where}must be a table of {', '.join(MODEL_KEYS)}")
+    table = known_keys(given, where, tuple(MODEL_KEYS))
     members: dict[str, tuple[str, ...]] = {}
     for role in ("prefill", "decode"):
         listed = table.get(role, [])
         if isinstance(listed, str) or not isinstance(listed, list | tuple):
-            raise InvalidValue(f"model {name!r}: {role} must be a list of URLs")
-        members[role] = tuple(_parsed(name, role, parsers[role], url) for url in listed)
+            raise InvalidValue(f"{where}{role} must be a list of URLs")
+        members[role] = tuple(_parsed(name, role, MODEL_KEYS[role], url) for url in listed)
     own = tuple(
         sorted(
-            (key, _parsed(name, key, parsers[key], table[key]))
+            (key, _parsed(name, key, MODEL_KEYS[key], table[key]))
             for key in MODEL_KEYS
             if key in table and key not in ("prefill", "decode")
         )

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from nixl_twisted.config.settings import BY_NAME, SETTINGS
+from nixl_twisted.config.spelling import SpelledTwice, dashed
 from nixl_twisted.config.values import InvalidValue
 
 if sys.version_info >= (3, 11):
@@ -76,6 +77,9 @@ def read_file(path: str) -> dict[str, object]:
         raise ConfigError("config", f"--config {path}: cannot read it: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError("config", f"--config {path}: not valid TOML: {error}") from None
-    named = {key.replace("_", "-"): (key, value) for key, value in table.items()}
+    try:
+        named = dashed(table, f"--config {path}: ")
+    except SpelledTwice as error:
+        raise ConfigError(error.name, str(error)) from None
     raw = {name: value for name, (_, value) in named.items()}
     return parse(raw, lambda name: f"--config {path}: {named[name][0]!r} ")

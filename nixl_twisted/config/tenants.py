@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from urllib.parse import urlsplit
 
+from nixl_twisted.config.spelling import known_keys
 from nixl_twisted.config.values import InvalidValue, as_number, text
 
 
@@ -99,19 +100,20 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
     if not isinstance(value, dict):
         raise InvalidValue("must be a table of tenants, e.g. [tenants.team-a]")
     table = []
-    for name, limits in value.items():
-        if not isinstance(limits, dict) or set(limits) - set(TENANT_KEYS):
-            known = ", ".join(TENANT_KEYS)
-            raise InvalidValue(f"tenant {name!r}: its keys are {known}")
+    for name, given in value.items():
+        where = f"tenant {name!r}: "
+        if not isinstance(given, dict):
+            raise InvalidValue(f"{where}must be a table of {', '.join(TENANT_KEYS)}")
+        limits = known_keys(given, where, TENANT_KEYS)
         numbers = []
         for key in TENANT_LIMITS:
             number = limits.get(key, -1)
             if isinstance(number, bool) or not isinstance(number, int) or number < -1:
-                raise InvalidValue(f"tenant {name!r}: {key} must be 0 (no limit) or more")
+                raise InvalidValue(f"{where}{key} must be 0 (no limit) or more, not {number!r}")
             numbers.append(number)
         try:
             own = None if limits.get("priority") is None else priority(limits["priority"])
         except InvalidValue as error:
-            raise InvalidValue(f"tenant {name!r}: priority {error}") from None
+            raise InvalidValue(f"{where}priority {error}") from None
         table.append((str(name), *numbers, own))
     return tuple(sorted(table, key=lambda row: row[0]))  # type: ignore[arg-type]

@@ -162,6 +162,11 @@ def test_unusable_options_are_usage_errors_naming_the_problem(
         ("prefill = [", "config", "not valid TOML"),
         ('version = "2"', "version", "'version' unknown key"),
         ('config = "other.toml"', "config", "'config' unknown key"),
+        (
+            "max-in-flight = 2\nmax_in_flight = 3",
+            "max-in-flight",
+            "'max-in-flight' and 'max_in_flight' are one key: give it once",
+        ),
     ],
 )
 def test_bad_files_are_refused_naming_the_key(

@@ -59,10 +59,29 @@ def test_a_table_reads_as_the_options_do_and_reads_back_to_itself() -> None:
     assert ProxyConfig.from_json(config.to_json()) == config  # (what a worker is handed)
 
 
+def test_a_tables_keys_take_underscores_as_the_top_level_does() -> None:
+    underscored: dict[str, dict[str, Any]] = {
+        "llama": {
+            "prefill": ["http://10.0.0.1:8100"],
+            "decode": ["http://10.0.0.2:8200#dp=2"],
+            "decode_policy": "session",
+            "decode_only_below": 64,
+        },
+        "qwen": {"decode": ["http://10.0.1.2:8200"], "prefill_fallback": "decode"},
+    }
+    assert model_table(underscored) == model_table(TABLE)
+
+
 @pytest.mark.parametrize(
     ("table", "said"),
     [
-        ({"m": {"weights": 3}}, "model 'm': its keys are prefill, decode"),
+        ({"m": {"weights": 3}}, "model 'm': unknown key 'weights' (the keys are prefill, decode"),
+        ({"m": {"decode_policy": "rr"}}, "model 'm': decode-policy must be one of"),
+        (
+            {"m": {"decode-only-below": 1, "decode_only_below": 2}},
+            "model 'm': 'decode-only-below' and 'decode_only_below' are one key: give it once",
+        ),
+        ({"m": ["http://d:2"]}, "model 'm': must be a table of prefill, decode,"),
         ({"m": {"decode-policy": "fastest"}}, "model 'm': decode-policy must be one of"),
         ({"m": {"decode": "http://d:2"}}, "model 'm': decode must be a list of URLs"),
         ({"m": {"decode": ["ftp://d:2"]}}, "model 'm': decode "),
@@ -145,14 +164,24 @@ def test_vllms_answer_is_read_as_cards_by_id_lora_adapters_included() -> None:
             read_models(wrong)
 
 
-def test_an_instance_serves_what_it_said_what_it_is_listed_for_or_if_unread_anything() -> None:
+def test_an_instance_serves_what_it_said_else_what_it_is_listed_for_else_anything() -> None:
     said = decode("http://a", ["llama", "sql-lora"])
     assert said.serves("sql-lora") and not said.serves("qwen")
     assert decode("http://b").serves("anything")  # (never read: as before models were read)
     listed = decode("http://c", named=frozenset({"qwen"}))
     assert listed.serves("qwen") and not listed.serves("llama")
-    both = decode("http://d", ["llama"], named=frozenset({"qwen"}))
-    assert both.serves("qwen") and both.serves("llama")
+    assert listed.not_serving == []  # (not said yet: the table is believed)
+    wrong = decode("http://d", ["llama"], named=frozenset({"qwen"}))
+    assert wrong.serves("llama") and not wrong.serves("qwen")  # (vLLM would refuse qwen)
+    assert wrong.not_serving == ["qwen"] == wrong.status()["not_serving"]
+    right = decode("http://e", ["qwen"], named=frozenset({"qwen"}))
+    assert right.serves("qwen") and right.not_serving == []
+    with pytest.raises(UnknownModel):
+        resolve("qwen", [wrong])
+    empty = decode("http://f", named=frozenset({"qwen"}))
+    empty.models = {}  # (it said: nothing)
+    with pytest.raises(UnknownModel):
+        resolve("qwen", [empty])
 
 
 def test_a_request_is_resolved_against_what_the_decode_instances_serve() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.web.tenants import TenantLimits
+from nixl_twisted.web.tenants import Rule, TenantLimits
 
 
 def limits(**settings: object) -> tuple[TenantLimits, Clock]:
@@ -124,10 +124,25 @@ def test_the_tenant_table_with_priorities_survives_the_workers_json() -> None:
     assert ProxyConfig.from_json(config.to_json()).tenants == config.tenants
 
 
+def test_a_tenants_table_takes_underscores_and_names_a_wrong_key() -> None:
+    underscored, _ = limits(tenants={"vip": {"max_in_flight": 3, "tokens_per_minute": 9}})
+    assert underscored.rule("vip") == Rule(max_in_flight=3, tokens_per_minute=9)
+    for given, said in [
+        (
+            {"max_inflight": 3},
+            "tenant 'vip': unknown key 'max_inflight' (the keys are max-in-flight",
+        ),
+        ({"max-in-flight": 1, "max_in_flight": 2}, "'max-in-flight' and 'max_in_flight' are one"),
+        ({"requests_per_minute": -5}, "tenant 'vip': requests-per-minute must be 0 (no limit) or"),
+        (3, "tenant 'vip': must be a table of max-in-flight, requests-per-minute, tokens-per-"),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            limits(tenants={"vip": given})
+        assert said in str(refused.value)
+
+
 @pytest.mark.parametrize("priority", ["high", 1.5, True, 2**63])
 def test_a_priority_is_a_64_bit_whole_number(priority: object) -> None:
-    from nixl_twisted.config import ConfigError
-
     with pytest.raises(ConfigError, match="priority"):
         limits(tenants={"vip": {"priority": priority}})
 
