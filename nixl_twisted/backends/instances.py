@@ -44,16 +44,23 @@ class Instance:
     #: The models it serves, as its ``GET /v1/models`` said last (id -> card; LoRA
     #: adapters too); None: not read (health checks off, or it could not be read).
     models: dict[str, dict[str, Any]] | None = None
-    #: The models ``[models.NAME]`` lists it under (served whatever it says).
+    #: The models ``[models.NAME]`` lists it under (served until it says what it serves).
     named: frozenset[str] = frozenset()
 
     def serves(self, model: str) -> bool:
-        """Whether a request for ``model`` may go here (``nixl_twisted.backends.models``)."""
-        if model in self.named:
-            return True
+        """Whether a request for ``model`` may go here (``nixl_twisted.backends.models``):
+        what its ``/v1/models`` said, else what a table lists it under, else anything."""
+        if self.models is not None:
+            return model in self.models
+        return model in self.named if self.named else True
+
+    @property
+    def not_serving(self) -> list[str]:
+        """The models a table lists it under that its ``/v1/models`` does not: it takes
+        none of their requests (vLLM would refuse them)."""
         if self.models is None:
-            return not self.named  # (never read: anything, unless listed for its models)
-        return model in self.models
+            return []
+        return sorted(self.named.difference(self.models))
 
     @property
     def healthy(self) -> bool:
@@ -101,6 +108,7 @@ class Instance:
             "last_error": self.last_error,
             "load": self.load or None,
             "models": None if self.models is None else sorted(self.models),
+            "not_serving": self.not_serving,
         }
 
     def health(self) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """Which models a fleet serves, and which instances may serve a request's ``model``.
 
 An instance serves what its ``GET /v1/models`` says (read by the health
-checks: base models and LoRA adapters alike) and what ``[models.NAME]``
-lists it under. An instance whose models were never read serves anything,
-as before the proxy read them: with health checks off, or an instance that
-cannot answer ``/v1/models``, routing stays as it was. A model is unknown
-(404) only when every decode instance's models are known and none serves it.
+checks: base models and LoRA adapters alike). Until it has said, it serves
+what ``[models.NAME]`` lists it under, and an instance no table lists
+serves anything, as before the proxy read models: with health checks off,
+or an instance that cannot answer ``/v1/models``, routing stays as it was.
+An instance listed under a model its answer does not name takes none of
+that model's requests (vLLM would refuse them): it is logged, and
+``/healthcheck`` shows it (``not_serving``). A model is unknown (404) only
+when every decode instance's models are known and none serves it.
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ import json
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from twisted.logger import Logger
+
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.config.values import backend_url, discovered_by, instance_url, rank_urls
+
+log = Logger()
 
 
 class UnknownModel(Exception):
@@ -47,11 +54,31 @@ def read_models(body: bytes) -> dict[str, dict[str, Any]]:
     }
 
 
+def said_models(instance: Instance, models: dict[str, dict[str, Any]]) -> bool:
+    """``models`` as the instance's own list; whether that changed its list (logged,
+    and so is a model a table lists it under that it does not serve)."""
+    said = instance.models
+    if said is not None and set(models) == set(said):  # (vLLM's cards say "created": now)
+        return False
+    if said is not None or len(models) > 1:
+        log.info("{url} serves {models}", url=instance.url, models=", ".join(models))
+    instance.models = models
+    if instance.not_serving:
+        log.warn(
+            "{url} is listed under [models.{listed}] but serves {models}: "
+            "it takes no {listed} requests",
+            url=instance.url,
+            listed=", ".join(instance.not_serving),
+            models=", ".join(models) or "nothing",
+        )
+    return True
+
+
 def _known(instance: Instance) -> set[str] | None:
     """The models an instance is known to serve; None: anything (never read, never named)."""
-    if instance.models is None:
-        return set(instance.named) if instance.named else None
-    return {*instance.named, *instance.models}
+    if instance.models is not None:
+        return set(instance.models)
+    return set(instance.named) if instance.named else None
 
 
 class Resolved(NamedTuple):
@@ -88,7 +115,7 @@ def resolve(requested: object, decode: Iterable[Instance]) -> Resolved:
             unread = True
         elif instance.serves(requested):
             return Resolved(requested, True)
-        elif instance.named or instance.models:
+        else:
             said = True
     if not said:
         return ANY_MODEL  # (nothing known: routed as before models were read)
@@ -136,6 +163,7 @@ def listing(decode: Iterable[Instance]) -> dict[str, Any] | None:
     None when none of them has said (the route then asks one, as before).
     """
     cards: dict[str, dict[str, Any]] = {}
+    named: set[str] = set()
     said = False
     for instance in decode:
         if instance.draining or not instance.healthy:
@@ -144,9 +172,11 @@ def listing(decode: Iterable[Instance]) -> dict[str, Any] | None:
             said = True
             for model, card in instance.models.items():
                 cards.setdefault(model, card)
-        for model in sorted(instance.named):
+        elif instance.named:  # (until it says what it serves)
             said = True
-            cards.setdefault(model, {"id": model, "object": "model", "owned_by": "vllm"})
+            named |= instance.named
+    for model in sorted(named):  # (vLLM's own card first, when one said it)
+        cards.setdefault(model, {"id": model, "object": "model", "owned_by": "vllm"})
     if not said:
         return None
     return {"object": "list", "data": [cards[model] for model in sorted(cards)]}

@@ -24,7 +24,12 @@ from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.kv_events import KvEvents, PoolEvents
 from nixl_twisted.backends.load import vllm_load
-from nixl_twisted.backends.models import name_instances, named_by_instance, read_models
+from nixl_twisted.backends.models import (
+    name_instances,
+    named_by_instance,
+    read_models,
+    said_models,
+)
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.upstream import Upstream, read_body
 from nixl_twisted.config import (
@@ -326,11 +331,7 @@ class BackendService(Service):
                     error=str(error),
                 )
             return
-        said = instance.models
-        if said is None or set(models) != set(said):  # (vLLM's cards say "created": now)
-            if said is not None or len(models) > 1:
-                log.info("{url} serves {models}", url=instance.url, models=", ".join(models))
-            instance.models = models
+        if said_models(instance, models):
             pool.load_changed(instance)
 
     async def _scrape(self, pool: BackendPool, instance: Instance) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.logger import formatEvent
+
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.protocol import routes
 from nixl_twisted.testing import FakeVLLM
@@ -94,6 +96,35 @@ def test_the_health_loop_learns_what_each_instance_serves_lora_adapters_included
     said = setup.post(routes.TOKENIZE, {"model": "qwen", "prompt": "hi"}).answer()
     assert said.status == 200
     assert [r.path for r in setup.decodes[1].requests if r.method == "POST"][-1] == "/tokenize"
+
+
+def test_an_instance_listed_under_a_model_it_does_not_serve_takes_none_of_its_requests(
+    logged: list[dict[str, Any]],
+) -> None:
+    setup = two_models(health_interval=5, start=False)
+    for fake, model in zip([*setup.prefills, *setup.decodes], ["llama", "qwen"] * 2, strict=True):
+        fake.model = model
+    setup.decodes[1].model = "mistral"  # (listed under qwen: a wrong URL in the table)
+    setup.proxy.start()
+    setup.settle(setup.proxy.service.backends.first_round())
+
+    answer = setup.post(routes.CHAT_COMPLETIONS, chat("qwen")).answer()
+    assert answer.status == 404  # (vLLM would have refused it: not sent)
+    assert answer.json()["error"]["code"] == "model_not_found"
+    assert setup.post(routes.CHAT_COMPLETIONS, chat("llama")).answer().status == 200
+    assert [legs(f) for f in setup.decodes] == [1, 0]
+    listed = setup.get(routes.MODELS).answer().json()["data"]
+    assert [card["id"] for card in listed] == ["llama", "mistral"]  # (what they said)
+    decodes = setup.get("/healthcheck").answer().json()["instances"]["decode"]
+    assert [(d["models"], d["not_serving"]) for d in decodes] == [
+        (["llama"], []),
+        (["mistral"], ["qwen"]),
+    ]
+    (warned,) = [formatEvent(e) for e in logged if "is listed under" in e.get("log_format", "")]
+    assert warned == (
+        "http://decode-1.memory is listed under [models.qwen] but serves mistral: "
+        "it takes no qwen requests"
+    )
 
 
 def test_a_list_said_again_is_no_change_though_vllm_dates_each_answer(
