@@ -142,6 +142,12 @@ class ErrorCode(enum.Enum):
         _CLIENT,
         "HTTP/1.1 without `Host`, two `Host` headers, or one not a valid host",
     )
+    CONFLICTING_HEADERS = (
+        "conflicting_headers",
+        400,
+        _CLIENT,
+        "`Authorization`, `x-api-key` or the `--tenant-header` sent twice with different values",
+    )
     HEADER_TIMEOUT = (
         "header_timeout",
         408,

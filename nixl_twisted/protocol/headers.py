@@ -8,6 +8,7 @@ what decode answered comes back except what is hop-by-hop.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from twisted.web.http_headers import Headers
 
@@ -56,6 +57,29 @@ AUTHORIZATION = b"Authorization"
 #: digits and ``._:-`` (a UUID, a ULID, a gateway's trace id), nothing a log
 #: line or a header could be forged with.
 _CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
+
+
+#: The headers that say who a client is (the tenant header is the operator's to name).
+IDENTITY = (b"Authorization", b"x-api-key")
+
+
+def conflicting(client: Headers, names: Iterable[bytes]) -> bytes | None:
+    """The first of ``names`` the client sent twice with different values, else None.
+
+    Such a request is refused (``conflicting_headers``), not read by one rule
+    or another: a gateway that adds its own value after a client's, or
+    before it, would otherwise let the client choose who it is.
+    """
+    for name in names:
+        values = client.getRawHeaders(name)
+        if values is not None and len(values) > 1 and len(set(values)) > 1:
+            return name
+    return None
+
+
+def said_twice(name: bytes) -> str:
+    """The refusal's message for a header ``conflicting`` found."""
+    return f"the request sends {name.decode('ascii')} more than once, with different values"
 
 
 def request_id_of(client: Headers) -> str:

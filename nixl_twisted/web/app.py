@@ -44,7 +44,7 @@ from nixl_twisted.observe.tracing import Tracing
 from nixl_twisted.protocol import lowering, routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, json_answer
-from nixl_twisted.protocol.headers import REQUEST_ID, request_id_of
+from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID, request_id_of
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
@@ -127,7 +127,12 @@ class ProxyApp:
     def resource(self, admin: bool = False) -> IResource:
         """The Twisted Web resource that serves this app (``admin``: on --admin-listen)."""
         split = self.config.admin_listen is not None
-        return FrontDoor(self.app.resource(), admin=admin, split=split)
+        return FrontDoor(self.app.resource(), admin, split, self._identity_headers)
+
+    def _identity_headers(self) -> tuple[bytes, ...]:
+        """The headers that say who a client is: keys, and the tenant header when set."""
+        header = self.tenants.header
+        return IDENTITY if header is None else (*IDENTITY, header)
 
     @property
     def in_flight(self) -> int:

@@ -4,12 +4,14 @@ Klein would answer these with a plain-text 400 and a traceback in the log
 (a URL that is not UTF-8), or Twisted with an HTML ``500 Processing Failed``
 (a Host that Werkzeug cannot bind a URL map to): client garbage is neither
 the operator's error nor a 5xx. HTTP/1.1 requires exactly one ``Host``
-(RFC 9112 section 3.2): none, or two, is a 400 too.
+(RFC 9112 section 3.2): none, or two, is a 400 too; so are two different
+values of a header that says who the client is (``headers.conflicting``).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
 from twisted.web.iweb import IRequest
@@ -19,6 +21,7 @@ from werkzeug.exceptions import BadHost
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, json_answer
+from nixl_twisted.protocol.headers import IDENTITY, conflicting, said_twice
 
 #: ``uri-host [":" port]`` (RFC 3986 section 3.2.2): an IP literal, or a
 #: reg-name (IPv4 included) of unreserved, percent-encoded and sub-delim
@@ -54,11 +57,19 @@ class FrontDoor(Resource):
 
     isLeaf = True
 
-    def __init__(self, app: IResource, admin: bool = False, split: bool = False) -> None:
+    def __init__(
+        self,
+        app: IResource,
+        admin: bool = False,
+        split: bool = False,
+        identity: Callable[[], Iterable[bytes]] = lambda: IDENTITY,
+    ) -> None:
         super().__init__()
         self._app = app
         self._admin = admin
         self._split = split
+        #: The headers that say who a client is, as configured now (the tenant header's).
+        self._identity = identity
 
     def render(self, request: IRequest) -> bytes | int:
         try:
@@ -68,6 +79,9 @@ class FrontDoor(Resource):
         problem = host_problem(request)
         if problem is not None:
             return _refuse(request, ErrorCode.INVALID_HOST, problem)
+        twice = conflicting(request.requestHeaders, self._identity())
+        if twice is not None:
+            return _refuse(request, ErrorCode.CONFLICTING_HEADERS, said_twice(twice))
         routed = "/" + path.lstrip("/")  # (Werkzeug routes //admin/... as /admin/...)
         if (self._admin and routed not in routes.ADMIN_PORT) or (
             self._split and not self._admin and routed in routes.ADMIN_ONLY

@@ -28,6 +28,7 @@ from nixl_twisted.observe.access import AccessLog
 from nixl_twisted.observe.refusals import Refusals
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, for_route
+from nixl_twisted.protocol.headers import IDENTITY, conflicting, said_twice
 from nixl_twisted.web.deadlines import ClientLimits, RequestDeadlines
 from nixl_twisted.web.intake import BodyBudget, LimitedRequest
 from nixl_twisted.web.keys import ClientKeys, needs_key
@@ -125,7 +126,8 @@ class _TrackedChannel(HTTPChannel):
         self.refuse(ErrorCode.MALFORMED_REQUEST, "malformed HTTP request")
 
     def _unkeyed(self) -> bool:
-        """A client route without a key the proxy knows: 401 now, before any body is read.
+        """A client route without a key the proxy knows: 401 now, before any body is read
+        (400 for two different keys: ``headers.conflicting``).
 
         The body is then read and dropped (``LimitedRequest.refuse_unread``),
         under the body's deadline, so that a client sending it reads the 401.
@@ -135,14 +137,16 @@ class _TrackedChannel(HTTPChannel):
         path = getattr(self, "_path", b"")  # (Twisted's request line, read so far)
         if keys is None or not keys.required or request is None or not needs_key(path):
             return False
-        if keys.tenant(request.requestHeaders, path) is not None:
+        twice = conflicting(request.requestHeaders, IDENTITY)
+        if twice is None and keys.tenant(request.requestHeaders, path) is not None:
             return False
         assert isinstance(request, LimitedRequest)  # (the site's request factory)
+        code, challenge = ErrorCode.INVALID_API_KEY, b"WWW-Authenticate: Bearer\r\n"
         message = "a valid API key is required (Authorization: Bearer KEY)"
+        if twice is not None:
+            code, challenge, message = ErrorCode.CONFLICTING_HEADERS, b"", said_twice(twice)
         # (Refused: no access event, it was never served.)
-        reading = request.refuse_unread(
-            ErrorCode.INVALID_API_KEY, message, b"WWW-Authenticate: Bearer\r\n", path, self.length
-        )
+        reading = request.refuse_unread(code, message, challenge, path, self.length)
         if reading and self.length != 0 and self._deadlines is not None:
             self._deadlines.body(self.factory.limits)
         return True

@@ -7,6 +7,7 @@ it, never by waiting.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from twisted.web.resource import Resource
@@ -214,6 +215,76 @@ def test_a_bad_host_on_the_messages_route_gets_anthropics_error_shape() -> None:
     client.send(b"POST /v1/messages HTTP/1.1\r\nHost: a b\r\nContent-Length: 2\r\n\r\n{}")
     assert client.answer().status == 400
     assert client.answer().json()["type"] == "error"
+
+
+#: A Messages request's body (the other client routes take ``COMPLETION``).
+MESSAGE = b'{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize(
+    ("settings", "head", "twice", "same"),
+    [
+        (
+            {"tenant_header": "X-Tenant"},
+            b"POST /v1/completions",
+            b"X-Tenant: a\r\nX-Tenant: b\r\n",
+            b"X-Tenant: a\r\nx-tenant: a\r\n",
+        ),
+        (
+            {},
+            b"POST /v1/completions",
+            b"Authorization: Bearer a\r\nauthorization: Bearer b\r\n",
+            b"Authorization: Bearer a\r\nAuthorization: Bearer a\r\n",
+        ),
+        (
+            {},
+            b"POST /v1/messages",
+            b"x-api-key: a\r\nX-Api-Key: b\r\n",
+            b"x-api-key: a\r\nx-api-key: a\r\n",
+        ),
+        (  # with client keys: as the headers arrive, a valid key first or last
+            {"api_key": ["sk-k"]},
+            b"POST /v1/completions",
+            b"Authorization: Bearer sk-k\r\nAuthorization: Bearer sk-other\r\n",
+            b"Authorization: Bearer sk-k\r\nAuthorization: Bearer sk-k\r\n",
+        ),
+        (
+            {"api_key": ["sk-k"]},
+            b"POST /v1/completions",
+            b"Authorization: Bearer sk-other\r\nAuthorization: Bearer sk-k\r\n",
+            b"Authorization: Bearer sk-k\r\nAuthorization: Bearer sk-k\r\n",
+        ),
+        (  # the admin API took the last one
+            {"admin_token": "t"},
+            b"GET /admin/backends",
+            b"Authorization: Bearer wrong\r\nAuthorization: Bearer t\r\n",
+            b"Authorization: Bearer t\r\nAuthorization: Bearer t\r\n",
+        ),
+    ],
+)
+def test_a_header_that_says_who_the_client_is_sent_twice_differently_is_a_400(
+    settings: dict[str, Any], head: bytes, twice: bytes, same: bytes
+) -> None:
+    """No first-wins or last-wins rule a gateway adding its own value could be fooled by."""
+    setup = Setup(**settings)
+    body = MESSAGE if head.endswith(b"messages") else COMPLETION
+    for headers, answered in ((twice, 400), (same, 200)):
+        client = _slow(
+            setup,
+            head
+            + b" HTTP/1.1\r\nHost: proxy\r\n"
+            + headers
+            + b"Content-Length: %d\r\n\r\n%s" % (len(body), body),
+        )
+        assert status(client) == answered, client.received()
+        if answered == 400:
+            error = client.answer().json()["error"]
+            assert error.get("code", "conflicting_headers") == "conflicting_headers"  # (Anthropic:
+            assert error["type"] == "invalid_request_error"  # no code, the same type)
+            name = headers.split(b":", 1)[0].decode()
+            message = f"the request sends {name} more than once, with different values"
+            assert message.lower() in client.received().decode().lower()
+            assert setup.prefill.requests == [] and setup.decode.requests == []
 
 
 def test_no_100_continue_follows_a_413() -> None:

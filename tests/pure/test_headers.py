@@ -5,8 +5,10 @@ from __future__ import annotations
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.protocol.headers import (
+    IDENTITY,
     backend_request_headers,
     client_response_headers,
+    conflicting,
     request_id_of,
 )
 
@@ -97,3 +99,14 @@ def test_any_other_request_id_is_replaced_by_a_fresh_one() -> None:
     fresh = {request_id_of(headers) for headers in insane}
     assert len(fresh) == len(insane)
     assert all(len(one) == 32 and int(one, 16) >= 0 for one in fresh)  # (uuid4's hex)
+
+
+def test_an_identity_header_conflicts_only_with_a_different_value_of_itself() -> None:
+    names = (*IDENTITY, b"X-Tenant")
+    assert conflicting(Headers({b"x-tenant": [b"a", b"b"]}), names) == b"X-Tenant"
+    assert conflicting(Headers({b"authorization": [b"Bearer a", b"Bearer b"]}), names) == (
+        b"Authorization"
+    )
+    assert conflicting(Headers({b"x-tenant": [b"a", b"a"]}), names) is None  # (one value)
+    assert conflicting(Headers({b"authorization": [b"k"], b"x-api-key": [b"j"]}), names) is None
+    assert conflicting(Headers({b"x-other": [b"a", b"b"]}), names) is None  # (not identity)
