@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from nixl_twisted.testing.fake import SENTENCE_TOKENS
 from nixl_twisted.testing.process import Twistd, TwistdFailed
 
 #: What ``python -m nixl_twisted.testing`` prints for each instance once all listen.
@@ -61,14 +62,24 @@ def _fakes(tokens: int, token_interval: float) -> tuple[subprocess.Popen[str], s
     raise DemoFailed("the fake vLLM instances exited before they listened:\n" + "".join(said))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The demo's options: by default the fake's whole sentence, ending on its full stop."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=24, help="tokens to generate")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=SENTENCE_TOKENS,
+        help="tokens to generate (default: the fake's one sentence, whole)",
+    )
     parser.add_argument("--token-interval", type=float, default=0.05, help="seconds between tokens")
     parser.add_argument(
         "--prompt", default="Explain disaggregated prefill and decode in one sentence."
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = arguments().parse_args(argv)
 
     fakes: subprocess.Popen[str] | None = None
     proxy: Twistd | None = None

@@ -21,7 +21,7 @@ from typing import Any
 from twisted.internet.endpoints import quoteStringArgument
 
 from nixl_twisted.testing.cluster import FakeCluster, start_cluster
-from nixl_twisted.testing.fake import FakeVLLM
+from nixl_twisted.testing.fake import SENTENCE_TOKENS, FakeVLLM
 
 #: The proxy's own listening endpoint in the command line printed for the user.
 PROXY_LISTEN = "tcp:8000"
@@ -103,11 +103,19 @@ def arguments() -> argparse.ArgumentParser:
         help="the address every instance listens on; 0.0.0.0: all of IPv4's",
     )
     parser.add_argument(
+        "--model",
+        default=FakeVLLM.model,
+        metavar="NAME",
+        help="the model every instance serves, as /v1/models lists it (a proxy in front "
+        "refuses a request for another model with 404)",
+    )
+    parser.add_argument(
         "--tokens",
         type=_at_least(0),
-        default=32,
+        default=SENTENCE_TOKENS,
         metavar="N",
-        help="tokens each answer generates, at most the request's max_tokens",
+        help="tokens each answer generates, at most the request's max_tokens "
+        "(the default: one whole sentence)",
     )
     parser.add_argument(
         "--token-interval",
@@ -180,6 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoints(args.prefill_port, args.prefills, args.interface),
             endpoints(args.decode_port, args.decodes, args.interface),
             reactor,
+            model=args.model,
             tokens=args.tokens,
             token_interval=args.token_interval,
             kv_events=args.kv_events,

@@ -40,6 +40,8 @@ DEFAULT_TEXT = (
     "Hello from the fake decode instance: these tokens were prefilled on one "
     "instance, moved over NIXL and generated on another, all through nixl-twisted."
 )
+#: The tokens of ``DEFAULT_TEXT``, once: an answer of this many ends on its full stop.
+SENTENCE_TOKENS = len(DEFAULT_TEXT.split())
 
 
 @dataclass

@@ -30,7 +30,8 @@ OPTIONS = {
     "--prefill-port": "8100",
     "--decode-port": "8200",
     "--interface": "127.0.0.1",
-    "--tokens": "32",
+    "--model": "fake-model",
+    "--tokens": "23",
     "--token-interval": "0.05",
     "--kv-events": "False",
 }
@@ -38,7 +39,9 @@ COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
 
 class FakesCommandTests(TwistdCase):
-    async def fakes(self, prefills: int, decodes: int) -> tuple[WatchedProcess, dict[str, str]]:
+    async def fakes(
+        self, prefills: int, decodes: int, *more: str
+    ) -> tuple[WatchedProcess, dict[str, str]]:
         """The command on ports the OS picks, once it printed its twistd line; URLs by name."""
         process = self.spawn_fakes(
             "--prefills",
@@ -53,6 +56,7 @@ class FakesCommandTests(TwistdCase):
             "4",
             "--token-interval",
             "0",
+            *more,
         )
         await process.line_with(b"twistd -n ")  # printed once every instance listens
         return process, dict(re.findall(r"fake (\S+) listening on (\S+)", process.output.decode()))
@@ -173,6 +177,14 @@ class FakesCommandTests(TwistdCase):
         self.assertEqual(len(stored), 1, stored)
         self.assertEqual(stored[0]["token_ids"], prompt_tokens({"prompt": prompt})[:128])
         await self.terminate(proxy)
+        await self.stop(process)
+
+    async def test_model_names_what_every_instance_serves(self) -> None:
+        process, urls = await self.fakes(1, 1, "--model", "Qwen/Qwen3-0.6B")
+        http = self.fresh_connections()
+        for url in urls.values():
+            listed = await (await http.get(url + "/v1/models")).json()
+            self.assertEqual([card["id"] for card in listed["data"]], ["Qwen/Qwen3-0.6B"])
         await self.stop(process)
 
     async def test_a_port_in_use_is_said_and_exits_1(self) -> None:

@@ -13,7 +13,7 @@ def test_demo_streams_a_chat_completion_through_twistd(tmp_path: Path) -> None:
     demo = shutil.which("nixlproxy-demo", path=os.path.dirname(sys.executable))
     assert demo, "nixlproxy-demo is installed with the package"
     result = subprocess.run(
-        [demo, "--tokens", "5", "--token-interval", "0.01"],
+        [demo, "--token-interval", "0.01"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -22,4 +22,7 @@ def test_demo_streams_a_chat_completion_through_twistd(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "twistd nixlproxy:" in result.stdout
-    assert "assistant> Hello from the fake decode " in result.stdout
+    (said,) = [line for line in result.stdout.splitlines() if line.startswith("assistant> ")]
+    # One whole sentence by default: it ends on its full stop, not on the next one's start.
+    assert said.startswith("assistant> Hello from the fake decode ")
+    assert said.rstrip().endswith(" all through nixl-twisted."), said
