@@ -47,8 +47,10 @@ _PROXY_OWNED_REQUEST = frozenset(
     }
 )
 
-#: Where a client's key to the proxy travels (``x-api-key``: Anthropic's clients).
-_CLIENT_KEYS = frozenset({b"authorization", b"x-api-key"})
+#: Where a client's key to the proxy travels (``x-api-key``: Anthropic's clients):
+#: the headers that say who a client is, with the tenant header the operator names.
+IDENTITY = (b"Authorization", b"x-api-key")
+_CLIENT_KEYS = frozenset(name.lower() for name in IDENTITY)
 
 REQUEST_ID = b"X-Request-Id"
 AUTHORIZATION = b"Authorization"
@@ -57,10 +59,6 @@ AUTHORIZATION = b"Authorization"
 #: digits and ``._:-`` (a UUID, a ULID, a gateway's trace id), nothing a log
 #: line or a header could be forged with.
 _CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
-
-
-#: The headers that say who a client is (the tenant header is the operator's to name).
-IDENTITY = (b"Authorization", b"x-api-key")
 
 
 def conflicting(client: Headers, names: Iterable[bytes]) -> bytes | None:
