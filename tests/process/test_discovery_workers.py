@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 from nixl_twisted.testing import FakeDns
 from tests.process.support import TwistdCase
@@ -19,23 +21,22 @@ class DiscoveryUnderWorkersTests(TwistdCase):
         ports = [int(fake.url.rsplit(":", 1)[1]) for fake in self.decodes]
         dns.set_addresses("d.test", ["127.0.0.1"])
         dns.set_services("_http._tcp.decode.test", [("d.test", ports[0])])
-        process, address = await self.spawn_workers(
-            "--prefill",
-            self.prefill.url,
-            "--decode",
-            "dnssrv+http://_http._tcp.decode.test",
-            "--dns-server",
-            dns.address,
-        )
+        # A name is asked again only when its source is made again (here: a reload that
+        # changes its refresh), never by the clock, so the queries are counted exactly
+        # however slowly the workers start.
+        member = "dnssrv+http://_http._tcp.decode.test"
+        rest = f'dns-server = "{dns.address}"\ndns-max-refresh = 300\n'
+        config = self.config_file(member, more=rest + "dns-min-refresh = 300\n")
+        process, address = await self.spawn_workers("--config", config)
         # The supervisor and each worker say the change, once each.
         await process.said(f"decode: +{first.url} (dnssrv+".encode(), times=3)
-        # The new answer lives long (its next refresh is --dns-max-refresh away): the count
-        # below cannot race a third refresh on a slow machine.
-        dns.set_addresses("d.test", ["127.0.0.1"], ttl=300)
         both_ports = [("d.test", ports[0]), ("d.test", ports[1])]
-        dns.set_services("_http._tcp.decode.test", both_ports, ttl=300)
+        dns.set_services("_http._tcp.decode.test", both_ports)
+        self.config_file(member, config, rest + "dns-min-refresh = 299\n")
+        os.kill(process.transport.pid, signal.SIGHUP)  # type: ignore[union-attr]
         await process.said(f"decode: +{second.url} (dnssrv+".encode(), times=3)
-        self.assertEqual(dns.queries.count(("_http._tcp.decode.test", "SRV")), 2)  # once each
+        # Asked by the supervisor alone: once at start, once at the reload.
+        self.assertEqual(dns.queries.count(("_http._tcp.decode.test", "SRV")), 2)
 
         http = self.fresh_connections()
         seen: dict[int, list[tuple[str, str]]] = {}
