@@ -213,9 +213,9 @@ SETTINGS: tuple[Setting, ...] = (
         allowed_backend,
         many=True,
         help=(
-            "Networks (10.0.0.0/8) that discovery and the admin API may add instances in, and "
-            "host names (*.example.internal) the admin API may (repeatable); unset: any but "
-            "the cloud metadata service."
+            "Networks (10.0.0.0/8) that discovery and the admin API may add instances (and "
+            "their KV event endpoints) in, and host names (*.example.internal) the admin API "
+            "may (repeatable); unset: any but the cloud metadata services."
         ),
     ),
     Setting(

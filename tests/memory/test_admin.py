@@ -191,6 +191,18 @@ def test_an_instance_outside_the_allowed_backends_is_refused_and_never_added() -
     assert [i["url"] for i in listing["decode"]] == [setup.decode.url, "http://10.1.2.3:8200"]
 
 
+def test_an_instance_whose_kv_events_are_outside_the_allowed_backends_is_refused() -> None:
+    setup = Setup(admin_token=TOKEN, allowed_backends=["10.0.0.0/8"])
+    for fragment in ("#kv-events=tcp://192.168.0.9:5557", "#kv-events=1&kv-replay=tcp://e.x:2"):
+        body = {"pool": "prefill", "url": f"http://10.1.2.3:8100{fragment}"}
+        code, answer = admin(setup, "POST", "/admin/backends", body)
+        assert (code, answer["error"]["code"]) == (403, "backend_not_allowed")
+        assert answer["error"]["message"].startswith("kv-"), answer  # says which endpoint
+    body = {"pool": "prefill", "url": "http://10.1.2.3:8100#kv-events=tcp://10.9.9.9:5557"}
+    code, answer = admin(setup, "POST", "/admin/backends", body)
+    assert code == 201, answer
+
+
 def test_the_metadata_address_is_never_added_unless_listed() -> None:
     setup = Setup(admin_token=TOKEN)
     body = {"pool": "decode", "url": "http://169.254.169.254:80"}
