@@ -47,6 +47,8 @@ def block_keys(
 
 def _packed(tokens: Sequence[int]) -> bytes:
     """Token ids as four bytes each (ids past 32 bits, or not ids, as their low 32 bits)."""
+    if isinstance(tokens, array) and tokens.typecode == "I":  # (as events are decoded)
+        return tokens.tobytes()
     try:
         return array("I", tokens).tobytes()
     except (OverflowError, TypeError):
@@ -59,7 +61,8 @@ class Stored:
 
     hashes: tuple[Any, ...]
     parent: Any
-    tokens: tuple[int, ...]
+    #: The blocks' token ids (``kv_wire`` decodes them into an ``array("I")``).
+    tokens: Sequence[int]
     block_size: int
     lora: str | None = None
     #: Where the blocks are kept (vLLM: "GPU", "CPU" with offloading; None: unsaid).
@@ -86,13 +89,16 @@ class InstanceBlocks:
     """One instance's blocks: vLLM's hash (and medium) to the proxy's key, oldest stored first.
 
     A block offloaded to CPU memory is held twice (GPU and CPU) until one
-    copy is removed; the instance holds it while either is left.
+    copy is removed; the instance holds it while either is left. Every map
+    here holds only the hashes ``keys`` holds, so ``max_blocks`` bounds them all.
     """
 
     def __init__(self) -> None:
         self.keys: OrderedDict[tuple[Any, str | None], int] = OrderedDict()
-        #: vLLM's hash to the proxy's key, whatever the medium (to chain from a parent).
+        #: vLLM's hash to the proxy's key, while a copy of it is in ``keys`` (to chain from).
         self.chain: dict[Any, int] = {}
+        #: The media its events have named (a handful: "GPU", "CPU", None).
+        self.media: set[str | None] = set()
         #: The block size its events carry (None until the first ``BlockStored``).
         self.block_size: int | None = None
         #: Blocks whose parent was unknown (stored before the index listened): not indexed.
@@ -145,6 +151,7 @@ class KvIndex:
                 held.orphans += len(event.hashes)
                 return
         held.block_size = event.block_size
+        held.media.add(event.medium)
         keys = block_keys(event.tokens, event.block_size, event.lora, parent)
         for engine_hash, key in zip(event.hashes, keys, strict=False):
             copy = (engine_hash, event.medium)
@@ -162,14 +169,16 @@ class KvIndex:
         key = held.keys.pop(copy, None)
         if key is None:
             return
+        engine_hash = copy[0]
+        if not any((engine_hash, medium) in held.keys for medium in held.media):
+            held.chain.pop(engine_hash, None)  # (its last copy: nothing chains from it now)
         holders = self._holders.get(key)
         if holders is not None:
             left = holders.get(url, 0) - 1
-            if left > 0:
+            if left > 0:  # (another copy of it, or another hash of the same tokens)
                 holders[url] = left
             else:
                 holders.pop(url, None)
-                held.chain.pop(copy[0], None)
                 if not holders:
                     del self._holders[key]
 

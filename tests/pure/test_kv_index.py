@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -97,3 +99,23 @@ def test_a_block_offloaded_to_cpu_is_held_until_its_last_copy_goes() -> None:
     assert index.matched(PROMPT, {A}) == {A: 32}  # chained from the CPU copy's parent
     index.apply(A, [Removed((7,), "CPU")])
     assert index.matched(PROMPT, {A}) == {}
+
+
+def test_many_hashes_of_the_same_tokens_are_bounded_by_max_blocks_too() -> None:
+    """vLLM's hash of a block is not its tokens: a stream of new hashes over the same
+    tokens (a restarted engine, a new hash seed, a hostile publisher) must not grow
+    any map past the blocks held."""
+    index = KvIndex(max_blocks=100)
+    for n in range(100):
+        index.apply(A, [stored(PROMPT[:16], [n])])
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for n in range(100, 20_100):
+        index.apply(A, [stored(PROMPT[:16], [n])])
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert index.blocks(A) == 100
+    assert grown < 200_000, grown  # was 2 MB: every hash kept, its block long gone
+    assert index.matched(PROMPT, {A}) == {A: 16}
+    index.apply(A, [Removed((n,)) for n in range(20_000, 20_100)])
+    assert index.matched(PROMPT, {A}) == {} and index.blocks(A) == 0
