@@ -17,9 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-import zmq
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -28,122 +26,10 @@ from twisted.logger import Logger
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.kv_index import KvIndex
-from nixl_twisted.backends.kv_wire import END_SEQ, BadBatch, Sequencer, sequence
+from nixl_twisted.backends.kv_stream import Endpoints, EventStream, endpoints
 from nixl_twisted.backends.pools import BackendPool
-from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
 
 log = Logger()
-
-
-@dataclass(frozen=True)
-class Endpoints:
-    """Where one instance publishes its events, and answers replays (None: no replay)."""
-
-    events: str
-    replay: str | None = None
-
-
-def _where(spec: str, host: str, rank: int | None) -> str:
-    """A port on the instance's host, or ``tcp://HOST:PORT``; plus the rank (vLLM's offset)."""
-    if spec.startswith("tcp://"):
-        host_part, _, port = spec.rpartition(":")
-        return f"{host_part}:{int(port) + (rank or 0)}"
-    return f"tcp://{host}:{int(spec) + (rank or 0)}"
-
-
-def endpoints(instance: Instance, events_port: int, replay_port: int) -> Endpoints | None:
-    """Where ``instance`` publishes: its own ports, else its pool's (0: none)."""
-    events = instance.kv.get("kv-events") or (str(events_port) if events_port else None)
-    if events is None:
-        return None
-    replay = instance.kv.get("kv-replay") or (str(replay_port) if replay_port else None)
-    host = urlsplit(instance.base).hostname or "127.0.0.1"
-    host = f"[{host}]" if ":" in host else host
-    return Endpoints(
-        _where(events, host, instance.rank),
-        _where(replay, host, instance.rank) if replay else None,
-    )
-
-
-class EventStream:
-    """One instance's events: read, kept in sequence, applied to its pool's index."""
-
-    def __init__(
-        self,
-        reactor: Any,
-        clock: IReactorTime,
-        url: str,
-        where: Endpoints,
-        index: KvIndex,
-        counted: Callable[[str], object],
-    ) -> None:
-        self.where = where
-        self.counted = counted
-        self.subscriber = ZmqSocket(reactor, zmq.SUB, self._live)
-        self.replayer = ZmqSocket(reactor, zmq.DEALER, self._replayed) if where.replay else None
-        self.sequencer = Sequencer(
-            index, url, clock, self._ask if self.replayer is not None else None, counted
-        )
-        #: Waiting for the next message to be read (``KvEvents.read``).
-        self._waiting: list[Deferred[None]] = []
-        self.subscriber.connect(where.events)
-        self.subscriber.subscribe(b"")
-        if self.replayer is not None and where.replay is not None:
-            self.replayer.connect(where.replay)
-
-    def _live(self, frames: Frames) -> None:
-        try:
-            if len(frames) != 3:
-                raise BadBatch(f"a batch is 3 frames, not {len(frames)}")
-            self.counted("batch")
-            self.sequencer.live(sequence(frames[1]), frames[2])
-        except BadBatch as error:
-            self.counted("bad")
-            log.debug("unreadable KV events from {where}: {error}", where=self.where, error=error)
-        self._read()
-
-    def _read(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for done in waiting:
-            done.callback(None)
-
-    def read(self) -> Deferred[None]:
-        """Fires once the next message (live, or a replay's end) has been taken in."""
-        done: Deferred[None] = Deferred()
-        self._waiting.append(done)
-        return done
-
-    def _ask(self, first: int) -> None:
-        if self.replayer is not None:
-            self.replayer.send([b"", first.to_bytes(8, "big", signed=True)])
-
-    def _replayed(self, frames: Frames) -> None:
-        # [b"", topic, seq, payload] since vLLM 0.26, [b"", seq, payload] before.
-        parts = frames[1:] if frames and frames[0] == b"" else frames
-        if len(parts) == 3:
-            parts = parts[1:]
-        if len(parts) != 2:
-            self.counted("bad")
-            return
-        raw_seq, payload = parts
-        if raw_seq == END_SEQ:
-            self.sequencer.replay_ended()
-            self._read()
-            return
-        try:
-            self.sequencer.replayed(sequence(raw_seq), payload)
-        except BadBatch:
-            self.counted("bad")
-
-    def state(self) -> str:
-        if self.sequencer.stale():
-            return "stale"
-        return "listening" if self.sequencer.last is None else "live"
-
-    def close(self) -> None:
-        self.subscriber.close()
-        if self.replayer is not None:
-            self.replayer.close()
 
 
 @dataclass(frozen=True)
@@ -204,7 +90,7 @@ class KvEvents(Service):
                 if where is not None:
                     wanted[(pool.role, instance.url)] = (where, instance)
         for key, stream in list(self.streams.items()):
-            if key not in wanted or wanted[key][0] != stream.where:
+            if key not in wanted or wanted[key][0] != stream.where or stream.closed:
                 stream.close()
                 del self.streams[key]
                 self.index(key[0]).clear(key[1])
@@ -254,13 +140,7 @@ class KvEvents(Service):
         stream = self.streams.get((role, url))
         if stream is None:
             return None
-        return {
-            "endpoint": stream.where.events,
-            "replay": stream.where.replay,
-            "state": stream.state(),
-            "sequence": stream.sequencer.last,
-            "blocks": self.index(role).blocks(url),
-        }
+        return {**stream.status(), "blocks": self.index(role).blocks(url)}
 
     def startService(self) -> None:
         super().startService()

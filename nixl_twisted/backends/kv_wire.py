@@ -1,36 +1,43 @@
-"""vLLM's KV event batches read off the wire, and each instance's stream kept in sequence.
+"""vLLM's KV event batches read off the wire: checked, bounded, and decoded a piece at a time.
 
 A batch is one ZeroMQ message ``[topic, sequence (8 bytes, big-endian),
 msgpack batch]``; the batch is ``[ts, events, data_parallel_rank]``. vLLM
 encodes each event as a map tagged by ``"type"`` (since mid-2026) or, in
 older releases, as an array whose first item is the tag; both are read,
 by field name or position, and fields this proxy does not know are
-ignored. ``Sequencer`` applies an instance's batches to the index in
-order: a gap asks the replay endpoint when there is one, and otherwise
-(or when the replay cannot fill it) clears that instance's entries and
-marks it stale for ``REBUILD`` seconds; a sequence number going back
-(a restarted publisher) clears them too.
+ignored. Whatever a publisher sends, a message is either events the
+index can apply or a ``BadBatch`` that says why not: a message is at
+most ``MAX_MESSAGE`` bytes (ZeroMQ drops a longer one before Python sees
+it), a hash at most ``MAX_HASH`` bytes, a token id an unsigned 32-bit
+int. ``events`` decodes a batch one event at a time and cuts a long
+event into ``SLICE``-block pieces, so whoever applies them can give the
+reactor a turn between pieces (``kv_sequence``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from array import array
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
-from twisted.internet.interfaces import IReactorTime
 
-from nixl_twisted.backends.kv_index import Cleared, Event, KvIndex, Removed, Stored
+from nixl_twisted.backends.kv_index import Cleared, Event, Removed, Stored
 
-#: What a replay answers after its last batch: sequence number -1.
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-#: Seconds an instance's index stays stale after a gap it could not fill (its
-#: entries cleared, ``kv-aware`` routing as ``cache-aware`` meanwhile).
-REBUILD = 60.0
-#: Batches held back while a replay is out; past it the replay is given up.
-PENDING_LIMIT = 10_000
-#: Seconds a replay may take before it is given up.
-REPLAY_TIMEOUT = 5.0
+#: The most bytes one message (each of its frames) may hold: 2 MiB, about 375,000
+#: token ids stored in one engine step (five bytes each past 65,535), several times
+#: the largest step vLLM schedules with its defaults; and decoding its longest event,
+#: the one thing done in one piece, takes about 30 ms. Set as ZeroMQ's
+#: ``MAXMSGSIZE``: a longer message is dropped before Python reads a byte of it.
+MAX_MESSAGE = 2 * 1024 * 1024
+#: The most bytes a block hash may have: vLLM's are 64-bit ints, or 32-byte
+#: SHA-256 digests (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``).
+MAX_HASH = 64
+#: The most characters a medium's name may have ("GPU", "CPU"): it is kept per block.
+MAX_MEDIUM = 32
+#: Blocks in one piece of an event: what is applied to the index between two turns of
+#: the reactor at most (a few milliseconds).
+SLICE = 1024
 
 #: Positional fields of the older array encoding (after the tag).
 _STORED = (
@@ -46,7 +53,7 @@ _REMOVED = ("block_hashes", "medium")
 
 
 class BadBatch(ValueError):
-    """A message that is not a KV event batch vLLM would send."""
+    """A message that is not a KV event batch vLLM would send (the reason: its text)."""
 
 
 def sequence(raw: bytes) -> int:
@@ -57,9 +64,37 @@ def sequence(raw: bytes) -> int:
 
 def _block_hash(value: Any) -> Any:
     """vLLM's hash of a block: a 64-bit int, or bytes (``..._USE_INT_BLOCK_HASHES=0``)."""
-    if isinstance(value, int | bytes):
+    if isinstance(value, bytes):
+        if len(value) > MAX_HASH:
+            raise BadBatch(f"a block hash of {len(value)} bytes (at most {MAX_HASH})")
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
         return value
     raise BadBatch(f"a block hash is an int or bytes, not {type(value).__name__}")
+
+
+def _hashes(value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, list):
+        raise BadBatch(f"block_hashes is a list, not {type(value).__name__}")
+    return tuple(_block_hash(h) for h in value)
+
+
+def _tokens(value: Any) -> array[int]:
+    if not isinstance(value, list):
+        raise BadBatch(f"token_ids is a list, not {type(value).__name__}")
+    try:
+        return array("I", value)
+    except (TypeError, OverflowError):
+        wrong = next((t for t in value if not isinstance(t, int) or not 0 <= t < 2**32), None)
+        raise BadBatch(f"token_ids holds {wrong!r}, not a token id") from None
+
+
+def _medium(value: Any) -> str | None:
+    if not isinstance(value, str):
+        return None
+    if len(value) > MAX_MEDIUM:
+        raise BadBatch(f"a medium of {len(value)} characters (at most {MAX_MEDIUM})")
+    return value
 
 
 def _fields(event: Any) -> tuple[str, dict[str, Any]]:
@@ -77,168 +112,93 @@ def decode_event(raw: Any) -> Event | None:
     tag, fields = _fields(raw)
     try:
         if tag == "BlockStored":
-            tokens = fields["token_ids"]
             size = fields["block_size"]
-            if not isinstance(size, int) or size < 1 or not isinstance(tokens, list):
-                raise BadBatch("BlockStored needs token_ids and a block_size")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise BadBatch(f"BlockStored's block_size is {size!r}")
+            hashes = _hashes(fields["block_hashes"])
+            tokens = _tokens(fields["token_ids"])
             parent = fields.get("parent_block_hash")
             lora = fields.get("lora_name")
-            hashes = tuple(_block_hash(h) for h in fields["block_hashes"])
             # A block with extra keys (an image's hash, a cache salt) is more than its
             # tokens: it, and what follows it, is not indexed.
             extra = fields.get("extra_keys")
             if isinstance(extra, list):
                 cut = next((i for i, keys in enumerate(extra) if keys is not None), None)
                 if cut is not None:
-                    hashes, tokens = hashes[:cut], tokens[: cut * size]
+                    hashes = hashes[:cut]
             return Stored(
                 hashes,
                 None if parent is None else _block_hash(parent),
-                tuple(tokens),
+                tokens[: len(hashes) * size],  # (tokens past the last hash key nothing)
                 size,
                 lora if isinstance(lora, str) else None,
-                fields.get("medium") if isinstance(fields.get("medium"), str) else None,
+                _medium(fields.get("medium")),
             )
         if tag == "BlockRemoved":
-            medium = fields.get("medium")
-            return Removed(
-                tuple(_block_hash(h) for h in fields["block_hashes"]),
-                medium if isinstance(medium, str) else None,
-            )
-    except (KeyError, TypeError) as error:
-        raise BadBatch(f"{tag}: {error!r}") from None
+            return Removed(_hashes(fields["block_hashes"]), _medium(fields.get("medium")))
+    except KeyError as error:
+        raise BadBatch(f"{tag} without {error}") from None
     if tag == "AllBlocksCleared":
         return Cleared()
     return None
 
 
-def decode_batch(payload: bytes) -> list[Event]:
-    """A msgpack ``[ts, events, rank]`` batch's events that this proxy indexes, in order."""
-    try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as error:  # msgpack raises several kinds for garbage
-        raise BadBatch(f"not msgpack: {error}") from None
-    if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list):
-        raise BadBatch("a batch is [ts, events, data_parallel_rank]")
-    events = (decode_event(raw) for raw in batch[1])
-    return [event for event in events if event is not None]
+def _slices(event: Event) -> Iterator[Event]:
+    """``event`` in pieces of at most ``SLICE`` blocks, each chained to the one before."""
+    if isinstance(event, Stored) and len(event.hashes) > SLICE:
+        size = event.block_size
+        for start in range(0, len(event.hashes), SLICE):
+            yield Stored(
+                event.hashes[start : start + SLICE],
+                event.parent if start == 0 else event.hashes[start - 1],
+                event.tokens[start * size : (start + SLICE) * size],
+                size,
+                event.lora,
+                event.medium,
+            )
+    elif isinstance(event, Removed) and len(event.hashes) > SLICE:
+        for start in range(0, len(event.hashes), SLICE):
+            yield Removed(event.hashes[start : start + SLICE], event.medium)
+    else:
+        yield event
 
 
-class Sequencer:
-    """One instance's batches applied to the index in order, whatever the wire lost.
+def events(payload: bytes) -> Iterator[Event]:
+    """A msgpack ``[ts, events, rank]`` batch's events that this proxy indexes, in order.
 
-    ``ask_replay(first)`` asks the instance's replay endpoint for batches
-    from ``first`` on (None: it has none). ``counted(what)`` is told each
-    ``gap``, ``replay``, ``restart`` and ``bad``.
+    Decoded one event at a time (never the whole batch in one call), each
+    cut into pieces of ``SLICE`` blocks; raises ``BadBatch`` at the first
+    thing that is not what vLLM sends (the pieces before it were yielded).
     """
+    if len(payload) > MAX_MESSAGE:  # (ZeroMQ refuses these first; this says so in tests)
+        raise BadBatch(f"a batch of {len(payload)} bytes (at most {MAX_MESSAGE})")
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=MAX_MESSAGE)
+    unpacker.feed(payload)
+    count = _unpacked(unpacker, _header)
+    for _ in range(count):
+        event = decode_event(_unpacked(unpacker, msgpack.Unpacker.unpack))
+        if event is not None:
+            yield from _slices(event)
 
-    def __init__(
-        self,
-        index: KvIndex,
-        url: str,
-        clock: IReactorTime,
-        ask_replay: Callable[[int], object] | None = None,
-        counted: Callable[[str], object] = lambda what: None,
-    ) -> None:
-        self.index = index
-        self.url = url
-        self.clock = clock
-        self.ask_replay = ask_replay
-        self.counted = counted
-        #: The last sequence number applied (None: none yet).
-        self.last: int | None = None
-        #: Batches that arrived while a replay was out, applied after it.
-        self.pending: list[tuple[int, list[Event]]] | None = None
-        self._replay_asked = 0.0
-        #: Until when the index of this instance is stale (0: it is not).
-        self.stale_until = 0.0
-        #: Batches applied.
-        self.batches = 0
 
-    @property
-    def replaying(self) -> bool:
-        return self.pending is not None
+def _header(unpacker: msgpack.Unpacker) -> int:
+    """Reads ``[ts, events`` and returns how many events follow."""
+    if unpacker.read_array_header() < 2:
+        raise BadBatch("a batch is [ts, events, data_parallel_rank]")
+    unpacker.skip()
+    return int(unpacker.read_array_header())
 
-    def stale(self) -> bool:
-        """Its entries may be wrong or missing: being replayed, or cleared after a gap."""
-        if self._replay_late():
-            self._give_up()
-        return self.replaying or self.clock.seconds() < self.stale_until
 
-    def _replay_late(self) -> bool:
-        return self.replaying and self.clock.seconds() - self._replay_asked > REPLAY_TIMEOUT
+def _unpacked(unpacker: msgpack.Unpacker, read: Any) -> Any:
+    try:
+        return read(unpacker)
+    except BadBatch:
+        raise
+    except Exception as error:  # msgpack raises several kinds for garbage
+        reason = str(error) or type(error).__name__
+        raise BadBatch(f"not a msgpack batch [ts, events, rank]: {reason}") from None
 
-    def live(self, seq: int, payload: bytes) -> None:
-        """A batch from the instance's PUB socket."""
-        try:
-            events = decode_batch(payload)
-        except BadBatch:
-            self.counted("bad")
-            self._lost(seq, [])  # what it said is lost: as a gap nobody can replay
-            return
-        if self.pending is not None:
-            if len(self.pending) >= PENDING_LIMIT or self._replay_late():
-                self._give_up()
-            else:
-                self.pending.append((seq, events))
-                return
-        self._next(seq, events, may_replay=True)
 
-    def _next(self, seq: int, events: list[Event], may_replay: bool) -> None:
-        if self.last is None or seq == self.last + 1:
-            self._apply(seq, events)
-        elif seq <= self.last:  # the publisher restarted: its cache is new too
-            self.counted("restart")
-            self.index.clear(self.url)
-            self._apply(seq, events)
-        elif may_replay and self.ask_replay is not None:
-            self.counted("gap")
-            self.pending = [(seq, events)]
-            self._replay_asked = self.clock.seconds()
-            self.counted("replay")
-            self.ask_replay(self.last + 1)
-        else:
-            if may_replay:
-                self.counted("gap")
-            self._lost(seq, events)
-
-    def _apply(self, seq: int, events: list[Event]) -> None:
-        self.index.apply(self.url, events)
-        self.last = seq
-        self.batches += 1
-
-    def _lost(self, seq: int, events: list[Event]) -> None:
-        """Batches before ``seq`` are gone for good: forget this instance, start again."""
-        self.index.clear(self.url)
-        self.stale_until = self.clock.seconds() + REBUILD
-        self._apply(seq, events)
-
-    def replayed(self, seq: int, payload: bytes) -> None:
-        """A batch the replay endpoint sent back."""
-        if self.pending is None or self.last is None or seq <= self.last:
-            return  # already applied, or no replay out
-        try:
-            events = decode_batch(payload)
-        except BadBatch:
-            self.counted("bad")
-            self._lost(seq, [])
-            return
-        if seq == self.last + 1:
-            self._apply(seq, events)
-        else:  # the buffer no longer holds what was missed
-            self._lost(seq, events)
-
-    def replay_ended(self) -> None:
-        """The replay's end marker: the batches held back meanwhile, in order."""
-        pending, self.pending = self.pending, None
-        for seq, events in pending or ():
-            if self.last is None or seq > self.last:  # (the replay may have sent it already)
-                self._next(seq, events, may_replay=False)
-
-    def _give_up(self) -> None:
-        """A replay that did not answer in time, or too much arrived meanwhile."""
-        pending, self.pending = self.pending or [], None
-        if pending:
-            self._lost(*pending[0])
-            for seq, events in pending[1:]:
-                self._next(seq, events, may_replay=False)
+def decode_batch(payload: bytes) -> list[Event]:
+    """Every event of a batch at once (for tests and tools; the proxy uses ``events``)."""
+    return list(events(payload))

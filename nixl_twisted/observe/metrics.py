@@ -288,7 +288,8 @@ class ProxyMetrics:
         self.kv_events = Counter(
             "nixlproxy_kv_events",
             "KV event batches from each instance (batch), and what went wrong on the way: "
-            "gap, replay (asked), restart (the sequence went back), bad (unreadable).",
+            "gap, replay (asked), restart (the sequence went back), bad (refused), dropped "
+            "(a connection lost).",
             ["pool", "instance", "kind"],
             registry=r,
         )

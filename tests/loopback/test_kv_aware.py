@@ -178,3 +178,80 @@ class KvAwareTests(ProxyCase):
         self.assertEqual(self.routes(logged)[0][0], "fallback_render")
         warned = [e for e in logged if "cannot render" in str(e.get("log_format", ""))]
         self.assertEqual(len(warned), 1)
+
+    async def health_of(self, fake: FakeVLLM) -> dict[str, Any]:
+        """What /healthcheck says of ``fake``'s KV events."""
+        response = await self.http.get(self.proxy.url + "/healthcheck")
+        said = json.loads(await response.content())
+        (instance,) = [i for i in said["instances"]["prefill"] if i["url"] == fake.url]
+        return dict(instance["kv_events"])
+
+    async def kv_events_counted(self, fake: FakeVLLM, kind: str) -> float:
+        response = await self.http.get(self.proxy.url + "/metrics")
+        text = (await response.content()).decode()
+        line = f'nixlproxy_kv_events_total{{instance="{fake.url}",kind="{kind}",pool="prefill"}}'
+        found = [float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)]
+        return found[0] if found else 0.0
+
+    async def test_a_malformed_batch_is_counted_and_skipped_and_the_index_follows_on(
+        self,
+    ) -> None:
+        await self.start_kv()
+        target = self.prefills[0]
+        publisher = target.kv_publisher
+        assert publisher is not None
+        await self.computed(target, 1000, 256)
+        reading = self.events.read("prefill", target.url)
+        bad = {
+            "type": "BlockStored",
+            "block_hashes": [12345],
+            "parent_block_hash": None,
+            "token_ids": ["one", None, *range(126)],  # what escaped the reader before
+            "block_size": 128,
+            "medium": "GPU",
+        }
+        publisher.publish([bad])
+        await reading
+        index = self.events.index("prefill")
+        for first in range(2000, 2000 + 128 * 40, 128):  # later batches: each one followed
+            await self.computed(target, first, 128)
+            self.assertEqual(
+                index.matched(list(range(first, first + 128)), [target.url]), {target.url: 128}
+            )
+        health = await self.health_of(target)
+        self.assertEqual(health["bad_messages"], 1)
+        self.assertEqual(health["last_bad"], "token_ids holds 'one', not a token id")
+        self.assertEqual((health["state"], health["sequence"]), ("stale", 41))  # cleared at 1
+        self.assertEqual(await self.kv_events_counted(target, "bad"), 1.0)
+        self.assertEqual(index.matched(list(range(1000, 1256)), [target.url]), {})
+        self.clock.advance(60)  # rebuilt from the stores since
+        self.assertEqual((await self.health_of(target))["state"], "live")
+
+    async def test_a_message_over_the_cap_is_dropped_by_zeromq_and_the_stream_comes_back(
+        self,
+    ) -> None:
+        await self.start_kv(replay=False)
+        target = self.prefills[0]
+        publisher = target.kv_publisher
+        assert publisher is not None
+        await self.computed(target, 1000, 128)
+        huge = {
+            "type": "BlockStored",
+            "block_hashes": list(range(1, 8193)),
+            "parent_block_hash": None,
+            "token_ids": list(range(70_000, 70_000 + 128 * 8192)),  # 5 bytes each: 5 MiB
+            "block_size": 128,
+        }
+        publisher.publish([huge])
+        # ZeroMQ refuses it, and drops the connection; the proxy makes it again.
+        await target.subscribed()
+        await self.computed(target, 3000, 128)  # a gap (seq 1 never read): cleared, stale
+        index = self.events.index("prefill")
+        self.assertEqual(index.matched(list(range(3000, 3128)), [target.url]), {target.url: 128})
+        self.assertEqual(index.matched(list(range(1000, 1128)), [target.url]), {})
+        health = await self.health_of(target)
+        self.assertEqual((health["bad_messages"], health["dropped"]), (0, 1))  # never decoded
+        self.assertEqual((health["state"], health["sequence"]), ("stale", 2))
+        self.assertEqual(await self.kv_events_counted(target, "dropped"), 1.0)
+        await self.computed(target, 4000, 128)
+        self.assertEqual(index.matched(list(range(4000, 4128)), [target.url]), {target.url: 128})

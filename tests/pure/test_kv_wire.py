@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -11,13 +13,20 @@ import pytest
 from twisted.internet.task import Clock
 
 from nixl_twisted.backends.kv_index import Cleared, KvIndex, Removed, Stored
-from nixl_twisted.backends.kv_wire import (
+from nixl_twisted.backends.kv_sequence import (
+    BUDGET,
     END_SEQ,
+    PENDING_BYTES,
     REBUILD,
     REPLAY_TIMEOUT,
-    BadBatch,
     Sequencer,
+)
+from nixl_twisted.backends.kv_wire import (
+    MAX_MESSAGE,
+    SLICE,
+    BadBatch,
     decode_batch,
+    events,
     sequence,
 )
 
@@ -43,6 +52,11 @@ def stored_map(hashes: list[int], tokens: list[int], parent: int | None = None) 
     }
 
 
+def ids(tokens: list[int]) -> array[int]:
+    """Token ids as the decoder keeps them: four bytes each."""
+    return array("I", tokens)
+
+
 def batch(*events: Any) -> bytes:
     return msgpack.packb([1789095808.8, list(events), 0])
 
@@ -60,17 +74,17 @@ def test_both_encodings_vllm_has_used_decode_to_the_same_events() -> None:
         ["AllBlocksCleared"],
     )
     expected = [
-        Stored((7, 8), None, tuple(TOKENS[:32]), 16, None, "GPU"),
+        Stored((7, 8), None, ids(TOKENS[:32]), 16, None, "GPU"),
         Removed((7,), "GPU"),
         Cleared(),
     ]
     assert decode_batch(as_map) == decode_batch(as_array) == expected
     with_image = {**stored_map([7, 8], TOKENS[:32]), "extra_keys": [None, ["mm-hash-1"]]}
     assert decode_batch(batch(with_image)) == [
-        Stored((7,), None, tuple(TOKENS[:16]), 16, None, "GPU")
+        Stored((7,), None, ids(TOKENS[:16]), 16, None, "GPU")
     ]  # the image's block, and what follows it, are more than their tokens
     as_bytes = decode_batch(batch({**stored_map([0], TOKENS[:16]), "block_hashes": [b"\x01" * 32]}))
-    assert as_bytes == [Stored((b"\x01" * 32,), None, tuple(TOKENS[:16]), 16, None, "GPU")]
+    assert as_bytes == [Stored((b"\x01" * 32,), None, ids(TOKENS[:16]), 16, None, "GPU")]
 
 
 @pytest.mark.parametrize(
@@ -212,3 +226,106 @@ def test_real_vllm_evictions_and_replay_frames_are_read() -> None:
     assert [len(m) for m in replies] == [4] * len(replies)
     assert replies[-1][2] == END_SEQ and replies[-1][1] == b""
     assert [sequence(m[2]) for m in replies[:-1]] == list(range(len(replies) - 1))
+
+
+# -- what a publisher may not make the proxy hold or do -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"token_ids": [1000, "1001", *TOKENS[2:16]]}, "token_ids holds '1001'"),
+        ({"token_ids": [None] * 16}, "token_ids holds None"),
+        ({"token_ids": [-1] * 16}, "token_ids holds -1"),
+        ({"token_ids": [2**32] * 16}, "not a token id"),
+        ({"token_ids": "abc"}, "token_ids is a list"),
+        ({"block_hashes": [b"\x01" * 65]}, "a block hash of 65 bytes (at most 64)"),
+        ({"block_hashes": [1.5]}, "a block hash is an int or bytes"),
+        ({"block_hashes": 7}, "block_hashes is a list"),
+        ({"parent_block_hash": "p"}, "a block hash is an int or bytes"),
+        ({"medium": "G" * 33}, "a medium of 33 characters (at most 32)"),
+        ({"block_size": 0}, "block_size is 0"),
+        ({"block_size": True}, "block_size is True"),
+    ],
+)
+def test_a_block_stored_the_index_could_not_key_is_refused_with_its_reason(
+    change: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(BadBatch, match=re.escape(reason)):
+        decode_batch(batch({**stored_map([7], TOKENS[:16]), **change}))
+
+
+def test_a_message_over_the_cap_is_refused_before_it_is_decoded() -> None:
+    with pytest.raises(BadBatch, match=f"at most {MAX_MESSAGE}"):
+        decode_batch(b"\x00" * (MAX_MESSAGE + 1))
+
+
+def test_a_long_event_comes_in_pieces_that_key_the_same_blocks() -> None:
+    tokens = [1000 + n % 5000 for n in range(16 * (2 * SLICE + 10))]
+    hashes = list(range(1, 2 * SLICE + 11))
+    pieces = list(events(batch(stored_map(hashes, tokens))))
+    assert [len(p.hashes) for p in pieces if isinstance(p, Stored)] == [SLICE, SLICE, 10]
+    assert [p.parent for p in pieces if isinstance(p, Stored)] == [None, SLICE, 2 * SLICE]
+    index = KvIndex(10 * SLICE)
+    index.apply(A, pieces)
+    assert index.matched(tokens, {A}) == {A: len(tokens)}
+    removed = list(events(batch({"type": "BlockRemoved", "block_hashes": hashes})))
+    assert [len(p.hashes) for p in removed if isinstance(p, Removed)] == [SLICE, SLICE, 10]
+
+
+def test_a_malformed_batch_is_counted_and_skipped_and_the_stream_follows_on() -> None:
+    r = Recorded()
+    r.stream.live(0, block(0))
+    bad = {**stored_map([2], TOKENS[16:32], parent=1), "token_ids": [None, *TOKENS[17:32]]}
+    r.stream.live(1, batch(bad))
+    assert r.counts == ["bad"] and r.stream.bad == 1
+    assert r.stream.last_bad == "token_ids holds None, not a token id"
+    assert r.stream.stale() and r.held() == 0  # what it said is lost: as after a gap
+    r.stream.live(2, block(0))
+    r.stream.live(3, block(1, parent=1))
+    assert r.held() == 32 and r.stream.last == 3
+    r.clock.advance(REBUILD)
+    assert not r.stream.stale() and r.counts == ["bad"]
+
+
+class Turns(Clock):
+    """A clock whose ``turn()`` runs what was called for later (0 s) before it, as one
+    turn of a reactor does, and no more (``Clock.advance`` would run what those call)."""
+
+    def turn(self) -> None:
+        due = [call for call in self.calls if call.getTime() <= self.seconds()]
+        for call in due:
+            self.calls.remove(call)
+            call.called = 1
+            call.func(*call.args, **call.kw)
+
+
+def test_a_large_batch_is_applied_over_several_turns_of_the_reactor() -> None:
+    settled: list[int] = []
+    index = KvIndex(100_000)
+    clock = Turns()
+    stream = Sequencer(index, A, clock, settled=lambda: settled.append(index.blocks(A)))
+    tokens = [1000 + n % 5000 for n in range(16 * 3 * BUDGET)]
+    stream.live(0, batch(stored_map(list(range(1, 3 * BUDGET + 1)), tokens)))
+    stream.live(1, batch(stored_map([10**9], TOKENS[:16])))  # taken in while the first is applied
+    assert stream.busy and settled == []
+    turns = [index.blocks(A)]
+    while stream.busy:
+        clock.turn()
+        turns.append(index.blocks(A))
+    assert turns == [BUDGET, 2 * BUDGET, 3 * BUDGET, 3 * BUDGET + 1]
+    assert settled == [3 * BUDGET + 1]
+    assert index.matched(tokens, {A}) == {A: len(tokens)}
+
+
+def test_what_waits_for_a_replay_is_bounded_in_bytes_too() -> None:
+    r = Recorded()
+    r.stream.live(0, block(0))
+    r.stream.live(2, block(2, parent=2))  # a gap: replay asked, this one held back
+    big = batch(stored_map([50], [7] * 2**20))  # a MiB: a byte a token id below 128
+    held = 0
+    while r.stream.replaying:
+        r.stream.live(3 + held, big)
+        held += 1
+    assert 0 < held * len(big) <= PENDING_BYTES + len(big)
+    assert r.stream.stale()  # given up: what was missed cannot be known
