@@ -188,6 +188,28 @@ class DiscoveryCase(ProxyCase):
         return sorted(i.url for i in pool.instances if not i.draining)
 
 
+class Arrivals:
+    """What arrives, in order, each taken by one ``next()``: at once if it came already."""
+
+    def __init__(self) -> None:
+        self.arrived: list[Any] = []
+        self.waiting: list[Deferred[Any]] = []
+
+    def put(self, item: Any) -> None:
+        if self.waiting:
+            self.waiting.pop(0).callback(item)
+        else:
+            self.arrived.append(item)
+
+    def next(self) -> Deferred[Any]:
+        waiting: Deferred[Any] = Deferred()
+        if self.arrived:
+            waiting.callback(self.arrived.pop(0))
+        else:
+            self.waiting.append(waiting)
+        return waiting
+
+
 class ChunkCollector(Protocol):
     """Collects a streamed body; ``done`` fires with its chunks at its end."""
 

@@ -3,11 +3,12 @@
 ``KvEvents`` is a service: once a second (and at once after a pool
 changes) it makes the subscriptions match the pools: an instance with an
 events endpoint (its URL's ``kv-events=``, else its pool's
-``--{pool}-kv-events-port``) gets an ``EventStream``, a SUB socket on that
-endpoint and, with a replay port, a DEALER on the replay endpoint; an
-instance that left its pool, or whose endpoint moved, loses its stream and
-its entries. A data-parallel rank's ports are the declared ones plus its
-rank, as vLLM offsets them. Each worker under ``--workers`` subscribes for
+``--{pool}-kv-events-port``) gets an ``EventStream`` (``kv_stream``), a SUB
+socket on that endpoint and, with a replay port, a DEALER on the replay
+endpoint; an instance that left its pool, or whose endpoint moved, loses
+its stream and its entries (and a stream whose socket closed is made
+anew). A data-parallel rank's ports are the declared ones plus its rank,
+as vLLM offsets them. Each worker under ``--workers`` subscribes for
 itself: every subscriber of a PUB socket gets every batch, so the workers'
 indexes agree, at the memory and decoding cost of one index per worker.
 """
@@ -129,7 +130,7 @@ class KvEvents(Service):
         return self.matched(role, tokens, [url]).get(url, 0)
 
     def read(self, role: str, url: str) -> Deferred[None]:
-        """Fires once the instance's next message has been taken in (for tests and operators)."""
+        """Fires once the instance's next message has been taken in and applied (for tests)."""
         stream = self.streams.get((role, url))
         if stream is None:
             raise KeyError(f"no KV events are read from {role} instance {url}")

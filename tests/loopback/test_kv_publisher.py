@@ -17,13 +17,13 @@ import msgpack
 import zmq
 from treq.client import HTTPClient
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
 from nixl_twisted.testing import FakeVLLM
 from nixl_twisted.testing.prefix_cache import prompt_tokens
+from tests.support import Arrivals
 
 END = (-1).to_bytes(8, "big", signed=True)
 BLOCK = 4  # tokens a block: a token is 4 bytes of a text prompt, so 16 bytes a block
@@ -41,31 +41,15 @@ def events(frames: Frames) -> list[dict[str, Any]]:
     return list(found)
 
 
-class Inbox:
+class Inbox(Arrivals):
     """A ZeroMQ socket of the test's own: each message it receives, one Deferred at a time."""
 
     def __init__(self, kind: int, endpoint: str) -> None:
-        self.arrived: list[Frames] = []
-        self.waiting: list[Deferred[Frames]] = []
-        self.socket = ZmqSocket(reactor, kind, self._received)
+        super().__init__()
+        self.socket = ZmqSocket(reactor, kind, self.put)
         self.socket.connect(endpoint)
         if kind == zmq.SUB:
             self.socket.subscribe(b"")
-
-    def _received(self, frames: Frames) -> None:
-        if self.waiting:
-            self.waiting.pop(0).callback(frames)
-        else:
-            self.arrived.append(frames)
-
-    def next(self) -> Deferred[Frames]:
-        """The next message not taken yet: at once if it arrived, else when it does."""
-        waiting: Deferred[Frames] = Deferred()
-        if self.arrived:
-            waiting.callback(self.arrived.pop(0))
-        else:
-            self.waiting.append(waiting)
-        return waiting
 
     def close(self) -> None:
         self.socket.close()

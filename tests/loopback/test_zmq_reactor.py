@@ -11,40 +11,21 @@ from typing import Any
 
 import zmq
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import TestCase
 
 from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
-
-
-class Queue:
-    """What arrives, each taken by one ``next()`` (at once if it came already)."""
-
-    def __init__(self) -> None:
-        self.arrived: list[Any] = []
-        self.waiting: list[Deferred[Any]] = []
-
-    def put(self, item: Any) -> None:
-        if self.waiting:
-            self.waiting.pop(0).callback(item)
-        else:
-            self.arrived.append(item)
-
-    def next(self) -> Deferred[Any]:
-        if self.arrived:
-            return succeed(self.arrived.pop(0))
-        waiting: Deferred[Any] = Deferred()
-        self.waiting.append(waiting)
-        return waiting
+from tests.support import Arrivals
 
 
 class ZmqSocketTests(TestCase):
     timeout = 10
 
-    async def pair(self, **subscriber: Any) -> tuple[ZmqSocket, Queue, ZmqSocket, Queue, Queue]:
+    async def pair(
+        self, **subscriber: Any
+    ) -> tuple[ZmqSocket, Arrivals, ZmqSocket, Arrivals, Arrivals]:
         """A publisher, its subscriptions, a subscriber that has joined, what it got, and
         its connections made (True) and lost (False)."""
-        joined, got, connections = Queue(), Queue(), Queue()
+        joined, got, connections = Arrivals(), Arrivals(), Arrivals()
         publisher = ZmqSocket(reactor, zmq.XPUB, lambda frames: joined.put(frames[0][:1]))
         assert publisher.socket is not None
         publisher.socket.setsockopt(zmq.XPUB_VERBOSE, 1)
