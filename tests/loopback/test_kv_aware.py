@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.internet.error import ConnectionDone
+from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.testing import FakeVLLM
@@ -255,3 +257,16 @@ class KvAwareTests(ProxyCase):
         self.assertEqual(await self.kv_events_counted(target, "dropped"), 1.0)
         await self.computed(target, 4000, 128)
         self.assertEqual(index.matched(list(range(4000, 4128)), [target.url]), {target.url: 128})
+
+    async def test_a_stream_whose_socket_closed_is_made_anew(self) -> None:
+        await self.start_kv()
+        target = self.prefills[0]
+        stream = self.events.stream("prefill", target.url)
+        assert stream is not None
+        stream.subscriber.connectionLost(Failure(ConnectionDone()))  # as a reactor may
+        self.events.reconcile()  # (once a second)
+        self.assertIsNot(self.events.stream("prefill", target.url), stream)
+        await target.subscribed()
+        await self.computed(target, 1000, 128)
+        index = self.events.index("prefill")
+        self.assertEqual(index.matched(list(range(1000, 1128)), [target.url]), {target.url: 128})
