@@ -139,6 +139,12 @@ def log_file(twistd_options: Any) -> IO[str] | None:
 LIFECYCLE = "nixlproxy.lifecycle"
 lifecycle = Logger(namespace=LIFECYCLE)
 
+#: Libraries' own info lines that repeat while something is away (Twisted's
+#: ``ClientService``, under txredisapi, says each retry to reach a Redis that is
+#: down, once a second): shown at ``--log-level debug`` only; the proxy says
+#: once, in words, what they are about.
+CHATTER = frozenset({"twisted.application._client_service.ClientService"})
+
 
 @implementer(ILogFilterPredicate)
 class LogLevels:
@@ -163,6 +169,8 @@ class LogLevels:
         least = self._least
         if namespace == LIFECYCLE or namespace.startswith(LIFECYCLE + "."):
             least = min(least, LogLevel.info)
+        elif namespace in CHATTER and least > LogLevel.debug:
+            least = max(least, LogLevel.warn)
         self._by_namespace[namespace] = least
         return least
 

@@ -182,6 +182,21 @@ def test_the_level_filter_drops_what_is_less_severe_and_a_reload_changes_it() ->
     ]
 
 
+def test_a_librarys_retry_chatter_is_shown_at_debug_only() -> None:
+    out = io.StringIO()
+    levels = logs.LogLevels("info")
+    chosen = logs.observer("json", levels, None, lambda: out)
+    assert chosen is not None
+    namespace = "twisted.application._client_service.ClientService"
+    retries = Logger(namespace=namespace, observer=LogPublisher(chosen))
+    retries.info("Scheduling retry 1")
+    retries.warn("kept")
+    levels.set("debug")
+    retries.info("Scheduling retry 2")
+    messages = [json.loads(line)["message"] for line in out.getvalue().splitlines()]
+    assert messages == ["kept", "Scheduling retry 2"]
+
+
 def test_lifecycle_lines_are_shown_at_any_level() -> None:
     out = io.StringIO()
     chosen = logs.observer("text", logs.LogLevels("critical"), None, lambda: out)
