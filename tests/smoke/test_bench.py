@@ -50,6 +50,14 @@ def test_a_short_traced_run_sends_its_spans_to_the_collector() -> None:
     )
 
 
+def test_a_short_calls_run_prints_calls_per_request() -> None:
+    ran = run([PYTHON, "-m", "bench.calls", "--few", "10", "--many", "30"])
+    row = re.search(r"\| non-streaming \| ([\d,]+) \|", ran.stdout)
+    assert ran.code == 0 and row is not None and int(row.group(1).replace(",", "")) > 0, ran.why(
+        "exit 0 and '| non-streaming | N |' with N > 0"
+    )
+
+
 def test_a_short_memory_run_prints_its_table() -> None:
     ran = run([PYTHON, "-m", "bench.memory", "--streams", "20"])
     assert ran.code == 0 and "| 20 |" in ran.stdout, ran.why("exit 0 and a row for 20 streams")
