@@ -367,6 +367,7 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
     from nixl_twisted.backends.pools import BackendPool
     from nixl_twisted.backends.prompt_keys import routing_for
     from nixl_twisted.config.settings import BY_NAME
+    from nixl_twisted.protocol.completion import Completion
 
     pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
     balance = BY_NAME["cache-aware-balance"].default
@@ -377,7 +378,8 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
     before = tracemalloc.get_traced_memory()[0]
     for n in range(prompts):
         body = {"messages": [{"role": "user", "content": f"distinct prompt {n} " * 20}]}
-        pool.choose(routing=routing_for({"cache-aware"}, 512, None, body))
+        chat = Completion("/v1/chat/completions", body, str(n))
+        pool.choose(routing=routing_for({"cache-aware"}, 512, None, chat))
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return {"prompts": prompts, "entries": len(pool.sent), "retained_bytes": after - before}

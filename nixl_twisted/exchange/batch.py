@@ -39,8 +39,9 @@ from twisted.web.server import Request
 from nixl_twisted.exchange.relay import break_off
 from nixl_twisted.observe.access import AccessRecord, record_of
 from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
+from nixl_twisted.protocol.lowering import JSONObject
 
 #: Parts run at once, per batch.
 CONCURRENCY = 8
@@ -103,23 +104,24 @@ class _Part:
 
 
 class Batch:
-    """Serves one batched completion from ``count`` parts made by ``exchange``."""
+    """Serves one batched completion: each prompt its own part, served by ``exchange``."""
 
     def __init__(
         self,
         client: Request,
-        batch: BatchRequest,
-        body: JSONObject,
-        exchange: Callable[[PartRequest, JSONObject], Deferred[None]],
+        completion: Completion,
+        exchange: Callable[[PartRequest, Completion], Deferred[None]],
     ) -> None:
+        batch = completion.batch
+        assert batch is not None
         self.client = client
-        self.prompts = batch.prompts
-        self.body = body
+        #: Each prompt's own completion (``Completion.parts``).
+        self.completions = completion.parts()
         self.exchange = exchange
         self.n = batch.n
         self.stream = batch.stream
         self.include_usage = batch.include_usage
-        self.parts = [_Part(self, i) for i in range(len(self.prompts))]
+        self.parts = [_Part(self, i) for i in range(len(self.completions))]
         # The client's access event lists each part's legs.
         record_of(client).parts = [record_of(part.request) for part in self.parts]
         self._running: list[Deferred[None]] = []
@@ -148,7 +150,7 @@ class Batch:
     def _run(self, part: _Part) -> Deferred[None]:
         if self._failed:
             return succeed(None)  # the batch failed: the parts not started never are
-        return self.exchange(part.request, dict(self.body, prompt=self.prompts[part.index]))
+        return self.exchange(part.request, self.completions[part.index])
 
     def _cancel(self, why: str | None = None) -> None:
         """Cancel the parts still running; ``why``: the batch's reason, if not its client."""

@@ -14,12 +14,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.config import Disaggregation
-from nixl_twisted.protocol.prompts import estimate_tokens
+from nixl_twisted.protocol.completion import Completion
 
 
 class Mode(enum.Enum):
@@ -71,8 +71,7 @@ def prefill_load(instance: Instance) -> float:
 
 def decide(
     rules: Disaggregation,
-    path: str,
-    body: dict[str, Any],
+    completion: Completion,
     decode: Instance,
     prefill: BackendPool,
     holdings: Holdings | None = None,
@@ -84,14 +83,14 @@ def decide(
     prompt; a prompt mostly cached on ``decode``; a short-ish prompt while
     every usable prefill instance is busy. ``token_ids``: the prompt's, when
     known (rendered by vLLM), counted exactly; otherwise estimated, and a
-    prompt the proxy cannot measure (``estimate_tokens``: None) always
+    prompt the proxy cannot measure (``Completion.estimate``: None) always
     takes two legs. The cached rule needs the token ids.
     """
     if rules.fallback == "decode" and not _usable(prefill):
         return FALLBACK
     if rules.always:
         return ALWAYS
-    tokens = len(token_ids) if token_ids is not None else estimate_tokens(path, body)
+    tokens = len(token_ids) if token_ids is not None else completion.estimate
     if tokens is None:
         return _LONG
     if tokens < rules.short_prompt:

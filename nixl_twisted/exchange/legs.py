@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import CancelledError, Deferred, TimeoutError
 from twisted.internet.interfaces import IReactorTime
@@ -27,6 +27,7 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.service import BackendService
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.tokens import Renderer
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
@@ -38,9 +39,6 @@ from nixl_twisted.protocol.headers import for_rank
 log = Logger()
 
 T = TypeVar("T")
-
-#: Which instance serves a leg's next attempt, and why, given those already tried.
-Choose = Callable[[Sequence[Instance]], tuple[Instance, str]]
 
 
 class Retry(Exception):
@@ -139,19 +137,42 @@ def traced(lease: Lease, trace: RequestTrace, attempt: int) -> LegTrace:
 def reserve(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING) -> Lease:
     """The instance the pool's policy chooses now, held for a leg sent later (503: none)."""
     try:
-        instance, decision = by_policy(pool, metrics, routing)(())
+        instance, decision = ByPolicy(pool, metrics, routing)(())
     except NoHealthyInstance as error:
         raise unavailable(error) from None
     return pool.lease(instance, decision)
 
 
-def by_policy(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING) -> Choose:
-    """The pool's policy chooses among the instances not tried yet (``NoHealthyInstance``: none).
+class Order(Protocol):
+    """Which instance serves a leg's next attempt, and why, given those already tried."""
+
+    @property
+    def retries(self) -> int:
+        """Attempts after the first."""
+
+    def __call__(self, tried: Sequence[Instance]) -> tuple[Instance, str]:
+        """The next instance (``NoHealthyInstance``: none left to try)."""
+
+    def answered(self, served: Any) -> str:
+        """A served attempt's outcome, for the access event."""
+
+
+class ByPolicy:
+    """The pool's policy chooses among the instances not tried yet, up to ``retries`` more.
 
     Counted: a choice after the first as a retry, a leg sent in panic, the decision.
     """
 
-    def choose(tried: Sequence[Instance]) -> tuple[Instance, str]:
+    def __init__(
+        self, pool: BackendPool, metrics: ProxyMetrics, routing: Routing, retries: int = 0
+    ) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.routing = routing
+        self.retries = retries
+
+    def __call__(self, tried: Sequence[Instance]) -> tuple[Instance, str]:
+        pool, metrics, routing = self.pool, self.metrics, self.routing
         if tried:
             metrics.retries.labels(pool.role).inc()
         instance, decision = pool.choose(exclude=tried, routing=routing)
@@ -164,46 +185,54 @@ def by_policy(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_RO
             metrics.child(metrics.kv_matched_tokens, pool.role).observe(matched)
         return instance, decision
 
-    return choose
+    def answered(self, served: object) -> str:
+        return "answered"
 
 
-def _answered(_: object) -> str:
-    return "answered"
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Asked:
+    """Whose a leg is: its trace, its access record, and whether it is still wanted
+    (asked before each attempt)."""
+
+    trace: RequestTrace = NO_TRACE
+    record: AccessRecord | None = None
+    go_on: Callable[[], bool] = _always
+
+
+NO_ASKED = Asked()
 
 
 async def send_leg(
     pool: BackendPool,
-    retries: int,
     metrics: ProxyMetrics,
     attempt: Callable[[Instance, LegTrace], Awaitable[T]],
-    go_on: Callable[[], bool] = lambda: True,
-    routing: Routing = NO_ROUTING,
-    trace: RequestTrace = NO_TRACE,
-    record: AccessRecord | None = None,
-    choose: Choose | None = None,
-    answered: Callable[[T], str] = _answered,
+    order: Order,
+    asked: Asked = NO_ASKED,
     reserved: Lease | None = None,
 ) -> tuple[Lease, T]:
-    """Run ``attempt`` on the pool's next instances until one serves the leg.
+    """Run ``attempt`` on the pool's next instances, as ``order`` chooses, until one serves.
 
     Returns the lease of the instance that served the leg (the caller
     releases it when the leg is over, a relay included) and what the attempt
-    returned. ``go_on`` is asked before each attempt: when it says no, the
-    leg ends with ``CancelledError``. ``choose`` picks each instance (by
-    default the pool's policy, on ``routing``); a ``reserved`` lease (from
+    returned. ``asked.go_on`` is asked before each attempt: when it says no,
+    the leg ends with ``CancelledError``. A ``reserved`` lease (from
     ``reserve``) is the first attempt's, and is released here if unused.
-    Each attempt is its own span of ``trace`` (a retry is a sibling), handed
-    to ``attempt`` for its headers, and one of ``record``'s attempts
-    (instance, outcome; a served one's outcome is what ``answered`` says of
-    it). Raises ``NoInstanceServed`` when no instance could serve.
+    Each attempt is its own span of ``asked.trace`` (a retry is a sibling),
+    handed to ``attempt`` for its headers, and one of ``asked.record``'s
+    attempts (instance, outcome; a served one's outcome is what ``order``
+    says of it). Raises ``NoInstanceServed`` when no instance could serve.
     """
-    noted = record.attempted if record is not None else _not_noted
-    choose = choose if choose is not None else by_policy(pool, metrics, routing)
+    noted = asked.record.attempted if asked.record is not None else _not_noted
+    retries = order.retries
     tried: list[Instance] = []
     last: ProxyError | None = None
     try:
         for number in range(1, 2 + retries):
-            if not go_on():
+            if not asked.go_on():
                 raise CancelledError()
             if reserved is not None and not _still_usable(pool, reserved.instance):
                 reserved.release()  # drained, removed or down while prefill ran: choose again
@@ -212,13 +241,13 @@ async def send_leg(
                 lease, reserved = reserved, None
             else:
                 try:
-                    chosen, decision = choose(tried)
+                    chosen, decision = order(tried)
                 except NoHealthyInstance as error:
                     raise NoInstanceServed(last or unavailable(error)) from None
                 lease = pool.lease(chosen, decision)
             instance = lease.instance
             tried.append(instance)
-            leg = traced(lease, trace, number)
+            leg = traced(lease, asked.trace, number)
             try:
                 served = await attempt(instance, leg)
             except Retry as retry:
@@ -238,7 +267,7 @@ async def send_leg(
                 noted(pool.role, instance.url, outcome_of(error), number > 1)
                 raise
             else:
-                noted(pool.role, instance.url, answered(served), number > 1)
+                noted(pool.role, instance.url, order.answered(served), number > 1)
                 return lease, served
         assert last is not None, "the last attempt of a leg was sent Elsewhere"
         raise NoInstanceServed(last)
@@ -274,18 +303,29 @@ def _as_it_is(waiting: Deferred[IResponse]) -> Deferred[IResponse]:
 class Legs:
     """What the proxy sends every leg with, and the one attempt of a decode leg.
 
-    Both pools and their HTTP client, the clock, the metrics: the same for
-    every request, made once and shared by ``OneLeg`` and every ``Exchange``.
+    Both pools and their HTTP client, the clock, the metrics, the renderer,
+    and the configuration in effect (a reload replaces it: a request takes
+    the timeouts, retries and keys in effect when it starts): the same for
+    every request, made once and shared by every leg.
     """
 
     def __init__(
-        self, backends: BackendService, clock: IReactorTime, metrics: ProxyMetrics
+        self,
+        backends: BackendService,
+        clock: IReactorTime,
+        metrics: ProxyMetrics,
+        config: ProxyConfig,
     ) -> None:
         self.backends = backends
         self.clock = clock
         self.metrics = metrics
+        self.config = config
         #: Prompts' token ids from vLLM's render endpoints, for kv-aware.
         self.renderer = Renderer(backends.upstream, clock)
+
+    def configure(self, config: ProxyConfig) -> None:
+        """A reload: the next request takes ``config``'s timeouts, retries and rules."""
+        self.config = config
 
     async def decode_attempt(
         self,

@@ -4,8 +4,9 @@
 prefill: one leg to a decode instance, with the same guarantees as a
 completion's decode leg (retries before the first byte, ``--decode-timeout``
 for the headers, ``--stream-idle-timeout`` for the body, a body that breaks
-off never passed off as complete). A JSON body's ``kv_transfer_params`` is
-the proxy's to set, never the client's: it is dropped before the leg.
+off never passed off as complete). The door read the request
+(``protocol.completion.Relayed``: a JSON body's ``kv_transfer_params`` left
+out, the proxy's to set, never the client's).
 """
 
 from __future__ import annotations
@@ -20,15 +21,22 @@ from twisted.web.server import Request
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
-from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.legs import DecodeRequest, Elsewhere, Legs, reason_of, send_leg
+from nixl_twisted.exchange.legs import (
+    Asked,
+    ByPolicy,
+    DecodeRequest,
+    Elsewhere,
+    Legs,
+    reason_of,
+    send_leg,
+)
 from nixl_twisted.exchange.relay import abandon, break_off, relay_body, start_response
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import LegTrace, RequestTrace
-from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.completion import Relayed
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers, request_id_of
+from nixl_twisted.protocol.headers import backend_request_headers
 
 log = Logger()
 
@@ -58,126 +66,92 @@ class HolderFirst:
         self.left = len(self.order) - len(tried) - 1
         return instance, "holder" if instance.url == self.holder else "asked"
 
+    def answered(self, served: tuple[IResponse, LegTrace]) -> str:
+        return f"answered_{served[0].code}"
 
-class OneLeg:
-    """Serves a single-leg route: the request to the next decode instance, its answer back."""
 
-    def __init__(self, config: ProxyConfig, legs: Legs) -> None:
-        self.config = config
-        self.legs = legs
-        self.backends = legs.backends
-        self.metrics = legs.metrics
-        self.clock = legs.clock
+async def relay(legs: Legs, request: Request, relayed: Relayed, trace: RequestTrace) -> None:
+    """``relayed`` to the next decode instance that serves its model, its answer back."""
+    attempt = _attempt(legs, request, relayed)
+    pool = legs.backends.decode
+    model = relayed.served
+    routing = NO_ROUTING if model is None else Routing(model=model)
+    retries = legs.config.retries.decode
+    lease, (response, leg) = await send_leg(
+        pool,
+        legs.metrics,
+        attempt,
+        ByPolicy(pool, legs.metrics, routing, retries),
+        Asked(trace, record_of(request)),
+    )
+    await _relay(legs, request, relayed.path, lease, response, leg)
 
-    async def serve(
-        self,
-        request: Request,
-        path: str,
-        body: bytes | None,
-        trace: RequestTrace,
-        model: str | None = None,
-    ) -> None:
-        """Relay ``request`` to decode's ``path``; ``body`` is JSON to pass on (POST).
 
-        ``model``: only a decode instance that serves it is asked.
-        """
-        attempt = self._attempt(request, path, body)
-        pool = self.backends.decode
-        retries = self.config.retries.decode
-        routing = NO_ROUTING if model is None else Routing(model=model)
-        lease, (response, leg) = await send_leg(
-            pool,
-            retries,
-            self.metrics,
-            attempt,
-            trace=trace,
-            record=record_of(request),
-            routing=routing,
+async def follow_up(
+    legs: Legs, request: Request, relayed: Relayed, holder: str | None, trace: RequestTrace
+) -> None:
+    """Relay to the instance that holds the resource (``holder``), else ask each in turn.
+
+    An instance that answers 404 does not hold it: the next is asked, and
+    the last one's answer is the client's.
+    """
+    attempt = _attempt(legs, request, relayed)
+    asking = HolderFirst(legs.backends.decode, holder)
+
+    async def ask(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
+        response, leg = await attempt(instance, leg)
+        if response.code == 404 and asking.left > 0:
+            abandon(response)
+            raise Elsewhere("answered_404")
+        return response, leg
+
+    lease, (response, leg) = await send_leg(
+        legs.backends.decode, legs.metrics, ask, asking, Asked(trace, record_of(request))
+    )
+    await _relay(legs, request, relayed.path, lease, response, leg)
+
+
+def _attempt(
+    legs: Legs, request: Request, relayed: Relayed
+) -> Callable[[Instance, LegTrace], Awaitable[tuple[IResponse, LegTrace]]]:
+    """One attempt at the leg: decode's response, and the span it goes on in."""
+    config = legs.config
+    record = record_of(request)
+    headers = backend_request_headers(
+        request.requestHeaders,
+        relayed.request_id,
+        config.backend_api_key,
+        json_body=relayed.body is not None,
+        keyed=config.keyed,
+    )
+    sent = DecodeRequest(relayed.path, relayed.body, headers, config.timeouts.decode)
+
+    async def attempt(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
+        return await legs.decode_attempt(instance, leg, sent, record), leg
+
+    return attempt
+
+
+async def _relay(
+    legs: Legs, request: Request, path: str, lease: Lease, response: IResponse, leg: LegTrace
+) -> None:
+    record = record_of(request)
+    record.decode_status = response.code
+    try:
+        start_response(request, response)
+        await relay_body(request, response, legs.clock, legs.config.timeouts.stream_idle)
+    except CancelledError:
+        leg.fail("client left during relay", "relay")
+        raise
+    except Exception as error:
+        log.error(
+            "{path} from {url} broke off: {reason}",
+            path=path,
+            url=lease.instance.url,
+            reason=reason_of(error),
         )
-        await self._relay(request, path, lease, response, leg)
-
-    async def follow_up(
-        self,
-        request: Request,
-        path: str,
-        body: bytes | None,
-        first: str | None,
-        trace: RequestTrace,
-    ) -> None:
-        """Relay to the instance that holds the resource (``first``), else ask each in turn.
-
-        An instance that answers 404 does not hold it: the next is asked, and
-        the last one's answer is the client's.
-        """
-        attempt = self._attempt(request, path, body)
-        asking = HolderFirst(self.backends.decode, first)
-
-        async def ask(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
-            response, leg = await attempt(instance, leg)
-            if response.code == 404 and asking.left > 0:
-                abandon(response)
-                raise Elsewhere("answered_404")
-            return response, leg
-
-        lease, (response, leg) = await send_leg(
-            self.backends.decode,
-            asking.retries,
-            self.metrics,
-            ask,
-            trace=trace,
-            record=record_of(request),
-            choose=asking,
-            answered=lambda served: f"answered_{served[0].code}",
-        )
-        await self._relay(request, path, lease, response, leg)
-
-    def _attempt(
-        self, request: Request, path: str, body: bytes | None
-    ) -> Callable[[Instance, LegTrace], Awaitable[tuple[IResponse, LegTrace]]]:
-        """One attempt at the leg: decode's response, and the span it goes on in."""
-        request_id = request_id_of(request.requestHeaders)
-        request.setHeader(REQUEST_ID, request_id.encode("ascii"))
-        record = record_of(request)
-        record.request_id = request_id
-        raw: bytes | None = None
-        if body is not None:
-            parsed = lowering.parse_client_body(body)  # a 400 before any backend
-            parsed.pop("kv_transfer_params", None)
-            raw = lowering.encode(parsed)
-        headers = backend_request_headers(
-            request.requestHeaders,
-            request_id,
-            self.config.backend_api_key,
-            json_body=raw is not None,
-            keyed=self.config.keyed,
-        )
-        sent = DecodeRequest(path, raw, headers, self.config.timeouts.decode)
-
-        async def attempt(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
-            return await self.legs.decode_attempt(instance, leg, sent, record), leg
-
-        return attempt
-
-    async def _relay(
-        self, request: Request, path: str, lease: Lease, response: IResponse, leg: LegTrace
-    ) -> None:
-        record = record_of(request)
-        record.decode_status = response.code
-        try:
-            start_response(request, response)
-            await relay_body(request, response, self.clock, self.config.timeouts.stream_idle)
-        except CancelledError:
-            leg.fail("client left during relay", "relay")
-            raise
-        except Exception as error:
-            log.error(
-                "{path} from {url} broke off: {reason}",
-                path=path,
-                url=lease.instance.url,
-                reason=reason_of(error),
-            )
-            leg.fail(f"broke off: {reason_of(error)}", "relay")
-            record.ended, record.error = "broken", "decode closed its answer early"
-            await break_off(request, record.error, ErrorCode.DECODE_BROKEN)
-        finally:
-            lease.release()
+        leg.fail(f"broke off: {reason_of(error)}", "relay")
+        record.ended, record.error = "broken", "decode closed its answer early"
+        await break_off(request, record.error, ErrorCode.DECODE_BROKEN)
+    finally:
+        lease.release()

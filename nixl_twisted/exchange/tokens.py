@@ -32,8 +32,8 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, read_body
 from nixl_twisted.config import Disaggregation
 from nixl_twisted.protocol import routes
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.headers import for_rank
-from nixl_twisted.protocol.lowering import JSONObject
 
 log = Logger()
 
@@ -86,35 +86,33 @@ class Renderer:
         self,
         pool: BackendPool,
         routing: Routing,
-        path: str,
-        body: JSONObject,
+        completion: Completion,
         headers: Headers,
         timeout: float,
     ) -> Routing:
         """``routing`` with the prompt's token ids, or why there are none."""
         if routing.tokens is not None:
             return routing
-        ids, why = await self.tokens(pool, path, body, headers, timeout, routing.model)
+        ids, why = await self.tokens(pool, completion, headers, timeout)
         # (A fresh ``matched``: the one given may be a shared one, ``NO_ROUTING``'s.)
         return replace(routing, tokens=ids, untokenized=why, matched={})
 
     async def tokens(
         self,
         pool: BackendPool,
-        path: str,
-        body: JSONObject,
+        completion: Completion,
         headers: Headers,
         timeout: float,
-        model: str | None = None,
     ) -> tuple[tuple[int, ...] | None, str | None]:
         """The prompt's token ids, or None and why not (``render`` failed, ``no_render``).
 
-        Rendered by an instance that serves ``model`` (its tokenizer is the one that counts).
+        Rendered by an instance that serves its model (its tokenizer is the one that counts).
         """
+        path, model = completion.path, completion.served
         target = RENDER_PATHS.get(path)
         if target is None:
             return None, "no_render"  # (Responses, Messages: vLLM renders neither for us)
-        raw = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        raw = json.dumps(completion.body, sort_keys=True, separators=(",", ":")).encode()
         key = hashlib.blake2b(path.encode() + b"\0" + raw, digest_size=16).digest()
         cached = self._cache.get(key)
         if cached is not None:

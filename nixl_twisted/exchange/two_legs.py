@@ -22,10 +22,11 @@ from twisted.web.iweb import IResponse
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.prompt_keys import routing_for
-from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
 from nixl_twisted.exchange.legs import (
+    Asked,
+    ByPolicy,
     DecodeRequest,
     Legs,
     NoInstanceServed,
@@ -51,6 +52,7 @@ from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import REQUEST_ID, backend_request_headers, for_rank
 from nixl_twisted.protocol.phases import RULES, OnClientLeft, Phase
@@ -67,29 +69,24 @@ class Exchange:
     def __init__(
         self,
         legs: Legs,
-        config: ProxyConfig,
         request: ExchangeRequest,
-        path: str,
-        body: lowering.JSONObject,
-        request_id: str,
+        completion: Completion,
         trace: RequestTrace = NO_TRACE,
         watch: Callable[[str], Callable[[bytes], bool]] | None = None,
-        model: str | None = None,
-        hide_usage: bool = False,
     ) -> None:
-        """Made by ``ExchangeFactory``: ``legs`` the proxy's, ``config`` the one now in effect.
+        """Made by ``Serving``: ``legs`` the proxy's, with the configuration now in effect.
 
-        ``model``: only instances serving it take its legs, by its own policies and rules.
-        ``hide_usage``: ``body`` asks for the stream's usage for the proxy's sake
-        (a tenant's tokens), not the client's, whose stream goes without it.
+        Only instances serving ``completion.served`` take its legs, by that
+        model's own policies and rules. ``watch``: given the decode instance,
+        what watches its answer pass (the Responses API's ids).
         """
-        self.hide_usage = hide_usage
+        config = legs.config
         self.legs = legs
         self.request = request
-        self.path = path
-        self.target = path + query_of(request)
-        self.body = body
-        self.request_id = request_id
+        self.completion = completion
+        self.path = completion.path
+        self.target = self.path + query_of(request)
+        self.request_id = request_id = completion.request_id
         self.headers = backend_request_headers(
             request.requestHeaders, request_id, config.backend_api_key, keyed=config.keyed
         )
@@ -100,10 +97,10 @@ class Exchange:
         self.metrics = legs.metrics
         self.record = record_of(request)
         self.record.request_id = request_id  # (a batch's part has no other place to get it)
+        model = completion.served
         policies = {pool.policy_for(model)[0] for pool in self.backends.pools()}
         session = request.getHeader(b"x-session-id")
-        self.routing = routing_for(policies, config.policies.key_bytes, session, body, model)
-        #: Given the decode instance, what watches its answer pass (the Responses ids).
+        self.routing = routing_for(policies, config.policies.key_bytes, session, completion)
         self.watch = watch
         self.trace = trace
         #: The span of the leg attempt out now (a no-op when not traced).
@@ -201,7 +198,7 @@ class Exchange:
         if renders is not None:  # (kv-aware, or the cached rule: the prompt's token ids)
             renderer, timeout = self.legs.renderer, self.render_timeout
             rendering = renderer.routed(
-                renders, self.routing, self.path, self.body, self.headers, timeout
+                renders, self.routing, self.completion, self.headers, timeout
             )
             self.routing = await self._track(ensureDeferred(rendering))
         # Decode first: the rules may ask what its instance holds, and a
@@ -212,17 +209,15 @@ class Exchange:
         except BaseException:
             reserved.release()  # (until send_leg takes it over, the lease is ours to give back)
             raise
+        pool = self.backends.decode
         decode, response = await send_leg(
-            self.backends.decode,
-            self.retries.decode,
+            pool,
             self.metrics,
             lambda instance, leg: self._decode(instance, leg, completed),
+            ByPolicy(pool, self.metrics, self.routing, self.retries.decode),
             # A decode-only request has no prefill blocks to free: nobody to answer, no retry.
-            go_on=lambda: not (self.client_gone and self.decision.mode is Mode.DECODE_ONLY),
-            routing=self.routing,
-            trace=self.trace,
-            record=self.record,
-            reserved=reserved,
+            self._asked(lambda: not (self.client_gone and self.decision.mode is Mode.DECODE_ONLY)),
+            reserved,
         )
         self.record.decode_route = decode.decision
         self.record.decode_matched_tokens = self.routing.matched.get("decode")
@@ -248,8 +243,7 @@ class Exchange:
         try:
             decision = decide(
                 self.rules,
-                self.path,
-                self.body,
+                self.completion,
                 reserved.instance,
                 self.backends.prefill,
                 self.backends.kv_events,
@@ -266,13 +260,17 @@ class Exchange:
             self._decided(decision)
         if decision.mode is Mode.PD:
             self._enter(Phase.HANDOFF)
-            body = lowering.decode_body(self.body, params)
+            body = self.completion.decode_bytes(params)
         else:
             if self.client_gone:  # (left while prefill's last error was being read)
                 raise CancelledError()
             self._enter(Phase.DECODE)
-            body = lowering.decode_only_body(self.body)
-        return DecodeRequest(self.target, lowering.encode(body), self.headers, self.timeouts.decode)
+            body = self.completion.decode_only_bytes()
+        return DecodeRequest(self.target, body, self.headers, self.timeouts.decode)
+
+    def _asked(self, go_on: Callable[[], bool]) -> Asked:
+        """This request's legs: its trace and record, and while ``go_on`` says so."""
+        return Asked(self.trace, self.record, go_on)
 
     def _decided(self, decision: Decision) -> None:
         self.decision = decision
@@ -282,17 +280,15 @@ class Exchange:
 
     async def _prefill_leg(self) -> lowering.JSONObject:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered)."""
-        lowered = lowering.encode(lowering.prefill_body(self.body, self.request_id, self.path))
+        lowered = self.completion.prefill_bytes()
+        pool = self.backends.prefill
         prefill, params = await send_leg(
-            self.backends.prefill,
-            self.retries.prefill,
+            pool,
             self.metrics,
             lambda instance, leg: self._prefill(instance, leg, lowered),
+            ByPolicy(pool, self.metrics, self.routing, self.retries.prefill),
             # Nobody to answer and no blocks held yet: no more prefill attempts.
-            go_on=lambda: not self.client_gone,
-            routing=self.routing,
-            trace=self.trace,
-            record=self.record,
+            self._asked(lambda: not self.client_gone),
         )
         self.record.prefill_route = prefill.decision
         self.record.prefill_matched_tokens = self.routing.matched.get("prefill")
@@ -377,7 +373,7 @@ class Exchange:
                     partial(self._first_byte, decode.instance),
                     watching,
                     self._used,
-                    UsageChunkHidden() if self.hide_usage else None,
+                    UsageChunkHidden() if self.completion.hides_usage else None,
                 )
             )
         except CancelledError:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import quote_plus, unquote_plus, urlsplit
 
 from opentelemetry import propagate, trace
@@ -25,6 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from twisted.web.http import Request
 from twisted.web.http_headers import Headers
 
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.lowering import printable
 from nixl_twisted.protocol.phases import Phase
 from nixl_twisted.protocol.routes import route_label
@@ -174,7 +174,7 @@ class LegTrace:
 class RequestTrace:
     """One client request, as a server span; this base is tracing off, and does nothing."""
 
-    def note_request(self, body: Mapping[str, Any]) -> None:
+    def note_request(self, completion: Completion) -> None:
         """What the request asks for: its model, streamed or not."""
 
     def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
@@ -295,11 +295,11 @@ class ServerSpan(RequestTrace):
         #: Not sampled: its legs make no spans, only say so to vLLM (a cheap path).
         self._unsampled = None if self._span.is_recording() else _UnsampledLeg(self._context)
 
-    def note_request(self, body: Mapping[str, Any]) -> None:
+    def note_request(self, completion: Completion) -> None:
         if self._unsampled is not None:
             return
-        model = body.get("model")
-        described: dict[str, str | bool] = {"nixlproxy.stream": body.get("stream") is True}
+        model = completion.model
+        described: dict[str, str | bool] = {"nixlproxy.stream": completion.stream}
         if isinstance(model, str):  # (a lone surrogate would fail the whole export)
             described["gen_ai.request.model"] = printable(model)
         self._span.set_attributes(described)

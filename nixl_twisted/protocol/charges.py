@@ -1,6 +1,6 @@
 """What a request is charged against its tenant's tokens per minute before vLLM says.
 
-Its prompt (``prompts.charged_prompt_tokens``: text estimated, each media
+Its prompt (``prompts.Measured.charged``: text estimated, each media
 part at ``MEDIA_PART_TOKENS``) plus the most its completions may generate,
 as vLLM bounds them: the route's own field (``max_tokens``,
 ``max_completion_tokens``, ``max_output_tokens``), else the route's default
@@ -17,7 +17,6 @@ from typing import Any
 
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.lowering import prompt_count
-from nixl_twisted.protocol.prompts import charged_prompt_tokens
 
 #: What one completion is charged when the request sets no bound and the model's
 #: context is unknown (no health checks, or no ``max_model_len`` in its card).
@@ -35,13 +34,13 @@ _BOUNDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def charge(path: str, body: dict[str, Any], context: int | None) -> int:
-    """The tokens ``body`` may use on ``path``: its prompts, plus each completion's bound
-    times the completions it asks for (each prompt of a batch, times ``n`` or ``best_of``).
+def charge(path: str, body: dict[str, Any], prompt: int, context: int | None) -> int:
+    """The tokens ``body`` may use on ``path``: its ``prompt`` tokens (``Measured.charged``),
+    plus each completion's bound times the completions it asks for (each prompt of a batch,
+    times ``n`` or ``best_of``).
 
     ``context``: the model's ``max_model_len`` (None: unknown).
     """
-    prompt = charged_prompt_tokens(path, body)
     prompts = prompt_count(body.get("prompt")) if path == routes.COMPLETIONS else 1
     choices = max(_count(body.get("n")), _count(body.get("best_of")))  # (vLLM's v0 best_of)
     bound = completion_bound(path, body)

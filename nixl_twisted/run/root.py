@@ -17,7 +17,8 @@ is resolved here, once, and handed down. The tree::
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import Service
@@ -32,28 +33,37 @@ from twisted.logger import Logger
 from twisted.web.iweb import IAgent
 
 from nixl_twisted.backends.health import Thresholds
+from nixl_twisted.backends.models import context_length
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, pooled_upstream
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.events import Happened
+from nixl_twisted.exchange.legs import Legs
+from nixl_twisted.exchange.responses import ResponseDirectory
+from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
+from nixl_twisted.observe.observed import Observed
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
 from nixl_twisted.run import startup
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import Announced, address, bind_error, listener
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import ProcessTree
+from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.deadlines import ClientLimits
 from nixl_twisted.web.intake import BodyBudget
+from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows
 from nixl_twisted.web.site import TrackingSite
+from nixl_twisted.web.tenancy import Tenancy
+from nixl_twisted.web.tenants import TenantLimits
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -62,6 +72,12 @@ log = Logger()
 
 #: Seconds drained connections get to send what they have buffered.
 CLOSE_GRACE = 5.0
+
+
+class Configured(Protocol):
+    """A part of the proxy that takes its settings from the configuration, at start and reload."""
+
+    def configure(self, config: ProxyConfig) -> None: ...
 
 
 class ProxyService(ProcessTree):
@@ -75,18 +91,22 @@ class ProxyService(ProcessTree):
         backends: BackendService,
         reactor: Any,
         clock: IReactorTime,
+        discovery: Discovery | None = None,
+        configured: Sequence[Configured] = (),
     ) -> None:
+        """``discovery``: finds the instances of DNS names and selectors (not in a worker:
+        its supervisor does); ``configured``: the other parts a reload configures again."""
         super().__init__(config)
         self._reactor = reactor
         self.app = app
         self.site = site
         self.backends = backends
         self.clock = clock
+        self.discovery = discovery
+        self._configured = list(configured)
         self._ports_closed = Happened()
         self._stopped: Happened | None = None
         backends.setServiceParent(self)
-        #: Finds the instances of DNS names and selectors (not in a worker: its supervisor does).
-        self.discovery: Discovery | None = None
 
     def privilegedStartService(self) -> None:
         """Bind every port now (before twistd sheds privileges); one that cannot be, one line."""
@@ -123,11 +143,11 @@ class ProxyService(ProcessTree):
         return [e.port for e in endpoints if e.port is not None]
 
     def reconfigure(self, config: ProxyConfig) -> None:
-        """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's)."""
-        self.app.configure(config)
-        for site in {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}:
-            site.configure(config)
-        self.backends.configure(config)
+        """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's):
+        each part takes it through its own ``configure``, as it did when it was made."""
+        sites = {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}
+        for part in [*self._configured, self.app, *sites, self.backends]:
+            part.configure(config)
         if self.discovery is not None:
             self.discovery.configure(config)
         super().reconfigure(config)
@@ -162,7 +182,7 @@ class ProxyService(ProcessTree):
         rest = [s for s in self if s not in listeners and s.running]
         await DeferredList([maybeDeferred(s.stopService) for s in reversed(rest)])
         self.app.refusals.throttle.stop()
-        self.app.client_keys.stop()
+        self.app.tenancy.keys.stop()
 
     def when_ports_closed(self) -> Deferred[None]:
         """Fires once a stopping proxy accepts no more connections."""
@@ -261,13 +281,16 @@ def build(
     take_signals: bool = True,
     tracer_provider: TracerProvider | None = None,
 ) -> ProxyService:
-    """Make one proxy's whole service tree from its configuration.
+    """Make one proxy's whole service tree from its configuration: the one place it is made.
 
-    ``clock`` (default: the reactor) drives every timeout, backoff and
-    health check; ``agent`` (default: a pooled ``Agent`` on the reactor)
-    makes every backend call. Tests pass a ``Clock`` and an in-memory agent.
-    ``tracer_provider`` traces with that provider (a test's in-memory
-    exporter) whatever the configuration says.
+    Every collaborator is made here, once, and handed what it works with
+    through its constructor; each takes its part of the configuration
+    through its own ``configure``, called as it is made and again by each
+    reload (``ProxyService.reconfigure``). ``clock`` (default: the reactor)
+    drives every timeout, backoff and health check; ``agent`` (default: a
+    pooled ``Agent`` on the reactor) makes every backend call. Tests pass a
+    ``Clock`` and an in-memory agent. ``tracer_provider`` traces with that
+    provider (a test's in-memory exporter) whatever the configuration says.
     """
     clock = clock if clock is not None else cast(IReactorTime, reactor)
     shared = config.worker is not None
@@ -285,28 +308,44 @@ def build(
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
-    admission = Admission(config.limits.max_in_flight)
-    throttle = LogThrottle(clock)
-    refusals = Refusals(metrics.refused, throttle)
-    app = ProxyApp(config, backends, admission, metrics, clock, traces, refusals)
+    observed = Observed(metrics, traces, Refusals(metrics.refused, LogThrottle(clock)))
+    admission = Admission(config.limits.max_in_flight, metrics.in_flight.set)
+    keys = ClientKeys(clock, config)
+    limits = TenantLimits(clock, config)
+    windows = None
+    if config.tenants.redis is not None:
+        windows = SharedWindows(config.tenants.redis, clock, reactor, metrics)
+    tenancy = Tenancy(
+        keys, limits, lambda model: context_length(model, backends.decode.instances), windows
+    )
+    # A worker's admin changes reach the other workers through its supervisor.
+    link = (
+        SupervisorLink(reactor, backends, lambda given: root.reconfigure(given)) if shared else None
+    )
+    admin = AdminAPI(backends, config, link.publish if link is not None else None)
+    legs = Legs(backends, clock, metrics, config)
+    app = ProxyApp(
+        config, backends, Serving(legs, ResponseDirectory()), admission, tenancy, admin, observed
+    )
     site = TrackingSite(
         app.resource(),
         ClientLimits.of(config),
         clock,
         access_log=AccessLog(metrics, emit=config.access_log),
         body_budget=BodyBudget(config.limits.max_buffered_bodies),
-        refusals=refusals,
+        refusals=observed.refusals,
+        client_keys=keys,
     )
-    site.client_keys = app.client_keys
-    root = ProxyService(config, app, site, backends, reactor, clock)
-    if config.tenants.redis is not None:
-        windows = SharedWindows(config.tenants.redis, clock, reactor, metrics)
+    # (a worker's supervisor discovers for all)
+    found = None if shared else discovery(config, reactor, clock, backends)
+    root = ProxyService(
+        config, app, site, backends, reactor, clock, found, [admission, keys, limits, admin, legs]
+    )
+    if windows is not None:
         windows.setServiceParent(root)
-        app.tenancy.shared = windows
     backends.kv_events.setServiceParent(root)
-    if not shared:  # (a worker's supervisor discovers for all)
-        root.discovery = discovery(config, reactor, clock, backends)
-        root.discovery.setServiceParent(root)
+    if found is not None:
+        found.setServiceParent(root)
     if traces.enabled:
         traces.setServiceParent(root)
     for description in config.listen:
@@ -321,8 +360,6 @@ def build(
         # A worker's pools are the supervisor's: SIGHUP goes there.
         hangup = _worker_hangup if shared else root.reload
         SignalService(reactor, hangup).setServiceParent(root)
-    if shared:
-        link = SupervisorLink(reactor, backends, root.reconfigure)
-        app.admin.publish = link.publish
+    if link is not None:
         link.setServiceParent(root)
     return root

@@ -36,17 +36,24 @@ log = Logger()
 class AdminAPI:
     """What ``/admin/backends`` does, apart from the routing (``ProxyApp``)."""
 
-    def __init__(self, backends: BackendService, token: str | None) -> None:
+    def __init__(
+        self,
+        backends: BackendService,
+        config: ProxyConfig,
+        publish: Callable[[dict[str, str]], Deferred[None]] | None = None,
+    ) -> None:
+        """``publish`` tells the other workers of a change (``run.coordination``); alone,
+        nobody is told."""
         self.backends = backends
-        self._token = token.encode("utf-8") if token else None
-        #: Tells the other workers of a change (``nixl_twisted.run.coordination``); alone, nobody.
-        self.publish: Callable[[dict[str, str]], Deferred[None]] = lambda change: succeed(None)
-        #: Where an instance the API adds may be (``--allowed-backends``).
-        self.allowed = AllowedBackends()
+        self.publish = publish if publish is not None else _nobody
+        self.configure(config)
 
-    def use_token(self, token: str | None) -> None:
-        """The bearer token from now on (a reload); None: there is no admin API."""
+    def configure(self, config: ProxyConfig) -> None:
+        """The token (None: there is no admin API) and ``--allowed-backends``, from now on."""
+        token = config.admin_token
         self._token = token.encode("utf-8") if token else None
+        #: Where an instance the API adds may be (``--allowed-backends``).
+        self.allowed = AllowedBackends(config.discovery.allowed)
 
     def holds_token(self, request: IRequest) -> bool:
         """The request carries the admin token (none configured: nobody does)."""
@@ -144,3 +151,8 @@ def bearer_token(credentials: bytes | None) -> bytes | None:
     if scheme.lower() != b"bearer" or not space:
         return None
     return token.lstrip(b" ")
+
+
+def _nobody(change: dict[str, str]) -> Deferred[None]:
+    """Alone: no other worker to tell of a change."""
+    return succeed(None)

@@ -7,6 +7,7 @@ from typing import TypeVar
 
 from twisted.internet.defer import Deferred, maybeDeferred
 
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.events import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -17,15 +18,21 @@ T = TypeVar("T")
 class Admission:
     """Counts requests in flight; refuses past the limit, and all while draining."""
 
-    def __init__(self, max_in_flight: int) -> None:
+    def __init__(
+        self, max_in_flight: int, on_change: Callable[[int], object] = lambda count: None
+    ) -> None:
+        """``on_change`` is told the new count on every change (the in-flight gauge)."""
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.draining = False
         #: Stopping soon (``--shutdown-delay``): still admitting, no longer ready.
         self.leaving = False
         self._idle = Happened()
-        #: Told the new count on every change (the in-flight gauge).
-        self.on_change: Callable[[int], None] = lambda count: None
+        self.on_change = on_change
+
+    def configure(self, config: ProxyConfig) -> None:
+        """``--max-in-flight`` from now on (a reload)."""
+        self.max_in_flight = config.limits.max_in_flight
 
     def serve(self, work: Callable[[], Deferred[T]]) -> Deferred[T]:
         """Take one request in, run ``work``, and give its slot back however it ends.

@@ -1,9 +1,9 @@
 """The Klein app: the proxy's routes, input checks and error mapping.
 
-Each completion is an ``Exchange`` (``nixl_twisted.exchange.two_legs``): the lowered
-body to the next prefill instance, then the client's body plus prefill's
-``kv_transfer_params`` to the next decode instance, whose answer is relayed
-to the client as it arrives.
+A request that sends a leg is read once at the door (``web.door``), held to
+its tenant's limits (``Tenancy``) and the proxy's (``Admission``), and
+served by ``Serving``: a completion as two legs (``exchange.two_legs``), a
+batch of them, or one leg to a decode instance.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from functools import partial
 
 from klein import Klein
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -23,35 +22,27 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
-from nixl_twisted.backends.allowed import AllowedBackends
-from nixl_twisted.backends.models import context_length, listing
+from nixl_twisted.backends.models import listing
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.batch import Batch, PartRequest
-from nixl_twisted.exchange.factory import ExchangeFactory
-from nixl_twisted.exchange.legs import Legs
-from nixl_twisted.exchange.one_leg import OneLeg
 from nixl_twisted.exchange.prefill import PrefillRefused
 from nixl_twisted.exchange.relay import start_response
-from nixl_twisted.exchange.request import ExchangeRequest
-from nixl_twisted.exchange.responses import ResponseDirectory
-from nixl_twisted.exchange.two_legs import Exchange
+from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.observe.access import record_of
-from nixl_twisted.observe.metrics import CONTENT_TYPE, ProxyMetrics
-from nixl_twisted.observe.refusals import Refusals
+from nixl_twisted.observe.metrics import CONTENT_TYPE
+from nixl_twisted.observe.observed import Observed
 from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
-from nixl_twisted.observe.tracing import Tracing
-from nixl_twisted.protocol import lowering, routes
+from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.completion import Relayed
 from nixl_twisted.protocol.errors import ProxyError, json_answer
-from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID, request_id_of
+from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID
+from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.front import FrontDoor
-from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.models import requested_model, routed_model
 from nixl_twisted.web.tenancy import Tenancy
-from nixl_twisted.web.tenants import Rule, TenantLimits
+from nixl_twisted.web.tenants import Rule
 
 log = Logger()
 
@@ -62,7 +53,13 @@ _ROUTING_CODES = {code.status: code for code in (ErrorCode.NOT_FOUND, ErrorCode.
 
 
 class ProxyApp:
-    """The proxy's HTTP face, handed what it serves with by the composition root."""
+    """The proxy's HTTP face: its routes, input checks and error mapping.
+
+    Everything it serves with is made by the composition root
+    (``run.root.build``) and handed in; a request is read at the door
+    (``web.door``), held to its tenant's limits and the proxy's, and served
+    by ``Serving``.
+    """
 
     app = Klein()
     # No route has an empty segment: ``/v1//models`` is a 404, not Werkzeug's 308
@@ -74,55 +71,30 @@ class ProxyApp:
         self,
         config: ProxyConfig,
         backends: BackendService,
+        serving: Serving,
         admission: Admission,
-        metrics: ProxyMetrics,
-        clock: IReactorTime,
-        tracing: Tracing,
-        refusals: Refusals,
+        tenancy: Tenancy,
+        admin: AdminAPI,
+        observed: Observed,
     ) -> None:
-        self.config = config
-        #: Overload refusals and 5xx lines: counted, logged at most once a second each.
-        self.refusals = refusals
         self.backends = backends
+        self.serving = serving
         self.admission = admission
-        self.metrics = metrics
-        self.clock = clock
+        #: Whose each request is, and its tenant's limits.
+        self.tenancy = tenancy
+        self.admin = admin
+        self.metrics = observed.metrics
         #: Each request to a backend route is a trace (when tracing is on).
-        self.tracing = tracing
-        #: Off when /metrics is served on its own --metrics-listen endpoint.
-        self.serve_metrics = config.metrics_listen is None
-        self.admin = AdminAPI(backends, config.admin_token)
-        self.admin.allowed = AllowedBackends(config.discovery.allowed)
-        #: The keys clients must send (checked by the site, as the headers arrive).
-        self.client_keys = ClientKeys(clock)
-        self.client_keys.configure(config)
-        #: What each tenant may use (``--tenant-*``, ``[tenants.NAME]``).
-        self.tenants = TenantLimits(clock)
-        self.tenants.configure(config)
-        self.tenancy = Tenancy(
-            self.client_keys,
-            self.tenants,
-            lambda model: context_length(model, backends.decode.instances),
-        )
-        legs = Legs(backends, clock, metrics)
-        self.one_leg = OneLeg(config, legs)
-        #: Which decode instance produced each Responses API response.
-        self.responses_seen = ResponseDirectory()
-        self.exchange_factory = ExchangeFactory(config, legs, self.responses_seen)
-        self.admission.on_change = self.metrics.in_flight.set
-        #: The completions being served now.
-        self.exchanges: set[Exchange] = set()
+        self.tracing = observed.tracing
+        #: Overload refusals and 5xx lines: counted, logged at most once a second each.
+        self.refusals = observed.refusals
+        self.configure(config)
 
     def configure(self, config: ProxyConfig) -> None:
-        """A reload: limits, timeouts, retries and keys as ``config`` says, from now on."""
+        """The configuration in effect (a reload: from the next request on)."""
         self.config = config
-        self.one_leg.config = config
-        self.exchange_factory.config = config
-        self.admission.max_in_flight = config.limits.max_in_flight
-        self.admin.use_token(config.admin_token)
-        self.admin.allowed = AllowedBackends(config.discovery.allowed)
-        self.client_keys.configure(config)
-        self.tenants.configure(config)
+        #: Off when /metrics is served on its own --metrics-listen endpoint.
+        self.serve_metrics = config.metrics_listen is None
 
     def resource(self, admin: bool = False) -> IResource:
         """The Twisted Web resource that serves this app (``admin``: on --admin-listen)."""
@@ -131,7 +103,7 @@ class ProxyApp:
 
     def _identity_headers(self) -> tuple[bytes, ...]:
         """The headers that say who a client is: keys, and the tenant header when set."""
-        header = self.tenants.header
+        header = self.tenancy.limits.header
         return IDENTITY if header is None else (*IDENTITY, header)
 
     @property
@@ -195,47 +167,56 @@ class ProxyApp:
         if request.method == b"GET":
             return _json(request, 200, self.admin.listing())
         if request.method == b"POST":
-            return self.admin.add(_client_body(request)).addCallback(partial(_json, request, 201))
-        changed = self.admin.remove(_client_body(request))
+            added = self.admin.add(door.client_body(request))
+            return added.addCallback(partial(_json, request, 201))
+        changed = self.admin.remove(door.client_body(request))
         return changed.addCallback(partial(_json, request, 200))
 
     @app.route(routes.ADMIN_DRAIN, methods=["POST"])
     def admin_drain(self, request: Request) -> Deferred[bytes]:
         self.admin.authorize(request)
-        return self.admin.drain(_client_body(request)).addCallback(partial(_json, request, 202))
+        drained = self.admin.drain(door.client_body(request))
+        return drained.addCallback(partial(_json, request, 202))
 
     @app.route(routes.MODELS, methods=["GET"])
     def models(self, request: Request) -> Deferred[None] | Deferred[bytes] | bytes:
         """What the healthy decode instances serve, each model once; else one instance's say."""
         served = listing(self.backends.decode.instances)
-        if served is None:
-            return self._one_leg(request, routes.MODELS, None)
-        admitted = self.tenancy.admit(request, routes.MODELS, None)
+        if served is None:  # (relayed: for any model, whatever is served)
+            return self._one_leg(request, door.relayed(request, routes.MODELS, None))
+        admitted = self.tenancy.admit(request, routes.MODELS)
         if isinstance(admitted, Deferred):  # (--limits-redis: once Redis has said)
             return admitted.addCallback(lambda _: _json(request, 200, served))
         return _json(request, 200, served)
 
     @app.route(routes.TOKENIZE, methods=["POST"])
     def tokenize(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, routes.TOKENIZE, _client_body(request))
+        return self._relayed(request, routes.TOKENIZE)
 
     @app.route(routes.DETOKENIZE, methods=["POST"])
     def detokenize(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, routes.DETOKENIZE, _client_body(request))
+        return self._relayed(request, routes.DETOKENIZE)
 
-    def _one_leg(self, request: Request, path: str, body: bytes | None) -> Deferred[None]:
+    @app.route(routes.COUNT_TOKENS, methods=["POST"])
+    def count_tokens(self, request: Request) -> Deferred[None]:
+        return self._relayed(request, routes.COUNT_TOKENS)
+
+    def _relayed(self, request: Request, path: str) -> Deferred[None]:
+        """A one-leg route with a JSON body, to an instance of the model it names."""
         trace = self._trace(request)
-        model = None  # (GET /v1/models, relayed: for any model, whatever is served)
-        if body is not None:
-            model = routed_model(self.backends, requested_model(body), record_of(request)).model
+        read = door.relayed(
+            request, path, door.client_body(request), self.backends.decode.instances
+        )
+        return self._one_leg(request, read, trace)
+
+    def _one_leg(
+        self, request: Request, relayed: Relayed, trace: RequestTrace | None = None
+    ) -> Deferred[None]:
+        trace = self._trace(request) if trace is None else trace
         # (In flight and requests per minute: no tokens generated.)
         return _then(
-            self.tenancy.admit(request, path, None),
-            lambda _: self.admission.serve(
-                lambda: Deferred.fromCoroutine(
-                    self.one_leg.serve(request, path, body, trace, model)
-                )
-            ),
+            self.tenancy.admit(request, relayed.path),
+            lambda _: self.admission.serve(lambda: self.serving.relayed(request, relayed, trace)),
         )
 
     @app.route(routes.COMPLETIONS, methods=["POST"])
@@ -250,6 +231,10 @@ class ProxyApp:
     def responses(self, request: Request) -> Deferred[None]:
         return self._two_legs(request, routes.RESPONSES)
 
+    @app.route(routes.MESSAGES, methods=["POST"])
+    def messages(self, request: Request) -> Deferred[None]:
+        return self._two_legs(request, routes.MESSAGES)
+
     @app.route(routes.RESPONSE.format(id="<string:response_id>"), methods=["GET"])
     def response(self, request: Request, response_id: str) -> Deferred[None]:
         return self._follow_up(request, routes.response_path(response_id), response_id, None)
@@ -257,29 +242,19 @@ class ProxyApp:
     @app.route(routes.RESPONSE_CANCEL.format(id="<string:response_id>"), methods=["POST"])
     def cancel_response(self, request: Request, response_id: str) -> Deferred[None]:
         path = routes.response_path(response_id, cancel=True)
-        return self._follow_up(request, path, response_id, _client_body(request) or b"{}")
+        return self._follow_up(request, path, response_id, door.client_body(request) or b"{}")
 
     def _follow_up(
         self, request: Request, path: str, response_id: str, body: bytes | None
     ) -> Deferred[None]:
         trace = self._trace(request)
-        where = self.responses_seen.where(response_id)
+        read = door.relayed(request, path, body)
         return _then(
-            self.tenancy.admit(request, path, None),
+            self.tenancy.admit(request, path),
             lambda _: self.admission.serve(
-                lambda: Deferred.fromCoroutine(
-                    self.one_leg.follow_up(request, path, body, where, trace)
-                )
+                lambda: self.serving.follow_up(request, read, response_id, trace)
             ),
         )
-
-    @app.route(routes.MESSAGES, methods=["POST"])
-    def messages(self, request: Request) -> Deferred[None]:
-        return self._two_legs(request, routes.MESSAGES)
-
-    @app.route(routes.COUNT_TOKENS, methods=["POST"])
-    def count_tokens(self, request: Request) -> Deferred[None]:
-        return self._one_leg(request, routes.COUNT_TOKENS, _client_body(request))
 
     def _trace(self, request: Request) -> RequestTrace:
         """The request's trace, begun at its arrival; ended with its access event."""
@@ -291,81 +266,20 @@ class ProxyApp:
 
     def _two_legs(self, request: Request, path: str) -> Deferred[None]:
         trace = self._trace(request)
-        # The id comes first, so that every answer, refusals included, has one.
-        request_id = request_id_of(request.requestHeaders)
-        request.setHeader(REQUEST_ID, request_id.encode("ascii"))
-        record_of(request).request_id = request_id
-        body = lowering.parse_client_body(_client_body(request))
-        trace.note_request(body)
-        model = body.get("model")
-        if isinstance(model, str):
-            record_of(request).model = lowering.printable(model)
-        lowering.check_servable(path, body)
-        served = routed_model(self.backends, model, record_of(request)).model
-        batch = lowering.batch_of(path, body, self.config.limits.max_batch_prompts)
-        return _then(
-            self.tenancy.admit(request, path, body),
-            lambda rule: self._serve(request, path, body, request_id, trace, batch, rule, served),
-        )
+        limit = self.config.limits.max_batch_prompts
+        read = door.completion(request, path, limit, self.backends.decode.instances)
+        trace.note_request(read)
 
-    def _serve(
-        self,
-        request: Request,
-        path: str,
-        body: lowering.JSONObject,
-        request_id: str,
-        trace: RequestTrace,
-        batch: lowering.BatchRequest | None,
-        rule: Rule,
-        served: str | None,
-    ) -> Deferred[None]:
-        """A completion admitted for its tenant, served as its ``rule`` says, by instances
-        that serve the ``served`` model (None: any)."""
-        # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
-        asked = lowering.usage_asked(path, body) if rule.tokens_per_minute else None
-        upstream = body if asked is None else asked
-        if rule.priority is not None:  # (both legs are lowered from this body)
-            upstream = lowering.with_priority(path, upstream, rule.priority)
-        if batch is None:
-            hide = asked is not None
-            return self.admission.serve(
-                lambda: self._exchange(request, path, upstream, request_id, trace, served, hide)
-            )
+        def serve(rule: Rule) -> Deferred[None]:
+            # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
+            admitted = read.admitted(rule.priority, bool(rule.tokens_per_minute))
+            return self.admission.serve(lambda: self.serving.completion(request, admitted, trace))
 
-        # One exchange per prompt, each with its own request id (the batch's, with
-        # the prompt's index), all in one trace (the batch sums its parts' usage
-        # chunks, and sends one only if asked).
-        def part(to: PartRequest, one: lowering.JSONObject) -> Deferred[None]:
-            record_of(to).served_model = record_of(request).served_model
-            return self._exchange(to, path, one, f"{request_id}-{to.index}", trace, served)
-
-        return self.admission.serve(lambda: Batch(request, batch, upstream, part).start())
-
-    def _exchange(
-        self,
-        request: ExchangeRequest,
-        path: str,
-        body: lowering.JSONObject,
-        request_id: str,
-        trace: RequestTrace,
-        model: str | None = None,
-        hide_usage: bool = False,
-    ) -> Deferred[None]:
-        exchange = self.exchange_factory.make(
-            request, path, body, request_id, trace, model, hide_usage
-        )
-        self.exchanges.add(exchange)
-
-        def ended(result: object) -> object:
-            self.exchanges.discard(exchange)
-            return result
-
-        return exchange.start().addBoth(ended)
+        return _then(self.tenancy.admit(request, path, read), serve)
 
     def shut_down(self) -> None:
         """The drain timeout ended: every completion still running is cut, and told why."""
-        for exchange in list(self.exchanges):
-            exchange.shut_down()
+        self.serving.shut_down()
 
     # -- errors -----------------------------------------------------------
 
@@ -428,14 +342,6 @@ def _then(
 def _request_id(request: IRequest) -> str | None:
     values = request.responseHeaders.getRawHeaders(REQUEST_ID)
     return values[0].decode("ascii") if values else None
-
-
-def _client_body(request: Request) -> bytes:
-    content = request.content
-    if content is None:
-        return b""
-    content.seek(0)
-    return bytes(content.read())
 
 
 def _json(request: IRequest, status: int, value: object) -> bytes:

@@ -49,7 +49,8 @@ class ClientKeys:
     when the file is read again.
     """
 
-    def __init__(self, clock: IReactorTime) -> None:
+    def __init__(self, clock: IReactorTime, config: ProxyConfig | None = None) -> None:
+        """``config``: configured at once, as a reload configures it (``configure``)."""
         self.clock = clock
         self._given: Sequence[str] = ()
         self._file: KeysFile | None = None
@@ -59,6 +60,8 @@ class ClientKeys:
         self._problem: str | None = None
         self._digests: dict[bytes, str] = {}
         self._watch: LoopingCall | None = None
+        if config is not None:
+            self.configure(config)
 
     @property
     def required(self) -> bool:

@@ -214,6 +214,7 @@ class TrackingSite(Site):
         access_log: AccessLog | None = None,
         body_budget: BodyBudget | None = None,
         refusals: Refusals | None = None,
+        client_keys: ClientKeys | None = None,
     ) -> None:
         # No form parsing: the proxy reads JSON bodies, and Twisted would
         # parse every POST's Content-Type through ``email`` to look for forms.
@@ -228,7 +229,7 @@ class TrackingSite(Site):
         #: When set, replaces Twisted's access line with one structured event.
         self.access_log = access_log
         #: The keys clients must send (``--api-key``), on the client endpoints only.
-        self.client_keys: ClientKeys | None = None
+        self.client_keys = client_keys
         self.refusals = refusals
         self.displayTracebacks = False
         self._open: dict[_TrackedChannel, Happened] = {}

@@ -15,7 +15,7 @@ from twisted.web.server import Request
 
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering
-from nixl_twisted.protocol.charges import charge
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows, Verdict
 from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, Rule, TenantLimits, refusal
@@ -32,13 +32,14 @@ class Tenancy:
         keys: ClientKeys,
         limits: TenantLimits,
         context_of: Callable[[object], int | None] = lambda model: None,
+        shared: SharedWindows | None = None,
     ) -> None:
         self.keys = keys
         self.limits = limits
         #: A model's context length (``max_model_len``), as its instances say (None: unknown).
         self.context_of = context_of
         #: Where requests and tokens per minute are counted for every process (None: here).
-        self.shared: SharedWindows | None = None
+        self.shared = shared
 
     def tenant(self, request: Request, path: str) -> str | None:
         """Whose the request is: its client key's tenant, else the tenant header's."""
@@ -51,13 +52,14 @@ class Tenancy:
         return lowering.printable(named.decode("utf-8", "replace")) if named else None
 
     def admit(
-        self, request: Request, path: str, body: lowering.JSONObject | None
+        self, request: Request, path: str, completion: Completion | None = None
     ) -> Rule | Deferred[Rule]:
         """Hold the request to its tenant's limits (429 past one) until it ends; its rule
         (a Deferred when Redis counts the tenant's windows, ``--limits-redis``).
 
-        ``body`` None: a request that generates no tokens (models, tokenize, a
-        stored response), held to in flight and requests per minute only.
+        ``completion`` None: a request that generates no tokens (models,
+        tokenize, a stored response), held to in flight and requests per
+        minute only.
         """
         tenant = self.tenant(request, path)
         if tenant is None:
@@ -66,10 +68,10 @@ class Tenancy:
         rule = self.limits.rule(tenant)
         if not rule.counted:
             return rule  # (the common case: nothing to count, no prompt to measure)
-        tpm = rule.tokens_per_minute if body is not None else 0
-        estimate = None if body is None else 0
-        if body is not None and tpm:
-            estimate = charge(path, body, self.context_of(body.get("model")))
+        tpm = rule.tokens_per_minute if completion is not None else 0
+        estimate = None if completion is None else 0
+        if completion is not None and tpm:
+            estimate = completion.charge(self.context_of(completion.model))
         held = _Held(request, estimate)
         request.notifyFinish().addBoth(held.ended)
         if self.shared is None or not (rule.requests_per_minute or tpm):

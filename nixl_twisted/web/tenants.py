@@ -93,13 +93,16 @@ NO_TICKET = Ticket(lambda tokens: None)
 class TenantLimits:
     """Each tenant's use now, held to its rule."""
 
-    def __init__(self, clock: IReactorTime) -> None:
+    def __init__(self, clock: IReactorTime, config: ProxyConfig | None = None) -> None:
+        """``config``: configured at once, as a reload configures it (``configure``)."""
         self.clock = clock
         self.header: bytes | None = None
         self.default = Rule()
         self.rules: dict[str, Rule] = {}
         self._use: dict[str, _Usage] = {}
         self._swept = 0.0
+        if config is not None:
+            self.configure(config)
 
     def configure(self, config: ProxyConfig) -> None:
         tenants: TenantsConfig = config.tenants

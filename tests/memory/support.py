@@ -86,7 +86,7 @@ class Setup:
         return self.proxy.request("GET", path, b"", headers)
 
     def phase(self) -> str:
-        (exchange,) = self.proxy.app.exchanges
+        (exchange,) = self.proxy.app.serving.exchanges
         return exchange.phase.value
 
     def settle(self, waiting: Deferred[T]) -> T:

@@ -273,7 +273,7 @@ def test_the_uncached_rule_says_once_that_it_cannot_see_what_decode_caches(
     service.reload()  # nothing changed: nothing said again
     blind = [e for e in logged if "does nothing" in str(e.get("blind", ""))]
     assert len(blind) == 1 and blind[0]["log_level"].name == "warn"
-    assert service.app.exchange_factory.config.disaggregation.short_prompt == 32
+    assert service.app.serving.legs.config.disaggregation.short_prompt == 32
 
 
 def test_a_decode_only_body_refused_at_encoding_gives_its_decode_instance_back() -> None:

@@ -57,7 +57,7 @@ def test_client_leaves_during_handoff_still_sends_decode_then_abandons_it() -> N
     assert setup.ledger.redeemed == [decode.body["kv_transfer_params"]]  # type: ignore[index]
     assert setup.ledger.issued == {}
     assert setup.proxy.app.in_flight == 0
-    assert setup.proxy.app.exchanges == set()
+    assert setup.proxy.app.serving.exchanges == set()
 
 
 def test_client_leaves_a_decode_only_request_and_its_decode_request_is_cancelled() -> None:
@@ -98,7 +98,7 @@ def test_a_batch_cancelling_a_part_in_handoff_follows_the_table_and_blames_no_cl
     assert held.disconnects == 0  # the handoff was let finish, as the table says
     (sent,) = decode.requests  # decode loaded the blocks, so prefill frees them
     assert ledger.redeemed == [sent.body["kv_transfer_params"]]  # type: ignore[index]
-    assert proxy.app.exchanges == set()
+    assert proxy.app.serving.exchanges == set()
     assert not [e for e in events if "client left" in formatEvent(e)]
     assert b"nixlproxy_client_disconnects_total{" not in proxy.app.metrics.exposition()
 

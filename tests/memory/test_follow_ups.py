@@ -85,7 +85,7 @@ def test_an_unknown_response_passes_over_each_404_to_the_one_that_holds_it(
     setup = Setup()
     setup.create()
     held = setup.create()  # on decode-1
-    setup.proxy.app.responses_seen = ResponseDirectory()  # a restart: the holder unknown
+    setup.proxy.app.serving.responses = ResponseDirectory()  # a restart: the holder unknown
     decisions = setup.counted("nixlproxy_routing_decisions_total")
     status, body = setup.get(held)
     assert (status, body["id"]) == (200, held)

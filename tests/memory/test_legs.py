@@ -23,7 +23,7 @@ from zope.interface import implementer
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream
-from nixl_twisted.config import Health
+from nixl_twisted.config import Health, resolve
 from nixl_twisted.exchange.legs import DecodeRequest, Legs, Retry
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
@@ -93,7 +93,8 @@ class Setup:
             Health(interval=0, timeout=1, unhealthy_threshold=3, healthy_threshold=2),
         )
         self.metrics = ProxyMetrics()
-        self.legs = Legs(backends, self.clock, self.metrics)
+        given = {"prefill": ["http://prefill.memory"], "decode": [LIVE, DEAD]}
+        self.legs = Legs(backends, self.clock, self.metrics, resolve(given, None, {}))
         self.record = AccessRecord()
         self.tracked: list[Deferred[IResponse]] = []
 

@@ -110,8 +110,8 @@ def test_a_reload_applies_limits_timeouts_and_the_log_level_and_warns_once(
     assert (site.limits.max_connections, site.limits.max_body_size) == (9, 100)
     assert site.body_budget is not None and site.body_budget.limit == 1000
     assert site.access_log is not None and not site.access_log.emit
-    assert app.config.timeouts.stream_idle == 7 and app.one_leg.config.retries.prefill == 0
-    assert app.exchange_factory.config.retries.prefill == 0  # the next exchange takes it
+    assert app.config.timeouts.stream_idle == 7 and app.serving.legs.config.retries.prefill == 0
+    assert app.serving.legs.config.timeouts.stream_idle == 7  # the next exchange takes it
     assert service.backends.prefill.thresholds.unhealthy == 5
     assert service.log_levels.level == "error"
     assert app.admin._token == b"t"

@@ -26,7 +26,7 @@ def test_follow_ups_go_to_the_decode_instance_that_holds_the_response() -> None:
 def test_an_unknown_response_is_asked_of_each_decode_then_404() -> None:
     setup = Setup(decodes=2)
     held = create(setup)
-    setup.proxy.app.responses_seen = type(setup.proxy.app.responses_seen)()  # a restart
+    setup.proxy.app.serving.responses = type(setup.proxy.app.serving.responses)()  # a restart
     answer = setup.get(f"/v1/responses/{held}").answer()
     assert answer.status == 200
     assert answer.json()["id"] == held

@@ -10,10 +10,16 @@ from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.charges import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     UNKNOWN_CONTEXT_COMPLETION_TOKENS,
-    charge,
     completion_bound,
 )
-from nixl_twisted.protocol.prompts import MEDIA_PART_TOKENS, charged_prompt_tokens
+from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.prompts import MEDIA_PART_TOKENS, measure
+
+
+def charge(path: str, body: dict[str, Any], context: int | None) -> int:
+    """What a completion of ``body`` on ``path`` is charged (``Completion.charge``)."""
+    return Completion(path, body, "r").charge(context)
+
 
 HI = [{"role": "user", "content": "abcdefgh"}]  # (8 bytes: 2 tokens, and the role's 1)
 
@@ -74,15 +80,15 @@ def test_each_media_part_is_charged_a_documented_estimate_not_its_bytes() -> Non
     audio = {"type": "input_audio", "input_audio": {"data": "A" * 40000, "format": "wav"}}
     content = [{"type": "text", "text": "abcdefgh"}, image, audio]
     chat = {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
-    prompt = charged_prompt_tokens(routes.CHAT_COMPLETIONS, chat)
+    prompt = measure(routes.CHAT_COMPLETIONS, chat).charged
     assert prompt == 2 * MEDIA_PART_TOKENS + (8 + len("user") + len("text")) // 4
     assert charge(routes.CHAT_COMPLETIONS, chat, None) == prompt + 4
     responses = {
         "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]
     }
-    assert charged_prompt_tokens(routes.RESPONSES, responses) == MEDIA_PART_TOKENS + 1  # ("user")
+    assert measure(routes.RESPONSES, responses).charged == MEDIA_PART_TOKENS + 1  # ("user")
 
 
 def test_a_body_without_a_prompt_is_charged_its_completions() -> None:
-    assert charged_prompt_tokens(routes.CHAT_COMPLETIONS, {"model": "m"}) == 0
+    assert measure(routes.CHAT_COMPLETIONS, {"model": "m"}).charged == 0
     assert charge(routes.CHAT_COMPLETIONS, {"max_tokens": 3}, None) == 3

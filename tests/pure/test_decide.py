@@ -13,6 +13,7 @@ from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.decide import Mode, Reason, blind_rules, decide, describe
 from nixl_twisted.protocol import routes
+from nixl_twisted.protocol.completion import Completion
 
 RULES = ProxyConfig.create(prefill=["http://p:1"], decode=["http://d:1"]).disaggregation
 #: 100 estimated tokens.
@@ -38,7 +39,12 @@ def decided(
     prefill = _prefill_pool()
     decode = BackendPool("decode", ["http://d:1"], Clock()).instances[0]
     decision = decide(
-        replace(RULES, **rules), routes.COMPLETIONS, body, decode, prefill, holdings, token_ids
+        replace(RULES, **rules),
+        Completion(routes.COMPLETIONS, body, "r"),
+        decode,
+        prefill,
+        holdings,
+        token_ids,
     )
     return decision.mode.value, decision.reason.value
 
@@ -85,7 +91,7 @@ def test_a_short_ish_prompt_skips_prefill_only_while_every_prefill_is_busy() -> 
     decode = BackendPool("decode", ["http://d:1"], Clock()).instances[0]
 
     def with_prefill(pool: BackendPool, body: dict[str, Any] = BODY) -> Reason:
-        return decide(rules, routes.COMPLETIONS, body, decode, pool).reason
+        return decide(rules, Completion(routes.COMPLETIONS, body, "r"), decode, pool).reason
 
     assert with_prefill(_prefill_pool(2, 2)) is Reason.PREFILL_BUSY
     assert with_prefill(_prefill_pool(2, 1)) is Reason.LONG_PROMPT
@@ -102,12 +108,15 @@ def test_the_fallback_decides_before_any_prefill_when_none_is_usable() -> None:
     rules = replace(RULES, fallback="decode")
     decode = BackendPool("decode", ["http://d:1"], Clock()).instances[0]
     pool = _prefill_pool()
-    assert decide(rules, routes.COMPLETIONS, BODY, decode, pool).reason is Reason.ALWAYS
+    assert (
+        decide(rules, Completion(routes.COMPLETIONS, BODY, "r"), decode, pool).reason
+        is Reason.ALWAYS
+    )
     for instance in pool.instances:
         instance.draining = True
-    decision = decide(rules, routes.COMPLETIONS, BODY, decode, pool)
+    decision = decide(rules, Completion(routes.COMPLETIONS, BODY, "r"), decode, pool)
     assert (decision.mode, decision.reason) == (Mode.DECODE_ONLY, Reason.PREFILL_UNAVAILABLE)
-    off = decide(RULES, routes.COMPLETIONS, BODY, decode, pool)
+    off = decide(RULES, Completion(routes.COMPLETIONS, BODY, "r"), decode, pool)
     assert off.reason is Reason.ALWAYS  # fail closed: prefill is tried, and refuses
 
 

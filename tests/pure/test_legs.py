@@ -11,7 +11,8 @@ from twisted.internet.task import Clock
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
-from nixl_twisted.exchange.legs import Retry, reason_of, send_leg
+from nixl_twisted.backends.routing import NO_ROUTING
+from nixl_twisted.exchange.legs import Asked, ByPolicy, Retry, reason_of, send_leg
 from nixl_twisted.exchange.prefill import PrefillVerdict, classify_prefill
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace
@@ -46,12 +47,27 @@ def pool(*names: str) -> BackendPool:
     return BackendPool("prefill", [f"http://{n}:1" for n in names], Clock())
 
 
+def by_policy(pool: BackendPool, retries: int, metrics: ProxyMetrics | None = None) -> ByPolicy:
+    """The pool's policy chooses, ``retries`` after the first."""
+    return ByPolicy(pool, metrics or ProxyMetrics(), NO_ROUTING, retries)
+
+
 def run(leg: Coroutine[Any, Any, tuple[Lease, str]]) -> Any:
     """The leg's result, or its Failure: every attempt here answers at once."""
     results: list[Any] = []
     ensureDeferred(leg).addBoth(results.append)
     (result,) = results
     return result
+
+
+class SaidAnswered(ByPolicy):
+    """The pool's policy, saying what each served attempt answered."""
+
+    def __init__(self, pool: BackendPool, retries: int) -> None:
+        super().__init__(pool, ProxyMetrics(), NO_ROUTING, retries)
+
+    def answered(self, served: object) -> str:
+        return f"answered_{served}"
 
 
 def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
@@ -65,7 +81,7 @@ def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
             raise Retry(ProxyError(DOWN, "a is down"), "unreachable", "refused")
         return succeed("answer")
 
-    lease, value = run(send_leg(backends, 2, ProxyMetrics(), attempt))
+    lease, value = run(send_leg(backends, ProxyMetrics(), attempt, by_policy(backends, 2)))
     assert value == "answer" and lease.instance.url == "http://b:1"
     a, b = backends.instances
     assert (a.in_flight, b.in_flight) == (0, 1)  # b is the caller's until it releases
@@ -81,7 +97,7 @@ def test_when_every_instance_failed_the_last_error_is_the_answer() -> None:
     def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         raise Retry(ProxyError(DOWN, f"{instance.url} is down"), "x", "y")
 
-    failure = run(send_leg(backends, 5, ProxyMetrics(), attempt))
+    failure = run(send_leg(backends, ProxyMetrics(), attempt, by_policy(backends, 5)))
     assert "http://b:1 is down" in str(failure.value)
     assert [i.in_flight for i in backends.instances] == [0, 0]
 
@@ -92,7 +108,7 @@ def test_another_error_ends_the_leg_and_releases_the_instance() -> None:
     def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         raise ValueError("not the instance's fault")
 
-    failure = run(send_leg(backends, 2, ProxyMetrics(), attempt))
+    failure = run(send_leg(backends, ProxyMetrics(), attempt, by_policy(backends, 2)))
     assert failure.check(ValueError)
     assert [i.in_flight for i in backends.instances] == [0, 0]
     assert all(i.healthy for i in backends.instances)
@@ -106,7 +122,15 @@ def test_go_on_stops_the_retries() -> None:
         calls.append(instance)
         raise Retry(ProxyError(DOWN, "down"), "x", "y")
 
-    failure = run(send_leg(backends, 2, ProxyMetrics(), attempt, go_on=lambda: not calls))
+    failure = run(
+        send_leg(
+            backends,
+            ProxyMetrics(),
+            attempt,
+            by_policy(backends, 2),
+            Asked(go_on=lambda: not calls),
+        )
+    )
     assert failure.check(CancelledError)
     assert len(calls) == 1
 
@@ -146,14 +170,7 @@ def test_a_leg_sent_elsewhere_asks_the_next_and_counts_nothing_against_the_first
         return succeed("held here")
 
     lease, value = run(
-        send_leg(
-            backends,
-            1,
-            ProxyMetrics(),
-            attempt,
-            record=record,
-            answered=lambda got: f"answered_{got}",
-        )
+        send_leg(backends, ProxyMetrics(), attempt, SaidAnswered(backends, 1), Asked(record=record))
     )
     assert value == "held here" and lease.instance.url == "http://b:1"
     a, _ = backends.instances
@@ -174,7 +191,7 @@ def test_a_leg_chooses_by_the_pools_policy_and_counts_each_choice() -> None:
             raise Retry(ProxyError(DOWN, "a is down"), "unreachable", "refused")
         return succeed("answer")
 
-    run(send_leg(backends, 1, metrics, attempt))
+    run(send_leg(backends, metrics, attempt, by_policy(backends, 1, metrics)))
     value = metrics.registry.get_sample_value
     assert value("nixlproxy_retries_total", {"pool": "prefill"}) == 1
     decided = {"pool": "prefill", "policy": "round-robin", "decision": "next"}
@@ -188,14 +205,20 @@ def test_a_leg_may_choose_its_own_instances_then_no_policy_or_retry_is_counted()
     metrics = ProxyMetrics()
     seen: list[tuple[str, int]] = []
 
-    def backwards(tried: Sequence[Instance]) -> tuple[Instance, str]:
-        return backends.instances[-1 - len(tried)], "mine"
+    class Backwards:
+        retries = 1
+
+        def __call__(self, tried: Sequence[Instance]) -> tuple[Instance, str]:
+            return backends.instances[-1 - len(tried)], "mine"
+
+        def answered(self, served: object) -> str:
+            return "answered"
 
     def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         seen.append((instance.url, instance.in_flight))
         raise Retry(ProxyError(DOWN, f"{instance.url} is down"), "x", "y")
 
-    failure = run(send_leg(backends, 1, metrics, attempt, choose=backwards))
+    failure = run(send_leg(backends, metrics, attempt, Backwards()))
     assert seen == [("http://c:1", 1), ("http://b:1", 1)]  # 1 + retries, in its order
     assert "http://b:1 is down" in str(failure.value)
     value = metrics.registry.get_sample_value

@@ -238,3 +238,44 @@ def test_the_architecture_doc_tells_the_same_story() -> None:
     for room, text in sections.items():
         held = {p.name for p in (PACKAGE / room).glob("*.py")} - {"__init__.py"}
         assert {name for name in held if f"`{name}`" not in text} == set(), room
+
+
+#: The rooms below the door, where a request is the value the door read, never its body.
+BELOW_THE_DOOR = ("exchange", "backends", "web")
+#: The door itself: where a client's bytes become that value (``web/door.py``).
+DOOR = "nixl_twisted.web.door"
+#: Annotations that are a JSON object as parsed.
+RAW_BODY = re.compile(r"\bJSONObject\b|\bdict\[str, Any\]|\bMapping\[str, Any\]")
+
+
+def takes_a_raw_body(path: Path) -> list[str]:
+    """Each function of ``path`` that takes a parameter named ``body`` as a parsed JSON object."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+            for argument in arguments:
+                annotation = ast.unparse(argument.annotation) if argument.annotation else ""
+                if argument.arg == "body" and RAW_BODY.search(annotation):
+                    found.append(f"{path.name}:{node.lineno} {node.name}({argument.arg})")
+    return found
+
+
+def test_no_function_below_the_door_takes_the_clients_body() -> None:
+    """A request is read once, at the door: below it, readers take the ``Completion``."""
+    below = [
+        path
+        for name, path in modules().items()
+        if name.split(".")[1:2] and name.split(".")[1] in BELOW_THE_DOOR and name != DOOR
+    ]
+    assert below and [found for path in below for found in takes_a_raw_body(path)] == []
+
+
+def test_the_read_once_check_finds_a_raw_body(tmp_path: Path) -> None:
+    source = tmp_path / "legs.py"
+    source.write_text(
+        "def lowered(body: JSONObject) -> bytes: ...\n"
+        "async def sent(path: str, body: dict[str, Any]) -> None: ...\n"
+        "def encoded(body: bytes) -> None: ...\n"
+    )
+    assert takes_a_raw_body(source) == ["legs.py:1 lowered(body)", "legs.py:2 sent(body)"]

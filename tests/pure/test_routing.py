@@ -4,19 +4,42 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Collection, Sequence
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
-from nixl_twisted.backends import routing
+from nixl_twisted.backends import prompt_keys, routing
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.kv_index import KvIndex, Stored
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
-from nixl_twisted.backends.prompt_keys import prompt_key, routing_for, session_key
 from nixl_twisted.backends.routing import Routing, load_score, rendezvous
 from nixl_twisted.config.settings import POLICIES
+from nixl_twisted.protocol import routes
+from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.prompts import render
+
+
+def completion(body: dict[str, Any]) -> Completion:
+    """A completion of ``body``, as the door would read it."""
+    return Completion(routes.COMPLETIONS, body, "r")
+
+
+def prompt_key(body: dict[str, Any], key_bytes: int) -> bytes | None:
+    """The conversation key of ``body``'s prompt (``Rendered.key``)."""
+    return render(body).key(key_bytes)
+
+
+def routing_for(
+    policies: set[str], key_bytes: int, session: bytes | None, body: dict[str, Any]
+) -> Routing:
+    return prompt_keys.routing_for(policies, key_bytes, session, completion(body))
+
+
+def session_key(header: bytes | None, body: dict[str, Any]) -> str | None:
+    return prompt_keys.session_key(header, completion(body))
 
 
 def pool_of(count: int, name: str = "prefill") -> BackendPool:

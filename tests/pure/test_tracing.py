@@ -28,6 +28,8 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.config import ProxyConfig, Traces
 from nixl_twisted.observe import spans, tracing
 from nixl_twisted.observe.access import AccessRecord
+from nixl_twisted.protocol import routes
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.tap import Options
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
@@ -437,7 +439,7 @@ def test_a_model_with_a_lone_surrogate_is_escaped_and_its_spans_still_export() -
     traced = TracerProvider()
     traced.add_span_processor(SimpleSpanProcessor(exported))
     trace = tracing.Tracing(traced).request(new_request(), 0.0)
-    trace.note_request({"model": "m\ud800"})
+    trace.note_request(Completion(routes.CHAT_COMPLETIONS, {"model": "m\ud800"}, "r"))
     trace.end(new_request(), AccessRecord())
     (span,) = exported.get_finished_spans()
     assert dict(span.attributes or {})["gen_ai.request.model"] == "m\\ud800"

@@ -1,0 +1,170 @@
+"""A client's request, read once at the door: one immutable value that knows it.
+
+``read_completion`` turns a two-leg route's bytes into a ``Completion``: the
+body parsed once, every refusal of a bad body (400) made there, and each
+fact a later room needs (the prompt measured, rendered, its token ids)
+worked out at most once, when first asked. What is sent is derived from it:
+the leg bodies are its methods, each encoded once per leg, and a variant (a
+tenant's priority, usage asked for the proxy's sake, the model its
+instances must serve, a batch's parts) is a new value that keeps the facts
+already worked out. ``read_relayed`` does the same for a one-leg route.
+
+The body is the client's, parsed: nothing below the door reads or changes
+it but through this value (``tests/pure/test_rooms.py`` holds them to it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
+
+from nixl_twisted.protocol import charges, lowering
+from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
+from nixl_twisted.protocol.prompts import Measured, Rendered, measure, render
+
+#: The facts a variant keeps (they read the prompt, which no variant changes).
+_KEPT = ("measured", "rendered")
+
+
+@dataclass(frozen=True, eq=False)
+class Completion:
+    """One completion on a two-leg route, as the door read it."""
+
+    path: str
+    body: JSONObject
+    request_id: str
+    #: A batched ``/v1/completions`` (each prompt its own exchange), or None.
+    batch: BatchRequest | None = None
+    #: The model its instances must serve (``backends.models.resolve``; None: any).
+    served: str | None = None
+    #: Its stream's usage is asked of vLLM for the proxy's sake (a tenant's tokens),
+    #: not the client's, whose stream goes without it.
+    hides_usage: bool = False
+
+    @property
+    def model(self) -> object:
+        """The ``model`` the client named, as it sent it (not always a string)."""
+        return self.body.get("model")
+
+    @property
+    def stream(self) -> bool:
+        return self.body.get("stream") is True
+
+    @cached_property
+    def measured(self) -> Measured:
+        """The prompt measured: its estimate, and what a tenant is charged for it."""
+        return measure(self.path, self.body)
+
+    @property
+    def estimate(self) -> int | None:
+        """The prompt's tokens, estimated (None: its length is not in its bytes)."""
+        return self.measured.estimate
+
+    @cached_property
+    def rendered(self) -> Rendered:
+        """The prompt as text, for the routing policies' keys and memory."""
+        return render(self.body)
+
+    @property
+    def token_ids(self) -> tuple[int, ...] | None:
+        """A prompt given as token ids, as given (None: text, to be rendered by vLLM)."""
+        return self.rendered.ids
+
+    @property
+    def user(self) -> str | None:
+        """The body's ``user``: a session's key when no ``X-Session-ID`` names one."""
+        user = self.body.get("user")
+        return user if isinstance(user, str) and user else None
+
+    def charge(self, context: int | None) -> int:
+        """The most tokens it may use, charged to its tenant until vLLM says (``charges``);
+        ``context``: its model's ``max_model_len`` (None: unknown)."""
+        return charges.charge(self.path, self.body, self.measured.charged, context)
+
+    # -- variants ---------------------------------------------------------------
+
+    def admitted(self, priority: int | None, counts_usage: bool) -> Completion:
+        """As its tenant's rule sends it: with the tenant's vLLM ``priority`` (both legs are
+        lowered from it), and a stream asking for its usage when the tenant's tokens count."""
+        body = self.body
+        if priority is not None:
+            body = lowering.with_priority(self.path, body, priority)
+        asked = lowering.usage_asked(self.path, body) if counts_usage else None
+        if asked is not None:
+            return self._variant(body=asked, hides_usage=True)
+        return self if body is self.body else self._variant(body=body)
+
+    def routed(self, model: str | None) -> Completion:
+        """For the instances that serve ``model`` (None: any)."""
+        return self if model == self.served else self._variant(served=model)
+
+    def parts(self) -> tuple[Completion, ...]:
+        """A batch's prompts, each its own completion: ``R-0``, ``R-1``, ... (its usage is
+        the batch's to sum, so no part hides it)."""
+        assert self.batch is not None
+        return tuple(
+            Completion(self.path, dict(self.body, prompt=prompt), f"{self.request_id}-{i}").routed(
+                self.served
+            )
+            for i, prompt in enumerate(self.batch.prompts)
+        )
+
+    def _variant(self, **changes: Any) -> Completion:
+        made = replace(self, **changes)
+        for name in _KEPT:
+            if name in self.__dict__:  # (worked out already: the prompt is the same)
+                made.__dict__[name] = self.__dict__[name]
+        return made
+
+    # -- what is sent -----------------------------------------------------------
+
+    def prefill_bytes(self) -> bytes:
+        """The prefill leg's body: lowered (one token, not streamed), encoded."""
+        return lowering.encode(lowering.prefill_body(self.body, self.request_id, self.path))
+
+    def decode_bytes(self, params: JSONObject) -> bytes:
+        """The decode leg's body: the client's, plus prefill's ``kv_transfer_params`` verbatim."""
+        return lowering.encode(lowering.decode_body(self.body, params))
+
+    def decode_only_bytes(self) -> bytes:
+        """The decode leg's body when prefill is skipped: no ``kv_transfer_params`` at all."""
+        return lowering.encode(lowering.decode_only_body(self.body))
+
+
+def read_completion(raw: bytes, path: str, request_id: str, max_batch_prompts: int) -> Completion:
+    """A two-leg route's body read: a ``ProxyError`` (400) for one the proxy cannot serve."""
+    body = lowering.parse_client_body(raw)
+    lowering.check_servable(path, body)
+    return Completion(path, body, request_id, lowering.batch_of(path, body, max_batch_prompts))
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """A one-leg route's request (``/v1/models``, ``/tokenize``, a stored response), as read."""
+
+    path: str
+    request_id: str
+    #: The JSON body to send, encoded once, the client's ``kv_transfer_params`` left out
+    #: (None: a GET).
+    body: bytes | None = None
+    #: The ``model`` the body names (None: none, or no body).
+    model: object = None
+    #: The model its instance must serve (``backends.models.resolve``; None: any).
+    served: str | None = None
+
+    def routed(self, model: str | None) -> Relayed:
+        """For an instance that serves ``model`` (None: any)."""
+        return self if model == self.served else replace(self, served=model)
+
+
+def read_relayed(raw: bytes | None, path: str, request_id: str) -> Relayed:
+    """A one-leg route's body (None: none to send) read: a ``ProxyError`` (400) if it is not
+    a JSON object. Its ``kv_transfer_params`` are the proxy's to set, never the client's."""
+    if raw is None:
+        return Relayed(path, request_id)
+    body = lowering.parse_client_body(raw)
+    model = body.get("model")
+    if "kv_transfer_params" in body:
+        body = {key: value for key, value in body.items() if key != "kv_transfer_params"}
+    return Relayed(path, request_id, lowering.encode(body), model)

@@ -1,0 +1,89 @@
+"""The door: a client's request read once, into the value that serves it.
+
+Every route that sends a leg comes in here first. The request's id is
+settled (``headers.request_id_of``) and set on the answer before anything
+can be refused, so that every answer has one; the body is read once
+(``protocol.completion``), a 400 if the proxy cannot serve it; the model it
+names is resolved against what the decode instances serve
+(``backends.models.resolve``), a 404 (or 400) in the route's error shape
+when none serves it, before anything is sent. Nothing below the door reads
+the client's body again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from twisted.web.server import Request
+
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.models import ModelRequired, UnknownModel, resolve
+from nixl_twisted.observe.access import AccessRecord, record_of
+from nixl_twisted.protocol import lowering
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.completion import Completion, Relayed, read_completion, read_relayed
+from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.headers import REQUEST_ID, request_id_of
+
+
+def completion(
+    request: Request, path: str, max_batch_prompts: int, decode: Iterable[Instance]
+) -> Completion:
+    """A two-leg route's request as a ``Completion``, routed to the model it names."""
+    record = record_of(request)
+    read = read_completion(
+        client_body(request), path, _request_id(request, record), max_batch_prompts
+    )
+    model = read.model
+    if isinstance(model, str):
+        record.model = lowering.printable(model)
+    return read.routed(served_model(model, decode, record))
+
+
+def relayed(
+    request: Request, path: str, raw: bytes | None, decode: Iterable[Instance] | None = None
+) -> Relayed:
+    """A one-leg route's request as ``Relayed``, its JSON body ``raw`` (None: a GET), routed
+    to the model that body names when ``decode`` says what is served (else to any: a
+    stored response's routes, ``/v1/models`` relayed)."""
+    record = record_of(request)
+    read = read_relayed(raw, path, _request_id(request, record))
+    if decode is None:
+        return read
+    return read.routed(served_model(read.model, decode, record))
+
+
+def served_model(requested: object, decode: Iterable[Instance], record: AccessRecord) -> str | None:
+    """The model to route on (``backends.models.resolve``); a ``ProxyError`` if none serves it.
+
+    A model an instance is known to serve becomes the record's metric label.
+    """
+    try:
+        resolved = resolve(requested, decode)
+    except UnknownModel as error:
+        model = lowering.printable(error.model)
+        raise ProxyError(
+            ErrorCode.MODEL_NOT_FOUND, f"The model `{model}` does not exist."
+        ) from None
+    except ModelRequired as error:
+        raise ProxyError(ErrorCode.MODEL_REQUIRED, str(error)) from None
+    if resolved.known and resolved.model is not None:
+        record.served_model = resolved.model
+    return resolved.model
+
+
+def _request_id(request: Request, record: AccessRecord) -> str:
+    """The request's id, set on its answer and its record first: every answer has one."""
+    request_id = request_id_of(request.requestHeaders)
+    request.setHeader(REQUEST_ID, request_id.encode("ascii"))
+    record.request_id = request_id
+    return request_id
+
+
+def client_body(request: Request) -> bytes:
+    """The body the client sent (the site read it whole before the route was called)."""
+    content = request.content
+    if content is None:
+        return b""
+    content.seek(0)
+    return bytes(content.read())
