@@ -389,7 +389,7 @@ def kv_index_memory(blocks: int = 200_000, size: int = 16) -> dict[str, Any]:
     """What kv-aware's index keeps per block, two instances holding each (tracemalloc),
     with vLLM's 64-bit hashes and with the longest hash an event may carry, and the time
     to match an 8k-token prompt against it."""
-    from nixl_twisted.backends.kv_wire import MAX_HASH
+    from nixl_twisted.kv.wire import MAX_HASH
 
     longest, *_ = _kv_index_held(blocks, size, lambda rng: rng.randbytes(MAX_HASH))
     held, index, prompt, urls = _kv_index_held(blocks, size, lambda rng: rng.getrandbits(64))
@@ -409,7 +409,7 @@ def _kv_index_held(
 ) -> tuple[int, Any, tuple[int, ...], tuple[str, str]]:
     import tracemalloc
 
-    from nixl_twisted.backends.kv_index import KvIndex, Stored
+    from nixl_twisted.kv.index import KvIndex, Stored
 
     index = KvIndex(blocks)
     rng = random.Random(1)

@@ -157,7 +157,7 @@ class CacheAware:
 
 
 class Holdings(Protocol):
-    """What the KV events say each instance of a pool holds (``backends.kv_events``)."""
+    """What the KV events say each instance of a pool holds (``kv.events``)."""
 
     def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
         """Per instance, the leading tokens of ``tokens`` it holds (in whole blocks)."""

@@ -78,7 +78,11 @@ class Membership:
         grace: float = 30.0,
         allowed: AllowedBackends | None = None,
         most: int = MAX_INSTANCES,
+        on_status: Callable[[], None] | None = None,
+        on_error: Callable[[str, str], None] | None = None,
     ) -> None:
+        """``on_status``: told of every change of any source's state; ``on_error``: of each
+        failure, as (role, kind)."""
         self.clock = clock
         self._apply = apply
         self.grace = grace
@@ -90,10 +94,8 @@ class Membership:
         self.sources: dict[tuple[str, str], SourceState] = {}
         #: Failures by pool and kind since start, forgotten sources' included (a counter).
         self.errors: dict[tuple[str, str], int] = {}
-        #: Told of every change of any source's state (the supervisor tells its workers).
-        self.on_status: Callable[[], None] | None = None
-        #: Told of each failure: (role, kind), for the errors metric.
-        self.on_error: Callable[[str, str], None] | None = None
+        self.on_status = on_status
+        self.on_error = on_error
 
     def add(self, role: str, source: str) -> None:
         self.sources.setdefault((role, source), SourceState(role, source))

@@ -4,13 +4,14 @@ It matches the running sources to the configuration at start and at each
 reload (a source no longer configured stops, and its instances drain), and
 hands each change to the backends as a reload would (``BackendService.discovered``:
 the new are checked before they take legs, the vanished drain). Under
-``--workers`` only the supervisor runs it; ``publish`` tells the workers.
+``--workers`` only the supervisor runs it, and tells the workers
+(``Followers``). What it says of its sources is read from it
+(``report.Reported``), never copied into another's attributes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
@@ -22,9 +23,6 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.membership import Membership
 
-if TYPE_CHECKING:
-    pass
-
 log = Logger()
 
 
@@ -34,27 +32,49 @@ class Source(Protocol):
     def stop(self) -> None: ...
 
 
+class Followers(Protocol):
+    """Who else applies what discovery finds (a ``--workers`` supervisor's workers)."""
+
+    def discovered(self, role: str, source: str, urls: tuple[str, ...], retire: bool) -> None:
+        """A source lists ``urls`` now (applied here already)."""
+
+    def sources(self, status: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
+        """The sources' states changed (``Discovery.sources``, ``Discovery.errors``)."""
+
+
 class Discovery(Service):
     """Every ``dns+``/``dnssrv+`` member and Kubernetes selector, found and applied."""
 
     name = "discovery"
 
-    def __init__(self, reactor: Any, clock: IReactorTime, backends: BackendService) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        clock: IReactorTime,
+        backends: BackendService,
+        config: ProxyConfig,
+        followers: Followers | None = None,
+    ) -> None:
         self.reactor = reactor
         self.clock = clock
         self.backends = backends
-        self.membership = Membership(clock, self._apply)
-        self.membership.on_status = self._status_changed
-        #: Also told of each change applied: (role, source, urls, retire) (the workers).
-        self.publish: Callable[[str, str, tuple[str, ...], bool], None] | None = None
-        #: Also told when any source's state changed: (states, failures) (the workers).
-        self.on_status: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None
+        self.followers = followers
+        self.membership = Membership(clock, self._apply, on_status=self._status_changed)
         self._sources: dict[tuple[Any, ...], tuple[str, str, Source]] = {}
         self._config: ProxyConfig | None = None
         self._resolver: Any = None
         self._dns_server: str | None = None
         self._changed: list[Deferred[None]] = []
         self._noticed: list[Deferred[None]] = []
+        self.configure(config)
+
+    def sources(self) -> list[dict[str, Any]]:
+        """Each source's state now (``/healthcheck``)."""
+        return self.membership.status()
+
+    def errors(self) -> list[dict[str, Any]]:
+        """The failures since start, by pool and kind (``nixlproxy_discovery_errors_total``)."""
+        return self.membership.counted()
 
     def configure(self, config: ProxyConfig) -> None:
         """The sources ``config`` names run from now on; the others stop (theirs drain)."""
@@ -129,18 +149,15 @@ class Discovery(Service):
 
     def _apply(self, role: str, source: str, urls: tuple[str, ...], retire: bool) -> None:
         self.backends.discovered(role, source, urls, retire)
-        if self.publish is not None:
-            self.publish(role, source, urls, retire)
+        if self.followers is not None:
+            self.followers.discovered(role, source, urls, retire)
         waiting, self._changed = self._changed, []
         for each in waiting:
             each.callback(None)
 
     def _status_changed(self) -> None:
-        status, counted = self.membership.status(), self.membership.counted()
-        self.backends.sources = status
-        self.backends.discovery_errors = counted
-        if self.on_status is not None:
-            self.on_status(status, counted)
+        if self.followers is not None:
+            self.followers.sources(self.sources(), self.errors())
         waiting, self._noticed = self._noticed, []
         for each in waiting:
             each.callback(None)

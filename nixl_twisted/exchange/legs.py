@@ -29,6 +29,7 @@ from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.tokens import Renderer
+from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
@@ -312,11 +313,14 @@ class Legs:
     def __init__(
         self,
         backends: BackendService,
+        kv: KvEvents,
         clock: IReactorTime,
         metrics: ProxyMetrics,
         config: ProxyConfig,
     ) -> None:
         self.backends = backends
+        #: What vLLM's KV events say each instance holds (kv-aware, the cached rule).
+        self.kv = kv
         self.clock = clock
         self.metrics = metrics
         self.config = config

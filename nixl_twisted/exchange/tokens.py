@@ -57,18 +57,18 @@ def token_ids(answer: Any) -> tuple[int, ...] | None:
 
 
 def wanted(
-    backends: BackendService, rules: Disaggregation, model: str | None = None
+    backends: BackendService, rules: Disaggregation, model: str | None, listening: bool
 ) -> BackendPool | None:
     """The pool to render a prompt with, when anything in use needs its token ids.
 
     A pool's whose policy for ``model`` is ``kv-aware``, or, for the
-    cached-on-decode rule while decode instances' events are read, the
-    decode pool's; None: nothing looks.
+    cached-on-decode rule while some instance's events are read (``listening``),
+    the decode pool's; None: nothing looks.
     """
     for pool in backends.pools():
         if pool.policy_for(model)[0] == "kv-aware":
             return pool
-    return backends.decode if rules.uncached and backends.kv_events.streams else None
+    return backends.decode if rules.uncached and listening else None
 
 
 class Renderer:

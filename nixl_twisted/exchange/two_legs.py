@@ -22,7 +22,6 @@ from twisted.web.iweb import IResponse
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.prompt_keys import routing_for
-from nixl_twisted.events import Happened
 from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
 from nixl_twisted.exchange.legs import (
     Asked,
@@ -48,6 +47,7 @@ from nixl_twisted.exchange.relay import (
 )
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
 from nixl_twisted.exchange.tokens import wanted
+from nixl_twisted.happened import Happened
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import lowering
@@ -194,7 +194,7 @@ class Exchange:
             await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
 
     async def _legs(self) -> None:
-        renders = wanted(self.backends, self.rules, self.routing.model)
+        renders = wanted(self.backends, self.rules, self.routing.model, bool(self.legs.kv.streams))
         if renders is not None:  # (kv-aware, or the cached rule: the prompt's token ids)
             renderer, timeout = self.legs.renderer, self.render_timeout
             rendering = renderer.routed(
@@ -246,7 +246,7 @@ class Exchange:
                 self.completion,
                 reserved.instance,
                 self.backends.prefill,
-                self.backends.kv_events,
+                self.legs.kv,
                 self.routing.tokens,
             )
             if decision.mode is Mode.PD:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class KvStatus(Protocol):
-    """What the KV events say of an instance (``backends.kv_events.KvEvents``)."""
+    """What the KV events say of an instance (``kv.events.KvEvents``)."""
 
     def status(self, role: str, url: str) -> dict[str, Any] | None: ...
 

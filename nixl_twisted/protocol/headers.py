@@ -157,3 +157,15 @@ _PROXY_OWNED_RESPONSE = frozenset({b"x-request-id", b"server", b"date"})
 def client_response_headers(backend: Headers) -> Headers:
     """The headers of a backend answer that are relayed to the client."""
     return _end_to_end(backend, _PROXY_OWNED_RESPONSE)
+
+
+def bearer_token(credentials: bytes | None) -> bytes | None:
+    """The token of ``Bearer TOKEN``, else None (no other scheme carries a key or the admin
+    token).
+
+    As RFC 9110 section 11 has it: the scheme in any case, then one or more spaces.
+    """
+    scheme, space, token = (credentials or b"").partition(b" ")
+    if scheme.lower() != b"bearer" or not space:
+        return None
+    return token.lstrip(b" ")

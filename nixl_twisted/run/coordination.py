@@ -32,10 +32,12 @@ from twisted.internet.stdio import StandardIO
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ConfigError, Pools, ProxyConfig
+from nixl_twisted.discovery.report import Told
 
 log = Logger()
 
@@ -93,11 +95,19 @@ class Peer(Protocol):
 class Coordinator:
     """In the supervisor: the one place pools and health are decided for all workers."""
 
-    def __init__(self, backends: BackendService, peers: Callable[[], Iterable[Peer]]) -> None:
+    def __init__(
+        self,
+        backends: BackendService,
+        checks: HealthChecks,
+        peers: Callable[[], Iterable[Peer]],
+    ) -> None:
         self.backends = backends
+        self.checks = checks
         self._peers = peers
         #: What each discovery source lists now, for workers started later.
         self._discovered: dict[tuple[str, str], tuple[str, ...]] = {}
+        #: What discovery last said of its sources, for workers started later.
+        self._report = Told()
         for pool in backends.pools():
             pool.on_change = self._health_changed
 
@@ -105,10 +115,9 @@ class Coordinator:
         """What a new worker is told first: what each source lists, every instance's health."""
         for (role, source), urls in self._discovered.items():
             worker.send({"discovered": {"pool": role, "source": source, "urls": list(urls)}})
-        if self.backends.sources or self.backends.discovery_errors:
-            worker.send(
-                {"sources": self.backends.sources, "errors": self.backends.discovery_errors}
-            )
+        sources, errors = self._report.sources(), self._report.errors()
+        if sources or errors:
+            worker.send({"sources": sources, "errors": errors})
         worker.send({"health": [i.health() for p in self.backends.pools() for i in p.instances]})
 
     def pools(self, names: Pools | None = None) -> Pools:
@@ -136,6 +145,7 @@ class Coordinator:
 
     def sources(self, status: list[dict[str, Any]], errors: list[dict[str, Any]]) -> None:
         """The sources' states changed: every worker's /healthcheck and /metrics say it."""
+        self._report.told(status, errors)
         self._send_all({"sources": status, "errors": errors})
 
     def received(self, origin: Peer, message: Message) -> None:
@@ -144,7 +154,7 @@ class Coordinator:
         elif "change" in message:
             change = message["change"]
             _apply(self.backends, change, "supervisor")
-            self.backends.check_health()  # an added instance is checked at once
+            self.checks.check_health()  # an added instance is checked at once
             for peer in self._peers():
                 if peer is not origin:
                     peer.send({"change": change})
@@ -206,6 +216,8 @@ class SupervisorLink(Service):
         self._io: StandardIO | None = None
         self._waiting: dict[int, Deferred[None]] = {}
         self._next_id = 0
+        #: What the supervisor's discovery last said of its sources (``discovery.report``).
+        self.told = Told()
 
     def startService(self) -> None:
         super().startService()
@@ -261,8 +273,7 @@ class SupervisorLink(Service):
             retire = bool(found.get("retire"))
             self.backends.discovered(str(found["pool"]), str(found["source"]), urls, retire)
         elif "sources" in message:
-            self.backends.sources = list(message["sources"])
-            self.backends.discovery_errors = list(message.get("errors") or [])
+            self.told.told(list(message["sources"]), list(message.get("errors") or []))
         elif "done" in message:
             waiting = self._waiting.pop(message["done"], None)
             if waiting is not None:

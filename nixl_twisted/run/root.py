@@ -1,12 +1,15 @@
 """The composition root: ``build(config, reactor)`` makes one proxy's service tree.
 
 Everything that touches the world (the reactor, the clock, the HTTP agent)
-is resolved here, once, and handed down. The tree::
+is resolved here, once, and every collaborator is made here and handed what
+it works with. The tree::
 
     ProxyService              stops in one order: accept, drain, close, backends
-    ├── BackendService        pools, health checks, the pooled HTTP client
-    ├── KvEvents              vLLM's KV events, when an instance publishes them
+    ├── BackendService        the pools and their legs' pooled HTTP client
+    ├── HealthChecks          the health loop, what each instance serves, its load
     ├── Discovery             DNS names and Kubernetes selectors (not in a worker)
+    ├── SharedWindows         --limits-redis: tenants' windows in Redis
+    ├── KvEvents              vLLM's KV events, when an instance publishes them
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
     ├── Tracing               when tracing is on: flushes queued spans at stop
@@ -32,17 +35,21 @@ from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.web.iweb import IAgent
 
+from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.models import context_length
 from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.routing import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, pooled_upstream
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.discovery.report import Reported
 from nixl_twisted.discovery.service import Discovery
-from nixl_twisted.events import Happened
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
+from nixl_twisted.happened import Happened
+from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
@@ -58,6 +65,7 @@ from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.deadlines import ClientLimits
+from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.intake import BodyBudget
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows
@@ -88,25 +96,32 @@ class ProxyService(ProcessTree):
         config: ProxyConfig,
         app: ProxyApp,
         site: TrackingSite,
-        backends: BackendService,
+        checks: HealthChecks,
         reactor: Any,
         clock: IReactorTime,
         discovery: Discovery | None = None,
         configured: Sequence[Configured] = (),
     ) -> None:
-        """``discovery``: finds the instances of DNS names and selectors (not in a worker:
-        its supervisor does); ``configured``: the other parts a reload configures again."""
+        """``checks``: the health checks, whose first round the proxy waits for before it
+        says it listens; ``discovery``: finds the instances of DNS names and selectors (not
+        in a worker: its supervisor does); ``configured``: the other parts a reload
+        configures again."""
         super().__init__(config)
         self._reactor = reactor
         self.app = app
         self.site = site
-        self.backends = backends
+        self.backends = app.fleet.backends
+        self.checks = checks
         self.clock = clock
         self.discovery = discovery
         self._configured = list(configured)
         self._ports_closed = Happened()
         self._stopped: Happened | None = None
-        backends.setServiceParent(self)
+        # (the backends stop last: their connections close once nothing uses them)
+        self.backends.setServiceParent(self)
+        checks.setServiceParent(self)
+        if discovery is not None:
+            discovery.setServiceParent(self)
 
     def privilegedStartService(self) -> None:
         """Bind every port now (before twistd sheds privileges); one that cannot be, one line."""
@@ -123,7 +138,7 @@ class ProxyService(ProcessTree):
         # go in then too), and once the first health round has answered:
         # whoever reads it may send requests, or a SIGTERM.
         self._reactor.callWhenRunning(
-            lambda: self.backends.first_round().addCallback(lambda _: self._announce())
+            lambda: self.checks.first_round().addCallback(lambda _: self._announce())
         )
 
     def _announce(self) -> None:
@@ -146,10 +161,9 @@ class ProxyService(ProcessTree):
         """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's):
         each part takes it through its own ``configure``, as it did when it was made."""
         sites = {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}
-        for part in [*self._configured, self.app, *sites, self.backends]:
+        discovery = [self.discovery] if self.discovery is not None else []
+        for part in [*self._configured, self.app, *sites, self.backends, *discovery]:
             part.configure(config)
-        if self.discovery is not None:
-            self.discovery.configure(config)
         super().reconfigure(config)
 
     def stopService(self) -> Deferred[None]:
@@ -225,12 +239,13 @@ def backend_service(
     clock: IReactorTime,
     agent: IAgent | None = None,
     run_checks: bool = True,
-) -> BackendService:
-    """Both pools and their clients, from the configuration.
+    holdings: Holdings = NO_HOLDINGS,
+) -> tuple[BackendService, HealthChecks]:
+    """Both pools and their clients, and the health checks over them, from the configuration.
 
     ``run_checks=False``: no health checks here, though the pools still expect
     them (new instances pending): a ``--workers`` worker, whose supervisor
-    checks and tells it.
+    checks and tells it. ``holdings``: what the KV events say (``kv-aware``).
     """
     health = config.health
     connect = config.timeouts.connect
@@ -240,36 +255,13 @@ def backend_service(
         # One connection per instance, kept longer than the interval between checks.
         probes = pooled_upstream(reactor, connect, 1, health.interval + health.timeout + 1)
     else:
-        legs = probes = Upstream(agent)
+        legs, probes = Upstream(agent), Upstream(agent)
     thresholds = Thresholds.of(health)
     checked = health.interval > 0
-    backends = BackendService(
-        BackendPool("prefill", config.pools.static("prefill"), clock, thresholds, checked),
-        BackendPool("decode", config.pools.static("decode"), clock, thresholds, checked),
-        legs,
-        clock,
-        health,
-        probes,
-        runs_checks=run_checks,
-        reactor=reactor,
-    )
-    for pool in backends.pools():
-        names, selector = config.pools.names(pool.role), config.discovery.selector(pool.role)
-        pool.discovers = bool(names or selector)
-    backends.use_models(config.pools)
-    backends.use_kv_events(config.kv_events)
-    backends.use_policies(config.policies, config.disaggregation, config.pools.models)
-    backends.backend_api_key = config.backend_api_key
-    return backends
-
-
-def discovery(
-    config: ProxyConfig, reactor: Any, clock: IReactorTime, backends: BackendService
-) -> Discovery:
-    """The DNS names and selectors of ``config``, found and applied to ``backends``' pools."""
-    found = Discovery(reactor, clock, backends)
-    found.configure(config)
-    return found
+    prefill = BackendPool("prefill", config.pools.static("prefill"), clock, thresholds, checked)
+    decode = BackendPool("decode", config.pools.static("decode"), clock, thresholds, checked)
+    checks = HealthChecks((prefill, decode), probes, clock, config, runs=run_checks)
+    return BackendService(prefill, decode, legs, config, checks, holdings), checks
 
 
 def build(
@@ -294,17 +286,25 @@ def build(
     """
     clock = clock if clock is not None else cast(IReactorTime, reactor)
     shared = config.worker is not None
-    # A worker's pools take their health from the supervisor, which checks.
-    backends = backend_service(config, reactor, clock, agent, run_checks=not shared)
-    metrics = ProxyMetrics(
-        backends.pools(),
-        os.environ.get(METRICS_DIR_ENV) if shared else None,
-        backends.kv_events,
-        lambda: backends.discovery_errors,
+    kv = KvEvents(
+        reactor,
+        clock,
+        lambda: backends.pools(),
+        config,
+        lambda role, url, kind: metrics.child(metrics.kv_events, role, url, kind).inc(),
     )
-    backends.kv_events.counted = lambda role, url, kind: metrics.child(
-        metrics.kv_events, role, url, kind
-    ).inc()
+    # A worker's pools take their health from the supervisor, which checks.
+    backends, checks = backend_service(config, reactor, clock, agent, not shared, kv)
+    # A worker's supervisor discovers for all, and tells it; it also carries its admin changes.
+    link, found = None, None
+    if shared:
+        link = SupervisorLink(reactor, backends, lambda given: root.reconfigure(given))
+    else:
+        found = Discovery(reactor, clock, backends, config)
+    report: Reported = link.told if link is not None else cast(Discovery, found)
+    metrics = ProxyMetrics(
+        backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None, kv, report.errors
+    )
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
@@ -318,15 +318,11 @@ def build(
     tenancy = Tenancy(
         keys, limits, lambda model: context_length(model, backends.decode.instances), windows
     )
-    # A worker's admin changes reach the other workers through its supervisor.
-    link = (
-        SupervisorLink(reactor, backends, lambda given: root.reconfigure(given)) if shared else None
-    )
-    admin = AdminAPI(backends, config, link.publish if link is not None else None)
-    legs = Legs(backends, clock, metrics, config)
-    app = ProxyApp(
-        config, backends, Serving(legs, ResponseDirectory()), admission, tenancy, admin, observed
-    )
+    fleet = Fleet(backends, kv, report)
+    admin = AdminAPI(fleet, config, link.publish if link is not None else None)
+    legs = Legs(backends, kv, clock, metrics, config)
+    serving = Serving(legs, ResponseDirectory())
+    app = ProxyApp(config, fleet, serving, admission, tenancy, admin, observed)
     site = TrackingSite(
         app.resource(),
         ClientLimits.of(config),
@@ -336,16 +332,11 @@ def build(
         refusals=observed.refusals,
         client_keys=keys,
     )
-    # (a worker's supervisor discovers for all)
-    found = None if shared else discovery(config, reactor, clock, backends)
-    root = ProxyService(
-        config, app, site, backends, reactor, clock, found, [admission, keys, limits, admin, legs]
-    )
+    configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv]
+    root = ProxyService(config, app, site, checks, reactor, clock, found, configured)
     if windows is not None:
         windows.setServiceParent(root)
-    backends.kv_events.setServiceParent(root)
-    if found is not None:
-        found.setServiceParent(root)
+    kv.setServiceParent(root)
     if traces.enabled:
         traces.setServiceParent(root)
     for description in config.listen:

@@ -33,9 +33,11 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted import logs
+from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.endpoints import tcp_address, tcp_endpoint
+from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV
 from nixl_twisted.run import startup
 from nixl_twisted.run.coordination import (
@@ -47,7 +49,7 @@ from nixl_twisted.run.coordination import (
     encode,
 )
 from nixl_twisted.run.ports import cannot_listen, shared_socket
-from nixl_twisted.run.root import backend_service, discovery
+from nixl_twisted.run.root import backend_service
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import ProcessTree
 
@@ -121,15 +123,15 @@ class WorkerSupervisor(Service):
 
     name = "workers"
 
-    def __init__(self, config: ProxyConfig, reactor: Any, backends: BackendService) -> None:
+    def __init__(
+        self, config: ProxyConfig, reactor: Any, backends: BackendService, checks: HealthChecks
+    ) -> None:
         self.config = config
         self.reactor = reactor
         self.workers: dict[int, _Worker] = {}
-        self.coordinator = Coordinator(backends, lambda: list(self.workers.values()))
+        self.coordinator = Coordinator(backends, checks, lambda: list(self.workers.values()))
         #: The supervisor discovers once, for all: each change goes to every worker.
-        self.discovery = discovery(config, reactor, reactor, backends)
-        self.discovery.publish = self.coordinator.discovered
-        self.discovery.on_status = self.coordinator.sources
+        self.discovery = Discovery(reactor, reactor, backends, config, self.coordinator)
         self._reserved: list[socket.socket] = []
         self._listen: tuple[str, ...] = ()
         self._metrics_listen: str | None = None
@@ -219,13 +221,14 @@ class WorkerSupervisor(Service):
         """A reload: pools and health checks applied here, each worker sent its configuration."""
         self.config = config
         self.coordinator.backends.configure(config)
+        self.coordinator.checks.configure(config)
         self.discovery.configure(config)
         for worker in self.workers.values():
             mine = config.for_worker(
                 worker.number, self._listen, self._metrics_listen, self._admin_listen
             )
             worker.send({"config": mine.to_json()})
-        self.coordinator.backends.check_health()  # a new instance is checked at once
+        self.coordinator.checks.check_health()  # a new instance is checked at once
 
     def stopService(self) -> Deferred[Any]:
         """SIGTERM every worker (each drains) and wait for all of them."""
@@ -251,7 +254,6 @@ class SupervisorService(ProcessTree):
         self,
         config: ProxyConfig,
         supervisor: WorkerSupervisor,
-        backends: BackendService,
         reactor: Any,
         take_signals: bool = True,
     ) -> None:
@@ -259,7 +261,9 @@ class SupervisorService(ProcessTree):
         self.supervisor = supervisor
         if take_signals:  # first: its handlers go in before any worker is spawned
             SignalService(reactor, self.reload).setServiceParent(self)
-        backends.setServiceParent(self)  # stopped after the workers
+        # Stopped after the workers.
+        supervisor.coordinator.backends.setServiceParent(self)
+        supervisor.coordinator.checks.setServiceParent(self)
         supervisor.discovery.setServiceParent(self)
         supervisor.setServiceParent(self)
 
@@ -273,6 +277,6 @@ class SupervisorService(ProcessTree):
 
 def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:
     """The service tree of a ``--workers`` parent: it checks the backends' health for all."""
-    backends = backend_service(config, reactor, reactor)
-    supervisor = WorkerSupervisor(config, reactor, backends)
-    return SupervisorService(config, supervisor, backends, reactor, take_signals)
+    backends, checks = backend_service(config, reactor, reactor)
+    supervisor = WorkerSupervisor(config, reactor, backends, checks)
+    return SupervisorService(config, supervisor, reactor, take_signals)

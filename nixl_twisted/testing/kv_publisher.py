@@ -27,7 +27,7 @@ import msgpack
 import zmq
 from twisted.internet.defer import Deferred
 
-from nixl_twisted.backends.zmq_reactor import ZmqSocket
+from nixl_twisted.kv.zmq_reactor import ZmqSocket
 from nixl_twisted.testing.prefix_cache import KvEvent, PrefixCache
 
 #: What a replay sends after its last batch: an empty topic, sequence -1, no payload.

@@ -199,6 +199,7 @@ class InMemoryProxy:
     def start(self) -> None:
         """Start the backends: the first round of health checks, if any, goes out now."""
         self.service.backends.startService()
+        self.service.checks.startService()
         self.flush()
 
     def serve(self, fake: FakeVLLM, resource: IResource | None = None) -> str:

@@ -23,12 +23,13 @@ from twisted.web.iweb import IRequest
 
 from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.pools import BackendPool, PoolChangeRefused
-from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue, backend_url
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.headers import bearer_token
+from nixl_twisted.web.fleet import Fleet
 
 log = Logger()
 
@@ -38,13 +39,14 @@ class AdminAPI:
 
     def __init__(
         self,
-        backends: BackendService,
+        fleet: Fleet,
         config: ProxyConfig,
         publish: Callable[[dict[str, str]], Deferred[None]] | None = None,
     ) -> None:
         """``publish`` tells the other workers of a change (``run.coordination``); alone,
         nobody is told."""
-        self.backends = backends
+        self.fleet = fleet
+        self.backends = fleet.backends
         self.publish = publish if publish is not None else _nobody
         self.configure(config)
 
@@ -91,10 +93,7 @@ class AdminAPI:
             raise ProxyError(ErrorCode.UNAUTHORIZED, "a valid admin bearer token is required")
 
     def listing(self) -> dict[str, Any]:
-        return {
-            pool.role: [self.backends.status(i) for i in pool.instances]
-            for pool in self.backends.pools()
-        }
+        return self.fleet.instances()
 
     def _target(self, body: bytes) -> tuple[BackendPool, str]:
         try:  # (as strict as a client's body: no NaN, no 1e400, no bottomless nesting)
@@ -134,23 +133,12 @@ class AdminAPI:
             raise ProxyError(ErrorCode.LAST_INSTANCE, str(error)) from None
         if not instances:
             raise ProxyError(ErrorCode.NOT_FOUND, f"no {pool.role} instance {url}")
-        described = [self.backends.status(instance) for instance in instances]
+        described = [self.fleet.status(instance) for instance in instances]
         # One instance: its description; the ranks of URL#dp=N: each of theirs.
         answer = described[0] if len(described) == 1 else {"instances": described}
         # Answered once every worker has the change too.
         published = self.publish({"op": op, "pool": pool.role, "url": url})
         return published.addCallback(lambda _: answer)
-
-
-def bearer_token(credentials: bytes | None) -> bytes | None:
-    """The token of ``Bearer TOKEN``, else None (no other scheme carries the admin token).
-
-    As RFC 9110 section 11 has it: the scheme in any case, then one or more spaces.
-    """
-    scheme, space, token = (credentials or b"").partition(b" ")
-    if scheme.lower() != b"bearer" or not space:
-        return None
-    return token.lstrip(b" ")
 
 
 def _nobody(change: dict[str, str]) -> Deferred[None]:

@@ -8,7 +8,7 @@ from typing import TypeVar
 from twisted.internet.defer import Deferred, maybeDeferred
 
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.events import Happened
+from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 

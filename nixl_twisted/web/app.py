@@ -23,7 +23,6 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted.backends.models import listing
-from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.prefill import PrefillRefused
 from nixl_twisted.exchange.relay import start_response
@@ -40,6 +39,7 @@ from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID
 from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
+from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.tenancy import Tenancy
 from nixl_twisted.web.tenants import Rule
@@ -70,14 +70,16 @@ class ProxyApp:
     def __init__(
         self,
         config: ProxyConfig,
-        backends: BackendService,
+        fleet: Fleet,
         serving: Serving,
         admission: Admission,
         tenancy: Tenancy,
         admin: AdminAPI,
         observed: Observed,
     ) -> None:
-        self.backends = backends
+        #: The pools, as /healthcheck shows them.
+        self.fleet = fleet
+        self.backends = fleet.backends
         self.serving = serving
         self.admission = admission
         #: Whose each request is, and its tenant's limits.
@@ -140,11 +142,8 @@ class ProxyApp:
                 "shutting_down": self.admission.leaving,
                 "in_flight": self.in_flight,
                 "pid": os.getpid(),
-                "instances": {
-                    pool.role: [self.backends.status(i) for i in pool.instances]
-                    for pool in self.backends.pools()
-                },
-                "sources": self.backends.sources,
+                "instances": self.fleet.instances(),
+                "sources": self.fleet.report.sources(),
             }
         ).encode("utf-8")
 

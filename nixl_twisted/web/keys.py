@@ -26,8 +26,8 @@ from twisted.web.http_headers import Headers
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.protocol import routes
+from nixl_twisted.protocol.headers import bearer_token
 from nixl_twisted.protocol.routes import speaks_anthropic
-from nixl_twisted.web.admin import bearer_token
 from nixl_twisted.web.keys_file import KeysFile
 
 log = Logger()

@@ -23,7 +23,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Site
 
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.events import Happened
+from nixl_twisted.happened import Happened
 from nixl_twisted.observe.access import AccessLog
 from nixl_twisted.observe.refusals import Refusals
 from nixl_twisted.protocol.codes import ErrorCode

@@ -125,7 +125,7 @@ class DnsDiscoveryTests(DiscoveryCase):
         )
         backends = self.proxy.service.backends
         await self.until(lambda: len(self.serving("decode")) == 1)
-        await backends.check_health()
+        await self.proxy.service.checks.check_health()
 
         # The TTL says when it is asked again: not before 5 s.
         self.dns.set_addresses("decode.test", ["127.0.0.1", "127.0.0.2"], ttl=5)
@@ -138,7 +138,7 @@ class DnsDiscoveryTests(DiscoveryCase):
         new = backends.decode.find(second.url)
         assert new is not None
         self.assertEqual(new.state.value, "pending")  # its check is on its way, no leg yet
-        await backends.check_health()
+        await self.proxy.service.checks.check_health()
         self.assertEqual(new.state.value, "up")
         self.assertEqual([await self.chat() for _ in range(4)], [200] * 4)
         self.assertEqual((len(first.requests), len(second.requests)), (2, 2))
@@ -265,7 +265,7 @@ class DnsDiscoveryTests(DiscoveryCase):
 
         self.proxy.service.reconfigure(reloaded([static.url]))
         self.assertEqual(self.serving("decode"), [static.url])  # (no leg on it: gone at once)
-        self.assertEqual(self.proxy.service.backends.sources, [])
+        self.assertEqual(self.discovery().sources(), [])
         self.proxy.service.reconfigure(reloaded([named]))  # the static one drains, the name is back
         await self.until(lambda: self.serving("decode") == [found.url])
         self.assertEqual([await self.chat() for _ in range(2)], [200, 200])

@@ -163,11 +163,11 @@ class KubernetesDiscoveryTests(ProxyCase):
         await self.begin(token="wrong", pods=1)
         self.pod(0)
         self.run_proxy()
-        while not self.proxy.service.backends.sources or (
-            self.proxy.service.backends.sources[0]["state"] != "failing"
+        while not self.discovery().sources() or (
+            self.discovery().sources()[0]["state"] != "failing"
         ):
             await self.discovery().noticed()
-        (source,) = self.proxy.service.backends.sources
+        (source,) = self.discovery().sources()
         self.assertIn("401", source["last_error"])
         self.assertEqual(self.serving(), [])
         self.assertEqual(await self.chat(), 503)

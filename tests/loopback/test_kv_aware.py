@@ -48,7 +48,7 @@ class KvAwareTests(ProxyCase):
             health_interval=0,
             **proxy,  # type: ignore[arg-type]
         )
-        self.events = self.proxy.service.backends.kv_events
+        self.events = self.proxy.service.app.serving.legs.kv
         for fake in self.prefills:
             await fake.subscribed()
 

@@ -20,7 +20,7 @@ from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
+from nixl_twisted.kv.zmq_reactor import Frames, ZmqSocket
 from nixl_twisted.testing import FakeVLLM
 from nixl_twisted.testing.prefix_cache import prompt_tokens
 from tests.support import Arrivals

@@ -101,7 +101,7 @@ class SeveralModelsTests(ProxyCase):
         for fakes in (self.prefills, self.decodes):
             fakes[0].model, fakes[1].model = "llama", "qwen"
             fakes[1].adapters = ("qwen-sql",)
-        await self.proxy.service.backends.check_health()
+        await self.proxy.service.checks.check_health()
         client = openai.OpenAI(
             base_url=self.proxy.url + "/v1", api_key="sk-client", max_retries=0, timeout=20
         )

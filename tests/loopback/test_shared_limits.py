@@ -144,7 +144,7 @@ class SharedLimitTests(ProxyCase):
     async def test_the_models_the_proxy_lists_count_as_requests_too(self) -> None:
         one, two = await self.shared(tenant_requests_per_minute=1, health_interval=5)
         for each in (one, two):
-            await each.service.backends.check_health()  # (each reads what the fakes serve)
+            await each.service.checks.check_health()  # (each reads what the fakes serve)
         client = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
         headers: dict[bytes | str, bytes | str] = {"Authorization": f"Bearer {KEY}"}
         response = await client.get(one.url + "/v1/models", headers=headers)

@@ -13,7 +13,7 @@ import zmq
 from twisted.internet import reactor
 from twisted.trial.unittest import TestCase
 
-from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
+from nixl_twisted.kv.zmq_reactor import Frames, ZmqSocket
 from tests.support import Arrivals
 
 

@@ -39,9 +39,9 @@ def test_an_instance_comes_back_when_its_health_checks_pass() -> None:
     assert not backends.prefill.instances[1].healthy
 
     setup.proxy.serve(dead)
-    setup.settle(backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     assert not backends.prefill.instances[1].healthy  # two in a row bring it back
-    setup.settle(backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     assert backends.prefill.instances[1].healthy
     for _ in range(4):
         assert completion(setup) == 200
@@ -51,7 +51,7 @@ def test_an_instance_comes_back_when_its_health_checks_pass() -> None:
 def test_the_first_round_runs_at_startup_then_on_the_interval() -> None:
     setup = Setup(health_interval=5)
     fakes = (setup.prefill, setup.decode)
-    setup.settle(setup.proxy.service.backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
     assert [f.health_checks for f in fakes] == [1, 1]  # before any interval
     checked = gatherResults([f.next_health_check() for f in fakes])
     setup.proxy.advance(5)
@@ -63,7 +63,7 @@ def test_a_failing_health_check_takes_an_instance_out() -> None:
     setup = Setup(decodes=2, unhealthy_threshold=1)
     setup.decodes[1].health_status = 503
     backends = setup.proxy.service.backends
-    setup.settle(backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     assert [i.healthy for i in backends.decode.instances] == [True, False]
     for _ in range(4):
         assert completion(setup) == 200
@@ -74,7 +74,7 @@ def test_when_every_decode_is_down_legs_still_go_to_it() -> None:
     setup = Setup(unhealthy_threshold=1)
     setup.decode.health_status = 503
     backends = setup.proxy.service.backends
-    setup.settle(backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     assert not backends.decode.instances[0].healthy
 
     health = setup.get("/healthcheck").answer()
@@ -95,7 +95,7 @@ def test_when_every_decode_is_down_legs_still_go_to_it() -> None:
 def test_a_dead_pool_in_panic_answers_502_not_a_hang() -> None:
     setup = Setup(unhealthy_threshold=1)
     setup.proxy.stop_serving(setup.decode)
-    setup.settle(setup.proxy.service.backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     answer = setup.post("/v1/chat/completions", FULL_CHAT).answer()
     assert_error(answer, 502, "decode_unreachable")
     assert setup.get("/v1/models").answer().status == 502
@@ -104,7 +104,7 @@ def test_a_dead_pool_in_panic_answers_502_not_a_hang() -> None:
 def test_models_skips_an_unhealthy_decode() -> None:
     setup = Setup(decodes=2, unhealthy_threshold=1)
     setup.decodes[0].health_status = 500
-    setup.settle(setup.proxy.service.backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     for _ in range(3):
         assert setup.get("/v1/models").answer().status == 200
     assert setup.decodes[0].health_checks == 1
@@ -115,7 +115,7 @@ def test_after_its_backoff_a_down_instance_gets_another_try() -> None:
     setup = Setup(decodes=2, unhealthy_threshold=1)
     setup.decodes[1].health_status = 503
     backends = setup.proxy.service.backends
-    setup.settle(backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     setup.decodes[1].health_status = 200
     setup.proxy.advance(BACKOFF_BASE)
     for _ in range(2):
@@ -176,20 +176,19 @@ def test_with_every_backend_dead_it_is_never_ready_and_never_flaps() -> None:
     setup = Setup(health_interval=5, start=False)
     for fake in (setup.prefill, setup.decode):
         setup.proxy.stop_serving(fake)
-    backends = setup.proxy.service.backends
     # Before the first round has answered: not known to be up, so not ready.
     assert readiness(setup) == (503, False)
     setup.proxy.start()
-    setup.settle(backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
     seen = []
     for _ in range(12):  # a minute of rounds, each settled: down, backoffs past
         seen.append(readiness(setup))
         setup.proxy.advance(5)
-        setup.settle(backends.check_health())
+        setup.settle(setup.proxy.service.checks.check_health())
     assert set(seen) == {(503, False)}
 
 
 def test_ready_once_the_first_round_answers() -> None:
     setup = Setup(health_interval=5)
-    setup.settle(setup.proxy.service.backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
     assert readiness(setup) == (200, True)

@@ -23,8 +23,9 @@ from zope.interface import implementer
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream
-from nixl_twisted.config import Health, resolve
+from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.legs import DecodeRequest, Legs, Retry
+from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG
@@ -85,16 +86,12 @@ class Setup:
         self.agent = Backends(self.decode)
         self.pool = BackendPool("decode", [LIVE, DEAD], self.clock)
         prefill = BackendPool("prefill", ["http://prefill.memory"], self.clock)
-        backends = BackendService(
-            prefill,
-            self.pool,
-            Upstream(self.agent),
-            self.clock,
-            Health(interval=0, timeout=1, unhealthy_threshold=3, healthy_threshold=2),
-        )
-        self.metrics = ProxyMetrics()
         given = {"prefill": ["http://prefill.memory"], "decode": [LIVE, DEAD]}
-        self.legs = Legs(backends, self.clock, self.metrics, resolve(given, None, {}))
+        config = ProxyConfig.create(**given, health_interval=0)
+        backends = BackendService(prefill, self.pool, Upstream(self.agent), config)
+        self.metrics = ProxyMetrics()
+        kv = KvEvents(self.clock, self.clock, backends.pools, config)
+        self.legs = Legs(backends, kv, self.clock, self.metrics, config)
         self.record = AccessRecord()
         self.tracked: list[Deferred[IResponse]] = []
 

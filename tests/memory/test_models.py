@@ -77,7 +77,7 @@ def test_the_health_loop_learns_what_each_instance_serves_lora_adapters_included
     setup.decodes[2].adapters = ("sql-lora",)
     setup.prefills[0].adapters = ("sql-lora",)
     setup.proxy.start()
-    setup.settle(setup.proxy.service.backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
 
     listed = setup.get(routes.MODELS).answer().json()["data"]
     assert [card["id"] for card in listed] == ["llama", "qwen", "sql-lora"]
@@ -106,7 +106,7 @@ def test_an_instance_listed_under_a_model_it_does_not_serve_takes_none_of_its_re
         fake.model = model
     setup.decodes[1].model = "mistral"  # (listed under qwen: a wrong URL in the table)
     setup.proxy.start()
-    setup.settle(setup.proxy.service.backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
 
     answer = setup.post(routes.CHAT_COMPLETIONS, chat("qwen")).answer()
     assert answer.status == 404  # (vLLM would have refused it: not sent)
@@ -135,12 +135,12 @@ def test_a_list_said_again_is_no_change_though_vllm_dates_each_answer(
     setup.decode.adapters = ("sql-lora",)
     setup.proxy.start()
     backends = setup.proxy.service.backends
-    setup.settle(backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
     told: list[Instance] = []
     backends.decode.on_change = told.append
-    setup.settle(backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     setup.decode.adapters = ("sql-lora", "chat-lora")
-    setup.settle(backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     serves = [e["models"] for e in logged if e.get("log_format") == "{url} serves {models}"]
     assert serves == ["fake-model, sql-lora", "fake-model, sql-lora, chat-lora"]
     assert told == [backends.decode.instances[0]]  # (the workers hear of the change alone)
@@ -151,7 +151,7 @@ def test_an_adapter_without_a_prefill_instance_is_a_503_naming_the_model() -> No
     setup = Setup(health_interval=5, start=False)
     setup.decode.adapters = ("sql-lora",)
     setup.proxy.start()
-    setup.settle(setup.proxy.service.backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
     answer = setup.post(routes.CHAT_COMPLETIONS, chat("sql-lora")).answer()
     assert answer.status == 503
     assert "no healthy prefill instance serving 'sql-lora'" in answer.json()["error"]["message"]
@@ -222,7 +222,7 @@ def test_with_no_healthy_decode_the_listing_is_relayed_not_refused_for_its_model
     for fake in setup.decodes:
         fake.health_status = 503
     setup.proxy.start()
-    setup.settle(setup.proxy.service.backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
     answer = setup.get(routes.MODELS).answer()
     assert answer.status == 200  # (in panic, relayed; not a 400 model_required)
     assert answer.json()["data"][0]["id"] == "fake-model"
@@ -232,11 +232,11 @@ def test_a_stalled_model_list_keeps_the_instance_up_and_its_last_list() -> None:
     setup = Setup(health_interval=5, health_timeout=1, start=False)
     setup.proxy.start()
     backends = setup.proxy.service.backends
-    setup.settle(backends.first_round())
+    setup.settle(setup.proxy.service.checks.first_round())
     (decode,) = backends.decode.instances
     assert decode.models is not None and list(decode.models) == ["fake-model"]
     setup.decode.models_stalled = True
-    checked = backends.check_health()
+    checked = setup.proxy.service.checks.check_health()
     setup.proxy.advance(1)  # (the read's own timeout; /health answered at once)
     setup.settle(checked)
     assert decode.healthy and decode.failures == 0

@@ -65,7 +65,7 @@ def test_load_reads_vllms_metrics_and_healthcheck_shows_them() -> None:
     setup = Setup(prefills=2, prefill_policy="load")
     busy = setup.prefills[0]
     busy.running = 7  # as vLLM would report a full batch of other clients' requests
-    setup.settle(setup.proxy.service.backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     health = setup.get("/healthcheck").answer().json()
     loads = [i["load"] for i in health["instances"]["prefill"]]
     assert [load["running"] for load in loads] == [7.0, 0.0]
@@ -77,7 +77,7 @@ def test_load_reads_vllms_metrics_and_healthcheck_shows_them() -> None:
 def test_unreadable_metrics_fall_back_and_mark_nothing_down() -> None:
     setup = Setup(prefills=2, prefill_policy="load")
     setup.prefills[0].metrics_status = 500
-    setup.settle(setup.proxy.service.backends.check_health())
+    setup.settle(setup.proxy.service.checks.check_health())
     first = setup.proxy.service.backends.prefill.instances[0]
     assert (first.healthy, first.load) == (True, {})
     assert setup.post("/v1/chat/completions", turn(0, [])).answer().status == 200

@@ -17,7 +17,7 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
+from nixl_twisted.kv.zmq_reactor import Frames, ZmqSocket
 from nixl_twisted.testing.prefix_cache import prompt_tokens
 from nixl_twisted.testing.process import WatchedProcess
 from tests.process.support import TwistdCase, installed_env

@@ -16,10 +16,11 @@ from twisted.application.service import IServiceCollection
 from twisted.internet import reactor
 
 import nixl_twisted
-from nixl_twisted.backends.kv_events import KvEvents
+from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.service import Discovery
+from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.run.root import ProxyService, build
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.workers import SupervisorService, WorkerSupervisor
@@ -43,8 +44,9 @@ def test_service_tree_has_backends_events_discovery_a_listener_per_endpoint_sign
     assert IServiceCollection.providedBy(service)
     assert [type(c) for c in service] == [
         BackendService,
-        KvEvents,
+        HealthChecks,
         Discovery,
+        KvEvents,
         StreamServerEndpointService,
         StreamServerEndpointService,
         SignalService,
@@ -58,6 +60,7 @@ def test_workers_make_a_supervisor_tree() -> None:
     assert [type(c) for c in service] == [
         SignalService,
         BackendService,
+        HealthChecks,
         Discovery,
         WorkerSupervisor,
     ]

@@ -6,11 +6,12 @@ from typing import Any
 
 from twisted.internet.task import Clock
 
+from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import State, Thresholds
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream
-from nixl_twisted.config import Health, Pools, ProxyConfig
+from nixl_twisted.config import Pools, ProxyConfig
 from nixl_twisted.run.coordination import Coordinator, Lines, SupervisorLink, encode
 
 P, D1, D2 = "http://p:1", "http://d1:1", "http://d2:1"
@@ -24,12 +25,14 @@ class FakeAgent:
 def backends(checked: bool = True) -> BackendService:
     clock = Clock()
     thresholds = Thresholds(unhealthy=2, healthy=1)
+    config = ProxyConfig.create(
+        prefill=[P], decode=[D1], health_interval=0, unhealthy_threshold=2, healthy_threshold=1
+    )
     return BackendService(
         BackendPool("prefill", [P], clock, thresholds, checked),
         BackendPool("decode", [D1], clock, thresholds, checked),
         Upstream(FakeAgent()),  # type: ignore[arg-type]
-        clock,
-        Health(interval=0, timeout=1, unhealthy_threshold=2, healthy_threshold=1),
+        config,
     )
 
 
@@ -43,7 +46,17 @@ class Peer:
 
 def supervisor() -> tuple[Coordinator, Peer, Peer]:
     first, second = Peer(), Peer()
-    return Coordinator(backends(), lambda: [first, second]), first, second
+    pools = backends()
+    config = ProxyConfig.create(prefill=[P], decode=[D1], health_interval=0)
+    checks = HealthChecks(pools.pools(), Upstream(FakeAgent()), Clock(), config)  # type: ignore[arg-type]
+    return Coordinator(pools, checks, lambda: [first, second]), first, second
+
+
+def newest_sent(coordinator: Coordinator) -> list[dict[str, Any]]:
+    """What a worker started now is told first."""
+    newest = Peer()
+    coordinator.welcome(newest)
+    return newest.sent
 
 
 def test_lines_cut_a_stream_into_messages_whatever_the_chunks() -> None:
@@ -151,20 +164,18 @@ def test_what_a_source_lists_goes_to_every_worker_and_to_each_new_one() -> None:
     found = {"pool": "decode", "source": source, "urls": [D2]}
     message = {"discovered": dict(found, retire=False)}
     assert first.sent == second.sent == [message]
-    coordinator.backends.sources = [{"pool": "decode", "source": "dns", "errors": 0}]
+    sources = [{"pool": "decode", "source": "dns", "errors": 0}]
+    coordinator.sources(sources, [])
     late = Peer()
     coordinator.welcome(late)
-    assert late.sent[:2] == [
-        {"discovered": found},
-        {"sources": coordinator.backends.sources, "errors": []},
-    ]
+    assert late.sent[:2] == [{"discovered": found}, {"sources": sources, "errors": []}]
     # A restarted worker's configuration: the instances given and the names, not the found.
     coordinator.backends.decode.discovered(source, (D2,))
     names = Pools((P,), (D1, "dns+http://decode.test:1"))
     assert coordinator.pools(names) == Pools((P,), (D1, "dns+http://decode.test:1"))
     coordinator.discovered("decode", source, ())
     assert first.sent[-1] == {"discovered": dict(found, urls=[], retire=False)}
-    assert coordinator.backends.sources  # (unchanged by a change of membership)
+    assert [m for m in newest_sent(coordinator) if "sources" in m]  # (unchanged by membership)
     newest = Peer()
     coordinator.welcome(newest)
     assert not [m for m in newest.sent if "discovered" in m]  # the source lists nothing now
@@ -181,4 +192,4 @@ def test_a_worker_applies_what_the_supervisor_discovered_and_shows_its_sources()
     status = [{"pool": "decode", "source": "dns", "name": source, "errors": 2}]
     errors = [{"pool": "decode", "source": "dns", "errors": 2}]
     link.received({"sources": status, "errors": errors})
-    assert (worker.sources, worker.discovery_errors) == (status, errors)
+    assert (link.told.sources(), link.told.errors()) == (status, errors)

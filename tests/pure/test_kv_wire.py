@@ -12,8 +12,8 @@ import msgpack
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.backends.kv_index import Cleared, KvIndex, Removed, Stored
-from nixl_twisted.backends.kv_sequence import (
+from nixl_twisted.kv.index import Cleared, KvIndex, Removed, Stored
+from nixl_twisted.kv.sequence import (
     BUDGET,
     END_SEQ,
     PENDING_BYTES,
@@ -21,7 +21,7 @@ from nixl_twisted.backends.kv_sequence import (
     REPLAY_TIMEOUT,
     Sequencer,
 )
-from nixl_twisted.backends.kv_wire import (
+from nixl_twisted.kv.wire import (
     MAX_MESSAGE,
     SLICE,
     BadBatch,

@@ -22,12 +22,13 @@ ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     (
         "ground",
         frozenset(
-            {"nixl_twisted", "nixl_twisted.identity", "nixl_twisted.events", "nixl_twisted.logs"}
+            {"nixl_twisted", "nixl_twisted.identity", "nixl_twisted.happened", "nixl_twisted.logs"}
         ),
     ),
     ("config", frozenset({"nixl_twisted.config"})),
     ("protocol", frozenset({"nixl_twisted.protocol"})),
     ("backends", frozenset({"nixl_twisted.backends"})),
+    ("kv", frozenset({"nixl_twisted.kv"})),
     ("discovery", frozenset({"nixl_twisted.discovery"})),
     ("observe", frozenset({"nixl_twisted.observe"})),
     ("exchange", frozenset({"nixl_twisted.exchange"})),

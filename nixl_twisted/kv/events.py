@@ -3,7 +3,7 @@
 ``KvEvents`` is a service: once a second (and at once after a pool
 changes) it makes the subscriptions match the pools: an instance with an
 events endpoint (its URL's ``kv-events=``, else its pool's
-``--{pool}-kv-events-port``) gets an ``EventStream`` (``kv_stream``), a SUB
+``--{pool}-kv-events-port``) gets an ``EventStream`` (``stream``), a SUB
 socket on that endpoint and, with a replay port, a DEALER on the replay
 endpoint; an instance that left its pool, or whose endpoint moved, loses
 its stream and its entries (and a stream whose socket closed is made
@@ -26,9 +26,10 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.backends.kv_index import KvIndex
-from nixl_twisted.backends.kv_stream import Endpoints, EventStream, endpoints
 from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.kv.index import KvIndex
+from nixl_twisted.kv.stream import Endpoints, EventStream, endpoints
 
 log = Logger()
 
@@ -51,9 +52,10 @@ class KvEvents(Service):
         reactor: Any,
         clock: IReactorTime,
         pools: Callable[[], tuple[BackendPool, ...]],
-        max_blocks: int,
+        config: ProxyConfig,
         counted: Callable[[str, str, str], object] = lambda role, url, what: None,
     ) -> None:
+        """``counted``: told (role, url, kind) of each batch, gap, bad message (the metric)."""
         self.reactor = reactor
         self.clock = clock
         self._pools = pools
@@ -61,13 +63,15 @@ class KvEvents(Service):
         self.indexes: dict[str, KvIndex] = {}
         self.defaults: dict[str, PoolEvents] = {}
         self.streams: dict[tuple[str, str], EventStream] = {}
-        self.max_blocks = max_blocks
+        self.max_blocks = config.kv_events.max_blocks
         self._loop: LoopingCall | None = None
+        self.configure(config)
 
-    def configure(self, defaults: dict[str, PoolEvents], max_blocks: int) -> None:
+    def configure(self, config: ProxyConfig) -> None:
         """Each pool's default ports and the index bound, as the config says now."""
-        self.defaults = defaults
-        self.max_blocks = max_blocks
+        events = config.kv_events
+        self.defaults = {role: PoolEvents(*events.ports(role)) for role in ("prefill", "decode")}
+        max_blocks = self.max_blocks = events.max_blocks
         for index in self.indexes.values():
             index.max_blocks = max_blocks
         if self.running:

@@ -11,7 +11,7 @@ most ``MAX_MESSAGE`` bytes (ZeroMQ drops a longer one before Python sees
 it), a hash at most ``MAX_HASH`` bytes, a token id an unsigned 32-bit
 int. ``events`` decodes a batch one event at a time and cuts a long
 event into ``SLICE``-block pieces, so whoever applies them can give the
-reactor a turn between pieces (``kv_sequence``).
+reactor a turn between pieces (``sequence``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from nixl_twisted.backends.kv_index import Cleared, Event, Removed, Stored
+from nixl_twisted.kv.index import Cleared, Event, Removed, Stored
 
 #: The most bytes one message (each of its frames) may hold: 2 MiB, about 375,000
 #: token ids stored in one engine step (five bytes each past 65,535), several times

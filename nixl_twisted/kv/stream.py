@@ -22,10 +22,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.backends.kv_index import KvIndex
-from nixl_twisted.backends.kv_sequence import END_SEQ, Sequencer
-from nixl_twisted.backends.kv_wire import MAX_MESSAGE, BadBatch, sequence
-from nixl_twisted.backends.zmq_reactor import Frames, ZmqSocket
+from nixl_twisted.kv.index import KvIndex
+from nixl_twisted.kv.sequence import END_SEQ, Sequencer
+from nixl_twisted.kv.wire import MAX_MESSAGE, BadBatch, sequence
+from nixl_twisted.kv.zmq_reactor import Frames, ZmqSocket
 
 #: Messages ZeroMQ holds for a socket of the stream while it is not read (its
 #: ``RCVHWM``): with ``MAX_MESSAGE``, what an instance may make the proxy buffer.

@@ -8,7 +8,7 @@ publisher) clears them too, and so does a batch that turns out unreadable
 (what it said is lost, as in a gap nobody can replay).
 
 Applying is a queue worked ``BUDGET`` blocks at a time, the reactor
-getting a turn between two goes (``kv_wire.events`` decodes a batch one
+getting a turn between two goes (``wire.events`` decodes a batch one
 event at a time, cut into pieces), so that a batch of the largest size
 never holds the reactor for long. ``busy`` says work is left: the stream
 then stops reading its sockets, and ZeroMQ holds what comes meanwhile;
@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from nixl_twisted.backends.kv_index import Event, KvIndex, Removed, Stored
-from nixl_twisted.backends.kv_wire import BadBatch, events
+from nixl_twisted.kv.index import Event, KvIndex, Removed, Stored
+from nixl_twisted.kv.wire import BadBatch, events
 
 log = Logger()
 

@@ -9,7 +9,7 @@ instance are the blocks that instance would not have to compute.
 ``KvIndex`` keeps, per instance, vLLM's hash of each block to the proxy's
 key, bounded by ``max_blocks`` (the oldest stored going first), and per key
 the instances that hold it. Events are applied in sequence order
-(``EventStream``, per instance, in ``kv_events``); this module is pure.
+(``EventStream``, per instance, in ``events``); this module is pure.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Stored:
 
     hashes: tuple[Any, ...]
     parent: Any
-    #: The blocks' token ids (``kv_wire`` decodes them into an ``array("I")``).
+    #: The blocks' token ids (``wire`` decodes them into an ``array("I")``).
     tokens: Sequence[int]
     block_size: int
     lora: str | None = None
