@@ -6,7 +6,8 @@ PORT (a headless Kubernetes Service gives exactly its Ready pods);
 its addresses by the same resolver, at the record's port. Thanos' notation,
 which operators of Prometheus-style stacks know.
 
-Resolution is Twisted Names': asynchronous, no thread per lookup. A name is
+Resolution is Twisted Names': asynchronous, no thread per lookup, each
+query's tries timed out by the proxy's clock (``QUERY_TIMEOUT``). A name is
 asked again when the shortest TTL of its answer runs out, bounded by
 ``--dns-min-refresh`` and ``--dns-max-refresh``; after a failure or an
 empty answer, from the least interval doubling to the most.
@@ -31,11 +32,11 @@ from twisted.names.error import DNSNameError
 from twisted.python.failure import Failure
 
 from nixl_twisted.discovery.membership import Membership
-from nixl_twisted.discovery.queries import Asked, Records, ask_addresses, quiet, why
+from nixl_twisted.discovery.queries import Asked, Records, ask_addresses, query_reactor, why
 
 log = Logger()
 
-#: Seconds a query waits for each try (and tries): 4 s in all, not Twisted's 60.
+#: Seconds a query waits for each try (and tries): 4 s in all, not Twisted's 60, by the clock.
 QUERY_TIMEOUT = (1, 3)
 
 #: What each query last gave, by (type, name): a failed query's records stand in.
@@ -62,16 +63,16 @@ class Answer:
     known: Known = field(default_factory=dict)
 
 
-def resolver(server: str | None, reactor: Any) -> Any:
-    """The resolver for every name: ``--dns-server``'s, or the system's (hosts file first)."""
+def resolver(server: str | None, reactor: Any, clock: IReactorTime) -> Any:
+    """The resolver for every name: ``--dns-server``'s, or the system's (hosts file first);
+    its queries go over ``reactor``'s UDP and time out by ``clock``."""
+    names = query_reactor(reactor, clock)
     if server is not None:
         host, _, port = server.rpartition(":")
         return client.Resolver(
-            servers=[(host.strip("[]"), int(port))], reactor=quiet(reactor), timeout=QUERY_TIMEOUT
+            servers=[(host.strip("[]"), int(port))], reactor=names, timeout=QUERY_TIMEOUT
         )
-    system = client.Resolver(
-        resolv="/etc/resolv.conf", reactor=quiet(reactor), timeout=QUERY_TIMEOUT
-    )
+    system = client.Resolver(resolv="/etc/resolv.conf", reactor=names, timeout=QUERY_TIMEOUT)
     return resolve.ResolverChain([hosts.Resolver(file=b"/etc/hosts"), system])
 
 

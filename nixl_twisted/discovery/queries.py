@@ -6,7 +6,9 @@ fails a query with an exception that holds the whole reply
 (``DNSQueryRefusedError(<Message ... rCode=5 ...>)``); the log and
 ``/healthcheck`` say instead "AAAA query for NAME refused by the server
 (REFUSED)". Its resolver's chatter (four lines for each UDP query: the port
-and the protocol starting and stopping) is logged at debug, not info.
+and the protocol starting and stopping) is logged at debug, not info, and
+its timers (each try's timeout) run on the proxy's clock, as every other
+timeout of the proxy does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from twisted.internet import defer, udp
 from twisted.internet.error import ConnectError
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import LogLevel
 from twisted.names import dns
 from twisted.names.error import (
@@ -109,9 +112,10 @@ def _asked(kind: str, name: str, ok: bool, result: Any) -> Asked:
     return Asked(kind, name, tuple(found))
 
 
-def quiet(reactor: Any) -> Any:
-    """``reactor`` as Twisted Names' client should see it: its query ports' lines at debug."""
-    return _QueryReactor(reactor)
+def query_reactor(reactor: Any, clock: IReactorTime) -> Any:
+    """The reactor Twisted Names' client is given: ``reactor``'s UDP, ``clock``'s time,
+    its query ports' lines at debug."""
+    return _QueryReactor(reactor, clock)
 
 
 def _chatter(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -119,20 +123,33 @@ def _chatter(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
 
 class _QueryReactor:
-    """The reactor, but for the UDP port each query opens: it and its protocol log at debug.
+    """The reactor, but for time and the UDP port each query opens.
 
-    The protocol's "Starting protocol" and "Stopping protocol" go with
-    ``noisy = False``; the port logs "starting on N" and "(UDP Port N
-    Closed)" whatever it is told, so it is opened in the debug context and
-    closes (a ``callLater`` of its reactor) in it too.
+    Time is the clock's: a try's timeout (``QUERY_TIMEOUT``) and the system
+    resolver's re-reading of resolv.conf are timers like the proxy's others
+    (in production the clock is the reactor; in a test, a ``Clock`` the test
+    advances). The port and its protocol log at debug: the protocol's
+    "Starting protocol" and "Stopping protocol" go with ``noisy = False``;
+    the port logs "starting on N" and "(UDP Port N Closed)" whatever it is
+    told, so it is opened in the debug context and closes (a ``callLater``
+    of its reactor) in it too.
     """
 
-    def __init__(self, reactor: Any) -> None:
+    def __init__(self, reactor: Any, clock: IReactorTime) -> None:
         self._reactor = reactor
+        self._clock = clock
         self._ports = _PortReactor(reactor)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._reactor, name)
+
+    def seconds(self) -> float:
+        return self._clock.seconds()
+
+    def callLater(
+        self, delay: float, call: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> IDelayedCall:
+        return self._clock.callLater(delay, call, *args, **kwargs)
 
     def listenUDP(
         self, port: int, protocol: Any, interface: str = "", maxPacketSize: int = 8192
@@ -145,7 +162,11 @@ class _QueryReactor:
 
 
 class _PortReactor:
-    """The reactor of a query's UDP port: what it calls later runs in the debug context."""
+    """The reactor of a query's UDP port: what it calls later runs in the debug context.
+
+    Its time stays the reactor's: the port closes a turn of the reactor after
+    its query ends, which no test's ``Clock`` would ever advance to.
+    """
 
     def __init__(self, reactor: Any) -> None:
         self._reactor = reactor

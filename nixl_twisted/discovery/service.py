@@ -143,7 +143,7 @@ class Discovery(Service):
         if self._resolver is None or server != self._dns_server:
             if self._resolver is not None:
                 dns.close(self._resolver)
-            self._resolver = dns.resolver(server, self.reactor)
+            self._resolver = dns.resolver(server, self.reactor, self.clock)
             self._dns_server = server
         return self._resolver
 

@@ -1,7 +1,7 @@
 """DNS discovery against a real DNS server on loopback: ``dns+`` and ``dnssrv+`` pools.
 
-The proxy's clock (a ``Clock``) says when a name is asked again; the
-questions and answers are real UDP to ``FakeDns``, the legs real HTTP to
+The proxy's clock (a ``Clock``) says when a name is asked again and when a
+query times out; the questions and answers are real UDP to ``FakeDns``, the legs real HTTP to
 fake vLLMs at the addresses the records give.
 """
 
@@ -17,6 +17,7 @@ from twisted.internet.task import Clock
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.discovery.dns import QUERY_TIMEOUT
 from nixl_twisted.testing import FakeDns, FakeVLLM, TransferLedger
 from tests.support import CHAT, ChunkCollector, DiscoveryCase, sse_events
 
@@ -202,19 +203,22 @@ class DnsDiscoveryTests(DiscoveryCase):
         )
         self.assertEqual(await self.chat(), 200)
 
-        # The server gone: the query times out (4 s), the instance is kept.
+        # The server gone: each query times out by the proxy's clock, the instance is kept.
         await self.dns.stop()
         noticed = self.discovery().noticed()
-        self.clock.advance(2)  # (the backoff after one failure)
-        await noticed
+        self.clock.advance(2)  # (the backoff after one failure: asked again, no answer)
+        first, then = QUERY_TIMEOUT
+        self.clock.advance(first)  # (the first try's timeout: asked once more)
+        self.clock.advance(then - 0.5)
+        self.assertFalse(noticed.called)  # (not before the last try's timeout)
+        self.clock.advance(0.5)
+        self.assertTrue(noticed.called)  # (then, with no real time waited)
         (source,) = (await self.health())["sources"]
         self.assertEqual((source["state"], source["errors"]), ("failing", 2))
         self.assertEqual(self.serving("decode"), [f"http://127.0.0.1:{port}"])
         self.assertEqual(await self.chat(), 200)
         metrics = await self.metrics()
         self.assertEqual(metrics[("nixlproxy_discovery_errors_total", "decode", "dns")], 2.0)
-
-    test_errors_keep_the_last_known_instances.timeout = 15  # type: ignore[attr-defined]
 
     async def test_nxdomain_empties_the_pool_only_after_the_grace_period(self) -> None:
         port = await self.one_named_decode(discovery_grace=10)

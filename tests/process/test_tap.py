@@ -249,3 +249,12 @@ def test_version_names_the_package_and_the_protocol(tmp_path: Path) -> None:
         f"nixl-twisted {nixl_twisted.__version__} "
         f"(protocol {nixl_twisted.ID} version {nixl_twisted.VERSION})"
     )
+
+
+def test_the_proxy_imports_no_redis_client_unless_limits_redis_is_set(tmp_path: Path) -> None:
+    check = (
+        "import sys, nixl_twisted.run.root, nixl_twisted.tap; "
+        "assert 'txredisapi' not in sys.modules, 'txredisapi imported'"
+    )
+    result = run_installed(tmp_path, sys.executable, "-c", check)
+    assert result.returncode == 0, result.stderr

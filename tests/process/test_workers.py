@@ -1,14 +1,20 @@
-"""``--workers 2`` acts as one proxy: metrics, admin changes, health and logs agree."""
+"""``--workers 2`` acts as one proxy: metrics, admin changes, health and logs agree; a killed
+supervisor's metrics directory goes at the next start."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from treq.client import HTTPClient
 
+from nixl_twisted.run.workers import METRICS_PREFIX, remove_stale_metrics
 from tests.process.support import TwistdCase
 from tests.support import CHAT, real_redis
 
@@ -46,6 +52,22 @@ async def chats(
         health = await http.get(f"http://{address}/healthcheck")
         pids.add(json.loads(await health.content())["pid"])
     return codes, pids
+
+
+def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = tmp_path / f"{METRICS_PREFIX}{gone.stdout.strip()}-abcd"
+    live = tmp_path / f"{METRICS_PREFIX}{os.getpid()}-efgh"
+    other = tmp_path / "nixlproxy-metrics-notapid"
+    for directory in (stale, live, other):
+        directory.mkdir()
+    remove_stale_metrics(str(tmp_path))
+    assert (stale.exists(), live.exists(), other.exists()) == (False, True, True)
 
 
 class WorkersActAsOneTests(TwistdCase):

@@ -135,28 +135,6 @@ def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -
     assert applied == [reloaded]  # logged, not applied
 
 
-def test_a_killed_supervisors_metrics_directory_goes_at_the_next_start(tmp_path: Any) -> None:
-    import os
-    import subprocess
-    import sys
-
-    from nixl_twisted.run.workers import METRICS_PREFIX, remove_stale_metrics
-
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    stale = tmp_path / f"{METRICS_PREFIX}{gone.stdout.strip()}-abcd"
-    live = tmp_path / f"{METRICS_PREFIX}{os.getpid()}-efgh"
-    other = tmp_path / "nixlproxy-metrics-notapid"
-    for directory in (stale, live, other):
-        directory.mkdir()
-    remove_stale_metrics(str(tmp_path))
-    assert (stale.exists(), live.exists(), other.exists()) == (False, True, True)
-
-
 def test_what_a_source_lists_goes_to_every_worker_and_to_each_new_one() -> None:
     coordinator, first, second = supervisor()
     source = "dns+http://decode.test:1"

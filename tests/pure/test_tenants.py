@@ -147,17 +147,6 @@ def test_a_priority_is_a_64_bit_whole_number(priority: object) -> None:
         limits(tenants={"vip": {"priority": priority}})
 
 
-def test_the_proxy_imports_no_redis_client_unless_limits_redis_is_set() -> None:
-    import subprocess
-    import sys
-
-    check = (
-        "import sys, nixl_twisted.run.root, nixl_twisted.tap; "
-        "assert 'txredisapi' not in sys.modules, 'txredisapi imported'"
-    )
-    subprocess.run([sys.executable, "-c", check], check=True)
-
-
 @pytest.mark.parametrize(
     ("given_up", "said"),
     [
