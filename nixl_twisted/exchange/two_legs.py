@@ -215,8 +215,7 @@ class Exchange:
             self.metrics,
             lambda instance, leg: self._decode(instance, leg, completed),
             ByPolicy(pool, self.metrics, self.routing, self.retries.decode),
-            # A decode-only request has no prefill blocks to free: nobody to answer, no retry.
-            self._asked(lambda: not (self.client_gone and self.decision.mode is Mode.DECODE_ONLY)),
+            Asked(self.trace, self.record, self._decode_wanted),
             reserved,
         )
         self.record.decode_route = decode.decision
@@ -268,9 +267,13 @@ class Exchange:
             body = self.completion.decode_only_bytes()
         return DecodeRequest(self.target, body, self.headers, self.timeouts.decode)
 
-    def _asked(self, go_on: Callable[[], bool]) -> Asked:
-        """This request's legs: its trace and record, and while ``go_on`` says so."""
-        return Asked(self.trace, self.record, go_on)
+    def _prefill_wanted(self) -> bool:
+        """Nobody to answer and no blocks held yet: no more prefill attempts."""
+        return not self.client_gone
+
+    def _decode_wanted(self) -> bool:
+        """A decode-only request has no prefill blocks to free: nobody to answer, no retry."""
+        return not (self.client_gone and self.decision.mode is Mode.DECODE_ONLY)
 
     def _decided(self, decision: Decision) -> None:
         self.decision = decision
@@ -287,8 +290,7 @@ class Exchange:
             self.metrics,
             lambda instance, leg: self._prefill(instance, leg, lowered),
             ByPolicy(pool, self.metrics, self.routing, self.retries.prefill),
-            # Nobody to answer and no blocks held yet: no more prefill attempts.
-            self._asked(lambda: not self.client_gone),
+            Asked(self.trace, self.record, self._prefill_wanted),
         )
         self.record.prefill_route = prefill.decision
         self.record.prefill_matched_tokens = self.routing.matched.get("prefill")

@@ -15,6 +15,7 @@ it but through this value (``tests/pure/test_rooms.py`` holds them to it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -95,18 +96,13 @@ class Completion:
             return self._variant(body=asked, hides_usage=True)
         return self if body is self.body else self._variant(body=body)
 
-    def routed(self, model: str | None) -> Completion:
-        """For the instances that serve ``model`` (None: any)."""
-        return self if model == self.served else self._variant(served=model)
-
     def parts(self) -> tuple[Completion, ...]:
         """A batch's prompts, each its own completion: ``R-0``, ``R-1``, ... (its usage is
         the batch's to sum, so no part hides it)."""
         assert self.batch is not None
+        path, served = self.path, self.served
         return tuple(
-            Completion(self.path, dict(self.body, prompt=prompt), f"{self.request_id}-{i}").routed(
-                self.served
-            )
+            Completion(path, dict(self.body, prompt=prompt), f"{self.request_id}-{i}", None, served)
             for i, prompt in enumerate(self.batch.prompts)
         )
 
@@ -132,11 +128,23 @@ class Completion:
         return lowering.encode(lowering.decode_only_body(self.body))
 
 
-def read_completion(raw: bytes, path: str, request_id: str, max_batch_prompts: int) -> Completion:
-    """A two-leg route's body read: a ``ProxyError`` (400) for one the proxy cannot serve."""
+def read_completion(
+    raw: bytes,
+    path: str,
+    request_id: str,
+    max_batch_prompts: int,
+    served: Callable[[object], str | None] = lambda model: None,
+) -> Completion:
+    """A two-leg route's body read: a ``ProxyError`` (400) for one the proxy cannot serve.
+
+    ``served``: the model its instances must serve, given the one the body
+    names (raising the route's refusal when none serves it).
+    """
     body = lowering.parse_client_body(raw)
     lowering.check_servable(path, body)
-    return Completion(path, body, request_id, lowering.batch_of(path, body, max_batch_prompts))
+    model = served(body.get("model"))
+    batch = lowering.batch_of(path, body, max_batch_prompts)
+    return Completion(path, body, request_id, batch, model)
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,9 @@ class ProxyApp:
 
         def serve(rule: Rule) -> Deferred[None]:
             # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
-            admitted = read.admitted(rule.priority, bool(rule.tokens_per_minute))
+            admitted = read
+            if rule.priority is not None or rule.tokens_per_minute:
+                admitted = read.admitted(rule.priority, bool(rule.tokens_per_minute))
             return self.admission.serve(lambda: self.serving.completion(request, admitted, trace))
 
         return _then(self.tenancy.admit(request, path, read), serve)

@@ -13,6 +13,7 @@ the client's body again.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 
 from twisted.web.server import Request
 
@@ -31,13 +32,11 @@ def completion(
 ) -> Completion:
     """A two-leg route's request as a ``Completion``, routed to the model it names."""
     record = record_of(request)
-    read = read_completion(
-        client_body(request), path, _request_id(request, record), max_batch_prompts
-    )
-    model = read.model
-    if isinstance(model, str):
-        record.model = lowering.printable(model)
-    return read.routed(served_model(model, decode, record))
+    request_id = request_id_of(request.requestHeaders)
+    request.setHeader(REQUEST_ID, request_id.encode("ascii"))  # (every answer has one)
+    record.request_id = request_id
+    served = partial(served_model, decode=decode, record=record)
+    return read_completion(client_body(request), path, request_id, max_batch_prompts, served)
 
 
 def relayed(
@@ -47,7 +46,10 @@ def relayed(
     to the model that body names when ``decode`` says what is served (else to any: a
     stored response's routes, ``/v1/models`` relayed)."""
     record = record_of(request)
-    read = read_relayed(raw, path, _request_id(request, record))
+    request_id = request_id_of(request.requestHeaders)
+    request.setHeader(REQUEST_ID, request_id.encode("ascii"))  # (every answer has one)
+    record.request_id = request_id
+    read = read_relayed(raw, path, request_id)
     if decode is None:
         return read
     return read.routed(served_model(read.model, decode, record))
@@ -56,8 +58,11 @@ def relayed(
 def served_model(requested: object, decode: Iterable[Instance], record: AccessRecord) -> str | None:
     """The model to route on (``backends.models.resolve``); a ``ProxyError`` if none serves it.
 
-    A model an instance is known to serve becomes the record's metric label.
+    The model asked is the record's (its access line's); a model an
+    instance is known to serve becomes its metric label.
     """
+    if isinstance(requested, str):
+        record.model = lowering.printable(requested)
     try:
         resolved = resolve(requested, decode)
     except UnknownModel as error:
@@ -70,14 +75,6 @@ def served_model(requested: object, decode: Iterable[Instance], record: AccessRe
     if resolved.known and resolved.model is not None:
         record.served_model = resolved.model
     return resolved.model
-
-
-def _request_id(request: Request, record: AccessRecord) -> str:
-    """The request's id, set on its answer and its record first: every answer has one."""
-    request_id = request_id_of(request.requestHeaders)
-    request.setHeader(REQUEST_ID, request_id.encode("ascii"))
-    record.request_id = request_id
-    return request_id
 
 
 def client_body(request: Request) -> bytes:
