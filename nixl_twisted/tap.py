@@ -19,6 +19,7 @@ from nixl_twisted.config import ConfigError, ProxyConfig, resolve
 from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
 from nixl_twisted.run import startup
 from nixl_twisted.run.root import build
+from nixl_twisted.run.tree import Logging
 from nixl_twisted.run.workers import supervise
 
 
@@ -151,15 +152,13 @@ def makeService(options: Options) -> IService:
     startup.preload()  # twistd calls this before it sheds --uid/--gid
     startup.check_discovery(config, os.environ)
     startup.check_keys_file(config)
-    tree = supervise(config, reactor) if config.workers > 1 else build(config, reactor)
     twistd_options = getattr(options, "parent", None)
     levels = logs.LogLevels(config.log_level)
-    tree.log_observer = logs.observer(
-        config.log_format,
-        levels,
-        config.worker,
-        lambda: logs.log_file(twistd_options),
+    observer = logs.observer(
+        config.log_format, levels, config.worker, lambda: logs.log_file(twistd_options)
     )
-    if tree.log_observer is not None:
-        tree.log_levels = levels
-    return tree
+    # (twistd's own observer, for syslog or an operator's --logger: no filter to change)
+    logging = Logging(observer, levels) if observer is not None else None
+    if config.workers > 1:
+        return supervise(config, reactor, logging=logging)
+    return build(config, reactor, logging=logging)

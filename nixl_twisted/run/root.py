@@ -60,7 +60,7 @@ from nixl_twisted.run import startup
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import Announced, address, bind_error, listener
 from nixl_twisted.run.signals import SignalService
-from nixl_twisted.run.tree import ProcessTree
+from nixl_twisted.run.tree import Logging, ProcessTree
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
@@ -101,12 +101,13 @@ class ProxyService(ProcessTree):
         clock: IReactorTime,
         discovery: Discovery | None = None,
         configured: Sequence[Configured] = (),
+        logging: Logging | None = None,
     ) -> None:
         """``checks``: the health checks, whose first round the proxy waits for before it
         says it listens; ``discovery``: finds the instances of DNS names and selectors (not
         in a worker: its supervisor does); ``configured``: the other parts a reload
-        configures again."""
-        super().__init__(config)
+        configures again; ``logging``: what it logs through (``ProcessTree``)."""
+        super().__init__(config, logging)
         self._reactor = reactor
         self.app = app
         self.site = site
@@ -272,6 +273,7 @@ def build(
     agent: IAgent | None = None,
     take_signals: bool = True,
     tracer_provider: TracerProvider | None = None,
+    logging: Logging | None = None,
 ) -> ProxyService:
     """Make one proxy's whole service tree from its configuration: the one place it is made.
 
@@ -333,7 +335,7 @@ def build(
         client_keys=keys,
     )
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv]
-    root = ProxyService(config, app, site, checks, reactor, clock, found, configured)
+    root = ProxyService(config, app, site, checks, reactor, clock, found, configured, logging)
     if windows is not None:
         windows.setServiceParent(root)
     kv.setServiceParent(root)

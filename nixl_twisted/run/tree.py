@@ -8,6 +8,7 @@ live and says it in the same lines, whichever process took the signal.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from twisted.application.service import MultiService
@@ -18,17 +19,24 @@ from nixl_twisted.config import ConfigError, ProxyConfig
 from nixl_twisted.run import reloads
 
 
+@dataclass(frozen=True)
+class Logging:
+    """The observer a process logs through (None: twistd's own), and its level filter."""
+
+    observer: ILogObserver | None
+    levels: logs.LogLevels
+
+
 class ProcessTree(MultiService):
     """A process's service tree: its configuration, its log observer, its reload."""
 
-    #: What ``twistd nixlproxy`` offers its application (``nixl_twisted.logs``).
-    log_observer: ILogObserver | None = None
-    #: The ``--log-level`` filter of that observer, which a reload changes.
-    log_levels: logs.LogLevels | None = None
-
-    def __init__(self, config: ProxyConfig) -> None:
+    def __init__(self, config: ProxyConfig, logging: Logging | None = None) -> None:
+        """``logging``: the log observer ``twistd nixlproxy`` offers its application
+        (``nixl_twisted.logs``), and its ``--log-level`` filter, which a reload changes."""
         super().__init__()
         self.config = config
+        self.log_observer = logging.observer if logging is not None else None
+        self.log_levels = logging.levels if logging is not None else None
 
     def setServiceParent(self, parent: Any) -> None:
         """Under twistd the parent is the application: offer it our log observer."""

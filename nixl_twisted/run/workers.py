@@ -51,7 +51,7 @@ from nixl_twisted.run.coordination import (
 from nixl_twisted.run.ports import cannot_listen, shared_socket
 from nixl_twisted.run.root import backend_service
 from nixl_twisted.run.signals import SignalService
-from nixl_twisted.run.tree import ProcessTree
+from nixl_twisted.run.tree import Logging, ProcessTree
 
 log = Logger()
 
@@ -256,8 +256,9 @@ class SupervisorService(ProcessTree):
         supervisor: WorkerSupervisor,
         reactor: Any,
         take_signals: bool = True,
+        logging: Logging | None = None,
     ) -> None:
-        super().__init__(config)
+        super().__init__(config, logging)
         self.supervisor = supervisor
         if take_signals:  # first: its handlers go in before any worker is spawned
             SignalService(reactor, self.reload).setServiceParent(self)
@@ -275,8 +276,10 @@ class SupervisorService(ProcessTree):
         return f", sent to {len(self.supervisor.workers)} workers"
 
 
-def supervise(config: ProxyConfig, reactor: Any, take_signals: bool = True) -> SupervisorService:
+def supervise(
+    config: ProxyConfig, reactor: Any, take_signals: bool = True, logging: Logging | None = None
+) -> SupervisorService:
     """The service tree of a ``--workers`` parent: it checks the backends' health for all."""
     backends, checks = backend_service(config, reactor, reactor)
     supervisor = WorkerSupervisor(config, reactor, backends, checks)
-    return SupervisorService(config, supervisor, reactor, take_signals)
+    return SupervisorService(config, supervisor, reactor, take_signals, logging)
