@@ -21,16 +21,9 @@ from twisted.web.server import Request
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
-from nixl_twisted.exchange.legs import (
-    Asked,
-    ByPolicy,
-    DecodeRequest,
-    Elsewhere,
-    Legs,
-    reason_of,
-    send_leg,
-)
+from nixl_twisted.exchange.legs import DecodeRequest, Legs
 from nixl_twisted.exchange.relay import abandon, break_off, relay_body, start_response
+from nixl_twisted.exchange.sending import Asked, ByPolicy, Elsewhere, reason_of, send_leg
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import LegTrace, RequestTrace
 from nixl_twisted.protocol.codes import ErrorCode

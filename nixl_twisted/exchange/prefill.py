@@ -15,14 +15,8 @@ from twisted.web.http_headers import Headers
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.upstream import read_body
-from nixl_twisted.exchange.legs import (
-    Legs,
-    PrefillRefused,
-    Retry,
-    account,
-    reason_of,
-    unreachable,
-)
+from nixl_twisted.exchange.legs import Legs
+from nixl_twisted.exchange.sending import PrefillRefused, Retry, account, reason_of, unreachable
 from nixl_twisted.observe.spans import LegTrace
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError

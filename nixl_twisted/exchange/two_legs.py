@@ -23,20 +23,7 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
-from nixl_twisted.exchange.legs import (
-    Asked,
-    ByPolicy,
-    DecodeRequest,
-    Legs,
-    NoInstanceServed,
-    PrefillRefused,
-    account,
-    note_handoff,
-    reason_of,
-    reserve,
-    send_leg,
-    timed_out,
-)
+from nixl_twisted.exchange.legs import DecodeRequest, Legs, note_handoff
 from nixl_twisted.exchange.prefill import prefill_attempt
 from nixl_twisted.exchange.relay import (
     StreamSilent,
@@ -46,6 +33,17 @@ from nixl_twisted.exchange.relay import (
     start_response,
 )
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
+from nixl_twisted.exchange.sending import (
+    Asked,
+    ByPolicy,
+    NoInstanceServed,
+    PrefillRefused,
+    account,
+    reason_of,
+    reserve,
+    send_leg,
+    timed_out,
+)
 from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.access import record_of

@@ -24,7 +24,8 @@ from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.legs import DecodeRequest, Legs, Retry
+from nixl_twisted.exchange.legs import DecodeRequest, Legs
+from nixl_twisted.exchange.sending import Retry
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics

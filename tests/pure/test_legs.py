@@ -12,8 +12,8 @@ from twisted.internet.task import Clock
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.backends.routing import NO_ROUTING
-from nixl_twisted.exchange.legs import Asked, ByPolicy, Retry, reason_of, send_leg
 from nixl_twisted.exchange.prefill import PrefillVerdict, classify_prefill
+from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, reason_of, send_leg
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace
 from nixl_twisted.protocol.codes import ErrorCode
@@ -158,7 +158,7 @@ def test_a_handoff_gap_past_the_warning_is_counted_and_logged() -> None:
 
 
 def test_a_leg_sent_elsewhere_asks_the_next_and_counts_nothing_against_the_first() -> None:
-    from nixl_twisted.exchange.legs import Elsewhere
+    from nixl_twisted.exchange.sending import Elsewhere
     from nixl_twisted.observe.access import AccessRecord
 
     backends = pool("a", "b")
