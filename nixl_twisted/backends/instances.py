@@ -46,6 +46,12 @@ class Instance:
     models: dict[str, dict[str, Any]] | None = None
     #: The models ``[models.NAME]`` lists it under (served until it says what it serves).
     named: frozenset[str] = frozenset()
+    #: The legs its URL says it takes at once (``#max-in-flight=N``; None: its pool's).
+    own_cap: int | None = None
+    #: The legs this process may hold on it at once (``backends.capacity``; None: no cap).
+    slots: int | None = None
+    #: It answered 503 (its engine's queue full): no leg goes to it before this time.
+    full_until: float = 0.0
 
     def serves(self, model: str) -> bool:
         """Whether a request for ``model`` may go here (``nixl_twisted.backends.models``):
@@ -73,11 +79,13 @@ class Instance:
 
     @property
     def declared(self) -> str:
-        """Its URL as a pool is given it: with its KV event ports, if it has its own."""
-        if not self.kv:
+        """Its URL as a pool is given it: with its KV event ports and its cap, if its own."""
+        said = [f"{name}={self.kv[name]}" for name in sorted(self.kv)]
+        if self.own_cap is not None:
+            said.append(f"max-in-flight={self.own_cap}")
+        if not said:
             return self.url
-        ports = "&".join(f"{name}={self.kv[name]}" for name in sorted(self.kv))
-        return f"{self.url}{'&' if '#' in self.url else '#'}{ports}"
+        return f"{self.url}{'&' if '#' in self.url else '#'}{'&'.join(said)}"
 
     @property
     def rank(self) -> int | None:
@@ -104,6 +112,7 @@ class Instance:
             "healthy": self.healthy,
             "draining": self.draining,
             "in_flight": self.in_flight,
+            "max_in_flight": self.slots,
             "failures": self.failures,
             "last_error": self.last_error,
             "load": self.load or None,

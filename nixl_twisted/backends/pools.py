@@ -22,14 +22,15 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from nixl_twisted.backends import health
+from nixl_twisted.backends.capacity import COOL, Caps, has_room
 from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.prefixes import SentPrefixes
 from nixl_twisted.backends.roster import PoolChangeRefused, Roster
 from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
-from nixl_twisted.config.values import backend_url, instance_url, kv_ports, rank_urls
+from nixl_twisted.config.values import backend_url, cap_of, instance_url, kv_ports, rank_urls
 
-__all__ = ["BackendPool", "Lease", "NoHealthyInstance", "PoolChangeRefused"]
+__all__ = ["BackendPool", "Lease", "NoHealthyInstance", "NoRoom", "PoolChangeRefused"]
 
 log = Logger()
 
@@ -46,6 +47,10 @@ class NoHealthyInstance(Exception):
         super().__init__(f"no healthy {self.what}")
         self.role = role
         self.retry_after = retry_after
+
+
+class NoRoom(NoHealthyInstance):
+    """Every instance that could take the leg is at its cap (or cooling after a 503)."""
 
 
 class BackendPool(Roster):
@@ -72,6 +77,12 @@ class BackendPool(Roster):
         self.clock = clock
         self.thresholds = thresholds
         self._initial = State.PENDING if checked else State.UP
+        #: How many legs each instance takes at once (``backends.capacity``), and whether
+        #: any of its instances has a cap at all (else no leg ever waits for room).
+        self.caps = Caps()
+        self.capped = False
+        #: Told when a leg ends or an instance stops cooling: room may have come free.
+        self._freed: list[Callable[[], object]] = []
         self.instances = [self._new(name, "static") for url in urls for name in rank_urls(url)]
         self._cursor = 0
         #: Set in a worker: outcomes go to the supervisor, which decides.
@@ -106,7 +117,7 @@ class BackendPool(Roster):
 
     def _new(self, url: str, source: str) -> Instance:
         declared = backend_url(url)
-        return Instance(
+        instance = Instance(
             instance_url(declared),
             self.role,
             state=self._initial,
@@ -114,6 +125,39 @@ class BackendPool(Roster):
             sources={source},
             came_from=source,
         )
+        self._cap(instance, cap_of(declared))
+        return instance
+
+    # -- caps ---------------------------------------------------------------
+
+    def use_caps(self, caps: Caps) -> None:
+        """Each instance's cap and this process's share of it, from now on."""
+        self.caps = caps
+        self.capped = False
+        for instance in self.instances:
+            self._cap(instance, instance.own_cap)
+        self._notify_freed()  # (a larger cap: room now)
+
+    def _cap(self, instance: Instance, own: int | None) -> None:
+        instance.own_cap = own
+        instance.slots = self.caps.slots(instance)
+        self.capped = self.capped or instance.slots is not None
+
+    def has_room(self, instance: Instance) -> bool:
+        return has_room(instance, self._now())
+
+    def cool(self, instance: Instance) -> None:
+        """vLLM answered 503 (its engine's queue is full): it counts as full for a moment."""
+        instance.full_until = self._now() + COOL
+        self.clock.callLater(COOL, self._notify_freed)
+
+    def on_freed(self, told: Callable[[], object]) -> None:
+        """``told()`` whenever room may have come free (a leg ended, a cooling ended)."""
+        self._freed.append(told)
+
+    def _notify_freed(self) -> None:
+        for told in self._freed:
+            told()
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -137,13 +181,15 @@ class BackendPool(Roster):
         return any(i.healthy and not i.draining for i in self.instances)
 
     def choose(
-        self, exclude: Collection[Instance] = (), routing: Routing = NO_ROUTING
+        self, exclude: Collection[Instance] = (), routing: Routing = NO_ROUTING, room: bool = False
     ) -> tuple[Instance, str]:
         """The instance for the next leg of this role, and the policy's decision.
 
         The policy chooses among the available instances; when none is,
         among those not draining (panic, logged once). Raises
-        ``NoHealthyInstance`` when every instance was tried or is draining.
+        ``NoHealthyInstance`` when every instance was tried or is draining;
+        ``room``: only among those under their cap (``NoRoom`` when none is).
+        An instance cooling after a 503 is chosen only when every other is.
         """
         model = routing.model
         serving = (
@@ -158,6 +204,13 @@ class BackendPool(Roster):
             candidates = [i for i in serving if i not in exclude and not i.draining]
         if not candidates:
             raise NoHealthyInstance(self.role, self.retry_after(), model)
+        now = self._now()
+        if room:
+            candidates = [i for i in candidates if has_room(i, now)]
+            if not candidates:
+                raise NoRoom(self.role, 1.0, model)
+        elif any(i.full_until > now for i in candidates):
+            candidates = [i for i in candidates if i.full_until <= now] or candidates
         # Said once per change, for the pool or for a model's instances in it.
         if panic and model not in self._in_panic:
             self._in_panic.add(model)
@@ -206,6 +259,8 @@ class BackendPool(Roster):
         if instance.draining and instance.in_flight == 0 and instance in self.instances:
             self.instances.remove(instance)
             log.info("{role} instance {url} drained and removed", role=self.role, url=instance.url)
+        if self._freed and instance.slots is not None:
+            self._notify_freed()
 
     # -- what legs and health checks learn ---------------------------------
 

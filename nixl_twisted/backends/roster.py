@@ -16,7 +16,7 @@ from collections.abc import Collection, Sequence
 from twisted.logger import Logger
 
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.config.values import backend_url, instance_url, kv_ports, rank_urls
+from nixl_twisted.config.values import backend_url, cap_of, instance_url, kv_ports, rank_urls
 
 log = Logger()
 
@@ -44,6 +44,9 @@ class Roster:
     _listed: dict[str, set[str]]
 
     def _new(self, url: str, source: str) -> Instance:
+        raise NotImplementedError
+
+    def _cap(self, instance: Instance, own: int | None) -> None:
         raise NotImplementedError
 
     @property
@@ -86,7 +89,8 @@ class Roster:
                     log.info("{role} instance {url} added", role=self.role, url=instance.url)
             if instance.sources == _RETIRING:
                 instance.sources = set()  # (listed again: no longer retiring)
-            instance.kv = kv_ports(name)  # (a reload may move its events)
+            instance.kv = kv_ports(name)  # (a reload may move its events, change its cap)
+            self._cap(instance, cap_of(name))
             instance.sources.add(source)
             instance.draining = False
             added.append(instance)

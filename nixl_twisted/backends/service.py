@@ -16,6 +16,7 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 
 from nixl_twisted.backends import routing
+from nixl_twisted.backends.capacity import Caps
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.models import name_instances, named_by_instance
@@ -75,6 +76,7 @@ class BackendService(Service):
         """
         self.use_pools(config)
         self.use_policies(config.policies, config.disaggregation, config.pools.models)
+        self.use_caps(config)
         health = config.health
         thresholds = Thresholds.of(health)
         for pool in self.pools():
@@ -148,6 +150,25 @@ class BackendService(Service):
                 for instance in pool.instances:
                     instance.load = {}  # no longer read: not shown as if it were current
 
+    def use_caps(self, config: ProxyConfig) -> None:
+        """Each instance's cap (its own, its model's, its pool's) and this process's share."""
+        capacity = config.capacity
+        defaults = {
+            "prefill": capacity.prefill_max_in_flight,
+            "decode": capacity.decode_max_in_flight,
+        }
+        worker = config.worker if config.worker is not None else 0
+        for pool in self.pools():
+            key = f"{pool.role}-max-in-flight"
+            by_model = {
+                m.name: m.setting(key, 0) for m in config.pools.models if key in dict(m.own)
+            }
+            pool.use_caps(Caps(defaults[pool.role], by_model, worker, config.worker_count))
+
+    def capped(self) -> bool:
+        """Whether any instance has a cap: else no leg ever waits for room."""
+        return self.prefill.capped or self.decode.capped
+
     def use_pools(self, config: ProxyConfig) -> None:
         """Make each pool these URLs: the new join, those no longer listed drain.
 
@@ -167,8 +188,11 @@ class BackendService(Service):
             self._name(pool)
 
     def _name(self, pool: BackendPool) -> None:
-        """The pool's instances named by ``[models.NAME]`` as last configured."""
+        """The pool's instances named by ``[models.NAME]`` as last configured (and so their
+        model's cap)."""
         name_instances(pool.instances, self._named.get(pool.role, {}))
+        if pool.caps.by_model:
+            pool.use_caps(pool.caps)
 
     def ready(self) -> bool:
         """Both pools have an instance that is up now."""

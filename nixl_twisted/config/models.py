@@ -28,6 +28,8 @@ MODEL_KEYS: dict[str, Callable[[object], Any]] = {
     "decode-only-busy-below": count(0),
     "prefill-busy-at": count(1),
     "prefill-fallback": choice("none", "decode"),
+    "prefill-max-in-flight": count(0),
+    "decode-max-in-flight": count(0),
 }
 
 

@@ -85,9 +85,9 @@ class TenantsConfig:
     max_in_flight: int
     requests_per_minute: int
     tokens_per_minute: int
-    #: Each listed tenant's own: (name, in flight, requests, tokens, priority); -1 (None
-    #: for the priority): the default.
-    table: tuple[tuple[str, int, int, int, int | None], ...] = ()
+    #: Each listed tenant's own: (name, in flight, requests, tokens, priority, weight);
+    #: -1 (None for the priority and the weight): the default.
+    table: tuple[tuple[str, int, int, int, int | None, float | None], ...] = ()
     #: The vLLM ``priority`` of every tenant's requests (None: the client's own).
     priority: int | None = None
     #: The Redis that every replica counts requests and tokens per minute in (None: each its own).
@@ -213,6 +213,23 @@ class Limits:
     max_idle_per_backend: int
     #: Client connections open at once (each holds a file descriptor).
     max_connections: int
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How many legs each instance takes at once, and the queue in front of them.
+
+    A cap of 0 is none. With none anywhere, there is no queue: every
+    request goes to the engines at once, as vLLM's own queue takes it.
+    """
+
+    #: Legs each prefill / decode instance takes at once, unless its URL says
+    #: (``#max-in-flight=N``) or its model's table does.
+    prefill_max_in_flight: int
+    decode_max_in_flight: int
+    #: Requests that may wait for a slot, in all; and how long each may wait.
+    queue_size: int
+    queue_timeout: float
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 from nixl_twisted.config.endpoints import tcp_address
 from nixl_twisted.config.parts import (
+    Capacity,
     Disaggregation,
     DiscoveryConfig,
     Health,
@@ -51,6 +52,7 @@ class ProxyConfig:
     retries: Retries
     health: Health
     limits: Limits
+    capacity: Capacity
     traces: Traces
     metrics_listen: str | None
     #: The admin endpoint: /admin/*, /healthcheck in full and /metrics there only.
@@ -68,6 +70,8 @@ class ProxyConfig:
     config_path: str | None = None
     #: Set in a ``--workers`` worker: its number; its TCP ports are shared.
     worker: int | None = None
+    #: The workers of its proxy, in a worker (each takes its share of the instances' caps).
+    worker_count: int = 1
     #: What the command line gave (parsed), which a reload keeps over the file's.
     command_line: tuple[tuple[str, object], ...] = field(default=(), repr=False, compare=False)
 
@@ -78,6 +82,7 @@ class ProxyConfig:
         config_path: str | None = None,
         worker: int | None = None,
         command_line: Mapping[str, object] | None = None,
+        worker_count: int = 1,
     ) -> ProxyConfig:
         """Build from settings by long name; defaults fill the rest.
 
@@ -120,6 +125,7 @@ class ProxyConfig:
             **{name: _PARTS[name](**given) for name, given in parts.items()},
             config_path=config_path,
             worker=worker,
+            worker_count=worker_count if worker is not None else 1,
             command_line=tuple((command_line or {}).items()),
         )
 
@@ -141,7 +147,12 @@ class ProxyConfig:
     def to_json(self) -> str:
         """What a worker is handed: every setting, resolved."""
         return json.dumps(
-            {"settings": self.settings(), "config_path": self.config_path, "worker": self.worker}
+            {
+                "settings": self.settings(),
+                "config_path": self.config_path,
+                "worker": self.worker,
+                "worker_count": self.worker_count,
+            }
         )
 
     @classmethod
@@ -149,7 +160,8 @@ class ProxyConfig:
         """A worker's configuration, checked as every other source is."""
         data = json.loads(raw)
         given = {key: value for key, value in data["settings"].items() if value is not None}
-        return cls.from_settings(given, data["config_path"], data["worker"])
+        count = int(data.get("worker_count", 1))
+        return cls.from_settings(given, data["config_path"], data["worker"], worker_count=count)
 
     def rules_for(self, model: str | None) -> Disaggregation:
         """When a request for ``model`` skips prefill: its ``[models.NAME]`` table's rules."""
@@ -189,6 +201,7 @@ class ProxyConfig:
             admin_listen=admin_listen,
             workers=1,
             worker=number,
+            worker_count=self.workers,
         )
 
 
@@ -204,6 +217,7 @@ _PARTS: dict[str, type] = {
     "retries": Retries,
     "health": Health,
     "limits": Limits,
+    "capacity": Capacity,
     "traces": Traces,
 }
 

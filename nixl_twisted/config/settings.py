@@ -305,7 +305,8 @@ SETTINGS: tuple[Setting, ...] = (
         tenant_table,
         help=(
             "Each tenant's own limits, [tenants.NAME] tables in the file (max-in-flight, "
-            "requests-per-minute, tokens-per-minute, priority), JSON on the command line."
+            "requests-per-minute, tokens-per-minute, priority, weight), JSON on the command "
+            "line."
         ),
     ),
     Setting(
@@ -608,6 +609,44 @@ SETTINGS: tuple[Setting, ...] = (
         1024,
         count(1),
         help=("Requests served at once; past it, 503 with Retry-After at once."),
+    ),
+    Setting(
+        "prefill-max-in-flight",
+        "capacity.prefill_max_in_flight",
+        0,
+        count(0),
+        help=(
+            "Legs each prefill instance takes at once (0: no cap); a URL's "
+            "#max-in-flight=N and a [models.NAME] table's prefill-max-in-flight win. Past "
+            "it, requests wait in the proxy's queue (docs/operations.md, Overload)."
+        ),
+    ),
+    Setting(
+        "decode-max-in-flight",
+        "capacity.decode_max_in_flight",
+        0,
+        count(0),
+        help=(
+            "Legs each decode instance takes at once (0: no cap), as vLLM's --max-num-seqs "
+            "runs them; the decode slot is reserved before prefill is sent."
+        ),
+    ),
+    Setting(
+        "queue-size",
+        "capacity.queue_size",
+        1024,
+        count(0),
+        help=(
+            "Requests that may wait in all for a slot while instances are at their caps; "
+            "past it, 503 queue_full with Retry-After."
+        ),
+    ),
+    Setting(
+        "queue-timeout",
+        "capacity.queue_timeout",
+        30.0,
+        seconds,
+        help="Longest a request waits for a slot; then 503 queue_timeout with Retry-After.",
     ),
     Setting(
         "max-connections",

@@ -69,17 +69,27 @@ def priority(value: object) -> int:
 #: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
 TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
 #: What else a tenant's table may say.
-TENANT_KEYS = (*TENANT_LIMITS, "priority")
+TENANT_KEYS = (*TENANT_LIMITS, "priority", "weight")
 
-#: One tenant's row: name, in flight, requests, tokens (-1: the default's), priority (None: unset).
-TenantRow = tuple[str, int, int, int, int | None]
+#: One tenant's row: name, in flight, requests, tokens (-1: the default's), priority (None:
+#: unset), and its weight in the proxy's fair queue (None: 1).
+TenantRow = tuple[str, int, int, int, int | None, float | None]
+
+
+def weight(value: object) -> float:
+    """A tenant's share of slots while tenants wait for them: a number above 0 (1: even)."""
+    number = as_number(value, float, "a number")
+    if not 0 < number <= 1_000_000:
+        raise InvalidValue(f"must be above 0 (and at most 1000000), not {value!r}")
+    return float(number)
 
 
 def tenant_table(value: object) -> tuple[TenantRow, ...]:
     """``[tenants.NAME]`` tables (or the same as JSON text, or this parser's own output):
     each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``
-    (one left out is the default's, -1) and its vLLM ``priority`` (None: the default's),
-    as (name, in flight, requests, tokens, priority), sorted by name."""
+    (one left out is the default's, -1), its vLLM ``priority`` (None: the default's) and
+    its ``weight`` in the fair queue (None: 1), as (name, in flight, requests, tokens,
+    priority, weight), sorted by name."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -87,8 +97,10 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             raise InvalidValue("must be a table of tenants (JSON on the command line)") from None
     if isinstance(value, list | tuple):
         rows = [tuple(row) for row in value]
-        if not all(len(row) == 5 and isinstance(row[0], str) for row in rows):
-            raise InvalidValue("must be rows of (tenant, in flight, requests, tokens, priority)")
+        if not all(len(row) == 6 and isinstance(row[0], str) for row in rows):
+            raise InvalidValue(
+                "must be rows of (tenant, in flight, requests, tokens, priority, weight)"
+            )
         value = {
             row[0]: {
                 key: number
@@ -115,5 +127,9 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             own = None if limits.get("priority") is None else priority(limits["priority"])
         except InvalidValue as error:
             raise InvalidValue(f"{where}priority {error}") from None
-        table.append((str(name), *numbers, own))
+        try:
+            share = None if limits.get("weight") is None else weight(limits["weight"])
+        except InvalidValue as error:
+            raise InvalidValue(f"{where}weight {error}") from None
+        table.append((str(name), *numbers, own, share))
     return tuple(sorted(table, key=lambda row: row[0]))  # type: ignore[arg-type]

@@ -135,14 +135,16 @@ _RANKS = re.compile(r"(dp|rank)=0*([0-9]{1,9})")
 #: ``kv-events=PORT`` or ``kv-events=tcp://HOST:PORT`` (and ``kv-replay=``): where the
 #: instance publishes its KV cache events, and answers replays.
 _KV = re.compile(r"(kv-events|kv-replay)=(0*[0-9]{1,5}|tcp://[^&#\s]+:[0-9]{1,5})")
+#: ``max-in-flight=N``: the legs the instance (each of its ranks) takes at once.
+_CAP = re.compile(r"max-in-flight=0*([0-9]{1,6})")
 #: The most ranks one ``#dp=N`` declares. Each rank is an instance: health-checked,
 #: scraped, a label in every metric. A vLLM engine per GPU makes 1024 far more than
 #: any deployment has behind one port, while a typo (``#dp=100000``) cannot make a
 #: pool of a hundred thousand instances.
 MAX_RANKS = 1024
 _FRAGMENTS = (
-    "the fragment is #dp=N (N ranks) or #rank=I, and kv-events=PORT and kv-replay=PORT "
-    "(or tcp://HOST:PORT), joined by &"
+    "the fragment is #dp=N (N ranks) or #rank=I, kv-events=PORT and kv-replay=PORT "
+    "(or tcp://HOST:PORT) and max-in-flight=N, joined by &"
 )
 
 
@@ -154,8 +156,9 @@ def backend_url(value: object) -> str:
     path. The fragment (never sent on the wire, so it cannot be mistaken
     for part of the path) says the instance's data-parallel ranks,
     ``#dp=N`` (it serves N engines behind one port) or ``#rank=I`` (one of
-    them), and where it publishes its KV cache events (``kv-events=5557``,
-    its replay endpoint ``kv-replay=5558``), joined by ``&``.
+    them), where it publishes its KV cache events (``kv-events=5557``,
+    its replay endpoint ``kv-replay=5558``) and how many legs it takes at
+    once (``max-in-flight=4``, each rank's), joined by ``&``.
     """
     url = text(value)
     parts = _http_url(url)
@@ -165,11 +168,14 @@ def backend_url(value: object) -> str:
         raise InvalidValue(f"{url!r} must not carry credentials; use --backend-api-key")
     ranks: re.Match[str] | None = None
     kv: dict[str, str] = {}
+    cap: re.Match[str] | None = None
     for part in parts.fragment.split("&") if parts.fragment else ():
         if (found := _RANKS.fullmatch(part)) is not None and ranks is None:
             ranks = found
         elif (found := _KV.fullmatch(part)) is not None and found[1] not in kv:
             kv[found[1]] = _kv_where(url, found[2])
+        elif (found := _CAP.fullmatch(part)) is not None and cap is None:
+            cap = found
         else:
             raise InvalidValue(f"{url!r}: {_FRAGMENTS}")
     if ranks is not None and ranks[1] == "dp" and not 1 <= int(ranks[2]) <= MAX_RANKS:
@@ -179,6 +185,7 @@ def backend_url(value: object) -> str:
     base = url.split("#", 1)[0].rstrip("/")
     fragment = [f"{ranks[1]}={int(ranks[2])}"] if ranks else []
     fragment += [f"{name}={kv[name]}" for name in ("kv-events", "kv-replay") if name in kv]
+    fragment += [f"max-in-flight={int(cap[1])}"] if cap else []
     return f"{base}#{'&'.join(fragment)}" if fragment else base
 
 
@@ -310,6 +317,15 @@ def instance_url(url: str) -> str:
     base, _, fragment = url.partition("#")
     ranks = [part for part in fragment.split("&") if part.startswith(("dp=", "rank="))]
     return f"{base}#{ranks[0]}" if ranks else base
+
+
+def cap_of(url: str) -> int | None:
+    """The legs a declared URL says its instance takes at once (``max-in-flight=N``), or None."""
+    _, _, fragment = url.partition("#")
+    for part in fragment.split("&"):
+        if part.startswith("max-in-flight="):
+            return int(part.removeprefix("max-in-flight="))
+    return None
 
 
 def kv_ports(url: str) -> dict[str, str]:

@@ -22,7 +22,9 @@ from twisted.web.iweb import IResponse
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.sending import account, timed_out, unreachable
+from nixl_twisted.exchange.relay import abandon
+from nixl_twisted.exchange.sending import account, full, timed_out, unreachable
+from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.exchange.tokens import Renderer
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.access import AccessRecord
@@ -44,6 +46,8 @@ class DecodeRequest:
     headers: Headers
     #: Seconds for decode's response headers (``--decode-timeout``).
     timeout: float
+    #: A 503 (vLLM's engine queue full) is retried on another instance, not relayed.
+    full_is_retried: bool = False
 
 
 def _as_it_is(waiting: Deferred[IResponse]) -> Deferred[IResponse]:
@@ -66,13 +70,16 @@ class Legs:
         clock: IReactorTime,
         metrics: ProxyMetrics,
         config: ProxyConfig,
+        slots: Slots | None = None,
     ) -> None:
+        """``slots``: where completions wait for room at capped instances (None: never)."""
         self.backends = backends
         #: What vLLM's KV events say each instance holds (kv-aware, the cached rule).
         self.kv = kv
         self.clock = clock
         self.metrics = metrics
         self.config = config
+        self.slots = slots
         #: Prompts' token ids from vLLM's render endpoints, for kv-aware.
         self.renderer = Renderer(backends.upstream, clock)
 
@@ -115,6 +122,9 @@ class Legs:
         except Exception as error:
             raise unreachable(instance, error) from None
         leg.answered(response.code)
+        if response.code == 503 and request.full_is_retried:
+            abandon(response)
+            raise full(instance)  # (vLLM's engine queue is full: another instance is asked)
         # An answer, even an error (a KV-load failure is a 500), shows the
         # instance is up: only silence and refusals take it out.
         account(self.metrics, pool, instance, "answered" if response.code < 400 else "error_status")

@@ -16,7 +16,14 @@ from twisted.web.http_headers import Headers
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.upstream import read_body
 from nixl_twisted.exchange.legs import Legs
-from nixl_twisted.exchange.sending import PrefillRefused, Retry, account, reason_of, unreachable
+from nixl_twisted.exchange.sending import (
+    PrefillRefused,
+    Retry,
+    account,
+    full,
+    reason_of,
+    unreachable,
+)
 from nixl_twisted.observe.spans import LegTrace
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -86,6 +93,8 @@ async def prefill_attempt(
         f"the prefill instance answered HTTP {status}",
         detail=f"prefill instance {instance.url} answered HTTP {status}",
     )
+    if status == 503:
+        raise full(instance)  # (vLLM's engine queue is full: not a failure of the instance)
     if verdict is PrefillVerdict.RETRY:
         raise Retry(failed, "error_status", f"answered HTTP {status}")
     if verdict is not PrefillVerdict.PARAMS:

@@ -21,26 +21,42 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IResponse
 
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance
+from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance, NoRoom
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
 from nixl_twisted.protocol import codes
+from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
 
 
 class Retry(Exception):
-    """The instance failed (``down`` says why): another may serve the same leg."""
+    """The instance failed (``down`` says why): another may serve the same leg.
 
-    def __init__(self, error: ProxyError, outcome: str, down: str) -> None:
+    ``down`` None: it did not fail, it is full (vLLM answered 503: its engine's
+    queue is full); it counts as full for a moment, not toward marking it down.
+    """
+
+    def __init__(self, error: ProxyError, outcome: str, down: str | None) -> None:
         super().__init__(error.detail)
         #: What the client sees if no other instance serves the leg.
         self.error = error
         self.outcome = outcome
         self.down = down
+
+
+def full(instance: Instance) -> Retry:
+    """vLLM answered 503 before anything reached the client: another instance is asked."""
+    failed = ProxyError(
+        ErrorCode.ENGINE_FULL,
+        f"every {instance.role} instance tried is full (its engine's queue): try again shortly",
+        retry_after=1.0,
+        detail=f"{instance.role} instance {instance.url} answered 503 (full)",
+    )
+    return Retry(failed, "full", None)
 
 
 class Elsewhere(Exception):
@@ -83,9 +99,10 @@ def timed_out(instance: Instance, seconds: float) -> ProxyError:
 
 def unavailable(error: NoHealthyInstance) -> ProxyError:
     """503 with Retry-After: the pool has no instance to send a leg to now."""
+    said = "every {} is at its cap" if isinstance(error, NoRoom) else "no healthy {}"
     return ProxyError(
         codes.no_healthy(error.role),
-        f"no healthy {error.what}: try again shortly",
+        f"{said.format(error.what)}: try again shortly",
         retry_after=error.retry_after,
     )
 
@@ -125,10 +142,17 @@ def traced(lease: Lease, trace: RequestTrace, attempt: int) -> LegTrace:
     return leg
 
 
-def reserve(pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING) -> Lease:
-    """The instance the pool's policy chooses now, held for a leg sent later (503: none)."""
+def reserve(
+    pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING, room: bool = False
+) -> Lease:
+    """The instance the pool's policy chooses now, held for a leg sent later (503: none).
+
+    ``room``: among those under their caps only (``NoRoom`` when none is).
+    """
     try:
-        instance, decision = ByPolicy(pool, metrics, routing)(())
+        instance, decision = ByPolicy(pool, metrics, routing, room=room)(())
+    except NoRoom:
+        raise
     except NoHealthyInstance as error:
         raise unavailable(error) from None
     return pool.lease(instance, decision)
@@ -155,18 +179,25 @@ class ByPolicy:
     """
 
     def __init__(
-        self, pool: BackendPool, metrics: ProxyMetrics, routing: Routing, retries: int = 0
+        self,
+        pool: BackendPool,
+        metrics: ProxyMetrics,
+        routing: Routing,
+        retries: int = 0,
+        room: bool = False,
     ) -> None:
+        """``room``: only instances under their caps (a completion's legs, when capped)."""
         self.pool = pool
         self.metrics = metrics
         self.routing = routing
         self.retries = retries
+        self.room = room
 
     def __call__(self, tried: Sequence[Instance]) -> tuple[Instance, str]:
         pool, metrics, routing = self.pool, self.metrics, self.routing
         if tried:
             metrics.retries.labels(pool.role).inc()
-        instance, decision = pool.choose(exclude=tried, routing=routing)
+        instance, decision = pool.choose(exclude=tried, routing=routing, room=self.room)
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
         policy_name, _ = pool.policy_for(routing.model)
@@ -242,11 +273,14 @@ async def send_leg(
             try:
                 served = await attempt(instance, leg)
             except Retry as retry:
-                leg.fail(
-                    f"{retry.down}; another instance is tried" if number <= retries else retry.down
-                )
+                said = retry.down or "full (503)"
+                leg.fail(f"{said}; another instance is tried" if number <= retries else said)
                 lease.release()
-                account(metrics, pool, instance, retry.outcome, retry.down)
+                if retry.down is None:
+                    pool.cool(instance)
+                    metrics.child(metrics.backend_requests, pool.role, instance.url, "full").inc()
+                else:
+                    account(metrics, pool, instance, retry.outcome, retry.down)
                 noted(pool.role, instance.url, retry.outcome, number > 1)
                 last = retry.error
             except Elsewhere as elsewhere:

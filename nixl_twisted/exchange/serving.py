@@ -10,6 +10,8 @@ On a drain that timed out, ``shut_down`` cuts every completion still running.
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
@@ -72,6 +74,15 @@ class Serving:
             return result
 
         return exchange.start().addBoth(ended)
+
+    def stop_queueing(self) -> None:
+        """SIGTERM: every completion waiting for its slots is answered at once (503)."""
+        if self.legs.slots is not None:
+            self.legs.slots.shut()
+
+    def queues(self) -> list[dict[str, Any]]:
+        """What waits in the proxy's queue, by model (``Slots.status``)."""
+        return self.legs.slots.status() if self.legs.slots is not None else []
 
     def shut_down(self) -> None:
         """The drain timeout ended: every completion still running is cut, and told why."""

@@ -23,7 +23,9 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
+from nixl_twisted.exchange.fair_queue import Ticket
 from nixl_twisted.exchange.legs import DecodeRequest, Legs, note_handoff
+from nixl_twisted.exchange.placing import place
 from nixl_twisted.exchange.prefill import prefill_attempt
 from nixl_twisted.exchange.relay import (
     StreamSilent,
@@ -44,6 +46,7 @@ from nixl_twisted.exchange.sending import (
     send_leg,
     timed_out,
 )
+from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.access import record_of
@@ -116,6 +119,8 @@ class Exchange:
         self.rules = config.rules_for(model)
         self.render_timeout = config.kv_events.render_timeout
         self.decision = ALWAYS
+        #: Its legs go only where there is room (some instance has a cap).
+        self._capped = False
         self._decode_sent = 0.0
         self._params_at = 0.0
 
@@ -199,20 +204,19 @@ class Exchange:
                 renders, self.routing, self.completion, self.headers, timeout
             )
             self.routing = await self._track(ensureDeferred(rendering))
-        # Decode first: the rules may ask what its instance holds, and a
-        # request with no decode instance to go to is refused before prefill runs.
-        reserved = reserve(self.backends.decode, self.metrics, self.routing)
+        placed = await self._placed()
         try:
-            completed = await self._before_decode(reserved)
+            completed = await self._before_decode(placed)
         except BaseException:
-            reserved.release()  # (until send_leg takes it over, the lease is ours to give back)
+            placed.release()  # (until send_leg takes them over, the leases are ours to give back)
             raise
+        reserved = placed.decode
         pool = self.backends.decode
         decode, response = await send_leg(
             pool,
             self.metrics,
             lambda instance, leg: self._decode(instance, leg, completed),
-            ByPolicy(pool, self.metrics, self.routing, self.retries.decode),
+            ByPolicy(pool, self.metrics, self.routing, self.retries.decode, self._capped),
             Asked(self.trace, self.record, self._decode_wanted),
             reserved,
         )
@@ -233,22 +237,46 @@ class Exchange:
         finally:
             decode.release()
 
-    async def _before_decode(self, reserved: Lease) -> DecodeRequest:
+    async def _placed(self) -> Placed:
+        """The decode instance held (and, with caps, the prefill instance too): at once, or
+        once the fair queue lets this request go (``Phase.QUEUED``)."""
+        slots = self.legs.slots
+        self._capped = slots is not None and slots.needed
+        if slots is None or not self._capped:
+            # Decode first: the rules may ask what its instance holds, and a
+            # request with no decode instance to go to is refused before prefill runs.
+            return Placed(reserve(self.backends.decode, self.metrics, self.routing))
+        self._enter(Phase.QUEUED)
+        c = self.completion
+        taken = slots.take(Ticket(c.tenant, c.weight, c.priority, c.served), self._place)
+        if isinstance(taken, Deferred):
+            since = self.clock.seconds()
+            try:
+                taken = await self._track(taken)
+            finally:
+                self.record.queued_seconds = self.clock.seconds() - since
+        self._enter(Phase.PREFILL)
+        return taken
+
+    def _place(self) -> Placed | str:
+        return place(self.legs, self.rules, self.completion, self.routing)
+
+    async def _before_decode(self, placed: Placed) -> DecodeRequest:
         """Decide, run the prefill leg if it pays, and say what the decode leg sends."""
         decision = ALWAYS
         params: lowering.JSONObject = {}
         try:
-            decision = decide(
+            decision = placed.decision or decide(
                 self.rules,
                 self.completion,
-                reserved.instance,
+                placed.decode.instance,
                 self.backends.prefill,
                 self.legs.kv,
                 self.routing.tokens,
             )
             if decision.mode is Mode.PD:
                 try:
-                    params = await self._prefill_leg()
+                    params = await self._prefill_leg(placed.prefill)
                 except NoInstanceServed:
                     if self.rules.fallback != "decode":
                         raise
@@ -263,7 +291,7 @@ class Exchange:
                 raise CancelledError()
             self._enter(Phase.DECODE)
             body = self.completion.decode_only_bytes()
-        return DecodeRequest(self.target, body, self.headers, self.timeouts.decode)
+        return DecodeRequest(self.target, body, self.headers, self.timeouts.decode, True)
 
     def _prefill_wanted(self) -> bool:
         """Nobody to answer and no blocks held yet: no more prefill attempts."""
@@ -279,16 +307,18 @@ class Exchange:
         self.record.mode, self.record.decided_by = mode, reason
         self.metrics.child(self.metrics.disaggregation_decisions, mode, reason).inc()
 
-    async def _prefill_leg(self) -> lowering.JSONObject:
-        """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered)."""
+    async def _prefill_leg(self, reserved: Lease | None) -> lowering.JSONObject:
+        """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered);
+        ``reserved``: the instance the fair queue placed it on (None: chosen now)."""
         lowered = self.completion.prefill_bytes()
         pool = self.backends.prefill
         prefill, params = await send_leg(
             pool,
             self.metrics,
             lambda instance, leg: self._prefill(instance, leg, lowered),
-            ByPolicy(pool, self.metrics, self.routing, self.retries.prefill),
+            ByPolicy(pool, self.metrics, self.routing, self.retries.prefill, self._capped),
             Asked(self.trace, self.record, self._prefill_wanted),
+            reserved,
         )
         self.record.prefill_route = prefill.decision
         self.record.prefill_matched_tokens = self.routing.matched.get("prefill")

@@ -54,6 +54,8 @@ class AccessRecord:
     decided_by: str | None = None
     #: Prefill's params read -> decode's request sent.
     handoff_gap_seconds: float | None = None
+    #: How long it waited in the proxy's queue for its slots (None: it did not wait).
+    queued_seconds: float | None = None
     #: The request's arrival -> the first byte written to the client.
     time_to_first_byte_seconds: float | None = None
     #: The last phase a completion entered.
@@ -168,6 +170,7 @@ class AccessLog:
             "bytes": getattr(request, "sentLength", 0),
             "elapsed_ms": _ms(elapsed),
             "request_id": record.request_id,
+            "queued_ms": _ms(record.queued_seconds),
             "prefill": record.prefill,
             "prefill_status": record.prefill_status,
             "prefill_ms": _ms(record.prefill_seconds),
@@ -214,6 +217,8 @@ def access_line(f: dict[str, Any]) -> str:
     parts = [f"{f['client']} {method} {path} {f['status']} {f['bytes']}B {f['elapsed_ms']}ms"]
     if "request_id" in f:
         parts.append(f"request_id={quoted(f['request_id'])}")
+    if "queued_ms" in f:
+        parts.append(f"queued={f['queued_ms']}ms")
     for leg, timing in (("prefill", "prefill_ms"), ("decode", "decode_ttfb_ms")):
         if leg not in f:
             continue

@@ -41,6 +41,10 @@ class KvStatus(Protocol):
 
 #: Prompt tokens an instance held, by kv-aware's index: from nothing to a long document.
 TOKEN_BUCKETS = (0, 16, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+#: Seconds a request may wait in the proxy's queue, up to a long --queue-timeout.
+QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
+#: A request waiting in the proxy's queue: (the pool it found full, its model, its tenant).
+Queued = tuple[str, str, str]
 #: Seconds, from a fast loopback leg to a long prefill or generation.
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
@@ -61,10 +65,12 @@ class _InstanceHealth(Collector):
         pools: Iterable[BackendPool],
         events: KvStatus | None = None,
         sources: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
+        queued: Callable[[], Iterable[Queued]] | None = None,
     ) -> None:
         self._pools = list(pools)
         self._events = events
         self._sources = sources
+        self._queued = queued
 
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
@@ -100,6 +106,20 @@ class _InstanceHealth(Collector):
             "dnssrv, kubernetes.",
             labels=["pool", "source"],
         )
+        caps = GaugeMetricFamily(
+            "nixlproxy_backend_max_in_flight",
+            "Legs each capped backend instance may take from this process at once (its "
+            "max-in-flight, or this worker's share of it).",
+            labels=["pool", "instance"],
+        )
+        queued = GaugeMetricFamily(
+            "nixlproxy_queued",
+            "Requests waiting in the proxy's queue for their slots, by model, tenant and "
+            "the pool they found full.",
+            labels=["pool", "model", "tenant"],
+        )
+        for key, count in Tally(self._queued() if self._queued is not None else ()).items():
+            queued.add_metric(list(key), float(count))
         errors = CounterMetricFamily(
             "nixlproxy_discovery_errors",
             "Lookups and watches that failed (the last known instances were kept), by source.",
@@ -119,6 +139,8 @@ class _InstanceHealth(Collector):
                     stale.add_metric(labels, 1.0 if events["state"] == "stale" else 0.0)
                 healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
                 in_flight.add_metric(labels, float(instance.in_flight))
+                if instance.slots is not None:
+                    caps.add_metric(labels, float(instance.slots))
                 for kind, value in instance.load.items():
                     if kind != "ours":
                         load.add_metric([*labels, kind], value)
@@ -129,6 +151,8 @@ class _InstanceHealth(Collector):
         yield stale
         yield discovered
         yield errors
+        yield caps
+        yield queued
 
 
 class MetricsResource(Resource):
@@ -157,14 +181,19 @@ class ProxyMetrics:
         shared_dir: str | None = None,
         events: KvStatus | None = None,
         sources: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
+        queued: Callable[[], Iterable[Queued]] | None = None,
     ) -> None:
         """``shared_dir``: a worker's; its /metrics then sums every worker's files there.
+
+        ``queued``: each request waiting in the proxy's queue, as (pool it found full,
+        model, tenant).
 
         ``sources``: discovery's failures by pool and kind (``BackendService.discovery_errors``).
         """
         self._pools = list(pools)
         self._events = events
         self._sources = sources
+        self._queued = queued
         self._shared_dir = shared_dir
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # No ``*_created`` series: one per counter and histogram child, they
@@ -285,6 +314,19 @@ class ProxyMetrics:
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )
+        self.admissions = Counter(
+            "nixlproxy_admissions",
+            "Completions at the proxy's queue while instances are capped, by outcome: "
+            "at_once, after_wait, queue_full, timed_out, shed, left, shut, failed.",
+            ["outcome"],
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "nixlproxy_queue_seconds",
+            "How long completions waited in the proxy's queue for their slots.",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
         self.kv_events = Counter(
             "nixlproxy_kv_events",
             "KV event batches from each instance (batch), and what went wrong on the way: "
@@ -300,7 +342,7 @@ class ProxyMetrics:
             registry=r,
             buckets=TOKEN_BUCKETS,
         )
-        r.register(_InstanceHealth(self._pools, events, sources))
+        r.register(_InstanceHealth(self._pools, events, sources, queued))
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the hot path asks for the same few.
@@ -323,5 +365,5 @@ class ProxyMetrics:
         scrape = CollectorRegistry()
         MultiProcessCollector(scrape, path=self._shared_dir)
         # Health is the supervisor's verdict, the same in every worker: this one's will do.
-        scrape.register(_InstanceHealth(self._pools, self._events, self._sources))
+        scrape.register(_InstanceHealth(self._pools, self._events, self._sources, self._queued))
         return generate_latest(scrape)

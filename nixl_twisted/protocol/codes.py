@@ -208,6 +208,30 @@ class ErrorCode(enum.Enum):
         _OVERLOADED,
         "`--max-in-flight` requests are being served",
     )
+    ENGINE_FULL = (
+        "engine_full",
+        503,
+        _OVERLOADED,
+        "every instance tried answered 503: vLLM's engine queue is full (`--max-num-queued-reqs`)",
+    )
+    QUEUE_FULL = (
+        "queue_full",
+        503,
+        _OVERLOADED,
+        "every instance is at its `max-in-flight` cap and `--queue-size` requests wait already",
+    )
+    QUEUE_TIMEOUT = (
+        "queue_timeout",
+        503,
+        _OVERLOADED,
+        "no slot came free for the request within `--queue-timeout`",
+    )
+    SHED = (
+        "shed",
+        503,
+        _OVERLOADED,
+        "the fleet is at its caps and the tenant's priority is negative (sheddable)",
+    )
     REQUEST_BODIES_BUFFER_FULL = (
         "request_bodies_buffer_full",
         503,

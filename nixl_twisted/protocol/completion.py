@@ -42,6 +42,11 @@ class Completion:
     #: Its stream's usage is asked of vLLM for the proxy's sake (a tenant's tokens),
     #: not the client's, whose stream goes without it.
     hides_usage: bool = False
+    #: Whose it is (None: no tenant), its tenant's weight and priority: its place in the
+    #: proxy's fair queue while instances are at their caps.
+    tenant: str | None = None
+    weight: float = 1.0
+    priority: int = 0
 
     @property
     def model(self) -> object:
@@ -85,24 +90,33 @@ class Completion:
 
     # -- variants ---------------------------------------------------------------
 
-    def admitted(self, priority: int | None, counts_usage: bool) -> Completion:
+    def admitted(
+        self, tenant: str, priority: int | None, weight: float, counts_usage: bool
+    ) -> Completion:
         """As its tenant's rule sends it: with the tenant's vLLM ``priority`` (both legs are
-        lowered from it), and a stream asking for its usage when the tenant's tokens count."""
+        lowered from it), a stream asking for its usage when the tenant's tokens count, and
+        its tenant's place in the fair queue."""
         body = self.body
         if priority is not None:
             body = lowering.with_priority(self.path, body, priority)
         asked = lowering.usage_asked(self.path, body) if counts_usage else None
+        queued = {"tenant": tenant, "weight": weight, "priority": priority or 0}
         if asked is not None:
-            return self._variant(body=asked, hides_usage=True)
-        return self if body is self.body else self._variant(body=body)
+            return self._variant(body=asked, hides_usage=True, **queued)
+        return self._variant(body=body, **queued)
 
     def parts(self) -> tuple[Completion, ...]:
         """A batch's prompts, each its own completion: ``R-0``, ``R-1``, ... (its usage is
         the batch's to sum, so no part hides it)."""
         assert self.batch is not None
-        path, served = self.path, self.served
         return tuple(
-            Completion(path, dict(self.body, prompt=prompt), f"{self.request_id}-{i}", None, served)
+            replace(
+                self,
+                body=dict(self.body, prompt=prompt),
+                request_id=f"{self.request_id}-{i}",
+                batch=None,
+                hides_usage=False,
+            )
             for i, prompt in enumerate(self.batch.prompts)
         )
 

@@ -3,6 +3,8 @@
 Mirrored in ``docs/failures.md`` and checked against it by the tests. What
 a client disconnect does in each phase:
 
+- ``queued`` (waiting for its slots, instances at their caps): taken out of
+  the queue; nothing was sent;
 - ``prefill``: the prefill request is cancelled (its connection closed, so
   vLLM frees what it computed) and no decode is sent;
 - ``handoff`` (prefill answered, decode not yet): prefill holds KV blocks
@@ -21,6 +23,8 @@ from typing import Final
 
 
 class Phase(enum.Enum):
+    #: Waiting in the proxy's queue for its slots (instances at their caps): nothing sent.
+    QUEUED = "queued"
     PREFILL = "prefill"
     HANDOFF = "handoff"
     DECODE = "decode"
@@ -42,6 +46,7 @@ class Rule:
 
 
 RULES: Final[dict[Phase, Rule]] = {
+    Phase.QUEUED: Rule(OnClientLeft.CANCEL, ("queue-timeout",)),
     Phase.PREFILL: Rule(OnClientLeft.CANCEL, ("prefill-timeout",)),
     Phase.HANDOFF: Rule(OnClientLeft.FINISH_THEN_ABANDON, ("prefill-timeout", "decode-timeout")),
     Phase.DECODE: Rule(OnClientLeft.CANCEL, ("decode-timeout",)),

@@ -45,9 +45,11 @@ from nixl_twisted.backends.upstream import Upstream, pooled_upstream
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.report import Reported
 from nixl_twisted.discovery.service import Discovery
+from nixl_twisted.exchange.fair_queue import AT_ONCE, Ticket
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
+from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.happened import Happened
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.logs import lifecycle
@@ -187,6 +189,7 @@ class ProxyService(ProcessTree):
             )
             await deferLater(self.clock, delay)
         self.app.admission.start_draining()
+        self.app.serving.stop_queueing()  # (each waiting request answered 503 at once)
         listeners = self.listeners()
         await DeferredList([maybeDeferred(s.stopService) for s in listeners])
         draining = Deferred.fromCoroutine(self._drain())  # its timer runs from now,
@@ -232,6 +235,13 @@ def _worker_hangup() -> None:
     log.warn(
         "SIGHUP to a worker changes nothing: send it to the supervisor, pid {pid}", pid=os.getppid()
     )
+
+
+def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Ticket) -> None:
+    """A request's outcome at the fair queue: counted, and how long it waited if it did."""
+    metrics.admissions.labels(outcome).inc()
+    if outcome != AT_ONCE:
+        metrics.queue_seconds.observe(waited)
 
 
 def backend_service(
@@ -304,8 +314,17 @@ def build(
     else:
         found = Discovery(reactor, clock, backends, config)
     report: Reported = link.told if link is not None else cast(Discovery, found)
+    # Each request's outcome at the fair queue, counted once the metrics exist.
+    slots = Slots(backends, clock, config, lambda *said: _queue_said(metrics, *said))
     metrics = ProxyMetrics(
-        backends.pools(), os.environ.get(METRICS_DIR_ENV) if shared else None, kv, report.errors
+        backends.pools(),
+        os.environ.get(METRICS_DIR_ENV) if shared else None,
+        kv,
+        report.errors,
+        lambda: (
+            (w.blocked or "decode", w.ticket.model or "", w.ticket.tenant or "")
+            for w in slots.queue.waiting()
+        ),
     )
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
@@ -322,7 +341,7 @@ def build(
     )
     fleet = Fleet(backends, kv, report)
     admin = AdminAPI(fleet, config, link.publish if link is not None else None)
-    legs = Legs(backends, kv, clock, metrics, config)
+    legs = Legs(backends, kv, clock, metrics, config, slots)
     serving = Serving(legs, ResponseDirectory())
     app = ProxyApp(config, fleet, serving, admission, tenancy, admin, observed)
     site = TrackingSite(
@@ -334,7 +353,7 @@ def build(
         refusals=observed.refusals,
         client_keys=keys,
     )
-    configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv]
+    configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
     root = ProxyService(config, app, site, checks, reactor, clock, found, configured, logging)
     if windows is not None:
         windows.setServiceParent(root)

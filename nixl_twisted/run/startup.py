@@ -197,7 +197,9 @@ def announce(config: ProxyConfig) -> None:
     tenants = config.tenants
     limited = tenants.max_in_flight or tenants.requests_per_minute or tenants.tokens_per_minute
     limited = limited or tenants.priority is not None
-    limited = limited or any(max(row[1:4]) > 0 or row[4] is not None for row in tenants.table)
+    limited = limited or any(
+        max(row[1:4]) > 0 or row[4] is not None or row[5] is not None for row in tenants.table
+    )
     if limited and not (config.keyed or tenants.header):
         log.warn(
             "tenant limits or priorities are set, but no request has a tenant: they apply "

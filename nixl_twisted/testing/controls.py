@@ -122,10 +122,12 @@ class Controls:
             waiting.callback(None)
 
     async def _wait_at_hold(self) -> None:
+        # Held from before it is said to be: whoever it tells may release it at once.
+        released = self._release_signal()
         held, self._held = self._held, []
         for waiting in held:
             waiting.callback(None)
-        await self._release_signal()
+        await released
 
     def _release_signal(self) -> Deferred[None]:
         waiting: Deferred[None] = Deferred()

@@ -144,6 +144,7 @@ class ProxyApp:
                 "pid": os.getpid(),
                 "instances": self.fleet.instances(),
                 "sources": self.fleet.report.sources(),
+                "queues": self.serving.queues(),
             }
         ).encode("utf-8")
 
@@ -271,9 +272,10 @@ class ProxyApp:
 
         def serve(rule: Rule) -> Deferred[None]:
             # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
-            admitted = read
-            if rule.priority is not None or rule.tokens_per_minute:
-                admitted = read.admitted(rule.priority, bool(rule.tokens_per_minute))
+            admitted, tenant = read, record_of(request).tenant
+            if tenant is not None:  # (its rule, and its place in the fair queue)
+                counts = bool(rule.tokens_per_minute)
+                admitted = read.admitted(tenant, rule.priority, rule.weight, counts)
             return self.admission.serve(lambda: self.serving.completion(request, admitted, trace))
 
         return _then(self.tenancy.admit(request, path, read), serve)

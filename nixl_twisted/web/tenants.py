@@ -37,12 +37,14 @@ MAX_NAME = 128
 
 @dataclass(frozen=True)
 class Rule:
-    """One tenant's limits (0: none), and the vLLM priority of its requests (None: unset)."""
+    """One tenant's limits (0: none), the vLLM priority of its requests (None: unset), and
+    its weight in the proxy's fair queue."""
 
     max_in_flight: int = 0
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     priority: int | None = None
+    weight: float = 1.0
 
     @property
     def counted(self) -> bool:
@@ -119,8 +121,9 @@ class TenantLimits:
                 requests if requests >= 0 else default.requests_per_minute,
                 tokens if tokens >= 0 else default.tokens_per_minute,
                 default.priority if priority is None else priority,
+                1.0 if weight is None else weight,
             )
-            for name, in_flight, requests, tokens, priority in tenants.table
+            for name, in_flight, requests, tokens, priority, weight in tenants.table
         }
 
     def rule(self, tenant: str) -> Rule:

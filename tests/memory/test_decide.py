@@ -172,7 +172,7 @@ def test_prefill_fallback_serves_decode_only_once_every_prefill_retry_is_spent(
 def test_without_the_fallback_spent_prefill_retries_are_a_503_as_always() -> None:
     setup = Setup(prefills=2, prefill_retries=1)
     for prefill in setup.prefills:
-        prefill.crash_next(503, "overloaded")
+        prefill.crash_next(502, "restarting")
     answer = setup.post(routes.CHAT_COMPLETIONS, CHAT).answer()
     assert_error(answer, 502, "prefill_failed")
     assert setup.decode.requests == []

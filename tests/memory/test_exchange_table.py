@@ -33,6 +33,21 @@ def test_the_table_in_the_docs_is_the_table_in_the_code() -> None:
 # -- the client leaves ---------------------------------------------------------
 
 
+def test_client_leaves_while_queued_and_nothing_is_sent() -> None:
+    setup = Setup(decode_max_in_flight=1)
+    setup.decode.hold_answers()
+    first = setup.post("/v1/chat/completions", CHAT)  # holds the one decode slot
+    client = setup.post("/v1/chat/completions", CHAT)
+    queued = [e for e in setup.proxy.app.serving.exchanges if e.phase.value == "queued"]
+    assert len(queued) == 1
+    client.disconnect()
+    assert len(setup.prefill.requests) == 1  # the first's alone
+    setup.decode.release()
+    setup.proxy.flush()
+    assert status(first) == 200 and len(setup.decode.requests) == 1
+    assert setup.proxy.app.in_flight == 0
+
+
 def test_client_leaves_during_prefill_cancels_prefill_and_sends_no_decode() -> None:
     setup = Setup()
     setup.prefill.hold_answers()

@@ -17,7 +17,7 @@ def test_counters_histograms_and_gauges_move_with_real_requests() -> None:
     decode = setup.decode.url
     for _ in range(2):
         setup.post("/v1/chat/completions", FULL_CHAT).answer()
-    setup.prefills[0].crash_next(503)  # retried on prefill-1
+    setup.prefills[0].crash_next(502)  # retried on prefill-1
     assert setup.post("/v1/chat/completions", FULL_CHAT).answer().status == 200
     setup.prefills[1].omit_kv_transfer_params_next()  # prefill-0 is down now
     assert setup.post("/v1/chat/completions", FULL_CHAT).answer().status == 502
@@ -63,7 +63,7 @@ def test_counters_histograms_and_gauges_move_with_real_requests() -> None:
     assert not [key for key in m if key[0].endswith("_created")]
     # Every completion that got an answer: three 200s, the 502 and the 400.
     assert value("nixlproxy_request_seconds_count") == 5
-    # prefill-0 answered 503: it is out of rotation, and the gauge says so.
+    # prefill-0 answered 502: it is out of rotation, and the gauge says so.
     assert value("nixlproxy_backend_healthy", pool="prefill", instance=p0) == 0
     assert value("nixlproxy_backend_healthy", pool="decode", instance=decode) == 1
     # No request id, no prompt, ever, as a label.
@@ -184,12 +184,12 @@ def test_every_attempt_of_each_leg_is_listed(access_events: list[dict[str, Any]]
     (event,) = access_events
     p0, p1 = (fake.url for fake in setup.prefills)
     assert event["attempts"] == [
-        f"prefill {p0} error_status",
+        f"prefill {p0} full",
         f"prefill {p1} answered",
         f"decode {dead} unreachable",
         f"decode {setup.decode.url} answered",
     ]
-    assert f"attempts=[prefill {p0} error_status; " in access_line(event)
+    assert f"attempts=[prefill {p0} full; " in access_line(event)
 
 
 def test_a_batch_lists_each_parts_legs_and_sums_their_usage(

@@ -16,7 +16,7 @@ from treq.client import HTTPClient
 
 from nixl_twisted.run.workers import METRICS_PREFIX, remove_stale_metrics
 from tests.process.support import TwistdCase
-from tests.support import CHAT, real_redis
+from tests.support import CHAT, Arrivals, real_redis
 
 ADMIN: dict[bytes | str, bytes | str] = {"Authorization": "Bearer t"}
 
@@ -196,4 +196,65 @@ class SharedLimitsAcrossWorkersTests(TwistdCase):
         codes, pids = await chats(http, address, 20, headers={"x-team": "a"})
         self.assertEqual(len(pids), 2)  # both workers served
         self.assertEqual(sorted(codes), [200] * 10 + [429] * 10)  # one limit, not one each
+        await self.terminate(process)
+
+
+class WorkersShareCapsTests(TwistdCase):
+    async def test_the_workers_hold_an_instance_to_its_cap_together(self) -> None:
+        await self.start()
+        self.decode.hold_answers()
+        process, address = await self.spawn_workers(
+            "--prefill",
+            self.prefill.url,
+            "--decode",
+            self.decode.url,
+            "--decode-max-in-flight",
+            "2",
+            "--queue-size",
+            "0",  # (past the slots, refused at once: each request's fate is seen)
+        )
+        http = self.fresh_connections()
+        # Each of the two workers takes one of the cap's two slots, whatever it is sent.
+        scrape = await http.get(f"http://{address}/metrics")
+        shares = [
+            sample.value
+            for family in text_string_to_metric_families((await scrape.content()).decode())
+            for sample in family.samples
+            if sample.name == "nixlproxy_backend_max_in_flight"
+            and sample.labels["pool"] == "decode"
+        ]
+        self.assertEqual(shares, [1.0])
+        # Eight requests at once: each is held at decode, or refused (503 queue_full).
+        seen = Arrivals()
+
+        def held(_: object = None) -> None:
+            seen.put("held")
+            self.decode.stream_held().addCallback(held)
+
+        self.decode.stream_held().addCallback(held)
+        url = f"http://{address}/v1/chat/completions"
+        sent = [http.post(url, json=CHAT) for _ in range(8)]
+        answers: list[Any] = []  # (treq's responses)
+
+        def answered(response: Any) -> Any:
+            answers.append(response)
+            seen.put("answered")
+            return response
+
+        for posted in sent:
+            posted.addCallback(answered)
+        fates = [await seen.next() for _ in range(8)]
+        self.assertIn(fates.count("held"), (1, 2))  # (2 when both workers were sent one)
+        self.assertEqual(self.decode.running, fates.count("held"))
+        refused = list(answers)
+        self.assertEqual({response.code for response in refused}, {503})
+        for response in refused:
+            self.assertIn(b'"queue_full"', await response.content())
+        self.decode.release()
+        for posted in sent:  # (each fired: its response is the list's)
+            await posted
+        served = [response for response in answers if response not in refused]
+        self.assertEqual([response.code for response in served], [200] * fates.count("held"))
+        for response in served:
+            await response.content()
         await self.terminate(process)

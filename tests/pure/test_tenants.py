@@ -120,7 +120,7 @@ def test_the_tenant_table_with_priorities_survives_the_workers_json() -> None:
         decode=["http://d:1"],
         tenants={"vip": {"priority": -3}, "free": {"requests-per-minute": 2}},
     )
-    assert config.tenants.table == (("free", -1, 2, -1, None), ("vip", -1, -1, -1, -3))
+    assert config.tenants.table == (("free", -1, 2, -1, None, None), ("vip", -1, -1, -1, -3, None))
     assert ProxyConfig.from_json(config.to_json()).tenants == config.tenants
 
 

@@ -1,0 +1,293 @@
+"""``FairQueue``: requests that wait for their slots, let go in a fair order as slots free.
+
+Pure (a clock, no I/O): what is waited for is the caller's, behind
+``place``, which either takes the slots a request needs and returns what
+it got, or names the pool it found full. The order:
+
+- **classes first**: a lower priority goes first, as vLLM orders them;
+  a negative priority is *sheddable*: it never waits, it is refused at
+  once when it cannot be placed (llm-d's convention);
+- **then fairness**: weighted fair queueing by requests, self-clocked
+  (SCFQ): each request is tagged ``max(V, its tenant's last tag) + 1 /
+  weight``, where ``V`` is the tag of the request let go last, and the
+  smallest tag goes first; a tenant of weight 3 gets three requests let go
+  for every one of a tenant of weight 1 while both wait;
+- **within a tenant**: first come, first served (its tags only grow).
+
+Requests wait per model, each model's with its own order: one model's
+backlog never holds another's, since their instances differ. A model's
+first request found its decode pool full: none behind it can go either;
+found its prefill pool full: a request behind it that needs no prefill
+(decode-only) may (at most ``TRIES`` tried per model per pump).
+
+Past ``size`` waiting in all, or ``timeout`` seconds waited, a request is
+refused (503 with ``Retry-After``: the time the queue takes to drain at
+the rate it has let requests go lately); a request whose client left is
+taken out, and nothing is sent for it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
+
+T = TypeVar("T")
+
+#: Requests of one model tried per pump once its first was blocked by a full prefill pool.
+TRIES = 8
+#: Requests let go lately, to say how fast the queue drains (``Retry-After``).
+RECENT = 64
+
+#: What happened to a request at the queue (``nixlproxy_admissions_total{outcome}``).
+AT_ONCE = "at_once"
+AFTER_WAIT = "after_wait"
+QUEUE_FULL = "queue_full"
+TIMED_OUT = "timed_out"
+SHED = "shed"
+LEFT = "left"
+SHUT = "shut"
+#: ``place`` raised: no instance at all (the request's own error).
+FAILED = "failed"
+#: Tags kept per model while nothing of it waits, before those behind its clock go.
+KEPT_TAGS = 64
+
+#: (outcome, seconds waited, the request's ticket): told of every request's outcome.
+Told = Callable[[str, float, "Ticket"], None]
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Who waits: its tenant (None: none), weight and priority, and its model's instances."""
+
+    tenant: str | None = None
+    weight: float = 1.0
+    priority: int = 0
+    model: str | None = None
+
+    @property
+    def sheddable(self) -> bool:
+        return self.priority < 0
+
+
+@dataclass(eq=False)
+class Waiting(Generic[T]):
+    """One request in the queue."""
+
+    ticket: Ticket
+    place: Callable[[], T | str]
+    finish: float
+    arrived: float
+    deferred: Deferred[T] = field(default_factory=Deferred)
+    timer: IDelayedCall | None = None
+    #: The pool it found full last time it was tried ("decode" or "prefill").
+    blocked: str = ""
+    done: bool = False
+
+
+@dataclass
+class _ModelQueue:
+    """One model's waiting requests, in order, and its fair-queueing clock."""
+
+    heap: list[tuple[int, float, int, Waiting[Any]]] = field(default_factory=list)
+    #: The tag of the request let go last (SCFQ's virtual time).
+    now: float = 0.0
+    #: Each tenant's last tag, while it is ahead of ``now``.
+    last: dict[str | None, float] = field(default_factory=dict)
+
+
+class FairQueue(Generic[T]):
+    """Requests waiting for ``place`` to find them slots; see the module's docstring."""
+
+    def __init__(
+        self, clock: IReactorTime, size: int, timeout: float, told: Told | None = None
+    ) -> None:
+        self.clock = clock
+        self.size = size
+        self.timeout = timeout
+        self.told: Told = told if told is not None else _nobody
+        self._models: dict[str | None, _ModelQueue] = {}
+        self._order = itertools.count()
+        self._waiting = 0
+        self._recent: deque[float] = deque(maxlen=RECENT)
+        self._pumping = False
+        self._again = False
+
+    def __len__(self) -> int:
+        """Requests waiting now."""
+        return self._waiting
+
+    def enter(self, ticket: Ticket, place: Callable[[], T | str]) -> T | Deferred[T]:
+        """What ``place`` gives now, when nothing of its model waits ahead of it; else a
+        Deferred that fires when it does, or fails with the 503 that says why not."""
+        queue = self._models.setdefault(ticket.model, _ModelQueue())
+        start = max(queue.now, queue.last.get(ticket.tenant, 0.0))
+        finish = start + 1.0 / ticket.weight
+        key = (ticket.priority, finish, next(self._order))
+        if not self._ahead(queue, key):
+            got = place()
+            if not isinstance(got, str):
+                queue.now = finish
+                queue.last[ticket.tenant] = finish
+                if len(queue.last) > KEPT_TAGS and not queue.heap:
+                    queue.last = {t: f for t, f in queue.last.items() if f > queue.now}
+                self._let_go(ticket, 0.0, AT_ONCE)
+                return got
+            blocked = got
+        else:
+            blocked = ""
+        if ticket.sheddable:
+            self.told(SHED, 0.0, ticket)
+            raise ProxyError(
+                ErrorCode.SHED,
+                "the fleet is full and this tenant's requests are sheddable (priority "
+                f"{ticket.priority}): try again later",
+                retry_after=self.retry_after(),
+            )
+        if self._waiting >= self.size:
+            self.told(QUEUE_FULL, 0.0, ticket)
+            raise ProxyError(
+                ErrorCode.QUEUE_FULL,
+                f"the proxy's queue is full ({self.size} requests wait for a slot): "
+                "try again later",
+                retry_after=self.retry_after(),
+            )
+        queue.last[ticket.tenant] = finish
+        waiting: Waiting[T] = Waiting(ticket, place, finish, self.clock.seconds())
+        waiting.blocked = blocked
+        waiting.deferred = Deferred(lambda _: self._left(waiting))
+        waiting.timer = self.clock.callLater(self.timeout, self._expire, waiting)
+        heapq.heappush(queue.heap, (*key, waiting))
+        self._waiting += 1
+        return waiting.deferred
+
+    def pump(self) -> None:
+        """Slots may have freed: let go, in order, every request that can go now."""
+        if self._pumping:
+            self._again = True  # (a request let go freed a slot at once)
+            return
+        self._pumping = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                for model in list(self._models):
+                    self._pump(model)
+        finally:
+            self._pumping = False
+
+    def shut(self, error: Callable[[], ProxyError]) -> None:
+        """Every request waiting is refused with ``error()`` (the proxy is stopping)."""
+        for queue in list(self._models.values()):
+            for *_, waiting in list(queue.heap):
+                if not waiting.done:
+                    self._end(waiting, SHUT)
+                    waiting.deferred.errback(error())
+            queue.heap.clear()
+
+    def retry_after(self) -> float:
+        """Seconds the queue takes to drain at the rate it let requests go lately
+        (1 at least, ``timeout`` at most, and ``timeout`` while nothing has gone)."""
+        if len(self._recent) < 2:
+            return self.timeout
+        span = self._recent[-1] - self._recent[0]
+        if span <= 0:
+            return 1.0
+        rate = (len(self._recent) - 1) / span
+        return float(min(self.timeout, max(1, math.ceil(self._waiting / rate))))
+
+    def waiting(self) -> list[Waiting[T]]:
+        """Every request waiting now (``/healthcheck``, the depth gauge)."""
+        return [w for q in self._models.values() for *_, w in q.heap if not w.done]
+
+    # -- inside -------------------------------------------------------------------
+
+    def _ahead(self, queue: _ModelQueue, key: tuple[int, float, int]) -> bool:
+        """Whether a request of the same model waits ahead of ``key``."""
+        while queue.heap and queue.heap[0][-1].done:
+            heapq.heappop(queue.heap)
+        return bool(queue.heap) and queue.heap[0][:3] < key
+
+    def _pump(self, model: str | None) -> None:
+        queue = self._models[model]
+        tried = 0
+        passed: list[tuple[int, float, int, Waiting[Any]]] = []
+        while queue.heap and tried < TRIES:
+            item = queue.heap[0]
+            waiting = item[-1]
+            if waiting.done:
+                heapq.heappop(queue.heap)
+                continue
+            tried += 1
+            try:
+                got = waiting.place()
+            except Exception as error:  # (no instance at all: the request's own error)
+                heapq.heappop(queue.heap)
+                self._end(waiting, FAILED)
+                waiting.deferred.errback(error)
+                continue
+            if isinstance(got, str):
+                waiting.blocked = got
+                if got != "prefill":
+                    break  # (every request of this model needs a decode slot)
+                passed.append(heapq.heappop(queue.heap))
+                continue
+            heapq.heappop(queue.heap)
+            queue.now = max(queue.now, waiting.finish)
+            self._end(waiting, AFTER_WAIT)
+            waiting.deferred.callback(got)
+        for item in passed:
+            heapq.heappush(queue.heap, item)
+        if not queue.heap:
+            # Tags behind the clock are as good as none: only those ahead are kept.
+            queue.last = {t: f for t, f in queue.last.items() if f > queue.now}
+            if not queue.last:
+                del self._models[model]
+
+    def _end(self, waiting: Waiting[T], outcome: str) -> None:
+        """The request leaves the queue, ``outcome`` said of it."""
+        waiting.done = True
+        self._waiting -= 1
+        if waiting.timer is not None and waiting.timer.active():
+            waiting.timer.cancel()
+        waited = self.clock.seconds() - waiting.arrived
+        if outcome == AFTER_WAIT:
+            self._let_go(waiting.ticket, waited, outcome)
+        else:
+            self.told(outcome, waited, waiting.ticket)
+
+    def _let_go(self, ticket: Ticket, waited: float, outcome: str) -> None:
+        self._recent.append(self.clock.seconds())
+        self.told(outcome, waited, ticket)
+
+    def _expire(self, waiting: Waiting[T]) -> None:
+        if waiting.done:
+            return
+        self._end(waiting, TIMED_OUT)
+        waiting.deferred.errback(
+            ProxyError(
+                ErrorCode.QUEUE_TIMEOUT,
+                f"no slot came free within the proxy's queue timeout ({self.timeout:g} s): "
+                "try again later",
+                retry_after=self.retry_after(),
+            )
+        )
+
+    def _left(self, waiting: Waiting[T]) -> None:
+        """Its client left while it waited: taken out, nothing sent for it."""
+        if not waiting.done:
+            self._end(waiting, LEFT)
+
+
+def _nobody(outcome: str, waited: float, ticket: Ticket) -> None:
+    """No one to tell."""

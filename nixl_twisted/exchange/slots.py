@@ -1,0 +1,118 @@
+"""``Slots``: completions wait here for both their legs' slots while instances are at their caps.
+
+A completion leaves the queue (``fair_queue``) only when its legs can all go:
+its decode instance is chosen and held first (the rules may ask what it
+holds), its prefill instance then, both under their caps
+(``backends.capacity``); a completion that skips prefill needs a decode
+slot only. The decode slot is held through the handoff, so that prefill
+never runs ahead of decode: a request the proxy holds between its legs
+gets no KV lease heartbeat from vLLM, one that waits here holds nothing.
+
+With no cap anywhere none of this runs: a completion chooses its decode
+instance and goes, as vLLM's own queue takes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+
+from nixl_twisted.backends.pools import Lease
+from nixl_twisted.backends.service import BackendService
+from nixl_twisted.config import ProxyConfig
+from nixl_twisted.exchange.decide import Decision
+from nixl_twisted.exchange.fair_queue import FairQueue, Ticket, Told
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
+
+#: Seconds between two looks at the queue while requests wait, besides each leg that
+#: ends: an instance that came up, or joined, takes them too.
+SWEEP = 1.0
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A completion's slots: its decode instance held, what was decided, and its prefill
+    instance held when it takes a prefill leg (None: chosen when the leg is sent)."""
+
+    decode: Lease
+    decision: Decision | None = None
+    prefill: Lease | None = None
+
+    def release(self) -> None:
+        """Give back what was never used (the request ended before its legs took them)."""
+        self.decode.release()
+        if self.prefill is not None:
+            self.prefill.release()
+
+
+class Slots:
+    """The fair queue in front of the capped instances, and what it says of itself."""
+
+    def __init__(
+        self, backends: BackendService, clock: IReactorTime, config: ProxyConfig, told: Told
+    ) -> None:
+        """``told``: each request's outcome at the queue, and how long it waited."""
+        self.backends = backends
+        self.clock = clock
+        capacity = config.capacity
+        self.queue: FairQueue[Placed] = FairQueue(
+            clock, capacity.queue_size, capacity.queue_timeout, told
+        )
+        self._sweep: IDelayedCall | None = None
+        for pool in backends.pools():
+            pool.on_freed(self.queue.pump)
+
+    def configure(self, config: ProxyConfig) -> None:
+        """The queue's size and timeout from now on (those waiting keep their deadline)."""
+        self.queue.size = config.capacity.queue_size
+        self.queue.timeout = config.capacity.queue_timeout
+        self.queue.pump()  # (caps may have grown: the backends are configured first)
+
+    @property
+    def needed(self) -> bool:
+        """Whether any instance has a cap: else completions never wait here."""
+        return self.backends.capped()
+
+    def take(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
+        """The slots ``place`` takes, now or once they free (``FairQueue.enter``)."""
+        taken = self.queue.enter(ticket, place)
+        if isinstance(taken, Deferred) and self._sweep is None:
+            self._sweep = self.clock.callLater(SWEEP, self._look)
+        return taken
+
+    def _look(self) -> None:
+        self._sweep = None
+        self.queue.pump()
+        if len(self.queue):
+            self._sweep = self.clock.callLater(SWEEP, self._look)
+
+    def shut(self) -> None:
+        """The proxy stops: every request waiting is answered at once (503)."""
+        if self._sweep is not None and self._sweep.active():
+            self._sweep.cancel()
+        self._sweep = None
+        self.queue.shut(
+            lambda: ProxyError(ErrorCode.DRAINING, "the proxy is shutting down", retry_after=1.0)
+        )
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each model's queue: how many wait, by tenant and the pool they wait for, and the
+        longest wait so far (``/healthcheck``)."""
+        now = self.clock.seconds()
+        by_model: dict[str | None, dict[str, Any]] = {}
+        for waiting in self.queue.waiting():
+            ticket = waiting.ticket
+            said = by_model.setdefault(
+                ticket.model,
+                {"model": ticket.model, "waiting": 0, "longest_seconds": 0.0, "tenants": {}},
+            )
+            said["waiting"] += 1
+            said["longest_seconds"] = max(said["longest_seconds"], round(now - waiting.arrived, 3))
+            tenants = said["tenants"]
+            tenants[ticket.tenant or ""] = tenants.get(ticket.tenant or "", 0) + 1
+        return list(by_model.values())
