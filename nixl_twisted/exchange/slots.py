@@ -26,6 +26,7 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.decide import Decision
 from nixl_twisted.exchange.fair_queue import FairQueue, Ticket, Told
+from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 
@@ -64,6 +65,7 @@ class Slots:
             clock, capacity.queue_size, capacity.queue_timeout, told
         )
         self._sweep: IDelayedCall | None = None
+        self._entered = Happened()
         for pool in backends.pools():
             pool.on_freed(self.queue.pump)
 
@@ -81,9 +83,16 @@ class Slots:
     def take(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
         """The slots ``place`` takes, now or once they free (``FairQueue.enter``)."""
         taken = self.queue.enter(ticket, place)
-        if isinstance(taken, Deferred) and self._sweep is None:
-            self._sweep = self.clock.callLater(SWEEP, self._look)
+        if isinstance(taken, Deferred):
+            if self._sweep is None:
+                self._sweep = self.clock.callLater(SWEEP, self._look)
+            entered, self._entered = self._entered, Happened()
+            entered.fire()
         return taken
+
+    def entered(self) -> Deferred[None]:
+        """Fires when a request next starts to wait (for tests and operators)."""
+        return self._entered.wait()
 
     def _look(self) -> None:
         self._sweep = None

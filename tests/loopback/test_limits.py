@@ -234,3 +234,25 @@ class DrainTests(ProxyCase):
         with self.assertRaises(ConnectionRefusedError):
             await self.raw_connect()
         await stopped
+
+
+class OverloadTests(ProxyCase):
+    async def test_stopping_answers_the_waiting_at_once_and_drains_the_rest(self) -> None:
+        await self.start(proxy={"decode_max_in_flight": 1})
+        self.decode.hold_answers()
+        held = self.decode.stream_held()
+        first = self.ensure(self.post_json("/v1/chat/completions", CHAT))
+        await held  # (the one decode slot taken)
+        slots = self.proxy.app.serving.legs.slots
+        assert slots is not None
+        entered = slots.entered()
+        waiting = self.ensure(self.post_json("/v1/chat/completions", CHAT))
+        await entered
+        stopped = self.proxy.stop()
+        response, answer = await waiting  # at once: the drain has not ended
+        self.assertError(response, answer, 503, "draining")
+        self.assertEqual(len(self.prefill.requests), 1)  # nothing was sent for it
+        self.decode.release()
+        response, _ = await first
+        self.assertEqual(response.code, 200)
+        await stopped
