@@ -81,6 +81,8 @@ class BackendPool(Roster):
         #: any of its instances has a cap at all (else no leg ever waits for room).
         self.caps = Caps()
         self.capped = False
+        #: Some instance answered 503 lately (``cool``): it may be full a moment yet.
+        self._cooling = False
         #: Told when a leg ends or an instance stops cooling: room may have come free.
         self._freed: list[Callable[[], object]] = []
         self.instances = [self._new(name, "static") for url in urls for name in rank_urls(url)]
@@ -149,6 +151,7 @@ class BackendPool(Roster):
     def cool(self, instance: Instance) -> None:
         """vLLM answered 503 (its engine's queue is full): it counts as full for a moment."""
         instance.full_until = self._now() + COOL
+        self._cooling = True
         self.clock.callLater(COOL, self._notify_freed)
 
     def on_freed(self, told: Callable[[], object]) -> None:
@@ -204,13 +207,16 @@ class BackendPool(Roster):
             candidates = [i for i in serving if i not in exclude and not i.draining]
         if not candidates:
             raise NoHealthyInstance(self.role, self.retry_after(), model)
-        now = self._now()
         if room:
+            now = self._now()
             candidates = [i for i in candidates if has_room(i, now)]
             if not candidates:
                 raise NoRoom(self.role, 1.0, model)
-        elif any(i.full_until > now for i in candidates):
-            candidates = [i for i in candidates if i.full_until <= now] or candidates
+        elif self._cooling:  # (an instance answered 503 lately)
+            now = self._now()
+            fresh = [i for i in candidates if i.full_until <= now]
+            self._cooling = any(i.full_until > now for i in self.instances)
+            candidates = fresh or candidates
         # Said once per change, for the pool or for a model's instances in it.
         if panic and model not in self._in_panic:
             self._in_panic.add(model)

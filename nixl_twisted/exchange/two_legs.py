@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError, ensureDeferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
@@ -106,7 +106,9 @@ class Exchange:
         self.trace = trace
         #: The span of the leg attempt out now (a no-op when not traced).
         self._leg: LegTrace = NO_LEG
-        self._reached = {phase: Happened() for phase in Phase}
+        #: The phases entered so far, and who waits for one not yet (``reached``).
+        self._entered: set[Phase] = set()
+        self._reached: dict[Phase, Happened] = {}
         self._enter(Phase.PREFILL)
         #: Why nobody waits for the answer any more (its client left), or None.
         self.client_gone: str | None = None
@@ -149,11 +151,18 @@ class Exchange:
     def _enter(self, phase: Phase) -> None:
         self.phase = phase
         self.record.phase = phase
-        self._reached[phase].fire()
+        self._entered.add(phase)
+        if self._reached:  # (someone waits: a test, an operator)
+            waited = self._reached.pop(phase, None)
+            if waited is not None:
+                waited.fire()
 
     def reached(self, phase: Phase | str) -> Deferred[None]:
         """Fires once the exchange has entered ``phase`` (for tests and operators)."""
-        return self._reached[Phase(phase)].wait()
+        phase = Phase(phase)
+        if phase in self._entered:
+            return succeed(None)
+        return self._reached.setdefault(phase, Happened()).wait()
 
     def shut_down(self) -> None:
         """Cut this request, saying so: a 503 if nothing was sent, else an error event."""
@@ -240,8 +249,8 @@ class Exchange:
     async def _placed(self) -> Placed:
         """The decode instance held (and, with caps, the prefill instance too): at once, or
         once the fair queue lets this request go (``Phase.QUEUED``)."""
-        slots = self.legs.slots
-        self._capped = slots is not None and slots.needed
+        slots, backends = self.legs.slots, self.backends
+        self._capped = slots is not None and (backends.decode.capped or backends.prefill.capped)
         if slots is None or not self._capped:
             # Decode first: the rules may ask what its instance holds, and a
             # request with no decode instance to go to is refused before prefill runs.

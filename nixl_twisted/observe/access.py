@@ -170,7 +170,7 @@ class AccessLog:
             "bytes": getattr(request, "sentLength", 0),
             "elapsed_ms": _ms(elapsed),
             "request_id": record.request_id,
-            "queued_ms": _ms(record.queued_seconds),
+            "queued_ms": None if record.queued_seconds is None else _ms(record.queued_seconds),
             "prefill": record.prefill,
             "prefill_status": record.prefill_status,
             "prefill_ms": _ms(record.prefill_seconds),

@@ -267,12 +267,13 @@ class ProxyApp:
     def _two_legs(self, request: Request, path: str) -> Deferred[None]:
         trace = self._trace(request)
         limit = self.config.limits.max_batch_prompts
-        read = door.completion(request, path, limit, self.backends.decode.instances)
+        record = record_of(request)
+        read = door.completion(request, record, path, limit, self.backends.decode.instances)
         trace.note_request(read)
 
         def serve(rule: Rule) -> Deferred[None]:
             # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
-            admitted, tenant = read, record_of(request).tenant
+            admitted, tenant = read, record.tenant
             if tenant is not None:  # (its rule, and its place in the fair queue)
                 counts = bool(rule.tokens_per_minute)
                 admitted = read.admitted(tenant, rule.priority, rule.weight, counts)

@@ -28,10 +28,14 @@ from nixl_twisted.protocol.headers import REQUEST_ID, request_id_of
 
 
 def completion(
-    request: Request, path: str, max_batch_prompts: int, decode: Iterable[Instance]
+    request: Request,
+    record: AccessRecord,
+    path: str,
+    max_batch_prompts: int,
+    decode: Iterable[Instance],
 ) -> Completion:
-    """A two-leg route's request as a ``Completion``, routed to the model it names."""
-    record = record_of(request)
+    """A two-leg route's request as a ``Completion``, routed to the model it names;
+    ``record``: its access record (the request's)."""
     request_id = request_id_of(request.requestHeaders)
     request.setHeader(REQUEST_ID, request_id.encode("ascii"))  # (every answer has one)
     record.request_id = request_id
