@@ -73,7 +73,7 @@ class Slots:
         """The queue's size and timeout from now on (those waiting keep their deadline)."""
         self.queue.size = config.capacity.queue_size
         self.queue.timeout = config.capacity.queue_timeout
-        self.queue.pump()  # (caps may have grown: the backends are configured first)
+        self.queue.pump()  # (and the pools pump it when their caps change: ``use_caps``)
 
     @property
     def needed(self) -> bool:
