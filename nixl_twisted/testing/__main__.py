@@ -7,7 +7,9 @@ process's params as a KV-load failure). Prints each instance's URL once all
 listen, then a ``twistd nixlproxy`` command line that serves them. With
 ``--kv-events``, each also publishes its KV cache events on ZeroMQ and
 answers replays (each pair of ports said on a line of its own, after its
-URL's), and the command line routes prefills ``kv-aware`` on them.
+URL's), and the command line routes prefills ``kv-aware`` on them. With
+``--max-num-seqs`` (and ``--max-num-queued-reqs``), each has vLLM's
+capacity: that many requests run at once, the rest wait (or are refused).
 """
 
 from __future__ import annotations
@@ -125,12 +127,42 @@ def arguments() -> argparse.ArgumentParser:
         help="seconds between two generated tokens",
     )
     parser.add_argument(
+        "--max-num-seqs",
+        type=_at_least(0),
+        default=0,
+        metavar="N",
+        help="generation requests each instance runs at once, as vLLM's --max-num-seqs; "
+        "the rest wait in it, first come first served (0: no limit)",
+    )
+    parser.add_argument(
+        "--max-num-queued-reqs",
+        type=_at_least(0),
+        default=None,
+        metavar="N",
+        help="requests waiting or running in an instance past which it refuses one more "
+        "with 503, as vLLM's --max-num-queued-reqs (unset: no limit)",
+    )
+    parser.add_argument(
         "--kv-events",
         action="store_true",
         help="publish each instance's KV cache events on ZeroMQ, as vLLM's "
         "--kv-events-config does, with a replay endpoint; their ports are printed",
     )
     return parser
+
+
+def fake_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What the options make of every instance: ``FakeVLLM``'s arguments."""
+    return {
+        "model": args.model,
+        "tokens": args.tokens,
+        "token_interval": args.token_interval,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_queued_reqs": args.max_num_queued_reqs,
+        "kv_events": args.kv_events,
+        "kv_replay": args.kv_events,
+        "kv_interface": args.interface,
+    }
 
 
 def endpoints(first_port: int, count: int, interface: str) -> list[str]:
@@ -188,12 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoints(args.prefill_port, args.prefills, args.interface),
             endpoints(args.decode_port, args.decodes, args.interface),
             reactor,
-            model=args.model,
-            tokens=args.tokens,
-            token_interval=args.token_interval,
-            kv_events=args.kv_events,
-            kv_replay=args.kv_events,
-            kv_interface=args.interface,
+            **fake_options(args),
         )
         reactor.addSystemEventTrigger("before", "shutdown", cluster.stop)
         for fake in cluster.instances:

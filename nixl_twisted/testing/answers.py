@@ -16,9 +16,11 @@ def encode(value: object) -> bytes:
     return json.dumps(value).encode("utf-8")
 
 
-def vllm_error(status: int, message: str) -> bytes:
-    """vLLM's error body: OpenAI's, with the status as ``code``."""
-    kind = "BadRequestError" if status < 500 else "InternalServerError"
+def vllm_error(status: int, message: str, kind: str | None = None) -> bytes:
+    """vLLM's error body: OpenAI's, with the status as ``code`` (``kind``: its ``type``,
+    when not the one vLLM gives most errors of that status)."""
+    if kind is None:
+        kind = "BadRequestError" if status < 500 else "InternalServerError"
     return encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
 
 

@@ -26,6 +26,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.testing import answers, schema
+from nixl_twisted.testing.behaviours import Behaviour
+from nixl_twisted.testing.capacity import QUEUE_FULL, QUEUE_FULL_TYPE, Capacity
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
 from nixl_twisted.testing.kv_publisher import KvEventsMixin
@@ -76,7 +78,7 @@ class ReceivedRequest:
 
 
 @dataclass
-class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
+class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
     """A fake vLLM instance; ``tokens`` per answer, ``token_interval`` s apart.
 
     Its engine takes time only when told to, each wait on ``clock``: a
@@ -87,6 +89,11 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     with ``computing_stalls_streams``, a compute holds back the next token
     of every stream on this instance until it ends, as vLLM runs a prefill
     in the same engine step as the decodes.
+
+    Its capacity is unlimited unless told: with ``max_num_seqs``, at most that
+    many generation requests run at once and the rest wait, first come first
+    served, as in vLLM's waiting queue; with ``max_num_queued_reqs``, one more
+    than that many waiting or running is refused with vLLM's 503.
 
     With ``kv_events``, what its prefix cache stores and evicts is published
     as vLLM's KV cache events, on ZeroMQ (``kv_publisher``).
@@ -117,7 +124,14 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     models_stalled: bool = False
     #: The status ``GET /metrics`` answers (500: vLLM's metrics unreadable).
     metrics_status: int = 200
-    #: The requests ``GET /metrics`` says are waiting (a queue the fake does not model).
+    #: Generation requests that run at once (vLLM's ``--max-num-seqs``); the rest
+    #: wait their turn, first come first served. 0: no limit.
+    max_num_seqs: int = 0
+    #: Requests waiting or running past which one more is refused, 503 (vLLM's
+    #: ``--max-num-queued-reqs``). None: no limit.
+    max_num_queued_reqs: int | None = None
+    #: The requests ``GET /metrics`` says are waiting: those waiting for a slot
+    #: (``max_num_seqs``), plus what a test sets it to.
     waiting: int = 0
     #: Seconds of prefill per prompt token not found in the prefix cache (on ``clock``).
     prefill_cost_per_token: float = 0.0
@@ -150,6 +164,7 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
     routes: ClassVar[Klein] = Klein()
 
     def __post_init__(self) -> None:
+        Capacity.__init__(self)
         Controls.__init__(self)
         EngineTime.__init__(self)
         KvEventsMixin.__init__(self)
@@ -159,7 +174,8 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
         self.url = ""
         self._kv_port = 5600
         self.cache = PrefixCache(self.block_tokens, self.cache_blocks, on_events=self._kv_changed)
-        #: Generation requests being served now (``vllm:num_requests_running``).
+        #: Generation requests holding a slot now (``vllm:num_requests_running``),
+        #: plus what a test sets it to.
         self.running = 0
         #: The Responses API answers this instance produced, by id (as vLLM stores them).
         self.responses: dict[str, JSONObject] = {}
@@ -218,15 +234,12 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
         )
 
     async def _generate(self, request: Request) -> bytes | None:
-        self.running += 1
         try:
             return await self._answer(request)
         except CancelledError:
-            # Klein cancels the handler when the client goes away.
+            # Klein cancels the handler when the client goes away (waiting or running).
             self.disconnects += 1
             raise
-        finally:
-            self.running -= 1
 
     async def _answer(self, request: Request) -> bytes | None:
         assert request.content is not None
@@ -250,9 +263,6 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
         if refused is not None:
             request.setResponseCode(400)
             return answers.vllm_error(400, refused)
-        chat = request.path.endswith(b"/chat/completions")
-        messages_api = request.path.endswith(b"/v1/messages")
-        responses_api = request.path.endswith(b"/v1/responses")
         for name, value in self.extra_headers.items():
             request.setHeader(name.encode("ascii"), value.encode("utf-8"))
 
@@ -263,7 +273,24 @@ class FakeVLLM(Controls, EngineTime, KvEventsMixin, OtherRoutes):
             request.setResponseCode(status)
             request.setHeader(b"Content-Type", content_type)
             return raw
+        if not self._admits():
+            request.setResponseCode(503)
+            return answers.vllm_error(503, QUEUE_FULL, QUEUE_FULL_TYPE)
+        # Its compute, KV pull and tokens begin only once it runs.
+        await self._take_slot()
+        try:
+            return await self._run(request, body, role, behaviour)
+        finally:
+            self._release_slot()
 
+    async def _run(
+        self, request: Request, body: JSONObject, role: str, behaviour: Behaviour
+    ) -> bytes | None:
+        """Serve a generation request that holds a slot: compute, pull, generate."""
+        kv = body.get("kv_transfer_params")
+        chat = request.path.endswith(b"/chat/completions")
+        messages_api = request.path.endswith(b"/v1/messages")
+        responses_api = request.path.endswith(b"/v1/responses")
         input_tokens = answers.prompt_tokens(body, chat)
         cached = 0
         tokens = prompt_tokens(body)

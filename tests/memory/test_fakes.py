@@ -9,8 +9,10 @@ import pytest
 from treq.testing import StubTreq
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import ensureDeferred
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 
 from nixl_twisted.testing import FakeVLLM, TransferLedger
 
@@ -78,17 +80,17 @@ class Exchange:
     """One request to a fake's own site over a ``StringTransport``: what it wrote so far."""
 
     def __init__(self, fake: FakeVLLM, body: dict[str, Any]) -> None:
-        channel = fake.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
-        assert channel is not None
-        channel.timeOut = None  # no idle timer on the global reactor
+        self.channel = fake.site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 40000))
+        assert self.channel is not None
+        self.channel.timeOut = None  # no idle timer on the global reactor
         self.transport = StringTransport()
-        channel.makeConnection(self.transport)
+        self.channel.makeConnection(self.transport)
         raw = json.dumps(body).encode()
         head = (
             "POST /v1/completions HTTP/1.1\r\nHost: fake\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(raw)}\r\n\r\n"
         )
-        channel.dataReceived(head.encode() + raw)
+        self.channel.dataReceived(head.encode() + raw)
 
     def events(self) -> int:
         """The SSE events written so far."""
@@ -96,6 +98,14 @@ class Exchange:
 
     def answered(self) -> bool:
         return self.transport.value().startswith(b"HTTP/1.1 200")
+
+    def silent(self) -> bool:
+        """Nothing written yet, not even a status line."""
+        return self.transport.value() == b""
+
+    def leave(self) -> None:
+        """The client goes away."""
+        self.channel.connectionLost(Failure(ConnectionDone("the client left")))
 
 
 def at(clock: Clock, when: float) -> None:
@@ -210,3 +220,151 @@ def test_a_request_says_whether_it_carried_kv_transfer_params() -> None:
         ("plain", False),
         ("plain", True),  # null is still the key: a decode-only leg must not send it
     ]
+
+
+# -- capacity: max_num_seqs and max_num_queued_reqs --------------------------------
+
+
+def gauges(fake: FakeVLLM) -> tuple[float, float]:
+    """``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, read from ``/metrics``."""
+    read: list[bytes] = []
+
+    async def ask() -> None:
+        response = await StubTreq(fake.resource()).get("http://fake/metrics")  # type: ignore[attr-defined]
+        read.append(await response.content())
+
+    ensureDeferred(ask())
+    (text,) = read
+    found = {}
+    for line in text.decode().splitlines():
+        found[line.partition("{")[0]] = float(line.rsplit(" ", 1)[1])
+    return found["vllm:num_requests_running"], found["vllm:num_requests_waiting"]
+
+
+def streams(fake: FakeVLLM, count: int) -> list[Exchange]:
+    """``count`` streaming completions sent to ``fake`` one after the other."""
+    return [Exchange(fake, {"prompt": "abcd", "stream": True}) for _ in range(count)]
+
+
+def capped(clock: Clock, max_num_seqs: int, **options: Any) -> FakeVLLM:
+    """A fake whose streams take 2 s: two tokens a second apart, then ``[DONE]``."""
+    return FakeVLLM(
+        name="decode-0",
+        clock=clock,
+        tokens=2,
+        token_interval=1.0,
+        max_num_seqs=max_num_seqs,
+        **options,
+    )
+
+
+def test_at_most_max_num_seqs_run_and_the_rest_wait_first_come_first_served() -> None:
+    clock = Clock()
+    fake = capped(clock, max_num_seqs=2)
+    a, b, c, d, e = streams(fake, 5)
+    assert [s.events() for s in (a, b)] == [1, 1]
+    assert all(s.silent() for s in (c, d, e))  # not even a status line
+    assert gauges(fake) == (2, 3)
+    at(clock, 2)  # a and b end; c and d, the first to wait, start
+    assert [s.events() for s in (a, b, c, d)] == [3, 3, 1, 1]
+    assert e.silent()
+    assert gauges(fake) == (2, 1)
+    at(clock, 4)
+    assert [s.events() for s in (c, d, e)] == [3, 3, 1]
+    assert gauges(fake) == (1, 0)
+    at(clock, 6)
+    assert e.events() == 3 and gauges(fake) == (0, 0)
+
+
+def test_without_max_num_seqs_every_request_runs_at_once() -> None:
+    clock = Clock()
+    fake = capped(clock, max_num_seqs=0)
+    started = streams(fake, 5)
+    assert [s.events() for s in started] == [1] * 5
+    assert gauges(fake) == (5, 0)
+    at(clock, 2)
+    assert [s.events() for s in started] == [3] * 5
+    assert gauges(fake) == (0, 0)
+
+
+def test_a_waiting_request_computes_its_prompt_only_once_it_runs() -> None:
+    clock = Clock()
+    fake = FakeVLLM(name="plain-0", clock=clock, max_num_seqs=1, prefill_cost_per_token=1.0)
+    first = Exchange(fake, {"prompt": "x" * 16})  # four tokens: 4 s
+    second = Exchange(fake, {"prompt": "abcd"})  # one token: 1 s, once it runs
+    assert fake.cache.queries == 4  # the second's prompt not even looked up yet
+    at(clock, 4)
+    assert first.answered() and second.silent()
+    assert fake.cache.queries == 5
+    at(clock, 5)
+    assert second.answered()
+
+
+def test_a_prefill_leg_holds_a_slot_while_it_computes() -> None:
+    clock = Clock()
+    fake = FakeVLLM(name="prefill-0", clock=clock, max_num_seqs=1, prefill_cost_per_token=1.0)
+    leg = Exchange(fake, {"prompt": "x" * 16, "kv_transfer_params": {"do_remote_decode": True}})
+    (stream,) = streams(fake, 1)
+    at(clock, 3.5)
+    assert leg.silent() and stream.silent()
+    assert gauges(fake) == (1, 1)
+    at(clock, 4)
+    assert leg.answered() and b"do_remote_prefill" in leg.transport.value()
+    assert gauges(fake) == (1, 0)  # the stream runs: its own prompt's second of compute
+    assert stream.silent()
+    at(clock, 5)
+    assert stream.answered()
+
+
+def test_a_request_whose_client_leaves_while_waiting_leaves_the_queue() -> None:
+    clock = Clock()
+    fake = capped(clock, max_num_seqs=1)
+    running, gone, next_one = streams(fake, 3)
+    gone.leave()
+    assert fake.disconnects == 1
+    assert gauges(fake) == (1, 1)
+    at(clock, 2)  # the running one ends: the next in line runs, not the one that left
+    assert running.events() == 3 and next_one.events() == 1
+    assert gone.silent()
+    assert gauges(fake) == (1, 0)
+    at(clock, 4)
+    assert gauges(fake) == (0, 0)
+
+
+def test_a_running_request_whose_client_leaves_gives_its_slot_to_the_next() -> None:
+    clock = Clock()
+    fake = capped(clock, max_num_seqs=1)
+    running, waiting = streams(fake, 2)
+    running.leave()
+    assert waiting.events() == 1
+    assert gauges(fake) == (1, 0)
+    at(clock, 2)
+    assert waiting.events() == 3 and gauges(fake) == (0, 0)
+
+
+def test_past_max_num_queued_reqs_a_request_is_refused_with_vllms_503() -> None:
+    """vLLM counts requests waiting or running against --max-num-queued-reqs."""
+    clock = Clock()
+    fake = capped(clock, max_num_seqs=1, max_num_queued_reqs=2)
+    streams(fake, 2)  # one running, one waiting: full
+    code, answer = post(StubTreq(fake.resource()), "http://fake/v1/completions", {"prompt": "a"})
+    assert (code, answer) == (
+        503,
+        {
+            "error": {
+                "message": "The engine is currently busy and cannot accept new requests. "
+                "Please try again later or on a different instance.",
+                "type": "Service Unavailable",
+                "param": None,
+                "code": 503,
+            }
+        },
+    )
+    assert gauges(fake) == (1, 1)
+    at(clock, 2)  # the first ends: room for one more to wait
+    (admitted,) = streams(fake, 1)
+    assert admitted.silent() and gauges(fake) == (1, 1)
+    code, _ = post(StubTreq(fake.resource()), "http://fake/v1/completions", {"prompt": "a"})
+    assert code == 503
+    at(clock, 6)
+    assert admitted.events() == 3 and gauges(fake) == (0, 0)

@@ -33,6 +33,8 @@ OPTIONS = {
     "--model": "fake-model",
     "--tokens": "23",
     "--token-interval": "0.05",
+    "--max-num-seqs": "0",
+    "--max-num-queued-reqs": "None",
     "--kv-events": "False",
 }
 COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
@@ -185,6 +187,17 @@ class FakesCommandTests(TwistdCase):
         for url in urls.values():
             listed = await (await http.get(url + "/v1/models")).json()
             self.assertEqual([card["id"] for card in listed["data"]], ["Qwen/Qwen3-0.6B"])
+        await self.stop(process)
+
+    async def test_max_num_queued_reqs_0_refuses_every_generation_as_vllm_does(self) -> None:
+        process, urls = await self.fakes(1, 1, "--max-num-seqs", "1", "--max-num-queued-reqs", "0")
+        http = self.fresh_connections()
+        for url in urls.values():
+            response = await http.post(url + "/v1/completions", json=COMPLETION)
+            body = await response.json()
+            self.assertEqual(response.code, 503, body)
+            self.assertEqual(body["error"]["type"], "Service Unavailable")
+            self.assertIn("try again later or on a different instance", body["error"]["message"])
         await self.stop(process)
 
     async def test_a_port_in_use_is_said_and_exits_1(self) -> None:
