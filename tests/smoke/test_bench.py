@@ -169,3 +169,34 @@ def test_a_short_ceiling_run_prints_its_table() -> None:
     assert ran.code == 0 and all(row in ran.stdout for row in rows), ran.why(
         "exit 0 and a 64-connection row for each of " + ", ".join(kinds)
     )
+
+
+def test_a_short_overload_run_serves_every_arrival_of_each_load() -> None:
+    """By count: 8 arrivals per load, on fakes fast enough that a load takes a moment;
+    through today's proxy, each served (no refusal), its TTFT measured and its access
+    line counted among the proxy's log lines."""
+    ran = run(
+        [
+            PYTHON,
+            "-m",
+            "bench.overload",
+            *("--requests", "8", "--tokens", "4"),
+            *("--token-interval", "0.005", "--prefill-cost", "0.00005"),
+        ]
+    )
+    rows = {
+        load: re.search(
+            rf"\| {load} \| [\d.]+/s \| 8 \| [^|]+ \| [\d.]+ / [\d.]+ s \| - \| 0 \| "
+            r".* \| (\d+) \((\d+)\) \|",
+            ran.stdout,
+        )
+        for load in ("0.5x", "1x", "2x", "3x")
+    }
+    access_lines = {
+        load: int(found.group(1)) - int(found.group(2)) if found else None
+        for load, found in rows.items()
+    }
+    assert ran.code == 0 and "capacity: " in ran.stdout, ran.why("exit 0, the fleet's capacity")
+    assert access_lines == dict.fromkeys(rows, 8), ran.why(
+        "a row per load: 8 requests, all served, a TTFT, 8 access lines"
+    )
