@@ -217,13 +217,11 @@ def _round(value: float | None) -> float | None:
 
 
 def measure(
-    fleet: Fleet, factor: float, target: Target, args: argparse.Namespace
+    fleet: Fleet, factor: float, target: Target, args: argparse.Namespace, seed: int
 ) -> dict[str, Any]:
     """One load through a target started for it, in front of fakes started for it."""
     rate = factor * fleet.capacity
-    planned = open_loop.arrivals(
-        rate, list(TENANTS), args.seed, fleet.body, args.seconds, args.requests
-    )
+    planned = open_loop.arrivals(rate, list(TENANTS), seed, fleet.body, args.seconds, args.requests)
     window = args.seconds if args.requests is None else planned[-1].at
     with fakes(fleet) as urls, target.serving(urls) as (url, log):
         log.load_begins()
@@ -285,8 +283,10 @@ def arguments() -> argparse.ArgumentParser:
     length.add_argument("--seconds", type=float, default=20.0, help="arrivals per load")
     length.add_argument("--requests", type=int, help="instead: this many arrivals per load")
     parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS), metavar="X,Y")
-    parser.add_argument("--repeat", type=int, default=1, help="run each load N times")
-    parser.add_argument("--seed", type=int, default=36)
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run each load N times, seeds --seed, --seed + 1, ..."
+    )
+    parser.add_argument("--seed", type=int, default=36, help="of the first run's arrivals")
     parser.add_argument("--ttft-bound", type=float, default=5.5, metavar="SECONDS")
     parser.add_argument("--client-timeout", type=float, default=600.0, metavar="SECONDS")
     fleet = parser.add_argument_group("the fakes")
@@ -384,7 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for factor in factors:
                 for run in range(1, args.repeat + 1):
-                    result = measure(fleet, factor, target, args)
+                    # Each run its own arrivals; run N the same for every target.
+                    result = measure(fleet, factor, target, args, args.seed + run - 1)
                     results.append(result)
                     print(row(result, run, args.repeat), flush=True)
         except TargetFailed as failed:
