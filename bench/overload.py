@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -225,12 +226,14 @@ def measure(
     window = args.seconds if args.requests is None else planned[-1].at
     with fakes(fleet) as urls, target.serving(urls) as (url, log):
         log.load_begins()
+        began = time.strftime("%H:%M:%S")  # (to read against what else loaded the machine)
         outcomes, gauges, elapsed = asyncio.run(
             open_loop.run(url, planned, urls, TENANT_HEADER, args.client_timeout)
         )
     logged = log.lines_during_load()
     return {
         "load": factor,
+        "began": began,
         "offered": round(rate, 2),
         "elapsed_s": round(elapsed, 1),
         **summary(outcomes, gauges, window, fleet.capacity, args.ttft_bound),
