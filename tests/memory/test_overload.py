@@ -174,3 +174,27 @@ def test_a_sheddable_tenant_is_refused_at_once_when_the_fleet_is_full() -> None:
     shed = setup.post(routes.CHAT_COMPLETIONS, CHAT, {"x-team": "batch"}).answer()
     assert_error(shed, 503, "shed")
     assert shed.values("Retry-After")
+
+
+def test_a_reload_that_changes_a_weight_applies_it_to_the_requests_that_come_after() -> None:
+    setup = capped(queue_size=10, tenant_header="x-team", tenants='{"a": {}, "b": {}}')
+    setup.decode.hold_answers()
+
+    def send(name: str) -> None:
+        setup.post(routes.CHAT_COMPLETIONS, CHAT, {"x-team": name[0], "x-request-id": name})
+        setup.proxy.flush()
+
+    for name in ("a0", "a1", "b1"):
+        send(name)
+    config = setup.proxy.service.config
+    given = {k: v for k, v in config.settings().items() if v is not None}
+    heavier = dict(given, tenants='{"a": {}, "b": {"weight": 4}}')
+    setup.proxy.service.reconfigure(ProxyConfig.from_settings(heavier))
+    for name in ("b2", "b3", "a2"):
+        send(name)
+    for _ in range(5):
+        setup.decode.release()
+        setup.decode.hold_answers()
+        setup.proxy.flush()
+    # a1 and b1 keep the places they were given; b's next two, at weight 4, go before a2.
+    assert [r.request_id for r in setup.decode.requests] == ["a0", "a1", "b1", "b2", "b3", "a2"]
