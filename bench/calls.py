@@ -40,7 +40,13 @@ READERS = (
 
 def calls(backend: str, requests: int, stream: bool, proxy_args: Sequence[str]) -> int:
     """The Python calls a profiled proxy made serving ``requests`` (4 connections)."""
-    stats = os.path.join(tempfile.mkdtemp(prefix="nixlproxy-calls-"), "profile")
+    with tempfile.TemporaryDirectory(prefix="nixlproxy-calls-") as folder:
+        return _profiled(os.path.join(folder, "profile"), backend, requests, stream, proxy_args)
+
+
+def _profiled(
+    stats: str, backend: str, requests: int, stream: bool, proxy_args: Sequence[str]
+) -> int:
     args = ["--health-interval", "0", "--prefill", backend, "--decode", backend, *proxy_args]
     key = next((a.partition("=")[2] for a in proxy_args if a.startswith("--api-key=")), None)
     twistd_args = [f"--profile={stats}", "--profiler=cprofile", "--savestats"]
