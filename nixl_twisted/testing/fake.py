@@ -111,6 +111,8 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
     text: str = DEFAULT_TEXT
     clock: IReactorTime | None = None
     requests: list[ReceivedRequest] = field(default_factory=list)
+    #: Generation requests received (prefill and decode legs, plain requests).
+    generations: int = 0
     #: Streams whose client went away before the stream ended.
     disconnects: int = 0
     #: Headers added to every generation answer, e.g. to test header rules.
@@ -222,6 +224,8 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
         return self.routes.resource()
 
     def _record(self, request: Request, body: JSONObject | None, role: str) -> None:
+        if role != "other":
+            self.generations += 1
         self.requests.append(
             ReceivedRequest(
                 method=request.method.decode("ascii"),
@@ -295,9 +299,14 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
         cached = 0
         tokens = prompt_tokens(body)
         if role in ("prefill", "plain"):
-            # The lookup publishes what it stored and evicted: one batch, as a vLLM step.
-            cached, _ = self.cache.compute(tokens)
-            await self._compute(len(tokens) - cached)
+            # What the lookup stored and evicted is one batch, published as vLLM
+            # publishes a step's events: once the step (the compute) has run.
+            with self._step() as step:
+                cached, _ = self.cache.compute(tokens)
+            try:
+                await self._compute(len(tokens) - cached)
+            finally:
+                self._stepped(step)
         kv_answer: JSONObject | None = None
         if role == "prefill" and behaviour.issues_params:
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex

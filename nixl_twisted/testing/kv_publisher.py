@@ -13,14 +13,20 @@ sure to get it (ZeroMQ drops what a PUB sends before a subscriber has
 joined), without sleeping or probing.
 
 ``KvEventsMixin`` gives ``FakeVLLM`` its publisher and the controls that go
-with it. The encoding is written here from vLLM's, never borrowed from the
-proxy's reader (``kv_wire``), so that a mistake cannot hide on both sides;
+with it. As vLLM publishes an engine step's events once the step has run,
+a prompt's events are published once its compute ends (``step``), in the
+order its cache changed: a prompt routed meanwhile finds nothing reported.
+The encoding is written here from vLLM's, never borrowed from the proxy's
+reader (``kv_wire``), so that a mistake cannot hide on both sides;
 only the reactor glue of a ZeroMQ socket (``zmq_reactor``) is shared.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -67,6 +73,8 @@ class KvPublisher:
         self.replays = 0
         self._skipping = 0
         self._skipped_kept = True
+        #: Batches held back (``hold``), sent at ``release``.
+        self.held: list[list[KvEvent]] | None = None
         self._subscriptions = 0
         self._subscribers: list[Deferred[None]] = []
         self.events_port: int | None = None
@@ -102,7 +110,11 @@ class KvPublisher:
         return self._endpoint().rsplit(":", 1)[0] + f":{port}"
 
     def publish(self, events: list[KvEvent]) -> None:
-        """One batch: numbered, kept for replays and sent (unless ``skip`` says otherwise)."""
+        """One batch: numbered, kept for replays and sent (unless ``skip`` or ``hold`` say
+        otherwise)."""
+        if self.held is not None:
+            self.held.append(events)
+            return
         seq, self.seq = self.seq, self.seq + 1
         payload = msgpack.packb([self.reactor.seconds(), events, 0])
         if self._skipping:
@@ -122,6 +134,17 @@ class KvPublisher:
         not kept, nothing can."""
         self._skipping = n
         self._skipped_kept = keep
+
+    def hold(self) -> None:
+        """Batches from now on wait (an engine step not run yet) until ``release``."""
+        if self.held is None:
+            self.held = []
+
+    def release(self) -> None:
+        """The batches held, published in order, and the next ones as they come."""
+        held, self.held = self.held or [], None
+        for events in held:
+            self.publish(events)
 
     def restart(self) -> None:
         """As a restarted vLLM: the sequence back to 0 and the replay buffer empty."""
@@ -171,6 +194,14 @@ class KvPublisher:
             subscriber.cancel()
 
 
+@dataclass
+class _Step:
+    """One prompt's cache changes, published once its compute has ended."""
+
+    events: list[KvEvent] = field(default_factory=list)
+    ran: bool = False
+
+
 class KvEventsMixin:
     """Mixed into ``FakeVLLM``: its KV event publisher, on when ``kv_events`` is."""
 
@@ -185,6 +216,9 @@ class KvEventsMixin:
         #: The publisher (``skip()``, ``restart()``, ``sent``...): None until ``listen()``,
         #: and without ``kv_events``.
         self.kv_publisher: KvPublisher | None = None
+        #: Steps whose events are not published yet, the first to change the cache first.
+        self._steps: deque[_Step] = deque()
+        self._stepping: _Step | None = None
 
     @property
     def kv_events_port(self) -> int | None:
@@ -216,8 +250,31 @@ class KvEventsMixin:
 
     def _kv_changed(self, events: list[KvEvent]) -> None:
         """What the prefix cache did, published as one batch (an engine step's)."""
-        if self.kv_publisher is not None:
+        if self._stepping is not None:
+            self._stepping.events.extend(events)
+        elif self._steps:  # (after the steps still running, in order)
+            self._steps.append(_Step(events, ran=True))
+        elif self.kv_publisher is not None:
             self.kv_publisher.publish(events)
+
+    @contextmanager
+    def _step(self) -> Iterator[_Step]:
+        """The cache changes made inside, kept for ``_stepped`` (the step's compute ended)."""
+        step = _Step()
+        self._steps.append(step)
+        self._stepping = step
+        try:
+            yield step
+        finally:
+            self._stepping = None
+
+    def _stepped(self, step: _Step) -> None:
+        """A step has run: its events, and those of the steps after it that ran, published."""
+        step.ran = True
+        while self._steps and self._steps[0].ran:
+            events = self._steps.popleft().events
+            if events and self.kv_publisher is not None:
+                self.kv_publisher.publish(events)
 
     def subscribed(self) -> Deferred[None]:
         """Fires once a subscriber of this fake's KV events has joined (see ``KvPublisher``)."""

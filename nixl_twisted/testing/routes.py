@@ -35,6 +35,7 @@ class OtherRoutes:
     waiting: int
     render_status: int
     cache: PrefixCache
+    generations: int
     responses: dict[str, JSONObject]
 
     def _record(self, request: Request, body: JSONObject | None, role: str) -> None:
@@ -67,6 +68,8 @@ class OtherRoutes:
             "vllm:kv_cache_usage_perc": self.cache.usage,
             "vllm:prefix_cache_queries_total": self.cache.queries,
             "vllm:prefix_cache_hits_total": self.cache.hits,
+            # (vLLM's is by finished_reason; one sum is enough to count legs by)
+            "vllm:request_success_total": self.generations,
         }
         request.setResponseCode(self.metrics_status)
         request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgpack
 import pytest
 from treq.testing import StubTreq
+from twisted.internet import reactor
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.error import ConnectionDone
@@ -15,6 +17,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from nixl_twisted.testing import FakeVLLM, TransferLedger
+from nixl_twisted.testing.kv_publisher import KvPublisher
 
 
 def post(stub: StubTreq, url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -368,3 +371,24 @@ def test_past_max_num_queued_reqs_a_request_is_refused_with_vllms_503() -> None:
     assert code == 503
     at(clock, 6)
     assert admitted.events() == 3 and gauges(fake) == (0, 0)
+
+
+def test_a_prompts_kv_events_go_out_once_its_compute_has_run_in_the_order_of_the_cache() -> None:
+    """As vLLM publishes an engine step's events after the step: a router that routes
+    meanwhile sees nothing yet, and what the cache did is never reordered."""
+    clock = Clock()
+    fake = FakeVLLM(clock=clock, block_tokens=4, prefill_cost_per_token=1.0)
+    publisher = KvPublisher(reactor)  # never bound: it keeps what it would send
+    fake.kv_publisher = publisher
+    try:
+        first = Exchange(fake, {"prompt": "a" * 32})  # 8 tokens, two blocks: 8 s
+        second = Exchange(fake, {"prompt": "b" * 16})  # 4 tokens, one block: 4 s
+        at(clock, 4)
+        assert second.answered() and not first.answered()
+        assert publisher.seq == 0  # its step ran, but the cache changed for the first before
+        at(clock, 8)
+        assert first.answered()
+        stored = [msgpack.unpackb(payload)[1][0]["block_hashes"] for _, payload in publisher.buffer]
+        assert [len(hashes) for hashes in stored] == [2, 1]
+    finally:
+        publisher.close()
