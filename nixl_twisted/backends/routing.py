@@ -104,6 +104,24 @@ def rendezvous(key: bytes, candidates: Sequence[Candidate]) -> list[Any]:
     return sorted(candidates, key=lambda c: _weight(key, c.url), reverse=True)
 
 
+#: Legs past the guard's cap an instance may take for a prompt it holds (or was sent)
+#: most of: moving that prompt computes its prefix again, staying only waits. Two, so
+#: that at four instances and one leg in flight (a cap of one), prompts sharing that
+#: leg's new prefix still go with it; measured in ``performance.md``.
+FOLLOW = 2
+
+
+def guard_cap(balance: float, candidates: Sequence[Candidate]) -> int:
+    """The balance guard: the legs in flight an instance must be under to take new work.
+
+    ``balance`` times the pool's mean legs in flight, counting this one; a
+    prompt that follows its prefix may go to its holder under ``FOLLOW``
+    more.
+    """
+    total = sum(c.in_flight for c in candidates)
+    return math.ceil(balance * (total + 1) / len(candidates))
+
+
 @dataclass(frozen=True)
 class CacheAware:
     """Where the longest part of this prompt went before, else the conversation's own instance.
@@ -114,8 +132,10 @@ class CacheAware:
     prompt ("prefix": many conversations over one document); otherwise to
     the first instance of its key's rendezvous order ("affinity": a
     conversation's first sight, agreed by every worker and replica). The
-    balance guard: an instance may hold at most ``balance`` times the pool's
-    mean legs in flight (plus one) before the key's next instance is taken.
+    balance guard (``guard_cap``): an instance may hold at most ``balance``
+    times the pool's mean legs in flight (plus one) before a new
+    conversation takes its key's next instance, and ``FOLLOW`` legs more
+    before a prompt leaves the instance that was sent most of it.
     """
 
     balance: float
@@ -126,8 +146,7 @@ class CacheAware:
         if routing.prompt is None:
             return least_loaded(pool, candidates, routing)[0], "no_prompt"
         ordered = rendezvous(routing.prompt, candidates)
-        total = sum(c.in_flight for c in candidates)
-        cap = math.ceil(self.balance * (total + 1) / len(candidates))
+        cap = guard_cap(self.balance, candidates)
         chosen, decision = self._remembered(candidates, routing, cap)
         if chosen is None:
             chosen, decision = min(ordered, key=lambda c: c.in_flight), "balanced"
@@ -149,7 +168,7 @@ class CacheAware:
         held = [
             (depth, -by_url[url].in_flight, url)
             for url, depth in self.sent.longest(routing.chain, by_url).items()
-            if depth * PIECE_BYTES >= least and by_url[url].in_flight < cap
+            if depth * PIECE_BYTES >= least and by_url[url].in_flight < cap + FOLLOW
         ]
         if not held:
             return None, ""
@@ -173,12 +192,15 @@ class Holdings(Protocol):
 class KvAware:
     """The instance that holds the longest prefix of this prompt, by vLLM's own KV events.
 
-    Under the same balance guard as ``cache-aware``: an instance may hold
-    at most ``balance`` times the pool's mean legs in flight (plus one).
-    The longest held prefix under the cap wins ("kv_match"; "balanced" when
-    the longest was over the cap); ties and no match go to the fewest legs
-    in flight ("no_match"). When the index cannot serve (no token ids for
-    the prompt, an instance's events not read or stale), ``fallback``
+    A prefix is followed when it is at least ``min_match`` of the prompt
+    (as ``cache-aware``'s memory): a shared system prompt in front of a new
+    conversation does not pull every conversation to the instances that
+    hold it. Under the same balance guard as ``cache-aware`` (``guard_cap``):
+    the longest held prefix wins ("kv_match") while its instance is under
+    the cap plus ``FOLLOW``, else the longest on an instance that is
+    ("balanced"); nothing worth following goes to the fewest legs in flight
+    under the cap ("no_match"). When the index cannot serve (no token ids
+    for the prompt, an instance's events not read or stale), ``fallback``
     (``cache-aware``) chooses, and the decision says why: a request never
     fails because of the index.
     """
@@ -186,25 +208,35 @@ class KvAware:
     balance: float
     held: Holdings
     fallback: CacheAware
+    min_match: float = 0.5
 
     def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
         role = getattr(pool, "role", "")
         why = self._cannot(role, candidates, routing)
         if why is not None:
             return self.fallback(pool, candidates, routing)[0], f"fallback_{why}"
-        assert routing.tokens is not None
-        urls = [c.url for c in candidates]
-        matched = self.held.matched(role, routing.tokens, urls)
-        total = sum(c.in_flight for c in candidates)
-        cap = math.ceil(self.balance * (total + 1) / len(candidates))
-        under = [c for c in candidates if c.in_flight < cap] or list(candidates)
-        fewest = min(c.in_flight for c in under)
-        best = max(under, key=lambda c: (matched.get(c.url, 0), -c.in_flight))
-        held = matched.get(best.url, 0)
-        routing.matched[role] = held
-        if held == 0:
-            return pool.round_robin([c for c in under if c.in_flight == fewest]), "no_match"
-        return best, "kv_match" if held == max(matched.values()) else "balanced"
+        tokens = routing.tokens
+        assert tokens is not None
+        matched = self.held.matched(role, tokens, [c.url for c in candidates])
+        least = max(1.0, self.min_match * len(tokens))
+
+        def held(candidate: Candidate) -> tuple[int, int]:
+            found = matched.get(candidate.url, 0)
+            return (found if found >= least else 0, -candidate.in_flight)
+
+        cap = guard_cap(self.balance, candidates)
+        holders = [c for c in candidates if held(c)[0]]
+        near = [c for c in holders if c.in_flight < cap + FOLLOW]
+        if near:
+            chosen = max(near, key=held)
+            decision = "kv_match" if chosen is max(holders, key=held) else "balanced"
+        else:
+            under = [c for c in candidates if c.in_flight < cap] or list(candidates)
+            fewest = min(c.in_flight for c in under)
+            chosen = pool.round_robin([c for c in under if c.in_flight == fewest])
+            decision = "balanced" if holders else "no_match"
+        routing.matched[role] = matched.get(chosen.url, 0)
+        return chosen, decision
 
     def _cannot(self, role: str, candidates: Sequence[Candidate], routing: Routing) -> str | None:
         if routing.tokens is None:
@@ -245,7 +277,9 @@ def policies(
         "load": by_load,
         "cache-aware": cache_aware,
         "session": session,
-        "kv-aware": KvAware(balance, held if held is not None else NO_HOLDINGS, cache_aware),
+        "kv-aware": KvAware(
+            balance, held if held is not None else NO_HOLDINGS, cache_aware, min_match
+        ),
     }
 
 

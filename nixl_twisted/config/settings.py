@@ -447,8 +447,9 @@ SETTINGS: tuple[Setting, ...] = (
         1.5,
         ratio,
         help=(
-            "cache-aware: an instance may hold this many times the pool's mean legs "
-            "in flight (plus one) before a conversation goes to its next instance."
+            "cache-aware and kv-aware: an instance may hold this many times the pool's "
+            "mean legs in flight (plus one) before new work goes to another instance "
+            "(two legs more for a prompt it holds most of)."
         ),
     ),
     Setting(
@@ -467,8 +468,8 @@ SETTINGS: tuple[Setting, ...] = (
         0.5,
         fraction,
         help=(
-            "cache-aware: a prompt follows the instance sent its longest known prefix "
-            "when that prefix is at least this share of the prompt."
+            "cache-aware and kv-aware: a prompt follows the instance sent (or holding) its "
+            "longest known prefix when that prefix is at least this share of the prompt."
         ),
     ),
     Setting(

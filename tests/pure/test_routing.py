@@ -254,12 +254,35 @@ def test_a_prefix_shorter_than_the_min_match_share_is_not_followed() -> None:
 def test_the_balance_guard_and_membership_win_over_the_memory() -> None:
     pool = remembering(2)
     home, _ = pool.choose(routing=asking(DOCUMENT, "first"))
-    home.in_flight = 4  # cap: ceil(1.5 * 5 / 2) = 4
+    home.in_flight = 12  # cap: ceil(1.5 * 13 / 2) = 10, plus 2 for a prompt it was sent
     other, decision = pool.choose(routing=asking(DOCUMENT, "second"))
     assert other is not home and decision in ("affinity", "balanced")
     home.in_flight = 0
     pool.remove(home.url)
     assert pool.choose(routing=asking(DOCUMENT, "third"))[0] is other
+
+
+def test_prompts_sharing_a_document_stay_together_past_the_cap_new_ones_do_not() -> None:
+    pool = remembering(4)
+    home, _ = pool.choose(routing=asking(DOCUMENT, "first"))
+    home.in_flight = 1  # cap: ceil(1.5 * 2 / 4) = 1: new work goes elsewhere
+    assert pool.choose(routing=asking(DOCUMENT, "second")) == (home, "prefix")
+    home.in_flight = 2
+    assert pool.choose(routing=asking(DOCUMENT, "third")) == (home, "prefix")
+    home.in_flight = 4  # the cap (ceil(1.5 * 5 / 4) = 2) and two more: moved on
+    assert pool.choose(routing=asking(DOCUMENT, "fourth"))[0] is not home
+    other = Routing(prompt=rendezvous_key_for(home, pool), chain=())
+    home.in_flight = 1
+    assert pool.choose(routing=other)[1] == "balanced"
+
+
+def rendezvous_key_for(instance: Instance, pool: BackendPool) -> bytes:
+    """A conversation key whose first instance by rendezvous is ``instance``."""
+    return next(
+        key
+        for key in (f"user\nopening {n}\n".encode() for n in range(1000))
+        if rendezvous(key, pool.instances)[0] is instance
+    )
 
 
 def test_the_memory_follows_the_last_instance_sent_and_forgets_the_oldest() -> None:
@@ -329,12 +352,13 @@ def test_kv_aware_takes_the_instance_holding_the_longest_prefix() -> None:
     held = Indexed({f"http://p{i}:1" for i in range(3)})
     pool = kv_pool(3, held)
     a, b, c = pool.instances
-    held.index.apply(a.url, [Stored((1,), None, TOKENS[:16], 16)])
-    held.index.apply(b.url, [Stored((1, 2), None, TOKENS[:32], 16)])
+    held.index.apply(a.url, [Stored((1, 2), None, TOKENS[:32], 16)])  # half the prompt
+    held.index.apply(b.url, [Stored((1, 2, 3), None, TOKENS[:48], 16)])
+    held.index.apply(c.url, [Stored((1,), None, TOKENS[:16], 16)])  # under --cache-aware-min-match
     asked = Routing(prompt=b"k", tokens=TOKENS)
     assert pool.choose(routing=asked) == (b, "kv_match")
-    assert asked.matched == {"prefill": 32}
-    b.in_flight = 3  # over the cap (ceil(1.5 * 4 / 3) = 2): the next longest
+    assert asked.matched == {"prefill": 48}
+    b.in_flight = 6  # over the cap (ceil(1.5 * 7 / 3) = 4) plus 2: the next longest
     assert pool.choose(routing=Routing(prompt=b"k", tokens=TOKENS)) == (a, "balanced")
     b.in_flight = 0
     other = Routing(prompt=b"k", tokens=tuple(range(64)))
