@@ -1,25 +1,27 @@
-"""Routing policies side by side on seeded chat workloads.
+"""Routing policies side by side on seeded workloads (``bench.workloads``), fakes or real vLLM.
 
-``--workload chat``: conversations share a system prompt; each turn repeats
-its whole history and adds a user message. ``--workload documents``: many
-conversations over a few long documents (retrieval-augmented chat): each
-opens with one of ``--documents`` documents and a question of its own.
-Turns of different conversations interleave at random (seeded),
-``--concurrency`` at a time. The fakes (one process, one
-shared ledger, pinned off the proxy's core) model vLLM's prefix cache and
-take ``--cost`` seconds per prompt token they had to compute. For each run
-it prints the prefill prefix-cache hit rate (hits / queries in tokens, from
-the fakes' own ``/metrics``), TTFT p50/p99 as the client saw it (streaming),
-how the legs spread over the prefill instances, and failures:
+The fakes (one process, one shared ledger, pinned off the proxy's core)
+model vLLM's prefix cache, publish its KV events over ZeroMQ once each
+prompt's compute has run (as vLLM publishes a step's), and take ``--cost``
+seconds per prompt token they had to compute. For each run it prints the
+prefill prefix-cache hit rate (hits / queries in tokens, from the prefill
+instances' own ``/metrics``, read before and after), that rate over the
+ideal's (one prefill instance, where every prompt finds what any earlier
+one computed), TTFT p50/p99 as the client saw it (streaming), the prefill
+legs each instance took (its own request counter) and the busiest one's
+over an even share, and failures.
 
-- ``ideal``: one prefill instance, where every turn finds its history;
-- each policy with 2 prefill instances, and round-robin and cache-aware with 4;
-- cache-aware under ``--workers 2``, and with two proxies taking turns of
-  the same conversations;
-- skew: one of two prefill instances 4x slower (least-loaded and load must
-  send it less than round-robin).
+Without ``--prefills``, the runs of 2026-12-03: each policy with 2 prefill
+instances, round-robin, cache-aware and kv-aware with 4, both under
+``--workers 2`` and with two proxies taking turns of the same
+conversations, and one of two prefill instances 4x slower (least-loaded
+and load must send it less than round-robin). With ``--prefills 2,4,8``:
+ideal, round-robin, cache-aware and kv-aware at each count, and
+vllm-project/router's ``cache_aware`` beside them with ``--vllm-router
+PATH`` (its binary, from a virtualenv of its own: never a dependency);
+``--repeat N`` runs the whole list N times.
 
-    python -m bench.routing [--workload chat|documents] [--conversations 24] [--turns 6]
+    python -m bench.routing [--workload chat|documents|mixed] [--conversations 24] [--turns 6]
 """
 
 from __future__ import annotations
@@ -28,41 +30,16 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
+import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from bench.run import nixlproxy, served_fakes
-
-SYSTEM = "You are a careful assistant for people who run disaggregated LLM serving. " * 8
-#: A few words to make documents of: each document is its own seeded draw.
-WORDS = [
-    "prefill",
-    "decode",
-    "cache",
-    "block",
-    "token",
-    "instance",
-    "request",
-    "latency",
-    "queue",
-    "model",
-    "engine",
-    "transfer",
-    "memory",
-    "network",
-    "kernel",
-    "batch",
-    "stream",
-    "schedule",
-    "router",
-    "policy",
-    "prefix",
-]
+from bench.indexes import index_memory, kv_index_memory
+from bench.run import _free_port, _pinned, _process, nixlproxy, served_fakes
+from bench.workloads import conversations, workload
 
 
 @dataclass(frozen=True)
@@ -73,6 +50,8 @@ class Run:
     workers: int = 1
     proxies: int = 1
     slow: bool = False
+    #: vllm-project/router instead of nixlproxy (its policy name).
+    router: str | None = None
 
 
 RUNS = (
@@ -93,6 +72,18 @@ RUNS = (
         for p in ("round-robin", "least-loaded", "load")
     ),
 )
+
+
+def matrix(counts: Sequence[int], router: bool) -> list[Run]:
+    """Ideal, then round-robin, cache-aware, kv-aware (and vllm-router) at each count."""
+    runs = [Run("ideal (1 prefill)", prefills=1)]
+    for n in counts:
+        runs += [
+            Run(f"{p}, {n} prefills", n, p) for p in ("round-robin", "cache-aware", "kv-aware")
+        ]
+        if router:
+            runs.append(Run(f"vllm-router cache_aware, {n} prefills", n, router="cache_aware"))
+    return runs
 
 
 # -- the fakes, served by a child process --------------------------------------
@@ -145,7 +136,7 @@ def fakes(run: Run, cost: float) -> Iterator[dict[str, list[str]]]:
         yield urls
 
 
-# -- the workload --------------------------------------------------------------
+# -- what the instances say ----------------------------------------------------
 
 
 async def _get(url: str) -> str:
@@ -167,119 +158,22 @@ def _samples(text: str, name: str) -> list[tuple[str, float]]:
     return found
 
 
-def openings(
-    workload: str, count: int, documents: int, rng: random.Random, words: int = 1200
-) -> list[list[Any]]:
-    """Each conversation's first messages: a chat of its own, or a question on a document."""
-    if workload == "chat":
-        return [
-            [
-                {"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * 900},
-            ]
-            for n in range(count)
-        ]
-    texts = [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(documents)]
-    return [
-        [
-            {"role": "system", "content": SYSTEM},
-            {
-                "role": "user",
-                "content": f"Document:\n{rng.choice(texts)}\n\nQuestion {n}: what does it "
-                f"say about {rng.choice(WORDS)} and {rng.choice(WORDS)}?",
-            },
-        ]
-        for n in range(count)
-    ]
-
-
-async def conversations(
-    urls: Sequence[str],
-    histories: list[list[Any]],
-    turns: int,
-    concurrency: int,
-    rng: random.Random,
-    model: str = "fake-model",
-) -> dict[str, Any]:
-    """Every conversation's turns, interleaved in ``rng``'s order (it drew the openings too)."""
-    from openai import AsyncOpenAI
-
-    clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0) for url in urls]
-    count = len(histories)
-    order = [n for n in range(count) for _ in range(turns)]
-    rng.shuffle(order)
-    done_turns = [0] * count
-    busy: set[int] = set()
-    ttfts: list[float] = []
-    failures = 0
-    lock = asyncio.Lock()
-
-    async def one_turn(n: int) -> None:
-        nonlocal failures
-        client = clients[done_turns[n] % len(clients)]  # turns alternate between proxies
-        started = time.monotonic()
-        first: float | None = None
-        text = []
-        try:
-            stream = await client.chat.completions.create(
-                model=model,
-                messages=histories[n],
-                stream=True,
-                max_tokens=16,
-                user=f"conversation-{n}",
-            )
-            async for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.monotonic()
-                    text.append(chunk.choices[0].delta.content)
-        except Exception:
-            failures += 1
-            return
-        ttfts.append((first or time.monotonic()) - started)
-        follow_up = f"Turn {done_turns[n]}: " + "more " * 80
-        histories[n] += [
-            {"role": "assistant", "content": "".join(text)},
-            {"role": "user", "content": follow_up},
-        ]
-        done_turns[n] += 1
-
-    async def worker() -> None:
-        while True:
-            async with lock:
-                pick = next((i for i, n in enumerate(order) if n not in busy), None)
-                if pick is None:
-                    if not order:
-                        return
-                    n = None
-                else:
-                    n = order.pop(pick)
-                    busy.add(n)
-            if n is None:
-                await asyncio.sleep(0.005)
-                continue
-            await one_turn(n)
-            busy.discard(n)
-
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    for client in clients:
-        await client.close()
-    ttfts.sort()
-    return {
-        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
-        "ttft_p99_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))] * 1000, 1) if ttfts else None,
-        "failures": failures,
-        "turns": len(ttfts),
-    }
-
-
-def _prefix_cache(urls: Sequence[str]) -> tuple[float, float]:
-    """The prefill instances' prefix-cache counters now: (hits, queries), in tokens."""
-    hits = queries = 0.0
+def _counters(urls: Sequence[str]) -> list[tuple[float, float, float]]:
+    """Each instance's prefix-cache hits and queries (tokens) and requests served, now."""
+    found = []
     for url in urls:
         metrics = asyncio.run(_get(url.split("#", 1)[0] + "/metrics"))
-        hits += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_hits_total"))
-        queries += sum(v for _, v in _samples(metrics, "vllm:prefix_cache_queries_total"))
-    return hits, queries
+        found.append(
+            tuple(
+                sum(v for _, v in _samples(metrics, name))
+                for name in (
+                    "vllm:prefix_cache_hits_total",
+                    "vllm:prefix_cache_queries_total",
+                    "vllm:request_success_total",
+                )
+            )
+        )
+    return found  # type: ignore[return-value]
 
 
 async def _reset(url: str) -> None:
@@ -310,126 +204,92 @@ def instances(run: Run, args: argparse.Namespace) -> Iterator[dict[str, list[str
     yield {"prefill": prefill, "decode": args.real_decode}
 
 
+@contextmanager
+def vllm_router(binary: str, policy: str, urls: dict[str, list[str]]) -> Iterator[str]:
+    """vllm-project/router in P/D mode in front of the instances, pinned to the proxy's core."""
+    port = _free_port()
+    command = [
+        binary,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--vllm-pd-disaggregation",
+        *[a for u in urls["prefill"] for a in ("--prefill", u)],
+        *[a for u in urls["decode"] for a in ("--decode", u)],
+        "--prefill-policy",
+        policy,
+        "--decode-policy",
+        "round_robin",
+        "--disable-retries",
+        "--log-level",
+        "error",
+    ]
+    with _process(_pinned("0", command), port, subprocess.DEVNULL):
+        yield f"http://127.0.0.1:{port}"
+
+
 def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
     with instances(run, args) as urls, ExitStack() as stack:
         if run.policy != "kv-aware":  # (only kv-aware reads the events)
             urls = {role: [u.split("#", 1)[0] for u in found] for role, found in urls.items()}
-        proxy_args = [
-            "--health-interval",
-            "1",
-            "--access-log",
-            "off",
-            "--prefill-policy",
-            run.policy,
-            "--workers",
-            str(run.workers),
-            *[a for u in urls["prefill"] for a in ("--prefill", u)],
-            *[a for u in urls["decode"] for a in ("--decode", u)],
-        ]
-        proxies = [
-            stack.enter_context(nixlproxy(proxy_args, "0", run.workers))[1]
-            for _ in range(run.proxies)
-        ]
-        hits_before, queries_before = _prefix_cache(urls["prefill"])
+        if run.router is not None:
+            fronts = [stack.enter_context(vllm_router(args.vllm_router, run.router, urls))]
+        else:
+            proxy_args = [
+                "--health-interval",
+                "1",
+                "--access-log",
+                "off",
+                "--prefill-policy",
+                run.policy,
+                "--workers",
+                str(run.workers),
+                *[a for u in urls["prefill"] for a in ("--prefill", u)],
+                *[a for u in urls["decode"] for a in ("--decode", u)],
+                *args.proxy_arg,
+            ]
+            fronts = [
+                stack.enter_context(nixlproxy(proxy_args, "0", run.workers))[1]
+                for _ in range(run.proxies)
+            ]
+        before = _counters(urls["prefill"])
         rng = random.Random(args.seed)
-        histories = openings(args.workload, args.conversations, args.documents, rng, args.doc_words)
-        result = asyncio.run(
-            conversations(proxies, histories, args.turns, args.concurrency, rng, args.model)
+        made = workload(
+            args.workload, args.conversations, args.turns, args.documents, rng, args.doc_words
         )
-        hits, queries = _prefix_cache(urls["prefill"])
-        hits, queries = hits - hits_before, queries - queries_before
-        legs = []
-        for proxy in proxies:
-            metrics = asyncio.run(_get(proxy + "/metrics"))
-            for labels, value in _samples(metrics, "nixlproxy_backend_requests_total"):
-                if 'pool="prefill"' in labels:
-                    legs.append((labels.split('instance="')[1].split('"')[0], value))
-    spread: dict[str, float] = {}
-    for instance, value in legs:
-        spread[instance] = spread.get(instance, 0) + value
-    ordered = [int(spread.get(u.split("#", 1)[0], 0)) for u in urls["prefill"]]
+        result = asyncio.run(conversations(fronts, made, args.concurrency, rng, args.model))
+        after = _counters(urls["prefill"])
+    hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+    legs = [int(a[2] - b[2]) for a, b in zip(after, before, strict=True)]
     return {
         "run": run.name,
         "hit_rate": round(hits / queries, 3) if queries else None,
         **result,
-        "prefill_legs": ordered,
+        "prefill_legs": legs,
+        "busiest": round(max(legs) / (sum(legs) / len(legs)), 2) if sum(legs) else None,
     }
 
 
-def index_memory(prompts: int = 100_000) -> dict[str, Any]:
-    """What cache-aware keeps after choosing for ``prompts`` distinct prompts (tracemalloc):
-    its memory of prefixes sent, full at ``--cache-aware-entries``."""
-    import tracemalloc
-
-    from twisted.internet.task import Clock
-
-    from nixl_twisted.backends import routing
-    from nixl_twisted.backends.pools import BackendPool
-    from nixl_twisted.backends.prompt_keys import routing_for
-    from nixl_twisted.config.settings import BY_NAME
-    from nixl_twisted.protocol.completion import Completion
-
-    pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
-    balance = BY_NAME["cache-aware-balance"].default
-    pool.sent.resize(BY_NAME["cache-aware-entries"].default)
-    pool.policy = routing.policy("cache-aware", balance, pool.sent)
-    pool.policy_name = "cache-aware"
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    for n in range(prompts):
-        body = {"messages": [{"role": "user", "content": f"distinct prompt {n} " * 20}]}
-        chat = Completion("/v1/chat/completions", body, str(n))
-        pool.choose(routing=routing_for({"cache-aware"}, 512, None, chat))
-    after = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    return {"prompts": prompts, "entries": len(pool.sent), "retained_bytes": after - before}
-
-
-def kv_index_memory(blocks: int = 200_000, size: int = 16) -> dict[str, Any]:
-    """What kv-aware's index keeps per block, two instances holding each (tracemalloc),
-    with vLLM's 64-bit hashes and with the longest hash an event may carry, and the time
-    to match an 8k-token prompt against it."""
-    from nixl_twisted.kv.wire import MAX_HASH
-
-    longest, *_ = _kv_index_held(blocks, size, lambda rng: rng.randbytes(MAX_HASH))
-    held, index, prompt, urls = _kv_index_held(blocks, size, lambda rng: rng.getrandbits(64))
-    started = time.perf_counter()
-    for _ in range(100):
-        index.matched(prompt, urls)
-    return {
-        "blocks_per_instance": blocks,
-        "bytes_per_block_per_instance": round(held / (2 * blocks)),
-        f"bytes_per_block_per_instance_{MAX_HASH}_byte_hashes": round(longest / (2 * blocks)),
-        "match_8800_tokens_us": round((time.perf_counter() - started) / 100 * 1e6),
-    }
-
-
-def _kv_index_held(
-    blocks: int, size: int, new_hash: Callable[[random.Random], Any]
-) -> tuple[int, Any, tuple[int, ...], tuple[str, str]]:
-    import tracemalloc
-
-    from nixl_twisted.kv.index import KvIndex, Stored
-
-    index = KvIndex(blocks)
-    rng = random.Random(1)
-    urls = ("http://a:8100", "http://b:8100")
-    tracemalloc.start()
-    before = tracemalloc.get_traced_memory()[0]
-    tokens: tuple[int, ...] = ()
-    for _ in range(blocks // 50):
-        tokens = tuple(rng.randrange(32000) for _ in range(size * 50))
-        hashes = tuple(new_hash(rng) for _ in range(50))
-        for url in urls:
-            index.apply(url, [Stored(hashes, None, tokens, size, None, "GPU")])
-    held = tracemalloc.get_traced_memory()[0] - before
-    tracemalloc.stop()
-    return held, index, tokens * 11, urls  # the prompt: 8,800 tokens, its first 800 held
+def row(r: dict[str, Any], ideal: float | None) -> str:
+    ratio = f"{r['hit_rate'] / ideal:.3f}" if ideal and r["hit_rate"] is not None else "-"
+    cells = [
+        r["run"],
+        f"{r['hit_rate']:.1%}" if r["hit_rate"] is not None else "-",
+        ratio,
+        f"{r['ttft_p50_ms']} ms",
+        f"{r['ttft_p99_ms']} ms",
+        str(r["prefill_legs"]),
+        f"{r['busiest']:.2f}" if r["busiest"] is not None else "-",
+        str(r["failures"]),
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("chat", "documents"), default="chat")
+    parser.add_argument("--workload", choices=("chat", "documents", "mixed"), default="chat")
     parser.add_argument("--conversations", type=int, default=24)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--documents", type=int, default=6, help="documents: how many")
@@ -446,6 +306,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cost", type=float, default=0.0001, help="s per uncached token")
     parser.add_argument("--seed", type=int, default=12)
     parser.add_argument("--only", default="", help="runs whose name contains this")
+    parser.add_argument("--prefills", default="", help="e.g. 2,4,8: the policies at each count")
+    parser.add_argument("--vllm-router", default="", help="vllm-router's binary, to run beside")
+    parser.add_argument(
+        "--proxy-arg", action="append", default=[], help="an option for every nixlproxy run"
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="the whole list, this many times")
     parser.add_argument("--serve-fakes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--slow", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -468,21 +334,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve_fakes:
         serve_fakes(args.serve_fakes, 2, args.cost, args.slow)
         return 0
-    print("| run | prefill hit rate | TTFT p50 | TTFT p99 | prefill legs | failed |")
-    print("|---|---|---|---|---|---|")
-    for run in RUNS:
-        if args.only and args.only not in run.name:
-            continue
-        r = measure(run, args)
-        cells = [
-            r["run"],
-            f"{r['hit_rate']:.1%}",
-            f"{r['ttft_p50_ms']} ms",
-            f"{r['ttft_p99_ms']} ms",
-            str(r["prefill_legs"]),
-            str(r["failures"]),
-        ]
-        print("| " + " | ".join(cells) + " |", flush=True)
+    if args.prefills:
+        runs = matrix([int(n) for n in args.prefills.split(",")], bool(args.vllm_router))
+    else:
+        runs = list(RUNS)
+    columns = ("prefill hit rate", "x ideal", "TTFT p50", "TTFT p99", "prefill legs", "busiest")
+    print(f"| run | {' | '.join(columns)} | failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for _ in range(args.repeat):
+        ideal: float | None = None
+        for run in runs:
+            if args.only and args.only not in run.name and run.prefills != 1:
+                continue
+            r = measure(run, args)
+            if run.prefills == 1:
+                ideal = r["hit_rate"]
+            print(row(r, ideal), flush=True)
     return 0
 
 

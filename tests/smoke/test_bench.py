@@ -92,6 +92,40 @@ def test_a_short_routing_run_prints_its_table() -> None:
     )
 
 
+def test_a_short_mixed_routing_run_at_a_count_prints_each_policy_against_the_ideal() -> None:
+    ran = run(
+        [
+            PYTHON,
+            "-m",
+            "bench.routing",
+            "--workload",
+            "mixed",
+            "--prefills",
+            "2",
+            "--only",
+            "kv-aware",
+            "--conversations",
+            "3",
+            "--turns",
+            "2",
+            "--documents",
+            "1",
+            "--doc-words",
+            "100",
+            "--concurrency",
+            "2",
+        ]
+    )
+    # hit rate, its share of the ideal's, ..., each instance's legs, the busiest's share
+    row = (
+        r"\| kv-aware, 2 prefills \| \d+\.\d% \| \d\.\d{3} \| .* "
+        r"\| \[\d+, \d+\] \| \d\.\d\d \| 0 \|"
+    )
+    assert ran.code == 0 and re.search(row, ran.stdout), ran.why(
+        f"exit 0 and a row matching {row!r}"
+    )
+
+
 def test_a_short_decide_run_prints_its_row_and_fails_nothing() -> None:
     """Run a only: the other runs need the proxy's conditional disaggregation options."""
     ran = run(
