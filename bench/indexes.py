@@ -64,7 +64,8 @@ def _kv_index_held(
 ) -> tuple[int, Any, tuple[int, ...], tuple[str, str]]:
     import tracemalloc
 
-    from nixl_twisted.kv.index import KvIndex, Stored
+    from nixl_twisted.kv.blocks import Stored
+    from nixl_twisted.kv.index import KvIndex
 
     index = KvIndex(blocks)
     rng = random.Random(1)

@@ -25,7 +25,8 @@ from collections.abc import Callable, Iterator
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from nixl_twisted.kv.index import Event, KvIndex, Removed, Stored
+from nixl_twisted.kv.blocks import Event, Removed, Stored
+from nixl_twisted.kv.index import KvIndex
 from nixl_twisted.kv.wire import BadBatch, events
 
 log = Logger()

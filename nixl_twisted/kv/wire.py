@@ -22,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from nixl_twisted.kv.index import Cleared, Event, Removed, Stored
+from nixl_twisted.kv.blocks import Cleared, Event, Removed, Stored
 
 #: The most bytes one message (each of its frames) may hold: 2 MiB, about 375,000
 #: token ids stored in one engine step (five bytes each past 65,535), several times

@@ -7,7 +7,8 @@ import tracemalloc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nixl_twisted.kv.index import Cleared, KvIndex, Removed, Stored, block_keys
+from nixl_twisted.kv.blocks import Cleared, Removed, Stored, block_keys
+from nixl_twisted.kv.index import KvIndex
 
 A, B = "http://a:8100", "http://b:8100"
 PROMPT = list(range(1000, 1040))  # 40 tokens: 2 whole blocks of 16, and 8 more

@@ -12,7 +12,8 @@ import msgpack
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.kv.index import Cleared, KvIndex, Removed, Stored
+from nixl_twisted.kv.blocks import Cleared, Removed, Stored
+from nixl_twisted.kv.index import KvIndex
 from nixl_twisted.kv.sequence import (
     BUDGET,
     END_SEQ,

@@ -16,7 +16,8 @@ from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
 from nixl_twisted.backends.routing import Routing, load_score, rendezvous
 from nixl_twisted.config.settings import POLICIES
-from nixl_twisted.kv.index import KvIndex, Stored
+from nixl_twisted.kv.blocks import Stored
+from nixl_twisted.kv.index import KvIndex
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.prompts import render
