@@ -17,10 +17,11 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes
 
 
@@ -39,11 +40,20 @@ class Routing:
     #: and why not, when they were asked for and could not be had.
     tokens: tuple[int, ...] | None = None
     untokenized: str | None = None
-    #: Per pool role, the tokens of the prompt its ``kv-aware`` choice holds (set by it).
+    #: Per pool role, the tokens of the prompt its ``kv-aware`` choice holds (set by it),
+    #: counting the blocks predicted for it.
     matched: dict[str, int] = field(default_factory=dict, compare=False)
+    #: Per pool role, what takes back the blocks ``kv-aware`` predicted for its choice.
+    predicted: dict[str, Callable[[], object]] = field(default_factory=dict, compare=False)
     #: The model the request is for: only instances that serve it are candidates
     #: (None: any; ``nixl_twisted.backends.models.resolve``).
     model: str | None = None
+
+    def leg_failed(self, role: str) -> None:
+        """The leg of that pool failed: the blocks predicted for its instance will not come."""
+        withdraw = self.predicted.pop(role, None)
+        if withdraw is not None:
+            withdraw()
 
 
 #: A request that offers nothing to route on.
@@ -175,22 +185,16 @@ class CacheAware:
         return by_url[max(held)[2]], "prefix"
 
 
-class Holdings(Protocol):
-    """What the KV events say each instance of a pool holds (``kv.events``)."""
-
-    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
-        """Per instance, the leading tokens of ``tokens`` it holds (in whole blocks)."""
-
-    def listening(self, role: str, url: str) -> bool:
-        """Whether the instance's events are read at all."""
-
-    def stale(self, role: str, url: str) -> bool:
-        """Whether its entries may be wrong now (a gap being replayed, or cleared after one)."""
-
-
 @dataclass(frozen=True)
 class KvAware:
     """The instance that holds the longest prefix of this prompt, by vLLM's own KV events.
+
+    Held means confirmed by the events first, then predicted: when it
+    chooses, the blocks the prompt will fill are recorded for the chosen
+    instance at once (``Holdings.predict``), so a prompt sharing them that
+    comes before vLLM reports them goes there too ("kv_predicted"). A
+    prediction never outweighs a confirmed hit: instances are ranked by
+    their confirmed prefix, and the predicted part only breaks ties.
 
     A prefix is followed when it is at least ``min_match`` of the prompt
     (as ``cache-aware``'s memory): a shared system prompt in front of a new
@@ -217,25 +221,33 @@ class KvAware:
             return self.fallback(pool, candidates, routing)[0], f"fallback_{why}"
         tokens = routing.tokens
         assert tokens is not None
-        matched = self.held.matched(role, tokens, [c.url for c in candidates])
+        reach = self.held.reach(role, tokens, [c.url for c in candidates])
         least = max(1.0, self.min_match * len(tokens))
 
-        def held(candidate: Candidate) -> tuple[int, int]:
-            found = matched.get(candidate.url, 0)
-            return (found if found >= least else 0, -candidate.in_flight)
+        def held(candidate: Candidate) -> tuple[int, int, int]:
+            found = reach.get(candidate.url)
+            if found is None or found.expected < least:
+                return (0, 0, -candidate.in_flight)
+            return (found.confirmed, found.expected, -candidate.in_flight)
 
         cap = guard_cap(self.balance, candidates)
-        holders = [c for c in candidates if held(c)[0]]
+        holders = [c for c in candidates if held(c)[1]]
         near = [c for c in holders if c.in_flight < cap + FOLLOW]
         if near:
             chosen = max(near, key=held)
-            decision = "kv_match" if chosen is max(holders, key=held) else "balanced"
+            confirmed, expected, _ = held(chosen)
+            if chosen is not max(holders, key=held):
+                decision = "balanced"
+            else:
+                decision = "kv_predicted" if expected > confirmed else "kv_match"
         else:
             under = [c for c in candidates if c.in_flight < cap] or list(candidates)
             fewest = min(c.in_flight for c in under)
             chosen = pool.round_robin([c for c in under if c.in_flight == fewest])
             decision = "balanced" if holders else "no_match"
-        routing.matched[role] = matched.get(chosen.url, 0)
+        found = reach.get(chosen.url)
+        routing.matched[role] = found.expected if found is not None else 0
+        routing.predicted[role] = self.held.predict(role, chosen.url, tokens)
         return chosen, decision
 
     def _cannot(self, role: str, candidates: Sequence[Candidate], routing: Routing) -> str | None:
@@ -292,19 +304,3 @@ def policy(
 ) -> Policy:
     """The policy of this name."""
     return policies(balance, sent, min_match, held)[name]
-
-
-class _NoHoldings:
-    """No KV events read: ``kv-aware`` falls back to ``cache-aware`` (``fallback_no_events``)."""
-
-    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
-        return {}
-
-    def listening(self, role: str, url: str) -> bool:
-        return False
-
-    def stale(self, role: str, url: str) -> bool:
-        return False
-
-
-NO_HOLDINGS: Holdings = _NoHoldings()

@@ -18,10 +18,10 @@ from twisted.internet.defer import Deferred
 from nixl_twisted.backends import routing
 from nixl_twisted.backends.capacity import Caps
 from nixl_twisted.backends.health import Thresholds
+from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.models import name_instances, named_by_instance
 from nixl_twisted.backends.pools import BackendPool
-from nixl_twisted.backends.routing import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.upstream import Upstream
 from nixl_twisted.config import Disaggregation, ModelPools, Policies, Pools, ProxyConfig
 

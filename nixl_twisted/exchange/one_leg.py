@@ -62,6 +62,9 @@ class HolderFirst:
     def answered(self, served: tuple[IResponse, LegTrace]) -> str:
         return f"answered_{served[0].code}"
 
+    def failed(self, instance: Instance) -> None:
+        """(Nothing was set going: no policy chose.)"""
+
 
 async def relay(legs: Legs, request: Request, relayed: Relayed, trace: RequestTrace) -> None:
     """``relayed`` to the next decode instance that serves its model, its answer back."""

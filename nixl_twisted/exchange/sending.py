@@ -171,6 +171,9 @@ class Order(Protocol):
     def answered(self, served: Any) -> str:
         """A served attempt's outcome, for the access event."""
 
+    def failed(self, instance: Instance) -> None:
+        """The attempt on ``instance`` failed: what choosing it set going is undone."""
+
 
 class ByPolicy:
     """The pool's policy chooses among the instances not tried yet, up to ``retries`` more.
@@ -209,6 +212,9 @@ class ByPolicy:
 
     def answered(self, served: object) -> str:
         return "answered"
+
+    def failed(self, instance: Instance) -> None:
+        self.routing.leg_failed(self.pool.role)  # (what kv-aware predicted there will not come)
 
 
 def _always() -> bool:
@@ -276,6 +282,7 @@ async def send_leg(
                 said = retry.down or "full (503)"
                 leg.fail(f"{said}; another instance is tried" if number <= retries else said)
                 lease.release()
+                order.failed(instance)
                 if retry.down is None:
                     pool.cool(instance)
                     metrics.child(metrics.backend_requests, pool.role, instance.url, "full").inc()
@@ -289,6 +296,7 @@ async def send_leg(
             except BaseException as error:
                 leg.fail(reason_of(error))
                 lease.release()
+                order.failed(instance)
                 noted(pool.role, instance.url, outcome_of(error), number > 1)
                 raise
             else:

@@ -94,8 +94,8 @@ class Renderer:
         if routing.tokens is not None:
             return routing
         ids, why = await self.tokens(pool, completion, headers, timeout)
-        # (A fresh ``matched``: the one given may be a shared one, ``NO_ROUTING``'s.)
-        return replace(routing, tokens=ids, untokenized=why, matched={})
+        # (Fresh ``matched`` and ``predicted``: the given may be shared ones, ``NO_ROUTING``'s.)
+        return replace(routing, tokens=ids, untokenized=why, matched={}, predicted={})
 
     async def tokens(
         self,

@@ -25,6 +25,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from nixl_twisted.backends.holdings import Reach
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.config import ProxyConfig
@@ -79,7 +80,7 @@ class KvEvents(Service):
 
     def index(self, role: str) -> KvIndex:
         if role not in self.indexes:
-            self.indexes[role] = KvIndex(self.max_blocks)
+            self.indexes[role] = KvIndex(self.max_blocks, self.clock)
         return self.indexes[role]
 
     def stream(self, role: str, url: str) -> EventStream | None:
@@ -98,7 +99,8 @@ class KvEvents(Service):
             if key not in wanted or wanted[key][0] != stream.where or stream.closed:
                 stream.close()
                 del self.streams[key]
-                self.index(key[0]).clear(key[1])
+                index = self.index(key[0])
+                (index.clear if key in wanted else index.left)(key[1])
         for (role, url), (where, _) in wanted.items():
             if (role, url) not in self.streams:
                 self.streams[(role, url)] = EventStream(
@@ -114,9 +116,18 @@ class KvEvents(Service):
     def _counter(self, role: str, url: str) -> Callable[[str], object]:
         return lambda what: self.counted(role, url, what)
 
-    # -- what kv-aware asks (``routing.Holdings``) ---------------------------
+    # -- what kv-aware asks (``holdings.Holdings``) --------------------------
+
+    def reach(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, Reach]:
+        return self.index(role).reach(tokens, urls)
+
+    def predict(self, role: str, url: str, tokens: Sequence[int]) -> Callable[[], object]:
+        index = self.index(role)
+        prediction = index.predict(url, tokens)
+        return lambda: index.withdraw(prediction)
 
     def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
+        """Per instance, the leading tokens of ``tokens`` its events say it holds."""
         return self.index(role).matched(tokens, urls)
 
     def listening(self, role: str, url: str) -> bool:
@@ -145,7 +156,13 @@ class KvEvents(Service):
         stream = self.streams.get((role, url))
         if stream is None:
             return None
-        return {**stream.status(), "blocks": self.index(role).blocks(url)}
+        index = self.index(role)
+        return {
+            **stream.status(),
+            "blocks": index.blocks(url),
+            "predicted": index.predicted(url),
+            "predictions": index.outcomes(url),
+        }
 
     def startService(self) -> None:
         super().startService()

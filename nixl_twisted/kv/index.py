@@ -8,6 +8,9 @@ under an instance are the blocks that instance would not have to compute.
 key, bounded by ``max_blocks`` (the oldest stored going first), and per key
 the instances that hold it. Events are applied in sequence order
 (``EventStream``, per instance, in ``events``); this module is pure.
+Beside what the events confirmed, it keeps what ``kv-aware`` predicted
+(``predictions``): the blocks a prompt just sent will fill, until the
+events settle them; ``reach`` tells the two apart.
 """
 
 from __future__ import annotations
@@ -16,7 +19,18 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
+from twisted.internet.interfaces import IReactorTime
+
+from nixl_twisted.backends.holdings import Reach
 from nixl_twisted.kv.blocks import Event, Removed, Stored, block_keys
+from nixl_twisted.kv.predictions import NOTHING, PREDICTED_LIFE, Prediction, Predictions
+
+#: The block size predictions are keyed by while no instance of the pool has said its
+#: own (a fleet just started): any size will do, as long as matching uses the same;
+#: once the first ``BlockStored`` says the size, they are keyed again by it.
+PROVISIONAL_BLOCK = 16
+#: The most predictions kept to be keyed again so (a fleet's first few requests).
+EARLY_LIMIT = 1024
 
 
 class InstanceBlocks:
@@ -43,14 +57,34 @@ class InstanceBlocks:
 
 
 class KvIndex:
-    """For one pool: which instances hold which blocks, by the proxy's own block keys."""
+    """For one pool: which instances hold which blocks, by the proxy's own block keys.
 
-    def __init__(self, max_blocks: int) -> None:
+    With a ``clock``, it also keeps kv-aware's predictions (``predict``),
+    ``life`` seconds each; without one, it predicts nothing.
+    """
+
+    def __init__(
+        self, max_blocks: int, clock: IReactorTime | None = None, life: float = PREDICTED_LIFE
+    ) -> None:
         #: The most blocks kept per instance; past it the oldest stored are forgotten.
-        self.max_blocks = max_blocks
+        self._max_blocks = max_blocks
         self._instances: dict[str, InstanceBlocks] = {}
         #: Each key's holders, with how many of their copies (media) hold it.
         self._holders: dict[int, dict[str, int]] = {}
+        self.predictions = Predictions(clock, max_blocks, life) if clock is not None else None
+        #: Predictions made before any block size was known: (tokens, LoRA, prediction).
+        self._early: list[tuple[Sequence[int], str | None, Prediction]] = []
+
+    @property
+    def max_blocks(self) -> int:
+        return self._max_blocks
+
+    @max_blocks.setter
+    def max_blocks(self, blocks: int) -> None:
+        """A reload's bound: the next blocks stored (or predicted) past it push the oldest out."""
+        self._max_blocks = blocks
+        if self.predictions is not None:
+            self.predictions.max_blocks = blocks
 
     def blocks(self, url: str) -> int:
         """How many blocks the index says ``url`` holds."""
@@ -85,11 +119,15 @@ class KvIndex:
                 held.orphans += len(event.hashes)
                 return
         held.block_size = event.block_size
+        if self._early:
+            self._rekey()
         held.media.add(event.medium)
         keys = block_keys(event.tokens, event.block_size, event.lora, parent)
         for engine_hash, key in zip(event.hashes, keys, strict=False):
             copy = (engine_hash, event.medium)
             held.chain[engine_hash] = key
+            if self.predictions is not None:
+                self.predictions.settled(url, key, "confirmed")
             if copy in held.keys:
                 held.keys.move_to_end(copy)
                 continue
@@ -106,6 +144,8 @@ class KvIndex:
         engine_hash = copy[0]
         if not any((engine_hash, medium) in held.keys for medium in held.media):
             held.chain.pop(engine_hash, None)  # (its last copy: nothing chains from it now)
+        if self.predictions is not None:
+            self.predictions.settled(url, key, "removed")
         holders = self._holders.get(key)
         if holders is not None:
             left = holders.get(url, 0) - 1
@@ -118,6 +158,8 @@ class KvIndex:
 
     def clear(self, url: str) -> None:
         """Forget every block of ``url`` (a restart, a reset, a gap, or it left the pool)."""
+        if self.predictions is not None:
+            self.predictions.clear(url)
         held = self._instances.pop(url, None)
         if held is None:
             return
@@ -147,3 +189,105 @@ class KvIndex:
                 for url in alive:
                     matched[url] = blocks * size
         return matched
+
+    # -- predictions (kv-aware's choices, until the events settle them) -------
+
+    def _size_for(self, url: str) -> int:
+        """The block size to key ``url``'s blocks by: its own, else its pool's, else provisional.
+
+        An instance that has not said its block size yet (no ``BlockStored``)
+        serves the same model as its pool, so it is keyed as the others are.
+        """
+        own = self.block_size(url)
+        if own:
+            return own
+        return next((h.block_size for h in self._instances.values() if h.block_size), None) or (
+            PROVISIONAL_BLOCK
+        )
+
+    def reach(
+        self, tokens: Sequence[int], urls: Collection[str], lora: str | None = None
+    ) -> dict[str, Reach]:
+        """Each of ``urls`` that holds or is predicted a leading block of ``tokens``, and how many
+        tokens in a row: confirmed by its events, and counting its predicted blocks too."""
+        predictions = self.predictions
+        if predictions is not None:
+            predictions.sweep()
+        reach: dict[str, Reach] = {}
+        by_size: dict[int, list[str]] = {}
+        for url in urls:
+            by_size.setdefault(self._size_for(url), []).append(url)
+        for size, group in by_size.items():
+            confirmed: set[str] = set(group)
+            expected: set[str] = set(group)
+            for blocks, key in enumerate(block_keys(tokens, size, lora), 1):
+                holders = self._holders.get(key, {})
+                confirmed &= holders.keys()
+                expected = {
+                    url
+                    for url in expected
+                    if url in holders or (predictions is not None and predictions.live(url, key))
+                }
+                if not expected:
+                    break
+                for url in expected:
+                    tokens_held = blocks * size
+                    before = reach.get(url)
+                    kept = before.confirmed if before is not None else 0
+                    reach[url] = Reach(tokens_held if url in confirmed else kept, tokens_held)
+        return reach
+
+    def predict(
+        self,
+        url: str,
+        tokens: Sequence[int],
+        lora: str | None = None,
+        expires: float | None = None,
+    ) -> Prediction:
+        """``url`` was just sent ``tokens``: the blocks of it the index does not know it holds
+        count as held (``reach``) until the events settle them or their life ends."""
+        if self.predictions is None:
+            return NOTHING
+        holders = self._holders
+        keys = block_keys(tokens, self._size_for(url), lora)
+        new = (k for k in keys if url not in holders.get(k, {}))
+        prediction = self.predictions.predict(url, new, expires)
+        unsaid = not any(h.block_size for h in self._instances.values())
+        if unsaid and len(self._early) < EARLY_LIMIT:  # (keyed by the provisional size)
+            self._early.append((tokens, lora, prediction))
+        return prediction
+
+    def _rekey(self) -> None:
+        """The pool's block size is known now: what was predicted before, keyed by it.
+
+        (A leg that fails after this withdraws the provisional keys only: the
+        new ones run out their life.)
+        """
+        early, self._early = self._early, []
+        assert self.predictions is not None
+        now = self.predictions.clock.seconds()
+        for tokens, lora, prediction in early:
+            self.predictions.withdraw(prediction, outcome=None)
+            if prediction.expires > now:
+                self.predict(prediction.url, tokens, lora, prediction.expires)
+
+    def withdraw(self, prediction: Prediction) -> None:
+        """The leg these blocks were predicted for failed: they will not be filled."""
+        if self.predictions is not None:
+            self.predictions.withdraw(prediction)
+
+    def predicted(self, url: str) -> int:
+        """Blocks predicted for ``url`` that its events have not settled yet."""
+        return self.predictions.count(url) if self.predictions is not None else 0
+
+    def outcomes(self, url: str) -> dict[str, int]:
+        """What became of the blocks predicted for ``url``: each outcome, counted."""
+        if self.predictions is None:
+            return {}
+        return dict(self.predictions.outcomes.get(url, {}))
+
+    def left(self, url: str) -> None:
+        """``url`` left its pool: its blocks, its predictions and their counts are forgotten."""
+        self.clear(url)
+        if self.predictions is not None:
+            self.predictions.outcomes.pop(url, None)

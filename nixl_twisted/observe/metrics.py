@@ -100,6 +100,18 @@ class _InstanceHealth(Collector):
             "cleared after one it could not fill.",
             labels=["pool", "instance"],
         )
+        predicted = GaugeMetricFamily(
+            "nixlproxy_kv_index_predicted",
+            "KV blocks kv-aware predicted for each instance when it routed there, not yet "
+            "confirmed by its events.",
+            labels=["pool", "instance"],
+        )
+        predictions = CounterMetricFamily(
+            "nixlproxy_kv_predictions",
+            "What became of the blocks kv-aware predicted: confirmed (a BlockStored), expired, "
+            "removed (a BlockRemoved), cleared, failed (their leg failed).",
+            labels=["pool", "instance", "outcome"],
+        )
         discovered = GaugeMetricFamily(
             "nixlproxy_discovered_instances",
             "Instances in rotation (not draining) by where they came from: static, admin, dns, "
@@ -137,6 +149,9 @@ class _InstanceHealth(Collector):
                 if events is not None:
                     blocks.add_metric(labels, float(events["blocks"]))
                     stale.add_metric(labels, 1.0 if events["state"] == "stale" else 0.0)
+                    predicted.add_metric(labels, float(events["predicted"]))
+                    for outcome, count in events["predictions"].items():
+                        predictions.add_metric([*labels, outcome], float(count))
                 healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
                 in_flight.add_metric(labels, float(instance.in_flight))
                 if instance.slots is not None:
@@ -149,6 +164,8 @@ class _InstanceHealth(Collector):
         yield load
         yield blocks
         yield stale
+        yield predicted
+        yield predictions
         yield discovered
         yield errors
         yield caps

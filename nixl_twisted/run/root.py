@@ -37,9 +37,9 @@ from twisted.web.iweb import IAgent
 
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import Thresholds
+from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.models import context_length
 from nixl_twisted.backends.pools import BackendPool
-from nixl_twisted.backends.routing import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, pooled_upstream
 from nixl_twisted.config import ProxyConfig

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from twisted.internet.defer import ensureDeferred, gatherResults
 from twisted.internet.error import ConnectionDone
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
@@ -31,9 +32,9 @@ def chat(question: str) -> dict[str, Any]:
 class KvAwareTests(ProxyCase):
     timeout = 15
 
-    async def start_kv(self, replay: bool = True, **proxy: object) -> None:
+    async def start_kv(self, replay: bool = True, prefills: int = 2, **proxy: object) -> None:
         await self.start(
-            prefills=2,
+            prefills=prefills,
             proxy={"prefill_policy": "kv-aware", "health_interval": 0, **proxy},
             kv_events=True,
             kv_replay=replay,
@@ -102,6 +103,44 @@ class KvAwareTests(ProxyCase):
 
     def proxy_url(self, fake: FakeVLLM) -> str:
         return fake.url
+
+    async def test_two_requests_sharing_a_new_prefix_that_arrive_together_go_to_one_instance(
+        self,
+    ) -> None:
+        """vLLM reports blocks once its step has run: until then, the choice itself counts."""
+        await self.start_kv(prefills=4)
+        await self.computed(self.prefills[0], 1000, 128)  # the pool's block size said: 128
+        for fake in self.prefills:
+            assert fake.kv_publisher is not None
+            fake.kv_publisher.hold()  # no step has run yet: nothing reported
+        logged = self.logged()
+        await gatherResults(
+            [ensureDeferred(self.ask(chat(q))) for q in ("What is it about?", "Who wrote it?")]
+        )
+        (home,) = [fake for fake in self.prefills if fake.requests_for("prefill")]  # one
+        self.assertEqual(len(home.requests_for("prefill")), 2)
+        self.assertEqual(self.routes(logged), [("no_match", 0), ("kv_predicted", 512)])
+        said = await self.health_of(home)
+        held = said["blocks"]  # (the block stored first, if it was there)
+        self.assertEqual((said["predicted"], said["predictions"]), (4, {}))
+        reading = self.events.read("prefill", home.url)
+        assert home.kv_publisher is not None
+        home.kv_publisher.release()  # the step's BlockStored confirms what was predicted
+        await reading
+        said = await self.health_of(home)
+        self.assertEqual((said["blocks"], said["predicted"]), (held + 4, 0))
+        self.assertEqual(said["predictions"], {"confirmed": 4})
+        self.assertEqual(await self.kv_predictions_counted(home, "confirmed"), 4.0)
+
+    async def kv_predictions_counted(self, fake: FakeVLLM, outcome: str) -> float:
+        response = await self.http.get(self.proxy.url + "/metrics")
+        text = (await response.content()).decode()
+        line = (
+            f'nixlproxy_kv_predictions_total{{instance="{fake.url}",'
+            f'outcome="{outcome}",pool="prefill"}}'
+        )
+        found = [float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)]
+        return found[0] if found else 0.0
 
     async def computed(self, fake: FakeVLLM, first: int, count: int) -> None:
         """Tokens ``first`` on computed on ``fake``, once the proxy has read the batch."""

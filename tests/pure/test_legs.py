@@ -214,6 +214,9 @@ def test_a_leg_may_choose_its_own_instances_then_no_policy_or_retry_is_counted()
         def answered(self, served: object) -> str:
             return "answered"
 
+        def failed(self, instance: Instance) -> None:
+            pass
+
     def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
         seen.append((instance.url, instance.in_flight))
         raise Retry(ProxyError(DOWN, f"{instance.url} is down"), "x", "y")

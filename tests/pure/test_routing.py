@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from hypothesis import given
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
 from nixl_twisted.backends import prompt_keys, routing
+from nixl_twisted.backends.holdings import Reach
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
@@ -325,12 +326,17 @@ class Indexed:
     """``Holdings`` over a real ``KvIndex``: what kv-aware asks of the KV events."""
 
     def __init__(self, listening: set[str], stale: Collection[str] = ()) -> None:
-        self.index = KvIndex(1000)
+        self.clock = Clock()
+        self.index = KvIndex(1000, self.clock)
         self._listening = listening
         self._stale = stale
 
-    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
-        return self.index.matched(tokens, urls)
+    def reach(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, Reach]:
+        return self.index.reach(tokens, urls)
+
+    def predict(self, role: str, url: str, tokens: Sequence[int]) -> Callable[[], object]:
+        prediction = self.index.predict(url, tokens)
+        return lambda: self.index.withdraw(prediction)
 
     def listening(self, role: str, url: str) -> bool:
         return url in self._listening
