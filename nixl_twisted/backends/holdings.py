@@ -39,6 +39,9 @@ class Holdings(Protocol):
     def stale(self, role: str, url: str) -> bool:
         """Whether its entries may be wrong now (a gap being replayed, or cleared after one)."""
 
+    def blocks(self, role: str, url: str) -> int:
+        """The blocks it holds and was predicted: how much of what the pool caches is there."""
+
 
 class _NoHoldings:
     """No KV events read: ``kv-aware`` falls back to ``cache-aware`` (``fallback_no_events``)."""
@@ -54,6 +57,9 @@ class _NoHoldings:
 
     def stale(self, role: str, url: str) -> bool:
         return False
+
+    def blocks(self, role: str, url: str) -> int:
+        return 0
 
 
 def _nothing() -> None:

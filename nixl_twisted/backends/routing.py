@@ -242,8 +242,12 @@ class KvAware:
                 decision = "kv_predicted" if expected > confirmed else "kv_match"
         else:
             under = [c for c in candidates if c.in_flight < cap] or list(candidates)
-            fewest = min(c.in_flight for c in under)
-            chosen = pool.round_robin([c for c in under if c.in_flight == fewest])
+            # New work: the fewest legs in flight, then the least cached (what an instance
+            # holds, later prompts follow), as vllm-project/router takes the smallest tree.
+            lightest = min((c.in_flight, self.held.blocks(role, c.url)) for c in under)
+            chosen = pool.round_robin(
+                [c for c in under if (c.in_flight, self.held.blocks(role, c.url)) == lightest]
+            )
             decision = "balanced" if holders else "no_match"
         found = reach.get(chosen.url)
         routing.matched[role] = found.expected if found is not None else 0

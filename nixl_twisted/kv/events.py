@@ -126,6 +126,10 @@ class KvEvents(Service):
         prediction = index.predict(url, tokens)
         return lambda: index.withdraw(prediction)
 
+    def blocks(self, role: str, url: str) -> int:
+        index = self.index(role)
+        return index.blocks(url) + index.predicted(url)
+
     def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
         """Per instance, the leading tokens of ``tokens`` its events say it holds."""
         return self.index(role).matched(tokens, urls)

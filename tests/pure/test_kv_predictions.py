@@ -151,6 +151,9 @@ class Indexed:
     def stale(self, role: str, url: str) -> bool:
         return False
 
+    def blocks(self, role: str, url: str) -> int:
+        return self.index.blocks(url) + self.index.predicted(url)
+
 
 def kv_pool(count: int) -> tuple[BackendPool, KvIndex, Clock]:
     clock = Clock()
@@ -228,3 +231,13 @@ def test_what_was_predicted_before_the_block_size_was_known_is_keyed_again_by_it
     assert index.predicted(B) == 2 and index.outcomes(B) == {}
     clock.advance(PREDICTED_LIFE - 2)  # the life they had, not a new one
     assert index.reach(prompt, {B}) == {}
+
+
+def test_a_new_prefix_goes_to_the_least_loaded_then_the_least_cached_instance() -> None:
+    pool, index, _ = kv_pool(3)
+    a, b, c = pool.instances
+    index.apply(a.url, [held(range(5000, 5016), [1])])
+    index.predict(b.url, range(6000, 6032))  # two blocks on their way to b
+    assert pool.choose(routing=asked()) == (c, "no_match")
+    c.in_flight = 1
+    assert pool.choose(routing=asked(range(7000, 7048))) == (a, "no_match")

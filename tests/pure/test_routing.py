@@ -344,6 +344,9 @@ class Indexed:
     def stale(self, role: str, url: str) -> bool:
         return url in self._stale
 
+    def blocks(self, role: str, url: str) -> int:
+        return self.index.blocks(url) + self.index.predicted(url)
+
 
 TOKENS = tuple(range(2000, 2064))
 
