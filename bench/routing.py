@@ -9,7 +9,8 @@ instances' own ``/metrics``, read before and after), that rate over the
 ideal's (one prefill instance, where every prompt finds what any earlier
 one computed), TTFT p50/p99 as the client saw it (streaming), the prefill
 legs each instance took (its own request counter) and the busiest one's
-over an even share, and failures.
+over an even share, the most prompt tokens one instance had to compute
+(its cache missed them), and failures.
 
 Without ``--prefills``, the runs of 2026-12-03: each policy with 2 prefill
 instances, round-robin, cache-aware and kv-aware with 4, both under
@@ -256,19 +257,31 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         before = _counters(urls["prefill"])
         rng = random.Random(args.seed)
         made = workload(
-            args.workload, args.conversations, args.turns, args.documents, rng, args.doc_words
+            args.workload,
+            args.conversations,
+            args.turns,
+            args.documents,
+            rng,
+            args.doc_words,
+            args.opening_bytes,
         )
-        result = asyncio.run(conversations(fronts, made, args.concurrency, rng, args.model))
+        result = asyncio.run(
+            conversations(fronts, made, args.concurrency, rng, args.model, args.follow_up_words)
+        )
         after = _counters(urls["prefill"])
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     legs = [int(a[2] - b[2]) for a, b in zip(after, before, strict=True)]
+    computed = [(a[1] - b[1]) - (a[0] - b[0]) for a, b in zip(after, before, strict=True)]
     return {
         "run": run.name,
         "hit_rate": round(hits / queries, 3) if queries else None,
         **result,
         "prefill_legs": legs,
         "busiest": round(max(legs) / (sum(legs) / len(legs)), 2) if sum(legs) else None,
+        # The tokens the busiest instance had to compute (its prefix cache missed): the work
+        # a miss costs, where a leg that hits costs next to nothing.
+        "most_computed": int(max(computed)),
     }
 
 
@@ -282,6 +295,7 @@ def row(r: dict[str, Any], ideal: float | None) -> str:
         f"{r['ttft_p99_ms']} ms",
         str(r["prefill_legs"]),
         f"{r['busiest']:.2f}" if r["busiest"] is not None else "-",
+        f"{r['most_computed']:,}",
         str(r["failures"]),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -294,6 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--documents", type=int, default=6, help="documents: how many")
     parser.add_argument("--doc-words", type=int, default=1200, help="documents: words each")
+    parser.add_argument(
+        "--opening-bytes", type=int, default=900, help="chat: each conversation's own opening"
+    )
+    parser.add_argument(
+        "--follow-up-words", type=int, default=80, help="the words each turn after the first adds"
+    )
     parser.add_argument(
         "--real-prefill",
         action="append",
@@ -339,8 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         runs = list(RUNS)
     columns = ("prefill hit rate", "x ideal", "TTFT p50", "TTFT p99", "prefill legs", "busiest")
-    print(f"| run | {' | '.join(columns)} | failed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| run | {' | '.join(columns)} | most computed | failed |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for _ in range(args.repeat):
         ideal: float | None = None
         for run in runs:

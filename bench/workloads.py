@@ -61,14 +61,23 @@ class Workload:
 
 
 def workload(
-    kind: str, count: int, turns: int, documents: int, rng: random.Random, words: int = 1200
+    kind: str,
+    count: int,
+    turns: int,
+    documents: int,
+    rng: random.Random,
+    words: int = 1200,
+    opening: int = 900,
 ) -> Workload:
-    """``count`` conversations of ``kind`` (``chat``, ``documents`` or ``mixed``)."""
+    """``count`` conversations of ``kind`` (``chat``, ``documents`` or ``mixed``).
+
+    ``words``: each document's; ``opening``: the bytes of a chat's own first message.
+    """
     if kind == "mixed":
         chats, docs = count // 3, count // 3
         shorts = count - chats - docs
         mixed = [
-            *_chats(chats, rng),
+            *_chats(chats, rng, opening),
             *_questions(docs, documents, rng, words),
             *_shorts(shorts, rng),
         ]
@@ -76,15 +85,17 @@ def workload(
         rng.shuffle(order)
         kinds = [turns] * (chats + docs) + [1] * shorts
         return Workload([mixed[n] for n in order], [kinds[n] for n in order])
-    made = _chats(count, rng) if kind == "chat" else _questions(count, documents, rng, words)
+    made = (
+        _chats(count, rng, opening) if kind == "chat" else _questions(count, documents, rng, words)
+    )
     return Workload(made, [turns] * count)
 
 
-def _chats(count: int, rng: random.Random) -> list[list[Any]]:
+def _chats(count: int, rng: random.Random, opening: int = 900) -> list[list[Any]]:
     return [
         [
             {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * 900},
+            {"role": "user", "content": f"Conversation {n}. " + rng.choice("abcdefgh") * opening},
         ]
         for n in range(count)
     ]
@@ -129,10 +140,12 @@ async def conversations(
     concurrency: int,
     rng: random.Random,
     model: str = "fake-model",
+    follow_up: int = 80,
 ) -> dict[str, Any]:
     """Every conversation's turns, interleaved in ``rng``'s order (it drew the workload too).
 
-    With several ``urls`` (proxies), a conversation's turns alternate between them.
+    With several ``urls`` (proxies), a conversation's turns alternate between them;
+    each turn after the first asks ``follow_up`` words more.
     """
     from openai import AsyncOpenAI
 
@@ -170,10 +183,10 @@ async def conversations(
             failures += 1
             return
         ttfts.append((first or time.monotonic()) - started)
-        follow_up = f"Turn {done_turns[n]}: " + "more " * 80
+        asked = f"Turn {done_turns[n]}: " + "more " * follow_up
         histories[n] += [
             {"role": "assistant", "content": "".join(text)},
-            {"role": "user", "content": follow_up},
+            {"role": "user", "content": asked},
         ]
         done_turns[n] += 1
 
