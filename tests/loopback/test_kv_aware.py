@@ -119,7 +119,8 @@ class KvAwareTests(ProxyCase):
         )
         (home,) = [fake for fake in self.prefills if fake.requests_for("prefill")]  # one
         self.assertEqual(len(home.requests_for("prefill")), 2)
-        self.assertEqual(self.routes(logged), [("no_match", 0), ("kv_predicted", 512)])
+        # (in the order they ended: either may end first)
+        self.assertEqual(sorted(self.routes(logged)), [("kv_predicted", 512), ("no_match", 0)])
         said = await self.health_of(home)
         held = said["blocks"]  # (the block stored first, if it was there)
         self.assertEqual((said["predicted"], said["predictions"]), (4, {}))
