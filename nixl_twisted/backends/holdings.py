@@ -10,7 +10,7 @@ routes as ``cache-aware`` (``fallback_no_events``).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -22,6 +22,8 @@ class Reach:
     confirmed: int
     #: Counting the blocks predicted for it too (never less than ``confirmed``).
     expected: int
+    #: The key of the last block of ``expected``: where the prefix it holds ends.
+    last: int = field(default=0, compare=False)
 
 
 class Holdings(Protocol):

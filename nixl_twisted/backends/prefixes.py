@@ -87,3 +87,36 @@ class SentPrefixes:
         self.entries = entries
         while len(self._sent) > entries:
             self._sent.popitem(last=False)
+
+
+#: The prompts one prefix may draw to one instance by being followed; past it the next
+#: is placed by load, and the prefix is copied where it lands: a system prompt or a
+#: document every new conversation shares would otherwise pull them all to one instance.
+HOT = 8
+
+
+class Pulls:
+    """For one pool: how many prompts each shared prefix drew to each instance.
+
+    A prefix is named by its last block or piece (kv-aware's key, cache-aware's
+    chained hash), so each turn of a conversation, whose prefix ends where its
+    previous turn ended, is a prefix of its own; a system prompt or a document
+    that many conversations open with is the same one each time. Bounded by
+    ``entries``, the least recently drawn going first.
+    """
+
+    def __init__(self, entries: int = 65_536) -> None:
+        self.entries = entries
+        self._drawn: OrderedDict[tuple[str, int], int] = OrderedDict()
+
+    def hot(self, url: str, prefix: int) -> bool:
+        """Whether the prefix has drawn ``HOT`` prompts to ``url`` already."""
+        return self._drawn.get((url, prefix), 0) >= HOT
+
+    def drew(self, url: str, prefix: int) -> None:
+        """A prompt followed the prefix to ``url``."""
+        key = (url, prefix)
+        self._drawn[key] = self._drawn.get(key, 0) + 1
+        self._drawn.move_to_end(key)
+        while len(self._drawn) > self.entries:
+            self._drawn.popitem(last=False)

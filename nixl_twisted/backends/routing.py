@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
-from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes
+from nixl_twisted.backends.prefixes import PIECE_BYTES, Pulls, SentPrefixes
 
 
 @dataclass(frozen=True)
@@ -151,6 +151,7 @@ class CacheAware:
     balance: float
     sent: SentPrefixes = field(default_factory=lambda: SentPrefixes(0))
     min_match: float = 0.5
+    pulls: Pulls = field(default_factory=Pulls)
 
     def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
         if routing.prompt is None:
@@ -170,7 +171,8 @@ class CacheAware:
     def _remembered(
         self, candidates: Sequence[Candidate], routing: Routing, cap: int
     ) -> tuple[Any, str]:
-        """The candidate sent most of this prompt before, under the guard's cap, if enough."""
+        """The candidate sent most of this prompt before, under the guard's cap, if enough
+        and if that prefix has not drawn enough prompts there already (``Pulls``)."""
         if not routing.chain:
             return None, ""
         by_url = {c.url: c for c in candidates}
@@ -178,11 +180,15 @@ class CacheAware:
         held = [
             (depth, -by_url[url].in_flight, url)
             for url, depth in self.sent.longest(routing.chain, by_url).items()
-            if depth * PIECE_BYTES >= least and by_url[url].in_flight < cap + FOLLOW
+            if depth * PIECE_BYTES >= least
+            and by_url[url].in_flight < cap + FOLLOW
+            and not self.pulls.hot(url, routing.chain[depth - 1])
         ]
         if not held:
             return None, ""
-        return by_url[max(held)[2]], "prefix"
+        depth, _, url = max(held)
+        self.pulls.drew(url, routing.chain[depth - 1])
+        return by_url[url], "prefix"
 
 
 @dataclass(frozen=True)
@@ -213,6 +219,7 @@ class KvAware:
     held: Holdings
     fallback: CacheAware
     min_match: float = 0.5
+    pulls: Pulls = field(default_factory=Pulls)
 
     def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
         role = getattr(pool, "role", "")
@@ -228,6 +235,8 @@ class KvAware:
             found = reach.get(candidate.url)
             if found is None or found.expected < least:
                 return (0, 0, -candidate.in_flight)
+            if self.pulls.hot(candidate.url, found.last):
+                return (0, 0, -candidate.in_flight)  # (drawn enough there: placed by load)
             return (found.confirmed, found.expected, -candidate.in_flight)
 
         cap = guard_cap(self.balance, candidates)
@@ -248,8 +257,11 @@ class KvAware:
             chosen = pool.round_robin(
                 [c for c in under if (c.in_flight, self.held.blocks(role, c.url)) == lightest]
             )
-            decision = "balanced" if holders else "no_match"
+            drawn = any(r.expected >= least for r in reach.values())  # (but hot, or busy)
+            decision = "balanced" if drawn else "no_match"
         found = reach.get(chosen.url)
+        if found is not None and held(chosen)[1]:
+            self.pulls.drew(chosen.url, found.last)
         routing.matched[role] = found.expected if found is not None else 0
         routing.predicted[role] = self.held.predict(role, chosen.url, tokens)
         return chosen, decision

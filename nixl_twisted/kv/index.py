@@ -234,7 +234,8 @@ class KvIndex:
                     tokens_held = blocks * size
                     before = reach.get(url)
                     kept = before.confirmed if before is not None else 0
-                    reach[url] = Reach(tokens_held if url in confirmed else kept, tokens_held)
+                    held = tokens_held if url in confirmed else kept
+                    reach[url] = Reach(held, tokens_held, key)
         return reach
 
     def predict(

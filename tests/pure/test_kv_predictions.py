@@ -10,6 +10,7 @@ from twisted.internet.task import Clock
 from nixl_twisted.backends import routing
 from nixl_twisted.backends.holdings import Reach
 from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.prefixes import HOT
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.exchange.sending import ByPolicy, Retry, send_leg
 from nixl_twisted.kv.blocks import Cleared, Removed, Stored
@@ -241,3 +242,21 @@ def test_a_new_prefix_goes_to_the_least_loaded_then_the_least_cached_instance() 
     assert pool.choose(routing=asked()) == (c, "no_match")
     c.in_flight = 1
     assert pool.choose(routing=asked(range(7000, 7048))) == (a, "no_match")
+
+
+def test_a_shared_prefix_draws_at_most_hot_prompts_to_an_instance_then_it_is_copied() -> None:
+    pool, index, _ = kv_pool(4)
+    preamble = tuple(range(100, 164))  # four blocks every conversation opens with
+    index.apply(pool.instances[0].url, [held(preamble, [1, 2, 3, 4])])
+    placed = [
+        pool.choose(routing=asked((*preamble, n, n, n, n, n, n, n, n))) for n in range(HOT + 1)
+    ]
+    home = pool.instances[0]
+    assert placed[:HOT] == [(home, "kv_match")] * HOT
+    copy, decision = placed[HOT]  # the preamble drew HOT there: placed by load
+    assert (copy is not home, decision) == (True, "balanced")
+    # The copy draws the next ones; a conversation's own history is a prefix of its own.
+    assert pool.choose(routing=asked((*preamble, 9, 9, 9, 9, 9, 9, 9, 9)))[0] is copy
+    history = (*preamble, 0, 0, 0, 0, 0, 0, 0, 0, *range(16))
+    index.apply(home.url, [held(history[64:80], [5], parent=4)])
+    assert pool.choose(routing=asked(history)) == (home, "kv_match")

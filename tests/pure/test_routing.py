@@ -14,7 +14,7 @@ from nixl_twisted.backends import prompt_keys, routing
 from nixl_twisted.backends.holdings import Reach
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
-from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes, pieces
+from nixl_twisted.backends.prefixes import HOT, PIECE_BYTES, SentPrefixes, pieces
 from nixl_twisted.backends.routing import Routing, load_score, rendezvous
 from nixl_twisted.config.settings import POLICIES
 from nixl_twisted.kv.blocks import Stored
@@ -238,8 +238,14 @@ def test_a_new_conversation_over_a_known_document_goes_where_the_document_went()
     )
     first, decision = pool.choose(routing=asking(DOCUMENT, questions[0]))
     assert decision == "affinity"
-    for question in questions[1:]:
+    for question in questions[1 : 1 + HOT]:
         assert pool.choose(routing=asking(DOCUMENT, question)) == (first, "prefix")
+    # It drew HOT there: the next is placed as a new conversation, and the document,
+    # copied where it went, draws the ones after it there.
+    copy, decision = pool.choose(routing=asking(DOCUMENT, questions[1 + HOT]))
+    assert copy is not first and decision in ("affinity", "balanced")
+    for question in questions[2 + HOT : 2 + 2 * HOT]:
+        assert pool.choose(routing=asking(DOCUMENT, question)) == (copy, "prefix")
 
 
 def test_a_prefix_shorter_than_the_min_match_share_is_not_followed() -> None:
