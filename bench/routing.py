@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -41,6 +42,7 @@ from typing import Any
 from bench.indexes import index_memory, kv_index_memory
 from bench.run import _free_port, _pinned, _process, nixlproxy, served_fakes
 from bench.workloads import conversations, workload
+from nixl_twisted.testing import process
 
 
 @dataclass(frozen=True)
@@ -331,6 +333,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--proxy-arg", action="append", default=[], help="an option for every nixlproxy run"
     )
+    parser.add_argument("--seeds", default="", help="e.g. 1,2,3: the whole list with each seed")
+    parser.add_argument(
+        "--proxy-python",
+        default="",
+        help="another build's python (its virtualenv's), whose nixlproxy runs instead",
+    )
     parser.add_argument("--repeat", type=int, default=1, help="the whole list, this many times")
     parser.add_argument("--serve-fakes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--slow", action="store_true", help=argparse.SUPPRESS)
@@ -358,10 +366,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = matrix([int(n) for n in args.prefills.split(",")], bool(args.vllm_router))
     else:
         runs = list(RUNS)
+    if args.proxy_python:
+        _proxy_from(args.proxy_python)
     columns = ("prefill hit rate", "x ideal", "TTFT p50", "TTFT p99", "prefill legs", "busiest")
     print(f"| run | {' | '.join(columns)} | most computed | failed |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for _ in range(args.repeat):
+    rounds: dict[str, list[tuple[float, float, int]]] = {}
+    seeds = [int(n) for n in args.seeds.split(",")] if args.seeds else [args.seed]
+    for seed in [n for n in seeds for _ in range(args.repeat)]:
+        args.seed = seed
         ideal: float | None = None
         for run in runs:
             if args.only and args.only not in run.name and run.prefills != 1:
@@ -369,8 +382,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             r = measure(run, args)
             if run.prefills == 1:
                 ideal = r["hit_rate"]
+            elif ideal and r["hit_rate"] is not None and r["busiest"] is not None:
+                said = (r["hit_rate"] / ideal, r["busiest"], r["most_computed"])
+                rounds.setdefault(run.name, []).append(said)
             print(row(r, ideal), flush=True)
+    if len(seeds) * args.repeat > 1:
+        summary(rounds)
     return 0
+
+
+def summary(rounds: dict[str, list[tuple[float, float, int]]]) -> None:
+    """Each run over every round: its share of the ideal, the busiest's legs, its work."""
+    print()
+    print("| run | rounds | x ideal, min / mean | busiest, mean / max | most computed, mean |")
+    print("|---|---|---|---|---|")
+    for name, said in rounds.items():
+        ratios, busiest, computed = zip(*said, strict=True)
+        cells = [
+            name,
+            str(len(said)),
+            f"{min(ratios):.3f} / {statistics.mean(ratios):.3f}",
+            f"{statistics.mean(busiest):.2f} / {max(busiest):.2f}",
+            f"{statistics.mean(computed):,.0f}",
+        ]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def _proxy_from(python: str) -> None:
+    """Run another build's proxy: ``python`` of its own virtualenv, moved to ``/`` first so
+    that it imports its own package, not this tree's (the fakes stay this tree's)."""
+    started = "import os; os.chdir('/'); from twisted.scripts.twistd import run; run()"
+    process.TWISTD = (python, "-c", started)  # (read at each start)
 
 
 if __name__ == "__main__":
