@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet.task import Clock
@@ -20,6 +20,7 @@ from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from tests.pure.test_legs import run
+from tests.pure.test_routing import Indexed
 
 A, B = "http://a:8100", "http://b:8100"
 PROMPT = tuple(range(1000, 1048))  # 3 whole blocks of 16
@@ -133,36 +134,13 @@ def test_an_index_without_a_clock_predicts_nothing() -> None:
     assert index.reach(PROMPT, {B}) == {} and index.outcomes(B) == {}
 
 
-class Indexed:
-    """``Holdings`` over a real ``KvIndex`` with a ``Clock``, every instance listening."""
-
-    def __init__(self, index: KvIndex) -> None:
-        self.index = index
-
-    def reach(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, Reach]:
-        return self.index.reach(tokens, urls)
-
-    def predict(self, role: str, url: str, tokens: Sequence[int]) -> Callable[[], object]:
-        prediction = self.index.predict(url, tokens)
-        return lambda: self.index.withdraw(prediction)
-
-    def listening(self, role: str, url: str) -> bool:
-        return True
-
-    def stale(self, role: str, url: str) -> bool:
-        return False
-
-    def blocks(self, role: str, url: str) -> int:
-        return self.index.blocks(url) + self.index.predicted(url)
-
-
 def kv_pool(count: int) -> tuple[BackendPool, KvIndex, Clock]:
-    clock = Clock()
-    pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(count)], clock)
-    index = KvIndex(1000, clock)
-    pool.policy = routing.policy("kv-aware", 1.5, held=Indexed(index))
+    """A kv-aware pool whose instances all publish, over a real index with a ``Clock``."""
+    pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(count)], Clock())
+    held = Indexed({i.url for i in pool.instances})
+    pool.policy = routing.policy("kv-aware", 1.5, held=held)
     pool.policy_name = "kv-aware"
-    return pool, index, clock
+    return pool, held.index, held.clock
 
 
 def asked(tokens: Sequence[int] = PROMPT) -> Routing:
