@@ -182,12 +182,12 @@ class CacheAware:
             for url, depth in self.sent.longest(routing.chain, by_url).items()
             if depth * PIECE_BYTES >= least
             and by_url[url].in_flight < cap + FOLLOW
-            and not self.pulls.hot(url, routing.chain[depth - 1])
+            and not self.pulls.hot(url, routing.chain[depth - 1], routing.prompt)
         ]
         if not held:
             return None, ""
         depth, _, url = max(held)
-        self.pulls.drew(url, routing.chain[depth - 1])
+        self.pulls.drew(url, routing.chain[depth - 1], routing.prompt)
         return by_url[url], "prefix"
 
 
@@ -235,7 +235,7 @@ class KvAware:
             found = reach.get(candidate.url)
             if found is None or found.expected < least:
                 return (0, 0, -candidate.in_flight)
-            if self.pulls.hot(candidate.url, found.last):
+            if self.pulls.hot(candidate.url, found.last, routing.prompt):
                 return (0, 0, -candidate.in_flight)  # (drawn enough there: placed by load)
             return (found.confirmed, found.expected, -candidate.in_flight)
 
@@ -261,7 +261,7 @@ class KvAware:
             decision = "balanced" if drawn else "no_match"
         found = reach.get(chosen.url)
         if found is not None and held(chosen)[1]:
-            self.pulls.drew(chosen.url, found.last)
+            self.pulls.drew(chosen.url, found.last, routing.prompt)
         routing.matched[role] = found.expected if found is not None else 0
         routing.predicted[role] = self.held.predict(role, chosen.url, tokens)
         return chosen, decision

@@ -222,19 +222,20 @@ def test_a_new_prefix_goes_to_the_least_loaded_then_the_least_cached_instance() 
     assert pool.choose(routing=asked(range(7000, 7048))) == (a, "no_match")
 
 
-def test_a_shared_prefix_draws_at_most_hot_prompts_to_an_instance_then_it_is_copied() -> None:
+def test_a_shared_prefix_draws_at_most_hot_conversations_to_an_instance_then_it_is_copied() -> None:
     pool, index, _ = kv_pool(4)
     preamble = tuple(range(100, 164))  # four blocks every conversation opens with
-    index.apply(pool.instances[0].url, [held(preamble, [1, 2, 3, 4])])
-    placed = [
-        pool.choose(routing=asked((*preamble, n, n, n, n, n, n, n, n))) for n in range(HOT + 1)
-    ]
     home = pool.instances[0]
+    index.apply(home.url, [held(preamble, [1, 2, 3, 4])])
+
+    def opening(n: int) -> Routing:
+        return Routing(prompt=f"conversation {n}".encode(), tokens=(*preamble, *[n] * 8))
+
+    placed = [pool.choose(routing=opening(n)) for n in range(HOT + 1)]
     assert placed[:HOT] == [(home, "kv_match")] * HOT
     copy, decision = placed[HOT]  # the preamble drew HOT there: placed by load
     assert (copy is not home, decision) == (True, "balanced")
-    # The copy draws the next ones; a conversation's own history is a prefix of its own.
-    assert pool.choose(routing=asked((*preamble, 9, 9, 9, 9, 9, 9, 9, 9)))[0] is copy
-    history = (*preamble, 0, 0, 0, 0, 0, 0, 0, 0, *range(16))
-    index.apply(home.url, [held(history[64:80], [5], parent=4)])
-    assert pool.choose(routing=asked(history)) == (home, "kv_match")
+    assert pool.choose(routing=opening(HOT + 1))[0] is copy  # the copy draws the next ones
+    # A conversation it drew keeps following it, whatever its prefix ends with.
+    again = Routing(prompt=b"conversation 0", tokens=(*preamble, *[0] * 8, 5, 5))
+    assert pool.choose(routing=again) == (home, "kv_match")
