@@ -117,7 +117,7 @@ def rendezvous(key: bytes, candidates: Sequence[Candidate]) -> list[Any]:
 #: Legs past the guard's cap an instance may take for a prompt it holds (or was sent)
 #: most of: moving that prompt computes its prefix again, staying only waits. Two, so
 #: that at four instances and one leg in flight (a cap of one), prompts sharing that
-#: leg's new prefix still go with it; measured in ``performance.md``.
+#: leg's new prefix still go with it (the guard's cost in hits: ``performance.md``).
 FOLLOW = 2
 
 
