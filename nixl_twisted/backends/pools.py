@@ -102,6 +102,8 @@ class BackendPool(Roster):
         self.model_policies: dict[str, tuple[str, Policy]] = {}
         #: The health checks also read each instance's load from vLLM's ``/metrics``.
         self.reads_load = False
+        #: Its instances are asked where they publish their KV events (``kv-aware``).
+        self.reads_events = False
         #: cache-aware's memory of which instance was sent which prompt prefix.
         self.sent = SentPrefixes(0)
         #: Discovery may fill it: an update may leave it empty for a while.

@@ -146,6 +146,7 @@ class BackendService(Service):
             pool.policy_name = name
             pool.model_policies = {model: (named, made[named]) for model, named in own.items()}
             pool.reads_load = "load" in used or (busy_rule and pool is self.prefill)
+            pool.reads_events = "kv-aware" in used
             if not pool.reads_load:
                 for instance in pool.instances:
                     instance.load = {}  # no longer read: not shown as if it were current

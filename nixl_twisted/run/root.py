@@ -298,12 +298,19 @@ def build(
     """
     clock = clock if clock is not None else cast(IReactorTime, reactor)
     shared = config.worker is not None
+    # Where each instance publishes its KV events, asked over a client of its own.
+    asker = (
+        Upstream(agent)
+        if agent is not None
+        else pooled_upstream(reactor, config.timeouts.connect, 1, 1.0)
+    )
     kv = KvEvents(
         reactor,
         clock,
         lambda: backends.pools(),
         config,
         lambda role, url, kind: metrics.child(metrics.kv_events, role, url, kind).inc(),
+        asker,
     )
     # A worker's pools take their health from the supervisor, which checks.
     backends, checks = backend_service(config, reactor, clock, agent, not shared, kv)

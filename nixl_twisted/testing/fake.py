@@ -160,6 +160,8 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
     kv_interface: str = "127.0.0.1"
     #: The status the render endpoints answer (vLLM without ``--enable-scale-out``: 404).
     render_status: int = 200
+    #: The status ``GET /kv_event_sources`` answers (its publisher, when 200).
+    kv_sources_status: int = 200
 
     #: Every fake's routes, made once (werkzeug compiles each rule, which takes
     #: longer than a test in memory); Klein binds them to each fake.
@@ -427,6 +429,7 @@ for _path, _method, _name in (
     ("/v1/models", "GET", "_models"),
     ("/tokenize", "POST", "_tokenize"),
     ("/detokenize", "POST", "_detokenize"),
+    ("/kv_event_sources", "GET", "_kv_event_sources"),
     ("/v1/completions/render", "POST", "_render"),
     ("/v1/chat/completions/render", "POST", "_render"),
     ("/v1/completions", "POST", "_generate"),

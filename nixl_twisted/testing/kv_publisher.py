@@ -32,8 +32,10 @@ from typing import Any
 import msgpack
 import zmq
 from twisted.internet.defer import Deferred
+from twisted.web.server import Request
 
 from nixl_twisted.kv.zmq_reactor import ZmqSocket
+from nixl_twisted.testing import answers
 from nixl_twisted.testing.prefix_cache import KvEvent, PrefixCache
 
 #: What a replay sends after its last batch: an empty topic, sequence -1, no payload.
@@ -210,9 +212,12 @@ class KvEventsMixin:
     kv_topic: bytes
     kv_buffer_steps: int
     kv_interface: str
+    kv_sources_status: int
     cache: PrefixCache
 
     def __init__(self) -> None:
+        #: ``GET /kv_event_sources`` asked of it (counted apart, as health checks are).
+        self.kv_sources_reads = 0
         #: The publisher (``skip()``, ``restart()``, ``sent``...): None until ``listen()``,
         #: and without ``kv_events``.
         self.kv_publisher: KvPublisher | None = None
@@ -275,6 +280,30 @@ class KvEventsMixin:
             events = self._steps.popleft().events
             if events and self.kv_publisher is not None:
                 self.kv_publisher.publish(events)
+
+    def _kv_event_sources(self, request: Request) -> bytes:
+        """vLLM's ``/kv_event_sources``: its one rank's publisher as configured
+        (``tcp://*:PORT``, as ``--kv-events-config`` would name it), ``{}`` with none."""
+        self.kv_sources_reads += 1
+        request.setHeader(b"Content-Type", b"application/json")
+        if self.kv_sources_status != 200:
+            request.setResponseCode(self.kv_sources_status)
+            return answers.vllm_error(self.kv_sources_status, "kv_event_sources failed")
+        publisher = self.kv_publisher
+        if publisher is None:
+            return b"{}"
+        replay = publisher.replay_port
+        config = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{publisher.events_port}",
+            "replay_endpoint": None if replay is None else f"tcp://*:{replay}",
+            "buffer_steps": self.kv_buffer_steps,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": self.kv_topic.decode(),
+        }
+        return answers.encode({"0": config})
 
     def subscribed(self) -> Deferred[None]:
         """Fires once a subscriber of this fake's KV events has joined (see ``KvPublisher``)."""

@@ -104,6 +104,39 @@ class KvAwareTests(ProxyCase):
     def proxy_url(self, fake: FakeVLLM) -> str:
         return fake.url
 
+    async def test_instances_given_without_their_ports_are_asked_where_they_publish(
+        self,
+    ) -> None:
+        """GET /kv_event_sources on each fake: ``tcp://*:PORT`` on its own host, then routed on."""
+        await self.start(
+            prefills=2,
+            proxy={"prefill_policy": "kv-aware", "health_interval": 0},
+            kv_events=True,
+            kv_replay=True,
+        )
+        self.events = self.proxy.service.app.serving.legs.kv
+        for fake in self.prefills:
+            await fake.subscribed()  # asked, answered, subscribed
+            self.assertEqual(fake.kv_sources_reads, 1)
+            said = await self.health_of(fake)
+            assert fake.kv_events_port is not None and fake.kv_replay_port is not None
+            self.assertEqual(said["endpoint"], f"tcp://127.0.0.1:{fake.kv_events_port}")
+            self.assertEqual(said["replay"], f"tcp://127.0.0.1:{fake.kv_replay_port}")
+            self.assertEqual(
+                (said["found"], said["asked"], said["reason"]), ("asked", "found", None)
+            )
+        logged = self.logged()
+        first = self.prefilled()
+        reading = [self.events.read("prefill", f.url) for f in self.prefills]
+        await self.ask(chat("What is it about?"))
+        home = next(i for i, n in enumerate(self.prefilled()) if n > first[i])
+        await reading[home]
+        for question in ("Why?", "Who uses it?"):
+            await self.ask(chat(question))
+        self.assertEqual(self.prefilled()[home], 3)
+        self.assertEqual([r[0] for r in self.routes(logged)], ["no_match", "kv_match", "kv_match"])
+        self.assertEqual([f.kv_sources_reads for f in self.prefills], [1, 1])  # asked no more
+
     async def test_two_requests_sharing_a_new_prefix_that_arrive_together_go_to_one_instance(
         self,
     ) -> None:
