@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Final
 
 ID: Final = "inferlab-vllm-nixl-proxy"
-VERSION: Final = 1
+VERSION: Final = 2
 
 
 @dataclass(frozen=True)

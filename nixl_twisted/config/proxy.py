@@ -61,6 +61,8 @@ class ProxyConfig:
     log_format: str
     log_level: str
     access_log: bool
+    #: Prefill is asked for a chat prompt's token ids, and decode is handed them.
+    token_ids_to_decode: bool
     backend_api_key: str | None = field(repr=False)
     #: Keys clients must send (with ``api_keys_file``'s); none: anyone is served.
     api_keys: tuple[str, ...] = field(repr=False)

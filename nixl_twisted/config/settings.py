@@ -595,6 +595,17 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "token-ids-to-decode",
+        "token_ids_to_decode",
+        True,
+        switch,
+        help=(
+            "on: prefill is asked for a chat prompt's token ids, handed to decode in "
+            "kv_transfer_params.prompt_token_ids so that decode does not render and "
+            "tokenize it again; off: neither (docs/protocol.md)."
+        ),
+    ),
+    Setting(
         "max-batch-prompts",
         "limits.max_batch_prompts",
         32,

@@ -51,7 +51,7 @@ from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
-from nixl_twisted.protocol import lowering
+from nixl_twisted.protocol import lowering, token_ids
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
@@ -120,6 +120,8 @@ class Exchange:
         #: When a prefill leg is skipped (``nixl_twisted.exchange.decide``), as in effect now.
         self.rules = config.rules_for(model)
         self.render_timeout = config.kv_events.render_timeout
+        #: Prefill is asked for the prompt's token ids, handed to decode (``token_ids``).
+        self.asks_token_ids = config.token_ids_to_decode and completion.hands_token_ids
         self.decision = ALWAYS
         #: Its legs go only where there is room (some instance has a cap).
         self._capped = False
@@ -319,7 +321,7 @@ class Exchange:
     async def _prefill_leg(self, reserved: Lease | None) -> lowering.JSONObject:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered);
         ``reserved``: the instance the fair queue placed it on (None: chosen now)."""
-        lowered = self.completion.prefill_bytes()
+        lowered = self.completion.prefill_bytes(self.asks_token_ids)
         pool = self.backends.prefill
         prefill, params = await send_leg(
             pool,
@@ -367,7 +369,7 @@ class Exchange:
         self.metrics.child(self.metrics.prefill_seconds, instance.url).observe(
             self.record.prefill_seconds
         )
-        return params
+        return token_ids.handed(params, answer) if self.asks_token_ids else params
 
     def _prefill_answered(self, status: int) -> None:
         # Prefill has answered: from here a disconnect must not stop decode.

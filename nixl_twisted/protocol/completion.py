@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from nixl_twisted.protocol import charges, lowering
+from nixl_twisted.protocol import charges, lowering, token_ids
 from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
 from nixl_twisted.protocol.prompts import Measured, Rendered, measure, render
 
@@ -129,9 +129,16 @@ class Completion:
 
     # -- what is sent -----------------------------------------------------------
 
-    def prefill_bytes(self) -> bytes:
-        """The prefill leg's body: lowered (one token, not streamed), encoded."""
-        return lowering.encode(lowering.prefill_body(self.body, self.request_id, self.path))
+    @property
+    def hands_token_ids(self) -> bool:
+        """Decode would use the prompt's token ids, prefill asked for them (``token_ids``)."""
+        return token_ids.used_by_decode(self.path, self.body)
+
+    def prefill_bytes(self, ask_token_ids: bool = False) -> bytes:
+        """The prefill leg's body: lowered (one token, not streamed), encoded;
+        ``ask_token_ids``: asking for the prompt's token ids too."""
+        lowered = lowering.prefill_body(self.body, self.request_id, self.path)
+        return lowering.encode(token_ids.asking(lowered) if ask_token_ids else lowered)
 
     def decode_bytes(self, params: JSONObject) -> bytes:
         """The decode leg's body: the client's, plus prefill's ``kv_transfer_params`` verbatim."""

@@ -46,6 +46,9 @@ class Answer:
     words: list[str]
     finish_reason: str
     usage: JSONObject
+    #: Asked ``return_token_ids``: the prompt's ids, answered as vLLM answers them
+    #: (a chat's at the top, a text completion's in its choice; a stream's first chunk).
+    prompt_token_ids: list[int] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -66,7 +69,7 @@ class Answer:
                 "finish_reason": self.finish_reason,
             }
             kind = "text_completion"
-        return {
+        whole = {
             "id": self._prefixed_id(),
             "object": kind,
             "created": self.created,
@@ -74,11 +77,19 @@ class Answer:
             "choices": [choice],
             "usage": self.usage,
         }
+        return self._with_ids(whole, choice)
+
+    def _with_ids(self, event: JSONObject, choice: JSONObject) -> JSONObject:
+        if self.prompt_token_ids is not None:
+            (event if self.chat else choice)["prompt_token_ids"] = self.prompt_token_ids
+        return event
 
     def _prefixed_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
-    def _chunk(self, choice: JSONObject, usage: JSONObject | None = None) -> bytes:
+    def _chunk(
+        self, choice: JSONObject, usage: JSONObject | None = None, first: bool = False
+    ) -> bytes:
         event: JSONObject = {
             "id": self._prefixed_id(),
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -88,6 +99,8 @@ class Answer:
         }
         if usage is not None:
             event["usage"] = usage
+        if first:
+            self._with_ids(event, choice)
         return b"data: " + encode(event) + b"\n\n"
 
     def events(self, include_usage: bool) -> list[bytes]:
@@ -99,7 +112,8 @@ class Answer:
                         "index": 0,
                         "delta": {"role": "assistant", "content": ""},
                         "finish_reason": None,
-                    }
+                    },
+                    first=True,
                 )
             )
         for index, word in enumerate(self.words):
@@ -113,7 +127,7 @@ class Answer:
                 }
             else:
                 choice = {"index": 0, "text": word, "logprobs": None, "finish_reason": finish}
-            events.append(self._chunk(choice))
+            events.append(self._chunk(choice, first=not self.chat and index == 0))
         if include_usage:
             events.append(self._chunk({}, self.usage))
         events.append(b"data: [DONE]\n\n")

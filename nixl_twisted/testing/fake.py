@@ -25,7 +25,7 @@ from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
-from nixl_twisted.testing import answers, schema
+from nixl_twisted.testing import answers, prompt_ids, schema
 from nixl_twisted.testing.behaviours import Behaviour
 from nixl_twisted.testing.capacity import QUEUE_FULL, QUEUE_FULL_TYPE, Capacity
 from nixl_twisted.testing.controls import Controls
@@ -76,6 +76,21 @@ class ReceivedRequest:
         """
         return isinstance(self.body, dict) and "kv_transfer_params" in self.body
 
+    @property
+    def handed_token_ids(self) -> object:
+        """``kv_transfer_params.prompt_token_ids`` as sent (None: none were handed)."""
+        kv = self.body.get("kv_transfer_params") if isinstance(self.body, dict) else None
+        return kv.get("prompt_token_ids") if isinstance(kv, dict) else None
+
+    @property
+    def connector_params(self) -> object:
+        """``kv_transfer_params`` as vLLM's NIXL connector sees them: without the prompt's
+        token ids, which vLLM takes out first (what the ledger redeems)."""
+        kv = self.body.get("kv_transfer_params") if isinstance(self.body, dict) else None
+        if not isinstance(kv, dict):
+            return kv
+        return {key: value for key, value in kv.items() if key != "prompt_token_ids"}
+
 
 @dataclass
 class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
@@ -115,6 +130,11 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
     generations: int = 0
     #: Streams whose client went away before the stream ended.
     disconnects: int = 0
+    #: Decode legs whose engine took the prompt's token ids handed in
+    #: ``kv_transfer_params`` instead of rendering and tokenizing the prompt.
+    token_ids_reused: int = 0
+    #: Answers ``return_token_ids`` (False: as a vLLM too old to know it, which ignores it).
+    returns_token_ids: bool = True
     #: Headers added to every generation answer, e.g. to test header rules.
     extra_headers: dict[str, str] = field(default_factory=dict)
     #: ``GET /health`` checks received, and the status they are answered with.
@@ -314,6 +334,13 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
             kv_answer = self.ledger.issue(self.name, request_id, input_tokens, self._kv_port)
         elif role == "decode":
+            handed = prompt_ids.take(kv, body, chat or messages_api or responses_api)
+            if handed.refusal is not None:
+                request.setResponseCode(400)
+                return answers.vllm_error(400, handed.refusal)
+            kv = handed.params
+            if handed.used is not None:
+                tokens, self.token_ids_reused = handed.used, self.token_ids_reused + 1
             problem = self.ledger.redeem(kv)
             if problem is not None:
                 request.setResponseCode(500)
@@ -366,6 +393,7 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
                 "total_tokens": input_tokens + len(words),
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
+            prompt_token_ids=tokens if self.returns_token_ids and prompt_ids.asked(body) else None,
         )
         if not body.get("stream"):
             return await self._whole(request, answer, kv_answer, behaviour.cut_after is not None)

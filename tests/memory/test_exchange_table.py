@@ -69,7 +69,7 @@ def test_client_leaves_during_handoff_still_sends_decode_then_abandons_it() -> N
     setup.proxy.flush()
     (decode,) = setup.decode.requests
     assert decode.role == "decode"  # decode loaded the blocks, so prefill frees them
-    assert setup.ledger.redeemed == [decode.body["kv_transfer_params"]]  # type: ignore[index]
+    assert setup.ledger.redeemed == [decode.connector_params]
     assert setup.ledger.issued == {}
     assert setup.proxy.app.in_flight == 0
     assert setup.proxy.app.serving.exchanges == set()

@@ -22,7 +22,7 @@ def test_a_client_leaving_after_prefill_answered_still_sends_decode_to_free_bloc
     # Decode got the leg with prefill's params: it will free prefill's blocks ...
     (decode_request,) = setup.decode.requests
     assert decode_request.body is not None
-    assert setup.ledger.redeemed == [decode_request.body["kv_transfer_params"]]
+    assert setup.ledger.redeemed == [decode_request.connector_params]
     # ... and once it answers, the proxy drops it: nobody is left to read it.
     assert setup.decode.disconnects == 1
     setup.decode.release()

@@ -63,7 +63,9 @@ def test_decode_leg_is_the_client_body_plus_verbatim_params() -> None:
 
     (decode,) = setup.decode.requests
     issued = setup.ledger.redeemed[0]
-    assert decode.body == dict(body, kv_transfer_params=issued)
+    # Prefill's params verbatim, plus the prompt's token ids it answered (protocol.md).
+    handed = dict(issued, prompt_token_ids=decode.handed_token_ids)
+    assert decode.body == dict(body, kv_transfer_params=handed)
     # Nested lists and keys vLLM may add later arrived as issued.
     assert issued["remote_block_ids"] == [[0], [100]]
     assert "x_future_key" in issued

@@ -1,0 +1,92 @@
+"""The prompt's token ids, asked of prefill and handed to decode (``docs/protocol.md``).
+
+vLLM (0.32 and on) answers a chat completion asked ``return_token_ids: true``
+with the prompt's ids (``prompt_token_ids``), and a decode leg that carries
+them in ``kv_transfer_params.prompt_token_ids`` feeds them to its engine
+without rendering the chat template or tokenizing again
+(``vllm/renderers/online_renderer.py``, ``_reused_prompt_token_ids``). It
+ignores them where it must render (``echo``, content that is not text), so
+the proxy asks for them only where decode uses them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nixl_twisted.protocol import routes
+from nixl_twisted.protocol.lowering import JSONObject, read_json
+
+#: vLLM's text content parts (``vllm/renderers/chat_utils.py``: ``_TEXT_CONTENT_PART_TYPES``).
+_TEXT_PARTS = frozenset(
+    ("text", "input_text", "output_text", "refusal", "thinking", "tool_reference")
+)
+#: Keys that make a part media whatever its ``type`` (``_MEDIA_CONTENT_PART_KEYS``).
+_MEDIA_KEYS = frozenset(
+    (
+        "audio_embeds",
+        "audio_url",
+        "image_embeds",
+        "image_pil",
+        "image_url",
+        "input_audio",
+        "input_image",
+        "prompt_embeds",
+        "video_embeds",
+        "video_url",
+    )
+)
+
+
+def text_only(messages: object) -> bool:
+    """No message has a part vLLM renders as media (``has_non_text_content``, negated)."""
+    if not isinstance(messages, list):
+        return True
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            kind = part.get("type", "text")
+            if not isinstance(kind, str) or kind not in _TEXT_PARTS or _MEDIA_KEYS & part.keys():
+                return False
+    return True
+
+
+def used_by_decode(path: str, body: JSONObject) -> bool:
+    """Whether decode would use the prompt's ids for this body: a chat completion, text
+    only, not echoed (the one route whose prefill answer carries them)."""
+    return (
+        path == routes.CHAT_COMPLETIONS and not body.get("echo") and text_only(body.get("messages"))
+    )
+
+
+def asking(lowered: JSONObject) -> JSONObject:
+    """A prefill body that asks for the prompt's token ids."""
+    return dict(lowered, return_token_ids=True)
+
+
+def prompt_ids(answer: Any) -> list[int] | None:
+    """The ``prompt_token_ids`` of a prefill answer, if they are what decode accepts: a
+    non-empty list of non-negative integers (vLLM answers 400 to anything else)."""
+    ids = answer.get("prompt_token_ids") if isinstance(answer, dict) else None
+    if not isinstance(ids, list) or not ids:
+        return None
+    if any(type(token) is not int or token < 0 for token in ids):
+        return None
+    return ids
+
+
+def handed(params: JSONObject, answer: bytes) -> JSONObject:
+    """Prefill's ``kv_transfer_params`` with the prompt's ids prefill answered, for decode.
+
+    Without ids (a vLLM that does not return them, or an answer that is not
+    JSON, which the params' own reading has refused already) they are as
+    they were: decode then renders and tokenizes the prompt itself.
+    """
+    try:
+        ids = prompt_ids(read_json(answer))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        ids = None
+    return params if ids is None else dict(params, prompt_token_ids=ids)
