@@ -179,6 +179,8 @@ class Timeouts:
     body_max: float
     #: Prefill answered -> decode sent, past which a request is counted and logged.
     handoff_warning: float
+    #: Between two SSE comment frames while a stream waits for its first token (0: off).
+    sse_keepalive: float
 
 
 @dataclass(frozen=True)

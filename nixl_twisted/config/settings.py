@@ -373,6 +373,18 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "sse-keepalive",
+        "timeouts.sse_keepalive",
+        0.0,
+        seconds_or_off,
+        help=(
+            "Seconds between SSE comment frames (': keep-alive') sent to a streamed "
+            "completion's client while it waits for its first token, so idle timeouts "
+            "of load balancers do not cut it; the first one sends the 200 headers, so "
+            "a later failure is an in-band error event (0: off)."
+        ),
+    ),
+    Setting(
         "prefill-retries",
         "retries.prefill",
         2,
