@@ -107,6 +107,8 @@ class Policies:
     #: prompt a remembered prefix must cover to be followed.
     entries: int = 100_000
     min_match: float = 0.5
+    #: cache-aware's and kv-aware's misses go to an instance that joined this lately.
+    warm_up: float = 60.0
 
     def of(self, role: str) -> str:
         return self.prefill if role == "prefill" else self.decode

@@ -465,6 +465,17 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "warm-up",
+        "policies.warm_up",
+        60.0,
+        seconds_or_off,
+        help=(
+            "cache-aware and kv-aware: for this many seconds after an instance joins "
+            "(added, discovered, or up again after down), prompts no instance holds go "
+            "to it while it holds fewer legs in flight than the others' mean (0: off)."
+        ),
+    ),
+    Setting(
         "cache-aware-entries",
         "policies.entries",
         100_000,
