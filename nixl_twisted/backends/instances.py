@@ -52,6 +52,9 @@ class Instance:
     slots: int | None = None
     #: It answered 503 (its engine's queue full): no leg goes to it before this time.
     full_until: float = 0.0
+    #: It joined lately (added, discovered, up again): until then it takes the cache
+    #: policies' misses (``backends.warm_up``).
+    warm_until: float = 0.0
 
     def serves(self, model: str) -> bool:
         """Whether a request for ``model`` may go here (``nixl_twisted.backends.models``):

@@ -28,6 +28,7 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.prefixes import SentPrefixes
 from nixl_twisted.backends.roster import PoolChangeRefused, Roster
 from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
+from nixl_twisted.backends.warm_up import joined
 from nixl_twisted.config.values import backend_url, cap_of, instance_url, kv_ports, rank_urls
 
 __all__ = ["BackendPool", "Lease", "NoHealthyInstance", "NoRoom", "PoolChangeRefused"]
@@ -77,6 +78,8 @@ class BackendPool(Roster):
         self.clock = clock
         self.thresholds = thresholds
         self._initial = State.PENDING if checked else State.UP
+        #: Seconds a joining instance takes the cache policies' misses (``warm_up``).
+        self.warm_up = 0.0
         #: How many legs each instance takes at once (``backends.capacity``), and whether
         #: any of its instances has a cap at all (else no leg ever waits for room).
         self.caps = Caps()
@@ -86,6 +89,8 @@ class BackendPool(Roster):
         #: Told when a leg ends or an instance stops cooling: room may have come free.
         self._freed: list[Callable[[], object]] = []
         self.instances = [self._new(name, "static") for url in urls for name in rank_urls(url)]
+        #: The instances the proxy started with: their first check is no join (no warm-up).
+        self._founding = {i.url for i in self.instances}
         self._cursor = 0
         #: Set in a worker: outcomes go to the supervisor, which decides.
         self.report: Report | None = None
@@ -130,6 +135,8 @@ class BackendPool(Roster):
             came_from=source,
         )
         self._cap(instance, cap_of(declared))
+        if instance.state is State.UP:  # (no health checks: in rotation at once)
+            instance.warm_until = self._now() + self.warm_up  # (0 s while the pool is made)
         return instance
 
     # -- caps ---------------------------------------------------------------
@@ -294,9 +301,14 @@ class BackendPool(Roster):
         if self.report is not None:
             self.report(self.role, instance.url, None)
             return
+        was = instance.state
         if health.succeeded(instance, self.thresholds):
             log.info("{role} instance {url} is back", role=self.role, url=instance.url)
+        self._joined(instance, was)
         self._changed(instance)
+
+    def _joined(self, instance: Instance, was: State) -> None:
+        joined(instance, was, self._founding, self._now() + self.warm_up)
 
     def load_changed(self, instance: Instance) -> None:
         """A fresh scrape of vLLM's load (the supervisor tells its workers)."""
@@ -309,7 +321,9 @@ class BackendPool(Roster):
     def adopt(self, verdict: dict[str, Any]) -> None:
         """Take an instance's health as the supervisor decided it (``Instance.health``)."""
         instance = self.find(str(verdict["url"]))
+        was = instance.state if instance is not None else State.PENDING
         if instance is not None and health.adopt(instance, verdict):
+            self._joined(instance, was)
             log.info(
                 "{role} instance {url} is {state} (from the supervisor)",
                 role=self.role,

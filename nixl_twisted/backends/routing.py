@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.prefixes import PIECE_BYTES, Pulls, SentPrefixes
+from nixl_twisted.backends.warm_up import WARM_UP, warm_miss
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,8 @@ class CacheAware:
         cap = guard_cap(self.balance, candidates)
         chosen, decision = self._remembered(candidates, routing, cap)
         if chosen is None:
+            chosen, decision = warm_miss(pool, candidates), WARM_UP
+        if chosen is None:
             chosen, decision = min(ordered, key=lambda c: c.in_flight), "balanced"
             for rank, candidate in enumerate(ordered):
                 if candidate.in_flight < cap:
@@ -249,6 +252,8 @@ class KvAware:
                 decision = "balanced"
             else:
                 decision = "kv_predicted" if expected > confirmed else "kv_match"
+        elif (warm := warm_miss(pool, candidates)) is not None:
+            chosen, decision = warm, WARM_UP
         else:
             under = [c for c in candidates if c.in_flight < cap] or list(candidates)
             # New work: the fewest legs in flight, then the least cached (what an instance

@@ -144,6 +144,7 @@ class BackendService(Service):
             }
             pool.policy = made[name]
             pool.policy_name = name
+            pool.warm_up = policies.warm_up
             pool.model_policies = {model: (named, made[named]) for model, named in own.items()}
             pool.reads_load = "load" in used or (busy_rule and pool is self.prefill)
             pool.reads_events = "kv-aware" in used

@@ -107,6 +107,8 @@ class Policies:
     #: prompt a remembered prefix must cover to be followed.
     entries: int = 100_000
     min_match: float = 0.5
+    #: cache-aware's and kv-aware's misses go to an instance that joined this lately.
+    warm_up: float = 60.0
 
     def of(self, role: str) -> str:
         return self.prefill if role == "prefill" else self.decode
@@ -179,6 +181,8 @@ class Timeouts:
     body_max: float
     #: Prefill answered -> decode sent, past which a request is counted and logged.
     handoff_warning: float
+    #: Between two SSE comment frames while a stream waits for its first token (0: off).
+    sse_keepalive: float
 
 
 @dataclass(frozen=True)

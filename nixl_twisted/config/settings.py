@@ -373,6 +373,18 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "sse-keepalive",
+        "timeouts.sse_keepalive",
+        0.0,
+        seconds_or_off,
+        help=(
+            "Seconds between SSE comment frames (': keep-alive') sent to a streamed "
+            "completion's client while it waits for its first token, so idle timeouts "
+            "of load balancers do not cut it; the first one sends the 200 headers, so "
+            "a later failure is an in-band error event (0: off)."
+        ),
+    ),
+    Setting(
         "prefill-retries",
         "retries.prefill",
         2,
@@ -450,6 +462,17 @@ SETTINGS: tuple[Setting, ...] = (
             "cache-aware and kv-aware: an instance may hold this many times the pool's "
             "mean legs in flight (plus one) before new work goes to another instance "
             "(two legs more for a prompt it holds most of)."
+        ),
+    ),
+    Setting(
+        "warm-up",
+        "policies.warm_up",
+        60.0,
+        seconds_or_off,
+        help=(
+            "cache-aware and kv-aware: for this many seconds after an instance joins "
+            "(added, discovered, or up again after down), prompts no instance holds go "
+            "to it while it holds fewer legs in flight than the others' mean (0: off)."
         ),
     ),
     Setting(

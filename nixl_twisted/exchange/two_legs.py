@@ -24,6 +24,7 @@ from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
 from nixl_twisted.exchange.fair_queue import Ticket
+from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import DecodeRequest, Legs, note_handoff
 from nixl_twisted.exchange.placing import place
 from nixl_twisted.exchange.prefill import prefill_attempt
@@ -127,6 +128,8 @@ class Exchange:
         self._capped = False
         self._decode_sent = 0.0
         self._params_at = 0.0
+        #: Comment frames to the client until its first token (``--sse-keepalive``), or None.
+        self.keepalive: KeepAlive | None = None
 
     def start(self) -> Deferred[None]:
         """Run the exchange; the Deferred is the one Klein cancels on disconnect."""
@@ -197,6 +200,8 @@ class Exchange:
         return waiting
 
     async def _run(self) -> None:
+        interval = self.timeouts.sse_keepalive
+        self.keepalive = keep_alive(self.request, self.clock, interval, self.completion.stream)
         try:
             await self._legs()
         except CancelledError:
@@ -206,6 +211,9 @@ class Exchange:
             if not self.request.startedWriting:
                 raise ProxyError(ErrorCode.SHUTTING_DOWN, message, retry_after=1.0) from None
             await break_off(self.request, message, ErrorCode.SHUTTING_DOWN)
+        finally:
+            if self.keepalive is not None:
+                self.keepalive.stop()
 
     async def _legs(self) -> None:
         renders = wanted(self.backends, self.rules, self.routing.model, bool(self.legs.kv.streams))
@@ -397,12 +405,21 @@ class Exchange:
         )
 
     def _first_byte(self, instance: Instance) -> None:
+        if self.keepalive is not None:
+            self.keepalive.stop()
         waited = self.clock.seconds() - self._decode_sent
         self.record.decode_first_byte_seconds = waited
         self.metrics.child(self.metrics.decode_first_byte_seconds, instance.url).observe(waited)
 
     async def _relay(self, response: IResponse, decode: Lease) -> None:
-        start_response(self.request, response)
+        keepalive = self.keepalive
+        if keepalive is not None and keepalive.in_band(response):
+            # The client has its 200 already: decode's error answer goes in-band.
+            idle = self.timeouts.stream_idle
+            await self._track(keepalive.answer_in_band(response, idle))
+            return
+        if keepalive is None or not keepalive.opened:
+            start_response(self.request, response)
         try:
             watching = self.watch(decode.instance.url) if self.watch is not None else None
             await self._track(

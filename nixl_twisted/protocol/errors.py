@@ -102,6 +102,41 @@ def stream_error_event(path: bytes, message: str, code: ErrorCode) -> bytes:
     return b"data: " + _openai_body(message, "upstream_error", code) + b"\n\n"
 
 
+def late_error_event(path: bytes, error: ProxyError) -> bytes:
+    """``error`` as the one SSE event that ends a stream whose headers already went out
+    (``--sse-keepalive``): the body its status would have carried, in the route's shape."""
+    if speaks_anthropic(path):
+        body = anthropic_error_body(error.message, error.code.error_type, error.status)
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + error_body(error.message, error.code) + b"\n\n"
+
+
+def late_answer_event(path: bytes, status: int, body: bytes) -> bytes:
+    """A backend's error answer (prefill's 4xx, decode's error) as the SSE event that ends a
+    stream whose headers already went out: its JSON body on one line, else its text as
+    the message of an OpenAI error."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        parsed = None
+    if not isinstance(parsed, dict):
+        text = body.decode("utf-8", "replace").strip() or f"the backend answered {status}"
+        error = {"message": text, "type": "upstream_error", "param": None, "code": status}
+        parsed = {"error": error}
+    data = json.dumps(parsed, separators=(",", ":")).encode("utf-8")
+    return (b"event: error\n" if speaks_anthropic(path) else b"") + b"data: " + data + b"\n\n"
+
+
+def error_answer(request: IRequest, error: ProxyError) -> bytes:
+    """``error`` as the request's answer: JSON with its status, or, once the headers went
+    out (``--sse-keepalive``), the in-band event; the access event and the metrics then
+    say the status it would have had (the client has its 200)."""
+    if getattr(request, "startedWriting", 0):  # (``IRequest`` does not declare it)
+        request.setResponseCode(error.status, _PHRASES.get(error.status))
+        return late_error_event(request.path, error)
+    return json_answer(request, error)
+
+
 def json_answer(request: IRequest, error: ProxyError) -> bytes:
     """Set ``request`` up to answer ``error`` as JSON in the route's shape; returns the body."""
     # (Twisted's table has no phrase for 429: its status line would say "Unknown Status".)

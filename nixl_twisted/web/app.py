@@ -34,7 +34,7 @@ from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Relayed
-from nixl_twisted.protocol.errors import ProxyError, json_answer
+from nixl_twisted.protocol.errors import ProxyError, error_answer, json_answer, late_answer_event
 from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID
 from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
@@ -299,12 +299,15 @@ class ProxyApp:
         elif error.status >= 500:
             said = f"{error.status} {code.value} for {_request_id(request)}: {error.detail}"
             self.refusals.throttle.emit(code.value, LogLevel.error, said)
-        return json_answer(request, error)
+        return error_answer(request, error)
 
     @app.handle_errors(PrefillRefused)
     def prefill_refused(self, request: IRequest, failure: Failure) -> bytes:
         refused = failure.value
         assert isinstance(refused, PrefillRefused)
+        if getattr(request, "startedWriting", 0):  # (``--sse-keepalive``: in-band)
+            request.setResponseCode(refused.response.code)
+            return late_answer_event(request.path, refused.response.code, refused.body)
         start_response(request, refused.response)
         request.responseHeaders.setRawHeaders(
             b"Content-Length", [str(len(refused.body)).encode("ascii")]
@@ -331,7 +334,7 @@ class ProxyApp:
         log.failure("unexpected error serving {path}", failure, path=request.path)
         message = "the proxy failed unexpectedly; see its log"
         record_of(request).error = f"{message}: {failure.getErrorMessage()}"
-        return json_answer(request, ProxyError(ErrorCode.INTERNAL_ERROR, message))
+        return error_answer(request, ProxyError(ErrorCode.INTERNAL_ERROR, message))
 
 
 def _then(
