@@ -66,6 +66,23 @@ def priority(value: object) -> int:
     return int(number)
 
 
+#: vLLM's bound on a ``cache_salt`` (0.32: ``validate_cache_salt``), and what it may not hold.
+MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def cache_salt(value: object) -> str:
+    """A vLLM ``cache_salt``: a non-empty string of at most 128 characters without ``@``,
+    ``/``, ``\\`` or NUL (what vLLM accepts; it namespaces a request's prefix cache)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidValue(f"must be a non-empty string, not {value!r}")
+    if len(value) > MAX_CACHE_SALT or _SALT_FORBIDDEN & set(value):
+        raise InvalidValue(
+            f"must be at most {MAX_CACHE_SALT} characters without '@', '/', '\\' or NUL"
+        )
+    return value
+
+
 #: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
 TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
 #: What else a tenant's table may say.
