@@ -6,7 +6,7 @@ never leak to each other, through a first token's time, which prefixes
 another sent). A client's salt is checked at the door as vLLM checks it
 (a 400 before any leg, not two legs' worth of vLLM refusing it). A
 tenant's own salt (``[tenants.NAME] cache-salt``, or one derived from its
-name with ``--tenant-cache-salt-secret-file``) is combined with a client's,
+name with ``--tenant-salt-secret-file``) is combined with a client's,
 never replaced by it: the client may split its tenant's namespace further,
 never reach into another tenant's. Pure.
 """
