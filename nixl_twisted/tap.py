@@ -152,6 +152,7 @@ def makeService(options: Options) -> IService:
     startup.preload()  # twistd calls this before it sheds --uid/--gid
     startup.check_discovery(config, os.environ)
     startup.check_keys_file(config)
+    startup.check_salt_secret(config)
     twistd_options = getattr(options, "parent", None)
     levels = logs.LogLevels(config.log_level)
     observer = logs.observer(

@@ -29,10 +29,15 @@ class Reach:
 class Holdings(Protocol):
     """What the KV events say each instance of a pool holds (``kv.events``)."""
 
-    def reach(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> Mapping[str, Reach]:
-        """Per instance, the leading tokens of ``tokens`` it holds (in whole blocks)."""
+    def reach(
+        self, role: str, tokens: Sequence[int], urls: Collection[str], salt: str | None = None
+    ) -> Mapping[str, Reach]:
+        """Per instance, the leading tokens of ``tokens`` (under ``cache_salt`` ``salt``) it
+        holds (in whole blocks)."""
 
-    def predict(self, role: str, url: str, tokens: Sequence[int]) -> Callable[[], object]:
+    def predict(
+        self, role: str, url: str, tokens: Sequence[int], salt: str | None = None
+    ) -> Callable[[], object]:
         """``url`` was chosen for ``tokens``: its blocks predicted; returns what withdraws them."""
 
     def listening(self, role: str, url: str) -> bool:
@@ -48,10 +53,14 @@ class Holdings(Protocol):
 class _NoHoldings:
     """No KV events read: ``kv-aware`` falls back to ``cache-aware`` (``fallback_no_events``)."""
 
-    def reach(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> Mapping[str, Reach]:
+    def reach(
+        self, role: str, tokens: Sequence[int], urls: Collection[str], salt: str | None = None
+    ) -> Mapping[str, Reach]:
         return {}
 
-    def predict(self, role: str, url: str, tokens: Sequence[int]) -> Callable[[], object]:
+    def predict(
+        self, role: str, url: str, tokens: Sequence[int], salt: str | None = None
+    ) -> Callable[[], object]:
         return _nothing
 
     def listening(self, role: str, url: str) -> bool:

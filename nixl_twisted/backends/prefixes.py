@@ -30,9 +30,12 @@ HOLDERS = 4
 MAX_PROMPT_BYTES = 64 * 1024
 
 
-def pieces(prompt: bytes) -> tuple[int, ...]:
-    """The hash of each whole piece of ``prompt`` with all before it (a short tail: none)."""
-    running = hashlib.blake2b(digest_size=8)
+def pieces(prompt: bytes, namespace: bytes = b"") -> tuple[int, ...]:
+    """The hash of each whole piece of ``prompt`` with all before it (a short tail: none).
+
+    ``namespace`` (a ``cache_salt``'s) is hashed in front of the first piece, so the same
+    prompt in two namespaces shares no piece."""
+    running = hashlib.blake2b(namespace, digest_size=8)
     view = memoryview(prompt)
     hashes = []
     end = min(len(prompt), MAX_PROMPT_BYTES)

@@ -4,7 +4,10 @@ The conversation key (``Rendered.key``: the part of a prompt every turn
 repeats), the whole prompt as chained pieces for cache-aware's memory of
 prefixes sent, a token-id prompt's ids for kv-aware, and the session key;
 each worked out only when a policy in use looks at it, from the prompt the
-completion rendered once (``protocol.prompts.render``).
+completion rendered once (``protocol.prompts.render``). A completion's
+``cache_salt`` namespaces every one of them, as it namespaces vLLM's prefix
+cache: requests with different salts never share a key, a remembered
+prefix or a KV block, so none predicts another's hits.
 """
 
 from __future__ import annotations
@@ -31,18 +34,32 @@ def routing_for(
     if "cache-aware" not in policies and "kv-aware" not in policies:
         return Routing(session=session_key(session, completion), model=model)
     rendered = completion.rendered
+    salt = completion.salt
+    prompt = rendered.key(key_bytes)
     return Routing(
-        prompt=rendered.key(key_bytes),
+        prompt=_salted(salt, prompt) if prompt is not None else None,
         session=session_key(session, completion) if "session" in policies else None,
-        chain=pieces(rendered.text) if rendered.text else (),
+        chain=pieces(rendered.text, _salted(salt, b"")) if rendered.text else (),
         prompt_bytes=len(rendered.text),
         tokens=rendered.ids,  # (a token-id prompt needs no render)
         model=model,
+        salt=salt,
     )
 
 
 def session_key(header: bytes | None, completion: Completion) -> str | None:
-    """``X-Session-ID``, else the body's ``user``."""
+    """``X-Session-ID``, else the body's ``user`` (within its ``cache_salt``, if any)."""
     if header:
-        return header.decode("utf-8", "replace")
-    return completion.user
+        key: str | None = header.decode("utf-8", "replace")
+    else:
+        key = completion.user
+    if key is None or completion.salt is None:
+        return key
+    return f"{completion.salt}\0{key}"
+
+
+def _salted(salt: str | None, key: bytes) -> bytes:
+    """``key`` in ``salt``'s namespace (unsalted: as it was); a salt holds no NUL."""
+    if salt is None:
+        return key
+    return b"cache_salt\0" + salt.encode("utf-8", "surrogatepass") + b"\0" + key

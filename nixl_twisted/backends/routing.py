@@ -49,6 +49,8 @@ class Routing:
     #: The model the request is for: only instances that serve it are candidates
     #: (None: any; ``nixl_twisted.backends.models.resolve``).
     model: str | None = None
+    #: Its ``cache_salt``: ``kv-aware`` keys its blocks under it, as vLLM does (None: none).
+    salt: str | None = None
 
     def leg_failed(self, role: str) -> None:
         """The leg of that pool failed: the blocks predicted for its instance will not come."""
@@ -231,7 +233,7 @@ class KvAware:
             return self.fallback(pool, candidates, routing)[0], f"fallback_{why}"
         tokens = routing.tokens
         assert tokens is not None
-        reach = self.held.reach(role, tokens, [c.url for c in candidates])
+        reach = self.held.reach(role, tokens, [c.url for c in candidates], routing.salt)
         least = max(1.0, self.min_match * len(tokens))
 
         def held(candidate: Candidate) -> tuple[int, int, int]:
@@ -268,7 +270,7 @@ class KvAware:
         if found is not None and held(chosen)[1]:
             self.pulls.drew(chosen.url, found.last, routing.prompt)
         routing.matched[role] = found.expected if found is not None else 0
-        routing.predicted[role] = self.held.predict(role, chosen.url, tokens)
+        routing.predicted[role] = self.held.predict(role, chosen.url, tokens, routing.salt)
         return chosen, decision
 
     def _cannot(self, role: str, candidates: Sequence[Candidate], routing: Routing) -> str | None:

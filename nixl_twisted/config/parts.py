@@ -85,13 +85,15 @@ class TenantsConfig:
     max_in_flight: int
     requests_per_minute: int
     tokens_per_minute: int
-    #: Each listed tenant's own: (name, in flight, requests, tokens, priority, weight);
-    #: -1 (None for the priority and the weight): the default.
-    table: tuple[tuple[str, int, int, int, int | None, float | None], ...] = ()
+    #: Each listed tenant's own: (name, in flight, requests, tokens, priority, weight, salt);
+    #: -1 (None for the priority, the weight and the salt): the default.
+    table: tuple[tuple[str, int, int, int, int | None, float | None, str | None], ...] = ()
     #: The vLLM ``priority`` of every tenant's requests (None: the client's own).
     priority: int | None = None
     #: The Redis that every replica counts requests and tokens per minute in (None: each its own).
     redis: str | None = None
+    #: A file whose secret derives each tenant's ``cache_salt`` from its name (None: none).
+    salt_secret_file: str | None = None
 
 
 @dataclass(frozen=True)

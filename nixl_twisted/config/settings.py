@@ -305,8 +305,19 @@ SETTINGS: tuple[Setting, ...] = (
         tenant_table,
         help=(
             "Each tenant's own limits, [tenants.NAME] tables in the file (max-in-flight, "
-            "requests-per-minute, tokens-per-minute, priority, weight), JSON on the command "
-            "line."
+            "requests-per-minute, tokens-per-minute, priority, weight, cache-salt), JSON on "
+            "the command line."
+        ),
+    ),
+    Setting(
+        "tenant-salt-secret-file",
+        "tenants.salt_secret_file",
+        None,
+        text,
+        help=(
+            "A file holding a secret from which each tenant's vLLM cache_salt is derived "
+            "(HMAC-SHA256 of its name), set on both legs so tenants never share cached "
+            "prefixes; a [tenants.NAME] cache-salt wins. Read at start and on SIGHUP."
         ),
     ),
     Setting(

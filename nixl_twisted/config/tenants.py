@@ -66,14 +66,32 @@ def priority(value: object) -> int:
     return int(number)
 
 
+#: vLLM's bound on a ``cache_salt`` (0.32: ``validate_cache_salt``), and what it may not hold.
+MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\0")
+
+
+def cache_salt(value: object) -> str:
+    """A vLLM ``cache_salt``: a non-empty string of at most 128 characters without ``@``,
+    ``/``, ``\\`` or NUL (what vLLM accepts; it namespaces a request's prefix cache)."""
+    if not isinstance(value, str) or not value:
+        raise InvalidValue(f"must be a non-empty string, not {value!r}")
+    if len(value) > MAX_CACHE_SALT or _SALT_FORBIDDEN & set(value):
+        raise InvalidValue(
+            f"must be at most {MAX_CACHE_SALT} characters without '@', '/', '\\' or NUL"
+        )
+    return value
+
+
 #: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
 TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
 #: What else a tenant's table may say.
-TENANT_KEYS = (*TENANT_LIMITS, "priority", "weight")
+TENANT_KEYS = (*TENANT_LIMITS, "priority", "weight", "cache-salt")
 
 #: One tenant's row: name, in flight, requests, tokens (-1: the default's), priority (None:
-#: unset), and its weight in the proxy's fair queue (None: 1).
-TenantRow = tuple[str, int, int, int, int | None, float | None]
+#: unset), its weight in the proxy's fair queue (None: 1) and its ``cache_salt`` (None: none,
+#: or the one ``--tenant-salt-secret-file`` derives).
+TenantRow = tuple[str, int, int, int, int | None, float | None, str | None]
 
 
 def weight(value: object) -> float:
@@ -87,9 +105,9 @@ def weight(value: object) -> float:
 def tenant_table(value: object) -> tuple[TenantRow, ...]:
     """``[tenants.NAME]`` tables (or the same as JSON text, or this parser's own output):
     each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``
-    (one left out is the default's, -1), its vLLM ``priority`` (None: the default's) and
-    its ``weight`` in the fair queue (None: 1), as (name, in flight, requests, tokens,
-    priority, weight), sorted by name."""
+    (one left out is the default's, -1), its vLLM ``priority`` (None: the default's),
+    its ``weight`` in the fair queue (None: 1) and its ``cache-salt`` (None: none), as
+    (name, in flight, requests, tokens, priority, weight, salt), sorted by name."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -97,9 +115,9 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             raise InvalidValue("must be a table of tenants (JSON on the command line)") from None
     if isinstance(value, list | tuple):
         rows = [tuple(row) for row in value]
-        if not all(len(row) == 6 and isinstance(row[0], str) for row in rows):
+        if not all(len(row) == 7 and isinstance(row[0], str) for row in rows):
             raise InvalidValue(
-                "must be rows of (tenant, in flight, requests, tokens, priority, weight)"
+                "must be rows of (tenant, in flight, requests, tokens, priority, weight, salt)"
             )
         value = {
             row[0]: {
@@ -131,5 +149,9 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             share = None if limits.get("weight") is None else weight(limits["weight"])
         except InvalidValue as error:
             raise InvalidValue(f"{where}weight {error}") from None
-        table.append((str(name), *numbers, own, share))
+        try:
+            salt = None if limits.get("cache-salt") is None else cache_salt(limits["cache-salt"])
+        except InvalidValue as error:
+            raise InvalidValue(f"{where}cache-salt {error}") from None
+        table.append((str(name), *numbers, own, share, salt))
     return tuple(sorted(table, key=lambda row: row[0]))  # type: ignore[arg-type]

@@ -60,8 +60,11 @@ _BUSY = Decision(Mode.DECODE_ONLY, Reason.PREFILL_BUSY)
 class Holdings(Protocol):
     """How many of a prompt's tokens an instance holds in its prefix cache (from its KV events)."""
 
-    def cached_tokens(self, instance: Instance, tokens: Sequence[int]) -> int | None:
-        """None: not known (no events read from that instance, or its index stale)."""
+    def cached_tokens(
+        self, instance: Instance, tokens: Sequence[int], salt: str | None = None
+    ) -> int | None:
+        """None: not known (no events read from that instance, or its index stale); ``salt``:
+        the prompt's ``cache_salt``."""
 
 
 def prefill_load(instance: Instance) -> float:
@@ -96,7 +99,7 @@ def decide(
     if tokens < rules.short_prompt:
         return _SHORT
     if rules.uncached and holdings is not None and token_ids is not None:
-        cached = holdings.cached_tokens(decode, token_ids)
+        cached = holdings.cached_tokens(decode, token_ids, completion.salt)
         if cached is not None and tokens - cached < rules.uncached:
             return _CACHED
     if tokens < rules.busy_prompt and _busy(prefill, rules.busy_at):

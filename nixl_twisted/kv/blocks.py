@@ -15,12 +15,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-#: What the key of a prompt's first block chains from, with its LoRA adapter's name.
+#: What the key of a prompt's first block chains from, with its LoRA adapter's name
+#: and its ``cache_salt``.
 ROOT = "nixl-twisted kv"
 
 
 def block_keys(
-    tokens: Sequence[int], block_size: int, lora: str | None = None, parent: int | None = None
+    tokens: Sequence[int],
+    block_size: int,
+    lora: str | None = None,
+    parent: int | None = None,
+    salt: str | None = None,
 ) -> list[int]:
     """The key of each whole block of ``tokens``, each chained to the one before it.
 
@@ -29,8 +34,14 @@ def block_keys(
     token ids): fast (SipHash, in C) and, like vLLM's own hashes, seeded
     per process, so keys are never compared across processes (each
     ``--workers`` worker computes its own, from the same events).
+    ``salt``: the prompt's ``cache_salt``, which vLLM hashes into its first
+    block only (every later block chains from it), so it enters the root
+    here; it means nothing after a ``parent``.
     """
-    key = parent if parent is not None else hash((ROOT, lora))
+    if parent is not None:
+        key = parent
+    else:
+        key = hash((ROOT, lora)) if salt is None else hash((ROOT, lora, salt))
     packed = _packed(tokens)
     step = block_size * 4
     keys = []
@@ -62,6 +73,8 @@ class Stored:
     lora: str | None = None
     #: Where the blocks are kept (vLLM: "GPU", "CPU" with offloading; None: unsaid).
     medium: str | None = None
+    #: The ``cache_salt`` hashed into the first block (only ever with no ``parent``).
+    salt: str | None = None
 
 
 @dataclass(frozen=True)

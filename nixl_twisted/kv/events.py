@@ -180,21 +180,27 @@ class KvEvents(Service):
 
     # -- what kv-aware asks (``holdings.Holdings``) --------------------------
 
-    def reach(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, Reach]:
-        return self.index(role).reach(tokens, urls)
+    def reach(
+        self, role: str, tokens: Sequence[int], urls: Collection[str], salt: str | None = None
+    ) -> dict[str, Reach]:
+        return self.index(role).reach(tokens, urls, salt=salt)
 
-    def predict(self, role: str, url: str, tokens: Sequence[int]) -> Callable[[], object]:
+    def predict(
+        self, role: str, url: str, tokens: Sequence[int], salt: str | None = None
+    ) -> Callable[[], object]:
         index = self.index(role)
-        prediction = index.predict(url, tokens)
+        prediction = index.predict(url, tokens, salt=salt)
         return lambda: index.withdraw(prediction)
 
     def blocks(self, role: str, url: str) -> int:
         index = self.index(role)
         return index.blocks(url) + index.predicted(url)
 
-    def matched(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, int]:
+    def matched(
+        self, role: str, tokens: Sequence[int], urls: Collection[str], salt: str | None = None
+    ) -> dict[str, int]:
         """Per instance, the leading tokens of ``tokens`` its events say it holds."""
-        return self.index(role).matched(tokens, urls)
+        return self.index(role).matched(tokens, urls, salt=salt)
 
     def listening(self, role: str, url: str) -> bool:
         return (role, url) in self.streams
@@ -203,12 +209,14 @@ class KvEvents(Service):
         stream = self.streams.get((role, url))
         return stream is not None and stream.sequencer.stale()
 
-    def cached_tokens(self, instance: Instance, tokens: Sequence[int]) -> int | None:
+    def cached_tokens(
+        self, instance: Instance, tokens: Sequence[int], salt: str | None = None
+    ) -> int | None:
         """The leading tokens of a prompt ``instance`` holds (None: not known), for decide."""
         role, url = instance.role, instance.url
         if not self.listening(role, url) or self.stale(role, url):
             return None
-        return self.matched(role, tokens, [url]).get(url, 0)
+        return self.matched(role, tokens, [url], salt).get(url, 0)
 
     def read(self, role: str, url: str) -> Deferred[None]:
         """Fires once the instance's next message has been taken in and applied (for tests)."""

@@ -72,8 +72,8 @@ class KvIndex:
         #: Each key's holders, with how many of their copies (media) hold it.
         self._holders: dict[int, dict[str, int]] = {}
         self.predictions = Predictions(clock, max_blocks, life) if clock is not None else None
-        #: Predictions made before any block size was known: (tokens, LoRA, prediction).
-        self._early: list[tuple[Sequence[int], str | None, Prediction]] = []
+        #: Predictions made before any block size was known: (tokens, LoRA, salt, prediction).
+        self._early: list[tuple[Sequence[int], str | None, str | None, Prediction]] = []
 
     @property
     def max_blocks(self) -> int:
@@ -122,7 +122,7 @@ class KvIndex:
         if self._early:
             self._rekey()
         held.media.add(event.medium)
-        keys = block_keys(event.tokens, event.block_size, event.lora, parent)
+        keys = block_keys(event.tokens, event.block_size, event.lora, parent, event.salt)
         for engine_hash, key in zip(event.hashes, keys, strict=False):
             copy = (engine_hash, event.medium)
             held.chain[engine_hash] = key
@@ -171,9 +171,14 @@ class KvIndex:
                     del self._holders[key]
 
     def matched(
-        self, tokens: Sequence[int], urls: Collection[str], lora: str | None = None
+        self,
+        tokens: Sequence[int],
+        urls: Collection[str],
+        lora: str | None = None,
+        salt: str | None = None,
     ) -> dict[str, int]:
-        """Each of ``urls`` that holds a leading block of ``tokens``: how many tokens in a row."""
+        """Each of ``urls`` that holds a leading block of ``tokens`` (under ``cache_salt``
+        ``salt``): how many tokens in a row."""
         matched: dict[str, int] = {}
         by_size: dict[int, list[str]] = {}
         for url in urls:
@@ -182,7 +187,7 @@ class KvIndex:
                 by_size.setdefault(size, []).append(url)
         for size, group in by_size.items():
             alive = set(group)
-            for blocks, key in enumerate(block_keys(tokens, size, lora), 1):
+            for blocks, key in enumerate(block_keys(tokens, size, lora, salt=salt), 1):
                 alive &= self._holders.get(key, {}).keys()
                 if not alive:
                     break
@@ -206,10 +211,15 @@ class KvIndex:
         )
 
     def reach(
-        self, tokens: Sequence[int], urls: Collection[str], lora: str | None = None
+        self,
+        tokens: Sequence[int],
+        urls: Collection[str],
+        lora: str | None = None,
+        salt: str | None = None,
     ) -> dict[str, Reach]:
-        """Each of ``urls`` that holds or is predicted a leading block of ``tokens``, and how many
-        tokens in a row: confirmed by its events, and counting its predicted blocks too."""
+        """Each of ``urls`` that holds or is predicted a leading block of ``tokens`` (under
+        ``cache_salt`` ``salt``), and how many tokens in a row: confirmed by its events, and
+        counting its predicted blocks too."""
         predictions = self.predictions
         if predictions is not None:
             predictions.sweep()
@@ -220,7 +230,7 @@ class KvIndex:
         for size, group in by_size.items():
             confirmed: set[str] = set(group)
             expected: set[str] = set(group)
-            for blocks, key in enumerate(block_keys(tokens, size, lora), 1):
+            for blocks, key in enumerate(block_keys(tokens, size, lora, salt=salt), 1):
                 holders = self._holders.get(key, {})
                 confirmed &= holders.keys()
                 expected = {
@@ -244,18 +254,19 @@ class KvIndex:
         tokens: Sequence[int],
         lora: str | None = None,
         expires: float | None = None,
+        salt: str | None = None,
     ) -> Prediction:
         """``url`` was just sent ``tokens``: the blocks of it the index does not know it holds
         count as held (``reach``) until the events settle them or their life ends."""
         if self.predictions is None:
             return NOTHING
         holders = self._holders
-        keys = block_keys(tokens, self._size_for(url), lora)
+        keys = block_keys(tokens, self._size_for(url), lora, salt=salt)
         new = (k for k in keys if url not in holders.get(k, {}))
         prediction = self.predictions.predict(url, new, expires)
         unsaid = not any(h.block_size for h in self._instances.values())
         if unsaid and len(self._early) < EARLY_LIMIT:  # (keyed by the provisional size)
-            self._early.append((tokens, lora, prediction))
+            self._early.append((tokens, lora, salt, prediction))
         return prediction
 
     def _rekey(self) -> None:
@@ -267,10 +278,10 @@ class KvIndex:
         early, self._early = self._early, []
         assert self.predictions is not None
         now = self.predictions.clock.seconds()
-        for tokens, lora, prediction in early:
+        for tokens, lora, salt, prediction in early:
             self.predictions.withdraw(prediction, outcome=None)
             if prediction.expires > now:
-                self.predict(prediction.url, tokens, lora, prediction.expires)
+                self.predict(prediction.url, tokens, lora, prediction.expires, salt)
 
     def withdraw(self, prediction: Prediction) -> None:
         """The leg these blocks were predicted for failed: they will not be filled."""

@@ -35,6 +35,8 @@ MAX_MESSAGE = 2 * 1024 * 1024
 MAX_HASH = 64
 #: The most characters a medium's name may have ("GPU", "CPU"): it is kept per block.
 MAX_MEDIUM = 32
+#: The most characters a ``cache_salt`` may have (vLLM's request field allows 1024).
+MAX_SALT = 1024
 #: Blocks in one piece of an event: what is applied to the index between two turns of
 #: the reactor at most (a few milliseconds).
 SLICE = 1024
@@ -97,6 +99,36 @@ def _medium(value: Any) -> str | None:
     return value
 
 
+def _extra_keys(extra: Any, lora: str | None, starts: bool, blocks: int) -> tuple[int, str | None]:
+    """How many leading blocks the proxy can key, and the ``cache_salt`` of the first.
+
+    vLLM publishes each block's extra keys untagged: the LoRA name (every
+    block of an adapter's prompt, which the key already holds), then image
+    ``[identifier, offset]`` pairs, the ``cache_salt`` (a string, on a
+    prompt's first block only) and prompt-embedding digests. The LoRA name
+    and the first block's salt are keyed; a block with anything else is more
+    than its tokens: it, and what follows it, is not indexed.
+    """
+    if not isinstance(extra, list):
+        return blocks, None
+    salt = None
+    for i, keys in enumerate(extra[:blocks]):
+        if keys is None:
+            continue
+        rest = list(keys) if isinstance(keys, list | tuple) else [keys]
+        if lora is not None and rest and rest[0] == lora:
+            rest = rest[1:]
+        if not rest:
+            continue
+        if i == 0 and starts and len(rest) == 1 and isinstance(rest[0], str):
+            if len(rest[0]) > MAX_SALT:
+                raise BadBatch(f"a cache_salt of {len(rest[0])} characters (at most {MAX_SALT})")
+            salt = rest[0]
+            continue
+        return i, salt
+    return blocks, salt
+
+
 def _fields(event: Any) -> tuple[str, dict[str, Any]]:
     if isinstance(event, dict):
         tag = event.get("type")
@@ -119,20 +151,17 @@ def decode_event(raw: Any) -> Event | None:
             tokens = _tokens(fields["token_ids"])
             parent = fields.get("parent_block_hash")
             lora = fields.get("lora_name")
-            # A block with extra keys (an image's hash, a cache salt) is more than its
-            # tokens: it, and what follows it, is not indexed.
-            extra = fields.get("extra_keys")
-            if isinstance(extra, list):
-                cut = next((i for i, keys in enumerate(extra) if keys is not None), None)
-                if cut is not None:
-                    hashes = hashes[:cut]
+            lora = lora if isinstance(lora, str) else None
+            keyed, salt = _extra_keys(fields.get("extra_keys"), lora, parent is None, len(hashes))
+            hashes = hashes[:keyed]
             return Stored(
                 hashes,
                 None if parent is None else _block_hash(parent),
                 tokens[: len(hashes) * size],  # (tokens past the last hash key nothing)
                 size,
-                lora if isinstance(lora, str) else None,
+                lora,
                 _medium(fields.get("medium")),
+                salt if hashes else None,
             )
         if tag == "BlockRemoved":
             return Removed(_hashes(fields["block_hashes"]), _medium(fields.get("medium")))
@@ -155,6 +184,7 @@ def _slices(event: Event) -> Iterator[Event]:
                 size,
                 event.lora,
                 event.medium,
+                event.salt if start == 0 else None,
             )
     elif isinstance(event, Removed) and len(event.hashes) > SLICE:
         for start in range(0, len(event.hashes), SLICE):

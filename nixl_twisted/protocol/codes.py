@@ -80,6 +80,13 @@ class ErrorCode(enum.Enum):
         _CLIENT,
         "a batched completion's `n`, `stream` or `stream_options` the proxy cannot merge by",
     )
+    INVALID_CACHE_SALT = (
+        "invalid_cache_salt",
+        400,
+        _CLIENT,
+        "a `cache_salt` vLLM would refuse: not a non-empty string of at most 128 characters "
+        "without `@`, `/`, `\\` or NUL",
+    )
     TOO_MANY_PROMPTS = (
         "too_many_prompts",
         400,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from nixl_twisted.protocol import charges, lowering, token_ids
+from nixl_twisted.protocol import charges, lowering, salts, token_ids
 from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
 from nixl_twisted.protocol.prompts import Measured, Rendered, measure, render
 
@@ -47,6 +47,9 @@ class Completion:
     tenant: str | None = None
     weight: float = 1.0
     priority: int = 0
+    #: The ``cache_salt`` both legs carry (None: none): the namespace of its prefix cache,
+    #: and so of every routing key (``backends.prompt_keys``).
+    salt: str | None = None
 
     @property
     def model(self) -> object:
@@ -91,16 +94,26 @@ class Completion:
     # -- variants ---------------------------------------------------------------
 
     def admitted(
-        self, tenant: str, priority: int | None, weight: float, counts_usage: bool
+        self,
+        tenant: str,
+        priority: int | None,
+        weight: float,
+        counts_usage: bool,
+        salt: str | None = None,
     ) -> Completion:
-        """As its tenant's rule sends it: with the tenant's vLLM ``priority`` (both legs are
-        lowered from it), a stream asking for its usage when the tenant's tokens count, and
-        its tenant's place in the fair queue."""
+        """As its tenant's rule sends it: with the tenant's vLLM ``priority`` and ``cache_salt``
+        (both legs are lowered from it; ``salts.combined`` with the client's own), a stream
+        asking for its usage when the tenant's tokens count, and its tenant's place in the
+        fair queue."""
         body = self.body
         if priority is not None:
             body = lowering.with_priority(self.path, body, priority)
+        own = self.salt
+        if salt is not None:
+            own = salts.combined(salt, self.salt)
+            body = dict(body, cache_salt=own)
         asked = lowering.usage_asked(self.path, body) if counts_usage else None
-        queued = {"tenant": tenant, "weight": weight, "priority": priority or 0}
+        queued = {"tenant": tenant, "weight": weight, "priority": priority or 0, "salt": own}
         if asked is not None:
             return self._variant(body=asked, hides_usage=True, **queued)
         return self._variant(body=body, **queued)
@@ -165,7 +178,8 @@ def read_completion(
     lowering.check_servable(path, body)
     model = served(body.get("model"))
     batch = lowering.batch_of(path, body, max_batch_prompts)
-    return Completion(path, body, request_id, batch, model)
+    salt = salts.client_salt(body)
+    return Completion(path, body, request_id, batch, model, salt=salt)
 
 
 @dataclass(frozen=True)

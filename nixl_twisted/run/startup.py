@@ -29,6 +29,7 @@ from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.exchange import decide
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.web.keys_file import read_keys
+from nixl_twisted.web.tenants import read_secret
 
 log = Logger()
 
@@ -179,6 +180,18 @@ def check_keys_file(config: ProxyConfig, serving: bool = False) -> None:
         raise SystemExit(f"nixlproxy: --api-keys-file: {error}") from None
 
 
+def check_salt_secret(config: ProxyConfig) -> None:
+    """A salt secret that cannot be used at start stops the proxy with the reason: tenants
+    would otherwise share their cached prefixes without anyone knowing."""
+    path = config.tenants.salt_secret_file
+    if path is None or config.worker is not None:
+        return
+    try:
+        read_secret(path)
+    except InvalidValue as error:
+        raise SystemExit(f"nixlproxy: --tenant-salt-secret-file: {error}") from None
+
+
 def announce(config: ProxyConfig) -> None:
     """The summary, as a lifecycle line; and what a rule set cannot do, as a warning."""
     lifecycle.info("{summary}", summary=summary(config))
@@ -196,13 +209,14 @@ def announce(config: ProxyConfig) -> None:
         )
     tenants = config.tenants
     limited = tenants.max_in_flight or tenants.requests_per_minute or tenants.tokens_per_minute
-    limited = limited or tenants.priority is not None
+    limited = limited or tenants.priority is not None or tenants.salt_secret_file is not None
     limited = limited or any(
-        max(row[1:4]) > 0 or row[4] is not None or row[5] is not None for row in tenants.table
+        max(row[1:4]) > 0 or any(v is not None for v in row[4:]) for row in tenants.table
     )
     if limited and not (config.keyed or tenants.header):
         log.warn(
-            "tenant limits or priorities are set, but no request has a tenant: they apply "
+            "tenant limits, priorities or cache salts are set, but no request has a tenant: "
+            "they apply "
             "to a client key's tenant or to --tenant-header's (docs/security.md)"
         )
     blind = decide.blind_rules(

@@ -324,7 +324,8 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
             # What the lookup stored and evicted is one batch, published as vLLM
             # publishes a step's events: once the step (the compute) has run.
             with self._step() as step:
-                cached, _ = self.cache.compute(tokens)
+                salt = body.get("cache_salt")
+                cached, _ = self.cache.compute(tokens, salt if isinstance(salt, str) else None)
             try:
                 await self._compute(len(tokens) - cached)
             finally:

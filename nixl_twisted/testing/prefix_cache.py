@@ -7,7 +7,8 @@ vLLM, a block is cached only when full, a prompt hits the leading blocks
 it shares with what the instance computed before, the counters are in
 tokens (``queries``: prompt tokens looked up; ``hits``: of those, cached),
 each block's hash is seeded per instance (two instances never agree on
-one) and, when told (``on_events``), the cache reports what it stored and
+one), a request's ``cache_salt`` enters its first block's hash (so salts
+never share blocks) and, when told (``on_events``), the cache reports what it stored and
 evicted as vLLM's KV cache events do.
 """
 
@@ -84,9 +85,17 @@ def _packed(tokens: Sequence[int]) -> bytes:
 
 
 def block_stored(
-    hashes: Sequence[int], parent: int | None, tokens: Sequence[int], block_size: int
+    hashes: Sequence[int],
+    parent: int | None,
+    tokens: Sequence[int],
+    block_size: int,
+    salt: str | None = None,
 ) -> KvEvent:
-    """vLLM's ``BlockStored``: full blocks newly cached, after ``parent`` (None: the first)."""
+    """vLLM's ``BlockStored``: full blocks newly cached, after ``parent`` (None: the first);
+    a first block's ``cache_salt`` is its extra key, as vLLM publishes it."""
+    extra: list[list[str] | None] = [None] * len(hashes)
+    if salt is not None and parent is None and hashes:
+        extra[0] = [salt]
     return {
         "type": "BlockStored",
         "block_hashes": list(hashes),
@@ -96,7 +105,7 @@ def block_stored(
         "lora_id": None,
         "medium": "GPU",
         "lora_name": None,
-        "extra_keys": [None] * len(hashes),
+        "extra_keys": extra,
         "group_idx": 0,
         "kv_cache_spec_kind": "full_attention",
     }
@@ -144,10 +153,11 @@ class PrefixCache:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._blocks
 
-    def block_hashes(self, tokens: Sequence[int]) -> list[int]:
-        """The hash of each full block of ``tokens``, each covering its parent's hash: 64 bits."""
+    def block_hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
+        """The hash of each full block of ``tokens``, each covering its parent's hash (the first
+        covering ``salt``): 64 bits."""
         size = self.block_tokens
-        parent = b""
+        parent = b"" if salt is None else b"salt\0" + salt.encode("utf-8", "surrogatepass")
         hashes = []
         for start in range(0, len(tokens) - size + 1, size):
             parent = hashlib.blake2b(
@@ -156,14 +166,15 @@ class PrefixCache:
             hashes.append(int.from_bytes(parent, "big"))
         return hashes
 
-    def compute(self, tokens: Sequence[int]) -> tuple[int, int]:
-        """Look a prompt up and cache its blocks; returns (cached tokens, prompt tokens).
+    def compute(self, tokens: Sequence[int], salt: str | None = None) -> tuple[int, int]:
+        """Look a prompt up (under its ``cache_salt``) and cache its blocks; returns (cached
+        tokens, prompt tokens).
 
         Its blocks after the leading cached ones are computed and stored
         (one ``BlockStored``); room is made first by evicting the least
         recently used blocks of other prompts (a ``BlockRemoved`` each).
         """
-        hashes = self.block_hashes(tokens)
+        hashes = self.block_hashes(tokens, salt)
         found = 0
         while found < len(hashes) and hashes[found] in self._blocks:
             found += 1
@@ -182,6 +193,7 @@ class PrefixCache:
                     hashes[found - 1] if found else None,
                     tokens[found * size : len(hashes) * size],
                     size,
+                    salt,
                 )
             )
         while len(self._blocks) > self.capacity:  # a prompt longer than the whole cache

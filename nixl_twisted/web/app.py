@@ -276,7 +276,9 @@ class ProxyApp:
             admitted, tenant = read, record.tenant
             if tenant is not None:  # (its rule, and its place in the fair queue)
                 counts = bool(rule.tokens_per_minute)
-                admitted = read.admitted(tenant, rule.priority, rule.weight, counts)
+                admitted = read.admitted(
+                    tenant, rule.priority, rule.weight, counts, rule.cache_salt
+                )
             return self.admission.serve(lambda: self.serving.completion(request, admitted, trace))
 
         return _then(self.tenancy.admit(request, path, read), serve)

@@ -22,29 +22,38 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 
 from nixl_twisted.config import ProxyConfig, TenantsConfig
+from nixl_twisted.config.values import InvalidValue
+from nixl_twisted.protocol import salts
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 
+log = Logger()
+
 WINDOW = 60.0
+#: The bytes a salt secret may hold: at least 16 (128 bits, not guessed), at most 4 KiB.
+MIN_SECRET = 16
+MAX_SECRET = 4096
 #: The longest tenant name kept (a header's value is the client's to choose).
 MAX_NAME = 128
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One tenant's limits (0: none), the vLLM priority of its requests (None: unset), and
-    its weight in the proxy's fair queue."""
+    """One tenant's limits (0: none), the vLLM priority of its requests (None: unset), its
+    weight in the proxy's fair queue, and its ``cache_salt`` (None: none)."""
 
     max_in_flight: int = 0
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     priority: int | None = None
     weight: float = 1.0
+    cache_salt: str | None = None
 
     @property
     def counted(self) -> bool:
@@ -101,6 +110,8 @@ class TenantLimits:
         self.header: bytes | None = None
         self.default = Rule()
         self.rules: dict[str, Rule] = {}
+        #: The secret each tenant's ``cache_salt`` is derived from (None: none).
+        self.salt_secret: bytes | None = None
         self._use: dict[str, _Usage] = {}
         self._swept = 0.0
         if config is not None:
@@ -122,12 +133,26 @@ class TenantLimits:
                 tokens if tokens >= 0 else default.tokens_per_minute,
                 default.priority if priority is None else priority,
                 1.0 if weight is None else weight,
+                salt,
             )
-            for name, in_flight, requests, tokens, priority, weight in tenants.table
+            for name, in_flight, requests, tokens, priority, weight, salt in tenants.table
         }
+        path = tenants.salt_secret_file
+        if path is None:
+            self.salt_secret = None
+        else:
+            try:
+                self.salt_secret = read_secret(path)
+            except InvalidValue as error:  # (checked at start: a reload keeps the one it had)
+                log.warn("--tenant-salt-secret-file: {error}; kept the last", error=error)
 
     def rule(self, tenant: str) -> Rule:
-        return self.rules.get(tenant[:MAX_NAME], self.default)
+        """``tenant``'s rule, with its ``cache_salt``: its own, else derived from its name."""
+        name = tenant[:MAX_NAME]
+        rule = self.rules.get(name, self.default)
+        if rule.cache_salt is None and self.salt_secret is not None:
+            return replace(rule, cache_salt=salts.derived(self.salt_secret, name))
+        return rule
 
     def limits(self, tenant: str) -> bool:
         """Whether ``tenant`` has any limit to be held to."""
@@ -185,6 +210,21 @@ class TenantLimits:
             use.forget_before(now - WINDOW)
             if use.idle:
                 del self._use[tenant]
+
+
+def read_secret(path: str) -> bytes:
+    """``--tenant-salt-secret-file``'s secret: the file's bytes, surrounding whitespace
+    left out; an ``InvalidValue`` for a file that cannot be read or holds under 16 bytes."""
+    try:
+        with open(path, "rb") as file:
+            secret = file.read(MAX_SECRET + 1).strip()
+    except OSError as error:
+        raise InvalidValue(f"{path} cannot be read: {error.strerror or error}") from None
+    if not MIN_SECRET <= len(secret) <= MAX_SECRET:
+        raise InvalidValue(
+            f"{path} must hold a secret of {MIN_SECRET} to {MAX_SECRET} bytes, not {len(secret)}"
+        )
+    return secret
 
 
 def refusal(tenant: str, limit: str, wait: float) -> ProxyError:

@@ -137,6 +137,26 @@ class KvAwareTests(ProxyCase):
         self.assertEqual([r[0] for r in self.routes(logged)], ["no_match", "kv_match", "kv_match"])
         self.assertEqual([f.kv_sources_reads for f in self.prefills], [1, 1])  # asked no more
 
+    async def test_salted_blocks_draw_prompts_of_their_salt_only(self) -> None:
+        """The fakes hash ``cache_salt`` into a prompt's first block and publish it as vLLM does."""
+        await self.start_kv()
+        logged = self.logged()
+        first = self.prefilled()
+        reading = [self.events.read("prefill", self.proxy_url(f)) for f in self.prefills]
+        await self.ask(dict(chat("What is it about?"), cache_salt="tenant-a"))
+        home = next(i for i, n in enumerate(self.prefilled()) if n > first[i])
+        await reading[home]  # its BlockStored, salted, taken in
+        await self.ask(dict(chat("Why?"), cache_salt="tenant-a"))
+        await self.ask(dict(chat("Why?"), cache_salt="tenant-b"))
+        await self.ask(chat("Why?"))
+        routes = self.routes(logged)
+        self.assertEqual(routes[1][0], "kv_match")
+        self.assertGreaterEqual(routes[1][1] or 0, 128)
+        self.assertEqual(routes[2:], [("no_match", 0), ("no_match", 0)])
+        sent = [r.body for r in self.prefills[home].requests_for("prefill")]
+        self.assertEqual([(body or {}).get("cache_salt") for body in sent[:2]], ["tenant-a"] * 2)
+        self.assertGreaterEqual(self.prefills[home].cache.hits, 128)  # the second, under its salt
+
     async def test_two_requests_sharing_a_new_prefix_that_arrive_together_go_to_one_instance(
         self,
     ) -> None:

@@ -25,9 +25,13 @@ class Known:
     """What the decode instance is known to hold of every prompt."""
 
     tokens: int | None
+    #: The ``cache_salt`` it holds them under.
+    salt: str | None = None
 
-    def cached_tokens(self, instance: Instance, tokens: Sequence[int]) -> int | None:
-        return self.tokens
+    def cached_tokens(
+        self, instance: Instance, tokens: Sequence[int], salt: str | None = None
+    ) -> int | None:
+        return self.tokens if salt == self.salt else 0
 
 
 def decided(
@@ -38,9 +42,10 @@ def decided(
 ) -> tuple[str, str]:
     prefill = _prefill_pool()
     decode = BackendPool("decode", ["http://d:1"], Clock()).instances[0]
+    salt = body.get("cache_salt")
     decision = decide(
         replace(RULES, **rules),
-        Completion(routes.COMPLETIONS, body, "r"),
+        Completion(routes.COMPLETIONS, body, "r", salt=salt),
         decode,
         prefill,
         holdings,
@@ -131,3 +136,12 @@ def test_the_uncached_rule_says_it_is_blind_and_the_summary_names_each_rule() ->
         "decode-only below 256 tokens, decode-only below 1024 tokens while prefill is busy "
         "(at 4), decode-only when no prefill instance can serve"
     )
+
+
+def test_what_decode_holds_under_another_salt_is_not_counted_as_cached() -> None:
+    ids = list(range(100))
+    salted = dict(BODY, cache_salt="tenant-a")
+    held = Known(60, salt="tenant-a")
+    assert decided(salted, held, ids, uncached=41) == ("decode_only", "cached_on_decode")
+    assert decided(dict(BODY, cache_salt="tenant-b"), held, ids, uncached=41)[0] == "pd"
+    assert decided(BODY, held, ids, uncached=41)[0] == "pd"

@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.kv.blocks import Cleared, Removed, Stored
+from nixl_twisted.kv.blocks import Cleared, Removed, Stored, block_keys
 from nixl_twisted.kv.index import KvIndex
 from nixl_twisted.kv.sequence import (
     BUDGET,
@@ -330,3 +330,101 @@ def test_what_waits_for_a_replay_is_bounded_in_bytes_too() -> None:
         held += 1
     assert 0 < held * len(big) <= PENDING_BYTES + len(big)
     assert r.stream.stale()  # given up: what was missed cannot be known
+
+
+# -- cache_salt: vLLM hashes it into a prompt's first block -------------------------
+
+SALTED = json.loads(
+    (Path(__file__).parent.parent / "data" / "vllm-0.32-kv-events-salted.json").read_text()
+)
+
+
+def salted_frames(name: str) -> list[list[bytes]]:
+    return [[bytes.fromhex(part) for part in message] for message in SALTED[name]["frames"]]
+
+
+def rendered(render: dict[str, Any]) -> list[int]:
+    answer = render["response"]
+    return list((answer[0] if isinstance(answer, list) else answer)["token_ids"])
+
+
+def applied(*names: str) -> KvIndex:
+    index = KvIndex(1000)
+    stream = Sequencer(index, A, Clock())
+    for name in names:
+        for _, seq, payload in salted_frames(name):
+            stream.live(sequence(seq), payload)
+    assert not stream.stale()
+    return index
+
+
+def test_real_vllm_salted_events_key_the_blocks_under_their_salt() -> None:
+    """vLLM 0.32's frames for one prompt unsalted, salted "tenant-a" and "tenant-b" (tests/data):
+    each salt's blocks are matched under that salt alone, never under another or none."""
+    tokens = rendered(SALTED["render"])
+    assert len(tokens) == SALTED["unsalted"]["usage"]["prompt_tokens"] == 288
+    for name, salt in [("unsalted", None), ("tenant_a", "tenant-a"), ("tenant_b", "tenant-b")]:
+        index = applied(name)
+        for other in (None, "tenant-a", "tenant-b"):
+            expected = {A: 256} if other == salt else {}
+            assert index.matched(tokens, {A}, salt=other) == expected, (name, other)
+    both = applied("unsalted", "tenant_a", "tenant_b")
+    assert both.blocks(A) == 6  # the same tokens, three namespaces
+    assert SALTED["tenant_a_again"]["frames"] == []  # a hit under its salt: nothing new stored
+
+
+def test_real_vllm_salted_events_carry_the_salt_on_the_first_block_only() -> None:
+    (_, _, payload), *_ = salted_frames("tenant_a")
+    (stored,) = decode_batch(payload)
+    assert isinstance(stored, Stored) and stored.salt == "tenant-a" and len(stored.hashes) == 2
+    (_, _, payload), *_ = salted_frames("unsalted")
+    _, stored = decode_batch(payload)  # (the reset's AllBlocksCleared came with it)
+    assert isinstance(stored, Stored) and stored.salt is None
+    assert block_keys(stored.tokens, 128) != block_keys(stored.tokens, 128, salt="tenant-a")
+
+
+def test_real_vllm_salted_chat_blocks_match_the_chat_render_under_the_salt() -> None:
+    case = SALTED["chat_tenant_a"]
+    tokens = rendered(case["render"])
+    index = applied("chat_tenant_a")
+    assert index.matched(tokens, {A}, salt="tenant-a") == {A: 256}
+    assert index.matched(tokens, {A}) == {}
+
+
+@pytest.mark.parametrize(
+    ("extra", "lora", "keyed", "salt"),
+    [
+        ([["s"], None], None, 2, "s"),
+        ([["sql", "s"], ["sql"]], "sql", 2, "s"),  # a LoRA name on every block, then the salt
+        ([["sql"], ["sql"]], "sql", 2, None),
+        ([None, ["s"]], None, 1, None),  # a salt is the first block's: a later one is not keyed
+        ([[["mm-1", 0]], None], None, 0, None),  # an image: not keyed
+        ([["s", b"embeds"], None], None, 0, None),
+    ],
+)
+def test_extra_keys_are_keyed_when_they_are_a_lora_name_or_the_first_blocks_salt(
+    extra: list[Any], lora: str | None, keyed: int, salt: str | None
+) -> None:
+    event = {**stored_map([7, 8], TOKENS[:32]), "extra_keys": extra, "lora_name": lora}
+    (stored,) = decode_batch(batch(event))
+    assert isinstance(stored, Stored)
+    assert (len(stored.hashes), stored.salt) == (keyed, salt)
+
+
+def test_a_salt_after_a_parent_is_not_keyed_and_a_long_one_is_refused() -> None:
+    later = {**stored_map([8], TOKENS[16:32], parent=7), "extra_keys": [["s"]]}
+    (stored,) = decode_batch(batch(later))
+    assert isinstance(stored, Stored) and stored.hashes == ()
+    with pytest.raises(BadBatch, match="a cache_salt of 1025 characters"):
+        decode_batch(batch({**stored_map([7], TOKENS[:16]), "extra_keys": [["s" * 1025]]}))
+
+
+def test_a_long_salted_event_keeps_its_salt_on_the_first_piece_only() -> None:
+    tokens = [t % 50000 for t in range(16 * (SLICE + 1))]
+    hashes = list(range(1, SLICE + 2))
+    extra: list[Any] = [["s"]] + [None] * SLICE
+    pieces = decode_batch(batch({**stored_map(hashes, tokens), "extra_keys": extra}))
+    assert [p.salt for p in pieces if isinstance(p, Stored)] == ["s", None]
+    index = KvIndex(10 * SLICE)
+    index.apply(A, pieces)
+    assert index.matched(tokens, {A}, salt="s") == {A: len(tokens)}

@@ -128,3 +128,16 @@ def test_chat_is_rendered_as_its_messages() -> None:
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert prompt_text(body) == "user\nhi\n"
     assert prompt_text({"prompt": [1, 2]}) == "1 2"
+
+
+def test_a_salt_namespaces_the_cache_and_its_first_block_says_it() -> None:
+    cache, batches = reporting()
+    prompt = list(range(8))
+    assert cache.compute(prompt, "tenant-a") == (0, 8)
+    assert cache.compute(prompt) == (0, 8)  # unsalted: another namespace
+    assert cache.compute(prompt, "tenant-b") == (0, 8)
+    assert cache.compute(prompt, "tenant-a") == (8, 8)
+    stored = [batch[-1] for batch in batches]
+    assert [s["extra_keys"][0] for s in stored] == [["tenant-a"], None, ["tenant-b"]]
+    assert [s["extra_keys"][1] for s in stored] == [None, None, None]
+    assert len({s["block_hashes"][1] for s in stored}) == 3  # every block after it differs too

@@ -337,11 +337,15 @@ class Indexed:
         self._listening = listening
         self._stale = stale
 
-    def reach(self, role: str, tokens: Sequence[int], urls: Collection[str]) -> dict[str, Reach]:
-        return self.index.reach(tokens, urls)
+    def reach(
+        self, role: str, tokens: Sequence[int], urls: Collection[str], salt: str | None = None
+    ) -> dict[str, Reach]:
+        return self.index.reach(tokens, urls, salt=salt)
 
-    def predict(self, role: str, url: str, tokens: Sequence[int]) -> Callable[[], object]:
-        prediction = self.index.predict(url, tokens)
+    def predict(
+        self, role: str, url: str, tokens: Sequence[int], salt: str | None = None
+    ) -> Callable[[], object]:
+        prediction = self.index.predict(url, tokens, salt=salt)
         return lambda: self.index.withdraw(prediction)
 
     def listening(self, role: str, url: str) -> bool:
@@ -398,3 +402,61 @@ def test_kv_aware_falls_back_to_cache_aware_and_says_why() -> None:
     assert instance.url == rendezvous(b"k", pool.instances)[0].url
     # A token-id prompt needs no render.
     assert routing_for({"kv-aware"}, 8, None, {"prompt": list(TOKENS)}).tokens == TOKENS
+
+
+# -- cache_salt: a namespace of vLLM's prefix cache, so of every routing key --------
+
+
+def salted(body: dict[str, Any], salt: str | None) -> Completion:
+    return Completion(routes.CHAT_COMPLETIONS, body, "r", salt=salt)
+
+
+def test_every_routing_key_is_its_salts_own() -> None:
+    body = {"messages": [{"role": "user", "content": DOCUMENT}], "user": "u1"}
+    policies = {"cache-aware", "kv-aware", "session"}
+    keys = {
+        salt: prompt_keys.routing_for(policies, 512, None, salted(body, salt))
+        for salt in (None, "tenant-a", "tenant-b")
+    }
+    assert len({r.prompt for r in keys.values()}) == 3
+    assert len({r.session for r in keys.values()}) == 3
+    chains = [set(r.chain) for r in keys.values()]
+    assert all(chains) and not chains[0] & chains[1] and not chains[1] & chains[2]
+    assert keys[None].prompt == prompt_key(body, 512) and keys[None].session == "u1"
+    assert keys["tenant-a"].salt == "tenant-a"
+    only_session = prompt_keys.routing_for({"session"}, 512, b"s", salted(body, "tenant-a"))
+    assert only_session.session == "tenant-a\0s"
+
+
+def test_cache_aware_never_follows_a_prefix_another_salt_sent() -> None:
+    pool = remembering(8)
+
+    def ask(question: str, salt: str | None) -> Routing:
+        body = {"messages": [{"role": "user", "content": f"{DOCUMENT}\n\n{question}"}]}
+        return prompt_keys.routing_for({"cache-aware"}, 512, None, salted(body, salt))
+
+    first, _ = pool.choose(routing=ask("Why?", "tenant-a"))
+    assert pool.choose(routing=ask("How?", "tenant-a")) == (first, "prefix")
+    for n in range(8):
+        assert pool.choose(routing=ask(f"Question {n}?", f"tenant-{n}"))[1] != "prefix"
+
+
+def test_kv_aware_never_predicts_or_matches_across_salts() -> None:
+    held = Indexed({f"http://p{i}:1" for i in range(2)})
+    pool = kv_pool(2, held)
+    a, _ = pool.instances
+    held.index.apply(a.url, [Stored((1, 2, 3), None, TOKENS[:48], 16, salt="tenant-a")])
+    unsalted = Routing(prompt=b"k", tokens=TOKENS)
+    assert pool.choose(routing=unsalted)[1] == "no_match"
+    assert pool.choose(routing=Routing(prompt=b"k", tokens=TOKENS, salt="tenant-a")) == (
+        a,
+        "kv_match",
+    )
+    fresh = Indexed({f"http://p{i}:1" for i in range(2)})
+    pool = kv_pool(2, fresh)
+    first, _ = pool.choose(routing=Routing(prompt=b"k", tokens=TOKENS, salt="tenant-a"))
+    pool.lease(first)  # its leg in flight: predicted, not yet reported
+    again = Routing(prompt=b"k", tokens=TOKENS, salt="tenant-a")
+    assert pool.choose(routing=again) == (first, "kv_predicted")
+    other = Routing(prompt=b"k", tokens=TOKENS, salt="tenant-b")
+    assert pool.choose(routing=other)[1] == "no_match" and other.matched == {"prefill": 0}

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+from pathlib import Path
+
 import pytest
 from twisted.internet.task import Clock
 
 from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.protocol import salts
 from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.run import startup
 from nixl_twisted.web.tenants import Rule, TenantLimits
 
 
@@ -118,9 +124,12 @@ def test_the_tenant_table_with_priorities_survives_the_workers_json() -> None:
     config = ProxyConfig.create(
         prefill=["http://p:1"],
         decode=["http://d:1"],
-        tenants={"vip": {"priority": -3}, "free": {"requests-per-minute": 2}},
+        tenants={"vip": {"priority": -3, "cache-salt": "v"}, "free": {"requests-per-minute": 2}},
     )
-    assert config.tenants.table == (("free", -1, 2, -1, None, None), ("vip", -1, -1, -1, -3, None))
+    assert config.tenants.table == (
+        ("free", -1, 2, -1, None, None, None),
+        ("vip", -1, -1, -1, -3, None, "v"),
+    )
     assert ProxyConfig.from_json(config.to_json()).tenants == config.tenants
 
 
@@ -170,3 +179,63 @@ def test_why_txredisapi_gave_up_on_a_connection_is_said_in_words(given_up: str, 
     from nixl_twisted.web.redis_link import handshake_failure
 
     assert handshake_failure(given_up) == said
+
+
+# -- a tenant's cache_salt -----------------------------------------------------------
+
+
+def test_a_tenants_cache_salt_is_its_own_else_derived_from_its_name_with_the_secret(
+    tmp_path: Path,
+) -> None:
+    secret = tmp_path / "salt-secret"
+    secret.write_bytes(b"a secret of sixteen bytes or more\n")
+    tenants, _ = limits(tenants={"vip": {"cache-salt": "vip-salt"}})
+    assert tenants.rule("vip").cache_salt == "vip-salt"
+    assert tenants.rule("other").cache_salt is None  # no secret: no salt
+    tenants, _ = limits(
+        tenants={"vip": {"cache-salt": "vip-salt"}}, tenant_salt_secret_file=str(secret)
+    )
+    derived = {name: tenants.rule(name).cache_salt for name in ("a", "b", "vip")}
+    assert derived["vip"] == "vip-salt"
+    expected = hmac.new(b"a secret of sixteen bytes or more", b"a", hashlib.sha256).hexdigest()
+    assert derived["a"] == expected and derived["b"] != expected and len(expected) == 64
+    again, _ = limits(tenant_salt_secret_file=str(secret))  # another process, the same file
+    assert again.rule("a").cache_salt == expected
+
+
+def test_a_salt_secret_that_cannot_be_used_is_refused_at_start_and_kept_on_reload(
+    tmp_path: Path,
+) -> None:
+    short, missing = tmp_path / "short", tmp_path / "missing"
+    short.write_bytes(b"too short\n")
+    for path, said in [(short, "16 to 4096 bytes, not 9"), (missing, "cannot be read")]:
+        config = ProxyConfig.create(
+            prefill=["http://p:1"], decode=["http://d:1"], tenant_salt_secret_file=str(path)
+        )
+        with pytest.raises(SystemExit, match=said):
+            startup.check_salt_secret(config)
+    good = tmp_path / "good"
+    good.write_bytes(b"x" * 32)
+    tenants, _ = limits(tenant_salt_secret_file=str(good))
+    before = tenants.rule("a").cache_salt
+    tenants.configure(
+        ProxyConfig.create(
+            prefill=["http://p:1"], decode=["http://d:1"], tenant_salt_secret_file=str(missing)
+        )
+    )
+    assert before is not None and tenants.rule("a").cache_salt == before
+
+
+@pytest.mark.parametrize("salt", ["", "a/b", "a@b", "s" * 129, 7])
+def test_a_cache_salt_vllm_would_refuse_is_a_config_error(salt: object) -> None:
+    with pytest.raises(ConfigError, match="tenant 'vip': cache-salt must be"):
+        ProxyConfig.create(
+            prefill=["http://p:1"], decode=["http://d:1"], tenants={"vip": {"cache-salt": salt}}
+        )
+
+
+def test_a_tenants_salt_is_combined_with_a_clients_never_replaced_by_it() -> None:
+    assert salts.combined("t", None) == "t"
+    mixed = salts.combined("t", "c")
+    assert len(mixed) == 64 and mixed not in ("t", "c")
+    assert mixed != salts.combined("u", "c") and mixed != salts.combined("t", "d")
