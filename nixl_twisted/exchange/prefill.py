@@ -11,6 +11,7 @@ import enum
 from collections.abc import Callable
 
 from twisted.internet.defer import CancelledError, TimeoutError
+from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.backends.instances import Instance
@@ -24,9 +25,20 @@ from nixl_twisted.exchange.sending import (
     reason_of,
     unreachable,
 )
+from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.handoff import BadHandoff, check_handoff
+
+log = Logger()
+
+#: The ``problem`` of an answer without usable params, by its error code.
+_UNUSABLE = {
+    ErrorCode.MISSING_KV_TRANSFER_PARAMS: "missing",
+    ErrorCode.INVALID_KV_TRANSFER_PARAMS: "not_object",
+}
 
 
 class PrefillVerdict(enum.Enum):
@@ -102,3 +114,43 @@ async def prefill_attempt(
         account(legs.metrics, legs.backends.prefill, instance, "error_status")
         raise PrefillRefused(response, answer) if verdict is PrefillVerdict.REFUSED else failed
     return answer
+
+
+def handed_over(
+    metrics: ProxyMetrics, instance: Instance, answer: bytes, request_id: str
+) -> lowering.JSONObject:
+    """Prefill's ``kv_transfer_params``, checked (``protocol.handoff``) before decode is sent.
+
+    Params decode could not pull with (none, not an object, a key missing or
+    wrong, no blocks) are the instance's failure, not the request's: counted
+    by problem, said in a warning line, and ``Retry`` (another prefill
+    instance, then ``--prefill-fallback``). They never reach decode, which
+    would compute the prompt itself without a word.
+    """
+    try:
+        params = lowering.extract_kv_transfer_params(answer, instance.url)
+        check_handoff(params)
+    except ProxyError as error:
+        problem = _UNUSABLE.get(error.code)
+        if problem is None:
+            raise  # (not JSON: prefill_invalid_response, as before)
+        metrics.missing_kv_transfer_params.inc()
+        said, failed = error.message, error
+    except BadHandoff as bad:
+        problem, said = bad.problem, str(bad)
+        failed = ProxyError(
+            ErrorCode.BAD_HANDOFF,
+            "the prefill instance's kv_transfer_params cannot be pulled from",
+            detail=f"prefill instance {instance.url} handed over bad kv_transfer_params: {said}",
+        )
+    else:
+        return params
+    metrics.child(metrics.bad_handoffs, instance.url, problem).inc()
+    log.warn(
+        "prefill instance {url} handed over kv_transfer_params decode cannot pull with, "
+        "for {request_id}: {said}; another prefill instance is asked",
+        url=instance.url,
+        request_id=request_id,
+        said=said,
+    )
+    raise Retry(failed, "bad_handoff", f"bad kv_transfer_params: {said}")

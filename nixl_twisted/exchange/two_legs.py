@@ -27,7 +27,7 @@ from nixl_twisted.exchange.fair_queue import Ticket
 from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import DecodeRequest, Legs, note_handoff
 from nixl_twisted.exchange.placing import place
-from nixl_twisted.exchange.prefill import prefill_attempt
+from nixl_twisted.exchange.prefill import handed_over, prefill_attempt
 from nixl_twisted.exchange.relay import (
     StreamSilent,
     abandon,
@@ -363,16 +363,8 @@ class Exchange:
         except TimeoutError:
             account(self.metrics, self.backends.prefill, instance, "timeout", "prefill timed out")
             raise timed_out(instance, self.timeouts.prefill) from None
+        params = handed_over(self.metrics, instance, answer, self.request_id)
         account(self.metrics, self.backends.prefill, instance, "answered")
-        try:
-            params = lowering.extract_kv_transfer_params(answer, instance.url)
-        except ProxyError as error:
-            if error.code in (
-                ErrorCode.MISSING_KV_TRANSFER_PARAMS,
-                ErrorCode.INVALID_KV_TRANSFER_PARAMS,
-            ):
-                self.metrics.missing_kv_transfer_params.inc()
-            raise
         self.record.prefill_seconds = self.clock.seconds() - started
         self.metrics.child(self.metrics.prefill_seconds, instance.url).observe(
             self.record.prefill_seconds

@@ -296,6 +296,14 @@ class ProxyMetrics:
             "Prefill answers without usable kv_transfer_params.",
             registry=r,
         )
+        self.bad_handoffs = Counter(
+            "nixlproxy_prefill_bad_handoffs",
+            "Prefill answers whose kv_transfer_params decode could not pull with, by "
+            "instance and problem (missing, not_object, not_remote_prefill, missing_key, "
+            "bad_value, no_blocks); each retried on another prefill instance.",
+            ["instance", "problem"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "nixlproxy_client_disconnects",
             "Clients that left before their answer ended.",

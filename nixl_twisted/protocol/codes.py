@@ -325,6 +325,13 @@ class ErrorCode(enum.Enum):
         _UPSTREAM,
         "prefill's `kv_transfer_params` is not an object",
     )
+    BAD_HANDOFF = (
+        "bad_kv_transfer_params",
+        502,
+        _UPSTREAM,
+        "prefill's `kv_transfer_params` lack what decode needs to pull the prompt's KV "
+        "(every prefill instance tried)",
+    )
     DECODE_STREAM_BROKEN = (
         "decode_stream_broken",
         502,

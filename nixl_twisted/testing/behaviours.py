@@ -7,6 +7,7 @@ A test queues them with ``FakeVLLM.script(...)`` (or the shorthands
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from nixl_twisted.testing.answers import vllm_error
 
@@ -19,6 +20,8 @@ class Behaviour:
     issues_params: bool = True
     #: Cut the answer off: a stream after this many events, a JSON answer halfway.
     cut_after: int | None = None
+    #: Keys of the ``kv_transfer_params`` a prefill leg answers, changed (``None``: left out).
+    spoiled: tuple[tuple[str, object], ...] = ()
 
     def instead(self) -> tuple[int, bytes, bytes] | None:
         """(status, content type, body) to answer instead of generating, or None."""
@@ -51,6 +54,24 @@ class RawAnswer(Behaviour):
 def omit_kv_transfer_params() -> Behaviour:
     """A prefill answer without ``kv_transfer_params``."""
     return Behaviour(issues_params=False)
+
+
+def spoil_kv_transfer_params(**changes: object) -> Behaviour:
+    """A prefill answer whose ``kv_transfer_params`` have these keys changed (None: dropped)."""
+    return Behaviour(spoiled=tuple(changes.items()))
+
+
+def spoiled(params: dict[str, Any], changes: tuple[tuple[str, object], ...]) -> dict[str, Any]:
+    """``params`` with ``changes`` made (a key given None left out), the ledger's kept."""
+    if not changes:
+        return params
+    changed = dict(params)
+    for key, value in changes:
+        if value is None:
+            changed.pop(key, None)
+        else:
+            changed[key] = value
+    return changed
 
 
 def break_off(after_events: int = 1) -> Behaviour:

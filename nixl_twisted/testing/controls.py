@@ -17,6 +17,7 @@ from nixl_twisted.testing.behaviours import (
     RawAnswer,
     break_off,
     omit_kv_transfer_params,
+    spoil_kv_transfer_params,
 )
 
 
@@ -50,6 +51,11 @@ class Controls:
     def omit_kv_transfer_params_next(self) -> None:
         """Answer the next prefill leg without ``kv_transfer_params``."""
         self.script(omit_kv_transfer_params())
+
+    def spoil_kv_transfer_params_next(self, **changes: object) -> None:
+        """Answer the next prefill leg with ``kv_transfer_params`` changed so: a key given
+        None is left out (``remote_block_ids=[]``: no blocks; ``remote_port=None``: none)."""
+        self.script(spoil_kv_transfer_params(**changes))
 
     def answer_next_with(
         self, status: int, body: bytes, content_type: bytes = b"application/json"

@@ -26,7 +26,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.testing import answers, prompt_ids, schema
-from nixl_twisted.testing.behaviours import Behaviour
+from nixl_twisted.testing.behaviours import Behaviour, spoiled
 from nixl_twisted.testing.capacity import QUEUE_FULL, QUEUE_FULL_TYPE, Capacity
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
@@ -334,6 +334,7 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
         if role == "prefill" and behaviour.issues_params:
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
             kv_answer = self.ledger.issue(self.name, request_id, input_tokens, self._kv_port)
+            kv_answer = spoiled(kv_answer, behaviour.spoiled)
         elif role == "decode":
             handed = prompt_ids.take(kv, body, chat or messages_api or responses_api)
             if handed.refusal is not None:

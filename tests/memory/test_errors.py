@@ -230,3 +230,37 @@ def test_garbage_from_prefill_is_502_with_an_error_line_naming_the_request(
     errors = [formatEvent(e) for e in logged if e.get("log_level") == LogLevel.error]
     assert any(request_id in line for line in errors), errors
     assert setup.post("/v1/chat/completions", FULL_CHAT).answer().status == 200  # it serves on
+
+
+def test_a_bad_handoff_is_retried_on_another_prefill_and_never_reaches_decode() -> None:
+    setup = Setup(prefills=2)
+    first, second = setup.prefills
+    first.spoil_kv_transfer_params_next(remote_block_ids=[])
+    answer = setup.post("/v1/completions", {"model": "m", "prompt": "x"}).answer()
+    assert answer.status == 200
+    assert [len(p.requests_for("prefill")) for p in setup.prefills] == [1, 1]
+    (decoded,) = setup.decode.requests_for("decode")
+    assert decoded.body is not None
+    assert decoded.body["kv_transfer_params"]["remote_engine_id"] == second.name
+    m = setup.scrape()
+    problem = (("instance", first.url), ("problem", "no_blocks"))
+    assert m[("nixlproxy_prefill_bad_handoffs_total", problem)] == 1
+    outcome = (("instance", first.url), ("outcome", "bad_handoff"), ("pool", "prefill"))
+    assert m[("nixlproxy_backend_requests_total", outcome)] == 1
+
+
+def test_a_bad_handoff_from_every_prefill_is_502_bad_kv_transfer_params() -> None:
+    setup = Setup()
+    setup.prefill.spoil_kv_transfer_params_next(remote_port=None)
+    answer = setup.post("/v1/completions", {"model": "m", "prompt": "x"}).answer()
+    assert_error(answer, 502, "bad_kv_transfer_params")
+    assert setup.decode.requests == []
+
+
+def test_a_bad_handoff_falls_back_to_decode_alone_when_told() -> None:
+    setup = Setup(prefill_fallback="decode")
+    setup.prefill.spoil_kv_transfer_params_next(do_remote_prefill=False)
+    answer = setup.post("/v1/completions", {"model": "m", "prompt": "x"}).answer()
+    assert answer.status == 200
+    (alone,) = setup.decode.requests
+    assert alone.role == "plain" and not alone.carried_kv_transfer_params

@@ -19,7 +19,8 @@ def test_counters_histograms_and_gauges_move_with_real_requests() -> None:
         setup.post("/v1/chat/completions", FULL_CHAT).answer()
     setup.prefills[0].crash_next(502)  # retried on prefill-1
     assert setup.post("/v1/chat/completions", FULL_CHAT).answer().status == 200
-    setup.prefills[1].omit_kv_transfer_params_next()  # prefill-0 is down now
+    for prefill in setup.prefills:  # (prefill-0 is down now: tried last, a bad handoff too)
+        prefill.omit_kv_transfer_params_next()
     assert setup.post("/v1/chat/completions", FULL_CHAT).answer().status == 502
     setup.post("/v1/completions", b"[]").answer()
 
@@ -51,10 +52,14 @@ def test_counters_histograms_and_gauges_move_with_real_requests() -> None:
 
     assert legs("prefill", p0, "answered") == 1
     assert legs("prefill", p0, "error_status") == 1
-    assert legs("prefill", p1, "answered") == 4
+    assert legs("prefill", p1, "answered") == 3
+    assert legs("prefill", p1, "bad_handoff") == 1
+    assert legs("prefill", p0, "bad_handoff") == 1
     assert legs("decode", decode, "answered") == 4
-    assert value("nixlproxy_retries_total", pool="prefill") == 1
-    assert value("nixlproxy_prefill_missing_kv_transfer_params_total") == 1
+    # The 502's, and the bad handoff's two (the second found no instance left to try).
+    assert value("nixlproxy_retries_total", pool="prefill") == 3
+    assert value("nixlproxy_prefill_missing_kv_transfer_params_total") == 2
+    assert value("nixlproxy_prefill_bad_handoffs_total", instance=p1, problem="missing") == 1
     assert value("nixlproxy_client_disconnects_total", phase="relay") == 1
     # Each leg's latency by the instance that answered with params.
     assert value("nixlproxy_prefill_seconds_count", instance=p0) == 1

@@ -1,0 +1,78 @@
+"""The handoff checked: are prefill's ``kv_transfer_params`` something decode can pull from?
+
+vLLM's NixlConnector on decode pulls the prompt's KV only when the params
+say ``do_remote_prefill`` and carry ``remote_block_ids`` (non-empty) with
+``remote_engine_id``, ``remote_host`` and ``remote_port`` (vLLM 0.32's
+``pull_scheduler``: ``get_num_new_matched_tokens``, ``update_state_after_alloc``).
+Without them it logs "Got invalid KVTransferParams" once and computes the
+whole prompt itself: no error, twice the work. The proxy checks them before
+decode is sent, so that such an answer is a prefill failure instead
+(``docs/protocol.md``, "The handoff checked"). Keys a later vLLM adds pass
+through unchecked; the params are never rebuilt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+JSONObject = dict[str, Any]
+
+#: The keys decode reads to find prefill's blocks, whatever vLLM's version.
+REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+
+#: Why a handoff is refused, in a word: the ``problem`` label of
+#: ``nixlproxy_prefill_bad_handoffs_total``.
+PROBLEMS = ("not_remote_prefill", "missing_key", "bad_value", "no_blocks")
+
+
+class BadHandoff(ValueError):
+    """Prefill's params would make decode compute the prompt itself; ``problem``: which way."""
+
+    def __init__(self, problem: str, said: str) -> None:
+        super().__init__(said)
+        self.problem = problem
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _block_ids(value: object) -> list[object] | None:
+    """Every block id, flat (vLLM sends one list per KV-cache group); None: not lists of ids."""
+    if not isinstance(value, list):
+        return None
+    groups = value if value and all(isinstance(g, list) for g in value) else [value]
+    flat = [block for group in groups for block in group]
+    return flat if all(_whole(block) for block in flat) else None
+
+
+def check_handoff(params: JSONObject) -> None:
+    """Raise ``BadHandoff`` unless decode can pull the prompt's KV with ``params``.
+
+    Empty ``remote_block_ids`` pass only when ``remote_num_tokens`` says 0
+    tokens were computed: vLLM allocates a block for any prompt, even one
+    token, so a prompt with tokens and no blocks was not prefilled.
+    """
+    if params.get("do_remote_prefill") is not True:
+        raise BadHandoff("not_remote_prefill", "do_remote_prefill is not true")
+    for key in REQUIRED:
+        if params.get(key) is None:
+            raise BadHandoff("missing_key", f"{key} is missing")
+    host, port, engine = params["remote_host"], params["remote_port"], params["remote_engine_id"]
+    if not isinstance(host, str) or not host:
+        raise BadHandoff("bad_value", f"remote_host is {host!r}, not a host name")
+    if not _whole(port) or not 0 < port < 65536:
+        raise BadHandoff("bad_value", f"remote_port is {port!r}, not a port")
+    if not isinstance(engine, str) or not engine:
+        raise BadHandoff("bad_value", f"remote_engine_id is {engine!r}, not an id")
+    request_id = params.get("remote_request_id")
+    if request_id is not None and (not isinstance(request_id, str) or not request_id):
+        raise BadHandoff("bad_value", f"remote_request_id is {request_id!r}, not an id")
+    tp_size = params.get("tp_size")
+    if tp_size is not None and (not _whole(tp_size) or tp_size < 1):
+        raise BadHandoff("bad_value", f"tp_size is {tp_size!r}, not a size")
+    blocks = _block_ids(params["remote_block_ids"])
+    if blocks is None:
+        raise BadHandoff("bad_value", "remote_block_ids is not a list of block ids")
+    if not blocks and params.get("remote_num_tokens") != 0:
+        raise BadHandoff("no_blocks", "remote_block_ids is empty for a prompt that has tokens")
