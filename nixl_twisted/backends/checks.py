@@ -2,8 +2,9 @@
 
 ``GET /health`` on every instance of both pools (the first round as the
 service starts: until it answers, the proxy is not ready), then what it
-serves (``GET /v1/models``, under a timeout of its own) and, for a pool
-whose policy or rules read it, vLLM's load (``GET /metrics``). The checks
+serves (``GET /v1/models``, under a timeout of its own) and vLLM's own
+counters (``GET /metrics``): its load, for a pool whose policy or rules read
+it, and every instance's KV transfers (``backends.recompute``). The checks
 have an HTTP client of their own, whose one connection per instance
 outlives the interval, so that a check does not open a connection each
 time. In a ``--workers`` worker none run: the supervisor checks for all.
@@ -26,6 +27,7 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.load import vllm_load
 from nixl_twisted.backends.models import read_models, said_models
 from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.backends.recompute import Transfers
 from nixl_twisted.backends.upstream import Upstream, read_body
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
@@ -56,6 +58,8 @@ class HealthChecks(Service):
         self._loop: LoopingCall | None = None
         self._probes: set[Deferred[None]] = set()
         self._first_round = Happened()
+        #: What decode computed itself of the P/D legs' prompts, and the NIXL failures.
+        self.transfers = Transfers()
         self.configure(config)
 
     def configure(self, config: ProxyConfig) -> None:
@@ -95,6 +99,7 @@ class HealthChecks(Service):
 
     def check_health(self) -> Deferred[Any]:
         """``GET /health`` on every instance; never fails (the loop must not die)."""
+        self.transfers.keep(instance for pool in self.pools for instance in pool.instances)
         checks = [
             self._check(pool, instance) for pool in self.pools for instance in list(pool.instances)
         ]
@@ -124,8 +129,7 @@ class HealthChecks(Service):
             await read_body(response)
             if response.code != 200:
                 raise RuntimeError(f"GET /health answered HTTP {response.code}")
-            if pool.reads_load:
-                await self._scrape(pool, instance)
+            await self._scrape(pool, instance)
 
         checking = ensureDeferred(probe()).addTimeout(self.timeout, self.clock)
         self._probes.add(checking)
@@ -194,16 +198,23 @@ class HealthChecks(Service):
             pool.load_changed(instance)
 
     async def _scrape(self, pool: BackendPool, instance: Instance) -> None:
-        """vLLM's own load from its ``/metrics``; unreadable: the policy falls back, no mark."""
+        """vLLM's own load and KV transfers from its ``/metrics``; unreadable: the policy
+        falls back, the transfers are not judged, no mark."""
         ours = instance.in_flight
         try:
             response = await self.client.get(instance.base + "/metrics", Headers())
             text = (await read_body(response)).decode("utf-8", "replace")
         except Exception as error:
-            instance.load = {}
-            log.debug("no load from {url}: {error}", url=instance.url, error=str(error))
+            if pool.reads_load:
+                instance.load = {}
+            log.debug("no metrics from {url}: {error}", url=instance.url, error=str(error))
             return
-        instance.load = vllm_load(text) if response.code == 200 else {}
-        if instance.load:
-            instance.load["ours"] = float(ours)
-        pool.load_changed(instance)
+        shown = response.code == 200 and self.transfers.scraped(
+            instance, text, self.clock.seconds()
+        )
+        if pool.reads_load:
+            instance.load = vllm_load(text) if response.code == 200 else {}
+            if instance.load:
+                instance.load["ours"] = float(ours)
+        if pool.reads_load or shown:
+            pool.load_changed(instance)

@@ -57,6 +57,8 @@ class Judged(Protocol):
     last_error: str | None
     load: dict[str, float]
     models: dict[str, dict[str, Any]] | None
+    recompute: float | None
+    recompute_episodes: int
 
 
 def failed(instance: Judged, reason: str, thresholds: Thresholds, now: float) -> bool:
@@ -100,6 +102,7 @@ def adopt(instance: Judged, health: dict[str, Any]) -> bool:
     instance.retry_at = float(health["retry_at"])
     instance.last_error = health["last_error"]
     instance.load = dict(health.get("load") or {})
+    instance.recompute, instance.recompute_episodes = health.get("recompute") or (None, 0)
     models = health.get("models")
     instance.models = None if models is None else dict(models)
     return was is not instance.state

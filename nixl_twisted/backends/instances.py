@@ -55,6 +55,13 @@ class Instance:
     #: It joined lately (added, discovered, up again): until then it takes the cache
     #: policies' misses (``backends.warm_up``).
     warm_until: float = 0.0
+    #: Prompt tokens of the decode-only legs this process sent it (computed there on
+    #: purpose), estimated; what ``backends.recompute`` takes off decode's local compute.
+    alone_tokens: float = 0.0
+    #: The share of P/D legs' prompt tokens it computed itself over the last window
+    #: (``backends.recompute``; None: not judged yet), and the episodes so far.
+    recompute: float | None = None
+    recompute_episodes: int = 0
 
     def serves(self, model: str) -> bool:
         """Whether a request for ``model`` may go here (``nixl_twisted.backends.models``):
@@ -135,6 +142,7 @@ class Instance:
             "last_error": self.last_error,
             "load": self.load,
             "models": self.models,
+            "recompute": [self.recompute, self.recompute_episodes],
         }
 
 

@@ -381,6 +381,9 @@ class Exchange:
     ) -> IResponse:
         self._leg = leg
         self._decode_sent = self.clock.seconds()
+        if self.decision.mode is Mode.DECODE_ONLY:  # (computed there on purpose: not an alarm)
+            token_ids = self.completion.token_ids
+            instance.alone_tokens += len(token_ids) if token_ids else self.completion.estimate or 0
         response = await self.legs.decode_attempt(
             instance, leg, completed, self.record, self._track
         )

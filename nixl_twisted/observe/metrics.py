@@ -124,6 +124,18 @@ class _InstanceHealth(Collector):
             "max-in-flight, or this worker's share of it).",
             labels=["pool", "instance"],
         )
+        recompute = GaugeMetricFamily(
+            "nixlproxy_decode_recompute_ratio",
+            "The share of the prompt tokens of P/D legs each decode instance computed itself "
+            "over the last 60 s (its vLLM's counters): near 0 when the KV handoff works.",
+            labels=["instance"],
+        )
+        episodes = CounterMetricFamily(
+            "nixlproxy_decode_recompute_episodes",
+            "Episodes of a decode instance computing half or more of the P/D legs' prompt "
+            "tokens itself (each one warning line).",
+            labels=["instance"],
+        )
         queued = GaugeMetricFamily(
             "nixlproxy_queued",
             "Requests waiting in the proxy's queue for their slots, by model, tenant and "
@@ -159,6 +171,9 @@ class _InstanceHealth(Collector):
                 for kind, value in instance.load.items():
                     if kind != "ours":
                         load.add_metric([*labels, kind], value)
+                if instance.recompute is not None:
+                    recompute.add_metric([instance.url], instance.recompute)
+                    episodes.add_metric([instance.url], float(instance.recompute_episodes))
         yield healthy
         yield in_flight
         yield load
@@ -170,6 +185,8 @@ class _InstanceHealth(Collector):
         yield errors
         yield caps
         yield queued
+        yield recompute
+        yield episodes
 
 
 class MetricsResource(Resource):

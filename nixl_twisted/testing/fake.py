@@ -35,6 +35,7 @@ from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_tokens
 from nixl_twisted.testing.routes import OtherRoutes
 from nixl_twisted.testing.site import FakeSite, cut_off, netloc
+from nixl_twisted.testing.transfers import PromptSources
 
 JSONObject = dict[str, Any]
 
@@ -182,6 +183,11 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
     render_status: int = 200
     #: The status ``GET /kv_event_sources`` answers (its publisher, when 200).
     kv_sources_status: int = 200
+    #: A decode leg ignores its ``kv_transfer_params`` and computes the prompt itself,
+    #: counted as ``local_compute`` and answered as usual: vLLM when the handoff fails.
+    recompute_silently: bool = False
+    #: Its prompt tokens by source and NIXL failures, as ``/metrics`` says them.
+    sources: PromptSources = field(default_factory=PromptSources)
 
     #: Every fake's routes, made once (werkzeug compiles each rule, which takes
     #: longer than a test in memory); Klein binds them to each fake.
@@ -326,6 +332,8 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
             with self._step() as step:
                 salt = body.get("cache_salt")
                 cached, _ = self.cache.compute(tokens, salt if isinstance(salt, str) else None)
+            self.sources.local_cache_hit += cached
+            self.sources.local_compute += len(tokens) - cached
             try:
                 await self._compute(len(tokens) - cached)
             finally:
@@ -335,6 +343,9 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
             kv_answer = self.ledger.issue(self.name, request_id, input_tokens, self._kv_port)
             kv_answer = spoiled(kv_answer, behaviour.spoiled)
+        elif role == "decode" and self.recompute_silently:
+            self.sources.local_compute += len(tokens)
+            await self._compute(len(tokens))
         elif role == "decode":
             handed = prompt_ids.take(kv, body, chat or messages_api or responses_api)
             if handed.refusal is not None:
@@ -347,6 +358,7 @@ class FakeVLLM(Capacity, Controls, EngineTime, KvEventsMixin, OtherRoutes):
             if problem is not None:
                 request.setResponseCode(500)
                 return answers.vllm_error(500, f"KV load failed: {problem}")
+            self.sources.external_kv_transfer += len(tokens)
             cached = int(kv.get("remote_prefill_cached_tokens", 0)) if isinstance(kv, dict) else 0
             await self._pull_kv(len(tokens))
 

@@ -16,6 +16,7 @@ from twisted.web.server import Request
 
 from nixl_twisted.testing import answers
 from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_tokens
+from nixl_twisted.testing.transfers import PromptSources
 
 JSONObject = dict[str, Any]
 
@@ -35,6 +36,7 @@ class OtherRoutes:
     waiting: int
     render_status: int
     cache: PrefixCache
+    sources: PromptSources
     generations: int
     responses: dict[str, JSONObject]
 
@@ -61,7 +63,8 @@ class OtherRoutes:
 
     def _metrics(self, request: Request) -> bytes:
         """vLLM's own gauges and prefix-cache counters, as its ``/metrics`` names them."""
-        labels = f'{{engine="0",model_name="{self.model}"}}'
+        inside = f'engine="0",model_name="{self.model}"'
+        labels = f"{{{inside}}}"
         values = {
             "vllm:num_requests_running": self.running,
             "vllm:num_requests_waiting": self.waiting,
@@ -73,7 +76,8 @@ class OtherRoutes:
         }
         request.setResponseCode(self.metrics_status)
         request.setHeader(b"Content-Type", b"text/plain; version=0.0.4")
-        return "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items()).encode()
+        gauges = "".join(f"{name}{labels} {float(v)}\n" for name, v in values.items())
+        return (gauges + self.sources.exposition(inside)).encode()
 
     def _models(self, request: Request) -> bytes | Deferred[bytes]:
         """A client's request the proxy relayed (it has a request id) is recorded; the
