@@ -38,10 +38,11 @@ LEAST_TOKENS = 1024
 #: ``vllm:prompt_tokens_by_source_total``'s sources, summed over engines.
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 _BY_SOURCE = "vllm:prompt_tokens_by_source_total"
-#: vLLM's NIXL failure counters (prefill's and decode's), by the name the warning gives them.
+#: vLLM's NIXL failure counters, by the name the warning gives them: transfers that
+#: failed (handshakes and notifications included), and KV leases that expired before
+#: decode pulled (counted on the prefill instance).
 FAILURES = {
     "vllm:nixl_num_failed_transfers_total": "failed_transfers",
-    "vllm:nixl_num_failed_notifications_total": "failed_notifications",
     "vllm:nixl_num_kv_expired_reqs_total": "expired_leases",
 }
 
@@ -133,23 +134,35 @@ class Watch:
 
 
 def likely_causes(decode: Mapping[str, float], prefills: Iterable[tuple[str, Share]]) -> str:
-    """The warning's causes: first those vLLM's own counters point to, then the silent ones."""
+    """The warning's causes: first those vLLM's own counters point to, then the silent ones.
+
+    ``decode``: decode's failures in the window; ``prefills``: each prefill instance's share.
+    """
+    prefilled = list(prefills)
     said: list[str] = []
-    if decode.get("expired_leases"):
+    expired = [(url, s.failures.get("expired_leases", 0)) for url, s in prefilled]
+    expired = [(url, count) for url, count in expired if count]
+    if expired:
+        on = ", ".join(f"{url} {count:g}" for url, count in expired)
         said.append(
-            f"KV leases expired before decode pulled them ({decode['expired_leases']:g} on "
-            "decode: a handoff gap past VLLM_NIXL_ABORT_REQUEST_TIMEOUT)"
+            f"KV leases that expired on prefill before decode pulled them ({on}: a decode "
+            "that never pulled, or pulled past VLLM_NIXL_ABORT_REQUEST_TIMEOUT)"
         )
-    failing = [f"{url} {sum(s.failures.values()):g}" for url, s in prefills if s.failures]
-    if decode.get("failed_transfers") or decode.get("failed_notifications") or failing:
-        on = [f"decode {decode.get('failed_transfers', 0):g}", *failing]
-        said.append(f"NIXL transfers that failed ({', '.join(on)})")
+    failed = [("decode", decode.get("failed_transfers", 0))]
+    failed += [(url, s.failures.get("failed_transfers", 0)) for url, s in prefilled]
+    failed = [(where, count) for where, count in failed if count]
+    if failed:
+        on = ", ".join(f"{where} {count:g}" for where, count in failed)
+        said.append(f"NIXL transfers or handshakes that failed ({on})")
     said.append(
         "a NIXL handshake that fails: a prefill's side channel (remote_host:remote_port of "
         "its kv_transfer_params, VLLM_NIXL_SIDE_CHANNEL_HOST/PORT) unreachable from decode, "
         "or prefill and decode on NIXL versions that do not match"
     )
-    said.append("kv_transfer_params decode could not use (its log: 'invalid KVTransferParams')")
+    said.append(
+        "kv_transfer_params decode does not pull with (do_remote_prefill dropped on the way, "
+        "its log: 'invalid KVTransferParams')"
+    )
     return "; ".join(said)
 
 

@@ -148,7 +148,7 @@ def handed_over(
     metrics.child(metrics.bad_handoffs, instance.url, problem).inc()
     log.warn(
         "prefill instance {url} handed over kv_transfer_params decode cannot pull with, "
-        "for {request_id}: {said}; another prefill instance is asked",
+        "for {request_id}: {said}; not sent to decode (another prefill instance, if any)",
         url=instance.url,
         request_id=request_id,
         said=said,

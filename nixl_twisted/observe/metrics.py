@@ -245,7 +245,7 @@ class ProxyMetrics:
         self.backend_requests = Counter(
             "nixlproxy_backend_requests",
             "Legs sent to each backend instance, by outcome "
-            "(answered, error_status, unreachable, timeout).",
+            "(answered, error_status, unreachable, timeout, bad_handoff).",
             ["pool", "instance", "outcome"],
             registry=r,
         )

@@ -3,7 +3,7 @@
 vLLM counts every prompt token by source: computed here (``local_compute``),
 pulled from a prefill (``external_kv_transfer``) or found in its own prefix
 cache (``local_cache_hit``); and its NIXL connector counts the transfers that
-failed and the KV leases that expired. A decode told to recompute silently
+failed and (on prefill) the KV leases that expired. A decode told to recompute silently
 (``FakeVLLM.recompute_silently``) counts its P/D legs' prompts as
 ``local_compute``, as vLLM does when the handoff fails on its side.
 """
@@ -21,7 +21,6 @@ class PromptSources:
     external_kv_transfer: int = 0
     local_cache_hit: int = 0
     failed_transfers: int = 0
-    failed_notifications: int = 0
     expired_leases: int = 0
 
     def exposition(self, labels: str) -> str:
@@ -33,7 +32,6 @@ class PromptSources:
         ]
         failures = {
             "vllm:nixl_num_failed_transfers_total": self.failed_transfers,
-            "vllm:nixl_num_failed_notifications_total": self.failed_notifications,
             "vllm:nixl_num_kv_expired_reqs_total": self.expired_leases,
         }
         lines += [f"{name}{{{labels}}} {float(value)}\n" for name, value in failures.items()]

@@ -39,14 +39,14 @@ def test_decode_recomputing_p_d_legs_is_said_once_per_episode(
     setup = Setup(health_interval=INTERVAL)
     setup.settle(setup.proxy.service.checks.first_round())
     setup.decode.recompute_silently = True
-    setup.prefill.sources.failed_transfers = 0
     for _ in range(3):
         assert setup.post("/v1/completions", LONG).answer().status == 200
-    setup.decode.sources.expired_leases += 2
+    setup.prefill.sources.expired_leases += 2  # (vLLM counts them on prefill)
     rounds(setup, 2)
     (said,) = warnings(logged)
     assert said.startswith(f"decode instance {setup.decode.url} computed 100% of the prompt")
-    assert "Likely causes: KV leases expired before decode pulled them (2 on decode" in said
+    assert "Likely causes: KV leases that expired on prefill before decode pulled them" in said
+    assert f"({setup.prefill.url} 2: a decode that never pulled" in said
     assert "side channel" in said
     assert ratio(setup) == 1.0
     episodes = ("nixlproxy_decode_recompute_episodes_total", (("instance", setup.decode.url),))

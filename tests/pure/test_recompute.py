@@ -34,7 +34,6 @@ def test_the_sources_and_failures_are_read_and_summed_over_engines() -> None:
         "local_cache_hit": 7000000.0,
         "external_kv_transfer": 1121977.0,
         "failed_transfers": 3.0,
-        "failed_notifications": 0.0,
         "expired_leases": 1.0,
     }
     assert transfer_counters("garbage\nvllm:prompt_tokens_by_source_total{x} y\n") == {}
@@ -73,9 +72,14 @@ def test_the_causes_put_what_the_counters_show_first() -> None:
     quiet = likely_causes({}, [])
     assert quiet.startswith("a NIXL handshake that fails")
     said = likely_causes(
-        {"expired_leases": 2, "failed_transfers": 4},
-        [("http://p1", Share(0, 0, {"failed_transfers": 3})), ("http://p2", Share(0, 0, {}))],
+        {"failed_transfers": 4},
+        [
+            ("http://p1", Share(0, 0, {"failed_transfers": 3, "expired_leases": 2})),
+            ("http://p2", Share(0, 0, {})),
+        ],
     )
-    assert said.startswith("KV leases expired before decode pulled them (2 on decode")
-    assert "NIXL transfers that failed (decode 4, http://p1 3)" in said
+    assert said.startswith(
+        "KV leases that expired on prefill before decode pulled them (http://p1 2"
+    )
+    assert "NIXL transfers or handshakes that failed (decode 4, http://p1 3)" in said
     assert "http://p2" not in said
