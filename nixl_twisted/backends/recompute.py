@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from twisted.logger import Logger
 
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.load import summed
 
 log = Logger()
 
@@ -49,21 +50,13 @@ FAILURES = {
 
 def transfer_counters(exposition: str) -> dict[str, float]:
     """The prompt tokens by source and the NIXL failures in vLLM's ``/metrics`` text."""
-    counters: dict[str, float] = {}
-    for line in exposition.splitlines():
-        name, _, rest = line.partition("{")
-        key: str | None = FAILURES.get(name)
-        if name == _BY_SOURCE:
-            _, _, after = rest.partition('source="')
-            key = after.partition('"')[0] or None
-        if key is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        counters[key] = counters.get(key, 0.0) + value
-    return counters
+    return summed(exposition, _transfer_key)
+
+
+def _transfer_key(name: str, labels: str) -> str | None:
+    if name == _BY_SOURCE:
+        return labels.partition('source="')[2].partition('"')[0] or None
+    return FAILURES.get(name)
 
 
 @dataclass(frozen=True)
