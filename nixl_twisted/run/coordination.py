@@ -15,6 +15,8 @@ worker to its file descriptor 3::
                           {"sources": [...], "errors": [...]}     the sources' states, failures
     worker -> supervisor  {"outcome": {"pool", "url", "failure"}} a leg's outcome
                           {"change": {...}, "id": N}              an admin API change
+                          {"alone": {URL: tokens}}                decode-only prompt tokens
+                                                                  sent since, each second
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Protocol as WireProtocol
 from twisted.internet.stdio import StandardIO
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -151,6 +154,12 @@ class Coordinator:
     def received(self, origin: Peer, message: Message) -> None:
         if "outcome" in message:
             self._judge(message["outcome"])
+        elif "alone" in message:
+            # (The health loop runs here: decode computed these prompts on purpose.)
+            for url, tokens in dict(message["alone"]).items():
+                instance = self.backends.decode.find(str(url))
+                if instance is not None:
+                    instance.alone_tokens += float(tokens)
         elif "change" in message:
             change = message["change"]
             _apply(self.backends, change, "supervisor")
@@ -218,12 +227,16 @@ class SupervisorLink(Service):
         self._next_id = 0
         #: What the supervisor's discovery last said of its sources (``discovery.report``).
         self.told = Told()
+        self._telling: LoopingCall | None = None
 
     def startService(self) -> None:
         super().startService()
         for pool in self.backends.pools():
             pool.report = self.report
         self._reactor.callWhenRunning(self._connect)
+        self._telling = LoopingCall(self.tell_alone)
+        self._telling.clock = self._reactor
+        self._telling.start(1.0, now=False)
 
     def _connect(self) -> None:
         self._wire = _Wire(self)
@@ -239,6 +252,16 @@ class SupervisorLink(Service):
     def report(self, role: str, url: str, failure: str | None) -> None:
         """A leg's outcome, for the supervisor to judge."""
         self._send({"outcome": {"pool": role, "url": url, "failure": failure}})
+
+    def tell_alone(self) -> None:
+        """The decode-only prompt tokens this worker sent each decode instance since it last
+        said (``backends.recompute`` judges in the supervisor)."""
+        alone = {}
+        for instance in self.backends.decode.instances:
+            if instance.alone_tokens:
+                alone[instance.url], instance.alone_tokens = instance.alone_tokens, 0.0
+        if alone:
+            self._send({"alone": alone})
 
     def publish(self, change: dict[str, str]) -> Deferred[None]:
         """An admin API change made here; fires once every worker has it."""
@@ -290,5 +313,7 @@ class SupervisorLink(Service):
 
     def stopService(self) -> None:
         super().stopService()
+        if self._telling is not None and self._telling.running:
+            self._telling.stop()
         for pool in self.backends.pools():
             pool.report = None

@@ -171,3 +171,22 @@ def test_a_worker_applies_what_the_supervisor_discovered_and_shows_its_sources()
     errors = [{"pool": "decode", "source": "dns", "errors": 2}]
     link.received({"sources": status, "errors": errors})
     assert (link.told.sources(), link.told.errors()) == (status, errors)
+
+
+def test_decode_only_tokens_sent_by_the_workers_reach_the_supervisors_health_loop() -> None:
+    coordinator, first, _ = supervisor()
+    worker = backends()
+    link = SupervisorLink(None, worker, lambda config: None)
+    sent: list[dict[str, Any]] = []
+    link._send = sent.append  # type: ignore[method-assign,assignment]
+    link.tell_alone()
+    assert sent == []  # nothing sent alone: nothing said
+    (decode,) = worker.decode.instances
+    decode.alone_tokens = 1500.0
+    link.tell_alone()
+    link.tell_alone()
+    assert sent == [{"alone": {D1: 1500.0}}]  # once, then from zero again
+    for message in (sent[0], {"alone": {D1: 500.0, "http://gone:1": 9.0}}):
+        coordinator.received(first, message)
+    (judged,) = coordinator.backends.decode.instances
+    assert judged.alone_tokens == 2000.0
