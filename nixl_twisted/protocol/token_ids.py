@@ -37,11 +37,28 @@ _MEDIA_KEYS = frozenset(
 )
 
 
+#: A message's fields whose ``{"type": "prompt_embeds"}`` vLLM 0.34 also renders itself.
+_REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+def _embedded_reasoning(message: dict[str, Any]) -> bool:
+    """The message's reasoning is prompt embeddings (vLLM 0.34 renders it, ignoring ids)."""
+    for field in _REASONING_FIELDS:
+        reasoning = message.get(field)
+        if isinstance(reasoning, dict) and reasoning.get("type") == "prompt_embeds":
+            return True
+    return False
+
+
 def text_only(messages: object) -> bool:
-    """No message has a part vLLM renders as media (``has_non_text_content``, negated)."""
+    """No message has a part vLLM renders as media, nor reasoning given as prompt
+    embeddings (``has_non_text_content``, negated: ``renderers/chat_utils.py`` in vLLM
+    0.32, ``renderers/chat_utils/chat_message.py`` in 0.34, which added the reasoning)."""
     if not isinstance(messages, list):
         return True
     for message in messages:
+        if isinstance(message, dict) and _embedded_reasoning(message):
+            return False
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list):
             continue

@@ -1,4 +1,4 @@
-"""The prompt's token ids as vLLM 0.32 returns them and takes them back on decode.
+"""The prompt's token ids as vLLM 0.32-0.34 returns them and takes them back on decode.
 
 Asked ``return_token_ids: true``, a chat completion answers the prompt's ids
 in ``prompt_token_ids`` (a stream: in its first chunk), a text completion
@@ -6,8 +6,9 @@ in each choice's. A decode leg whose ``kv_transfer_params`` carry
 ``prompt_token_ids`` has them popped before the engine sees the params,
 checked (400 for anything but a non-empty list of non-negative integers)
 and fed to the engine instead of the rendered prompt, unless the request
-must be rendered (``echo``, content that is not text: then they are
-ignored). The fake's own rules, written apart from the proxy's.
+must be rendered (``echo``, content that is not text, or, since 0.34, a
+message's reasoning given as prompt embeddings: then they are ignored).
+The fake's own rules, written apart from the proxy's.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def asked(body: JSONObject) -> bool:
 
 def _media(messages: object) -> bool:
     for message in messages if isinstance(messages, list) else ():
+        if isinstance(message, dict) and any(
+            isinstance(message.get(field), dict) and message[field].get("type") == "prompt_embeds"
+            for field in ("reasoning", "reasoning_content")
+        ):
+            return True
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else ():
             if isinstance(part, dict) and (

@@ -62,7 +62,10 @@ def test_decode_takes_the_handed_ids_and_redeems_the_params_without_them() -> No
 def test_decode_ignores_the_ids_where_it_must_render_the_messages() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:,"}}
     media = {"model": "m", "messages": [{"role": "user", "content": [image]}]}
-    for body in (dict(CHAT, echo=True), media):
+    # vLLM 0.34 also renders a message whose reasoning is prompt embeddings:
+    embedded = {"role": "assistant", "content": "ok", "reasoning": {"type": "prompt_embeds"}}
+    reasoning = {"model": "m", "messages": [embedded]}
+    for body in (dict(CHAT, echo=True), media, reasoning):
         _, decode, to_prefill, to_decode = pair()
         status, _ = handoff(to_prefill, to_decode, body, [1, 2, 3])
         assert (status, decode.token_ids_reused) == (200, 0)

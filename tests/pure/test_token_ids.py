@@ -29,6 +29,12 @@ def test_decode_uses_the_ids_of_a_text_chat_only() -> None:
     assert not used_by_decode(routes.CHAT_COMPLETIONS, part(type="text", input_audio={}))
     assert not used_by_decode(routes.CHAT_COMPLETIONS, part(type="file"))
     assert not used_by_decode(routes.CHAT_COMPLETIONS, part(type=3))
+    # vLLM 0.34 (``has_non_text_content``) also renders reasoning given as embeddings:
+    for field in ("reasoning", "reasoning_content"):
+        embedded = {"role": "assistant", "content": "ok", field: {"type": "prompt_embeds"}}
+        assert not used_by_decode(routes.CHAT_COMPLETIONS, dict(CHAT, messages=[embedded]))
+        as_text = dict(embedded, **{field: "thought about it"})
+        assert used_by_decode(routes.CHAT_COMPLETIONS, dict(CHAT, messages=[as_text]))
     # Routes whose prefill answers none, or whose decode never looks:
     for path in (routes.COMPLETIONS, routes.RESPONSES, routes.MESSAGES):
         assert not used_by_decode(path, CHAT)
