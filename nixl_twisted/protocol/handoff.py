@@ -2,7 +2,7 @@
 
 vLLM's NixlConnector on decode pulls the prompt's KV only when the params
 say ``do_remote_prefill`` and carry ``remote_block_ids`` (non-empty) with
-``remote_engine_id``, ``remote_host`` and ``remote_port`` (vLLM 0.32's
+``remote_engine_id``, ``remote_host`` and ``remote_port`` (vLLM 0.32 to 0.34's
 ``pull_scheduler``: ``get_num_new_matched_tokens``, ``update_state_after_alloc``).
 Without them it logs "Got invalid KVTransferParams" once and computes the
 whole prompt itself: no error, twice the work. The proxy checks them before

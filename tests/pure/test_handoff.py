@@ -27,6 +27,28 @@ REAL = {
 }
 
 
+#: What vLLM 0.34's prefill answers (``nixl/pull_scheduler.py``,
+#: ``NixlPullConnectorScheduler.request_finished``): one block list per KV-cache group
+#: (``connector.py``'s ``request_finished`` wraps a single group's list), the lease's
+#: ``remote_blocks_expiry_time`` None on prefill, and ``remote_registration_generation``.
+REAL_034 = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[17, 18, 19]],
+    "remote_engine_id": "a4a0c5d6-6f0e-4d77-9a8e-3c1c9d1e2f00",
+    "remote_request_id": "chatcmpl-9f1c2d3e4b5a6978-0-1a2b3c4d",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "tp_size": 2,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 300,
+    "remote_blocks_expiry_time": None,
+    "remote_registration_generation": 3,
+    "transfer_mode": "pull",
+}
+
+
 def changed(**changes: Any) -> dict[str, Any]:
     params = dict(REAL)
     for key, value in changes.items():
@@ -45,6 +67,20 @@ def changed(**changes: Any) -> dict[str, Any]:
         changed(remote_request_id=..., tp_size=...),  # older vLLM: decode does without
         changed(remote_block_ids=[], remote_num_tokens=0),  # nothing computed, said so
         changed(x_future_key={"a": [1]}),
+        REAL_034,
+        # 0.34, a hybrid model: a sliding-window group clipped to its in-window tail
+        # (``base_scheduler.py``, ``get_exchange_clipped_blocks``), one group emptied.
+        dict(REAL_034, remote_block_ids=[[17, 18, 19], [19], []]),
+        # 0.34, nothing to hold (``delay_free_blocks`` false): the unclipped, empty groups.
+        dict(REAL_034, remote_block_ids=[[]], remote_num_tokens=0),
+        dict(REAL_034, remote_block_ids=[[], []], remote_num_tokens=0),
+        # 0.34 push mode (``push_scheduler.py``, ``request_finished``): no lease expiry,
+        # no registration generation, ``transfer_mode: push``.
+        {
+            key: value
+            for key, value in dict(REAL_034, transfer_mode="push").items()
+            if key not in ("remote_blocks_expiry_time", "remote_registration_generation")
+        },
     ],
 )
 def test_params_decode_can_pull_with_pass(params: dict[str, Any]) -> None:
