@@ -245,3 +245,14 @@ def test_the_fakes_cache_hashes_and_publishes_as_vllm_with_lookahead(lookahead: 
     assert cache.compute(PROMPT) == (held, 100)  # the fake's own hits agree
     short = PROMPT[: 64 + lookahead - 1] if lookahead else PROMPT[:63]
     assert cache.compute(short)[0] == index.matched(short, {A})[A] == 48
+
+
+def test_predictions_made_before_any_report_are_keyed_again_with_the_pools_lookahead() -> None:
+    prompt = PROMPT[:96]  # six whole blocks, the last without a token after it
+    index = KvIndex(1000, Clock())
+    index.predict(A, prompt)  # no block size said yet: keyed by the provisional one
+    index.apply(C, decode_batch(batch(stored_by_vllm(PROMPT[:20], 1))))  # the pool: 16, L = 1
+    assert index.predicted(A) == 5
+    assert index.reach(prompt, {A})[A].expected == 80
+    index.apply(A, decode_batch(batch(stored_by_vllm(prompt, 1, hashes_from=50))))
+    assert index.predicted(A) == 0 and index.outcomes(A) == {"confirmed": 5}
