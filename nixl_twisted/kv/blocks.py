@@ -26,6 +26,7 @@ def block_keys(
     lora: str | None = None,
     parent: int | None = None,
     salt: str | None = None,
+    lookahead: int = 0,
 ) -> list[int]:
     """The key of each whole block of ``tokens``, each chained to the one before it.
 
@@ -36,17 +37,48 @@ def block_keys(
     ``--workers`` worker computes its own, from the same events).
     ``salt``: the prompt's ``cache_salt``, which vLLM hashes into its first
     block only (every later block chains from it), so it enters the root
-    here; it means nothing after a ``parent``.
+    here; it means nothing after a ``parent``. ``lookahead``: the tokens
+    after each block that an instance hashes into it (vLLM 0.34's lookahead
+    hashing, under EAGLE-style speculative decoding): each block is then
+    keyed with its next ``lookahead`` tokens too, and a block without them
+    has no key (vLLM hashes it only once they exist).
     """
-    if parent is not None:
-        key = parent
-    else:
-        key = hash((ROOT, lora)) if salt is None else hash((ROOT, lora, salt))
     packed = _packed(tokens)
     step = block_size * 4
+    ahead = lookahead * 4
+    after = None
+    if ahead:
+        ends = range(step, len(packed) - ahead + 1, step)
+        after = [packed[end : end + ahead] for end in ends]
+    return _chained(_root(lora, parent, salt), packed, step, after)
+
+
+def stored_keys(event: Stored, parent: int | None) -> list[int]:
+    """The key of each block ``event`` stored, after the block keyed ``parent`` (None: the
+    first), with the tokens after each that its instance hashed into it, if any."""
+    looked = event.lookahead_tokens
+    after = tuple(_packed(tokens) for tokens in looked) if looked else None
+    packed = _packed(event.tokens)
+    return _chained(_root(event.lora, parent, event.salt), packed, event.block_size * 4, after)
+
+
+def _root(lora: str | None, parent: int | None, salt: str | None) -> int:
+    if parent is not None:
+        return parent
+    return hash((ROOT, lora)) if salt is None else hash((ROOT, lora, salt))
+
+
+def _chained(key: int, packed: bytes, step: int, after: Sequence[bytes] | None) -> list[int]:
+    """Each whole block of ``packed`` keyed after ``key``; with ``after``, block i's key also
+    holds ``after[i]`` (blocks past the end of ``after`` have no key)."""
     keys = []
-    for start in range(0, len(packed) - step + 1, step):
-        key = hash((key, packed[start : start + step]))
+    if after is None:
+        for start in range(0, len(packed) - step + 1, step):
+            key = hash((key, packed[start : start + step]))
+            keys.append(key)
+        return keys
+    for start, ahead in zip(range(0, len(packed) - step + 1, step), after, strict=False):
+        key = hash((key, packed[start : start + step], ahead))
         keys.append(key)
     return keys
 
@@ -75,6 +107,14 @@ class Stored:
     medium: str | None = None
     #: The ``cache_salt`` hashed into the first block (only ever with no ``parent``).
     salt: str | None = None
+    #: The tokens after each block that its instance hashed into it, one list per hash
+    #: (vLLM 0.34's ``lookahead_token_ids``; empty: no lookahead hashing).
+    lookahead_tokens: tuple[Sequence[int], ...] = ()
+
+    @property
+    def lookahead(self) -> int:
+        """How many tokens after each block its instance hashes into it (0: none)."""
+        return len(self.lookahead_tokens[0]) if self.lookahead_tokens else 0
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 Blocks are named by the proxy's own keys (``blocks.block_keys``), computed
 the same way for the prompts it routes: a prompt's leading keys found
 under an instance are the blocks that instance would not have to compute.
+An instance that hashes each block with the tokens after it (vLLM 0.34's
+lookahead) is matched with keys that hold them too, learned from its events.
 
 ``KvIndex`` keeps, per instance, vLLM's hash of each block to the proxy's
 key, bounded by ``max_blocks`` (the oldest stored going first), and per key
@@ -22,7 +24,7 @@ from typing import Any
 from twisted.internet.interfaces import IReactorTime
 
 from nixl_twisted.backends.holdings import Reach
-from nixl_twisted.kv.blocks import Event, Removed, Stored, block_keys
+from nixl_twisted.kv.blocks import Event, Removed, Stored, block_keys, stored_keys
 from nixl_twisted.kv.predictions import NOTHING, PREDICTED_LIFE, Prediction, Predictions
 
 #: The block size predictions are keyed by while no instance of the pool has said its
@@ -49,6 +51,9 @@ class InstanceBlocks:
         self.media: set[str | None] = set()
         #: The block size its events carry (None until the first ``BlockStored``).
         self.block_size: int | None = None
+        #: The tokens after each block it hashes into it, as its last ``BlockStored`` of
+        #: any block carried them (vLLM 0.34's ``lookahead_token_ids``; 0: none).
+        self.lookahead = 0
         #: Blocks whose parent was unknown (stored before the index listened): not indexed.
         self.orphans = 0
 
@@ -95,6 +100,11 @@ class KvIndex:
         held = self._instances.get(url)
         return held.block_size if held is not None else None
 
+    def lookahead(self, url: str) -> int:
+        """The tokens after each block ``url`` hashes into it, as its events say (0: none)."""
+        held = self._instances.get(url)
+        return held.lookahead if held is not None else 0
+
     def urls(self) -> list[str]:
         return list(self._instances)
 
@@ -119,10 +129,12 @@ class KvIndex:
                 held.orphans += len(event.hashes)
                 return
         held.block_size = event.block_size
+        if event.hashes:  # (an event with no block keyed says nothing of its lookahead)
+            held.lookahead = event.lookahead
         if self._early:
             self._rekey()
         held.media.add(event.medium)
-        keys = block_keys(event.tokens, event.block_size, event.lora, parent, event.salt)
+        keys = stored_keys(event, parent)
         for engine_hash, key in zip(event.hashes, keys, strict=False):
             copy = (engine_hash, event.medium)
             held.chain[engine_hash] = key
@@ -180,14 +192,15 @@ class KvIndex:
         """Each of ``urls`` that holds a leading block of ``tokens`` (under ``cache_salt``
         ``salt``): how many tokens in a row."""
         matched: dict[str, int] = {}
-        by_size: dict[int, list[str]] = {}
+        by_shape: dict[tuple[int, int], list[str]] = {}
         for url in urls:
             size = self.block_size(url)
             if size:
-                by_size.setdefault(size, []).append(url)
-        for size, group in by_size.items():
+                by_shape.setdefault((size, self.lookahead(url)), []).append(url)
+        for (size, ahead), group in by_shape.items():
             alive = set(group)
-            for blocks, key in enumerate(block_keys(tokens, size, lora, salt=salt), 1):
+            keys = block_keys(tokens, size, lora, salt=salt, lookahead=ahead)
+            for blocks, key in enumerate(keys, 1):
                 alive &= self._holders.get(key, {}).keys()
                 if not alive:
                     break
@@ -197,18 +210,19 @@ class KvIndex:
 
     # -- predictions (kv-aware's choices, until the events settle them) -------
 
-    def _size_for(self, url: str) -> int:
-        """The block size to key ``url``'s blocks by: its own, else its pool's, else provisional.
+    def _shape_for(self, url: str) -> tuple[int, int]:
+        """The block size and lookahead to key ``url``'s blocks by: its own, else its pool's,
+        else provisional (no lookahead).
 
         An instance that has not said its block size yet (no ``BlockStored``)
         serves the same model as its pool, so it is keyed as the others are.
         """
-        own = self.block_size(url)
-        if own:
-            return own
-        return next((h.block_size for h in self._instances.values() if h.block_size), None) or (
-            PROVISIONAL_BLOCK
-        )
+        held = self._instances.get(url)
+        if held is None or not held.block_size:
+            held = next((h for h in self._instances.values() if h.block_size), None)
+        if held is None or not held.block_size:
+            return PROVISIONAL_BLOCK, 0
+        return held.block_size, held.lookahead
 
     def reach(
         self,
@@ -224,13 +238,14 @@ class KvIndex:
         if predictions is not None:
             predictions.sweep()
         reach: dict[str, Reach] = {}
-        by_size: dict[int, list[str]] = {}
+        by_shape: dict[tuple[int, int], list[str]] = {}
         for url in urls:
-            by_size.setdefault(self._size_for(url), []).append(url)
-        for size, group in by_size.items():
+            by_shape.setdefault(self._shape_for(url), []).append(url)
+        for (size, ahead), group in by_shape.items():
             confirmed: set[str] = set(group)
             expected: set[str] = set(group)
-            for blocks, key in enumerate(block_keys(tokens, size, lora, salt=salt), 1):
+            keys = block_keys(tokens, size, lora, salt=salt, lookahead=ahead)
+            for blocks, key in enumerate(keys, 1):
                 holders = self._holders.get(key, {})
                 confirmed &= holders.keys()
                 expected = {
@@ -261,7 +276,8 @@ class KvIndex:
         if self.predictions is None:
             return NOTHING
         holders = self._holders
-        keys = block_keys(tokens, self._size_for(url), lora, salt=salt)
+        size, ahead = self._shape_for(url)
+        keys = block_keys(tokens, size, lora, salt=salt, lookahead=ahead)
         new = (k for k in keys if url not in holders.get(k, {}))
         prediction = self.predictions.predict(url, new, expires)
         unsaid = not any(h.block_size for h in self._instances.values())

@@ -5,7 +5,9 @@ msgpack batch]``; the batch is ``[ts, events, data_parallel_rank]``. vLLM
 encodes each event as a map tagged by ``"type"`` (since mid-2026) or, in
 older releases, as an array whose first item is the tag; both are read,
 by field name or position, and fields this proxy does not know are
-ignored. Whatever a publisher sends, a message is either events the
+ignored. From vLLM 0.34 a ``BlockStored`` may end with
+``lookahead_token_ids`` (speculative decoding's lookahead hashing): read
+by name, as every field of a map. Whatever a publisher sends, a message is either events the
 index can apply or a ``BadBatch`` that says why not: a message is at
 most ``MAX_MESSAGE`` bytes (ZeroMQ drops a longer one before Python sees
 it), a hash at most ``MAX_HASH`` bytes, a token id an unsigned 32-bit
@@ -81,14 +83,29 @@ def _hashes(value: Any) -> tuple[Any, ...]:
     return tuple(_block_hash(h) for h in value)
 
 
-def _tokens(value: Any) -> array[int]:
+def _tokens(value: Any, name: str = "token_ids") -> array[int]:
     if not isinstance(value, list):
-        raise BadBatch(f"token_ids is a list, not {type(value).__name__}")
+        raise BadBatch(f"{name} is a list, not {type(value).__name__}")
     try:
         return array("I", value)
     except (TypeError, OverflowError):
         wrong = next((t for t in value if not isinstance(t, int) or not 0 <= t < 2**32), None)
-        raise BadBatch(f"token_ids holds {wrong!r}, not a token id") from None
+        raise BadBatch(f"{name} holds {wrong!r}, not a token id") from None
+
+
+def _lookahead(value: Any, blocks: int) -> tuple[array[int], ...]:
+    """vLLM 0.34's ``lookahead_token_ids``: the tokens after each block hashed into it, one
+    list per block, all as long (absent or None: no lookahead hashing, as before 0.34)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) != blocks:
+        size = len(value) if isinstance(value, list) else type(value).__name__
+        raise BadBatch(f"lookahead_token_ids is one list per block ({blocks}), not {size}")
+    lists = tuple(_tokens(tokens, "lookahead_token_ids") for tokens in value)
+    if lists and (not lists[0] or any(len(tokens) != len(lists[0]) for tokens in lists)):
+        lengths = sorted({len(tokens) for tokens in lists})
+        raise BadBatch(f"lookahead_token_ids of {lengths} tokens, not one length of at least 1")
+    return lists
 
 
 def _medium(value: Any) -> str | None:
@@ -153,6 +170,7 @@ def decode_event(raw: Any) -> Event | None:
             lora = fields.get("lora_name")
             lora = lora if isinstance(lora, str) else None
             keyed, salt = _extra_keys(fields.get("extra_keys"), lora, parent is None, len(hashes))
+            ahead = _lookahead(fields.get("lookahead_token_ids"), len(hashes))
             hashes = hashes[:keyed]
             return Stored(
                 hashes,
@@ -162,6 +180,7 @@ def decode_event(raw: Any) -> Event | None:
                 lora,
                 _medium(fields.get("medium")),
                 salt if hashes else None,
+                ahead[:keyed],
             )
         if tag == "BlockRemoved":
             return Removed(_hashes(fields["block_hashes"]), _medium(fields.get("medium")))
@@ -185,6 +204,7 @@ def _slices(event: Event) -> Iterator[Event]:
                 event.lora,
                 event.medium,
                 event.salt if start == 0 else None,
+                event.lookahead_tokens[start : start + SLICE],
             )
     elif isinstance(event, Removed) and len(event.hashes) > SLICE:
         for start in range(0, len(event.hashes), SLICE):

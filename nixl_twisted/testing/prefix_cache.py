@@ -9,7 +9,10 @@ tokens (``queries``: prompt tokens looked up; ``hits``: of those, cached),
 each block's hash is seeded per instance (two instances never agree on
 one), a request's ``cache_salt`` enters its first block's hash (so salts
 never share blocks) and, when told (``on_events``), the cache reports what it stored and
-evicted as vLLM's KV cache events do.
+evicted as vLLM's KV cache events do. With ``lookahead`` L (vLLM 0.34's
+lookahead hashing, under EAGLE-style speculative decoding) each block's
+hash also covers the L tokens after it, a block is cached only once they
+exist, and ``BlockStored`` carries them (``lookahead_token_ids``).
 """
 
 from __future__ import annotations
@@ -90,13 +93,15 @@ def block_stored(
     tokens: Sequence[int],
     block_size: int,
     salt: str | None = None,
+    lookahead: Sequence[Sequence[int]] | None = None,
 ) -> KvEvent:
     """vLLM's ``BlockStored``: full blocks newly cached, after ``parent`` (None: the first);
-    a first block's ``cache_salt`` is its extra key, as vLLM publishes it."""
+    a first block's ``cache_salt`` is its extra key, as vLLM publishes it; ``lookahead``: the
+    tokens after each block hashed into it (vLLM 0.34's last field, left out when None)."""
     extra: list[list[str] | None] = [None] * len(hashes)
     if salt is not None and parent is None and hashes:
         extra[0] = [salt]
-    return {
+    event: KvEvent = {
         "type": "BlockStored",
         "block_hashes": list(hashes),
         "parent_block_hash": parent,
@@ -109,6 +114,9 @@ def block_stored(
         "group_idx": 0,
         "kv_cache_spec_kind": "full_attention",
     }
+    if lookahead is not None:
+        event["lookahead_token_ids"] = [list(tokens) for tokens in lookahead]
+    return event
 
 
 def block_removed(block_hash: int) -> KvEvent:
@@ -125,7 +133,8 @@ class PrefixCache:
     """One instance's prefix cache: ``capacity`` blocks of ``block_tokens`` tokens, LRU.
 
     ``seed`` keys the block hashes (random unless given, as vLLM seeds them
-    per process); ``on_events`` is called with each change's KV cache events.
+    per process); ``on_events`` is called with each change's KV cache events;
+    ``lookahead``: the tokens after each block its hash covers (0: none).
     """
 
     def __init__(
@@ -134,8 +143,10 @@ class PrefixCache:
         capacity: int = 4096,
         seed: bytes | None = None,
         on_events: Callable[[list[KvEvent]], object] | None = None,
+        lookahead: int = 0,
     ) -> None:
         self.block_tokens = block_tokens
+        self.lookahead = lookahead
         self.capacity = capacity
         self.seed = os.urandom(16) if seed is None else seed
         self.on_events = on_events
@@ -154,14 +165,19 @@ class PrefixCache:
         return block_hash in self._blocks
 
     def block_hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[int]:
-        """The hash of each full block of ``tokens``, each covering its parent's hash (the first
-        covering ``salt``): 64 bits."""
-        size = self.block_tokens
+        """The hash of each full block of ``tokens`` followed by its ``lookahead`` tokens, each
+        covering its parent's hash (the first covering ``salt``) and those tokens: 64 bits."""
+        size, ahead = self.block_tokens, self.lookahead
         parent = b"" if salt is None else b"salt\0" + salt.encode("utf-8", "surrogatepass")
         hashes = []
-        for start in range(0, len(tokens) - size + 1, size):
+        for start in range(0, len(tokens) - size - ahead + 1, size):
+            after = (
+                b"ahead\0" + _packed(tokens[start + size : start + size + ahead]) if ahead else b""
+            )
             parent = hashlib.blake2b(
-                parent + _packed(tokens[start : start + size]), digest_size=8, key=self.seed
+                parent + _packed(tokens[start : start + size]) + after,
+                digest_size=8,
+                key=self.seed,
             ).digest()
             hashes.append(int.from_bytes(parent, "big"))
         return hashes
@@ -186,7 +202,11 @@ class PrefixCache:
             self._blocks[block_hash] = None
             self._blocks.move_to_end(block_hash)
         if computed:
-            size = self.block_tokens
+            size, ahead = self.block_tokens, self.lookahead
+            after = [
+                tokens[end : end + ahead]
+                for end in range((found + 1) * size, (len(hashes) + 1) * size, size)
+            ]
             events.append(
                 block_stored(
                     computed,
@@ -194,6 +214,7 @@ class PrefixCache:
                     tokens[found * size : len(hashes) * size],
                     size,
                     salt,
+                    after if ahead else None,
                 )
             )
         while len(self._blocks) > self.capacity:  # a prompt longer than the whole cache

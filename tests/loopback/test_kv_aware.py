@@ -157,6 +157,30 @@ class KvAwareTests(ProxyCase):
         self.assertEqual([(body or {}).get("cache_salt") for body in sent[:2]], ["tenant-a"] * 2)
         self.assertGreaterEqual(self.prefills[home].cache.hits, 128)  # the second, under its salt
 
+    async def test_blocks_hashed_with_lookahead_tokens_draw_the_prompts_that_follow(
+        self,
+    ) -> None:
+        """The fakes hash each block with the 3 tokens after it and publish them, as vLLM 0.34
+        does under EAGLE: the proxy learns it from the events and its keys still meet."""
+        await self.start_kv()
+        for fake in self.prefills:
+            fake.cache.lookahead = 3  # (FakeVLLM has no field for it: its cache's option)
+        logged = self.logged()
+        first = self.prefilled()
+        reading = [self.events.read("prefill", self.proxy_url(f)) for f in self.prefills]
+        await self.ask(chat("What is it about?"))
+        home = next(i for i, n in enumerate(self.prefilled()) if n > first[i])
+        await reading[home]  # its BlockStored, with lookahead_token_ids, taken in
+        index = self.events.index("prefill")
+        self.assertEqual(index.lookahead(self.proxy_url(self.prefills[home])), 3)
+        for question in ("Why?", "Who uses it?"):
+            await self.ask(chat(question))
+        self.assertEqual(self.prefilled()[home], 3)
+        routes = self.routes(logged)
+        self.assertEqual([r[0] for r in routes], ["no_match", "kv_match", "kv_match"])
+        self.assertGreaterEqual(routes[1][1] or 0, 128)
+        self.assertGreaterEqual(self.prefills[home].cache.hits, 2 * (routes[1][1] or 0))
+
     async def test_two_requests_sharing_a_new_prefix_that_arrive_together_go_to_one_instance(
         self,
     ) -> None:
