@@ -32,7 +32,7 @@ from nixl_twisted.testing.behaviours import Behaviour, ErrorAnswer, RawAnswer
 from nixl_twisted.testing.cluster import FakeCluster, start_cluster
 from nixl_twisted.testing.collector import FakeCollector, ReceivedSpan
 from nixl_twisted.testing.dns import FakeDns
-from nixl_twisted.testing.fake import FakeVLLM, ReceivedRequest
+from nixl_twisted.testing.fake import FakeVLLM
 from nixl_twisted.testing.harness import (
     FakePair,
     RunningProxy,
@@ -45,6 +45,7 @@ from nixl_twisted.testing.kv_publisher import KvPublisher
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.memory import InMemoryClient, InMemoryProxy
 from nixl_twisted.testing.process import Twistd, TwistdProtocol, spawn_twistd
+from nixl_twisted.testing.received import ReceivedRequest
 from nixl_twisted.testing.site import FakeSite
 
 __all__ = [

@@ -12,7 +12,7 @@ from typing import Any
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.discovery.report import Reported
-from nixl_twisted.observe.metrics import KvStatus
+from nixl_twisted.observe.fleet_metrics import KvStatus
 
 
 class Fleet:

@@ -1,0 +1,246 @@
+"""How a ``FakeVLLM`` serves a generation request, as vLLM's engine does.
+
+Its role read from ``kv_transfer_params`` (prefill, decode or plain), the
+body checked as vLLM's schema would, admitted to the queue and a slot, then
+computed here (its prefix cache looked up and its KV events published) or
+pulled from prefill (the ledger redeems the params, the handed token ids
+taken), and answered whole or streamed in the shape of its route.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from twisted.internet.defer import CancelledError
+from twisted.web.server import Request
+
+from nixl_twisted.testing import answers, prompt_ids, schema
+from nixl_twisted.testing.behaviours import Behaviour, spoiled
+from nixl_twisted.testing.capacity import QUEUE_FULL, QUEUE_FULL_TYPE, Capacity
+from nixl_twisted.testing.controls import Controls
+from nixl_twisted.testing.engine import EngineTime
+from nixl_twisted.testing.kv_publisher import KvEventsMixin
+from nixl_twisted.testing.ledger import TransferLedger
+from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_tokens
+from nixl_twisted.testing.site import cut_off
+from nixl_twisted.testing.transfers import PromptSources
+
+JSONObject = dict[str, Any]
+
+
+class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
+    """Mixed into ``FakeVLLM``, whose fields these read: the engine's side of the fake."""
+
+    name: str
+    ledger: TransferLedger
+    tokens: int
+    model: str
+    text: str
+    disconnects: int
+    token_ids_reused: int
+    returns_token_ids: bool
+    extra_headers: dict[str, str]
+    recompute_silently: bool
+    sources: PromptSources
+    cache: PrefixCache
+    responses: dict[str, JSONObject]
+    _kv_port: int
+
+    def _record(self, request: Request, body: JSONObject | None, role: str) -> None:
+        raise NotImplementedError
+
+    async def _generate(self, request: Request) -> bytes | None:
+        try:
+            return await self._answer(request)
+        except CancelledError:
+            # Klein cancels the handler when the client goes away (waiting or running).
+            self.disconnects += 1
+            raise
+
+    async def _answer(self, request: Request) -> bytes | None:
+        assert request.content is not None
+        request.setHeader(b"Content-Type", b"application/json")
+        try:
+            body = json.loads(request.content.read())
+        except (ValueError, RecursionError) as error:
+            request.setResponseCode(400)
+            return answers.vllm_error(400, f"the body is not JSON vLLM can read: {error}")
+        if not isinstance(body, dict):
+            request.setResponseCode(400)
+            return answers.vllm_error(400, "Input should be a valid dictionary")
+        kv = body.get("kv_transfer_params")
+        role = "plain"
+        if isinstance(kv, dict) and kv.get("do_remote_decode"):
+            role = "prefill"
+        elif isinstance(kv, dict) and kv.get("do_remote_prefill"):
+            role = "decode"
+        self._record(request, body, role)
+        refused = schema.refusal(request.path.decode("utf-8"), body)
+        if refused is not None:
+            request.setResponseCode(400)
+            return answers.vllm_error(400, refused)
+        for name, value in self.extra_headers.items():
+            request.setHeader(name.encode("ascii"), value.encode("utf-8"))
+
+        behaviour = self._next_behaviour()
+        instead = behaviour.instead()
+        if instead is not None:
+            status, content_type, raw = instead
+            request.setResponseCode(status)
+            request.setHeader(b"Content-Type", content_type)
+            return raw
+        if not self._admits():
+            request.setResponseCode(503)
+            return answers.vllm_error(503, QUEUE_FULL, QUEUE_FULL_TYPE)
+        # Its compute, KV pull and tokens begin only once it runs.
+        await self._take_slot()
+        try:
+            return await self._run(request, body, role, behaviour)
+        finally:
+            self._release_slot()
+
+    async def _run(
+        self, request: Request, body: JSONObject, role: str, behaviour: Behaviour
+    ) -> bytes | None:
+        """Serve a generation request that holds a slot: compute, pull, generate."""
+        kv = body.get("kv_transfer_params")
+        chat = request.path.endswith(b"/chat/completions")
+        messages_api = request.path.endswith(b"/v1/messages")
+        responses_api = request.path.endswith(b"/v1/responses")
+        input_tokens = answers.prompt_tokens(body, chat)
+        cached = 0
+        tokens = prompt_tokens(body)
+        if role in ("prefill", "plain"):
+            # What the lookup stored and evicted is one batch, published as vLLM
+            # publishes a step's events: once the step (the compute) has run.
+            with self._step() as step:
+                salt = body.get("cache_salt")
+                cached, _ = self.cache.compute(tokens, salt if isinstance(salt, str) else None)
+            self.sources.local_cache_hit += cached
+            self.sources.local_compute += len(tokens) - cached
+            try:
+                await self._compute(len(tokens) - cached)
+            finally:
+                self._stepped(step)
+        kv_answer: JSONObject | None = None
+        if role == "prefill" and behaviour.issues_params:
+            request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
+            kv_answer = self.ledger.issue(self.name, request_id, input_tokens, self._kv_port)
+            kv_answer = spoiled(kv_answer, behaviour.spoiled)
+        elif role == "decode" and self.recompute_silently:
+            self.sources.local_compute += len(tokens)
+            await self._compute(len(tokens))
+        elif role == "decode":
+            handed = prompt_ids.take(kv, body, chat or messages_api or responses_api)
+            if handed.refusal is not None:
+                request.setResponseCode(400)
+                return answers.vllm_error(400, handed.refusal)
+            kv = handed.params
+            if handed.used is not None:
+                tokens, self.token_ids_reused = handed.used, self.token_ids_reused + 1
+            problem = self.ledger.redeem(kv)
+            if problem is not None:
+                request.setResponseCode(500)
+                return answers.vllm_error(500, f"KV load failed: {problem}")
+            self.sources.external_kv_transfer += len(tokens)
+            cached = int(kv.get("remote_prefill_cached_tokens", 0)) if isinstance(kv, dict) else 0
+            await self._pull_kv(len(tokens))
+
+        limit = (
+            body.get("max_output_tokens")
+            if responses_api
+            else body.get("max_completion_tokens") or body.get("max_tokens")
+        )
+        count = self.tokens if not isinstance(limit, int) else min(self.tokens, limit)
+        words = answers.words(self.text, count)
+        if responses_api:
+            reply = answers.Response(
+                model=str(body.get("model", self.model)), words=words, input_tokens=input_tokens
+            )
+            if role != "prefill" and body.get("store", True):
+                self.responses[reply.id] = reply.whole()
+            if not body.get("stream"):
+                whole = reply.whole()
+                if kv_answer is not None:
+                    whole["kv_transfer_params"] = kv_answer
+                return answers.encode(whole)
+            await self._stream(request, reply.events())
+            return None
+        if messages_api:
+            message = answers.Message(
+                model=str(body.get("model", self.model)),
+                words=words,
+                stop_reason="max_tokens" if count == limit else "end_turn",
+                input_tokens=answers.prompt_tokens(body, True),
+            )
+            if not body.get("stream"):
+                whole = message.whole()
+                if kv_answer is not None:
+                    whole["kv_transfer_params"] = kv_answer
+                return answers.encode(whole)
+            await self._stream(request, message.events(), behaviour.cut_after)
+            return None
+        answer = answers.Answer(
+            chat=chat,
+            model=str(body.get("model", self.model)),
+            words=words,
+            finish_reason="length" if count == limit else "stop",
+            usage={
+                "prompt_tokens": input_tokens,
+                "completion_tokens": len(words),
+                "total_tokens": input_tokens + len(words),
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+            prompt_token_ids=tokens if self.returns_token_ids and prompt_ids.asked(body) else None,
+        )
+        if not body.get("stream"):
+            return await self._whole(request, answer, kv_answer, behaviour.cut_after is not None)
+        if self._firehose is not None:
+            await self._pour(request, *self._firehose)
+            return None
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        await self._stream(request, answer.events(include_usage), behaviour.cut_after)
+        return None
+
+    async def _whole(
+        self, request: Request, answer: answers.Answer, kv: JSONObject | None, broken: bool
+    ) -> bytes | None:
+        if self._hold_after is not None and not self._hold_midway:
+            await self._wait_at_hold()
+        whole = answer.whole()
+        if kv is not None:
+            whole["kv_transfer_params"] = kv
+        raw = answers.encode(whole)
+        if not broken and not (self._hold_after is not None and self._hold_midway):
+            return raw
+        request.setHeader(b"Content-Length", str(len(raw)).encode("ascii"))
+        request.write(raw[: len(raw) // 2])
+        if broken:
+            await cut_off(request)
+            return None
+        await self._wait_at_hold()
+        request.write(raw[len(raw) // 2 :])
+        return None
+
+    async def _stream(
+        self, request: Request, events: list[bytes], cut_after: int | None = None
+    ) -> None:
+        """Write ``events`` as they come; ``cut_after``: that many, then a cut connection."""
+        request.setHeader(b"Content-Type", b"text/event-stream")
+        if cut_after is not None:
+            events = events[:cut_after]
+        for index, event in enumerate(events):
+            if index > 0:
+                await self._before_next_token()
+            if self._hold_after is not None and index >= self._hold_after:
+                await self._wait_at_hold()
+            request.write(event)
+        if cut_after is not None:
+            await cut_off(request)
+
+
+def _header(request: Request, name: bytes) -> str | None:
+    values = request.requestHeaders.getRawHeaders(name)
+    return values[0].decode("ascii") if values else None
