@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from typing import Any
 
 from twisted.internet.defer import CancelledError, TimeoutError
 from twisted.logger import Logger
@@ -117,7 +118,7 @@ async def prefill_attempt(
 
 
 def handed_over(
-    metrics: ProxyMetrics, instance: Instance, answer: bytes, request_id: str
+    metrics: ProxyMetrics, instance: Instance, answer: Any, request_id: str
 ) -> lowering.JSONObject:
     """Prefill's ``kv_transfer_params``, checked (``protocol.handoff``) before decode is sent.
 
@@ -128,12 +129,10 @@ def handed_over(
     would compute the prompt itself without a word.
     """
     try:
-        params = lowering.extract_kv_transfer_params(answer, instance.url)
+        params = lowering.kv_transfer_params_of(answer, instance.url)
         check_handoff(params)
     except ProxyError as error:
-        problem = _UNUSABLE.get(error.code)
-        if problem is None:
-            raise  # (not JSON: prefill_invalid_response, as before)
+        problem = _UNUSABLE[error.code]
         metrics.missing_kv_transfer_params.inc()
         said, failed = error.message, error
     except BadHandoff as bad:

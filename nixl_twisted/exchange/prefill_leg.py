@@ -113,13 +113,14 @@ class PrefillLeg(PhasedExchange):
         except TimeoutError:
             account(self.metrics, self.backends.prefill, instance, "timeout", "prefill timed out")
             raise timed_out(instance, self.timeouts.prefill) from None
-        params = handed_over(self.metrics, instance, answer, self.request_id)
+        parsed = lowering.read_prefill_answer(answer, instance.url)
+        params = handed_over(self.metrics, instance, parsed, self.request_id)
         account(self.metrics, self.backends.prefill, instance, "answered")
         self.record.prefill_seconds = self.clock.seconds() - started
         self.metrics.child(self.metrics.prefill_seconds, instance.url).observe(
             self.record.prefill_seconds
         )
-        return token_ids.handed(params, answer) if self.asks_token_ids else params
+        return token_ids.handed(params, parsed) if self.asks_token_ids else params
 
     def _prefill_answered(self, status: int) -> None:
         # Prefill has answered: from here a disconnect must not stop decode.

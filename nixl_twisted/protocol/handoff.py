@@ -33,6 +33,10 @@ class BadHandoff(ValueError):
         self.problem = problem
 
 
+_LIST = {list}
+_INT = {int}
+
+
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -41,9 +45,10 @@ def _block_ids(value: object) -> list[object] | None:
     """Every block id, flat (vLLM sends one list per KV-cache group); None: not lists of ids."""
     if not isinstance(value, list):
         return None
-    groups = value if value and all(isinstance(g, list) for g in value) else [value]
+    groups = value if value and set(map(type, value)) == _LIST else [value]
     flat = [block for group in groups for block in group]
-    return flat if all(_whole(block) for block in flat) else None
+    # (by type, not isinstance: a bool is no block id; one set, not a call per block)
+    return flat if set(map(type, flat)) <= _INT else None
 
 
 def check_handoff(params: JSONObject) -> None:

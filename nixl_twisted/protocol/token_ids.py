@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from nixl_twisted.protocol import routes
-from nixl_twisted.protocol.lowering import JSONObject, read_json
+from nixl_twisted.protocol.lowering import JSONObject
 
 #: vLLM's text content parts (``vllm/renderers/chat_utils.py``: ``_TEXT_CONTENT_PART_TYPES``).
 _TEXT_PARTS = frozenset(
@@ -95,15 +95,12 @@ def prompt_ids(answer: Any) -> list[int] | None:
     return ids
 
 
-def handed(params: JSONObject, answer: bytes) -> JSONObject:
+def handed(params: JSONObject, answer: Any) -> JSONObject:
     """Prefill's ``kv_transfer_params`` with the prompt's ids prefill answered, for decode.
 
-    Without ids (a vLLM that does not return them, or an answer that is not
-    JSON, which the params' own reading has refused already) they are as
-    they were: decode then renders and tokenizes the prompt itself.
+    ``answer`` is prefill's answer as parsed for its params. Without ids (a
+    vLLM that does not return them) they are as they were: decode then
+    renders and tokenizes the prompt itself.
     """
-    try:
-        ids = prompt_ids(read_json(answer))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        ids = None
+    ids = prompt_ids(answer)
     return params if ids is None else dict(params, prompt_token_ids=ids)
