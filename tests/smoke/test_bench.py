@@ -205,6 +205,22 @@ def test_a_short_ceiling_run_prints_its_table() -> None:
     )
 
 
+def test_a_short_stream_ceiling_run_prints_a_row_per_server_and_load() -> None:
+    # 64 streams: one on each connection of each 64-connection load.
+    ran = run([PYTHON, "-m", "bench.stream_ceiling", "--requests", "64"])
+    loads = ("64 tokens back to back, 64 connections", "64 tokens at 5 ms, 64 connections")
+    rows = [
+        rf"\| {kind} \| streaming chat, {load} \| [\d.]+/s \| [\d.]+ \| [\d.]+ \| [-+][\d.]+ ms "
+        r"\| [-+][\d.]+ ms \| 0 \|"
+        for kind in ("web-agent", "nixlproxy")
+        for load in loads
+    ]
+    assert ran.code == 0 and all(re.search(row, ran.stdout) for row in rows), ran.why(
+        "exit 0 and, for web-agent and nixlproxy, a row per streaming load with "
+        "streams/s, CPU per stream and per token, TTFT added and no error"
+    )
+
+
 def test_a_short_overload_run_serves_every_arrival_of_each_load() -> None:
     """By count: 8 arrivals per load, on fakes fast enough that a load takes a moment;
     through today's proxy, each served (no refusal), its TTFT measured and its access
