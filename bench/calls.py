@@ -13,6 +13,11 @@ costs, with the start and the stop cancelled out.
     python -m bench.calls --readers             # every reader of a request at once:
         # cache-aware on both pools, a decode-only rule, a client key whose tenant's
         # tokens per minute count (and so a stream that asks for its usage)
+    python -m bench.calls --tokens 64 256 --top 10 --token-interval 0.001 [--floor]
+        # streams of 64 and of 256 tokens, 1 ms apart (each token a read of its
+        # own, as vLLM sends them): the calls one more token costs (the slope
+        # between the two lengths), and the functions that make them; --floor:
+        # the same of bench.stream_ceiling's floor server, what the stack costs
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ from collections.abc import Sequence
 from bench.run import _free_port, _pinned, _process
 from nixl_twisted.testing.process import Twistd
 
+#: ``--floor``: not an option of the proxy, but the floor server in its place.
+FLOOR = "--floor"
+
 #: ``--readers``: the options that make every reader of a request read it.
 READERS = (
     "--prefill-policy=cache-aware",
@@ -38,28 +46,74 @@ READERS = (
 )
 
 
-def calls(backend: str, requests: int, stream: bool, proxy_args: Sequence[str]) -> int:
-    """The Python calls a profiled proxy made serving ``requests`` (4 connections)."""
+def calls(
+    backend: str, requests: int, stream: bool, proxy_args: Sequence[str], tokens: int = 64
+) -> pstats.Stats:
+    """The profile of a proxy serving ``requests`` (4 connections; streams of ``tokens``)."""
     with tempfile.TemporaryDirectory(prefix="nixlproxy-calls-") as folder:
-        return _profiled(os.path.join(folder, "profile"), backend, requests, stream, proxy_args)
+        stats = os.path.join(folder, "profile")
+        _profiled(stats, backend, requests, stream, proxy_args, tokens)
+        return pstats.Stats(stats)
 
 
 def _profiled(
-    stats: str, backend: str, requests: int, stream: bool, proxy_args: Sequence[str]
-) -> int:
+    stats: str, backend: str, requests: int, stream: bool, proxy_args: Sequence[str], tokens: int
+) -> None:
+    if FLOOR in proxy_args:
+        # The floor of bench.stream_ceiling under cProfile: SIGTERM stops its
+        # reactor, and cProfile writes the stats as the module returns.
+        port = _free_port()
+        floor = [sys.executable, "-m", "cProfile", "-o", stats, "-m", "bench.stream_ceiling"]
+        floor += ["--serve", "--port", str(port), "--backend", backend]
+        with _process(_pinned("0", floor), port):
+            _load(f"http://127.0.0.1:{port}", requests, stream, tokens, None)
+        return
     args = ["--health-interval", "0", "--prefill", backend, "--decode", backend, *proxy_args]
     key = next((a.partition("=")[2] for a in proxy_args if a.startswith("--api-key=")), None)
     twistd_args = [f"--profile={stats}", "--profiler=cprofile", "--savestats"]
     proxy = Twistd(["--listen", "tcp:0:interface=127.0.0.1", *args], twistd_args=twistd_args)
     try:
-        url = f"http://{proxy.address()}"
-        load = [sys.executable, "-m", "bench.load", "--url", url, "--connections", "4"]
-        load += ["--requests", str(requests), *(["--stream"] if stream else [])]
-        load += ["--api-key", key] if key is not None else []
-        subprocess.run(_pinned("1", load), check=True, stdout=subprocess.DEVNULL)
+        _load(f"http://{proxy.address()}", requests, stream, tokens, key)
     finally:
         proxy.stop(timeout=30)
-    return int(pstats.Stats(stats).total_calls)  # type: ignore[attr-defined]
+
+
+def _load(url: str, requests: int, stream: bool, tokens: int, key: str | None) -> None:
+    load = [sys.executable, "-m", "bench.load", "--url", url, "--connections", "4"]
+    load += ["--requests", str(requests), "--tokens", str(tokens)]
+    load += ["--stream"] if stream else []
+    load += ["--api-key", key] if key is not None else []
+    subprocess.run(_pinned("1", load), check=True, stdout=subprocess.DEVNULL)
+
+
+#: Each function's calls and own seconds, by pstats' key (file, line, name).
+Costs = dict[tuple[str, int, str], tuple[float, float]]
+
+
+def _costs(stats: pstats.Stats) -> Costs:
+    raw = stats.stats  # type: ignore[attr-defined]
+    return {key: (float(value[1]), float(value[2])) for key, value in raw.items()}
+
+
+def _difference(more: Costs, less: Costs, over: float) -> Costs:
+    """``(more - less) / over`` for every function: a slope."""
+    nothing = (0.0, 0.0)
+    return {
+        key: ((calls - less.get(key, nothing)[0]) / over, (own - less.get(key, nothing)[1]) / over)
+        for key, (calls, own) in more.items()
+    }
+
+
+def top(per_token: Costs, count: int) -> list[str]:
+    """A table of the ``count`` Python functions called most often per token."""
+    # Built-ins are left out: their calls are their Python callers' work.
+    own_code = {key: costs for key, costs in per_token.items() if key[1]}
+    ranked = sorted(own_code.items(), key=lambda item: -item[1][0])[:count]
+    lines = ["| function | calls per token | own us per token |", "|---|---|---|"]
+    for (path, line, name), (calls, own) in ranked:
+        where = f"{os.path.basename(path)}:{line}({name})" if line else name
+        lines.append(f"| `{where}` | {calls:.2f} | {own * 1e6:.2f} |")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,17 +122,56 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--many", type=int, default=2500, help="requests of the second run")
     parser.add_argument("--proxy-arg", action="append", default=[], help="one more option")
     parser.add_argument("--readers", action="store_true", help="every reader of a request on")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="profile bench.stream_ceiling's floor server instead of the proxy (streams only)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        default=[64],
+        help="the streams' lengths; with two, the calls per token (the slope between them)",
+    )
+    parser.add_argument(
+        "--token-interval",
+        type=float,
+        default=0.0,
+        help="the backend's seconds between tokens (paced, each token is a read of its own)",
+    )
+    parser.add_argument(
+        "--top", type=int, default=0, help="with two --tokens: the N most called per token"
+    )
     args = parser.parse_args(argv)
-    proxy_args = [*args.proxy_arg, *(READERS if args.readers else ())]
+    if args.many <= args.few:
+        parser.error("--many must be more than --few")
+    if len(set(args.tokens)) != len(args.tokens) or min(args.tokens) < 1:
+        parser.error("--tokens must be different lengths of at least 1")
+    proxy_args = [*args.proxy_arg, *(READERS if args.readers else ()), *([FLOOR] * args.floor)]
     port = _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(port)]
+    backend += ["--token-interval", str(args.token_interval)]
+    requests = args.many - args.few
     with _process(_pinned("1", backend), port):
         url = f"http://127.0.0.1:{port}"
         print("| load | calls per request |\n|---|---|")
-        for name, stream in (("non-streaming", False), ("streaming, 64 tokens", True)):
-            few = calls(url, args.few, stream, proxy_args)
-            many = calls(url, args.many, stream, proxy_args)
-            print(f"| {name} | {(many - few) / (args.many - args.few):,.0f} |")
+        per_request: dict[int, Costs] = {}
+        for tokens in ((None,) if not args.floor else ()) + tuple(args.tokens):
+            few = _costs(calls(url, args.few, tokens is not None, proxy_args, tokens or 64))
+            many = _costs(calls(url, args.many, tokens is not None, proxy_args, tokens or 64))
+            slope = _difference(many, few, requests)
+            name = "non-streaming" if tokens is None else f"streaming, {tokens} tokens"
+            print(f"| {name} | {sum(calls for calls, _ in slope.values()):,.0f} |")
+            if tokens is not None:
+                per_request[tokens] = slope
+        if len(args.tokens) == 2:
+            short, long = sorted(args.tokens)
+            per_token = _difference(per_request[long], per_request[short], long - short)
+            total = sum(calls for calls, _ in per_token.values())
+            print(f"| per token ({short} -> {long}) | {total:,.1f} |")
+            if args.top:
+                print("\n" + "\n".join(top(per_token, args.top)))
     return 0
 
 

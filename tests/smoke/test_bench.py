@@ -58,6 +58,17 @@ def test_a_short_calls_run_prints_calls_per_request() -> None:
     )
 
 
+def test_a_short_calls_run_of_the_floor_prints_calls_per_token_and_its_functions() -> None:
+    command = [PYTHON, "-m", "bench.calls", "--floor", "--few", "10", "--many", "30"]
+    ran = run([*command, "--tokens", "4", "8", "--top", "3"])
+    row = re.search(r"\| per token \(4 -> 8\) \| ([\d,.]+) \|", ran.stdout)
+    functions = re.findall(r"^\| `[^`]+` \| [\d.]+ \| -?[\d.]+ \|$", ran.stdout, re.MULTILINE)
+    assert ran.code == 0 and row is not None and float(row.group(1).replace(",", "")) > 0, ran.why(
+        "exit 0 and '| per token (4 -> 8) | N |' with N > 0"
+    )
+    assert len(functions) == 3, ran.why("three rows of functions called per token")
+
+
 def test_a_short_memory_run_prints_its_table() -> None:
     ran = run([PYTHON, "-m", "bench.memory", "--streams", "20"])
     assert ran.code == 0 and "| 20 |" in ran.stdout, ran.why("exit 0 and a row for 20 streams")
