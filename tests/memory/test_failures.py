@@ -68,3 +68,19 @@ def test_a_long_generation_that_keeps_producing_is_never_cut() -> None:
     events = sse_events(client)
     assert [e["choices"][0]["text"] for e in events[:-1]] == words
     assert events[-1] == "[DONE]"
+
+
+def test_a_stream_that_stalls_after_some_tokens_ends_one_idle_timeout_after_its_last() -> None:
+    setup = Setup(tokens=6)  # the fake's tokens come on the proxy's clock
+    setup.decode.token_interval = TIMEOUTS.stream_idle * 0.4
+    setup.decode.hold_streams_after(3)
+    client = setup.post("/v1/chat/completions", STREAM)
+    for _ in range(2):  # the second token, then the third and last
+        setup.proxy.advance(setup.decode.token_interval)
+    relayed = client.received()
+    setup.proxy.advance(TIMEOUTS.stream_idle - 0.001)
+    assert client.received() == relayed and not client.lost  # silent, but not for long enough
+    setup.proxy.advance(0.001)
+    assert sse_events(client)[-1]["error"]["code"] == "decode_timeout"
+    assert client.lost
+    assert setup.decode.disconnects == 1
