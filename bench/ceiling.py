@@ -30,6 +30,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
+from twisted.internet.defer import Deferred, succeed
+from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.iweb import IBodyProducer
+from twisted.web.server import Request
+from zope.interface import implementer
+
 from bench.run import (
     Length,
     Load,
@@ -60,48 +66,50 @@ def _completed(body: dict[str, Any], answer: bytes) -> bytes:
     return json.dumps(dict(body, kv_transfer_params=params)).encode()
 
 
+class _NoForms(Request):
+    parsePOSTFormSubmission = False
+
+
+@implementer(IBodyProducer)
+class _Bytes:
+    """The whole body in one write (FileBodyProducer would add a cooperator)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.length = data, len(data)
+
+    def startProducing(self, consumer: Any) -> Deferred[None]:
+        consumer.write(self.data)
+        return succeed(None)
+
+    def pauseProducing(self) -> None: ...
+    def stopProducing(self) -> None: ...
+    def resumeProducing(self) -> None: ...
+
+
+def _pooled_agent(reactor: Any) -> Agent:
+    """Twisted's ``Agent`` with a pool of 512 connections per backend, as the proxy has."""
+    pool = HTTPConnectionPool(reactor)
+    pool.maxPersistentPerHost = 512
+    return Agent(reactor, pool=pool)
+
+
 def serve(kind: str, port: int, backend: str) -> None:
     """Run one floor server until it is terminated."""
     from twisted.internet import reactor
-    from twisted.internet.defer import Deferred, succeed
     from twisted.internet.endpoints import serverFromString
     from twisted.internet.interfaces import IReactorCore
-    from twisted.web.client import Agent, HTTPConnectionPool, readBody
+    from twisted.web.client import readBody
     from twisted.web.http_headers import Headers
-    from twisted.web.iweb import IBodyProducer
     from twisted.web.resource import Resource
-    from twisted.web.server import NOT_DONE_YET, Request, Site
-    from zope.interface import implementer
-
-    class _NoForms(Request):
-        parsePOSTFormSubmission = False
+    from twisted.web.server import NOT_DONE_YET, Site
 
     url = (backend + "/v1/completions").encode()
     headers = Headers({b"Content-Type": [b"application/json"]})
-    pool = HTTPConnectionPool(reactor)
-    pool.maxPersistentPerHost = 512
-    agent = Agent(reactor, pool=pool)
+    agent = _pooled_agent(reactor)
 
     server, client = kind.split("-")
 
-    @implementer(IBodyProducer)
-    class _Bytes:
-        """The whole body in one write (FileBodyProducer would add a cooperator)."""
-
-        def __init__(self, data: bytes) -> None:
-            self.data, self.length = data, len(data)
-
-        def startProducing(self, consumer: Any) -> Deferred[None]:
-            consumer.write(self.data)
-            return succeed(None)
-
-        def pauseProducing(self) -> None: ...
-        def stopProducing(self) -> None: ...
-        def resumeProducing(self) -> None: ...
-
     if client == "upstream":
-        from twisted.web.client import HTTPConnectionPool
-
         from nixl_twisted.backends.upstream import Upstream, backend_agent, read_body
 
         connections = HTTPConnectionPool(reactor)

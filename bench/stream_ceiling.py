@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
+from bench.ceiling import _Bytes, _completed, _lowered, _NoForms, _pooled_agent
 from bench.run import (
     Length,
     Load,
@@ -47,56 +48,25 @@ LOADS = (
 )
 TOKENS = 64
 KINDS = ("web-agent", "nixlproxy")
-_KV = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-def _lowered(body: dict[str, Any]) -> bytes:
-    return json.dumps(dict(body, stream=False, max_tokens=1, kv_transfer_params=_KV)).encode()
-
-
-def _decode_body(body: dict[str, Any], answer: bytes) -> bytes:
-    params = json.loads(answer)["kv_transfer_params"]
-    return json.dumps(dict(body, kv_transfer_params=params)).encode()
 
 
 def serve(port: int, backend: str) -> None:
     """Run the floor server until it is terminated."""
     from twisted.internet import reactor
-    from twisted.internet.defer import Deferred, succeed
+    from twisted.internet.defer import Deferred
     from twisted.internet.endpoints import serverFromString
     from twisted.internet.interfaces import IReactorCore
     from twisted.internet.protocol import Protocol
     from twisted.python.failure import Failure
-    from twisted.web.client import Agent, HTTPConnectionPool, readBody
+    from twisted.web.client import readBody
     from twisted.web.http_headers import Headers
-    from twisted.web.iweb import IBodyProducer, IResponse
+    from twisted.web.iweb import IResponse
     from twisted.web.resource import Resource
-    from twisted.web.server import NOT_DONE_YET, Request, Site
-    from zope.interface import implementer
-
-    class _NoForms(Request):
-        parsePOSTFormSubmission = False
+    from twisted.web.server import NOT_DONE_YET, Site
 
     url = (backend + "/v1/chat/completions").encode()
     headers = Headers({b"Content-Type": [b"application/json"]})
-    pool = HTTPConnectionPool(reactor)
-    pool.maxPersistentPerHost = 512
-    agent = Agent(reactor, pool=pool)
-
-    @implementer(IBodyProducer)
-    class _Bytes:
-        """The whole body in one write (FileBodyProducer would add a cooperator)."""
-
-        def __init__(self, data: bytes) -> None:
-            self.data, self.length = data, len(data)
-
-        def startProducing(self, consumer: Any) -> Deferred[None]:
-            consumer.write(self.data)
-            return succeed(None)
-
-        def pauseProducing(self) -> None: ...
-        def stopProducing(self) -> None: ...
-        def resumeProducing(self) -> None: ...
+    agent = _pooled_agent(reactor)
 
     class _Relay(Protocol):
         """Decode's body to the client: each chunk written as it arrives."""
@@ -119,7 +89,7 @@ def serve(port: int, backend: str) -> None:
         prefill = await agent.request(b"POST", url, headers, _Bytes(_lowered(body)))
         answer = await readBody(prefill)
         decode: IResponse = await agent.request(
-            b"POST", url, headers, _Bytes(_decode_body(body, answer))
+            b"POST", url, headers, _Bytes(_completed(body, answer))
         )
         request.setHeader(b"Content-Type", b"text/event-stream")
         decode.deliverBody(_Relay(request))
