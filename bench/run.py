@@ -11,6 +11,8 @@ requests and its peak RSS.
     python -m bench.run --requests 20   # a smoke run: 20 requests per load, however slow
     python -m bench.run --traced        # every request traced, to a collector process
     python -m bench.run --api-key k1    # client keys on: the proxy checks k1 on every request
+    python -m bench.run --only 3 4 --workers 2 --nice-load 10
+        # the two streaming loads through two workers, the load generator niced
 """
 
 from __future__ import annotations
@@ -153,8 +155,14 @@ def _peak_rss_mb(pid: int) -> float:
 
 
 def _load(
-    url: str, load: Load, length: Length, cores: str, api_key: str | None = None
+    url: str,
+    load: Load,
+    length: Length,
+    cores: str,
+    api_key: str | None = None,
+    nice: int = 0,
 ) -> dict[str, Any]:
+    """``bench.load`` pinned to ``cores``; ``nice`` above 0 lowers its priority (``nice -n``)."""
     command = [
         sys.executable,
         "-m",
@@ -169,7 +177,10 @@ def _load(
         command.append("--stream")
     if api_key is not None:
         command += ["--api-key", api_key]
-    out = subprocess.run(_pinned(cores, command), capture_output=True, text=True, check=False)
+    lowered = ["nice", "-n", str(nice)] if nice else []
+    out = subprocess.run(
+        _pinned(cores, [*lowered, *command]), capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         # Its traceback, not only "returned non-zero exit status 1".
         raise RuntimeError(f"{' '.join(command)} exited {out.returncode}:\n{out.stderr}")
@@ -241,11 +252,14 @@ def measure(
     proxy_args: Sequence[str] = (),
     traced: bool = False,
     api_key: str | None = None,
+    nice_load: int = 0,
 ) -> dict[str, Any]:
     """One load direct to the backend, then through a proxy started for it.
 
     ``api_key``: the proxy requires it (``--api-key``) and the load sends it
     to the proxy alone (the backend checks nothing; its baseline is unchanged).
+    ``nice_load``: the load generator's niceness on both sides, so that
+    ``--workers`` sharing its core get the core first.
     """
     cores = os.cpu_count() or 2
     others = "1" if cores == 2 else f"1-{cores - 1}"
@@ -278,11 +292,11 @@ def measure(
         _process(_pinned(others, backend), backend_port),
         _collector(others, traced) as (tracing, spans),
     ):
-        direct = _load(f"http://127.0.0.1:{backend_port}", load, length, others)
+        direct = _load(f"http://127.0.0.1:{backend_port}", load, length, others, nice=nice_load)
         with nixlproxy([*proxy, *tracing], proxy_cores, workers) as (running, url):
             pids = _descendants(running.process.pid)
             cpu_before = sum(_cpu_seconds(pid) for pid in pids)
-            proxied = _load(url, load, length, others, api_key)
+            proxied = _load(url, load, length, others, api_key, nice_load)
             cpu = sum(_cpu_seconds(pid) for pid in pids) - cpu_before
             rss = max(_peak_rss_mb(pid) for pid in pids)
     requests = max(1, proxied["requests"])
@@ -356,6 +370,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_length_options(parser)
     parser.add_argument("--backend-processes", type=int, default=2)
     parser.add_argument("--loads", type=int, default=len(LOADS), help="run the first N loads")
+    parser.add_argument(
+        "--only",
+        type=int,
+        nargs="+",
+        choices=range(1, len(LOADS) + 1),
+        metavar="LOAD",
+        help="instead: run these loads (1 to 4, in the table's order), e.g. --only 3 4",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw results too")
     parser.add_argument("--workers", type=int, default=1, help="the proxy's --workers")
     parser.add_argument(
@@ -374,12 +396,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(Authorization: Bearer KEY) on every proxied request",
     )
     parser.add_argument(
+        "--nice-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the load generator at niceness N (nice -n N), e.g. beside --workers 2",
+    )
+    parser.add_argument(
         "--traced",
         action="store_true",
         help="trace every request to a collector process (bench.collector) on the other cores",
     )
     args = parser.parse_args(argv)
     length = length_of(parser, args)
+    if args.nice_load < 0:
+        parser.error("--nice-load must be 0 or more (a load above the proxy would starve it)")
+    chosen = [LOADS[n - 1] for n in args.only] if args.only else LOADS[: args.loads]
     rows = [
         median_row(
             [
@@ -391,11 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.proxy_arg,
                     args.traced,
                     args.api_key,
+                    args.nice_load,
                 )
                 for _ in range(args.repeat)
             ]
         )
-        for load in LOADS[: args.loads]
+        for load in chosen
     ]
     print(table(rows))
     for row in rows:

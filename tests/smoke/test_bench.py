@@ -42,6 +42,16 @@ def test_a_short_benchmark_run_prints_its_table(keys: list[str]) -> None:
     )
 
 
+def test_a_short_run_of_the_streaming_loads_through_two_workers_with_the_load_niced() -> None:
+    """``--only 3 4``: just the two streaming loads; ``--nice-load``: the load started by nice."""
+    ran = short_run("--only", "3", "4", "--workers", "2", "--nice-load", "10")
+    row = r"^\| streaming chat, 64 tokens [^|]+\| [\d.]+/s \|"
+    rows = re.findall(row, ran.stdout, re.MULTILINE)
+    assert ran.code == 0 and len(rows) == 2 and "non-streaming" not in ran.stdout, ran.why(
+        "exit 0 and a row for each streaming load, none for the others"
+    )
+
+
 def test_a_short_traced_run_sends_its_spans_to_the_collector() -> None:
     ran = short_run("--traced")
     received = re.search(r"spans the collector received, [^:]+: (\d+)", ran.stdout)
