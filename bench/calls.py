@@ -18,6 +18,13 @@ costs, with the start and the stop cancelled out.
         # own, as vLLM sends them): the calls one more token costs (the slope
         # between the two lengths), and the functions that make them; --floor:
         # the same of bench.stream_ceiling's floor server, what the stack costs
+    python -m bench.calls --tokens 64 256 --top-per-stream 15 [--floor]
+        # the functions called most per stream, whatever its length: each one's
+        # calls at zero tokens (the intercept of the line through the two lengths)
+    python -m bench.calls --tokens 64 256 --per-stream-gap 15
+        # the proxy, then the floor: the functions whose calls per stream differ
+        # most between them (proxy minus floor), where the proxy's extra CPU per
+        # stream goes
 """
 
 from __future__ import annotations
@@ -104,16 +111,94 @@ def _difference(more: Costs, less: Costs, over: float) -> Costs:
     }
 
 
-def top(per_token: Costs, count: int) -> list[str]:
-    """A table of the ``count`` Python functions called most often per token."""
+def _intercept(per_stream: Costs, per_token: Costs, tokens: int) -> Costs:
+    """Each function's cost of a stream of no tokens: a ``tokens``-long one's, less its tokens'."""
+    nothing = (0.0, 0.0)
+    return {
+        key: (
+            calls - tokens * per_token.get(key, nothing)[0],
+            own - tokens * per_token.get(key, nothing)[1],
+        )
+        for key, (calls, own) in per_stream.items()
+    }
+
+
+def _where(key: tuple[str, int, str]) -> str:
+    path, line, name = key
+    return f"{os.path.basename(path)}:{line}({name})" if line else name
+
+
+def top(costs: Costs, count: int, unit: str = "token") -> list[str]:
+    """A table of the ``count`` Python functions called most often per ``unit``."""
     # Built-ins are left out: their calls are their Python callers' work.
-    own_code = {key: costs for key, costs in per_token.items() if key[1]}
+    own_code = {key: costs for key, costs in costs.items() if key[1]}
     ranked = sorted(own_code.items(), key=lambda item: -item[1][0])[:count]
-    lines = ["| function | calls per token | own us per token |", "|---|---|---|"]
-    for (path, line, name), (calls, own) in ranked:
-        where = f"{os.path.basename(path)}:{line}({name})" if line else name
-        lines.append(f"| `{where}` | {calls:.2f} | {own * 1e6:.2f} |")
+    lines = [f"| function | calls per {unit} | own us per {unit} |", "|---|---|---|"]
+    for key, (calls, own) in ranked:
+        lines.append(f"| `{_where(key)}` | {calls:.2f} | {own * 1e6:.2f} |")
     return lines
+
+
+def gap(proxy: Costs, floor: Costs, count: int) -> list[str]:
+    """The ``count`` Python functions whose calls per stream differ most, proxy minus floor."""
+    nothing = (0.0, 0.0)
+    keys = {key for key in (*proxy, *floor) if key[1]}
+    rows = [(key, proxy.get(key, nothing)[0], floor.get(key, nothing)[0]) for key in keys]
+    ranked = sorted(rows, key=lambda row: -abs(row[1] - row[2]))[:count]
+    lines = [
+        "| function | proxy calls per stream | floor calls per stream | proxy - floor |",
+        "|---|---|---|---|",
+    ]
+    for key, mine, theirs in ranked:
+        lines.append(f"| `{_where(key)}` | {mine:.1f} | {theirs:.1f} | {mine - theirs:+.1f} |")
+    shown = sum(mine - theirs for _, mine, theirs in ranked)
+    total = sum(c for c, _ in proxy.values()) - sum(c for c, _ in floor.values())
+    lines.append(f"\nthese {len(ranked)}: {shown:+,.0f} of the gap's {total:+,.0f} calls a stream")
+    return [*lines, "", *_gap_by_file(proxy, floor, count)]
+
+
+def _gap_by_file(proxy: Costs, floor: Costs, count: int) -> list[str]:
+    """The same gap summed by source file (built-ins as one row): which layer makes it."""
+    by_file: dict[str, float] = {}
+    for costs, sign in ((proxy, 1.0), (floor, -1.0)):
+        for (path, line, _), (calls, _own) in costs.items():
+            name = os.path.basename(path) if line else "(built-ins)"
+            by_file[name] = by_file.get(name, 0.0) + sign * calls
+    ranked = sorted(by_file.items(), key=lambda item: -abs(item[1]))[:count]
+    lines = ["| file | proxy - floor, calls per stream |", "|---|---|"]
+    return lines + [f"| `{name}` | {calls:+.1f} |" for name, calls in ranked]
+
+
+def profiled_streams(
+    url: str, args: argparse.Namespace, proxy_args: Sequence[str]
+) -> dict[int, Costs]:
+    """Print calls per request of each load (non-streaming too, but not of the floor),
+    and return each stream length's calls per stream, by function."""
+    floor = FLOOR in proxy_args
+    requests = args.many - args.few
+    per_request: dict[int, Costs] = {}
+    for tokens in ((None,) if not floor else ()) + tuple(args.tokens):
+        few = _costs(calls(url, args.few, tokens is not None, proxy_args, tokens or 64))
+        many = _costs(calls(url, args.many, tokens is not None, proxy_args, tokens or 64))
+        slope = _difference(many, few, requests)
+        name = "non-streaming" if tokens is None else f"streaming, {tokens} tokens"
+        print(f"| {name} | {sum(calls for calls, _ in slope.values()):,.0f} |")
+        if tokens is not None:
+            per_request[tokens] = slope
+    return per_request
+
+
+def summary(per_request: dict[int, Costs]) -> tuple[Costs, Costs] | None:
+    """With two lengths: print and return each function's calls per token (the slope
+    between them) and per stream (at zero tokens, the intercept)."""
+    if len(per_request) != 2:
+        return None
+    short, long = sorted(per_request)
+    per_token = _difference(per_request[long], per_request[short], long - short)
+    per_stream = _intercept(per_request[short], per_token, short)
+    print(f"| per token ({short} -> {long}) | {sum(c for c, _ in per_token.values()):,.1f} |")
+    print(f"| per stream (at 0 tokens) | {sum(c for c, _ in per_stream.values()):,.0f} |")
+    return per_token, per_stream
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,35 +228,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--top", type=int, default=0, help="with two --tokens: the N most called per token"
     )
+    parser.add_argument(
+        "--top-per-stream",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with two --tokens: the N most called per stream (at zero tokens)",
+    )
+    parser.add_argument(
+        "--per-stream-gap",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with two --tokens: profile the proxy, then the floor, and print the N "
+        "functions whose calls per stream differ most (proxy minus floor)",
+    )
     args = parser.parse_args(argv)
     if args.many <= args.few:
         parser.error("--many must be more than --few")
     if len(set(args.tokens)) != len(args.tokens) or min(args.tokens) < 1:
         parser.error("--tokens must be different lengths of at least 1")
+    per_length = args.top or args.top_per_stream or args.per_stream_gap
+    if per_length and len(args.tokens) != 2:
+        parser.error("--top, --top-per-stream and --per-stream-gap need two --tokens")
+    if args.per_stream_gap and args.floor:
+        parser.error("--per-stream-gap profiles the floor itself: leave out --floor")
     proxy_args = [*args.proxy_arg, *(READERS if args.readers else ()), *([FLOOR] * args.floor)]
     port = _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(port)]
     backend += ["--token-interval", str(args.token_interval)]
-    requests = args.many - args.few
+    floor: tuple[Costs, Costs] | None = None
     with _process(_pinned("1", backend), port):
         url = f"http://127.0.0.1:{port}"
         print("| load | calls per request |\n|---|---|")
-        per_request: dict[int, Costs] = {}
-        for tokens in ((None,) if not args.floor else ()) + tuple(args.tokens):
-            few = _costs(calls(url, args.few, tokens is not None, proxy_args, tokens or 64))
-            many = _costs(calls(url, args.many, tokens is not None, proxy_args, tokens or 64))
-            slope = _difference(many, few, requests)
-            name = "non-streaming" if tokens is None else f"streaming, {tokens} tokens"
-            print(f"| {name} | {sum(calls for calls, _ in slope.values()):,.0f} |")
-            if tokens is not None:
-                per_request[tokens] = slope
-        if len(args.tokens) == 2:
-            short, long = sorted(args.tokens)
-            per_token = _difference(per_request[long], per_request[short], long - short)
-            total = sum(calls for calls, _ in per_token.values())
-            print(f"| per token ({short} -> {long}) | {total:,.1f} |")
-            if args.top:
-                print("\n" + "\n".join(top(per_token, args.top)))
+        slopes = summary(profiled_streams(url, args, proxy_args))
+        if args.per_stream_gap:
+            print("\nthe floor:\n\n| load | calls per request |\n|---|---|")
+            floor = summary(profiled_streams(url, args, [*proxy_args, FLOOR]))
+    if slopes is not None:
+        per_token, per_stream = slopes
+        if args.top:
+            print("\n" + "\n".join(top(per_token, args.top)))
+        if args.top_per_stream:
+            print("\n" + "\n".join(top(per_stream, args.top_per_stream, "stream")))
+        if floor is not None:
+            print("\n" + "\n".join(gap(per_stream, floor[1], args.per_stream_gap)))
     return 0
 
 

@@ -79,6 +79,23 @@ def test_a_short_calls_run_of_the_floor_prints_calls_per_token_and_its_functions
     assert len(functions) == 3, ran.why("three rows of functions called per token")
 
 
+def test_a_short_calls_run_prints_the_per_stream_gap_between_the_proxy_and_the_floor() -> None:
+    command = [PYTHON, "-m", "bench.calls", "--few", "10", "--many", "30", "--tokens", "4", "8"]
+    ran = run([*command, "--top-per-stream", "2", "--per-stream-gap", "3"])
+    at_zero = r"^\| per stream \(at 0 tokens\) \| -?[\d,]+ \|$"
+    per_stream = re.findall(at_zero, ran.stdout, re.MULTILINE)
+    ranked = re.findall(r"^\| `[^`]+` \| -?[\d.]+ \| -?[\d.]+ \|$", ran.stdout, re.MULTILINE)
+    gaps = re.findall(
+        r"^\| `[^`]+` \| -?[\d.]+ \| -?[\d.]+ \| [+-][\d.]+ \|$", ran.stdout, re.MULTILINE
+    )
+    assert ran.code == 0 and len(per_stream) == 2, ran.why(
+        "exit 0 and a per-stream row for the proxy and for the floor"
+    )
+    assert len(ranked) == 2 and len(gaps) == 3, ran.why(
+        "two functions per stream and three rows of proxy minus floor"
+    )
+
+
 def test_a_short_memory_run_prints_its_table() -> None:
     ran = run([PYTHON, "-m", "bench.memory", "--streams", "20"])
     assert ran.code == 0 and "| 20 |" in ran.stdout, ran.why("exit 0 and a row for 20 streams")
