@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, cast
 
-from nixl_twisted.testing.process import listening_addresses, twistd_command
+from nixl_twisted.testing.process import listening_addresses, terminate, twistd_command
 
 #: The core the proxy (or the router) runs on; the fakes and the load run on the others.
 CORE = "0"
@@ -83,13 +83,7 @@ class Log:
 
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM, then wait (killed if it does not exit in time); every line read."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process, timeout)
         self._thread.join(timeout)
 
 

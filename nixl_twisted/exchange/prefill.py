@@ -31,7 +31,7 @@ from nixl_twisted.observe.spans import LegTrace
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.protocol.handoff import BadHandoff, check_handoff
+from nixl_twisted.protocol.handoff import BadHandoff, check_handoff, kv_transfer_params_of
 
 log = Logger()
 
@@ -129,7 +129,7 @@ def handed_over(
     would compute the prompt itself without a word.
     """
     try:
-        params = lowering.kv_transfer_params_of(answer, instance.url)
+        params = kv_transfer_params_of(answer, instance.url)
         check_handoff(params)
     except ProxyError as error:
         problem = _UNUSABLE[error.code]

@@ -27,6 +27,7 @@ from nixl_twisted.exchange.sending import (
 from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.observe.spans import LegTrace
 from nixl_twisted.protocol import lowering, token_ids
+from nixl_twisted.protocol.handoff import read_prefill_answer
 from nixl_twisted.protocol.headers import for_rank
 from nixl_twisted.protocol.phases import Phase
 
@@ -113,7 +114,7 @@ class PrefillLeg(PhasedExchange):
         except TimeoutError:
             account(self.metrics, self.backends.prefill, instance, "timeout", "prefill timed out")
             raise timed_out(instance, self.timeouts.prefill) from None
-        parsed = lowering.read_prefill_answer(answer, instance.url)
+        parsed = read_prefill_answer(answer, instance.url)
         params = handed_over(self.metrics, instance, parsed, self.request_id)
         account(self.metrics, self.backends.prefill, instance, "answered")
         self.record.prefill_seconds = self.clock.seconds() - started

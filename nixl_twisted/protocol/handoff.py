@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-JSONObject = dict[str, Any]
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.lowering import JSONObject, read_json
 
 #: The keys decode reads to find prefill's blocks, whatever vLLM's version.
 REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
@@ -81,3 +83,40 @@ def check_handoff(params: JSONObject) -> None:
         raise BadHandoff("bad_value", "remote_block_ids is not a list of block ids")
     if not blocks and params.get("remote_num_tokens") != 0:
         raise BadHandoff("no_blocks", "remote_block_ids is empty for a prompt that has tokens")
+
+
+def read_prefill_answer(raw: bytes, instance: str) -> Any:
+    """Prefill's answer, parsed once: its params and its token ids are read from it."""
+    try:
+        return read_json(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ProxyError(
+            ErrorCode.PREFILL_INVALID_RESPONSE,
+            f"prefill instance {instance} answered with a body that is not JSON",
+        ) from None
+
+
+def kv_transfer_params_of(answer: Any, instance: str) -> JSONObject:
+    """Take ``kv_transfer_params`` from a parsed prefill answer, or explain with a 502.
+
+    The value is returned as parsed, never rebuilt: decode needs every key
+    current vLLM puts there, including keys that do not exist yet.
+    """
+    if not isinstance(answer, dict) or "kv_transfer_params" not in answer:
+        raise ProxyError(
+            ErrorCode.MISSING_KV_TRANSFER_PARAMS,
+            f"prefill response did not include kv_transfer_params (prefill instance {instance})",
+        )
+    params = answer["kv_transfer_params"]
+    if not isinstance(params, dict):
+        raise ProxyError(
+            ErrorCode.INVALID_KV_TRANSFER_PARAMS,
+            "prefill response kv_transfer_params is not a JSON object "
+            f"(prefill instance {instance})",
+        )
+    return params
+
+
+def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
+    """Take ``kv_transfer_params`` from a prefill answer's bytes, or explain with a 502."""
+    return kv_transfer_params_of(read_prefill_answer(raw, instance), instance)

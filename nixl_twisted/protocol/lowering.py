@@ -303,43 +303,6 @@ def decode_only_body(body: JSONObject) -> JSONObject:
     return completed
 
 
-def read_prefill_answer(raw: bytes, instance: str) -> Any:
-    """Prefill's answer, parsed once: its params and its token ids are read from it."""
-    try:
-        return read_json(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise ProxyError(
-            ErrorCode.PREFILL_INVALID_RESPONSE,
-            f"prefill instance {instance} answered with a body that is not JSON",
-        ) from None
-
-
-def kv_transfer_params_of(answer: Any, instance: str) -> JSONObject:
-    """Take ``kv_transfer_params`` from a parsed prefill answer, or explain with a 502.
-
-    The value is returned as parsed, never rebuilt: decode needs every key
-    current vLLM puts there, including keys that do not exist yet.
-    """
-    if not isinstance(answer, dict) or "kv_transfer_params" not in answer:
-        raise ProxyError(
-            ErrorCode.MISSING_KV_TRANSFER_PARAMS,
-            f"prefill response did not include kv_transfer_params (prefill instance {instance})",
-        )
-    params = answer["kv_transfer_params"]
-    if not isinstance(params, dict):
-        raise ProxyError(
-            ErrorCode.INVALID_KV_TRANSFER_PARAMS,
-            "prefill response kv_transfer_params is not a JSON object "
-            f"(prefill instance {instance})",
-        )
-    return params
-
-
-def extract_kv_transfer_params(raw: bytes, instance: str) -> JSONObject:
-    """Take ``kv_transfer_params`` from a prefill answer's bytes, or explain with a 502."""
-    return kv_transfer_params_of(read_prefill_answer(raw, instance), instance)
-
-
 def encode(body: JSONObject) -> bytes:
     """Serialize a leg's body; non-ASCII stays UTF-8 as the client sent it.
 

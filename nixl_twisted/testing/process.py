@@ -45,6 +45,18 @@ def listening_addresses(output: bytes) -> list[str]:
     return [(m["text"] or m["json"]).decode() for m in _LISTENING.finditer(output)]
 
 
+def terminate(process: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """SIGTERM, then wait; killed if it does not exit within ``timeout``: its exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 class TwistdFailed(RuntimeError):
     """The process did not start listening (its output says why)."""
 
@@ -97,14 +109,7 @@ class Twistd:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM (the proxy drains), then wait; killed if it does not exit in time."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return terminate(self.process, timeout)
 
 
 class WatchedProcess(ProcessProtocol):

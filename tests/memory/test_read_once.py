@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from nixl_twisted.protocol import completion, lowering, routes
+from nixl_twisted.protocol import completion, handoff, lowering, routes
 from tests.memory.support import FULL_CHAT, Setup
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -28,6 +28,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
         return call  # type: ignore[return-value]
 
     monkeypatch.setattr(lowering, "read_json", counting("json", lowering.read_json))
+    monkeypatch.setattr(handoff, "read_json", counting("json", handoff.read_json))
     parse = counting("parsed", lowering.parse_client_body)
     monkeypatch.setattr(lowering, "parse_client_body", parse)
     monkeypatch.setattr(lowering, "encode", counting("encoded", lowering.encode))

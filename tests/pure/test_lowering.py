@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from nixl_twisted import ID, VERSION, meta
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.handoff import extract_kv_transfer_params
 from nixl_twisted.protocol.lowering import (
     BatchRequest,
     batch_of,
     check_servable,
     decode_body,
     encode,
-    extract_kv_transfer_params,
     new_request_id,
     parse_client_body,
     prefill_body,
