@@ -24,7 +24,8 @@ costs, with the start and the stop cancelled out.
     python -m bench.calls --tokens 64 256 --per-stream-gap 15
         # the proxy, then the floor: the functions whose calls per stream differ
         # most between them (proxy minus floor), where the proxy's extra CPU per
-        # stream goes
+        # stream goes (--floor klein-upstream: against Klein and treq as the proxy
+        # uses them, the design's own floor, instead of the bare stack)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import tempfile
 from collections.abc import Sequence
 
 from bench.run import _free_port, _pinned, _process
+from bench.stream_ceiling import FLOORS
 from nixl_twisted.testing.process import Twistd
 
 #: ``--floor``: not an option of the proxy, but the floor server in its place.
@@ -66,12 +68,13 @@ def calls(
 def _profiled(
     stats: str, backend: str, requests: int, stream: bool, proxy_args: Sequence[str], tokens: int
 ) -> None:
-    if FLOOR in proxy_args:
+    kind = _floor_kind(proxy_args)
+    if kind is not None:
         # The floor of bench.stream_ceiling under cProfile: SIGTERM stops its
         # reactor, and cProfile writes the stats as the module returns.
         port = _free_port()
         floor = [sys.executable, "-m", "cProfile", "-o", stats, "-m", "bench.stream_ceiling"]
-        floor += ["--serve", "--port", str(port), "--backend", backend]
+        floor += ["--serve", kind, "--port", str(port), "--backend", backend]
         with _process(_pinned("0", floor), port):
             _load(f"http://127.0.0.1:{port}", requests, stream, tokens, None)
         return
@@ -83,6 +86,12 @@ def _profiled(
         _load(f"http://{proxy.address()}", requests, stream, tokens, key)
     finally:
         proxy.stop(timeout=30)
+
+
+def _floor_kind(proxy_args: Sequence[str]) -> str | None:
+    """Which floor server ``--floor=KIND`` among the options asks for, if one does."""
+    found = [a.partition("=")[2] for a in proxy_args if a.partition("=")[0] == FLOOR]
+    return found[-1] if found else None
 
 
 def _load(url: str, requests: int, stream: bool, tokens: int, key: str | None) -> None:
@@ -174,7 +183,7 @@ def profiled_streams(
 ) -> dict[int, Costs]:
     """Print calls per request of each load (non-streaming too, but not of the floor),
     and return each stream length's calls per stream, by function."""
-    floor = FLOOR in proxy_args
+    floor = _floor_kind(proxy_args) is not None
     requests = args.many - args.few
     per_request: dict[int, Costs] = {}
     for tokens in ((None,) if not floor else ()) + tuple(args.tokens):
@@ -209,8 +218,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--readers", action="store_true", help="every reader of a request on")
     parser.add_argument(
         "--floor",
-        action="store_true",
-        help="profile bench.stream_ceiling's floor server instead of the proxy (streams only)",
+        nargs="?",
+        const="web-agent",
+        choices=FLOORS,
+        help="profile bench.stream_ceiling's floor server instead of the proxy (streams "
+        "only): web-agent (the bare stack, the default) or klein-upstream (Klein and "
+        "the proxy's treq client: the design's own floor); with --per-stream-gap, the "
+        "floor compared with",
     )
     parser.add_argument(
         "--tokens",
@@ -251,9 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_length = args.top or args.top_per_stream or args.per_stream_gap
     if per_length and len(args.tokens) != 2:
         parser.error("--top, --top-per-stream and --per-stream-gap need two --tokens")
-    if args.per_stream_gap and args.floor:
-        parser.error("--per-stream-gap profiles the floor itself: leave out --floor")
-    proxy_args = [*args.proxy_arg, *(READERS if args.readers else ()), *([FLOOR] * args.floor)]
+    # (with --per-stream-gap, --floor names the floor compared with: the proxy goes first)
+    floors = [f"{FLOOR}={args.floor}"] if args.floor and not args.per_stream_gap else []
+    proxy_args = [*args.proxy_arg, *(READERS if args.readers else ()), *floors]
     port = _free_port()
     backend = [sys.executable, "-m", "bench.backend", "--port", str(port)]
     backend += ["--token-interval", str(args.token_interval)]
@@ -264,7 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         slopes = summary(profiled_streams(url, args, proxy_args))
         if args.per_stream_gap:
             print("\nthe floor:\n\n| load | calls per request |\n|---|---|")
-            floor = summary(profiled_streams(url, args, [*proxy_args, FLOOR]))
+            against = f"{FLOOR}={args.floor or 'web-agent'}"
+            floor = summary(profiled_streams(url, args, [*proxy_args, against]))
     if slopes is not None:
         per_token, per_stream = slopes
         if args.top:

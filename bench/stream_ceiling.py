@@ -6,13 +6,19 @@ copy to prefill and reads its answer whole, puts prefill's
 ``kv_transfer_params`` into the decode body, POSTs it, and relays decode's
 SSE stream chunk in, chunk out (``deliverBody``, the backend's transport
 registered as the client's producer). No retries, health, metrics, log or
-idle timer. Beside it the real ``twistd nixlproxy``, on the same core, the
-same fast fake backend and the same streaming loads as ``bench.run`` (64
-tokens, 64 connections, back to back and at 5 ms a token), and direct to
-the backend for the first-token baseline.
+idle timer. ``klein-upstream`` does the same with the design's own stack:
+a Klein route, and treq as the proxy's client uses it
+(``nixl_twisted.backends.upstream``). Beside them the real ``twistd
+nixlproxy``, on the same core, the same fast fake backend and the same
+streaming loads as ``bench.run`` (64 tokens, 64 connections, back to back
+and at 5 ms a token), and direct to
+the backend for the first-token baseline; with ``--vllm-router PATH``,
+vllm-project/router's binary in P/D mode beside them, the peer to compare
+with (never a dependency: ``pip install vllm-router`` in a scratch venv).
 
     python -m bench.stream_ceiling                 # 8 s per load
     python -m bench.stream_ceiling --requests 64   # a smoke run: 64 streams per load
+    python -m bench.stream_ceiling --loads paced --vllm-router /tmp/vr/bin/vllm-router
 """
 
 from __future__ import annotations
@@ -47,11 +53,13 @@ LOADS = (
     Load("streaming chat, 64 tokens at 5 ms, 64 connections", 64, True, 0.005),
 )
 TOKENS = 64
-KINDS = ("web-agent", "nixlproxy")
+KINDS = ("web-agent", "klein-upstream", "nixlproxy", "vllm-router")
+FLOORS = KINDS[:2]
+LOAD_NAMES = {"back-to-back": LOADS[0], "paced": LOADS[1]}
 
 
-def serve(port: int, backend: str) -> None:
-    """Run the floor server until it is terminated."""
+def serve(kind: str, port: int, backend: str) -> None:
+    """Run a floor server until it is terminated: ``web-agent`` or ``klein-upstream``."""
     from twisted.internet import reactor
     from twisted.internet.defer import Deferred
     from twisted.internet.endpoints import serverFromString
@@ -71,8 +79,9 @@ def serve(port: int, backend: str) -> None:
     class _Relay(Protocol):
         """Decode's body to the client: each chunk written as it arrives."""
 
-        def __init__(self, request: Any) -> None:
+        def __init__(self, request: Any, done: Deferred[None]) -> None:
             self.request = request
+            self.done = done
 
         def connectionMade(self) -> None:
             self.request.registerProducer(self.transport, True)
@@ -82,52 +91,108 @@ def serve(port: int, backend: str) -> None:
 
         def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
             self.request.unregisterProducer()
-            self.request.finish()
+            self.done.callback(None)
 
-    async def respond(request: Any) -> None:
+    if kind == "klein-upstream":
+        # The design's own stack: Klein, and treq as the proxy's client uses it.
+        from twisted.web.client import HTTPConnectionPool
+
+        from nixl_twisted.backends.upstream import Upstream, backend_agent, read_body
+
+        connections = HTTPConnectionPool(reactor)
+        connections.maxPersistentPerHost = 512
+        upstream = Upstream(backend_agent(reactor, connections, 10.0), connections)
+
+        async def post(data: bytes) -> IResponse:
+            return await upstream.post(url.decode(), data, headers)
+
+        def read(response: IResponse) -> Deferred[bytes]:
+            return read_body(response)
+
+    else:
+
+        async def post(data: bytes) -> IResponse:
+            return await agent.request(b"POST", url, headers, _Bytes(data))
+
+        def read(response: IResponse) -> Deferred[bytes]:
+            return readBody(response)
+
+    async def relay(request: Any) -> None:
         body = json.loads(request.content.read())
-        prefill = await agent.request(b"POST", url, headers, _Bytes(_lowered(body)))
-        answer = await readBody(prefill)
-        decode: IResponse = await agent.request(
-            b"POST", url, headers, _Bytes(_completed(body, answer))
-        )
+        answer = await read(await post(_lowered(body)))
+        decode = await post(_completed(body, answer))
         request.setHeader(b"Content-Type", b"text/event-stream")
-        decode.deliverBody(_Relay(request))
+        done: Deferred[None] = Deferred()
+        decode.deliverBody(_Relay(request, done))
+        await done
 
-    class _Chat(Resource):
-        isLeaf = True
+    if kind == "klein-upstream":
+        from klein import Klein
 
-        def render_POST(self, request: Any) -> int:
-            Deferred.fromCoroutine(respond(request))
-            return NOT_DONE_YET
+        app = Klein()
+        app.route("/v1/chat/completions", methods=["POST"])(relay)
+        site = Site(app.resource())
+    else:
 
-    site = Site(_Chat())
+        async def respond(request: Any) -> None:
+            await relay(request)
+            request.finish()
+
+        class _Chat(Resource):
+            isLeaf = True
+
+            def render_POST(self, request: Any) -> int:
+                Deferred.fromCoroutine(respond(request))
+                return NOT_DONE_YET
+
+        site = Site(_Chat())
     site.requestFactory = _NoForms
     serverFromString(reactor, f"tcp:{port}:interface=127.0.0.1").listen(site)
     cast(IReactorCore, reactor).run()
 
 
 @contextmanager
-def _serving(kind: str, backend: str) -> Iterator[tuple[str, list[int]]]:
-    """The floor server (or nixlproxy itself) on core 0: its URL and its processes."""
+def _serving(kind: str, backend: str, router: str) -> Iterator[tuple[str, list[int]]]:
+    """The floor server (nixlproxy, vllm-router) on core 0: its URL and its processes."""
     if kind == "nixlproxy":
         args = ["--health-interval", "0", "--prefill", backend, "--decode", backend]
         with nixlproxy(args, "0") as (running, url):
             yield url, _descendants(running.process.pid)
         return
     port = _free_port()
-    command = [sys.executable, "-m", "bench.stream_ceiling", "--serve", "--port", str(port)]
+    if kind == "vllm-router":
+        # The router takes one URL for one role only: its prefill leg goes to
+        # a second backend process of its own, on the other cores.
+        prefill_port = _free_port()
+        prefill = [sys.executable, "-m", "bench.backend", "--port", str(prefill_port)]
+        command = [router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+        command += ["--prefill", f"http://127.0.0.1:{prefill_port}", "--decode", backend]
+        command += ["--log-level", "error", "--prometheus-port", str(_free_port())]
+        with (
+            _process(_pinned(_others(), prefill), prefill_port),
+            _process(_pinned("0", command), port) as process,
+        ):
+            yield f"http://127.0.0.1:{port}", _descendants(process.pid)
+        return
+    command = [sys.executable, "-m", "bench.stream_ceiling", "--serve", kind, "--port", str(port)]
     with _process(_pinned("0", [*command, "--backend", backend]), port) as process:
         # taskset execs the server: the pid is the server's own.
         yield f"http://127.0.0.1:{port}", [process.pid]
 
 
-def measure(kinds: Sequence[str], length: Length) -> list[dict[str, Any]]:
-    """Each load direct, then through each server, with the server's CPU per stream."""
+def _others() -> str:
+    """The cores besides the server's (core 0): the backend's and the load's."""
     cores = os.cpu_count() or 2
-    others = "1" if cores == 2 else f"1-{cores - 1}"
+    return "1" if cores == 2 else f"1-{cores - 1}"
+
+
+def measure(
+    kinds: Sequence[str], length: Length, loads: Sequence[Load] = LOADS, router: str = ""
+) -> list[dict[str, Any]]:
+    """Each load direct, then through each server, with the server's CPU per stream."""
+    others = _others()
     rows = []
-    for load in LOADS:
+    for load in loads:
         port = _free_port()
         backend = [sys.executable, "-m", "bench.backend", "--port", str(port)]
         backend += ["--processes", "2", "--token-interval", str(load.token_interval)]
@@ -135,7 +200,7 @@ def measure(kinds: Sequence[str], length: Length) -> list[dict[str, Any]]:
             url = f"http://127.0.0.1:{port}"
             direct = _load(url, load, length, others)
             for kind in kinds:
-                with _serving(kind, url) as (served, pids):
+                with _serving(kind, url, router) as (served, pids):
                     before = sum(_cpu_seconds(pid) for pid in pids)
                     result = _load(served, load, length, others)
                     cpu = sum(_cpu_seconds(pid) for pid in pids) - before
@@ -173,15 +238,27 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_length_options(parser)
-    parser.add_argument("--servers", nargs="+", choices=KINDS, default=list(KINDS))
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--servers", nargs="+", choices=KINDS, default=["web-agent", "klein-upstream", "nixlproxy"]
+    )
+    parser.add_argument("--loads", nargs="+", choices=list(LOAD_NAMES), default=list(LOAD_NAMES))
+    parser.add_argument(
+        "--vllm-router", default="", metavar="PATH", help="vllm-router's binary, run beside"
+    )
+    parser.add_argument("--serve", choices=FLOORS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.port, args.backend)
+        serve(args.serve, args.port, args.backend)
         return 0
-    rows = measure(args.servers, length_of(parser, args))
+    servers = list(args.servers)
+    if args.vllm_router and "vllm-router" not in servers:
+        servers.append("vllm-router")
+    if "vllm-router" in servers and not args.vllm_router:
+        parser.error("--servers vllm-router needs --vllm-router PATH")
+    loads = [LOAD_NAMES[name] for name in args.loads]
+    rows = measure(servers, length_of(parser, args), loads, args.vllm_router)
     print(table(rows))
     failed = [row for row in rows if row["errors"] or not row["requests"]]
     for row in failed:

@@ -69,7 +69,9 @@ def test_a_short_calls_run_prints_calls_per_request() -> None:
 
 
 def test_a_short_calls_run_of_the_floor_prints_calls_per_token_and_its_functions() -> None:
-    command = [PYTHON, "-m", "bench.calls", "--floor", "--few", "10", "--many", "30"]
+    # (the design's floor, Klein and treq; the per-stream gap below runs the bare one)
+    command = [PYTHON, "-m", "bench.calls", "--floor", "klein-upstream", "--few", "10"]
+    command += ["--many", "30"]
     ran = run([*command, "--tokens", "4", "8", "--top", "3"])
     row = re.search(r"\| per token \(4 -> 8\) \| ([\d,.]+) \|", ran.stdout)
     functions = re.findall(r"^\| `[^`]+` \| [\d.]+ \| -?[\d.]+ \|$", ran.stdout, re.MULTILINE)
@@ -250,11 +252,11 @@ def test_a_short_stream_ceiling_run_prints_a_row_per_server_and_load() -> None:
     rows = [
         rf"\| {kind} \| streaming chat, {load} \| [\d.]+/s \| [\d.]+ \| [\d.]+ \| [-+][\d.]+ ms "
         r"\| [-+][\d.]+ ms \| 0 \|"
-        for kind in ("web-agent", "nixlproxy")
+        for kind in ("web-agent", "klein-upstream", "nixlproxy")
         for load in loads
     ]
     assert ran.code == 0 and all(re.search(row, ran.stdout) for row in rows), ran.why(
-        "exit 0 and, for web-agent and nixlproxy, a row per streaming load with "
+        "exit 0 and, for web-agent, klein-upstream and nixlproxy, a row per streaming load with "
         "streams/s, CPU per stream and per token, TTFT added and no error"
     )
 
