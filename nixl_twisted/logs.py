@@ -18,9 +18,11 @@ import json
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import IO, Any
+from functools import lru_cache
+from typing import IO, Any, cast
 
 from twisted.logger import (
+    FileLogObserver,
     FilteringLogObserver,
     ILogFilterPredicate,
     ILogObserver,
@@ -28,7 +30,9 @@ from twisted.logger import (
     LogLevel,
     PredicateResult,
     formatEvent,
-    textFileLogObserver,
+    formatEventAsClassicLogText,
+    formatTime,
+    timeFormatRFC3339,
 )
 from twisted.python.logfile import LogFile
 from zope.interface import implementer
@@ -185,25 +189,82 @@ class LogLevels:
         return PredicateResult.no if level < least else PredicateResult.maybe
 
 
+class TurnBuffered:
+    """A log file written once per turn of the reactor: the lines of one turn together.
+
+    Twisted's file observers write and flush every line, a ``write(2)`` per
+    request on the reactor's only thread; here a turn's lines (the access
+    lines of every request that ended in it) go out in one write at its
+    end (``callLater(0)``). While the reactor does not run (starting,
+    stopped) each line goes out at once, after any still held, in order.
+    Only a process killed outright loses a line: the last turn's.
+    """
+
+    def __init__(self, out: IO[str], reactor: Any) -> None:
+        self._out = out
+        self._reactor = reactor
+        self._lines: list[str] = []
+        self._due = False
+
+    def write(self, text: str) -> None:
+        self._lines.append(text)
+
+    def flush(self) -> None:
+        if not self._reactor.running:
+            self.write_out()
+        elif not self._due and self._lines:
+            self._due = True
+            self._reactor.callLater(0, self.write_out)
+
+    def write_out(self) -> None:
+        """Every line held, in one write."""
+        self._due = False
+        if self._lines:
+            lines, self._lines = self._lines, []
+            self._out.write("".join(lines))
+            self._out.flush()
+
+
+@lru_cache(maxsize=4)
+def _second(second: int) -> str:
+    return formatTime(second, timeFormatRFC3339)
+
+
+def _time_text(when: float | None) -> str:
+    """Twisted's own stamp (to the second, local time), made once a second, not per line."""
+    return formatTime(when) if when is None else _second(int(when))
+
+
+def classic_text(event: dict[str, Any]) -> str | None:
+    """An event as ``textFileLogObserver`` writes it."""
+    return formatEventAsClassicLogText(event, formatTime=_time_text)
+
+
 def observer(
     log_format: str,
     levels: LogLevels,
     worker: int | None,
     target: Callable[[], IO[str] | None],
+    reactor: Any = None,
 ) -> ILogObserver | None:
     """The observer these settings need, or None where twistd's own must do.
 
     ``target`` opens where twistd would log (``log_file``): None for syslog
     or an operator's ``--logger``, whose observer is then twistd's (not
     filtered by ``--log-level``); JSON goes to stdout when that is syslog.
+    With a ``reactor``, lines are written once per turn (``TurnBuffered``).
     """
+    out = target()
+    if out is None and log_format == "json":
+        out = sys.stdout
+    if out is None:
+        return None
+    if reactor is not None:
+        out = cast(IO[str], TurnBuffered(out, reactor))
     if log_format == "json":
-        chosen: ILogObserver = json_lines(target())
+        chosen: ILogObserver = json_lines(out)
     else:
-        out = target()
-        if out is None:
-            return None
-        chosen = textFileLogObserver(out)
+        chosen = FileLogObserver(out, classic_text)
     if worker is not None:
         chosen = WorkerTagged(chosen, worker)
     return FilteringLogObserver(chosen, [levels])

@@ -156,7 +156,11 @@ def makeService(options: Options) -> IService:
     twistd_options = getattr(options, "parent", None)
     levels = logs.LogLevels(config.log_level)
     observer = logs.observer(
-        config.log_format, levels, config.worker, lambda: logs.log_file(twistd_options)
+        config.log_format,
+        levels,
+        config.worker,
+        lambda: logs.log_file(twistd_options),
+        reactor,
     )
     # (twistd's own observer, for syslog or an operator's --logger: no filter to change)
     logging = Logging(observer, levels) if observer is not None else None

@@ -58,7 +58,7 @@ from nixl_twisted.observe.access import AccessLog
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.observe.observed import Observed
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
-from nixl_twisted.run import startup
+from nixl_twisted.run import heap, startup
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import Announced, address, bind_error, listener
 from nixl_twisted.run.signals import SignalService
@@ -147,6 +147,7 @@ class ProxyService(ProcessTree):
     def _announce(self) -> None:
         if not self.running:
             return  # stopped before its first health round answered
+        heap.settle()
         if self.config.worker is None:  # (a worker's supervisor says it for all)
             startup.announce(self.config)
         for port in self.ports():

@@ -8,7 +8,14 @@ import json
 import re
 from typing import Any
 
-from twisted.logger import ILogObserver, Logger, LogPublisher
+from twisted.internet.task import Clock
+from twisted.logger import (
+    ILogObserver,
+    Logger,
+    LogLevel,
+    LogPublisher,
+    formatEventAsClassicLogText,
+)
 from twisted.python.failure import Failure
 
 from nixl_twisted import logs
@@ -226,3 +233,65 @@ def test_text_is_ours_unless_twistd_logs_to_syslog_or_an_operators_logger() -> N
 def test_where_twistd_would_log() -> None:
     assert logs.log_file({"logfile": "-"}) is not None
     assert logs.log_file({"syslog": True}) is None
+
+
+class _Turns(Clock):
+    """A clock that says whether its reactor runs, as ``TurnBuffered`` asks."""
+
+    running = True
+
+
+class _Writes(io.StringIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_a_turns_lines_are_written_together_at_its_end() -> None:
+    reactor, out = _Turns(), _Writes()
+    chosen = logs.observer("text", logs.LogLevels("info"), None, lambda: out, reactor)
+    assert chosen is not None
+    for n in range(3):
+        emitted(chosen, lambda log, n=n: log.info("line {n}", n=n))
+    assert out.getvalue() == ""
+    reactor.advance(0)
+    assert out.writes == 1
+    assert [line.split("] ", 1)[1] for line in out.getvalue().splitlines()] == [
+        "line 0",
+        "line 1",
+        "line 2",
+    ]
+    emitted(chosen, lambda log: log.info("next turn"))
+    reactor.advance(0)
+    assert out.writes == 2 and out.getvalue().endswith("] next turn\n")
+
+
+def test_once_the_reactor_stops_lines_are_written_at_once_after_those_held() -> None:
+    reactor, out = _Turns(), _Writes()
+    chosen = logs.observer("json", logs.LogLevels("info"), None, lambda: out, reactor)
+    assert chosen is not None
+    emitted(chosen, lambda log: log.info("held"))
+    reactor.running = False
+    emitted(chosen, lambda log: log.info("stopped"))
+    assert [json.loads(line)["message"] for line in out.getvalue().splitlines()] == [
+        "held",
+        "stopped",
+    ]
+    reactor.advance(0)  # (the turn's write, still scheduled, finds nothing left)
+    assert len(out.getvalue().splitlines()) == 2
+
+
+def test_the_text_stamp_is_twisteds_own_to_the_second() -> None:
+    out = io.StringIO()
+    chosen = logs.observer("text", logs.LogLevels("info"), None, lambda: out)
+    assert chosen is not None
+    for when in (1_700_000_000.0, 1_700_000_000.999, 1_700_000_001.5):
+        event = {"log_time": when, "log_format": "x", "log_level": LogLevel.info}
+        chosen(dict(event, log_namespace="n"))
+        twisteds = formatEventAsClassicLogText(dict(event, log_namespace="n"))
+        assert twisteds is not None
+        assert out.getvalue().splitlines()[-1] == twisteds.rstrip("\n")
