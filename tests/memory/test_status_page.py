@@ -61,8 +61,8 @@ def test_the_page_is_rendered_with_every_datum_escaped_and_a_strict_policy(setup
     page = answer.body.decode()
     assert "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;&amp;model" in page
     assert "<script>alert" not in page
-    # One script, one style sheet, both the proxy's own; nothing else is loaded.
-    assert re.findall(r'(?:src|href)="([^"]*)"', page) == ["/status.css", "/status.js"]
+    # One script, one style sheet, both the proxy's own, an empty icon; nothing else is loaded.
+    assert re.findall(r'(?:src|href)="([^"]*)"', page) == ["data:,", "/status.css", "/status.js"]
     rows = re.findall(
         r'<tr class="instance state-(\w+)" data-pool="(\w+)" data-url="([^"]+)"', page
     )

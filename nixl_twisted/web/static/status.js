@@ -184,7 +184,7 @@
       legend.appendChild(el("li", (name ? name + ": " : "") + dash(number(last)) + unit,
         "series-" + (k % 6)));
     });
-    if (!names.length) legend.appendChild(el("li", "nothing yet"));
+    if (!names.length) legend.appendChild(el("li", "none"));
     figure.appendChild(svg);
     figure.appendChild(legend);
     return figure;
