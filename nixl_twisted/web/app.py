@@ -121,7 +121,7 @@ class ProxyApp:
     @property
     def ready(self) -> bool:
         """Both pools have an instance up, and the proxy is not leaving."""
-        return self.backends.ready() and not self.admission.leaving
+        return self.status.ready
 
     @app.route(routes.HEALTH, methods=["GET"])
     def health(self, request: Request) -> bytes:

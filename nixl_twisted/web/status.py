@@ -20,7 +20,6 @@ from twisted.web.iweb import IRequest
 
 from nixl_twisted import __version__
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.identity import ID, VERSION
 from nixl_twisted.observe.history import INTERVAL, WINDOW, History
@@ -52,29 +51,24 @@ class StatusPage:
         tenancy: Tenancy,
         history: History,
         warnings: RecentWarnings,
-        config: ProxyConfig,
+        worker: int | None = None,
     ) -> None:
-        self.fleet = fleet
-        self.backends = fleet.backends
-        self.serving = serving
-        self.admission = admission
-        self.tenancy = tenancy
-        self.history = history
-        self.warnings = warnings
-        #: The worker this is, under ``--workers`` (None: the one process).
-        self.worker = config.worker
+        """``history`` and ``warnings``: the charts' samples and the log's lines, kept while
+        the proxy runs; ``worker``: which one this is, under ``--workers``."""
+        self.fleet, self.serving, self.admission, self.tenancy = fleet, serving, admission, tenancy
+        self.history, self.warnings, self.worker = history, warnings, worker
 
     @property
     def ready(self) -> bool:
         """Both pools have an instance up, and the proxy is not leaving."""
-        return self.backends.ready() and not self.admission.leaving
+        return self.fleet.backends.ready() and not self.admission.leaving
 
     def healthcheck(self) -> dict[str, Any]:
         """The full ``/healthcheck`` (``protocol.md``)."""
         return {
             "ready": self.ready,
-            "prefill_instances": len(self.backends.prefill),
-            "decode_instances": len(self.backends.decode),
+            "prefill_instances": len(self.fleet.backends.prefill),
+            "decode_instances": len(self.fleet.backends.decode),
             "draining": self.admission.draining,
             "shutting_down": self.admission.leaving,
             "in_flight": self.admission.in_flight,
@@ -136,7 +130,7 @@ class StatusPage:
         """Each model with the instances of each pool that serve it, and its queue; instances
         that have not said what they serve (and no table names) under ``null``."""
         by_model: dict[str | None, dict[str, Any]] = {}
-        for pool in self.backends.pools():
+        for pool in self.fleet.backends.pools():
             for instance in pool.instances:
                 for model in _served(instance):
                     entry = by_model.setdefault(
