@@ -10,12 +10,13 @@ BIN := $(VENV)/bin
 # What each step of `make test` needs first. `make test` installs once, then
 # runs every step with it empty: each step alone (`make lint`) still installs.
 STEP_NEEDS ?= install
-# What the test layers need besides: a real redis-server (--limits-redis) and a
-# real dnsmasq (DNS discovery against a real resolver).
-LAYER_NEEDS ?= redis-server dnsmasq
+# What the test layers need besides: a real redis-server (--limits-redis), a
+# real dnsmasq (DNS discovery against a real resolver) and a real headless
+# Chromium with its chromedriver (the status page in a browser).
+LAYER_NEEDS ?= redis-server dnsmasq chromium
 TEST_STEPS := lint layers docs-check bench-smoke demo-check
 
-.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo redis-server dnsmasq clean
+.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo redis-server dnsmasq chromium clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,17 @@ dnsmasq:
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq-base; }; \
 	}
 
+# The status page's browser test drives a real headless Chromium through its
+# chromedriver (with CI=true it fails without them, never skips): Debian's
+# chromium and chromium-driver, at /usr/bin/chromium and /usr/bin/chromedriver,
+# where Selenium is pointed (its Selenium Manager never downloads a browser).
+chromium:
+	@{ test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; } || { \
+		command -v apt-get >/dev/null || { echo "make: chromium and chromedriver are missing, and there is no apt-get to install them" >&2; exit 1; }; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1 || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver; }; \
+	}
+
 # The demo needs the package and the openai client only, not the test toolchain.
 install-demo: $(BIN)/python
 	rm -rf build
@@ -64,7 +76,7 @@ lint: $(STEP_NEEDS)
 # docs build, a benchmark smoke run and the demo, each a step of its own.
 # Every step runs even when one before it failed (a lint error must not hide
 # a failing test); the failed ones are listed at the end, and make fails.
-test: install redis-server dnsmasq
+test: install redis-server dnsmasq chromium
 	@failed=""; \
 	for step in $(TEST_STEPS); do \
 		echo "==> make $$step"; \

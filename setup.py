@@ -18,7 +18,7 @@ setup(
     python_requires=">=3.10",
     # twisted.plugins has no __init__.py of ours: it is Twisted's package.
     packages=[*find_packages(include=["nixl_twisted", "nixl_twisted.*"]), "twisted.plugins"],
-    package_data={"nixl_twisted": ["py.typed"]},
+    package_data={"nixl_twisted": ["py.typed"], "nixl_twisted.web": ["static/*"]},
     install_requires=[
         # 24.10 sets TCP_NODELAY on HTTP server and client sockets; 25.5 lets
         # a Site skip form parsing (parsePOSTFormSubmission).
@@ -63,6 +63,9 @@ setup(
             "sphinx>=7",
             "myst-parser>=2",
             "ruff>=0.5",
+            # The status page's test in a real browser: Debian's chromium and
+            # chromedriver (`make chromium`), driven by Selenium's own bindings.
+            "selenium>=4.20",
         ],
     },
     entry_points={"console_scripts": ["nixlproxy-demo=nixl_twisted.demo:main"]},

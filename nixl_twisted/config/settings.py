@@ -789,9 +789,9 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         endpoint,
         help=(
-            "Serve /admin/*, /healthcheck in full and /metrics on this endpoint only (e.g. "
-            "tcp:9000:interface=127.0.0.1); the --listen endpoints then answer /healthcheck "
-            "with readiness alone."
+            "Serve /admin/*, /healthcheck in full, /metrics and the status page (/) on this "
+            "endpoint only (e.g. tcp:9000:interface=127.0.0.1); the --listen endpoints then "
+            "answer /healthcheck with readiness alone."
         ),
         live=False,
     ),

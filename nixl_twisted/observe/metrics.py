@@ -20,6 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import Metric
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from twisted.web.iweb import IRequest
@@ -252,6 +253,23 @@ class ProxyMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def sampled(self) -> list[Metric]:
+        """The counters and histograms the status page charts (``observe.history``); a
+        worker's: every worker's, summed from their files as ``exposition`` sums them."""
+        wanted = (
+            self.requests,
+            self.time_to_first_byte,
+            self.handoff_gap,
+            self.disaggregation_decisions,
+            self.routing_decisions,
+            self.refused,
+        )
+        if self._shared_dir is None:
+            return [family for metric in wanted for family in metric.collect()]
+        names = {family.name for metric in wanted for family in metric.describe()}
+        summed = MultiProcessCollector(None, path=self._shared_dir).collect()
+        return [family for family in summed if family.name in names]
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format; a worker's: the whole proxy's."""

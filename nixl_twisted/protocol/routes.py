@@ -31,6 +31,12 @@ HEALTHCHECK = "/healthcheck"
 METRICS = "/metrics"
 ADMIN_BACKENDS = "/admin/backends"
 ADMIN_DRAIN = "/admin/backends/drain"
+#: The status page (``docs/status-page.md``): the page, its JSON, its script and style.
+STATUS_PAGE = "/"
+STATUS_JSON = "/status.json"
+STATUS_SCRIPT = "/status.js"
+STATUS_STYLE = "/status.css"
+STATUS = frozenset({STATUS_PAGE, STATUS_JSON, STATUS_SCRIPT, STATUS_STYLE})
 
 _FIXED = frozenset(
     {
@@ -44,11 +50,12 @@ _FIXED = frozenset(
         METRICS,
         ADMIN_BACKENDS,
         ADMIN_DRAIN,
+        *STATUS,
     }
 )
 #: What an --admin-listen endpoint serves, and the --listen endpoints then do not
 #: (``/healthcheck`` they answer with readiness alone).
-ADMIN_ONLY = frozenset({METRICS, ADMIN_BACKENDS, ADMIN_DRAIN})
+ADMIN_ONLY = frozenset({METRICS, ADMIN_BACKENDS, ADMIN_DRAIN, *STATUS})
 ADMIN_PORT = ADMIN_ONLY | {HEALTH, HEALTHCHECK}
 _RESPONSE_PREFIX = RESPONSES + "/"
 
@@ -75,4 +82,4 @@ def speaks_anthropic(path: bytes) -> bool:
 
 #: The routes a client key is not asked for: health, metrics, and the admin API
 #: (which has its own token).
-UNKEYED = frozenset({HEALTH, HEALTHCHECK, METRICS, ADMIN_BACKENDS, ADMIN_DRAIN})
+UNKEYED = frozenset({HEALTH, HEALTHCHECK, METRICS, ADMIN_BACKENDS, ADMIN_DRAIN, *STATUS})

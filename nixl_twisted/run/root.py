@@ -13,6 +13,8 @@ it works with. The tree::
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
     ├── Tracing               when tracing is on: flushes queued spans at stop
+    ├── History               the status page's charts, sampled while it is looked at
+    ├── RecentWarnings        the status page's warning lines, from the log
     ├── SignalService         SIGTERM and SIGHUP (under twistd)
     └── SupervisorLink        in a --workers worker: pools and health from the supervisor
 """
@@ -55,8 +57,10 @@ from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
+from nixl_twisted.observe.history import History
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.observe.observed import Observed
+from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
 from nixl_twisted.run import heap, startup
 from nixl_twisted.run.coordination import SupervisorLink
@@ -72,6 +76,7 @@ from nixl_twisted.web.intake import BodyBudget
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows
 from nixl_twisted.web.site import TrackingSite
+from nixl_twisted.web.status import StatusPage
 from nixl_twisted.web.tenancy import Tenancy
 from nixl_twisted.web.tenants import TenantLimits
 
@@ -351,7 +356,11 @@ def build(
     admin = AdminAPI(fleet, config, link.publish if link is not None else None)
     legs = Legs(backends, kv, clock, metrics, config, slots)
     serving = Serving(legs, ResponseDirectory())
-    app = ProxyApp(config, fleet, serving, admission, tenancy, admin, observed)
+    # The status page's charts and warning lines: sampled and kept only while the root runs.
+    history = History(clock, metrics.sampled)
+    warnings = RecentWarnings()
+    status = StatusPage(fleet, serving, admission, tenancy, history, warnings, config.worker)
+    app = ProxyApp(config, fleet, serving, admission, tenancy, admin, observed, status)
     site = TrackingSite(
         app.resource(),
         ClientLimits.of(config),
@@ -363,6 +372,8 @@ def build(
     )
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
     root = ProxyService(config, app, site, checks, reactor, clock, found, configured, logging)
+    history.setServiceParent(root)
+    warnings.setServiceParent(root)
     if windows is not None:
         windows.setServiceParent(root)
     kv.setServiceParent(root)

@@ -9,7 +9,6 @@ batch of them, or one leg to a decode instance.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from functools import partial
 
@@ -41,6 +40,7 @@ from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.front import FrontDoor
+from nixl_twisted.web.status import StatusPage
 from nixl_twisted.web.tenancy import Tenancy
 from nixl_twisted.web.tenants import Rule
 
@@ -76,6 +76,7 @@ class ProxyApp:
         tenancy: Tenancy,
         admin: AdminAPI,
         observed: Observed,
+        status: StatusPage,
     ) -> None:
         #: The pools, as /healthcheck shows them.
         self.fleet = fleet
@@ -90,6 +91,8 @@ class ProxyApp:
         self.tracing = observed.tracing
         #: Overload refusals and 5xx lines: counted, logged at most once a second each.
         self.refusals = observed.refusals
+        #: ``/healthcheck`` in full and the status page (``docs/status-page.md``).
+        self.status = status
         self.configure(config)
 
     def configure(self, config: ProxyConfig) -> None:
@@ -118,7 +121,7 @@ class ProxyApp:
     @property
     def ready(self) -> bool:
         """Both pools have an instance up, and the proxy is not leaving."""
-        return self.backends.ready() and not self.admission.leaving
+        return self.status.ready
 
     @app.route(routes.HEALTH, methods=["GET"])
     def health(self, request: Request) -> bytes:
@@ -133,20 +136,21 @@ class ProxyApp:
         request.setHeader(b"Content-Type", _JSON)
         if not self.admin.shows_the_fleet(request, self.config):
             return json.dumps({"ready": ready}).encode("utf-8")
-        return json.dumps(
-            {
-                "ready": ready,
-                "prefill_instances": len(self.backends.prefill),
-                "decode_instances": len(self.backends.decode),
-                "draining": self.admission.draining,
-                "shutting_down": self.admission.leaving,
-                "in_flight": self.in_flight,
-                "pid": os.getpid(),
-                "instances": self.fleet.instances(),
-                "sources": self.fleet.report.sources(),
-                "queues": self.serving.queues(),
-            }
-        ).encode("utf-8")
+        return json.dumps(self.status.healthcheck()).encode("utf-8")
+
+    @app.route(routes.STATUS_PAGE, methods=["GET"], endpoint="status_page")
+    @app.route(routes.STATUS_JSON, methods=["GET"], endpoint="status_json")
+    @app.route(routes.STATUS_SCRIPT, methods=["GET"], endpoint="status_script")
+    @app.route(routes.STATUS_STYLE, methods=["GET"], endpoint="status_style")
+    def status_page(self, request: Request) -> bytes:
+        """The status page, its JSON, script and style: to whoever may see the fleet."""
+        if not self.admin.shows_the_fleet(request, self.config):
+            raise ProxyError(
+                ErrorCode.UNAUTHORIZED,
+                "while clients need a key, the status page on this endpoint needs the admin "
+                "token; or serve it on --admin-listen",
+            )
+        return self.status.answer(request)
 
     @app.route(routes.METRICS, methods=["GET"])
     def prometheus(self, request: Request) -> bytes:

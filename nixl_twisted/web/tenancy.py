@@ -18,7 +18,7 @@ from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows, Verdict
-from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, Rule, TenantLimits, refusal
+from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, Rule, TenantLimits
 
 #: A request with no tenant: no limit, no priority.
 NO_RULE = Rule()
@@ -91,7 +91,7 @@ class Tenancy:
                 held.ticket = self.limits.admit(tenant, estimate)
             elif not verdict.admitted:
                 held.give_back()
-                raise refusal(tenant, verdict.limit, verdict.wait)
+                raise self.limits.refused(tenant, verdict.limit, verdict.wait)
             elif tpm:
                 held.charge = lambda used: shared.charge(tenant, verdict.member, used)
             return rule

@@ -23,6 +23,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
@@ -70,6 +71,8 @@ class _Usage:
     estimated: int = 0
     #: The tokens in ``tokens``, kept as entries come and go (not summed at each admission).
     charged: int = 0
+    #: When its requests were refused (429), for the status page.
+    refused: deque[float] = field(default_factory=deque)
 
     def charge(self, when: float, tokens: int) -> None:
         self.tokens.append((when, tokens))
@@ -80,10 +83,12 @@ class _Usage:
             self.started.popleft()
         while self.tokens and self.tokens[0][0] <= when:
             self.charged -= self.tokens.popleft()[1]
+        while self.refused and self.refused[0] <= when:
+            self.refused.popleft()
 
     @property
     def idle(self) -> bool:
-        return not (self.in_flight or self.started or self.tokens)
+        return not (self.in_flight or self.started or self.tokens or self.refused)
 
 
 class Ticket:
@@ -179,15 +184,15 @@ class TenantLimits:
         use.forget_before(now - WINDOW)
         rpm = rule.requests_per_minute if windows else 0
         if rule.max_in_flight and use.in_flight >= rule.max_in_flight:
-            raise refusal(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
+            raise self.refused(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
         if rpm and len(use.started) >= rpm:
             wait = use.started[0] + WINDOW - now
-            raise refusal(tenant, f"{rpm} requests per minute", wait)
+            raise self.refused(tenant, f"{rpm} requests per minute", wait)
         counted = windows and rule.tokens_per_minute and estimate is not None
         used = use.charged + use.estimated
         if counted and used and used + (estimate or 0) > rule.tokens_per_minute:
             wait = (use.tokens[0][0] + WINDOW - now) if use.tokens else 1.0
-            raise refusal(tenant, f"{rule.tokens_per_minute} tokens per minute", wait)
+            raise self.refused(tenant, f"{rule.tokens_per_minute} tokens per minute", wait)
         held = estimate if counted and estimate is not None else 0
         use.in_flight += 1
         use.estimated += held
@@ -203,6 +208,47 @@ class TenantLimits:
                 self._use.pop(tenant, None)
 
         return Ticket(release)
+
+    def refused(self, tenant: str, limit: str, wait: float) -> ProxyError:
+        """The 429 of ``tenant`` at ``limit`` (``refusal``), its time kept for the status page."""
+        use = self._use.setdefault(tenant[:MAX_NAME], _Usage())
+        use.refused.append(self.clock.seconds())
+        return refusal(tenant, limit, wait)
+
+    def usage(self, windows: bool = True, most: int = 100) -> list[dict[str, Any]]:
+        """Each tenant with a limit that was seen in the last minute, and each one named in
+        ``[tenants.NAME]``, against its limits (0: none); at most ``most``, the busiest.
+
+        ``windows`` False: requests and tokens per minute are counted in Redis
+        (``--limits-redis``), not here: they are None.
+        """
+        now = self.clock.seconds()
+        said: list[dict[str, Any]] = []
+        for tenant in set(self._use) | set(self.rules):
+            use = self._use.get(tenant) or _Usage()
+            use.forget_before(now - WINDOW)
+            if use.idle and tenant not in self.rules:
+                self._use.pop(tenant, None)  # (seen, then nothing for a minute: gone)
+                continue
+            rule = self.rule(tenant)
+            said.append(
+                {
+                    "tenant": tenant,
+                    "in_flight": use.in_flight,
+                    "max_in_flight": rule.max_in_flight,
+                    "requests_last_minute": (
+                        len(use.started) if windows and rule.requests_per_minute else None
+                    ),
+                    "requests_per_minute": rule.requests_per_minute,
+                    "tokens_last_minute": (
+                        use.charged + use.estimated if windows and rule.tokens_per_minute else None
+                    ),
+                    "tokens_per_minute": rule.tokens_per_minute,
+                    "refused_last_minute": len(use.refused),
+                }
+            )
+        said.sort(key=lambda t: (-t["in_flight"], -t["refused_last_minute"], t["tenant"]))
+        return said[:most]
 
     def _sweep(self, now: float) -> None:
         self._swept = now

@@ -21,6 +21,8 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.kv.events import KvEvents
+from nixl_twisted.observe.history import History
+from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.run.root import ProxyService, build
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.workers import SupervisorService, WorkerSupervisor
@@ -46,6 +48,8 @@ def test_service_tree_has_backends_events_discovery_a_listener_per_endpoint_sign
         BackendService,
         HealthChecks,
         Discovery,
+        History,
+        RecentWarnings,
         KvEvents,
         StreamServerEndpointService,
         StreamServerEndpointService,

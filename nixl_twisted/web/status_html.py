@@ -1,0 +1,187 @@
+"""The status page as HTML: the fleet, tenants and warnings as tables, readable without a script.
+
+Rendered from ``/status.json``'s own value (``StatusPage.snapshot``), every
+piece of data through ``html.escape``: instance URLs, model and tenant names
+and log lines come from outside. ``status.js`` then refreshes the same
+tables from the JSON and draws the charts; ``status.css`` lays them out for
+a narrow screen too. Nothing is loaded from anywhere but the proxy
+(``CSP``), so the page works in an air-gapped cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from html import escape
+from importlib.resources import files
+from typing import Any
+
+#: Scripts, styles and fetches from the proxy alone; no frames, no plugins, no inline code
+#: (``data:`` images: the page's empty icon, so that no browser asks for /favicon.ico).
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+#: The instance table's columns, as ``status.js`` fills them too.
+COLUMNS = (
+    "pool",
+    "instance",
+    "state",
+    "from",
+    "legs",
+    "running",
+    "waiting",
+    "KV use",
+    "KV events",
+    "last error",
+)
+
+
+def asset(name: str) -> bytes:
+    """``status.js`` or ``status.css``, as shipped in the package."""
+    return files("nixl_twisted.web").joinpath("static").joinpath(name).read_bytes()
+
+
+def _e(value: object) -> str:
+    return escape("—" if value is None else str(value), quote=True)
+
+
+def _row(cells: Iterable[object], attributes: str = "") -> str:
+    return f"<tr{attributes}>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>"
+
+
+def _table(head: Iterable[str], rows: list[str], table_id: str | None = None) -> str:
+    header = "".join(f"<th>{_e(h)}</th>" for h in head)
+    named = "" if table_id is None else f' id="{table_id}"'
+    return f"<table{named}><thead><tr>{header}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+
+
+def state_of(instance: dict[str, Any]) -> str:
+    """An instance's state as the page says it: ``draining``, else ``up``, ``down``, ``pending``."""
+    return "draining" if instance["draining"] else str(instance["state"])
+
+
+def cells(pool: str, instance: dict[str, Any]) -> list[object]:
+    """An instance's row, in ``COLUMNS``' order."""
+    load = instance.get("load") or {}
+    usage = load.get("kv_cache_usage")
+    events = instance.get("kv_events")
+    cap = instance.get("max_in_flight")
+    legs = f"{instance['in_flight']}/{cap}" if cap is not None else str(instance["in_flight"])
+    came = ", ".join([instance["source"], *instance.get("discovered_by", [])])
+    kv = None
+    if events is not None:
+        kv = f"{events['blocks']} blocks" + (" (stale)" if events.get("state") == "stale" else "")
+    return [
+        pool,
+        instance["url"],
+        state_of(instance),
+        came,
+        legs,
+        _number(load.get("running")),
+        _number(load.get("waiting")),
+        None if usage is None else f"{usage * 100:.0f}%",
+        kv,
+        instance.get("last_error"),
+    ]
+
+
+def _number(value: float | None) -> str | None:
+    return None if value is None else f"{value:g}"
+
+
+def _fleet(status: dict[str, Any]) -> str:
+    found = {(pool, i["url"]): i for pool, listed in status["instances"].items() for i in listed}
+    parts = []
+    for model in status["models"]:
+        name = model["model"]
+        title = "any model (not said yet)" if name is None else name
+        queue = model.get("queue")
+        waiting = (
+            f"{queue['waiting']} waiting, the longest {queue['longest_seconds']} s"
+            if queue
+            else "nothing waiting"
+        )
+        rows = []
+        for pool in ("prefill", "decode"):
+            for url in model[pool]:
+                instance = found[(pool, url)]
+                state = state_of(instance)
+                attributes = (
+                    f' class="instance state-{_e(state)}" data-pool="{_e(pool)}"'
+                    f' data-url="{_e(url)}"'
+                )
+                rows.append(_row(cells(pool, instance), attributes))
+        parts.append(
+            f'<section class="model"><h3>{_e(title)}</h3><p class="queue">queue: {_e(waiting)}</p>'
+            f"{_table(COLUMNS, rows)}</section>"
+        )
+    return "".join(parts) or "<p>no instance</p>"
+
+
+def _tenants(status: dict[str, Any]) -> str:
+    def against(used: object, limit: int) -> str:
+        return f"{'—' if used is None else used}/{limit or '∞'}"
+
+    rows = [
+        _row(
+            [
+                t["tenant"],
+                against(t["in_flight"], t["max_in_flight"]),
+                against(t["requests_last_minute"], t["requests_per_minute"]),
+                against(t["tokens_last_minute"], t["tokens_per_minute"]),
+                t["refused_last_minute"],
+            ],
+            ' class="tenant"',
+        )
+        for t in status["tenants"]
+    ]
+    head = ("tenant", "in flight", "requests/min", "tokens/min", "refused (1 min)")
+    return _table(head, rows, "tenant-table")
+
+
+def _summary(status: dict[str, Any]) -> str:
+    proxy = status["proxy"]
+    said = [
+        "ready" if proxy["ready"] else "NOT READY",
+        f"{proxy['in_flight']} in flight",
+        f"pid {proxy['pid']}",
+    ]
+    if proxy["worker"] is not None:
+        said.append(f"worker {proxy['worker']}")
+    if proxy["draining"]:
+        said.append("draining")
+    return " · ".join(said)
+
+
+def render(status: dict[str, Any]) -> bytes:
+    """The whole page, as of ``status`` (``StatusPage.snapshot``)."""
+    warnings = "".join(
+        f'<li class="level-{_e(w["level"])}">{_e(w["line"])}</li>' for w in status["warnings"]
+    )
+    ready = "ready" if status["proxy"]["ready"] else "not-ready"
+    page = f"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>nixlproxy status</title>
+<link rel="icon" href="data:,">
+<link rel="stylesheet" href="/status.css">
+</head>
+<body>
+<header><h1>nixlproxy</h1><p id="summary" class="{ready}">{_e(_summary(status))}</p>
+<p id="updated">as of page load</p></header>
+<main>
+<section id="fleet"><h2>Fleet</h2><div id="models">{_fleet(status)}</div></section>
+<section id="charts"><h2>Last minutes</h2>
+<noscript><p>The charts need JavaScript; the tables are as of this page's load.</p></noscript>
+<div id="chart-area"></div></section>
+<section id="tenants"><h2>Tenants</h2>{_tenants(status)}</section>
+<section id="warnings"><h2>Recent warnings</h2><ol id="warning-lines">{warnings}</ol></section>
+</main>
+<script src="/status.js"></script>
+</body>
+</html>
+"""
+    return page.encode("utf-8")
