@@ -18,7 +18,7 @@ from twisted.python import usage
 from nixl_twisted import __version__, identity, logs
 from nixl_twisted.config import ConfigError, ProxyConfig, help, resolve
 from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
-from nixl_twisted.run import startup
+from nixl_twisted.run import needs, startup
 from nixl_twisted.run.root import build
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.run.workers import supervise
@@ -131,6 +131,9 @@ class Options(usage.Options):
             self.config = resolve(given, self["config"], os.environ)
         except ConfigError as error:
             raise usage.UsageError(str(error)) from None
+        lacking = needs.missing(self.config, os.environ)
+        if lacking is not None:
+            raise usage.UsageError(lacking)
 
 
 def _first_line(fd: int) -> str:
