@@ -9,6 +9,7 @@ they arrive, and stops what it started. No GPU and no vLLM needed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
@@ -78,8 +79,19 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
+#: What the demo's client needs, not the proxy: ``nixl-twisted[demo]``.
+CLIENT = "openai"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = arguments().parse_args(argv)
+    if importlib.util.find_spec(CLIENT) is None:
+        print(
+            f"nixlproxy-demo needs the {CLIENT} client, which is not installed: "
+            "pip install 'nixl-twisted[demo]'",
+            file=sys.stderr,
+        )
+        return 2
 
     fakes: subprocess.Popen[str] | None = None
     proxy: Twistd | None = None

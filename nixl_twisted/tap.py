@@ -9,15 +9,16 @@ nothing live. ``makeService`` hands that value to the composition root
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from twisted.application.service import IService
 from twisted.python import usage
 
 from nixl_twisted import __version__, identity, logs
-from nixl_twisted.config import ConfigError, ProxyConfig, resolve
+from nixl_twisted.config import ConfigError, ProxyConfig, help, resolve
 from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
-from nixl_twisted.run import startup
+from nixl_twisted.run import needs, startup
 from nixl_twisted.run.root import build
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.run.workers import supervise
@@ -101,13 +102,16 @@ class Options(usage.Options):
         print(f"nixl-twisted {__version__} (protocol {identity.ID} version {identity.VERSION})")
         raise SystemExit(0)
 
-    def full_help(self, width: int | None = None) -> str:
-        """Every option, its help and default: what --help prints."""
-        return str(usage.Options.getUsage(self, width))
+    def full_help(self, width: int = 80) -> str:
+        """Every option, its help and default, by group, with examples: what --help prints."""
+        return help.render(self.longdesc, self.docs, width)
 
     def opt_help(self) -> None:
-        """Display this help and exit."""
-        print(self.full_help())
+        """Print this help and exit."""
+        try:
+            print(self.full_help(), flush=True)
+        except BrokenPipeError:  # (--help | head): the reader had enough
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
 
     def getUsage(self, width: int | None = None) -> str:
@@ -127,6 +131,9 @@ class Options(usage.Options):
             self.config = resolve(given, self["config"], os.environ)
         except ConfigError as error:
             raise usage.UsageError(str(error)) from None
+        lacking = needs.missing(self.config, os.environ)
+        if lacking is not None:
+            raise usage.UsageError(lacking)
 
 
 def _first_line(fd: int) -> str:

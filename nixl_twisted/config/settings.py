@@ -873,7 +873,7 @@ SETTINGS: tuple[Setting, ...] = (
         "http/protobuf",
         choice("http/protobuf", "grpc"),
         env=(TRACES_PROTOCOL_ENV, "OTEL_EXPORTER_OTLP_PROTOCOL"),
-        help=("http/protobuf (the default) or grpc (pip install 'nixl-twisted[otlp-grpc]')."),
+        help=("http/protobuf or grpc (pip install 'nixl-twisted[otlp-grpc]')."),
         live=False,
     ),
     Setting(

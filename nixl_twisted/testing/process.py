@@ -35,9 +35,15 @@ _LISTENING = re.compile(
 )
 
 
-def twistd_command(args: Sequence[str], twistd_args: Sequence[str] = ()) -> list[str]:
-    """``twistd -n nixlproxy ARGS`` in the foreground, no pid file, logging to stdout."""
-    return [*TWISTD, "-n", "--pidfile=", "--logfile=-", *twistd_args, "nixlproxy", *args]
+def twistd_command(
+    args: Sequence[str], twistd_args: Sequence[str] = (), twistd: Sequence[str] = TWISTD
+) -> list[str]:
+    """``twistd -n nixlproxy ARGS`` in the foreground, no pid file, logging to stdout.
+
+    ``twistd``: the command that runs twistd; by default this very interpreter's
+    (another virtualenv's ``bin/twistd`` runs the proxy installed there).
+    """
+    return [*twistd, "-n", "--pidfile=", "--logfile=-", *twistd_args, "nixlproxy", *args]
 
 
 def listening_addresses(output: bytes) -> list[str]:
@@ -74,10 +80,16 @@ class Twistd:
         env: Mapping[str, str] | None = None,
         twistd_args: Sequence[str] = (),
         prefix: Sequence[str] = (),
+        twistd: Sequence[str] = TWISTD,
+        cwd: str | None = None,
     ) -> None:
-        """``prefix`` runs before the command (the benchmark pins it: ``taskset -c 0``)."""
+        """``prefix`` runs before the command (the benchmark pins it: ``taskset -c 0``);
+        ``twistd``: as ``twistd_command`` takes it; ``cwd``: where it runs (twistd puts
+        its working directory on ``sys.path``: outside a source tree, the installed
+        package serves)."""
         self.process = subprocess.Popen(
-            [*prefix, *twistd_command(args, twistd_args)],
+            [*prefix, *twistd_command(args, twistd_args, twistd)],
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=dict(env if env is not None else os.environ, PYTHONUNBUFFERED="1"),

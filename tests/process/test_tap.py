@@ -188,7 +188,7 @@ def test_help_documents_every_option(tmp_path: Path) -> None:
     assert nixl_twisted.ID in result.stdout
     # What a backend URL takes: its data-parallel ranks, under each pool's option.
     for pool in ("--prefill", "--decode"):
-        said = result.stdout.split(f"{pool}=")[1].split("\n  -")[0]
+        said = result.stdout.split(f"\n  {pool} URL ")[1].split("\n  -")[0]
         assert "URL#dp=N" in " ".join(said.split()), pool
 
 

@@ -162,13 +162,6 @@ def test_help_shows_each_default() -> None:
             assert f"[default: {shown}]" in help_text, setting.name
 
 
-def test_help_text_has_no_runs_of_spaces_mid_sentence() -> None:
-    for line in Options().full_help(width=100).splitlines():
-        # An option's description starts at column 37, after its name's column.
-        described = line[37:] if line.startswith("      --") or line.startswith(" " * 37) else line
-        assert "  " not in described.strip(), line
-
-
 def test_a_usage_error_gets_a_hint_not_the_whole_help() -> None:
     short = Options().getUsage()
     assert len(short.splitlines()) == 2 and "twistd nixlproxy --help" in short

@@ -30,6 +30,7 @@ from nixl_twisted.observe import spans, tracing
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.run import needs
 from nixl_twisted.tap import Options
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
@@ -76,7 +77,14 @@ def test_off_by_default() -> None:
     assert not tracing.enabled(traces, {})
 
 
-def test_the_options_and_their_checks() -> None:
+def grpc_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if the extra were installed: these read the options, not what is installed
+    (``test_needs``: grpc refused without the extra)."""
+    monkeypatch.setattr(needs, "findable", lambda module: True)
+
+
+def test_the_options_and_their_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    grpc_installed(monkeypatch)
     traces = parse(
         *POOLS,
         "--otlp-traces-endpoint",
@@ -101,6 +109,7 @@ def test_the_options_and_their_checks() -> None:
 def test_the_sdks_variables_are_read_and_the_command_line_wins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    grpc_installed(monkeypatch)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", COLLECTOR)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
     assert parse(*POOLS).traces == traces(
