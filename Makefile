@@ -117,8 +117,10 @@ $(KUBERNETES_VALIDATE):
 
 # The plain manifests, for users without Helm: the chart with its defaults.
 manifests: helm
-	$(HELM) template nixlproxy deploy/helm/nixl-twisted --namespace serving 2>/dev/null \
-		>deploy/kubernetes/nixl-twisted.yaml
+	{ echo "# nixl-twisted for the namespace serving: the Helm chart's defaults, by make manifests."; \
+	  echo "# kubectl apply -n serving -f deploy/kubernetes/nixl-twisted.yaml (docs/deploy.md)"; \
+	  $(HELM) template nixlproxy deploy/helm/nixl-twisted --namespace serving 2>/dev/null; \
+	} >deploy/kubernetes/nixl-twisted.yaml
 
 # The image, with docker (its daemon answering) or podman; IMAGE_BASE=... for
 # another base (deploy/image/debian-base.sh makes one with no registry). Not in

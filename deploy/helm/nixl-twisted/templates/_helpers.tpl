@@ -32,14 +32,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The Secret the environment's secrets come from: given, made, or none. */}}
+{{/* The Secret the environment's secrets come from: the one named, else the chart's
+own (made when a secret is given as a value; each reference is optional, so a
+pod starts without it, and a Secret of that name made later is read). */}}
 {{- define "nixl-twisted.secretName" -}}
-{{- $s := .Values.secrets }}
-{{- if $s.existingSecret }}
-{{- $s.existingSecret }}
-{{- else if or $s.apiKeys $s.backendApiKey $s.adminToken $s.limitsRedis }}
-{{- include "nixl-twisted.fullname" . }}
+{{- default (include "nixl-twisted.fullname" .) .Values.secrets.existingSecret }}
 {{- end }}
+
+{{- define "nixl-twisted.makesSecret" -}}
+{{- $s := .Values.secrets }}
+{{- if and (not $s.existingSecret) (or $s.apiKeys $s.backendApiKey $s.adminToken $s.limitsRedis) }}true{{ end }}
 {{- end }}
 
 {{/* Whether discovery by selector is on (in the top-level pools or a model's). */}}
