@@ -39,6 +39,7 @@ RUN set -eu; \
         "from twisted.plugin import IPlugin, getPlugins; list(getPlugins(IPlugin))"
 
 FROM ${BASE}
+ARG BASE
 ARG VERSION=0
 ARG REVISION=unknown
 LABEL org.opencontainers.image.title="nixl-twisted" \
@@ -46,7 +47,7 @@ LABEL org.opencontainers.image.title="nixl-twisted" \
       org.opencontainers.image.licenses="MIT" \
       org.opencontainers.image.version="${VERSION}" \
       org.opencontainers.image.revision="${REVISION}" \
-      org.opencontainers.image.documentation="docs/deploy.md"
+      org.opencontainers.image.base.name="${BASE}"
 COPY --from=venv /opt/nixlproxy /opt/nixlproxy
 RUN useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent \
         --shell /usr/sbin/nologin nixlproxy
