@@ -9,7 +9,8 @@ registered as the client's producer). No retries, health, metrics, log or
 idle timer. ``klein-upstream`` does the same with the design's own stack:
 a Klein route, and treq as the proxy's client uses it
 (``nixl_twisted.backends.upstream``). Beside them the real ``twistd
-nixlproxy``, on the same core, the same fast fake backend and the same
+nixlproxy``, on the same core, the same fast fake backends (a prefill
+instance and a decode instance, as in a P/D fleet) and the same
 streaming loads as ``bench.run`` (64 tokens, 64 connections, back to back
 and at 5 ms a token), and direct to
 the backend for the first-token baseline; with ``--vllm-router PATH``,
@@ -27,6 +28,8 @@ import argparse
 import json
 import os
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -58,7 +61,7 @@ FLOORS = KINDS[:2]
 LOAD_NAMES = {"back-to-back": LOADS[0], "paced": LOADS[1]}
 
 
-def serve(kind: str, port: int, backend: str) -> None:
+def serve(kind: str, port: int, prefill: str, decode: str) -> None:
     """Run a floor server until it is terminated: ``web-agent`` or ``klein-upstream``."""
     from twisted.internet import reactor
     from twisted.internet.defer import Deferred
@@ -72,7 +75,10 @@ def serve(kind: str, port: int, backend: str) -> None:
     from twisted.web.resource import Resource
     from twisted.web.server import NOT_DONE_YET, Site
 
-    url = (backend + "/v1/chat/completions").encode()
+    urls = {
+        leg: (backend + "/v1/chat/completions").encode()
+        for leg, backend in (("prefill", prefill), ("decode", decode))
+    }
     headers = Headers({b"Content-Type": [b"application/json"]})
     agent = _pooled_agent(reactor)
 
@@ -103,7 +109,7 @@ def serve(kind: str, port: int, backend: str) -> None:
         connections.maxPersistentPerHost = 512
         upstream = Upstream(backend_agent(reactor, connections, 10.0), connections)
 
-        async def post(data: bytes) -> IResponse:
+        async def post(url: bytes, data: bytes) -> IResponse:
             return await upstream.post(url.decode(), data, headers)
 
         def read(response: IResponse) -> Deferred[bytes]:
@@ -111,7 +117,7 @@ def serve(kind: str, port: int, backend: str) -> None:
 
     else:
 
-        async def post(data: bytes) -> IResponse:
+        async def post(url: bytes, data: bytes) -> IResponse:
             return await agent.request(b"POST", url, headers, _Bytes(data))
 
         def read(response: IResponse) -> Deferred[bytes]:
@@ -119,11 +125,11 @@ def serve(kind: str, port: int, backend: str) -> None:
 
     async def relay(request: Any) -> None:
         body = json.loads(request.content.read())
-        answer = await read(await post(_lowered(body)))
-        decode = await post(_completed(body, answer))
+        answer = await read(await post(urls["prefill"], _lowered(body)))
+        decoded = await post(urls["decode"], _completed(body, answer))
         request.setHeader(b"Content-Type", b"text/event-stream")
         done: Deferred[None] = Deferred()
-        decode.deliverBody(_Relay(request, done))
+        decoded.deliverBody(_Relay(request, done))
         await done
 
     if kind == "klein-upstream":
@@ -152,30 +158,24 @@ def serve(kind: str, port: int, backend: str) -> None:
 
 
 @contextmanager
-def _serving(kind: str, backend: str, router: str) -> Iterator[tuple[str, list[int]]]:
+def _serving(kind: str, prefill: str, decode: str, router: str) -> Iterator[tuple[str, list[int]]]:
     """The floor server (nixlproxy, vllm-router) on core 0: its URL and its processes."""
     if kind == "nixlproxy":
-        args = ["--health-interval", "0", "--prefill", backend, "--decode", backend]
+        args = ["--health-interval", "0", "--prefill", prefill, "--decode", decode]
         with nixlproxy(args, "0") as (running, url):
             yield url, _descendants(running.process.pid)
         return
     port = _free_port()
     if kind == "vllm-router":
-        # The router takes one URL for one role only: its prefill leg goes to
-        # a second backend process of its own, on the other cores.
-        prefill_port = _free_port()
-        prefill = [sys.executable, "-m", "bench.backend", "--port", str(prefill_port)]
         command = [router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
-        command += ["--prefill", f"http://127.0.0.1:{prefill_port}", "--decode", backend]
+        command += ["--prefill", prefill, "--decode", decode]
         command += ["--log-level", "error", "--prometheus-port", str(_free_port())]
-        with (
-            _process(_pinned(_others(), prefill), prefill_port),
-            _process(_pinned("0", command), port) as process,
-        ):
+        with _process(_pinned("0", command), port) as process:
             yield f"http://127.0.0.1:{port}", _descendants(process.pid)
         return
     command = [sys.executable, "-m", "bench.stream_ceiling", "--serve", kind, "--port", str(port)]
-    with _process(_pinned("0", [*command, "--backend", backend]), port) as process:
+    command += ["--prefill-backend", prefill, "--backend", decode]
+    with _process(_pinned("0", command), port) as process:
         # taskset execs the server: the pid is the server's own.
         yield f"http://127.0.0.1:{port}", [process.pid]
 
@@ -193,17 +193,25 @@ def measure(
     others = _others()
     rows = []
     for load in loads:
-        port = _free_port()
-        backend = [sys.executable, "-m", "bench.backend", "--port", str(port)]
-        backend += ["--processes", "2", "--token-interval", str(load.token_interval)]
-        with _process(_pinned(others, backend), port):
-            url = f"http://127.0.0.1:{port}"
-            direct = _load(url, load, length, others)
+        # As in a P/D fleet, prefill and decode are instances of their own: a
+        # prefill answer never waits behind the decode streams' tokens.
+        ports = {"prefill": _free_port(), "decode": _free_port()}
+        backend = [sys.executable, "-m", "bench.backend"]
+        paced = ["--token-interval", str(load.token_interval)]
+        decode = [*backend, "--port", str(ports["decode"]), "--processes", "2", *paced]
+        prefill = [*backend, "--port", str(ports["prefill"])]
+        with (
+            _process(_pinned(others, decode), ports["decode"]),
+            _process(_pinned(others, prefill), ports["prefill"]),
+        ):
+            url = {leg: f"http://127.0.0.1:{port}" for leg, port in ports.items()}
+            direct = _load(url["decode"], load, length, others)
             for kind in kinds:
-                with _serving(kind, url, router) as (served, pids):
+                with _serving(kind, url["prefill"], url["decode"], router) as (served, pids):
                     before = sum(_cpu_seconds(pid) for pid in pids)
                     result = _load(served, load, length, others)
                     cpu = sum(_cpu_seconds(pid) for pid in pids) - before
+                    pauses = _full_collections(served) if kind == "nixlproxy" else None
                 streams = max(1, result["requests"])
                 rows.append(
                     {
@@ -213,9 +221,50 @@ def measure(
                         **result,
                         "cpu_ms_per_stream": round(cpu / streams * 1000, 3),
                         "cpu_us_per_token": round(cpu / streams / TOKENS * 1e6, 1),
+                        "full_collections": pauses,
                     }
                 )
     return rows
+
+
+def _full_collections(url: str) -> dict[str, float]:
+    """The proxy's full garbage collections so far, from its ``/metrics``: how many,
+    their seconds in all, and how many held it longer than 25 ms."""
+    time.sleep(1.5)  # (the proxy gives its histogram the pauses once a second)
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = {"count": 0.0, "sum": 0.0, "le_0.025": 0.0}
+    prefix = "nixlproxy_gc_pause_seconds_"
+    for line in text.splitlines():
+        if not line.startswith(prefix) or 'generation="2"' not in line:
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        kind = line[len(prefix) :].split("{", 1)[0]
+        if kind in ("count", "sum"):
+            found[kind] = value
+        elif 'le="0.025"' in line:
+            found["le_0.025"] = value
+    return {
+        "count": found["count"],
+        "seconds": round(found["sum"], 4),
+        "over_25ms": found["count"] - found["le_0.025"],
+    }
+
+
+def pauses(rows: list[dict[str, Any]]) -> str:
+    """The proxy's full collections during each load (none of the other servers say)."""
+    lines = [
+        "| server | load | full collections | their seconds | over 25 ms |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["full_collections"] is not None:
+            gc = row["full_collections"]
+            lines.append(
+                f"| {row['server']} | {row['load']} | {gc['count']:.0f} | {gc['seconds']} "
+                f"| {gc['over_25ms']:.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -248,9 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--serve", choices=FLOORS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
+    parser.add_argument("--prefill-backend", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.serve, args.port, args.backend)
+        serve(args.serve, args.port, args.prefill_backend or args.backend, args.backend)
         return 0
     servers = list(args.servers)
     if args.vllm_router and "vllm-router" not in servers:
@@ -260,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     loads = [LOAD_NAMES[name] for name in args.loads]
     rows = measure(servers, length_of(parser, args), loads, args.vllm_router)
     print(table(rows))
+    if any(row["full_collections"] is not None for row in rows):
+        print("\n" + pauses(rows))
     failed = [row for row in rows if row["errors"] or not row["requests"]]
     for row in failed:
         print(f"failed: {row['server']}, {row['load']}: {failure(row)}", file=sys.stderr)

@@ -27,6 +27,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
 from nixl_twisted.observe.fleet_metrics import FleetMetrics, KvStatus, Queued
+from nixl_twisted.observe.gc_pauses import GC_BUCKETS
 from nixl_twisted.protocol import routes
 
 if TYPE_CHECKING:
@@ -238,6 +239,14 @@ class ProxyMetrics:
             ["pool"],
             registry=r,
             buckets=TOKEN_BUCKETS,
+        )
+        self.gc_pauses = Histogram(
+            "nixlproxy_gc_pause_seconds",
+            "How long each garbage collection held the process (and every request in it), "
+            "by generation (2: a full collection).",
+            ["generation"],
+            registry=r,
+            buckets=GC_BUCKETS,
         )
         r.register(FleetMetrics(self._pools, events, sources, queued))
 

@@ -2,12 +2,11 @@
 
 CPython's full collection walks every tracked object, and a started proxy
 holds some 70,000 of them (its modules, classes, functions and settings)
-that live as long as the process. Walking them took 20-60 ms of the
-reactor's only thread every few seconds under streaming load, and every
-request in flight waited for it: that was most of the first-token p99
-(docs/performance.md). ``gc.freeze`` moves what exists then to a
-generation the collector never walks; what requests make later is
-collected as before.
+that live as long as the process. Under 64 paced streams a full collection
+held the reactor's only thread for 51-104 ms of CPU every few seconds, and
+every request in flight waited; with them frozen (``gc.freeze``, moved to a
+generation the collector never walks) it takes 14-16 ms
+(docs/performance.md). What requests make is collected as before.
 """
 
 from __future__ import annotations

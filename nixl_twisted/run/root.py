@@ -15,6 +15,7 @@ it works with. The tree::
     ├── Tracing               when tracing is on: flushes queued spans at stop
     ├── History               the status page's charts, sampled while it is looked at
     ├── RecentWarnings        the status page's warning lines, from the log
+    ├── GcPauses              times each garbage collection (nixlproxy_gc_pause_seconds)
     ├── SignalService         SIGTERM and SIGHUP (under twistd)
     └── SupervisorLink        in a --workers worker: pools and health from the supervisor
 """
@@ -57,6 +58,7 @@ from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
+from nixl_twisted.observe.gc_pauses import GcPauses
 from nixl_twisted.observe.history import History
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.observe.observed import Observed
@@ -374,6 +376,7 @@ def build(
     root = ProxyService(config, app, site, checks, reactor, clock, found, configured, logging)
     history.setServiceParent(root)
     warnings.setServiceParent(root)
+    GcPauses(metrics.gc_pauses, clock).setServiceParent(root)
     if windows is not None:
         windows.setServiceParent(root)
     kv.setServiceParent(root)

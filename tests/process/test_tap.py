@@ -21,6 +21,7 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.kv.events import KvEvents
+from nixl_twisted.observe.gc_pauses import GcPauses
 from nixl_twisted.observe.history import History
 from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.run.root import ProxyService, build
@@ -50,6 +51,7 @@ def test_service_tree_has_backends_events_discovery_a_listener_per_endpoint_sign
         Discovery,
         History,
         RecentWarnings,
+        GcPauses,
         KvEvents,
         StreamServerEndpointService,
         StreamServerEndpointService,

@@ -259,6 +259,12 @@ def test_a_short_stream_ceiling_run_prints_a_row_per_server_and_load() -> None:
         "exit 0 and, for web-agent, klein-upstream and nixlproxy, a row per streaming load with "
         "streams/s, CPU per stream and per token, TTFT added and no error"
     )
+    collections = re.findall(
+        r"^\| nixlproxy \| streaming chat, [^|]+ \| \d+ \| [\d.]+ \| \d+ \|$",
+        ran.stdout,
+        re.MULTILINE,
+    )
+    assert len(collections) == 2, ran.why("the proxy's full collections during each load")
 
 
 def test_a_short_overload_run_serves_every_arrival_of_each_load() -> None:
