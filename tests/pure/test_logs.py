@@ -295,3 +295,29 @@ def test_the_text_stamp_is_twisteds_own_to_the_second() -> None:
         twisteds = formatEventAsClassicLogText(dict(event, log_namespace="n"))
         assert twisteds is not None
         assert out.getvalue().splitlines()[-1] == twisteds.rstrip("\n")
+
+
+def test_an_access_line_is_written_as_twisteds_formatter_writes_it() -> None:
+    event = {
+        "log_time": 1_700_000_000.25,
+        "log_format": "{access_line}",
+        "access_line": access_line(COMPLETION),
+        "access": COMPLETION,
+        "log_level": LogLevel.info,
+        "log_namespace": "nixlproxy.access",
+    }
+    for shown in (event, dict(event, log_system="worker 2 nixlproxy.access#info")):
+        twisteds = formatEventAsClassicLogText(shown)
+        assert twisteds is not None and "[" in twisteds
+        assert logs.classic_text(shown) == twisteds
+
+
+def test_an_access_event_through_the_observer_is_one_line_of_twisteds_shape() -> None:
+    out = io.StringIO()
+    chosen = logs.observer("text", logs.LogLevels("info"), 2, lambda: out)
+    assert chosen is not None
+    line = access_line(COMPLETION)
+    emitted(chosen, lambda log: log.info("{access_line}", access_line=line, access=COMPLETION))
+    stamp, rest = out.getvalue().split(" ", 1)
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4}", stamp)
+    assert rest == f"[worker 2 nixlproxy.access#info] {line}\n"
