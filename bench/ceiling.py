@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -47,6 +46,7 @@ from bench.run import (
     failure,
     length_of,
     nixlproxy,
+    other_cores,
 )
 
 LOADS = (
@@ -110,11 +110,10 @@ def serve(kind: str, port: int, backend: str) -> None:
     server, client = kind.split("-")
 
     if client == "upstream":
-        from nixl_twisted.backends.upstream import Upstream, backend_agent, read_body
+        from nixl_twisted.backends.upstream import pooled_upstream, read_body
 
-        connections = HTTPConnectionPool(reactor)
-        connections.maxPersistentPerHost = 512
-        upstream = Upstream(backend_agent(reactor, connections, 10.0), connections)
+        # (512 idle connections per backend, as _pooled_agent; Twisted's 240 s idle)
+        upstream = pooled_upstream(reactor, 10.0, 512, 240.0)
 
         async def post(data: bytes) -> bytes:
             response = await upstream.post(url.decode(), data, headers)
@@ -195,8 +194,7 @@ def _serving(kind: str, backend: str) -> Iterator[str]:
 
 
 def measure(kinds: Sequence[str], length: Length) -> list[dict[str, Any]]:
-    cores = os.cpu_count() or 2
-    others = "1" if cores == 2 else f"1-{cores - 1}"
+    others = other_cores()
     backend_port = _free_port()
     backend = [
         sys.executable,

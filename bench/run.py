@@ -94,6 +94,12 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def other_cores() -> str:
+    """The cores besides the proxy's core 0, in ``taskset``'s form: the backends' and the load's."""
+    cores = os.cpu_count() or 2
+    return "1" if cores == 2 else f"1-{cores - 1}"
+
+
 def _pinned(cores: str, command: Sequence[str]) -> list[str]:
     return ["taskset", "-c", cores, *command] if shutil.which("taskset") else list(command)
 
@@ -262,7 +268,7 @@ def measure(
     ``--workers`` sharing its core get the core first.
     """
     cores = os.cpu_count() or 2
-    others = "1" if cores == 2 else f"1-{cores - 1}"
+    others = other_cores()
     proxy_cores = "0" if workers == 1 else f"0-{min(workers, cores) - 1}"
     backend_port = _free_port()
     backend = [

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import urllib.request
@@ -35,6 +34,7 @@ from contextlib import contextmanager
 from typing import Any, cast
 
 from bench.ceiling import _Bytes, _completed, _lowered, _NoForms, _pooled_agent
+from bench.run import LOADS as RUN_LOADS
 from bench.run import (
     Length,
     Load,
@@ -49,12 +49,11 @@ from bench.run import (
     failure,
     length_of,
     nixlproxy,
+    other_cores,
 )
 
-LOADS = (
-    Load("streaming chat, 64 tokens back to back, 64 connections", 64, True),
-    Load("streaming chat, 64 tokens at 5 ms, 64 connections", 64, True, 0.005),
-)
+#: ``bench.run``'s two streaming loads.
+LOADS = tuple(load for load in RUN_LOADS if load.stream)
 TOKENS = 64
 KINDS = ("web-agent", "klein-upstream", "nixlproxy", "vllm-router")
 FLOORS = KINDS[:2]
@@ -101,13 +100,9 @@ def serve(kind: str, port: int, prefill: str, decode: str) -> None:
 
     if kind == "klein-upstream":
         # The design's own stack: Klein, and treq as the proxy's client uses it.
-        from twisted.web.client import HTTPConnectionPool
+        from nixl_twisted.backends.upstream import pooled_upstream, read_body
 
-        from nixl_twisted.backends.upstream import Upstream, backend_agent, read_body
-
-        connections = HTTPConnectionPool(reactor)
-        connections.maxPersistentPerHost = 512
-        upstream = Upstream(backend_agent(reactor, connections, 10.0), connections)
+        upstream = pooled_upstream(reactor, 10.0, 512, 240.0)  # (as bench.ceiling's)
 
         async def post(url: bytes, data: bytes) -> IResponse:
             return await upstream.post(url.decode(), data, headers)
@@ -180,17 +175,11 @@ def _serving(kind: str, prefill: str, decode: str, router: str) -> Iterator[tupl
         yield f"http://127.0.0.1:{port}", [process.pid]
 
 
-def _others() -> str:
-    """The cores besides the server's (core 0): the backend's and the load's."""
-    cores = os.cpu_count() or 2
-    return "1" if cores == 2 else f"1-{cores - 1}"
-
-
 def measure(
     kinds: Sequence[str], length: Length, loads: Sequence[Load] = LOADS, router: str = ""
 ) -> list[dict[str, Any]]:
     """Each load direct, then through each server, with the server's CPU per stream."""
-    others = _others()
+    others = other_cores()
     rows = []
     for load in loads:
         # As in a P/D fleet, prefill and decode are instances of their own: a

@@ -244,15 +244,14 @@ def classic_text(event: dict[str, Any]) -> str | None:
     to the same text.
     """
     line = event.get("access_line")
-    if event.get("log_format") != "{access_line}" or not isinstance(line, str) or not line:
+    rendered = event.get("log_format") == "{access_line}" and "log_failure" not in event
+    if not rendered or not isinstance(line, str) or not line:
         return formatEventAsClassicLogText(event, formatTime=_time_text)
     system = event.get("log_system")
     if system is None:
         level = event.get("log_level")
         system = f"{event.get('log_namespace', '-')}#{'-' if level is None else level.name}"
     text = f"{_time_text(event.get('log_time'))} [{system}] {line}"
-    if "log_failure" in event:  # (never on an access event; Twisted's way, should one come)
-        return formatEventAsClassicLogText(event, formatTime=_time_text)
     return text.replace("\n", "\n\t") + "\n"
 
 
