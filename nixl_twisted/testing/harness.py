@@ -26,7 +26,7 @@ from nixl_twisted.testing.site import netloc
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-    from nixl_twisted.run.root import ProxyService
+    from nixl_twisted.run.proxy_service import ProxyService
     from nixl_twisted.web.app import ProxyApp
     from nixl_twisted.web.site import TrackingSite
 

@@ -11,7 +11,8 @@ from twisted.logger import formatEvent
 
 from nixl_twisted.config import resolve
 from nixl_twisted.logs import LogLevels
-from nixl_twisted.run.root import ProxyService, build
+from nixl_twisted.run.proxy_service import ProxyService
+from nixl_twisted.run.root import build
 from tests.memory.support import Setup
 
 

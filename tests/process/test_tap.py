@@ -24,7 +24,8 @@ from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.gc_pauses import GcPauses
 from nixl_twisted.observe.history import History
 from nixl_twisted.observe.recent_warnings import RecentWarnings
-from nixl_twisted.run.root import ProxyService, build
+from nixl_twisted.run.proxy_service import ProxyService
+from nixl_twisted.run.root import build
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.workers import SupervisorService, WorkerSupervisor
 from nixl_twisted.tap import Options, makeService

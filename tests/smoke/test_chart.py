@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 import nixl_twisted
-from nixl_twisted.run.root import CLOSE_GRACE
+from nixl_twisted.run.proxy_service import CLOSE_GRACE
 from nixl_twisted.tap import Options
 from tests.loopback.test_tls import self_signed
 
