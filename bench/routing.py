@@ -22,7 +22,19 @@ vllm-project/router's ``cache_aware`` beside them with ``--vllm-router
 PATH`` (its binary, from a virtualenv of its own: never a dependency);
 ``--repeat N`` runs the whole list N times.
 
+With ``--shapes all`` (or some of them): every shape of ``bench.workloads``
+(``SHAPES``: shared documents asked by new conversations one at a time,
+growing conversations with a long shared system prompt, vLLM's own
+prefix_repetition, and the mixed traffic with short prompts), each at its
+own instances and requests in flight, or at each of ``--instances 2,4,8``
+and ``--in-flight 1,4``: the ideal, round-robin, cache-aware and kv-aware
+(and vllm-router with ``--vllm-router``) in one table, each policy's mean
+hit rate over the ideal's and its worst seed's, and the busiest instance's
+legs over an even share. Against real vLLM (``--real-prefill``) the shapes
+take shorter texts (``bench.workloads.REAL``), to fit a 2,048-token context.
+
     python -m bench.routing [--workload chat|documents|mixed] [--conversations 24] [--turns 6]
+    python -m bench.routing --shapes all --seeds 1,2,3 [--instances 2,4,8 --in-flight 1,4]
 """
 
 from __future__ import annotations
@@ -41,7 +53,7 @@ from typing import Any
 
 from bench.indexes import index_memory, kv_index_memory
 from bench.run import _free_port, _pinned, _process, nixlproxy, served_fakes
-from bench.workloads import conversations, workload
+from bench.workloads import FAKES, REAL, SHAPES, Shape, at, conversations, workload
 from nixl_twisted.testing import process
 
 
@@ -232,7 +244,8 @@ def vllm_router(binary: str, policy: str, urls: dict[str, list[str]]) -> Iterato
         yield f"http://127.0.0.1:{port}"
 
 
-def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
+def measure(run: Run, args: argparse.Namespace, known: Shape | None = None) -> dict[str, Any]:
+    """One run of ``args``'s workload, or of the shape ``known`` (at its own in flight)."""
     with instances(run, args) as urls, ExitStack() as stack:
         if run.policy != "kv-aware":  # (only kv-aware reads the events)
             urls = {role: [u.split("#", 1)[0] for u in found] for role, found in urls.items()}
@@ -258,18 +271,25 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
             ]
         before = _counters(urls["prefill"])
         rng = random.Random(args.seed)
-        made = workload(
-            args.workload,
-            args.conversations,
-            args.turns,
-            args.documents,
-            rng,
-            args.doc_words,
-            args.opening_bytes,
-        )
-        result = asyncio.run(
-            conversations(fronts, made, args.concurrency, rng, args.model, args.follow_up_words)
-        )
+        if known is not None:
+            sizes = REAL if args.real_prefill else FAKES
+            made, concurrency, follow_up = (
+                known.made(rng, sizes),
+                known.concurrency,
+                sizes.follow_up,
+            )
+        else:
+            made = workload(
+                args.workload,
+                args.conversations,
+                args.turns,
+                args.documents,
+                rng,
+                args.doc_words,
+                args.opening_bytes,
+            )
+            concurrency, follow_up = args.concurrency, args.follow_up_words
+        result = asyncio.run(conversations(fronts, made, concurrency, rng, args.model, follow_up))
         after = _counters(urls["prefill"])
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
@@ -285,6 +305,63 @@ def measure(run: Run, args: argparse.Namespace) -> dict[str, Any]:
         # a miss costs, where a leg that hits costs next to nothing.
         "most_computed": int(max(computed)),
     }
+
+
+def shapes_table(args: argparse.Namespace) -> int:
+    """Every shape at each count of instances and in flight: each policy's hit rate over the
+    ideal's, and round-robin's, in one table (vllm-router's too, with ``--vllm-router``)."""
+    names = [s.name for s in SHAPES] if args.shapes == "all" else args.shapes.split(",")
+    counts = [int(n) for n in args.instances.split(",")] if args.instances else []
+    flights = [int(n) for n in args.in_flight.split(",")] if args.in_flight else []
+    seeds = [int(n) for n in args.seeds.split(",")] if args.seeds else [args.seed]
+    policies = ["round-robin", "cache-aware", "kv-aware"]
+    routers = ["cache_aware"] if args.vllm_router else []
+    print(
+        "| shape | instances | in flight | ideal | "
+        + " | ".join([*policies, *(f"vllm-router {r}" for r in routers)])
+        + " | busiest (ca, kv"
+        + (", router" if routers else "")
+        + ") |"
+    )
+    print("|---" * (5 + len(policies) + len(routers)) + "|")
+    for name in names:
+        base = next(s for s in SHAPES if s.name == name)
+        for count in counts or [base.instances]:
+            for flight in flights or [base.concurrency]:
+                known = at(base, count, flight)
+                rates: dict[str, list[float]] = {}
+                busiest: dict[str, list[float]] = {}
+                for seed in seeds:
+                    args.seed = seed
+                    runs = [Run("ideal", prefills=1)]
+                    runs += [Run(p, count, p) for p in policies]
+                    runs += [Run(f"vllm-router {r}", count, router=r) for r in routers]
+                    for run in runs:
+                        r = measure(run, args, known)
+                        rates.setdefault(run.name, []).append(r["hit_rate"] or 0.0)
+                        busiest.setdefault(run.name, []).append(r["busiest"] or 0.0)
+                ideal = statistics.mean(rates["ideal"])
+
+                def cell(
+                    name: str, rates: dict[str, list[float]] = rates, ideal: float = ideal
+                ) -> str:
+                    mean = statistics.mean(rates[name])
+                    worst = min(rates[name])
+                    if not ideal:
+                        return f"{mean:.3f}"
+                    return f"{mean:.3f} ({mean / ideal:.3f}, min {worst / ideal:.3f})"
+
+                shown = ["cache-aware", "kv-aware", *(f"vllm-router {r}" for r in routers)]
+                cells = [cell(p) for p in [*policies, *(f"vllm-router {r}" for r in routers)]]
+                print(
+                    f"| {name} | {count} | {flight} | {ideal:.3f} | "
+                    + " | ".join(cells)
+                    + " | "
+                    + ", ".join(f"{statistics.mean(busiest[p]):.2f}" for p in shown)
+                    + " |",
+                    flush=True,
+                )
+    return 0
 
 
 def row(r: dict[str, Any], ideal: float | None) -> str:
@@ -340,6 +417,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="another build's python (its virtualenv's), whose nixlproxy runs instead",
     )
     parser.add_argument("--repeat", type=int, default=1, help="the whole list, this many times")
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help="all, or e.g. documents,mixed: each shape of bench.workloads in one table",
+    )
+    parser.add_argument("--instances", default="", help="--shapes: e.g. 2,4,8 (its own: none)")
+    parser.add_argument("--in-flight", default="", help="--shapes: e.g. 1,4 (its own: none)")
     parser.add_argument("--serve-fakes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--slow", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -362,12 +446,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve_fakes:
         serve_fakes(args.serve_fakes, 2, args.cost, args.slow)
         return 0
+    if args.proxy_python:
+        _proxy_from(args.proxy_python)
+    if args.shapes:
+        return shapes_table(args)
     if args.prefills:
         runs = matrix([int(n) for n in args.prefills.split(",")], bool(args.vllm_router))
     else:
         runs = list(RUNS)
-    if args.proxy_python:
-        _proxy_from(args.proxy_python)
     columns = ("prefill hit rate", "x ideal", "TTFT p50", "TTFT p99", "prefill legs", "busiest")
     print(f"| run | {' | '.join(columns)} | most computed | failed |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -9,10 +9,6 @@ proxy's own memory of what it sent, not of what vLLM still holds (for
 that, ``kv-aware`` and vLLM's KV events): it never asks vLLM, and an entry
 may outlive the blocks it stands for. Bounded by ``--cache-aware-entries``
 (one entry per piece), the least recently used going first.
-
-``Pulls`` is what both prefix policies remember of the conversations each
-shared prefix drew to each instance, so that a prefix every new
-conversation opens with is copied instead of piling them all on one.
 """
 
 from __future__ import annotations
@@ -94,48 +90,3 @@ class SentPrefixes:
         self.entries = entries
         while len(self._sent) > entries:
             self._sent.popitem(last=False)
-
-
-#: The conversations one prefix may draw to one instance by being followed; past it the
-#: next new one is placed by load, and the prefix is copied where it lands: a system
-#: prompt or a document every new conversation shares would otherwise pull them all to
-#: the first instance that computed it.
-HOT = 3
-
-
-class Pulls:
-    """For one pool: which conversations each shared prefix drew to each instance.
-
-    A prefix is named by its last block or piece (kv-aware's key, cache-aware's
-    chained hash), a conversation by its key (``Routing.prompt``, the part
-    every turn repeats). A conversation a prefix drew keeps following it;
-    once it drew ``HOT`` there, a new one is not drawn (``hot``). Bounded by
-    ``entries`` prefixes, the least recently drawn going first.
-    """
-
-    def __init__(self, entries: int = 65_536) -> None:
-        self.entries = entries
-        self._drawn: OrderedDict[tuple[str, int], tuple[int, ...]] = OrderedDict()
-
-    def hot(self, url: str, prefix: int, conversation: bytes | None) -> bool:
-        """Whether the prefix drew ``HOT`` other conversations to ``url`` already."""
-        drawn = self._drawn.get((url, prefix), ())
-        return len(drawn) >= HOT and _named(conversation) not in drawn
-
-    def drew(self, url: str, prefix: int, conversation: bytes | None) -> None:
-        """A prompt of ``conversation`` followed the prefix to ``url``."""
-        key, named = (url, prefix), _named(conversation)
-        drawn = self._drawn.get(key, ())
-        if named not in drawn and len(drawn) < HOT:
-            self._drawn[key] = (*drawn, named)
-        elif key not in self._drawn:
-            return
-        self._drawn.move_to_end(key)
-        while len(self._drawn) > self.entries:
-            self._drawn.popitem(last=False)
-
-
-def _named(conversation: bytes | None) -> int:
-    """A conversation's key as 8 bytes (none: one name for all such prompts)."""
-    digest = hashlib.blake2b(conversation or b"", digest_size=8).digest()
-    return int.from_bytes(digest, "big")

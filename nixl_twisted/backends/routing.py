@@ -15,14 +15,13 @@ must move. ``docs/routing.md`` explains each policy and its knobs.
 from __future__ import annotations
 
 import hashlib
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
-from nixl_twisted.backends.prefixes import PIECE_BYTES, Pulls, SentPrefixes
+from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes
 from nixl_twisted.backends.warm_up import WARM_UP, warm_miss
 
 
@@ -117,22 +116,52 @@ def rendezvous(key: bytes, candidates: Sequence[Candidate]) -> list[Any]:
     return sorted(candidates, key=lambda c: _weight(key, c.url), reverse=True)
 
 
-#: Legs past the guard's cap an instance may take for a prompt it holds (or was sent)
-#: most of: moving that prompt computes its prefix again, staying only waits. Two, so
-#: that at four instances and one leg in flight (a cap of one), prompts sharing that
-#: leg's new prefix still go with it (the guard's cost in hits: ``performance.md``).
-FOLLOW = 2
+@dataclass(frozen=True)
+class Balance:
+    """When an instance is measurably busier than the pool's least busy candidate.
 
-
-def guard_cap(balance: float, candidates: Sequence[Candidate]) -> int:
-    """The balance guard: the legs in flight an instance must be under to take new work.
-
-    ``balance`` times the pool's mean legs in flight, counting this one; a
-    prompt that follows its prefix may go to its holder under ``FOLLOW``
-    more.
+    Busy is ``load_score``: this proxy's legs in flight on it, plus vLLM's
+    own queue beyond them where its ``/metrics`` are read. An instance is
+    busier when it holds at least ``margin`` more than the least busy
+    candidate and at least ``factor`` times as much. Only then does a prompt
+    leave the instance that holds (or was sent) its prefix: how many prompts
+    a prefix drew is never a reason to compute it again, and an idle fleet
+    never balances at all.
     """
-    total = sum(c.in_flight for c in candidates)
-    return math.ceil(balance * (total + 1) / len(candidates))
+
+    factor: float = 1.5
+    margin: float = 4.0
+
+    def busier(self, candidate: Candidate, least: float) -> bool:
+        busy = load_score(candidate)
+        return busy - least >= self.margin and busy >= self.factor * least
+
+    def calm(self, candidates: Sequence[Candidate]) -> list[Any]:
+        """The candidates that are not busier than the least busy (never none)."""
+        least = min(load_score(c) for c in candidates)
+        return [c for c in candidates if not self.busier(c, least)]
+
+
+def _best_held(
+    held: Sequence[tuple[Any, Any]], calm: Sequence[Candidate]
+) -> tuple[Any, bool] | None:
+    """Of ``held`` (candidate, how much of the prompt it holds: more is better), the one
+    holding most among the ``calm``, and whether it is the one holding most of all."""
+    if not held:
+        return None
+    ranked = sorted(held, key=lambda h: (h[1], -load_score(h[0])), reverse=True)
+    for candidate, _ in ranked:
+        if candidate in calm:
+            return candidate, candidate is ranked[0][0]
+    return None
+
+
+def _idle_holder(held: Sequence[tuple[Any, Any]], calm: Sequence[Candidate]) -> Any | None:
+    """Among the least busy of the ``calm``, the one holding most of the prompt, however
+    little (``held``), or None: where load does not choose, a hit does."""
+    least = min(load_score(c) for c in calm)
+    idle = [(c, much) for c, much in held if c in calm and load_score(c) == least]
+    return max(idle, key=lambda h: h[1])[0] if idle else None
 
 
 @dataclass(frozen=True)
@@ -144,56 +173,51 @@ class CacheAware:
     remembered prefix went when that prefix is at least ``min_match`` of the
     prompt ("prefix": many conversations over one document); otherwise to
     the first instance of its key's rendezvous order ("affinity": a
-    conversation's first sight, agreed by every worker and replica). The
-    balance guard (``guard_cap``): an instance may hold at most ``balance``
-    times the pool's mean legs in flight (plus one) before a new
-    conversation takes its key's next instance, and ``FOLLOW`` legs more
-    before a prompt leaves the instance that was sent most of it.
+    conversation's first sight, agreed by every worker and replica). Either
+    stays put unless that instance is measurably busier than the least busy
+    (``Balance``): then the calm instance sent most of the prompt, else the
+    key's next calm instance ("balanced").
     """
 
-    balance: float
+    balance: Balance
     sent: SentPrefixes = field(default_factory=lambda: SentPrefixes(0))
     min_match: float = 0.5
-    pulls: Pulls = field(default_factory=Pulls)
 
     def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
         if routing.prompt is None:
             return least_loaded(pool, candidates, routing)[0], "no_prompt"
-        ordered = rendezvous(routing.prompt, candidates)
-        cap = guard_cap(self.balance, candidates)
-        chosen, decision = self._remembered(candidates, routing, cap)
+        calm = self.balance.calm(candidates)
+        chosen, decision = self._remembered(candidates, calm, routing)
+        moved = decision == "balanced"  # (its prefix's instance was busier)
         if chosen is None:
             chosen, decision = warm_miss(pool, candidates), WARM_UP
         if chosen is None:
-            chosen, decision = min(ordered, key=lambda c: c.in_flight), "balanced"
-            for rank, candidate in enumerate(ordered):
-                if candidate.in_flight < cap:
-                    chosen, decision = candidate, "affinity" if rank == 0 else "balanced"
-                    break
+            ordered = rendezvous(routing.prompt, candidates)
+            chosen = next(c for c in ordered if c in calm)
+            decision = "affinity" if chosen is ordered[0] and not moved else "balanced"
         self.sent.sent(routing.chain, chosen.url)
         return chosen, decision
 
     def _remembered(
-        self, candidates: Sequence[Candidate], routing: Routing, cap: int
+        self, candidates: Sequence[Candidate], calm: Sequence[Candidate], routing: Routing
     ) -> tuple[Any, str]:
-        """The candidate sent most of this prompt before, under the guard's cap, if enough
-        and if that prefix has not drawn enough prompts there already (``Pulls``)."""
+        """The calm candidate sent most of this prompt before, if that is enough of it."""
         if not routing.chain:
             return None, ""
         by_url = {c.url: c for c in candidates}
         least = self.min_match * routing.prompt_bytes
-        held = [
-            (depth, -by_url[url].in_flight, url)
-            for url, depth in self.sent.longest(routing.chain, by_url).items()
-            if depth * PIECE_BYTES >= least
-            and by_url[url].in_flight < cap + FOLLOW
-            and not self.pulls.hot(url, routing.chain[depth - 1], routing.prompt)
+        sent = [
+            (by_url[url], depth) for url, depth in self.sent.longest(routing.chain, by_url).items()
         ]
-        if not held:
-            return None, ""
-        depth, _, url = max(held)
-        self.pulls.drew(url, routing.chain[depth - 1], routing.prompt)
-        return by_url[url], "prefix"
+        held = [(c, depth) for c, depth in sent if depth * PIECE_BYTES >= least]
+        best = _best_held(held, calm)
+        if best is not None:
+            chosen, first = best
+            return chosen, "prefix" if first else "balanced"
+        idle = _idle_holder(sent, calm)
+        if idle is not None:
+            return idle, "balanced" if held else "prefix"
+        return None, "balanced" if held else ""
 
 
 @dataclass(frozen=True)
@@ -208,23 +232,19 @@ class KvAware:
     their confirmed prefix, and the predicted part only breaks ties.
 
     A prefix is followed when it is at least ``min_match`` of the prompt
-    (as ``cache-aware``'s memory): a shared system prompt in front of a new
-    conversation does not pull every conversation to the instances that
-    hold it. Under the same balance guard as ``cache-aware`` (``guard_cap``):
-    the longest held prefix wins ("kv_match") while its instance is under
-    the cap plus ``FOLLOW``, else the longest on an instance that is
-    ("balanced"); nothing worth following goes to the fewest legs in flight
-    under the cap ("no_match"). When the index cannot serve (no token ids
-    for the prompt, an instance's events not read or stale), ``fallback``
-    (``cache-aware``) chooses, and the decision says why: a request never
-    fails because of the index.
+    (as ``cache-aware``'s memory), unless its instance is measurably busier
+    than the least busy (``Balance``): then the calm instance holding most
+    ("balanced"). Nothing worth following goes to the least busy calm
+    instance, then the least cached ("no_match"). When the index cannot
+    serve (no token ids for the prompt, an instance's events not read or
+    stale), ``fallback`` (``cache-aware``) chooses, and the decision says
+    why: a request never fails because of the index.
     """
 
-    balance: float
+    balance: Balance
     held: Holdings
     fallback: CacheAware
     min_match: float = 0.5
-    pulls: Pulls = field(default_factory=Pulls)
 
     def __call__(self, pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Choice:
         role = getattr(pool, "role", "")
@@ -235,40 +255,35 @@ class KvAware:
         assert tokens is not None
         reach = self.held.reach(role, tokens, [c.url for c in candidates], routing.salt)
         least = max(1.0, self.min_match * len(tokens))
-
-        def held(candidate: Candidate) -> tuple[int, int, int]:
-            found = reach.get(candidate.url)
-            if found is None or found.expected < least:
-                return (0, 0, -candidate.in_flight)
-            if self.pulls.hot(candidate.url, found.last, routing.prompt):
-                return (0, 0, -candidate.in_flight)  # (drawn enough there: placed by load)
-            return (found.confirmed, found.expected, -candidate.in_flight)
-
-        cap = guard_cap(self.balance, candidates)
-        holders = [c for c in candidates if held(c)[1]]
-        near = [c for c in holders if c.in_flight < cap + FOLLOW]
-        if near:
-            chosen = max(near, key=held)
-            confirmed, expected, _ = held(chosen)
-            if chosen is not max(holders, key=held):
+        holding = [
+            (c, (found.confirmed, found.expected))
+            for c in candidates
+            if (found := reach.get(c.url)) is not None and found.expected
+        ]
+        held = [(c, much) for c, much in holding if much[1] >= least]
+        calm = self.balance.calm(candidates)
+        best = _best_held(held, calm)
+        if best is None and (idle := _idle_holder(holding, calm)) is not None:
+            best = idle, not held  # (under min-match, where load does not decide)
+        if best is not None:
+            chosen, first = best
+            found = reach[chosen.url]
+            if not first:
                 decision = "balanced"
             else:
-                decision = "kv_predicted" if expected > confirmed else "kv_match"
+                decision = "kv_predicted" if found.expected > found.confirmed else "kv_match"
         elif (warm := warm_miss(pool, candidates)) is not None:
             chosen, decision = warm, WARM_UP
         else:
-            under = [c for c in candidates if c.in_flight < cap] or list(candidates)
-            # New work: the fewest legs in flight, then the least cached (what an instance
-            # holds, later prompts follow), as vllm-project/router takes the smallest tree.
-            lightest = min((c.in_flight, self.held.blocks(role, c.url)) for c in under)
-            chosen = pool.round_robin(
-                [c for c in under if (c.in_flight, self.held.blocks(role, c.url)) == lightest]
-            )
-            drawn = any(r.expected >= least for r in reach.values())  # (but hot, or busy)
-            decision = "balanced" if drawn else "no_match"
+            # New work: the least busy, then the least cached (what an instance holds,
+            # later prompts follow), as vllm-project/router takes the smallest tree.
+            def lightness(c: Candidate) -> tuple[float, int]:
+                return (load_score(c), self.held.blocks(role, c.url))
+
+            lightest = min(lightness(c) for c in calm)
+            chosen = pool.round_robin([c for c in calm if lightness(c) == lightest])
+            decision = "balanced" if held else "no_match"
         found = reach.get(chosen.url)
-        if found is not None and held(chosen)[1]:
-            self.pulls.drew(chosen.url, found.last, routing.prompt)
         routing.matched[role] = found.expected if found is not None else 0
         routing.predicted[role] = self.held.predict(role, chosen.url, tokens, routing.salt)
         return chosen, decision
@@ -295,7 +310,7 @@ Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
 
 
 def policies(
-    balance: float,
+    balance: Balance,
     sent: SentPrefixes | None = None,
     min_match: float = 0.5,
     held: Holdings | None = None,
@@ -303,7 +318,7 @@ def policies(
     """Every policy by the name ``settings.POLICIES`` gives it.
 
     ``balance``, ``sent`` (the pool's memory of prefixes sent) and ``min_match`` are
-    cache-aware's; ``held`` (what the KV events say) is kv-aware's.
+    cache-aware's and kv-aware's; ``held`` (what the KV events say) is kv-aware's.
     """
     cache_aware = CacheAware(balance, sent if sent is not None else SentPrefixes(0), min_match)
     return {
@@ -320,7 +335,7 @@ def policies(
 
 def policy(
     name: str,
-    balance: float,
+    balance: Balance,
     sent: SentPrefixes | None = None,
     min_match: float = 0.5,
     held: Holdings | None = None,

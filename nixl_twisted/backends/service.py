@@ -129,6 +129,7 @@ class BackendService(Service):
         """
         busy_rule = rules is not None and rules.busy_prompt > 0
         busy_rule = busy_rule or any(m.setting("decode-only-busy-below", 0) for m in models)
+        balance = routing.Balance(policies.balance, policies.margin)
         for pool in self.pools():
             name = policies.of(pool.role)
             key = f"{pool.role}-policy"
@@ -137,9 +138,7 @@ class BackendService(Service):
             remembers = bool(used & {"cache-aware", "kv-aware"})  # (kv-aware falls back to it)
             pool.sent.resize(policies.entries if remembers else 0)
             made = {
-                named: routing.policy(
-                    named, policies.balance, pool.sent, policies.min_match, self.holdings
-                )
+                named: routing.policy(named, balance, pool.sent, policies.min_match, self.holdings)
                 for named in used
             }
             pool.policy = made[name]

@@ -59,6 +59,7 @@ GROUPS: tuple[Group, ...] = (
             ("prefill-policy", "NAME"),
             ("decode-policy", "NAME"),
             ("cache-aware-balance", "FACTOR"),
+            ("cache-aware-margin", "LEGS"),
             ("warm-up", "SECONDS"),
             ("cache-aware-entries", "N"),
             ("cache-aware-min-match", "SHARE"),

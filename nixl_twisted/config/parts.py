@@ -102,9 +102,12 @@ class Policies:
 
     prefill: str
     decode: str
-    #: cache-aware's balance guard, and the prompt bytes that name a conversation.
+    #: cache-aware's and kv-aware's balance guard (``routing.Balance``: how many times,
+    #: and how many legs, busier than the least busy an instance holding a prefix must
+    #: be before a prompt leaves it), and the prompt bytes that name a conversation.
     balance: float
     key_bytes: int
+    margin: float = 4.0
     #: cache-aware's memory of prefixes sent (entries per pool), and the share of a
     #: prompt a remembered prefix must cover to be followed.
     entries: int = 100_000

@@ -470,9 +470,19 @@ SETTINGS: tuple[Setting, ...] = (
         1.5,
         ratio,
         help=(
-            "cache-aware and kv-aware: an instance may hold this many times the pool's "
-            "mean legs in flight (plus one) before new work goes to another instance "
-            "(two legs more for a prompt it holds most of)."
+            "cache-aware and kv-aware: a prompt leaves the instance holding its prefix "
+            "only when that instance is this many times as busy as the least busy one "
+            "(legs in flight, and vLLM's queue where read), and --cache-aware-margin more."
+        ),
+    ),
+    Setting(
+        "cache-aware-margin",
+        "policies.margin",
+        4,
+        count(1),
+        help=(
+            "cache-aware and kv-aware: ... and at least this many legs busier than the "
+            "least busy instance (an idle fleet never moves a prompt from its prefix)."
         ),
     ),
     Setting(
