@@ -54,7 +54,6 @@ from typing import Any
 from bench.indexes import index_memory, kv_index_memory
 from bench.run import _free_port, _pinned, _process, nixlproxy, served_fakes
 from bench.workloads import FAKES, REAL, SHAPES, Shape, at, conversations, workload
-from nixl_twisted.testing import process
 
 
 @dataclass(frozen=True)
@@ -495,10 +494,12 @@ def summary(rounds: dict[str, list[tuple[float, float, int]]]) -> None:
 
 
 def _proxy_from(python: str) -> None:
-    """Run another build's proxy: ``python`` of its own virtualenv, moved to ``/`` first so
-    that it imports its own package, not this tree's (the fakes stay this tree's)."""
-    started = "import os; os.chdir('/'); from twisted.scripts.twistd import run; run()"
-    process.TWISTD = (python, "-c", started)  # (read at each start)
+    """Run another build's proxy: ``python`` of its own virtualenv, run from ``/`` so that it
+    imports its own package, not this tree's (the fakes stay this tree's)."""
+    from bench import run
+
+    run.PROXY_TWISTD = (python, "-c", "from twisted.scripts.twistd import run; run()")
+    run.PROXY_CWD = "/"
 
 
 if __name__ == "__main__":

@@ -31,9 +31,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from nixl_twisted.run.workers import TWISTD
 from nixl_twisted.testing.process import Twistd
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+#: The proxy the benches start (``nixlproxy``): this interpreter's twistd, run from here
+#: (this tree), unless a bench's ``--proxy-python`` names another build's virtualenv; then
+#: run from ``/``, so that it imports the package installed there, not this tree's.
+PROXY_TWISTD: tuple[str, ...] = TWISTD
+PROXY_CWD: str | None = None
 
 
 @dataclass(frozen=True)
@@ -215,7 +221,12 @@ def nixlproxy(args: Sequence[str], cores: str, workers: int = 1) -> Iterator[tup
     elsewhere = set(range(os.cpu_count() or 2)) - proxy_cores
     if elsewhere and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, elsewhere)
-    proxy = Twistd(["--listen", "tcp:0:interface=127.0.0.1", *args], prefix=_pinned(cores, []))
+    proxy = Twistd(
+        ["--listen", "tcp:0:interface=127.0.0.1", *args],
+        prefix=_pinned(cores, []),
+        twistd=PROXY_TWISTD,
+        cwd=PROXY_CWD,
+    )
     try:
         yield proxy, f"http://{proxy.address(count=workers)}"
     finally:
