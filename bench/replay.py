@@ -96,6 +96,7 @@ def replay(
     sizes: Sizes = FAKES,
     cost: float = 0.0001,
     overhead: float = 0.002,
+    block_tokens: int = 128,
 ) -> Replayed:
     """``shape`` through a prefill pool of ``policy`` (one instance: ``"ideal"``)."""
     count = 1 if policy == "ideal" else shape.instances
@@ -114,7 +115,7 @@ def replay(
     BackendService(pool, decode, Upstream(Agent(MemoryReactor())), config, holdings=held)
     index = held.index("prefill")
     caches = {
-        url: PrefixCache(seed=url.encode(), on_events=lambda events: None, capacity=1 << 20)
+        url: PrefixCache(block_tokens, 1 << 20, seed=url.encode(), on_events=lambda events: None)
         for url in urls
     }
     rng = random.Random(seed)

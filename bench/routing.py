@@ -329,6 +329,7 @@ def shapes_table(args: argparse.Namespace) -> int:
             for flight in flights or [base.concurrency]:
                 known = at(base, count, flight)
                 rates: dict[str, list[float]] = {}
+                ratios: dict[str, list[float]] = {}  # (each seed's over its own ideal)
                 busiest: dict[str, list[float]] = {}
                 for seed in seeds:
                     args.seed = seed
@@ -339,16 +340,17 @@ def shapes_table(args: argparse.Namespace) -> int:
                         r = measure(run, args, known)
                         rates.setdefault(run.name, []).append(r["hit_rate"] or 0.0)
                         busiest.setdefault(run.name, []).append(r["busiest"] or 0.0)
+                        own = rates["ideal"][-1]
+                        ratios.setdefault(run.name, []).append((r["hit_rate"] or 0.0) / own)
                 ideal = statistics.mean(rates["ideal"])
 
                 def cell(
-                    name: str, rates: dict[str, list[float]] = rates, ideal: float = ideal
+                    name: str,
+                    rates: dict[str, list[float]] = rates,
+                    ratios: dict[str, list[float]] = ratios,
                 ) -> str:
-                    mean = statistics.mean(rates[name])
-                    worst = min(rates[name])
-                    if not ideal:
-                        return f"{mean:.3f}"
-                    return f"{mean:.3f} ({mean / ideal:.3f}, min {worst / ideal:.3f})"
+                    mean, over = statistics.mean(rates[name]), ratios[name]
+                    return f"{mean:.3f} ({statistics.mean(over):.3f}, min {min(over):.3f})"
 
                 shown = ["cache-aware", "kv-aware", *(f"vllm-router {r}" for r in routers)]
                 cells = [cell(p) for p in [*policies, *(f"vllm-router {r}" for r in routers)]]

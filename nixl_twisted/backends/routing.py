@@ -156,12 +156,19 @@ def _best_held(
     return None
 
 
+#: How much busier than the least busy (legs) an instance may be and still count as level
+#: with it: a prefix shorter than ``--cache-aware-min-match`` draws a prompt only to a level
+#: instance. One leg is the least difference load can show.
+LEVEL = 1
+
+
 def _idle_holder(held: Sequence[tuple[Any, Any]], calm: Sequence[Candidate]) -> Any | None:
-    """Among the least busy of the ``calm``, the one holding most of the prompt, however
-    little (``held``), or None: where load does not choose, a hit does."""
+    """Among the ``calm`` instances level with the least busy (``LEVEL``), the one holding
+    most of the prompt, however little (``held``), or None: where load does not choose, a
+    hit does."""
     least = min(load_score(c) for c in calm)
-    idle = [(c, much) for c, much in held if c in calm and load_score(c) == least]
-    return max(idle, key=lambda h: h[1])[0] if idle else None
+    level = [(c, much) for c, much in held if c in calm and load_score(c) <= least + LEVEL]
+    return max(level, key=lambda h: (h[1], -load_score(h[0])))[0] if level else None
 
 
 @dataclass(frozen=True)

@@ -176,8 +176,10 @@ def test_a_shared_system_prompt_alone_draws_a_new_conversation_only_where_load_i
     a, b = pool.instances
     index.apply(a.url, [held(PROMPT[:16], [1])])  # a third of the prompt: under min-match
     assert pool.choose(routing=asked()) == (a, "kv_match")  # an idle fleet: the hit decides
-    a.in_flight = 1  # a is busier: the load decides
-    assert pool.choose(routing=asked([*PROMPT[:16], *range(32)])) == (b, "no_match")
+    a.in_flight = 1  # one leg more: level still
+    assert pool.choose(routing=asked([*PROMPT[:16], *range(32)])) == (a, "kv_match")
+    a.in_flight = 2  # two legs more: the load decides
+    assert pool.choose(routing=asked([*PROMPT[:16], *range(100, 132)])) == (b, "no_match")
 
 
 def test_a_failed_leg_withdraws_its_prediction_and_the_retry_predicts_its_own() -> None:

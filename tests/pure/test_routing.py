@@ -253,12 +253,12 @@ def test_a_prefix_shorter_than_the_min_match_share_draws_a_prompt_only_where_loa
     # The same document under a longer question of its own: under half is shared. Where
     # nothing is busier, the hit decides.
     assert pool.choose(routing=asking(DOCUMENT, "another " * 500)) == (home, "prefix")
-    home.in_flight = 1  # one leg more than the others: the load decides, as for a new one
+    home.in_flight = 2  # two legs more than the others: the load decides, as for a new one
     _, decision = pool.choose(routing=asking(DOCUMENT, "yet another " * 500))
     assert decision in ("affinity", "balanced")
     followed = remembering(4, min_match=0.1)
     home, _ = followed.choose(routing=asking(DOCUMENT, "first"))
-    home.in_flight = 1
+    home.in_flight = 2
     assert followed.choose(routing=asking(DOCUMENT, "another " * 500)) == (home, "prefix")
 
 
