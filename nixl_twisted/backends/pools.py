@@ -147,7 +147,7 @@ class BackendPool(Roster):
         self.capped = False
         for instance in self.instances:
             self._cap(instance, instance.own_cap)
-        self._notify_freed()  # (a larger cap: room now)
+        self.notify_freed()  # (a larger cap: room now)
 
     def _cap(self, instance: Instance, own: int | None) -> None:
         instance.own_cap = own
@@ -161,13 +161,13 @@ class BackendPool(Roster):
         """vLLM answered 503 (its engine's queue is full): it counts as full for a moment."""
         instance.full_until = self._now() + COOL
         self._cooling = True
-        self.clock.callLater(COOL, self._notify_freed)
+        self.clock.callLater(COOL, self.notify_freed)
 
     def on_freed(self, told: Callable[[], object]) -> None:
         """``told()`` whenever room may have come free (a leg ended, a cooling ended)."""
         self._freed.append(told)
 
-    def _notify_freed(self) -> None:
+    def notify_freed(self) -> None:
         for told in self._freed:
             told()
 
@@ -275,7 +275,7 @@ class BackendPool(Roster):
             self.instances.remove(instance)
             log.info("{role} instance {url} drained and removed", role=self.role, url=instance.url)
         if self._freed and instance.slots is not None:
-            self._notify_freed()
+            self.notify_freed()
 
     # -- what legs and health checks learn ---------------------------------
 
@@ -349,6 +349,12 @@ class Lease:
         self.held = True
         #: What else ends with the leg (its trace span).
         self.on_release: Callable[[], object] | None = None
+        #: Ends with the leg too: its slot in ``--replicas-redis`` given back.
+        self._also: list[Callable[[], object]] = []
+
+    def also(self, then: Callable[[], object]) -> None:
+        """``then()`` when the lease is released, after the instance is given back."""
+        self._also.append(then)
 
     def release(self, result: object = None) -> object:
         """Give the instance back (usable as a callback: passes ``result`` on)."""
@@ -357,4 +363,6 @@ class Lease:
             self.pool._released(self.instance)
             if self.on_release is not None:
                 self.on_release()
+            for then in self._also:
+                then()
         return result

@@ -164,7 +164,9 @@ class BackendService(Service):
             by_model = {
                 m.name: m.setting(key, 0) for m in config.pools.models if key in dict(m.own)
             }
-            pool.use_caps(Caps(defaults[pool.role], by_model, worker, config.worker_count))
+            # Shared through --replicas-redis, a cap is the fleet's: no static split.
+            workers = 1 if config.replicas.redis is not None else config.worker_count
+            pool.use_caps(Caps(defaults[pool.role], by_model, worker % workers, workers))
 
     def capped(self) -> bool:
         """Whether any instance has a cap: else no leg ever waits for room."""

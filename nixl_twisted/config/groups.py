@@ -110,6 +110,7 @@ GROUPS: tuple[Group, ...] = (
             ("decode-max-in-flight", "N"),
             ("queue-size", "N"),
             ("queue-timeout", "SECONDS"),
+            ("replicas-redis", "URL"),
             ("max-connections", "N"),
             ("header-timeout", "SECONDS"),
             ("body-timeout", "SECONDS"),

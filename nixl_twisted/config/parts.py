@@ -242,6 +242,15 @@ class Capacity:
 
 
 @dataclass(frozen=True)
+class Replicas:
+    """Several processes acting as one proxy (``nixl_twisted.fleet``)."""
+
+    #: The Redis every replica and worker of this proxy shares (None: each on its own:
+    #: replicas apart, ``--workers`` splitting each cap between them).
+    redis: str | None = None
+
+
+@dataclass(frozen=True)
 class Traces:
     """OpenTelemetry tracing (``nixl_twisted.observe.tracing``): where to, how, how much."""
 

@@ -26,6 +26,7 @@ from nixl_twisted.config.parts import (
     Limits,
     Policies,
     Pools,
+    Replicas,
     Retries,
     TenantsConfig,
     Timeouts,
@@ -53,6 +54,7 @@ class ProxyConfig:
     health: Health
     limits: Limits
     capacity: Capacity
+    replicas: Replicas
     traces: Traces
     metrics_listen: str | None
     #: The admin endpoint: /admin/*, /healthcheck in full and /metrics there only.
@@ -220,6 +222,7 @@ _PARTS: dict[str, type] = {
     "health": Health,
     "limits": Limits,
     "capacity": Capacity,
+    "replicas": Replicas,
     "traces": Traces,
 }
 

@@ -287,6 +287,19 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "replicas-redis",
+        "replicas.redis",
+        None,
+        redis_url,
+        live=False,
+        env=("NIXLPROXY_REPLICAS_REDIS",),
+        help=(
+            "A Redis server (redis://HOST:PORT/DB) every replica and worker of this proxy "
+            "shares: each instance's cap, the fair queue and tenants' requests in flight "
+            "hold for all of them (docs/operations.md, 'Replicas')."
+        ),
+    ),
+    Setting(
         "limits-redis",
         "tenants.redis",
         None,

@@ -77,9 +77,26 @@ def read_file(path: str) -> dict[str, object]:
         raise ConfigError("config", f"--config {path}: cannot read it: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError("config", f"--config {path}: not valid TOML: {error}") from None
+    table = _flattened(table)
     try:
         named = dashed(table, f"--config {path}: ")
     except SpelledTwice as error:
         raise ConfigError(error.name, str(error)) from None
     raw = {name: value for name, (_, value) in named.items()}
     return parse(raw, lambda name: f"--config {path}: {named[name][0]!r} ")
+
+
+#: The TOML tables whose keys are settings of their own: ``[replicas] redis = URL`` is
+#: ``replicas-redis`` (a table other settings take whole, ``[tenants.NAME]``, stays one).
+TABLES = ("replicas",)
+
+
+def _flattened(table: dict[str, object]) -> dict[str, object]:
+    """``[replicas] redis = ...`` as ``replicas-redis = ...``: one key per setting."""
+    flat: dict[str, object] = {}
+    for key, value in table.items():
+        if key in TABLES and isinstance(value, dict):
+            flat.update({f"{key}-{inner}": given for inner, given in value.items()})
+        else:
+            flat[key] = value
+    return flat

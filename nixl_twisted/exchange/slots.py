@@ -26,6 +26,9 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.decide import Decision
 from nixl_twisted.exchange.fair_queue import FairQueue, Ticket, Told
+from nixl_twisted.exchange.fleet_queue import FleetQueue
+from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -55,15 +58,25 @@ class Slots:
     """The fair queue in front of the capped instances, and what it says of itself."""
 
     def __init__(
-        self, backends: BackendService, clock: IReactorTime, config: ProxyConfig, told: Told
+        self,
+        backends: BackendService,
+        clock: IReactorTime,
+        config: ProxyConfig,
+        told: Told,
+        fleet: tuple[Replicas, SharedSlots] | None = None,
     ) -> None:
-        """``told``: each request's outcome at the queue, and how long it waited."""
+        """``told``: each request's outcome at the queue, and how long it waited;
+        ``fleet``: this replica and the fleet's slots (``--replicas-redis``), whose queue
+        is then the fleet's (``fleet_queue``)."""
         self.backends = backends
         self.clock = clock
         capacity = config.capacity
-        self.queue: FairQueue[Placed] = FairQueue(
+        local: FairQueue[Placed] = FairQueue(
             clock, capacity.queue_size, capacity.queue_timeout, told
         )
+        self.queue: FairQueue[Placed] | FleetQueue[Placed] = local
+        if fleet is not None:
+            self.queue = FleetQueue(clock, local, *fleet, told, self._waits)
         self._sweep: IDelayedCall | None = None
         self._entered = Happened()
         for pool in backends.pools():
@@ -83,12 +96,16 @@ class Slots:
     def take(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
         """The slots ``place`` takes, now or once they free (``FairQueue.enter``)."""
         taken = self.queue.enter(ticket, place)
-        if isinstance(taken, Deferred):
-            if self._sweep is None:
-                self._sweep = self.clock.callLater(SWEEP, self._look)
-            entered, self._entered = self._entered, Happened()
-            entered.fire()
+        if isinstance(taken, Deferred) and isinstance(self.queue, FairQueue):
+            self._waits()
         return taken
+
+    def _waits(self) -> None:
+        """A request starts to wait: the queue is looked at every second while one does."""
+        if self._sweep is None:
+            self._sweep = self.clock.callLater(SWEEP, self._look)
+        entered, self._entered = self._entered, Happened()
+        entered.fire()
 
     def entered(self) -> Deferred[None]:
         """Fires when a request next starts to wait (for tests and operators)."""

@@ -47,6 +47,11 @@ class FleetMetrics(Collector):
         self._sources = sources
         self._queued = queued
 
+    def describe(self) -> Iterator[Metric]:
+        """Nothing up front: its families are read from the pools and the queue when
+        scraped, which may be made after the metrics (the root makes the queue later)."""
+        return iter(())
+
     def collect(self) -> Iterator[Metric]:
         healthy = GaugeMetricFamily(
             "nixlproxy_backend_healthy",

@@ -28,6 +28,7 @@ from twisted.web.resource import Resource
 
 from nixl_twisted.observe.fleet_metrics import FleetMetrics, KvStatus, Queued
 from nixl_twisted.observe.gc_pauses import GC_BUCKETS
+from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 from nixl_twisted.protocol import routes
 
 if TYPE_CHECKING:
@@ -248,6 +249,8 @@ class ProxyMetrics:
             registry=r,
             buckets=GC_BUCKETS,
         )
+        #: ``--replicas-redis``: this replica's part of the fleet.
+        self.replicas = ReplicaMetrics(r)
         r.register(FleetMetrics(self._pools, events, sources, queued))
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:

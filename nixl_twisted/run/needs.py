@@ -62,10 +62,10 @@ def _selected(config: ProxyConfig, environ: Mapping[str, str]) -> bool:
 NEEDS: tuple[Need, ...] = (
     Need(
         "txredisapi",
-        "--limits-redis",
+        "--limits-redis/--replicas-redis",
         "txredisapi",
         None,
-        lambda config, environ: config.tenants.redis is not None,
+        lambda config, environ: bool(config.tenants.redis or config.replicas.redis),
     ),
     Need(
         "opentelemetry.sdk.trace",

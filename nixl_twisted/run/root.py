@@ -9,6 +9,7 @@ it works with. The tree::
     ├── HealthChecks          the health loop, what each instance serves, its load
     ├── Discovery             DNS names and Kubernetes selectors (not in a worker)
     ├── SharedWindows         --limits-redis: tenants' windows in Redis
+    ├── Replicas              --replicas-redis: the heartbeat; caps and queue the fleet's
     ├── KvEvents              vLLM's KV events, when an instance publishes them
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
@@ -46,6 +47,8 @@ from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.exchange.slots import Slots
+from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
@@ -169,8 +172,6 @@ def build(
     else:
         found = Discovery(reactor, clock, backends, config)
     report: Reported = link.told if link is not None else cast(Discovery, found)
-    # Each request's outcome at the fair queue, counted once the metrics exist.
-    slots = Slots(backends, clock, config, lambda *said: _queue_said(metrics, *said))
     metrics = ProxyMetrics(
         backends.pools(),
         os.environ.get(METRICS_DIR_ENV) if shared else None,
@@ -181,6 +182,13 @@ def build(
             for w in slots.queue.waiting()
         ),
     )
+    # --replicas-redis: this process is one replica of the proxy; caps and queue the fleet's.
+    replicas, fleet_slots = None, None
+    if config.replicas.redis is not None:
+        replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
+        fleet_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
+    shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
+    slots = Slots(backends, clock, config, lambda *said: _queue_said(metrics, *said), shared_fleet)
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
@@ -214,6 +222,8 @@ def build(
     )
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
     root = ProxyService(config, app, site, checks, reactor, clock, found, configured, logging)
+    if replicas is not None:  # (before the listeners: shared before the first request)
+        replicas.setServiceParent(root)
     history.setServiceParent(root)
     warnings.setServiceParent(root)
     GcPauses(metrics.gc_pauses, clock).setServiceParent(root)

@@ -38,8 +38,8 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.observe.metrics import ProxyMetrics
-from nixl_twisted.web.redis_link import RETRY, RedisLink
 
 log = Logger()
 

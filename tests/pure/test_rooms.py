@@ -31,6 +31,7 @@ ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     ("kv", frozenset({"nixl_twisted.kv"})),
     ("discovery", frozenset({"nixl_twisted.discovery"})),
     ("observe", frozenset({"nixl_twisted.observe"})),
+    ("fleet", frozenset({"nixl_twisted.fleet"})),
     ("exchange", frozenset({"nixl_twisted.exchange"})),
     ("web", frozenset({"nixl_twisted.web"})),
     ("run", frozenset({"nixl_twisted.run"})),

@@ -176,7 +176,7 @@ def test_a_priority_is_a_64_bit_whole_number(priority: object) -> None:
     ],
 )
 def test_why_txredisapi_gave_up_on_a_connection_is_said_in_words(given_up: str, said: str) -> None:
-    from nixl_twisted.web.redis_link import handshake_failure
+    from nixl_twisted.fleet.link import handshake_failure
 
     assert handshake_failure(given_up) == said
 

@@ -1,0 +1,428 @@
+"""``FleetQueue``: one fair queue for every replica, its order and its slots kept in Redis.
+
+The order is ``fair_queue``'s (priority, then weighted fair queueing between
+tenants by one virtual clock per model, then first come, first served), kept
+in ``--replicas-redis`` for the fleet, so that the replica with a free slot
+lets go the request the fleet's order puts first, whichever replica holds it:
+the replica whose request is first tries it (``scripts.PLACE``) when a slot
+frees anywhere (a message on the ``freed`` channel), when one of its own legs
+ends, and every second. A request goes at once only when nothing of its model
+waits anywhere and both its slots are free in Redis (taken by the same script,
+or neither). Its instances are chosen here, by the pools' policies, among
+those the fleet's view says have room (``fleet.leases``).
+
+While Redis does not answer, requests wait in this replica's own queue
+(``FairQueue``), the caps held to their static share; those that waited in
+the fleet's move there, and are let go by it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.python.failure import Failure
+
+from nixl_twisted.backends.pools import Lease
+from nixl_twisted.exchange.fair_queue import (
+    AFTER_WAIT,
+    AT_ONCE,
+    LEFT,
+    QUEUE_FULL,
+    SHED,
+    SHUT,
+    TIMED_OUT,
+    FairQueue,
+    Ticket,
+    Told,
+)
+from nixl_twisted.fleet import scripts
+from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.fleet.replicas import Replicas, Unshared, view_of
+from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.errors import ProxyError
+
+
+class Taken(Protocol):
+    """What a placement holds: its decode slot, its prefill slot (None: none yet)."""
+
+    @property
+    def decode(self) -> Lease: ...
+
+    @property
+    def prefill(self) -> Lease | None: ...
+
+    def release(self) -> None: ...
+
+
+Placed = TypeVar("Placed", bound=Taken)
+
+
+@dataclass(eq=False)
+class FleetWaiting(Generic[Placed]):
+    """One of this replica's requests, from its arrival until it has its slots."""
+
+    ticket: Ticket
+    place: Callable[[], Placed | str]
+    arrived: float
+    deferred: Deferred[Placed]
+    order: int
+    member: str = ""
+    finish: float = 0.0
+    timer: IDelayedCall | None = None
+    #: The pool it found full last time it was tried ("decode" or "prefill").
+    blocked: str = ""
+    #: Its client left (while Redis was asked), or it has its slots, or it left the queue.
+    gone: bool = False
+    done: bool = False
+    #: Where it waits while this replica is alone (``FairQueue``'s Deferred).
+    inner: Deferred[Placed] | None = None
+
+
+class FleetQueue(Generic[Placed]):
+    """Requests waiting for slots in the fleet's order; this replica's own queue while alone."""
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        local: FairQueue[Placed],
+        replicas: Replicas,
+        slots: SharedSlots,
+        told: Told,
+        entered: Callable[[], object] = lambda: None,
+    ) -> None:
+        self.clock = clock
+        self.local = local
+        self.replicas = replicas
+        self.slots = slots
+        self.told = told
+        self.entered = entered
+        self._mine: dict[str | None, list[FleetWaiting]] = {}
+        self._order = itertools.count()
+        self._trying: set[str | None] = set()
+        self._again: set[str | None] = set()
+        #: What the fleet's queue said last: requests waiting, and the latest grants (ms).
+        self._waiting = 0
+        self._grants: list[float] = []
+        replicas.hold(self)
+        replicas.on_freed(lambda _: self.pump())
+
+    # -- FairQueue's face ---------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return self.local.size
+
+    @size.setter
+    def size(self, size: int) -> None:
+        self.local.size = size
+
+    @property
+    def timeout(self) -> float:
+        return self.local.timeout
+
+    @timeout.setter
+    def timeout(self, timeout: float) -> None:
+        self.local.timeout = timeout
+
+    def __len__(self) -> int:
+        return len(self.local) + sum(len(w) for w in self._mine.values())
+
+    def waiting(self) -> list[Any]:
+        return [*self.local.waiting(), *(w for ws in self._mine.values() for w in ws)]
+
+    def enter(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
+        """Slots for a new request: from the fleet's queue while Redis answers, else this
+        replica's own."""
+        if not self.replicas.is_shared:
+            return self.local.enter(ticket, place)
+        answered: Deferred[Placed] = Deferred(lambda _: self._left(waiting))
+        waiting = FleetWaiting(ticket, place, self.clock.seconds(), answered, next(self._order))
+        got = place()
+        decode, prefill = self._names(got)
+        args = self._args(waiting, "", got, decode, prefill, ticket.sheddable)
+
+        def said(reply: Any) -> None:
+            code, what = int(reply[0]), _text(reply[1])
+            self._heard(reply)
+            if code == scripts.GRANTED:
+                assert not isinstance(got, str)
+                self._granted(got, decode, prefill)
+                if waiting.gone:
+                    got.release()  # (its client left meanwhile: the slots go back)
+                    return
+                waiting.done = True
+                self.told(AT_ONCE, 0.0, ticket)
+                answered.callback(got)
+                return
+            if not isinstance(got, str):
+                got.release()
+            if code in (scripts.SHED, scripts.FULL):
+                waiting.done = True
+                if code == scripts.SHED:
+                    outcome, refusal = SHED, _shed(ticket, self.retry_after())
+                else:
+                    outcome, refusal = QUEUE_FULL, _full(self.local.size, self.retry_after())
+                self.told(outcome, 0.0, ticket)
+                if not waiting.gone:
+                    answered.errback(refusal)
+                return
+            waiting.member, pool, finish = what.split("\n")
+            waiting.finish = float(finish)
+            waiting.blocked = "" if pool == "queued" else pool
+            if waiting.gone:
+                self._leave(waiting)
+                return
+            self._wait(waiting)
+
+        def alone(failure: Failure) -> None:
+            failure.trap(Unshared)
+            if not isinstance(got, str):
+                got.release()
+            if not waiting.gone:
+                self._alone(waiting)
+
+        self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)
+        return answered
+
+    def pump(self) -> None:
+        """Slots may have freed: this replica's first request of each model is tried."""
+        self.local.pump()
+        if not self.replicas.is_shared:
+            return
+        for model in [m for m, ws in self._mine.items() if ws]:
+            self._try(model)
+
+    def shut(self, error: Callable[[], ProxyError]) -> None:
+        """Every request waiting is refused with ``error()`` (the proxy is stopping)."""
+        self.local.shut(error)
+        for waiting in [w for ws in self._mine.values() for w in ws]:
+            self._end(waiting, SHUT)
+            waiting.deferred.errback(error())
+
+    def held(self) -> tuple[list[str], list[str]]:
+        """(Its requests' places are not written back: they wait here instead.)"""
+        return [], []
+
+    def shared(self, view: dict[str, int]) -> None:
+        """Redis answers: its first requests are tried."""
+        self.pump()
+
+    def restored(self) -> None:
+        """Redis forgot this replica's places in the queue: they wait here instead."""
+        self.alone()
+
+    def alone(self) -> None:
+        """Redis stopped answering: what waited in the fleet's queue waits in this one's."""
+        for waiting in [w for ws in self._mine.values() for w in ws]:
+            self._end(waiting, "", leave=False)
+            waiting.done = False
+            self._alone(waiting)
+
+    def retry_after(self) -> float:
+        """Seconds the fleet's queue takes to drain at the rate the fleet let requests go
+        lately (1 at least, the timeout at most, and the timeout while none went)."""
+        if not self.replicas.is_shared:
+            return self.local.retry_after()
+        grants = self._grants
+        if len(grants) < 2:
+            return self.timeout
+        span = (grants[0] - grants[-1]) / 1000
+        if span <= 0:
+            return 1.0
+        rate = (len(grants) - 1) / span
+        return float(min(self.timeout, max(1, math.ceil(self._waiting / rate))))
+
+    # -- inside -------------------------------------------------------------------------
+
+    def _args(
+        self,
+        waiting: FleetWaiting[Placed],
+        member: str,
+        got: Placed | str,
+        decode: tuple[str, int, str],
+        prefill: tuple[str, int, str],
+        sheddable: bool,
+    ) -> list[object]:
+        ticket = waiting.ticket
+        return [
+            ticket.model or "",
+            ticket.priority,
+            member,
+            ticket.tenant or "",
+            ticket.weight,
+            1 if sheddable else 0,
+            self.local.size,
+            waiting.order,
+            got if isinstance(got, str) else "",
+            *decode,
+            *prefill,
+        ]
+
+    def _names(self, got: Placed | str) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
+        if isinstance(got, str):
+            return ("", 0, ""), ("", 0, "")
+        return self.slots.names(got.decode), self.slots.names(got.prefill)
+
+    def _granted(
+        self, got: Placed, decode: tuple[str, int, str], prefill: tuple[str, int, str]
+    ) -> None:
+        self.slots.granted(got.decode, decode)
+        if got.prefill is not None:
+            self.slots.granted(got.prefill, prefill)
+
+    def _heard(self, reply: Any) -> None:
+        self.slots.seen(view_of(reply[2]))
+        self._waiting = int(reply[3])
+        self._grants = [float(_text(g)) for g in reply[4]]
+        self.slots.metrics.fleet_waiting.set(self._waiting)
+
+    def _wait(self, waiting: FleetWaiting[Placed]) -> None:
+        """It waits in the fleet's queue, until its turn, its timeout or its client leaves."""
+        left = self.timeout - (self.clock.seconds() - waiting.arrived)
+        waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
+        model = waiting.ticket.model
+        mine = self._mine.setdefault(model, [])
+        mine.append(waiting)
+        mine.sort(key=lambda w: (w.ticket.priority, w.finish, w.order))
+        self.entered()
+        self._try(model)  # (a slot may have freed meanwhile)
+
+    def _alone(self, waiting: FleetWaiting[Placed]) -> None:
+        """It waits in this replica's own queue (Redis does not answer)."""
+        try:
+            inner = self.local.enter(waiting.ticket, waiting.place)
+        except ProxyError as error:
+            waiting.done = True
+            waiting.deferred.errback(error)
+            return
+        if not isinstance(inner, Deferred):
+            waiting.done = True
+            waiting.deferred.callback(inner)
+            return
+        waiting.inner = inner
+
+        def got(placed: Placed) -> None:
+            waiting.done = True
+            waiting.deferred.callback(placed)
+
+        def failed(failure: Failure) -> None:
+            if not waiting.gone:
+                waiting.done = True
+                waiting.deferred.errback(failure)
+
+        inner.addCallbacks(got, failed)
+
+    def _try(self, model: str | None) -> None:
+        if model in self._trying:
+            self._again.add(model)
+            return
+        mine = [w for w in self._mine.get(model, []) if not w.done]
+        if not mine:
+            return
+        waiting = mine[0]
+        got = waiting.place()
+        if isinstance(got, str):
+            waiting.blocked = got
+            return  # (full as this replica sees the fleet: a message will say when not)
+        decode, prefill = self._names(got)
+        args = self._args(waiting, waiting.member, got, decode, prefill, False)
+        self._trying.add(model)
+
+        def said(reply: Any) -> None:
+            self._trying.discard(model)
+            self._heard(reply)
+            code = int(reply[0])
+            if code == scripts.GRANTED:
+                self._granted(got, decode, prefill)
+                if waiting.done:
+                    got.release()  # (it left meanwhile: its slots go back)
+                else:
+                    self._end(waiting, AFTER_WAIT, leave=False)
+                    waiting.deferred.callback(got)
+                self._again.add(model)
+            else:
+                got.release()
+                waiting.blocked = _text(reply[1]) if code == scripts.BLOCKED else ""
+            if model in self._again:
+                self._again.discard(model)
+                self._try(model)
+
+        def alone(failure: Failure) -> None:
+            self._trying.discard(model)
+            got.release()
+            failure.trap(Unshared)
+
+        self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)
+
+    def _end(self, waiting: FleetWaiting[Placed], outcome: str, leave: bool = True) -> None:
+        """It leaves the fleet's queue, ``outcome`` said of it ("": moved to this replica's)."""
+        if waiting.done:
+            return
+        waiting.done = True
+        mine = self._mine.get(waiting.ticket.model, [])
+        if waiting in mine:
+            mine.remove(waiting)
+        if waiting.timer is not None and waiting.timer.active():
+            waiting.timer.cancel()
+        if outcome:
+            self.told(outcome, self.clock.seconds() - waiting.arrived, waiting.ticket)
+        if leave:
+            self._leave(waiting)
+
+    def _leave(self, waiting: FleetWaiting[Placed]) -> None:
+        if not self.replicas.is_shared or not waiting.member:
+            return  # (written back without it when Redis answers again)
+        ticket = waiting.ticket
+        args = [ticket.model or "", ticket.priority, waiting.member]
+        self.replicas.call(scripts.LEAVE, args, "leave").addErrback(lambda f: f.trap(Unshared))
+
+    def _expire(self, waiting: FleetWaiting[Placed]) -> None:
+        if waiting.done:
+            return
+        self._end(waiting, TIMED_OUT)
+        waiting.deferred.errback(
+            ProxyError(
+                ErrorCode.QUEUE_TIMEOUT,
+                f"no slot came free within the proxy's queue timeout ({self.timeout:g} s): "
+                "try again later",
+                retry_after=self.retry_after(),
+            )
+        )
+
+    def _left(self, waiting: FleetWaiting[Placed]) -> None:
+        """Its client left: out of the queue, nothing sent for it (slots Redis gives it
+        meanwhile go back)."""
+        waiting.gone = True
+        if waiting.inner is not None and not waiting.inner.called:
+            waiting.inner.cancel()
+        elif waiting.member and not waiting.done:
+            self._end(waiting, LEFT)
+        elif not waiting.done:
+            self.told(LEFT, self.clock.seconds() - waiting.arrived, waiting.ticket)
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _shed(ticket: Ticket, retry_after: float) -> ProxyError:
+    return ProxyError(
+        ErrorCode.SHED,
+        "the fleet is full and this tenant's requests are sheddable (priority "
+        f"{ticket.priority}): try again later",
+        retry_after=retry_after,
+    )
+
+
+def _full(size: int, retry_after: float) -> ProxyError:
+    return ProxyError(
+        ErrorCode.QUEUE_FULL,
+        f"the proxy's queue is full ({size} requests wait for a slot): try again later",
+        retry_after=retry_after,
+    )

@@ -1,0 +1,11 @@
+"""Several processes acting as one proxy: what they share through ``--replicas-redis``.
+
+A replica is one process that serves requests (a ``twistd nixlproxy``, or
+one of its ``--workers``). With ``--replicas-redis`` every replica of one
+proxy keeps there, in one Redis, what must hold for all of them: each
+instance's slots (its cap counted over every replica: ``leases``), the fair
+queue's order (``queue``), tenants' requests in flight, each tied to its
+replica's heartbeat (``replicas``), so that a replica that dies gives back
+what it held. The scripts (``scripts``) are the only writers; ``link`` is
+the connection, made again when Redis refuses it.
+"""

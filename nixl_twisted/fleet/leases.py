@@ -1,0 +1,147 @@
+"""``SharedSlots``: each instance's cap held over every replica, a slot a lease in Redis.
+
+The scripts decide (``scripts.PLACE`` takes a placement's decode and prefill
+slots, or neither); this replica keeps a view of the fleet's legs per
+instance (from every answer and every message on the ``freed`` channel)
+so that its policies choose among instances with room: an instance's
+``slots`` here are its cap less the legs the other replicas hold on it.
+Each lease is given back when its leg ends (``Lease.also``); a replica that
+dies gives back its own through its heartbeat (``replicas``).
+
+While Redis does not answer, each replica holds an instance to its static
+share of the cap: the cap over the replicas last seen alive, one at least.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from twisted.python.failure import Failure
+
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.pools import BackendPool, Lease
+from nixl_twisted.fleet import scripts
+from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.observe.replica_metrics import ReplicaMetrics
+
+
+def field(instance: Instance) -> str:
+    """An instance's name in Redis: its pool and URL (``POOL|URL``)."""
+    return f"{instance.role}|{instance.url}"
+
+
+class SharedSlots:
+    """The fleet's legs on each capped instance, and the slots this replica holds of them."""
+
+    def __init__(
+        self,
+        replicas: Replicas,
+        pools: Callable[[], Sequence[BackendPool]],
+        metrics: ReplicaMetrics,
+    ) -> None:
+        self.replicas = replicas
+        self._pools = pools
+        self.metrics = metrics
+        #: Each capped instance's legs over every replica, as Redis last said (``POOL|URL``).
+        self.view: dict[str, int] = {}
+        #: The leases this replica holds in Redis: lease id -> ``POOL|URL``.
+        self.leases: dict[str, str] = {}
+        self._ids = (f"{n:x}" for n in itertools.count(1))
+        replicas.hold(self)
+        replicas.on_freed(self._changed)
+
+    # -- what Redis says --------------------------------------------------------------
+
+    def held(self) -> tuple[list[str], list[str]]:
+        return [f"{where}|{lease}" for lease, where in self.leases.items()], []
+
+    def shared(self, view: dict[str, int]) -> None:
+        self.view = view
+        self.apply()
+
+    def alone(self) -> None:
+        self.apply()
+
+    def restored(self) -> None:
+        """(Its leases were written back as they are.)"""
+
+    def seen(self, view: dict[str, int]) -> None:
+        """A script's answer: the fleet's view now."""
+        self.view = view
+        self.apply()
+
+    def _changed(self, changed: dict[str, int]) -> None:
+        for where, legs in changed.items():
+            if legs > 0:
+                self.view[where] = legs
+            else:
+                self.view.pop(where, None)
+        if changed:
+            self.apply()
+
+    def apply(self) -> None:
+        """Each capped instance's slots for this replica's policies: its cap less the others'
+        legs while shared, its static share while alone; each pool told if room came."""
+        mine: dict[str, int] = {}
+        for where in self.leases.values():
+            mine[where] = mine.get(where, 0) + 1
+        shared = self.replicas.is_shared
+        fleet = {"prefill": 0, "decode": 0}
+        for pool in self._pools():
+            roomier = False
+            for instance in pool.instances:
+                cap = pool.caps.of(instance)
+                if cap == 0:
+                    continue
+                where = field(instance)
+                if shared:
+                    others = max(0, self.view.get(where, 0) - mine.get(where, 0))
+                    slots = max(0, cap - others)
+                    fleet[pool.role] = fleet.get(pool.role, 0) + self.view.get(where, 0)
+                else:
+                    slots = max(1, cap // self.replicas.count)
+                roomier = roomier or slots > (instance.slots or 0)
+                instance.slots = slots
+            if roomier:
+                pool.notify_freed()
+        for pool_role, legs in fleet.items():
+            self.metrics.fleet_slots.labels(pool=pool_role).set(legs)
+
+    # -- a placement's leases ------------------------------------------------------
+
+    def names(self, lease: Lease | None) -> tuple[str, int, str]:
+        """What ``PLACE`` is told of a lease: its instance, cap and a new lease id (an empty
+        name and cap 0 when there is none, or its instance has no cap)."""
+        if lease is None:
+            return "", 0, ""
+        cap = lease.pool.caps.of(lease.instance)
+        if cap == 0:
+            return "", 0, ""
+        return field(lease.instance), cap, next(self._ids)
+
+    def granted(self, lease: Lease, name: tuple[str, int, str]) -> None:
+        """Redis gave ``lease`` its slot: held until its leg ends."""
+        where, _, lease_id = name
+        if not where:
+            return
+        self.leases[lease_id] = where
+        self.metrics.slots_held.labels(pool=lease.instance.role).inc()
+        lease.also(lambda: self._release(lease_id, lease.instance.role))
+
+    def _release(self, lease_id: str, role: str) -> None:
+        where = self.leases.pop(lease_id, None)
+        if where is None:
+            return
+        self.metrics.slots_held.labels(pool=role).dec()
+        if not self.replicas.is_shared:
+            return  # (written back whole, without it, when Redis answers again)
+        sent = self.replicas.call(scripts.RELEASE, [f"{where}|{lease_id}"], "release")
+        sent.addErrback(_unshared)
+
+
+def _unshared(failure: Failure) -> Any:
+    """Redis did not take it: ``Replicas`` went alone, and restores what is held at return."""
+    failure.trap(Unshared)
+    return None

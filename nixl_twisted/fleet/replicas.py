@@ -1,0 +1,332 @@
+"""``Replicas``: this process as one replica of the proxy, in ``--replicas-redis``.
+
+It beats once a second (``HEARTBEAT``): its heartbeat expires ``TTL`` later,
+and the heartbeat of any replica forgets every replica whose own expired,
+with everything it held (slots, waiting requests, tenants' requests in
+flight), so that a replica that dies (SIGKILL, a lost node) gives its slots
+back within ``TTL`` plus a beat. Each beat also reads who is alive and the
+fleet's slots (the view the routing policies and the queue look at).
+
+Redis never fails a request: a script not answered within ``BUDGET`` s, an
+error, a refused or lost connection puts the replica *alone* (said once in
+the log, ``nixlproxy_replicas_fallback`` 1): each part then does what it
+does without Redis (the caps at their static share, the queue of this
+process). At the next beat that answers, the replica writes back what it
+holds now in place of whatever Redis kept of it (``RESTORE``: no slot lost
+or counted twice) and is *shared* again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from nixl_twisted.fleet import scripts
+from nixl_twisted.fleet.channel import Channel
+from nixl_twisted.fleet.link import RETRY, RedisLink
+from nixl_twisted.happened import Happened
+from nixl_twisted.observe.replica_metrics import ReplicaMetrics
+
+log = Logger()
+
+#: Seconds between two heartbeats, and how long one lasts: a replica that stops beating
+#: is forgotten, and its slots given back, within ``TTL + BEAT`` seconds.
+BEAT = 1.0
+TTL = 3.0
+#: Seconds a script may take before this replica goes on alone.
+BUDGET = 0.1
+#: A heartbeat is given longer: it reads the whole view.
+BEAT_BUDGET = 1.0
+
+
+class Holder(Protocol):
+    """What this replica holds in Redis, written back whole when it is shared again."""
+
+    def held(self) -> tuple[list[str], list[str]]:
+        """Its lease entries (``POOL|URL|LEASE``) and tenants' entries (``TENANT|ID``)."""
+
+    def shared(self, view: dict[str, int]) -> None:
+        """Redis answers: this is the fleet's view of the slots (``POOL|URL`` -> legs)."""
+
+    def alone(self) -> None:
+        """Redis does not answer: each part goes on without it."""
+
+    def restored(self) -> None:
+        """What this replica holds was written back whole: anything else of it in Redis is
+        gone (its waiting requests, for one)."""
+
+
+class Unshared(Exception):
+    """Redis is not answering now: the caller goes on alone, at once."""
+
+
+def prefix_of(url: str) -> str:
+    """Every key's prefix: one hash tag per Redis database, so one shard holds them all."""
+    database = urlsplit(url).path.strip("/") or "0"
+    return f"nixlproxy:{{fleet-{database}}}:"
+
+
+class Replicas(Service):
+    """This replica's heartbeat, its calls to Redis, and whether they answer."""
+
+    name = "replicas"
+
+    def __init__(
+        self,
+        url: str,
+        reactor: Any,
+        clock: IReactorTime,
+        metrics: ReplicaMetrics,
+        worker: int | None = None,
+    ) -> None:
+        """``clock``: the proxy's (the beat); ``reactor``: the network and each call's
+        budget."""
+        self.url = url
+        self.reactor = reactor
+        self.clock = clock
+        self.metrics = metrics
+        self.id = uuid.uuid4().hex[:12]
+        self.prefix = prefix_of(url)
+        self.info = json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "worker": worker,
+                "started": round(time.time()),
+            },
+            separators=(",", ":"),
+        )
+        self.link = RedisLink(url, clock, self._refused)
+        self.channel = Channel(reactor, url, self.prefix + "freed", self._heard)
+        #: The fleet's state is shared now (else each part goes on alone).
+        self.is_shared = False
+        #: The live replicas, by id: what each says of itself.
+        self.seen: dict[str, dict[str, Any]] = {}
+        self._holders: list[Holder] = []
+        self._freed: list[Callable[[dict[str, int]], object]] = []
+        self._beat: LoopingCall | None = None
+        self._away_said = False
+        self._ready = Happened()
+        #: Seconds each heartbeat lasts (``TTL``).
+        self.ttl = TTL
+
+    # -- who listens ----------------------------------------------------------------
+
+    def hold(self, holder: Holder) -> None:
+        """``holder`` keeps state in Redis: written back at each return, told each change."""
+        self._holders.append(holder)
+
+    def on_freed(self, told: Callable[[dict[str, int]], object]) -> None:
+        """``told(changed)`` on each message of the fleet's: slots that changed (``POOL|URL``
+        -> legs), or none (a request may go now)."""
+        self._freed.append(told)
+
+    def ready(self) -> Deferred[None]:
+        """Fires once the fleet's state is shared (at once if it is now): for tests and
+        operators."""
+        if self.is_shared:
+            return succeed(None)
+        return self._ready.wait()
+
+    @property
+    def count(self) -> int:
+        """Replicas alive as last read (this one at least): the static share's divisor."""
+        return max(1, len(self.seen))
+
+    # -- the service ---------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        self.link.start()
+        self.channel.start()
+        self._beat = LoopingCall(self.beat)
+        self._beat.clock = self.clock
+        self._beat.start(BEAT, now=True)
+
+    def stopService(self) -> Deferred[None]:
+        if not self.running:
+            return succeed(None)
+        super().stopService()
+        self.is_shared = False  # (what it holds is forgotten with its heartbeat)
+        if self._beat is not None and self._beat.running:
+            self._beat.stop()
+        self.channel.stop()
+        return self.link.stop()  # (the channel's closing is not waited for: it holds nothing)
+
+    # -- calls ------------------------------------------------------------------------
+
+    def call(
+        self, script: str, args: Sequence[object], name: str, budget: float = BUDGET
+    ) -> Deferred[Any]:
+        """Run ``script`` with this replica's prefix and id first; fails with ``Unshared`` at
+        once while Redis is known away, or when it does not answer within ``budget``."""
+        if not self.is_shared and not self.link.open:
+            return fail(Unshared("Redis is not answering"))
+        started = self.reactor.seconds()
+        sent = self.link.eval(script, [], [self.prefix, self.id, *args])
+        sent.addTimeout(budget, self.reactor)
+
+        def answered(result: object) -> object:
+            self.metrics.redis_seconds.labels(script=name).observe(self.reactor.seconds() - started)
+            return result
+
+        def failed(failure: Failure) -> Failure:
+            if failure.check(defer.CancelledError) and not failure.check(defer.TimeoutError):
+                return failure
+            self.away(_why(failure, budget, self.link.open))
+            return Failure(Unshared(failure.getErrorMessage()))
+
+        return sent.addCallbacks(answered, failed)
+
+    def beat(self) -> Deferred[None]:
+        """One heartbeat: alive for ``TTL`` more, the dead forgotten, the view read; written
+        back whole when Redis had forgotten this replica or was away."""
+        sent = self.link.eval(
+            scripts.HEARTBEAT, [], [self.prefix, self.id, int(self.ttl * 1000), self.info]
+        )
+        sent.addTimeout(BEAT_BUDGET, self.reactor)
+
+        def beaten(reply: Any) -> Deferred[None] | None:
+            mine, purged, live, view = reply
+            if purged:
+                self.metrics.leases_expired.inc(int(purged))
+            self.seen = {_text(live[i]): _info(live[i + 1]) for i in range(0, len(live) - 1, 2)}
+            self.metrics.seen.set(len(self.seen))
+            if mine and self.is_shared:
+                self._shared(_view(view))
+                return None
+            return self._restore()
+
+        def failed(failure: Failure) -> None:
+            self.away(_why(failure, BEAT_BUDGET, self.link.open))
+
+        return sent.addCallback(beaten).addErrback(failed)
+
+    def _restore(self) -> Deferred[None]:
+        leases: list[str] = []
+        tenants: list[str] = []
+        for holder in self._holders:
+            held, entries = holder.held()
+            leases += held
+            tenants += entries
+        args = [int(self.ttl * 1000), self.info, len(leases), *leases, *tenants]
+        sent = self.link.eval(scripts.RESTORE, [], [self.prefix, self.id, *args])
+        sent.addTimeout(BEAT_BUDGET, self.reactor)
+
+        def restored(view: Any) -> None:
+            was = self._away_said
+            self.is_shared = True
+            self._away_said = False
+            self.metrics.fallback.set(0)
+            for holder in self._holders:
+                holder.restored()
+            if was:
+                log.info(
+                    "replicas: Redis {url} answers again; caps, queue and tenants are shared "
+                    "with {count} replicas",
+                    url=_shown(self.url),
+                    count=self.count,
+                )
+            self._shared(_view(view))
+            ready, self._ready = self._ready, Happened()
+            ready.fire()
+
+        def failed(failure: Failure) -> None:
+            self.away(_why(failure, BEAT_BUDGET, self.link.open))
+
+        return sent.addCallback(restored).addErrback(failed)
+
+    def _shared(self, view: dict[str, int]) -> None:
+        for holder in self._holders:
+            holder.shared(view)
+
+    def away(self, what: tuple[str, str]) -> None:
+        """Redis did not answer: every part goes on alone until a beat answers again."""
+        reason, said = what
+        if self.is_shared or not self._away_said:
+            self.metrics.fallbacks.labels(reason=reason).inc()
+        was_shared, self.is_shared = self.is_shared, False
+        self.metrics.fallback.set(1)
+        if not self._away_said:
+            self._away_said = True
+            log.warn(
+                "replicas: Redis {url} {what}; this replica holds each cap to its share "
+                "(cap / {count} replicas) and queues alone until it answers again",
+                url=_shown(self.url),
+                what=said,
+                count=self.count,
+            )
+        if was_shared:
+            for holder in self._holders:
+                holder.alone()
+
+    def _refused(self, why: str) -> None:
+        self.away(("refused", f"refused the connection ({why}; tried again every {RETRY:g} s)"))
+
+    def _heard(self, message: str) -> None:
+        changed = {}
+        for line in message.splitlines():
+            field, _, count = line.rpartition("\t")
+            if field:
+                changed[field] = int(count)
+        for told in self._freed:
+            told(changed)
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _info(value: object) -> dict[str, Any]:
+    try:
+        said = json.loads(_text(value))
+    except ValueError:
+        return {}
+    return said if isinstance(said, dict) else {}
+
+
+def _view(flat: Sequence[object]) -> dict[str, int]:
+    """HGETALL's flat answer as a map (txredisapi may give a dict already)."""
+    if isinstance(flat, dict):
+        return {_text(k): int(v) for k, v in flat.items()}
+    return {_text(flat[i]): int(_text(flat[i + 1])) for i in range(0, len(flat) - 1, 2)}
+
+
+def view_of(flat: Sequence[object]) -> dict[str, int]:
+    """The slots' view in a script's answer."""
+    return _view(flat)
+
+
+def _why(failure: Failure, budget: float, connected: bool) -> tuple[str, str]:
+    """Why Redis could not say: the reason counted, and what the log says."""
+    message = failure.getErrorMessage()
+    if failure.check(defer.TimeoutError):
+        if connected:
+            return "timeout", f"did not answer within {budget * 1000:g} ms"
+        return "not_connected", "could not be reached"
+    if failure.check("txredisapi.ConnectionError"):
+        return "not_connected", f"could not be reached ({message})"
+    if failure.check("txredisapi.ResponseError"):
+        return "error", f"answered with an error ({message})"
+    return "error", f"failed ({type(failure.value).__name__}: {message})"
+
+
+def _shown(url: str) -> str:
+    """The URL without its password, as the log may show it."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"

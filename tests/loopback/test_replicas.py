@@ -1,0 +1,115 @@
+"""``--replicas-redis``: two proxies before one real redis-server act as one proxy: an
+instance's cap holds for both, a request waits in the fleet's order whichever proxy holds
+it, and a proxy that loses Redis goes on alone (its static share of each cap) and shares
+again when Redis is back, with no slot lost or counted twice."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from treq.client import HTTPClient
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.web.client import Agent, HTTPConnectionPool
+
+from nixl_twisted.exchange.slots import Slots
+from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.fleet.replicas import Replicas
+from nixl_twisted.testing import RunningProxy
+from tests.support import CHAT, ProxyCase, real_redis
+
+
+def replicas_of(proxy: RunningProxy) -> Replicas:
+    found = proxy.service.getServiceNamed("replicas")
+    assert isinstance(found, Replicas)
+    return found
+
+
+def slots_of(proxy: RunningProxy) -> Slots:
+    slots = proxy.app.serving.legs.slots
+    assert slots is not None
+    return slots
+
+
+def shared_of(proxy: RunningProxy) -> SharedSlots:
+    queue = slots_of(proxy).queue
+    shared = getattr(queue, "slots", None)
+    assert isinstance(shared, SharedSlots)
+    return shared
+
+
+class ReplicasTests(ProxyCase):
+    timeout = 20
+
+    async def two(self, **settings: Any) -> RunningProxy:
+        """Redis, the fakes and two proxies sharing it, each shared once it has beaten."""
+        self.redis = await real_redis(self)
+        self.settings = {"replicas_redis": self.redis.url, "decode_max_in_flight": 1, **settings}
+        await self.start(proxy=self.settings)
+        other = self.start_proxy(
+            [f.url for f in self.prefills], [f.url for f in self.decodes], **self.settings
+        )
+        for each in (self.proxy, other):
+            await replicas_of(each).ready()
+        return other
+
+    def chat(self, proxy: RunningProxy, body: object = CHAT) -> Deferred[Any]:
+        client = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
+        headers: dict[bytes | str, bytes | str] = {"Content-Type": "application/json"}
+        return client.post(
+            proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
+        )
+
+    async def test_an_instances_cap_holds_for_every_replica(self) -> None:
+        other = await self.two()
+        held = await self.held_stream()  # the one decode slot, held through this proxy
+        waits = slots_of(other).entered()
+        second = self.chat(other)
+        await waits  # the other proxy's request waits: the fleet's only slot is taken
+        assert len(self.decode.requests_for("decode")) == 1
+        assert shared_of(other).view == {f"decode|{self.decode.url}": 1}
+        self.decode.release()
+        response = await second
+        assert response.code == 200
+        await response.content()
+        await held.done
+        assert len(self.decode.requests_for("decode")) == 2
+
+    async def test_the_slots_of_a_replica_whose_heartbeat_stops_come_back(self) -> None:
+        other = await self.two()
+        await self.held_stream()
+        self.addCleanup(self.decode.release)
+        gone = replicas_of(self.proxy)
+        gone.ttl = 0.0  # its last heartbeat lapses at once: as a replica killed after it
+        await gone.beat()
+        await gone.stopService()
+        waits = slots_of(other).entered()
+        second = self.chat(other)
+        await waits
+        assert shared_of(other).view == {f"decode|{self.decode.url}": 1}
+        await replicas_of(other).beat()  # forgets the lapsed replica, and its slot
+        self.decode.release()  # (the fake held every answer after its first event)
+        response = await second
+        assert (response.code, len(self.decode.requests_for("decode"))) == (200, 2)
+        await response.content()
+        assert replicas_of(other).metrics.leases_expired._value.get() == 1
+        assert list(replicas_of(other).seen) == [replicas_of(other).id]
+
+    async def test_redis_away_each_replica_holds_its_share_then_shares_again(self) -> None:
+        other = await self.two(decode_max_in_flight=2)
+        mine = replicas_of(other)
+        await mine.beat()  # (it has seen both replicas alive)
+        assert len(mine.seen) == 2
+        await self.redis.stop()
+        await mine.beat()  # (no answer: alone)
+        assert (mine.is_shared, mine.metrics.fallback._value.get()) == (False, 1.0)
+        decode = other.app.fleet.backends.decode.instances[0]
+        assert decode.slots == 1  # the cap of 2 over the 2 replicas last seen
+        response = await self.chat(other)
+        assert response.code == 200
+        await response.content()
+        await self.redis.start()
+        await mine.link.connected()
+        await mine.beat()
+        assert mine.is_shared and decode.slots == 2
