@@ -353,16 +353,18 @@ class Lease:
         self._also: list[Callable[[], object]] = []
 
     def also(self, then: Callable[[], object]) -> None:
-        """``then()`` when the lease is released, after the instance is given back."""
+        """``then()`` when the lease is released, before its pool is told room came."""
         self._also.append(then)
 
     def release(self, result: object = None) -> object:
         """Give the instance back (usable as a callback: passes ``result`` on)."""
         if self.held:
             self.held = False
+            # (Its slot in Redis goes back before the pool says room came: a request that
+            # then tries to take it is sent after, on the same connection.)
+            for then in self._also:
+                then()
             self.pool._released(self.instance)
             if self.on_release is not None:
                 self.on_release()
-            for then in self._also:
-                then()
         return result

@@ -47,6 +47,10 @@ from nixl_twisted.fleet.replicas import Replicas, Unshared, view_of
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 
+#: Seconds a model whose first request is another replica's waits before trying again,
+#: when no message said a slot freed (one may have been lost).
+BEHIND = 1.0
+
 
 class Taken(Protocol):
     """What a placement holds: its decode slot, its prefill slot (None: none yet)."""
@@ -106,11 +110,16 @@ class FleetQueue(Generic[Placed]):
         self._order = itertools.count()
         self._trying: set[str | None] = set()
         self._again: set[str | None] = set()
+        #: Models whose first request is another replica's, and since when: not tried again
+        #: before a slot frees somewhere (a message) or ``BEHIND`` seconds pass.
+        self._behind: dict[str | None, float] = {}
+        #: A placement tried and not granted is giving its slots back: that frees no slot.
+        self._quiet = False
         #: What the fleet's queue said last: requests waiting, and the latest grants (ms).
         self._waiting = 0
         self._grants: list[float] = []
         replicas.hold(self)
-        replicas.on_freed(lambda _: self.pump())
+        replicas.on_freed(self._freed)
 
     # -- FairQueue's face ---------------------------------------------------------------
 
@@ -161,7 +170,7 @@ class FleetQueue(Generic[Placed]):
                 answered.callback(got)
                 return
             if not isinstance(got, str):
-                got.release()
+                self._release(got)
             if code in (scripts.SHED, scripts.FULL):
                 waiting.done = True
                 if code == scripts.SHED:
@@ -183,7 +192,7 @@ class FleetQueue(Generic[Placed]):
         def alone(failure: Failure) -> None:
             failure.trap(Unshared)
             if not isinstance(got, str):
-                got.release()
+                self._release(got)
             if not waiting.gone:
                 self._alone(waiting)
 
@@ -192,6 +201,8 @@ class FleetQueue(Generic[Placed]):
 
     def pump(self) -> None:
         """Slots may have freed: this replica's first request of each model is tried."""
+        if self._quiet:
+            return
         self.local.pump()
         if not self.replicas.is_shared:
             return
@@ -205,11 +216,24 @@ class FleetQueue(Generic[Placed]):
             self._end(waiting, SHUT)
             waiting.deferred.errback(error())
 
+    def _freed(self, changed: dict[str, int], version: int | None) -> None:
+        """A slot freed somewhere, or a request left or went: whoever is first may go."""
+        self._behind.clear()
+        self.pump()
+
+    def _release(self, got: Placed) -> None:
+        """A placement tried and not granted gives its slots back, quietly."""
+        self._quiet = True
+        try:
+            got.release()
+        finally:
+            self._quiet = False
+
     def held(self) -> tuple[list[str], list[str]]:
         """(Its requests' places are not written back: they wait here instead.)"""
         return [], []
 
-    def shared(self, view: dict[str, int]) -> None:
+    def shared(self, view: dict[str, int], version: int) -> None:
         """Redis answers: its first requests are tried."""
         self.pump()
 
@@ -277,7 +301,7 @@ class FleetQueue(Generic[Placed]):
             self.slots.granted(got.prefill, prefill)
 
     def _heard(self, reply: Any) -> None:
-        self.slots.seen(view_of(reply[2]))
+        self.slots.seen(view_of(reply[2]), int(reply[5]))
         self._waiting = int(reply[3])
         self._grants = [float(_text(g)) for g in reply[4]]
         self.slots.metrics.fleet_waiting.set(self._waiting)
@@ -323,7 +347,8 @@ class FleetQueue(Generic[Placed]):
             self._again.add(model)
             return
         mine = [w for w in self._mine.get(model, []) if not w.done]
-        if not mine:
+        behind = self._behind.get(model)
+        if not mine or (behind is not None and self.clock.seconds() - behind < BEHIND):
             return
         waiting = mine[0]
         got = waiting.place()
@@ -347,15 +372,17 @@ class FleetQueue(Generic[Placed]):
                     waiting.deferred.callback(got)
                 self._again.add(model)
             else:
-                got.release()
+                self._release(got)
                 waiting.blocked = _text(reply[1]) if code == scripts.BLOCKED else ""
+                if code == scripts.NOT_FIRST:
+                    self._behind[model] = self.clock.seconds()
             if model in self._again:
                 self._again.discard(model)
                 self._try(model)
 
         def alone(failure: Failure) -> None:
             self._trying.discard(model)
-            got.release()
+            self._release(got)
             failure.trap(Unshared)
 
         self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)

@@ -46,6 +46,9 @@ class SharedSlots:
         self.metrics = metrics
         #: Each capped instance's legs over every replica, as Redis last said (``POOL|URL``).
         self.view: dict[str, int] = {}
+        #: The version of the slots ``view`` is as of (each change in Redis counts one):
+        #: an answer that left Redis before a message this replica already heard is older.
+        self.version = 0
         #: The leases this replica holds in Redis: lease id -> ``POOL|URL``.
         self.leases: dict[str, str] = {}
         self._ids = (f"{n:x}" for n in itertools.count(1))
@@ -57,9 +60,8 @@ class SharedSlots:
     def held(self) -> tuple[list[str], list[str]]:
         return [f"{where}|{lease}" for lease, where in self.leases.items()], []
 
-    def shared(self, view: dict[str, int]) -> None:
-        self.view = view
-        self.apply()
+    def shared(self, view: dict[str, int], version: int) -> None:
+        self.seen(view, version)
 
     def alone(self) -> None:
         self.apply()
@@ -67,12 +69,17 @@ class SharedSlots:
     def restored(self) -> None:
         """(Its leases were written back as they are.)"""
 
-    def seen(self, view: dict[str, int]) -> None:
-        """A script's answer: the fleet's view now."""
-        self.view = view
+    def seen(self, view: dict[str, int], version: int) -> None:
+        """A script's answer: the fleet's view as of ``version`` (an older one is left)."""
+        if version < self.version:
+            return
+        self.view, self.version = view, version
         self.apply()
 
-    def _changed(self, changed: dict[str, int]) -> None:
+    def _changed(self, changed: dict[str, int], version: int | None) -> None:
+        if version is None or version <= self.version:
+            return  # (a nudge, or older than what this replica knows)
+        self.version = version
         for where, legs in changed.items():
             if legs > 0:
                 self.view[where] = legs

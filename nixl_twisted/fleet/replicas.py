@@ -59,8 +59,9 @@ class Holder(Protocol):
     def held(self) -> tuple[list[str], list[str]]:
         """Its lease entries (``POOL|URL|LEASE``) and tenants' entries (``TENANT|ID``)."""
 
-    def shared(self, view: dict[str, int]) -> None:
-        """Redis answers: this is the fleet's view of the slots (``POOL|URL`` -> legs)."""
+    def shared(self, view: dict[str, int], version: int) -> None:
+        """Redis answers: this is the fleet's view of the slots (``POOL|URL`` -> legs), as
+        of ``version`` (each change of the slots counts one)."""
 
     def alone(self) -> None:
         """Redis does not answer: each part goes on without it."""
@@ -117,7 +118,7 @@ class Replicas(Service):
         #: The live replicas, by id: what each says of itself.
         self.seen: dict[str, dict[str, Any]] = {}
         self._holders: list[Holder] = []
-        self._freed: list[Callable[[dict[str, int]], object]] = []
+        self._freed: list[Callable[[dict[str, int], int | None], object]] = []
         self._beat: LoopingCall | None = None
         self._away_said = False
         self._ready = Happened()
@@ -130,9 +131,9 @@ class Replicas(Service):
         """``holder`` keeps state in Redis: written back at each return, told each change."""
         self._holders.append(holder)
 
-    def on_freed(self, told: Callable[[dict[str, int]], object]) -> None:
-        """``told(changed)`` on each message of the fleet's: slots that changed (``POOL|URL``
-        -> legs), or none (a request may go now)."""
+    def on_freed(self, told: Callable[[dict[str, int], int | None], object]) -> None:
+        """``told(changed, version)`` on each message of the fleet's: slots that changed
+        (``POOL|URL`` -> legs) as of ``version``, or none (None: a request may go now)."""
         self._freed.append(told)
 
     def ready(self) -> Deferred[None]:
@@ -201,13 +202,13 @@ class Replicas(Service):
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def beaten(reply: Any) -> Deferred[None] | None:
-            mine, purged, live, view = reply
+            mine, purged, live, view, version = reply
             if purged:
                 self.metrics.leases_expired.inc(int(purged))
             self.seen = {_text(live[i]): _info(live[i + 1]) for i in range(0, len(live) - 1, 2)}
             self.metrics.seen.set(len(self.seen))
             if mine and self.is_shared:
-                self._shared(_view(view))
+                self._shared(_view(view), int(version))
                 return None
             return self._restore()
 
@@ -227,7 +228,8 @@ class Replicas(Service):
         sent = self.link.eval(scripts.RESTORE, [], [self.prefix, self.id, *args])
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
-        def restored(view: Any) -> None:
+        def restored(reply: Any) -> None:
+            view, version = reply
             was = self._away_said
             self.is_shared = True
             self._away_said = False
@@ -241,7 +243,7 @@ class Replicas(Service):
                     url=_shown(self.url),
                     count=self.count,
                 )
-            self._shared(_view(view))
+            self._shared(_view(view), int(version))
             ready, self._ready = self._ready, Happened()
             ready.fire()
 
@@ -250,9 +252,9 @@ class Replicas(Service):
 
         return sent.addCallback(restored).addErrback(failed)
 
-    def _shared(self, view: dict[str, int]) -> None:
+    def _shared(self, view: dict[str, int], version: int) -> None:
         for holder in self._holders:
-            holder.shared(view)
+            holder.shared(view, version)
 
     def away(self, what: tuple[str, str]) -> None:
         """Redis did not answer: every part goes on alone until a beat answers again."""
@@ -278,13 +280,16 @@ class Replicas(Service):
         self.away(("refused", f"refused the connection ({why}; tried again every {RETRY:g} s)"))
 
     def _heard(self, message: str) -> None:
-        changed = {}
+        changed, version = {}, None
         for line in message.splitlines():
+            if line.startswith("#"):
+                version = int(line[1:])
+                continue
             field, _, count = line.rpartition("\t")
             if field:
                 changed[field] = int(count)
         for told in self._freed:
-            told(changed)
+            told(changed, version)
 
 
 def _text(value: object) -> str:

@@ -38,7 +38,16 @@ end
 local function count(field, by)
   local n = redis.call('HINCRBY', P .. 'slots', field, by)
   if n <= 0 then redis.call('HDEL', P .. 'slots', field) end
+  redis.call('INCR', P .. 'version')
   return math.max(n, 0)
+end
+local function version()
+  return tonumber(redis.call('GET', P .. 'version')) or 0
+end
+local function publish(changed)
+  if #changed > 0 then
+    redis.call('PUBLISH', P .. 'freed', '#' .. version() .. '\\n' .. table.concat(changed, '\\n'))
+  end
 end
 local function unwait(model, prio, member)
   local q = P .. 'q:' .. model .. ':' .. prio
@@ -74,7 +83,7 @@ local function forget(r, keep)
     redis.call('ZREM', P .. 'alive', r)
     redis.call('HDEL', P .. 'info', r)
   end
-  if #changed > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
+  publish(changed)
   return n
 end
 """
@@ -101,7 +110,7 @@ for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', now, '+inf')) do
   live[#live + 1] = r
   live[#live + 1] = redis.call('HGET', P .. 'info', r) or '{}'
 end
-return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots')}
+return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version()}
 """
 )
 
@@ -129,8 +138,8 @@ for i = 6 + n, #ARGV do
 end
 redis.call('ZADD', P .. 'alive', now + tonumber(ARGV[3]), me)
 redis.call('HSET', P .. 'info', me, ARGV[4])
-if #changed > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
-return redis.call('HGETALL', P .. 'slots')
+publish(changed)
+return {redis.call('HGETALL', P .. 'slots'), version()}
 """
 )
 
@@ -170,7 +179,7 @@ end
 local function answer(code, said)
   return {code, said, redis.call('HGETALL', P .. 'slots'),
           tonumber(redis.call('GET', P .. 'waiting')) or 0,
-          redis.call('LRANGE', P .. 'grants', 0, -1)}
+          redis.call('LRANGE', P .. 'grants', 0, -1), version()}
 end
 local function room(field, cap)
   if field == '' or tonumber(cap) == 0 then return true end
@@ -209,7 +218,7 @@ if go and blocked == '' then
   end
   redis.call('LPUSH', P .. 'grants', now)
   redis.call('LTRIM', P .. 'grants', 0, 63)
-  if #changed > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
+  publish(changed)
   if member ~= '' and redis.call('EXISTS', P .. 'qp:' .. model) == 1 then
     redis.call('PUBLISH', P .. 'freed', '')
   end
@@ -264,7 +273,7 @@ for i = 3, #ARGV do
     n = n + 1
   end
 end
-if n > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
+publish(changed)
 return n
 """
 )

@@ -49,6 +49,7 @@ from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas
+from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
@@ -200,7 +201,11 @@ def build(
     if config.tenants.redis is not None:
         windows = SharedWindows(config.tenants.redis, clock, reactor, metrics)
     tenancy = Tenancy(
-        keys, limits, lambda model: context_length(model, backends.decode.instances), windows
+        keys,
+        limits,
+        lambda model: context_length(model, backends.decode.instances),
+        windows,
+        SharedTenants(replicas) if replicas is not None else None,
     )
     fleet = Fleet(backends, kv, report)
     admin = AdminAPI(fleet, config, link.publish if link is not None else None)

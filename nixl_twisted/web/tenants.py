@@ -163,13 +163,21 @@ class TenantLimits:
         """Whether ``tenant`` has any limit to be held to."""
         return self.rule(tenant).counted
 
-    def admit(self, tenant: str | None, estimate: int | None, windows: bool = True) -> Ticket:
+    def admit(
+        self,
+        tenant: str | None,
+        estimate: int | None,
+        windows: bool = True,
+        in_flight: bool = True,
+    ) -> Ticket:
         """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits.
 
         ``estimate`` None: a request that generates nothing (models, tokenize, a stored
         response), held to the in-flight and requests limits only, and charged no tokens.
         ``windows`` False: requests and tokens per minute are counted elsewhere (Redis,
-        ``shared_limits``), in flight only here.
+        ``shared_limits``), in flight only here. ``in_flight`` False: its requests in
+        flight are held to their limit elsewhere (every replica's, ``fleet.tenants``),
+        counted here all the same.
         """
         if tenant is None:
             return NO_TICKET
@@ -183,7 +191,7 @@ class TenantLimits:
         use = self._use.setdefault(tenant, _Usage())
         use.forget_before(now - WINDOW)
         rpm = rule.requests_per_minute if windows else 0
-        if rule.max_in_flight and use.in_flight >= rule.max_in_flight:
+        if in_flight and rule.max_in_flight and use.in_flight >= rule.max_in_flight:
             raise self.refused(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
         if rpm and len(use.started) >= rpm:
             wait = use.started[0] + WINDOW - now
@@ -208,6 +216,11 @@ class TenantLimits:
                 self._use.pop(tenant, None)
 
         return Ticket(release)
+
+    def in_flight(self, tenant: str) -> int:
+        """``tenant``'s requests in flight in this process now."""
+        use = self._use.get(tenant[:MAX_NAME])
+        return use.in_flight if use is not None else 0
 
     def refused(self, tenant: str, limit: str, wait: float) -> ProxyError:
         """The 429 of ``tenant`` at ``limit`` (``refusal``), its time kept for the status page."""
