@@ -122,6 +122,7 @@ class Replicas(Service):
         self._beat: LoopingCall | None = None
         self._away_said = False
         self._ready = Happened()
+        self._said_shared = False
         #: Seconds each heartbeat lasts (``TTL``).
         self.ttl = TTL
 
@@ -142,6 +143,18 @@ class Replicas(Service):
         if self.is_shared:
             return succeed(None)
         return self._ready.wait()
+
+    def status(self) -> dict[str, Any]:
+        """What ``/healthcheck`` and the status page say of the fleet's replicas."""
+        return {
+            "redis": _shown(self.url),
+            "shared": self.is_shared,
+            "id": self.id,
+            "seen": [
+                {"id": replica, **{k: info.get(k) for k in ("host", "pid", "worker", "started")}}
+                for replica, info in sorted(self.seen.items())
+            ],
+        }
 
     @property
     def count(self) -> int:
@@ -202,9 +215,16 @@ class Replicas(Service):
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def beaten(reply: Any) -> Deferred[None] | None:
-            mine, purged, live, view, version = reply
+            mine, purged, live, view, version, dead = reply
             if purged:
                 self.metrics.leases_expired.inc(int(purged))
+            for replica in dead:
+                log.info(
+                    "replicas: replica {replica} stopped beating; what it held is given back "
+                    "({purged} slots in all)",
+                    replica=_text(replica),
+                    purged=int(purged),
+                )
             self.seen = {_text(live[i]): _info(live[i + 1]) for i in range(0, len(live) - 1, 2)}
             self.metrics.seen.set(len(self.seen))
             if mine and self.is_shared:
@@ -236,12 +256,15 @@ class Replicas(Service):
             self.metrics.fallback.set(0)
             for holder in self._holders:
                 holder.restored()
-            if was:
+            if was or not self._said_shared:
+                self._said_shared = True
                 log.info(
-                    "replicas: Redis {url} answers again; caps, queue and tenants are shared "
-                    "with {count} replicas",
-                    url=_shown(self.url),
+                    "replicas: replica {id} shares caps, queue and tenants with {count} "
+                    "replicas through Redis {url}{again}",
+                    id=self.id,
                     count=self.count,
+                    url=_shown(self.url),
+                    again=" (it answers again)" if was else "",
                 )
             self._shared(_view(view), int(version))
             ready, self._ready = self._ready, Happened()

@@ -91,16 +91,20 @@ end
 # ARGV: prefix, replica, ttl (ms), what it says of itself (JSON).
 # Forgets every replica whose heartbeat expired (its leases, waits and tenants' requests);
 # returns {1 if this replica was alive still (else what it held is gone: restore it),
-# leases forgotten, {replica, info, ...} of the live ones, the slots' view (HGETALL)}.
+# leases forgotten, {replica, info, ...} of the live ones, the slots' view (HGETALL), its
+# version, the replicas forgotten}.
 HEARTBEAT = (
     _COMMON
     + """
 local now = now_ms()
 local known = redis.call('ZSCORE', P .. 'alive', me)
 local mine = known ~= false and tonumber(known) > now
-local purged = 0
+local purged, dead = 0, {}
 for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', '-inf', now)) do
-  if r ~= me then purged = purged + forget(r, false) end
+  if r ~= me then
+    purged = purged + forget(r, false)
+    dead[#dead + 1] = r
+  end
 end
 if not mine then forget(me, true) end
 redis.call('ZADD', P .. 'alive', now + tonumber(ARGV[3]), me)
@@ -110,7 +114,7 @@ for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', now, '+inf')) do
   live[#live + 1] = r
   live[#live + 1] = redis.call('HGET', P .. 'info', r) or '{}'
 end
-return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version()}
+return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead}
 """
 )
 

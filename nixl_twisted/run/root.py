@@ -214,7 +214,9 @@ def build(
     # The status page's charts and warning lines: sampled and kept only while the root runs.
     history = History(clock, metrics.sampled)
     warnings = RecentWarnings()
-    status = StatusPage(fleet, serving, admission, tenancy, history, warnings, config.worker)
+    status = StatusPage(
+        fleet, serving, admission, tenancy, history, warnings, config.worker, replicas
+    )
     app = ProxyApp(config, fleet, serving, admission, tenancy, admin, observed, status)
     site = TrackingSite(
         app.resource(),
