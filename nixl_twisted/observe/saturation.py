@@ -166,6 +166,8 @@ class Saturation(Collector):
             for instance in pool.instances:
                 if instance.slots is None:
                     continue  # (no cap: no part of the ratio)
+                if not instance.healthy and not instance.in_flight:
+                    continue  # (nothing to count: no row yet for one not checked yet)
                 row = rows.setdefault((pool.role, model_of(instance)), [0.0, 0.0, 0.0])
                 row[0] += instance.in_flight
                 if instance.healthy and not instance.draining:

@@ -145,3 +145,13 @@ def test_a_worker_writes_its_parts_every_second_without_being_scraped() -> None:
     clock.advance(SAMPLE / 2)
     assert metrics.registry.get_sample_value("nixlproxy_pool_slots_in_use", in_use) == 2.0
     sampling.stopService()
+
+
+def test_an_instance_not_checked_yet_makes_no_row_of_its_own() -> None:
+    clock = Clock()
+    decode = BackendPool("decode", ["http://d1:1#max-in-flight=2"], clock, checked=True)
+    metrics = ProxyMetrics([BackendPool("prefill", ["http://p:1"], clock), decode])
+    assert scraped(metrics, "nixlproxy_pool_slots") == {}  # (its model not read yet)
+    decode.instances[0].state = State.UP
+    decode.instances[0].models = {"fake-model": {"id": "fake-model"}}
+    assert scraped(metrics, "nixlproxy_pool_slots") == {("decode", "fake-model"): 2.0}
