@@ -152,6 +152,7 @@ class BackendPool(Roster):
     def _cap(self, instance: Instance, own: int | None) -> None:
         instance.own_cap = own
         instance.slots = self.caps.slots(instance)
+        instance.cap_share = instance.slots
         self.capped = self.capped or instance.slots is not None
 
     def has_room(self, instance: Instance) -> bool:

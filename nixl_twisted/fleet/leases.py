@@ -111,6 +111,7 @@ class SharedSlots:
                     slots = max(1, cap // self.replicas.count)
                 roomier = roomier or slots > (instance.slots or 0)
                 instance.slots = slots
+                instance.cap_share = cap / self.replicas.count
             if roomier:
                 pool.notify_freed()
         for pool_role, legs in fleet.items():

@@ -24,7 +24,8 @@ class KvStatus(Protocol):
     def status(self, role: str, url: str) -> dict[str, Any] | None: ...
 
 
-#: A request waiting in the proxy's queue: (the pool it found full, its model, its tenant).
+#: A request waiting in the proxy's queue: (the pool it found full, "" when it waits
+#: behind another of its model; its model; its tenant).
 Queued = tuple[str, str, str]
 
 
@@ -122,8 +123,9 @@ class FleetMetrics(Collector):
             "the pool they found full.",
             labels=["pool", "model", "tenant"],
         )
-        for key, count in Tally(self._queued() if self._queued is not None else ()).items():
-            queued.add_metric(list(key), float(count))
+        waiting = self._queued() if self._queued is not None else ()
+        for (found, *key), count in Tally(waiting).items():
+            queued.add_metric([found or "decode", *key], float(count))
         errors = CounterMetricFamily(
             "nixlproxy_discovery_errors",
             "Lookups and watches that failed (the last known instances were kept), by source.",

@@ -29,6 +29,7 @@ from twisted.web.resource import Resource
 from nixl_twisted.observe.fleet_metrics import FleetMetrics, KvStatus, Queued
 from nixl_twisted.observe.gc_pauses import GC_BUCKETS
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
+from nixl_twisted.observe.saturation import Saturation, Summed
 from nixl_twisted.protocol import routes
 
 if TYPE_CHECKING:
@@ -252,6 +253,8 @@ class ProxyMetrics:
         #: ``--replicas-redis``: this replica's part of the fleet.
         self.replicas = ReplicaMetrics(r)
         r.register(FleetMetrics(self._pools, events, sources, queued))
+        #: Each pool's saturation and its parts, by model (``observe.saturation``).
+        self.saturation = Saturation(r, self._pools, queued)
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the hot path asks for the same few.
@@ -285,11 +288,12 @@ class ProxyMetrics:
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format; a worker's: the whole proxy's."""
+        self.saturation.sample()
         if self._shared_dir is None:
             return generate_latest(self.registry)
         # The library's multiprocess collector, read afresh per scrape, as its docs say.
         scrape = CollectorRegistry()
-        MultiProcessCollector(scrape, path=self._shared_dir)
+        scrape.register(Summed(self._shared_dir))
         # Health is the supervisor's verdict, the same in every worker: this one's will do.
         scrape.register(FleetMetrics(self._pools, self._events, self._sources, self._queued))
         return generate_latest(scrape)

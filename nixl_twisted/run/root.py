@@ -59,6 +59,7 @@ from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, Proxy
 from nixl_twisted.observe.observed import Observed
 from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
+from nixl_twisted.observe.saturation import Sampling
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import listener
 from nixl_twisted.run.proxy_service import Configured, ProxyService
@@ -92,6 +93,7 @@ def _worker_hangup() -> None:
 def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Ticket) -> None:
     """A request's outcome at the fair queue: counted, and how long it waited if it did."""
     metrics.admissions.labels(outcome).inc()
+    metrics.saturation.told(outcome, ticket.model)
     if outcome != AT_ONCE:
         metrics.queue_seconds.observe(waited)
 
@@ -179,8 +181,7 @@ def build(
         kv,
         report.errors,
         lambda: (
-            (w.blocked or "decode", w.ticket.model or "", w.ticket.tenant or "")
-            for w in slots.queue.waiting()
+            (w.blocked, w.ticket.model or "", w.ticket.tenant or "") for w in slots.queue.waiting()
         ),
     )
     # --replicas-redis: this process is one replica of the proxy; caps and queue the fleet's.
@@ -234,6 +235,8 @@ def build(
     history.setServiceParent(root)
     warnings.setServiceParent(root)
     GcPauses(metrics.gc_pauses, clock).setServiceParent(root)
+    if shared:  # (other workers answer scrapes from this one's file)
+        Sampling(metrics.saturation, clock).setServiceParent(root)
     if windows is not None:
         windows.setServiceParent(root)
     kv.setServiceParent(root)
