@@ -25,9 +25,10 @@ from nixl_twisted.backends import health
 from nixl_twisted.backends.capacity import COOL, Caps, has_room
 from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.policies import ROUND_ROBIN, Chosen, InUse
 from nixl_twisted.backends.prefixes import SentPrefixes
 from nixl_twisted.backends.roster import PoolChangeRefused, Roster
-from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
+from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.warm_up import joined
 from nixl_twisted.config.values import backend_url, cap_of, instance_url, kv_ports, rank_urls
 
@@ -100,14 +101,12 @@ class BackendPool(Roster):
         #: them anyway); each model whose instances are so, None for the whole pool.
         self.panicking = False
         self._in_panic: set[str | None] = set()
-        #: Which candidate serves the next leg (``nixl_twisted.backends.routing``).
-        self.policy: Policy = round_robin
-        self.policy_name = "round-robin"
-        #: A model's own policy, where ``[models.NAME]`` gives one (name, policy).
-        self.model_policies: dict[str, tuple[str, Policy]] = {}
+        #: Which candidate serves the next leg: the pool's policy and each model's own
+        #: (``nixl_twisted.backends.policies``).
+        self.policies: Chosen = ROUND_ROBIN
         #: The health checks also read each instance's load from vLLM's ``/metrics``.
         self.reads_load = False
-        #: Its instances are asked where they publish their KV events (``kv-aware``).
+        #: Its instances are asked where they publish their KV events.
         self.reads_events = False
         #: cache-aware's memory of which instance was sent which prompt prefix.
         self.sent = SentPrefixes(0)
@@ -123,6 +122,21 @@ class BackendPool(Roster):
         """New health rules; ``checked``: new instances wait for their first check."""
         self.thresholds = thresholds
         self._initial = State.PENDING if checked else State.UP
+
+    def use_policies(self, chosen: Chosen, warm_up: float = 0.0, load: bool = False) -> None:
+        """Choose by ``chosen`` from now on, its instances read for what its policies read.
+
+        ``warm_up``: seconds a joining instance takes the cache policies' misses;
+        ``load``: vLLM's load is read whatever the policies (a decide rule reads it).
+        """
+        self.policies = chosen
+        self.warm_up = warm_up
+        needs = chosen.needs
+        self.reads_load = needs.load or load
+        self.reads_events = needs.kv_events
+        if not self.reads_load:
+            for instance in self.instances:
+                instance.load = {}  # no longer read: not shown as if it were current
 
     def _new(self, url: str, source: str) -> Instance:
         declared = backend_url(url)
@@ -242,14 +256,12 @@ class BackendPool(Roster):
                 serving="" if model is None else f" (serving {model!r})",
             )
         self.panicking = panic
-        _, policy = self.policy_for(model)
-        instance, decision = policy(self, candidates, routing)
+        instance, decision = self.policies.of(model).policy(self, candidates, routing)
         return instance, decision
 
-    def policy_for(self, model: str | None) -> tuple[str, Policy]:
-        """The policy (name, policy) that chooses for ``model``: its own, else the pool's."""
-        own = self.model_policies.get(model) if model is not None else None
-        return own if own is not None else (self.policy_name, self.policy)
+    def policy_for(self, model: str | None) -> InUse:
+        """The policy that chooses for ``model``: its own, else the pool's."""
+        return self.policies.of(model)
 
     def round_robin(self, candidates: Sequence[Instance]) -> Instance:
         """The next of ``candidates`` in the pool's rotation."""

@@ -74,9 +74,9 @@ class PhasedExchange:
         self.record = record_of(request)
         self.record.request_id = request_id  # (a batch's part has no other place to get it)
         model = completion.served
-        policies = {pool.policy_for(model)[0] for pool in self.backends.pools()}
         session = request.getHeader(b"x-session-id")
-        self.routing = routing_for(policies, config.policies.key_bytes, session, completion)
+        needs = self.backends.needs(model)
+        self.routing = routing_for(needs, config.policies.key_bytes, session, completion)
         self.watch = watch
         self.trace = trace
         #: The span of the leg attempt out now (a no-op when not traced).

@@ -136,7 +136,7 @@ class NoInstanceServed(ProxyError):
 
 def traced(lease: Lease, trace: RequestTrace, attempt: int) -> LegTrace:
     """The span of one attempt on ``lease``'s instance (if traced), ending with the lease."""
-    leg = trace.leg(lease.instance, lease.decision, lease.pool.policy_name, attempt)
+    leg = trace.leg(lease.instance, lease.decision, lease.pool.policies.default.name, attempt)
     if leg is not NO_LEG:
         lease.on_release = leg.end
     return leg
@@ -203,8 +203,8 @@ class ByPolicy:
         instance, decision = pool.choose(exclude=tried, routing=routing, room=self.room)
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
-        policy_name, _ = pool.policy_for(routing.model)
-        metrics.child(metrics.routing_decisions, pool.role, policy_name, decision).inc()
+        policy = pool.policy_for(routing.model).name
+        metrics.child(metrics.routing_decisions, pool.role, policy, decision).inc()
         matched = routing.matched.get(pool.role)
         if matched is not None:
             metrics.child(metrics.kv_matched_tokens, pool.role).observe(matched)
