@@ -7,8 +7,8 @@ the rules of ``nixl_twisted.backends.health``. Panic: when every instance not
 draining is down, legs go to them anyway (best effort) rather than refusing
 everything.
 
-A leg holds its instance through a ``Lease``, the one way legs take and give
-back an instance. Under ``--workers`` the supervisor owns the instances'
+A leg holds its instance through a ``Lease`` (``leases``), the one way legs
+take and give back an instance. Under ``--workers`` the supervisor owns the instances'
 health: a worker's pool reports its outcomes (``report``) and adopts what it
 is told.
 """
@@ -25,6 +25,7 @@ from nixl_twisted.backends import health
 from nixl_twisted.backends.capacity import COOL, Caps, has_room
 from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.leases import Lease, NoHealthyInstance, NoRoom
 from nixl_twisted.backends.policies import ROUND_ROBIN, Chosen, InUse
 from nixl_twisted.backends.prefixes import SentPrefixes
 from nixl_twisted.backends.roster import PoolChangeRefused, Roster
@@ -38,21 +39,6 @@ log = Logger()
 
 #: (role, url, failure reason or None for a success): an outcome sent elsewhere.
 Report = Callable[[str, str, "str | None"], None]
-
-
-class NoHealthyInstance(Exception):
-    """Every instance of a pool is draining or was already tried for this leg."""
-
-    def __init__(self, role: str, retry_after: float, model: str | None = None) -> None:
-        #: What the client is told: the pool, and the model when the request named one.
-        self.what = f"{role} instance" + (f" serving {model!r}" if model is not None else "")
-        super().__init__(f"no healthy {self.what}")
-        self.role = role
-        self.retry_after = retry_after
-
-
-class NoRoom(NoHealthyInstance):
-    """Every instance that could take the leg is at its cap (or cooling after a 503)."""
 
 
 class BackendPool(Roster):
@@ -168,8 +154,20 @@ class BackendPool(Roster):
         instance.slots = self.caps.slots(instance)
         self.capped = self.capped or instance.slots is not None
 
-    def has_room(self, instance: Instance) -> bool:
-        return has_room(instance, self._now())
+    def room_for(self, model: str | None) -> bool:
+        """Whether some instance that serves ``model`` takes a leg now.
+
+        One with no room stands for every one it would be: the policy decides
+        among those with room, and an instance down or draining is the policy's
+        to pass over (a pool with none usable answers 503 there, not here).
+        """
+        now, usable = self._now(), False
+        for instance in self.instances:
+            if self.available(instance):
+                usable = True
+                if (model is None or instance.serves(model)) and has_room(instance, now):
+                    return True
+        return not usable
 
     def cool(self, instance: Instance) -> None:
         """vLLM answered 503 (its engine's queue is full): it counts as full for a moment."""
@@ -280,7 +278,7 @@ class BackendPool(Roster):
         instance.in_flight += 1
         return Lease(self, instance, decision)
 
-    def _released(self, instance: Instance) -> None:
+    def released(self, instance: Instance) -> None:
         """A leg ended; a draining instance with none left leaves the pool."""
         instance.in_flight -= 1
         if instance.draining and instance.in_flight == 0 and instance in self.instances:
@@ -348,25 +346,3 @@ class BackendPool(Roster):
         now = self._now()
         waits = [max(0.0, i.retry_at - now) for i in self.instances if i.state is State.DOWN]
         return min(waits) if waits else BACKOFF_BASE
-
-
-class Lease:
-    """One leg's hold on an instance; released exactly once, however the leg ends."""
-
-    def __init__(self, pool: BackendPool, instance: Instance, decision: str = "next") -> None:
-        self.pool = pool
-        self.instance = instance
-        #: Why the pool's policy chose this instance.
-        self.decision = decision
-        self.held = True
-        #: What else ends with the leg (its trace span).
-        self.on_release: Callable[[], object] | None = None
-
-    def release(self, result: object = None) -> object:
-        """Give the instance back (usable as a callback: passes ``result`` on)."""
-        if self.held:
-            self.held = False
-            self.pool._released(self.instance)
-            if self.on_release is not None:
-                self.on_release()
-        return result
