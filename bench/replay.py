@@ -109,7 +109,7 @@ def replay(
         health_interval=0,
         **(settings or {}),
     )
-    held = _Subscribed(MemoryReactor(), clock, lambda: (), config)
+    held = _Subscribed(MemoryReactor(), clock, (), config)
     pool = BackendPool("prefill", urls, clock)
     decode = BackendPool("decode", ["http://decode-0:8200"], clock)
     BackendService(pool, decode, Upstream(Agent(MemoryReactor())), config, holdings=held)

@@ -91,7 +91,7 @@ class Setup:
         config = ProxyConfig.create(**given, health_interval=0)
         backends = BackendService(prefill, self.pool, Upstream(self.agent), config)
         self.metrics = ProxyMetrics()
-        kv = KvEvents(self.clock, self.clock, backends.pools, config)
+        kv = KvEvents(self.clock, self.clock, backends.pools(), config)
         self.legs = Legs(backends, kv, self.clock, self.metrics, config)
         self.record = AccessRecord()
         self.tracked: list[Deferred[IResponse]] = []
