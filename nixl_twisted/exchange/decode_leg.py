@@ -1,6 +1,6 @@
 """A completion's decode leg and its relay: decode's answer to the client as it comes.
 
-One attempt at one instance is ``Legs.decode_attempt``, the bytes' path
+One attempt at one instance is ``decode.decode_attempt``, the bytes' path
 ``relay.relay_body``; this is the leg around them: the handoff's gap
 measured, the first byte timed (and the SSE keep-alive stopped by it),
 decode's error answer given in-band once the client has its 200, and a
@@ -21,12 +21,13 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.exchange.decide import Decision, Mode
+from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt, note_handoff
 from nixl_twisted.exchange.keepalive import KeepAlive
-from nixl_twisted.exchange.legs import DecodeRequest, Legs, note_handoff
+from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.relay import StreamSilent, abandon, break_off, relay_body, start_response
 from nixl_twisted.exchange.sending import Asked, ByPolicy, reason_of, send_leg
 from nixl_twisted.exchange.served import Served
-from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
@@ -76,7 +77,7 @@ class DecodeLeg:
         decode, response = await send_leg(
             pool,
             legs.metrics,
-            lambda instance, leg: self._attempt(instance, leg, sent),
+            lambda instance, span: self._attempt(instance, span, sent),
             ByPolicy(pool, legs.metrics, self.routing, served.config.retries.decode, served.room),
             Asked(served.trace, served.record, self._wanted),
             reserved,
@@ -102,15 +103,17 @@ class DecodeLeg:
         """A decode-only request has no prefill blocks to free: nobody to answer, no retry."""
         return not (self.served.phases.client_gone and self._alone)
 
-    async def _attempt(self, instance: Instance, leg: LegTrace, sent: DecodeRequest) -> IResponse:
+    async def _attempt(
+        self, instance: Instance, span: AttemptTrace, sent: DecodeRequest
+    ) -> IResponse:
         served, completion = self.served, self.completion
-        served.phases.attempt(leg)
+        served.phases.attempting(span)
         self._sent_at = self.legs.clock.seconds()
         if self._alone:  # (computed there on purpose: not an alarm)
             ids = completion.token_ids
             instance.alone_tokens += len(ids) if ids else completion.estimate or 0
-        response = await self.legs.decode_attempt(
-            instance, leg, sent, served.record, served.phases.track
+        response = await decode_attempt(
+            self.legs, instance, span, sent, served.record, served.phases.track
         )
         if not self._alone:
             gap = self._sent_at - self._handed_at

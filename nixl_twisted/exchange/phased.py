@@ -24,7 +24,7 @@ from nixl_twisted.exchange.sending import PrefillRefused
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
-from nixl_twisted.observe.spans import NO_LEG, LegTrace
+from nixl_twisted.observe.spans import NO_ATTEMPT, AttemptTrace
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.phases import RULES, OnClientLeft, Phase
@@ -48,7 +48,7 @@ class Phases:
         self.metrics = metrics
         self.request_id = request_id
         #: The span of the attempt out now (a no-op when not traced).
-        self._attempt: LegTrace = NO_LEG
+        self._attempt: AttemptTrace = NO_ATTEMPT
         #: The phases entered so far, and who waits for one not yet (``reached``).
         self._entered: set[Phase] = set()
         self._reached: dict[Phase, Happened] = {}
@@ -112,7 +112,7 @@ class Phases:
         self._current = waiting
         return waiting
 
-    def attempt(self, span: LegTrace) -> None:
+    def attempting(self, span: AttemptTrace) -> None:
         """``span`` is the attempt out now: a disconnect or shutdown ends it, saying why."""
         self._attempt = span
 

@@ -18,7 +18,7 @@ from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.prefill import handed_over, prefill_attempt
 from nixl_twisted.exchange.sending import Asked, ByPolicy, account, send_leg, timed_out
 from nixl_twisted.exchange.served import Served
-from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol import lowering, token_ids
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.handoff import read_prefill_answer
@@ -49,7 +49,7 @@ class PrefillLeg:
         prefill, params = await send_leg(
             pool,
             legs.metrics,
-            lambda instance, leg: self._attempt(instance, leg, lowered),
+            lambda instance, span: self._attempt(instance, span, lowered),
             ByPolicy(pool, legs.metrics, routing, retries, served.room),
             Asked(served.trace, served.record, self._wanted),
             reserved,
@@ -64,18 +64,18 @@ class PrefillLeg:
         return not self.served.phases.client_gone
 
     async def _attempt(
-        self, instance: Instance, leg: LegTrace, lowered: bytes
+        self, instance: Instance, span: AttemptTrace, lowered: bytes
     ) -> lowering.JSONObject:
         legs, served = self.legs, self.served
         phases, record, clock = served.phases, served.record, legs.clock
         timeout = served.config.timeouts.prefill
         record.prefill = instance.url
-        phases.attempt(leg)
+        phases.attempting(span)
         phases.enter(Phase.PREFILL)
         started = clock.seconds()
         headers = for_rank(served.headers, instance.rank)
         answering = ensureDeferred(
-            prefill_attempt(legs, instance, leg, served.target, lowered, headers, self._answered)
+            prefill_attempt(legs, instance, span, served.target, lowered, headers, self._answered)
         )
         try:
             answer = await phases.track(answering.addTimeout(timeout, clock))
