@@ -168,12 +168,6 @@ class Chosen:
             together = together | used.needs
         return together
 
-    def of(self, model: str | None) -> InUse:
-        """The policy that chooses for ``model``: its own, else the pool's."""
-        if model is None or not self.by_model:
-            return self.default
-        return self.by_model.get(model, self.default)
-
 
 def chosen(name: str, parts: Parts, own: Mapping[str, str] | None = None) -> Chosen:
     """The pool's policy ``name`` and each model's ``own`` (model to name), made with ``parts``

@@ -110,11 +110,8 @@ class BackendPool(Roster):
         self._initial = State.PENDING if checked else State.UP
 
     def use_policies(self, chosen: Chosen, warm_up: float = 0.0, load: bool = False) -> None:
-        """Choose by ``chosen`` from now on, its instances read for what its policies read.
-
-        ``warm_up``: seconds a joining instance takes the cache policies' misses;
-        ``load``: vLLM's load is read whatever the policies (a decide rule reads it).
-        """
+        """Choose by ``chosen``, its instances read for what its policies read; ``warm_up``:
+        seconds a joining instance takes their misses; ``load``: read whatever (a decide rule)."""
         self.policies = chosen
         self.warm_up = warm_up
         needs = chosen.needs
@@ -254,12 +251,15 @@ class BackendPool(Roster):
                 serving="" if model is None else f" (serving {model!r})",
             )
         self.panicking = panic
-        instance, decision = self.policies.of(model).policy(self, candidates, routing)
+        instance, decision = self.policy_for(model).policy(self, candidates, routing)
         return instance, decision
 
     def policy_for(self, model: str | None) -> InUse:
-        """The policy that chooses for ``model``: its own, else the pool's."""
-        return self.policies.of(model)
+        """The policy that chooses for ``model``: its own (``[models.NAME]``), else the pool's."""
+        chosen = self.policies
+        if model is None or not chosen.by_model:
+            return chosen.default
+        return chosen.by_model.get(model, chosen.default)
 
     def round_robin(self, candidates: Sequence[Instance]) -> Instance:
         """The next of ``candidates`` in the pool's rotation."""

@@ -146,11 +146,11 @@ class BackendService(Service):
             chosen = registry.chosen(name, parts, own)
             pool.use_policies(chosen, policies.warm_up, busy_rule and pool is self.prefill)
         # What a request's routing reads, by the model it names (any other: the pools' own).
-        prefill, decode = self.prefill.policies, self.decode.policies
-        self._needs_any = prefill.default.needs | decode.default.needs
+        prefill, decode = self.prefill, self.decode
+        self._needs_any = prefill.policy_for(None).needs | decode.policy_for(None).needs
         self._needs = {
-            model: prefill.of(model).needs | decode.of(model).needs
-            for model in {*prefill.by_model, *decode.by_model}
+            model: prefill.policy_for(model).needs | decode.policy_for(model).needs
+            for model in {*prefill.policies.by_model, *decode.policies.by_model}
         }
 
     def needs(self, model: str | None) -> Needs:
