@@ -44,9 +44,12 @@ class FleetMetrics(Collector):
         queued: Callable[[], Iterable[Queued]] | None = None,
     ) -> None:
         self._pools = list(pools)
+        #: What the pools are, and what waits in the queue (the saturation reads them too).
+        self.pools = self._pools
         self._events = events
         self._sources = sources
         self._queued = queued
+        self.queued = queued
 
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: its families are read from the pools and the queue when

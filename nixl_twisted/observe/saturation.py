@@ -121,7 +121,7 @@ class Saturation(Collector):
         queued: Callable[[], Iterable[Waiting]] | None = None,
     ) -> None:
         """``queued``: each request waiting in the proxy's queue, as (pool, model, ...)."""
-        self._pools = pools
+        self._pools = self.pools = pools
         self._queued = queued
         self._shown: set[tuple[str, str]] = set()
         labels = ["pool", "model"]
@@ -155,6 +155,10 @@ class Saturation(Collector):
             registry=registry,
         )
         registry.register(self)
+
+    def reads(self, queued: Callable[[], Iterable[Waiting]] | None) -> None:
+        """The queue to read from now on (the root's, made after the metrics)."""
+        self._queued = queued
 
     def collect(self) -> Iterator[Metric]:
         parts = (self.in_use, self.queued, self.slots)

@@ -24,6 +24,8 @@ it works with. The tree::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet.interfaces import (
@@ -53,6 +55,7 @@ from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
+from nixl_twisted.observe.fleet_metrics import FleetMetrics, Queued
 from nixl_twisted.observe.gc_pauses import GcPauses
 from nixl_twisted.observe.history import History
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
@@ -98,15 +101,35 @@ def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Tick
         metrics.queue_seconds.observe(waited)
 
 
+def backend_pools(config: ProxyConfig, clock: IReactorTime) -> tuple[BackendPool, BackendPool]:
+    """The prefill and decode pools as the configuration gives them (the service, discovery
+    and the admin API change them from then on)."""
+    thresholds = Thresholds.of(config.health)
+    checked = config.health.interval > 0
+    prefill = BackendPool("prefill", config.pools.static("prefill"), clock, thresholds, checked)
+    decode = BackendPool("decode", config.pools.static("decode"), clock, thresholds, checked)
+    return prefill, decode
+
+
+def _queued(slots: Slots) -> Iterator[Queued]:
+    """Each request waiting in the queue: the pool it found full, its model, its tenant."""
+    for waiting in slots.queue.waiting():
+        ticket = waiting.ticket
+        # ("": it waits behind another of its model; the saturation and the gauge say for
+        # which pool.)
+        yield waiting.blocked, ticket.model or "", ticket.tenant or ""
+
+
 def backend_service(
     config: ProxyConfig,
     reactor: Any,
     clock: IReactorTime,
+    pools: tuple[BackendPool, BackendPool],
     agent: IAgent | None = None,
     run_checks: bool = True,
     holdings: Holdings = NO_HOLDINGS,
 ) -> tuple[BackendService, HealthChecks]:
-    """Both pools and their clients, and the health checks over them, from the configuration.
+    """Both ``pools`` and their clients, and the health checks over them.
 
     ``run_checks=False``: no health checks here, though the pools still expect
     them (new instances pending): a ``--workers`` worker, whose supervisor
@@ -121,11 +144,8 @@ def backend_service(
         probes = pooled_upstream(reactor, connect, 1, health.interval + health.timeout + 1)
     else:
         legs, probes = Upstream(agent), Upstream(agent)
-    thresholds = Thresholds.of(health)
-    checked = health.interval > 0
-    prefill = BackendPool("prefill", config.pools.static("prefill"), clock, thresholds, checked)
-    decode = BackendPool("decode", config.pools.static("decode"), clock, thresholds, checked)
-    checks = HealthChecks((prefill, decode), probes, clock, config, runs=run_checks)
+    prefill, decode = pools
+    checks = HealthChecks(pools, probes, clock, config, runs=run_checks)
     return BackendService(prefill, decode, legs, config, checks, holdings), checks
 
 
@@ -158,39 +178,28 @@ def build(
         if agent is not None
         else pooled_upstream(reactor, config.timeouts.connect, 1, 1.0)
     )
-    kv = KvEvents(
-        reactor,
-        clock,
-        lambda: backends.pools(),
-        config,
-        lambda role, url, kind: metrics.child(metrics.kv_events, role, url, kind).inc(),
-        asker,
-    )
+    pools = backend_pools(config, clock)
+    # What the KV events, the queue and the rest count into, first; the fleet they hold is
+    # read from them once they exist (``read_fleet``).
+    metrics = ProxyMetrics(pools, os.environ.get(METRICS_DIR_ENV) if shared else None)
+    kv = KvEvents(reactor, clock, pools, config, metrics.kv_event, asker)
     # A worker's pools take their health from the supervisor, which checks.
-    backends, checks = backend_service(config, reactor, clock, agent, not shared, kv)
+    backends, checks = backend_service(config, reactor, clock, pools, agent, not shared, kv)
     # A worker's supervisor discovers for all, and tells it; it also carries its admin changes.
     link, found = None, None
     if shared:
-        link = SupervisorLink(reactor, backends, lambda given: root.reconfigure(given))
+        link = SupervisorLink(reactor, backends)
     else:
         found = Discovery(reactor, clock, backends, config)
     report: Reported = link.told if link is not None else cast(Discovery, found)
-    metrics = ProxyMetrics(
-        backends.pools(),
-        os.environ.get(METRICS_DIR_ENV) if shared else None,
-        kv,
-        report.errors,
-        lambda: (
-            (w.blocked, w.ticket.model or "", w.ticket.tenant or "") for w in slots.queue.waiting()
-        ),
-    )
     # --replicas-redis: this process is one replica of the proxy; caps and queue the fleet's.
     replicas, fleet_slots = None, None
     if config.replicas.redis is not None:
         replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
         fleet_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
     shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
-    slots = Slots(backends, clock, config, lambda *said: _queue_said(metrics, *said), shared_fleet)
+    slots = Slots(backends, clock, config, partial(_queue_said, metrics), shared_fleet)
+    metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
@@ -255,5 +264,6 @@ def build(
         hangup = _worker_hangup if shared else root.reload
         SignalService(reactor, hangup).setServiceParent(root)
     if link is not None:
+        link.on_reloaded(root.reconfigure)  # (as the supervisor reloaded it, as a SIGHUP would)
         link.setServiceParent(root)
     return root

@@ -25,7 +25,8 @@ decode.use_caps(Caps(default=5, worker=int(sys.argv[1]), workers=2))
 for _ in range(decode.instances[0].slots):
     decode.lease(decode.instances[0])
 queued = [("decode", "", "")] * int(sys.argv[2])
-metrics = ProxyMetrics([decode], shared_dir=os.environ["{env}"], queued=lambda: queued)
+metrics = ProxyMetrics([decode], shared_dir=os.environ["{env}"])
+metrics.saturation.reads(lambda: queued)
 metrics.saturation.sample()
 metrics.saturation.told("queue_full", None)
 """

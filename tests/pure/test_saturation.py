@@ -11,6 +11,7 @@ from twisted.internet.task import Clock
 from nixl_twisted.backends.capacity import Caps
 from nixl_twisted.backends.health import State
 from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.observe.fleet_metrics import FleetMetrics
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.saturation import SAMPLE, Sampling
 
@@ -38,6 +39,12 @@ def hold(pool: BackendPool, legs: int, at: int = 0) -> None:
         pool.lease(pool.instances[at])
 
 
+def queueing(metrics: ProxyMetrics, queued: list[tuple[str, str, str]]) -> ProxyMetrics:
+    """``metrics`` reading a queue that holds ``queued`` (as the root makes it read one)."""
+    metrics.read_fleet(FleetMetrics(metrics.saturation.pools, queued=lambda: queued))
+    return metrics
+
+
 def test_the_ratio_is_the_slots_in_use_and_the_queued_over_the_slots() -> None:
     prefill, decode = pools(
         ["http://d1:1#max-in-flight=4", "http://d2:1#max-in-flight=4", "http://d3:1"],
@@ -48,7 +55,7 @@ def test_the_ratio_is_the_slots_in_use_and_the_queued_over_the_slots() -> None:
     hold(decode, 5, at=2)  # (no cap: no part of the ratio)
     hold(prefill, 1)
     queued = [("decode", "", "team-a")] * 3 + [("prefill", "", "")]
-    metrics = ProxyMetrics([prefill, decode], queued=lambda: queued)
+    metrics = queueing(ProxyMetrics([prefill, decode]), queued)
     assert scraped(metrics, "nixlproxy_pool_slots_in_use") == {
         ("decode", ""): 6.0,
         ("prefill", ""): 1.0,
@@ -91,7 +98,7 @@ def test_an_instance_counts_under_its_base_model_and_an_adapters_queue_with_it()
     decode.instances[2].models = {"llama": base}  # (no cap: in no row)
     hold(decode, 1, at=0)
     queued = [("decode", "sql-lora", ""), ("decode", "llama", ""), ("decode", "qwen", "")]
-    metrics = ProxyMetrics([prefill, decode], queued=lambda: queued)
+    metrics = queueing(ProxyMetrics([prefill, decode]), queued)
     assert scraped(metrics, "nixlproxy_pool_saturation") == {
         ("decode", "llama"): (1 + 2) / 2,
         ("decode", "qwen"): (0 + 1) / 2,
