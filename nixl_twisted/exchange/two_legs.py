@@ -140,7 +140,7 @@ class Exchange:
             return served, place_now(legs, self.rules, self.completion, routing)
         phases.enter(Phase.QUEUED)
         c = self.completion
-        ticket = Ticket(c.tenant, c.weight, c.priority, c.served)
+        ticket = Ticket.of(c)
         taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing))
         if isinstance(taken, Deferred):
             clock = legs.clock

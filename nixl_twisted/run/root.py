@@ -65,7 +65,7 @@ from nixl_twisted.observe.refusals import LogThrottle, Refusals
 from nixl_twisted.observe.saturation import Sampling
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import listener
-from nixl_twisted.run.proxy_service import Configured, ProxyService
+from nixl_twisted.run.proxy_service import Configured, ProxyService, Served
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.web.admin import AdminAPI
@@ -204,7 +204,6 @@ def build(
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
     observed = Observed(metrics, traces, Refusals(metrics.refused, LogThrottle(clock)))
-    admission = Admission(config.limits.max_in_flight, metrics.in_flight.set)
     keys = ClientKeys(clock, config)
     limits = TenantLimits(clock, config)
     windows = None
@@ -217,6 +216,8 @@ def build(
         windows,
         SharedTenants(replicas) if replicas is not None else None,
     )
+    # Admission, one step for every route: the tenant, then --max-in-flight (``web.admission``).
+    admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)
     fleet = Fleet(backends, kv, report)
     admin = AdminAPI(fleet, config, link.publish if link is not None else None)
     legs = Legs(backends, kv, clock, metrics, config, slots)
@@ -238,7 +239,10 @@ def build(
         client_keys=keys,
     )
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
-    root = ProxyService(config, app, site, checks, reactor, clock, found, configured, logging)
+    served = Served(admission, serving, observed.refusals.throttle, keys)
+    root = ProxyService(
+        config, app, site, checks, reactor, clock, served, found, configured, logging
+    )
     if replicas is not None:  # (before the listeners: shared before the first request)
         replicas.setServiceParent(root)
     history.setServiceParent(root)

@@ -15,16 +15,14 @@ from collections.abc import Callable
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.server import Request
 
+from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows, Verdict
-from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, Rule, TenantLimits
-
-#: A request with no tenant: no limit, no priority.
-NO_RULE = Rule()
+from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, TenantLimits
 
 
 class Tenancy:
@@ -59,7 +57,7 @@ class Tenancy:
 
     def admit(
         self, request: Request, path: str, completion: Completion | None = None
-    ) -> Rule | Deferred[Rule]:
+    ) -> TenantRule | Deferred[TenantRule]:
         """Hold the request to its tenant's limits (429 past one) until it ends; its rule
         (a Deferred when Redis counts the tenant's windows, ``--limits-redis``, or its
         requests in flight, ``--replicas-redis``).
@@ -90,7 +88,7 @@ class Tenancy:
         held.ticket = self.limits.admit(tenant, estimate, windows=False, in_flight=here)
         shared = self.shared
 
-        def decided(verdict: Verdict | None) -> Rule | Deferred[Rule]:
+        def decided(verdict: Verdict | None) -> TenantRule | Deferred[TenantRule]:
             if held.over:  # (its client left while Redis was asked)
                 if verdict is not None and verdict.admitted and tpm:
                     shared.charge(tenant, verdict.member, 0)  # (its estimate, given back)
@@ -108,12 +106,12 @@ class Tenancy:
         return shared.admit(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
 
     def _in_flight(
-        self, fleet: SharedTenants, tenant: str, rule: Rule, held: _Held
-    ) -> Deferred[Rule]:
+        self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: _Held
+    ) -> Deferred[TenantRule]:
         """The tenant's requests in flight over every replica (``--replicas-redis``), or,
         while Redis does not answer, this replica's share of its limit."""
 
-        def placed(place: str | bool | None) -> Rule:
+        def placed(place: str | bool | None) -> TenantRule:
             if isinstance(place, str):
                 if held.over:  # (its client left while Redis was asked)
                     fleet.release(place)

@@ -34,6 +34,8 @@ from nixl_twisted.exchange.sending import reserve, send_leg
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.exchange.two_legs import Exchange
+from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.fleet_metrics import FleetMetrics
 from nixl_twisted.observe.metrics import ProxyMetrics
@@ -92,6 +94,9 @@ SIGNED: dict[str, Callable[..., Any]] = {
     "tenancy.admit": Tenancy.admit,
     "completion.admitted": Completion.admitted,
     "admission.serve": Admission.serve,
+    "admission.request": Admission.request,
+    "Replicas": Replicas,
+    "SharedSlots": SharedSlots,
     "serving.completion": Serving.completion,
     "Exchange": Exchange,
     "Exchange.start": Exchange.start,
