@@ -143,17 +143,25 @@ def traced(lease: Lease, trace: RequestTrace, attempt: int) -> AttemptTrace:
 
 
 def reserve(
-    pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING, room: bool = False
+    pool: BackendPool,
+    metrics: ProxyMetrics,
+    routing: Routing = NO_ROUTING,
+    room: bool = False,
+    avoid: Sequence[Instance] = (),
 ) -> Lease:
     """The instance the pool's policy chooses now, held for a leg sent later (503: none).
 
-    ``room``: among those under their caps only (``NoRoom`` when none is).
+    ``room``: among those under their caps only (``NoRoom`` when none is);
+    ``avoid``: not these while another will do (a migration's: the instance
+    that failed, taken again when it is the only one left).
     """
     try:
-        instance, decision = ByPolicy(pool, metrics, routing, room=room)(())
-    except NoRoom:
-        raise
+        instance, decision = ByPolicy(pool, metrics, routing, room=room, avoid=avoid)(())
     except NoHealthyInstance as error:
+        if avoid:
+            return reserve(pool, metrics, routing, room)
+        if isinstance(error, NoRoom):
+            raise
         raise unavailable(error) from None
     return pool.lease(instance, decision)
 
@@ -188,19 +196,23 @@ class ByPolicy:
         routing: Routing,
         retries: int = 0,
         room: bool = False,
+        avoid: Sequence[Instance] = (),
     ) -> None:
-        """``room``: only instances under their caps (a completion's legs, when capped)."""
+        """``room``: only instances under their caps (a completion's legs, when capped);
+        ``avoid``: never these (``reserve``)."""
         self.pool = pool
         self.metrics = metrics
         self.routing = routing
         self.retries = retries
         self.room = room
+        self.avoid = avoid
 
     def __call__(self, tried: Sequence[Instance]) -> tuple[Instance, str]:
         pool, metrics, routing = self.pool, self.metrics, self.routing
         if tried:
             metrics.retries.labels(pool.role).inc()
-        instance, decision = pool.choose(exclude=tried, routing=routing, room=self.room)
+        excluded = [*self.avoid, *tried] if self.avoid else tried
+        instance, decision = pool.choose(exclude=excluded, routing=routing, room=self.room)
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
         policy = pool.policy_for(routing.model).name

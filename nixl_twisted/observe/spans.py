@@ -181,6 +181,9 @@ class RequestTrace:
         """A span for one attempt of a leg to ``instance``, started now."""
         return NO_ATTEMPT
 
+    def moving(self, number: int, token: int, source: str) -> None:
+        """The legs from now on continue the answer ``source`` failed at ``token``."""
+
     def end(self, request: Request, record: Figures) -> None:
         """The request is over: its figures, its status, and the span ended."""
 
@@ -294,6 +297,8 @@ class ServerSpan(RequestTrace):
         self._context = trace.set_span_in_context(self._span, self._parent)
         #: Not sampled: its legs make no spans, only say so to vLLM (a cheap path).
         self._unsampled = None if self._span.is_recording() else _UnsampledAttempt(self._context)
+        #: What its legs' spans say of the move they are part of (none: the first legs).
+        self._moved: dict[str, str | int] = {}
 
     def note_request(self, completion: Completion) -> None:
         if self._unsampled is not None:
@@ -318,10 +323,21 @@ class ServerSpan(RequestTrace):
         }
         if instance.rank is not None:
             attributes["nixlproxy.dp_rank"] = instance.rank
+        attributes.update(self._moved)
         span = self._tracer.start_span(
             instance.role, context=self._context, kind=SpanKind.CLIENT, attributes=attributes
         )
         return _AttemptSpan(span, self._parent)
+
+    def moving(self, number: int, token: int, source: str) -> None:
+        if self._unsampled is not None:
+            return
+        self._moved = {
+            "nixlproxy.migration": number,
+            "nixlproxy.migrated_at_token": token,
+            "nixlproxy.migrated_from": source,
+        }
+        self._span.add_event("migration", self._moved)
 
     def end(self, request: Request, record: Figures) -> None:
         if self._unsampled is not None:
