@@ -29,7 +29,7 @@ from nixl_twisted.exchange.keepalive import KeepAlive
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import Migrations, Moving
 from nixl_twisted.exchange.relay import Filter, abandon, relay_body, start_response
-from nixl_twisted.exchange.sending import Asked, ByPolicy, send_leg
+from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, account, send_leg
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol.codes import ErrorCode
@@ -124,9 +124,14 @@ class DecodeLeg:
             instance.alone_tokens += len(ids) if ids else completion.estimate or 0
         if self.moves is not None:
             self.moves.sent_to(instance.url)
-        response = await decode_attempt(
-            self.legs, instance, span, sent, served.record, served.phases.track
-        )
+        try:
+            response = await decode_attempt(
+                self.legs, instance, span, sent, served.record, served.phases.track
+            )
+        except Retry as retry:
+            if retry.sent and self.moves is not None:
+                self._lost(retry, instance)
+            raise
         if not self._alone:
             gap = self._sent_at - self._handed_at
             served.record.handoff_gap_seconds = gap
@@ -207,6 +212,18 @@ class DecodeLeg:
         if filtered is not None and filtered.error is not None:
             return ErrorEvent("an error event")
         return None
+
+    def _lost(self, retry: Retry, instance: Instance) -> None:
+        """Decode's connection was lost once it had the request: it may have pulled prefill's
+        KV, which prefill then frees, so the answer moves whole, with a prefill of its own,
+        rather than the same params going to another instance (the retry, when it cannot)."""
+        moves = self.moves
+        if moves is None or not moves.movable():
+            return
+        account(self.legs.metrics, self.legs.backends.decode, instance, retry.outcome, retry.down)
+        continued = moves.move(Break(retry, instance.url))
+        if continued is not None:
+            raise Moving(continued, instance)
 
     def _marked_down(self) -> None:
         """The instance streaming this answer was marked down: the answer moves now, if it

@@ -25,8 +25,9 @@ from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import RequestTrace
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.held import Opening, Whole
 from nixl_twisted.protocol.lowering import JSONObject
-from nixl_twisted.protocol.transcript import Opening, Transcript, Whole
+from nixl_twisted.protocol.transcript import Transcript
 
 log = Logger()
 
@@ -105,7 +106,8 @@ class Migrations:
                 strip = self.completion.body.get("return_token_ids") is not True
                 self._filter = Transcript(chat, strip)
         elif self.completion.stream:
-            self._filter = Opening()
+            opening = self._filter.opening if isinstance(self._filter, Opening) else ()
+            self._filter = Opening(opening if self.resuming else ())
         else:
             self._filter = Whole()
         return self._filter
@@ -136,6 +138,8 @@ class Migrations:
         passed = self._filter
         if passed is None or not passed.passed:
             return True
+        if isinstance(passed, Opening):
+            return not passed.tokens
         return isinstance(passed, Transcript) and not isinstance(passed.continuation(), str)
 
     def move(self, broke: Break) -> Completion | None:
@@ -155,7 +159,7 @@ class Migrations:
                 return None
             prompt, relayed = found
             continued = self.completion.continued(prompt, relayed)
-        elif passed:
+        elif passed and not (isinstance(self._filter, Opening) and not self._filter.tokens):
             self._stays("refused", self.from_start)
             return None
         if not self._may():

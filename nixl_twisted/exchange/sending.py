@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import CancelledError
 from twisted.python.failure import Failure
+from twisted.web.client import ResponseFailed, ResponseNeverReceived
 from twisted.web.iweb import IResponse
 
 from nixl_twisted.backends.instances import Instance
@@ -32,6 +33,9 @@ from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
 
+#: How a connection is lost once the request was written to it (the instance may have it).
+_SENT = (ResponseNeverReceived, ResponseFailed)
+
 
 class Retry(Exception):
     """The instance failed (``down`` says why): another may serve the same leg.
@@ -40,12 +44,16 @@ class Retry(Exception):
     queue is full); it counts as full for a moment, not toward marking it down.
     """
 
-    def __init__(self, error: ProxyError, outcome: str, down: str | None) -> None:
+    def __init__(
+        self, error: ProxyError, outcome: str, down: str | None, sent: bool = False
+    ) -> None:
         super().__init__(error.detail)
         #: What the client sees if no other instance serves the leg.
         self.error = error
         self.outcome = outcome
         self.down = down
+        #: The request had reached the instance when its connection was lost.
+        self.sent = sent
 
 
 def full(instance: Instance) -> Retry:
@@ -80,12 +88,13 @@ class PrefillRefused(Exception):
 
 
 def unreachable(instance: Instance, error: BaseException) -> Retry:
-    """The instance could not be reached: nothing was sent, so another may serve the leg."""
+    """The instance could not be reached, or its connection was lost before it answered:
+    another may serve the leg (``Retry.sent``: the request may have reached it)."""
     reason = reason_of(error)
     detail = f"{instance.role} instance {instance.url} could not be reached: {reason}"
     message = f"a {instance.role} instance could not be reached"
     failed = ProxyError(codes.unreachable(instance.role), message, detail=detail)
-    return Retry(failed, "unreachable", reason)
+    return Retry(failed, "unreachable", reason, isinstance(error, _SENT))
 
 
 def timed_out(instance: Instance, seconds: float) -> ProxyError:

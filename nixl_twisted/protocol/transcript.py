@@ -11,10 +11,8 @@ continuation starts (``protocol.resumable``):
   client asked for them itself. A continuation's events are made the
   answer's: its opening dropped, its id and ``created`` the answer's, its
   usage counting the whole answer.
-- ``Opening``: a stream moved only before its first token: its first event
-  looked at, then everything passes.
-- ``Whole``: an answer not streamed, held until it is complete (then its
-  continuation is the request again).
+- ``held.Opening`` and ``held.Whole``: answers moved only before their
+  first token (``protocol.held``).
 
 Each catches an in-band error event (vLLM's ``data: {"error": ...}``,
 ``event: error``), and holds it and what follows instead of passing it on.
@@ -43,8 +41,6 @@ _FINISHED = re.compile(rb'"finish_reason":\s*"')
 _CREATED = re.compile(rb'("created":\s*)\d+')
 _COUNTS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)":(\s*)(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
-#: A whole answer held past this many bytes is relayed as it comes instead (and not moved).
-MAX_HELD = 16 * 1024 * 1024
 
 
 def is_error(event: bytes) -> bool:
@@ -52,7 +48,7 @@ def is_error(event: bytes) -> bool:
     return event.startswith(_ERRORS)
 
 
-def _payload(event: bytes) -> Any:
+def payload(event: bytes) -> Any:
     """An event's JSON (its ``data:``), or None."""
     start = event.find(b"{")
     try:
@@ -163,7 +159,7 @@ class Transcript:
 
     def _opening(self, event: bytes) -> bytes:
         """The answer's first event: its id, its time and the prompt's ids."""
-        opening = _payload(event)
+        opening = payload(event)
         if not isinstance(opening, dict):
             self.inexact = "unreadable"
             return event
@@ -224,6 +220,7 @@ class Transcript:
         ``cached``: the prompt tokens its first prefill found cached, which its usage says
         (None: the continuation's own, of the answer's prompt at most)."""
         self._held = b""
+        self.error = None
         self._resumed = True
         self._leg_id = None
         self._before = self.tokens
@@ -233,7 +230,7 @@ class Transcript:
         """A continuation's event as the answer's: its opening dropped (a chat's role) or
         without its prompt's ids (a text completion's), its id, time and usage the answer's."""
         if self._leg_id is None:
-            opening = _payload(event)
+            opening = payload(event)
             if isinstance(opening, dict):
                 self._leg_id = json.dumps(opening.get("id")).encode()
                 created = opening.get("created")
@@ -270,65 +267,3 @@ class Transcript:
             return b'"%s":%s%d' % (name, space, value)
 
         return _COUNTS.sub(counted, event)
-
-
-class Opening:
-    """A stream moved only before its first token: its first event looked at, then none."""
-
-    def __init__(self) -> None:
-        self._held = b""
-        self.error: bytes | None = None
-        #: Its first event passed: nothing more to look at.
-        self.done = False
-
-    @property
-    def passed(self) -> bool:
-        return self.done
-
-    def __call__(self, data: bytes) -> bytes:
-        if self.error is not None:
-            self.error += data
-            return b""
-        if self._held:
-            data = self._held + data
-        if data.find(b"\n\n") < 0:
-            self._held = data
-            return b""
-        self._held = b""
-        if is_error(data):
-            self.error = data
-            return b""
-        self.done = True
-        return data
-
-    def rest(self) -> bytes:
-        held, self._held = self._held, b""
-        return held
-
-
-class Whole:
-    """An answer not streamed, held until it is complete: nothing of it reaches the client
-    before, so that it can move as a whole (past ``MAX_HELD`` bytes, relayed as it comes)."""
-
-    error: bytes | None = None
-
-    def __init__(self) -> None:
-        self._held: list[bytes] = []
-        self._size = 0
-        self.done = False
-
-    @property
-    def passed(self) -> bool:
-        return self.done
-
-    def __call__(self, data: bytes) -> bytes:
-        self._held.append(data)
-        self._size += len(data)
-        if self._size <= MAX_HELD:
-            return b""
-        self.done = True
-        return self.rest()
-
-    def rest(self) -> bytes:
-        held, self._held = b"".join(self._held), []
-        return held

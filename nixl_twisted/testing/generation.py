@@ -118,7 +118,7 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
             if handed.refusal is not None:
                 request.setResponseCode(400)
                 return answers.vllm_error(400, handed.refusal)
-            kv = body["kv_transfer_params"] = handed.params
+            kv = handed.params
             if handed.used is not None:
                 tokens = handed.used
         if role in ("prefill", "plain"):
