@@ -146,6 +146,8 @@ class DecodeLeg:
         waited = self.legs.clock.seconds() - self._sent_at
         if self.moves is None or not self.moves.tries:  # (the first decode leg's, kept)
             self.served.record.decode_first_byte_seconds = waited
+        else:
+            self.moves.first_byte()
         metrics = self.legs.metrics
         metrics.child(metrics.decode_first_byte_seconds, instance.url).observe(waited)
 

@@ -84,6 +84,9 @@ class Migrations:
         self._continuing: Completion | None = None
         self._at = ""
         self._to: str | None = None
+        #: When it moved, and how long its continuation took to its first byte.
+        self._since = 0.0
+        self._took: float | None = None
         #: The prompt tokens its first prefill found cached, as its handoff said.
         self._cached: int | None = None
 
@@ -128,6 +131,13 @@ class Migrations:
         """A continuation's decode leg went to ``url``."""
         if self._continuing is not None:
             self._to = url
+
+    def first_byte(self) -> None:
+        """The continuation out answered its first byte: the time the move took, from the
+        break (``nixlproxy_migration_seconds``, and the access event)."""
+        if self._continuing is not None and self._took is None:
+            self._took = self.clock.seconds() - self._since
+            self.metrics.migration_seconds.observe(self._took)
 
     def movable(self) -> bool:
         """Whether a break now would move the request (nothing counted, nothing said)."""
@@ -194,6 +204,7 @@ class Migrations:
     def _out(self, source: str, relayed: int, continued: Completion) -> Completion:
         self.tries += 1
         self._continuing, self._at, self._to = continued, f"{source}@{relayed}", None
+        self._since, self._took = self.clock.seconds(), None
         self.trace.moving(self.tries, relayed, source)
         log.warn(
             "decode for {request_id} failed after {tokens} tokens on {url}: moving it to "
@@ -216,5 +227,6 @@ class Migrations:
         if self._continuing is None:
             return
         self.metrics.child(self.metrics.migrations, outcome).inc()
-        self.record.migrations.append(f"{self._at} -> {self._to or 'none'} {outcome}")
+        took = "" if self._took is None else f" ({round(self._took * 1000)} ms)"
+        self.record.migrations.append(f"{self._at} -> {self._to or 'none'} {outcome}{took}")
         self._continuing = None

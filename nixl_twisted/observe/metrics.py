@@ -208,6 +208,13 @@ class ProxyMetrics:
             ["outcome"],
             registry=r,
         )
+        self.migration_seconds = Histogram(
+            "nixlproxy_migration_seconds",
+            "From a decode instance failing mid-answer to the first byte of the answer's "
+            "continuation on another: how long a moved stream stalled.",
+            buckets=LEG_BUCKETS,
+            registry=r,
+        )
         self.admissions = Counter(
             "nixlproxy_admissions",
             "Completions at the proxy's queue while instances are capped, by outcome: "

@@ -3,11 +3,12 @@ comparison that holds a moved answer to it token for token."""
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 from typing import Any
 
 from tests.memory.support import Setup
+from tests.support import assert_same_answer
+
+__all__ = ["assert_same_answer"]
 
 #: Tokens every fake answers, at most its request's max.
 TOKENS = 6
@@ -39,9 +40,6 @@ OPENING = {
     "/v1/messages": 2,
 }
 TRACKED = ("/v1/chat/completions", "/v1/completions")
-#: An answer's ids and times: its own in each answer, the same in all its events.
-_IDS = re.compile(rb'"((?:chatcmpl-|cmpl-|resp_|msg_)[0-9a-f]+)"')
-_TIMES = re.compile(rb'"(created|created_at)":\d+')
 
 
 def whole(path: str) -> dict[str, Any]:
@@ -57,23 +55,6 @@ def uninterrupted(path: str, body: dict[str, Any], **settings: Any) -> bytes:
     answer = setup.post(path, body).answer()
     assert answer.status == 200 and answer.complete
     return answer.body
-
-
-def as_one(body: bytes) -> bytes:
-    """``body`` with its ids and times in a word, once each is shown to be one answer's:
-    every id of a kind (a chat's, a response's, an item's) is the same throughout."""
-    kinds: dict[bytes, set[bytes]] = defaultdict(set)
-    for found in _IDS.finditer(body):
-        kinds[found.group(1).split(b"-")[0].split(b"_")[0]].add(found.group(1))
-    spread = {kind: ids for kind, ids in kinds.items() if len(ids) > 1}
-    # (a Responses answer has two ids of kind msg: its item's and no other)
-    assert not spread, f"an answer with several ids of one kind: {spread}"
-    return _TIMES.sub(rb'"\1":0', _IDS.sub(b'"ID"', body))
-
-
-def assert_same_answer(got: bytes, reference: bytes) -> None:
-    """``got`` is ``reference`` byte for byte, but for the answer's own id and time."""
-    assert as_one(got) == as_one(reference)
 
 
 def done_count(body: bytes) -> int:

@@ -99,7 +99,7 @@ def test_an_answer_that_fails_again_ends_with_the_error_after_n_moves(
     assert words == ["", "Hello ", "from ", "the "]  # one token from each, none twice
     (event,) = access_events
     d0, d1, d2 = (decode.url for decode in setup.decodes)
-    assert event["migrations"] == [f"{d0}@1 -> {d1} failed", f"{d1}@2 -> {d2} failed"]
+    assert event["migrations"] == [f"{d0}@1 -> {d1} failed (0 ms)", f"{d1}@2 -> {d2} failed (0 ms)"]
     assert event["migration"] == "exhausted"
     assert migrations(setup) == {"failed": 2, "exhausted": 1}
 
@@ -147,11 +147,12 @@ def test_a_move_says_both_instances_and_the_token(access_events: list[dict[str, 
 
     (event,) = access_events
     d0, d1 = (decode.url for decode in setup.decodes)
-    assert event["migrations"] == [f"{d0}@4 -> {d1} completed"]
-    assert f"migrated=[{d0}@4 -> {d1} completed]" in access_line(event)
+    assert event["migrations"] == [f"{d0}@4 -> {d1} completed (0 ms)"]
+    assert f"migrated=[{d0}@4 -> {d1} completed (0 ms)]" in access_line(event)
     assert event["decode"] == d1
     assert (event["prompt_tokens"], event["completion_tokens"]) == (PROMPT, TOKENS)
     assert migrations(setup) == {"completed": 1}
+    assert setup.scrape()[("nixlproxy_migration_seconds_count", ())] == 1
     decodes = [span for span in setup.finished() if span.name == "decode"]
     assert [attributes(span).get("nixlproxy.migration") for span in decodes] == [None, 1]
     moved = attributes(decodes[1])

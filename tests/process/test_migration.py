@@ -1,0 +1,87 @@
+"""A decode instance killed mid-stream (a real process, SIGKILL): the answer goes on on another.
+
+Two processes of fakes (``python -m nixl_twisted.testing``), each a prefill and a decode on a
+ledger of its own: the first one's decode stops after some tokens and is killed there; the
+proxy moves the stream to the other process's pair, and the client's answer is the one that
+pair gives uninterrupted, token for token, its usage whole, one ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+
+from nixl_twisted.testing.process import WatchedProcess
+from tests.process.support import TwistdCase
+from tests.support import ChunkCollector, assert_same_answer
+
+#: Tokens relayed before the kill (a chat stream's role first).
+RELAYED = 3
+CHAT = {
+    "model": "fake-model",
+    "messages": [{"role": "user", "content": "What does decode pull over NIXL?"}],
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "temperature": 0,
+}
+TOKEN = b'"delta":{"content"'
+
+
+class Until(ChunkCollector):
+    """A streamed body, and a Deferred that fires once ``count`` tokens arrived."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.count = count
+        self.reached: Deferred[None] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        super().dataReceived(data)
+        if not self.reached.called and self.body.count(TOKEN) >= self.count:
+            self.reached.callback(None)
+
+
+class DecodeKilledTests(TwistdCase):
+    timeout = 60
+
+    async def pair(self, *more: str) -> tuple[WatchedProcess, dict[str, str]]:
+        """A prefill and a decode in a process of their own, on ports the OS picks."""
+        process = self.spawn_fakes(
+            *("--prefill-port", "0", "--decode-port", "0", "--tokens", "8"),
+            *("--token-interval", "0", *more),
+        )
+        await process.line_with(b"twistd -n ")  # printed once both listen
+        return process, dict(re.findall(r"fake (\S+) listening on (\S+)", process.output.decode()))
+
+    async def test_a_decode_killed_after_k_tokens_goes_on_elsewhere_token_for_token(self) -> None:
+        doomed, a = await self.pair("--decode-hold-after", str(1 + RELAYED))
+        _, b = await self.pair()
+        self.clock = Clock()  # (the proxy's timers: none runs out in this test)
+        proxy = self.start_proxy(
+            [a["prefill-0"], b["prefill-0"]], [a["decode-0"], b["decode-0"]]
+        )
+        access = self.access_events()
+        http = self.fresh_connections()
+
+        response = await http.post(proxy.url + "/v1/chat/completions", json=CHAT)
+        self.assertEqual(response.code, 200)
+        stream = Until(RELAYED)
+        response.deliverBody(stream)
+        await stream.reached  # its decode holds there, the client has RELAYED tokens
+        os.kill(doomed.transport.pid, signal.SIGKILL)  # type: ignore[union-attr]
+        self.assertEqual(await doomed.ended, None)
+        self.assertEqual(doomed.signal, signal.SIGKILL)
+        moved = b"".join(await stream.done)
+
+        again = await http.post(proxy.url + "/v1/chat/completions", json=CHAT)
+        whole = await again.content()  # (the pair left, uninterrupted)
+        assert_same_answer(moved, whole)
+        self.assertEqual(moved.count(b"data: [DONE]"), 1)
+        self.assertIn(b'"usage":{"prompt_tokens"', moved)
+        self.assertEqual(
+            access[0]["migrations"], [f"{a['decode-0']}@{RELAYED} -> {b['decode-0']} completed"]
+        )
