@@ -123,10 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     uninterrupted = time.perf_counter() - started
 
     times = moved["times"]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    print(
-        f"tokens: {len(moved['ids'] or times)} through the proxy, {len(reference['ids'])} directly"
-    )
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    print(f"tokens: {len(times)} through the proxy, {len(reference['times'])} directly")
     if args.ids:
         print(f"same token ids: {moved['ids'] == reference['ids']}")
     print(f"same text: {''.join(moved['text']) == ''.join(reference['text'])}")
