@@ -158,3 +158,40 @@ def test_a_client_that_asked_for_token_ids_gets_the_whole_answers() -> None:
     ]
     assert len(ids) == TOKENS and ids == sorted(set(ids))
     assert chunks[0]["prompt_token_ids"] and all("prompt_token_ids" not in c for c in chunks[1:])
+
+
+def test_a_decode_lost_before_its_headers_is_sent_again_with_a_prefill_of_its_own() -> None:
+    """It may have pulled prefill's KV (which prefill then frees): its params never go again."""
+    path, body = "/v1/completions", STREAMS["/v1/completions"]
+    setup = Setup(tokens=TOKENS, decodes=2)
+    first, second = setup.decodes
+    first.die_after_next(0)  # (no opening on this route: the connection closes before a byte)
+    answer = setup.post(path, body).answer()
+
+    assert answer.status == 200 and answer.complete
+    assert_same_answer(answer.body, uninterrupted(path, body))
+    assert len(setup.prefill.requests) == 2
+    lost, again = first.requests[0], second.requests[0]
+    assert lost.connector_params != again.connector_params
+    # The first decode had pulled its KV: the same params again would fail to load.
+    assert setup.ledger.redeemed == [lost.connector_params, again.connector_params]
+
+
+def test_a_stream_kept_alive_moves_with_its_frames_before_it() -> None:
+    path, body = "/v1/chat/completions", STREAMS["/v1/chat/completions"]
+    setup = Setup(tokens=TOKENS, decodes=2, sse_keepalive=5)
+    first = setup.decodes[0]
+    first.hold_answers()
+    held = first.stream_held()
+    client = setup.post(path, body)
+    assert held.called
+    setup.proxy.advance(5)  # one frame: the client has its 200
+    assert client.received().count(b": keep-alive") == 1
+    first.die_after_next(2)
+    first.release()
+    setup.proxy.flush()
+    answer = client.answer()
+    assert answer.complete
+    frames = answer.body.split(b"\n\n", 1)
+    assert frames[0] == b": keep-alive"
+    assert_same_answer(frames[1], uninterrupted(path, body))
