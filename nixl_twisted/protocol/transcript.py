@@ -32,6 +32,8 @@ from nixl_twisted.protocol.resumable import MAX_RELAYED_TOKENS
 _ERRORS = (b'data: {"error"', b"event: error", b"event: response.failed")
 _DONE = b"data: [DONE]"
 _TOKEN_IDS = b'"token_ids":'
+#: A token event's ids, as they are written.
+_LISTED = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
 _PROMPT_IDS = b'"prompt_token_ids":'
 #: A chat chunk vLLM sends only because token ids were asked (no text, logprobs or end).
 _EMPTY_DELTA = b'"delta":{},"logprobs":null,"finish_reason":null'
@@ -90,16 +92,20 @@ class Transcript:
         self._held = b""
         #: The prompt's ids, from the answer's opening (None: not said).
         self.prompt: list[int] | None = None
-        #: The ids of the tokens relayed, as they came (``12,13,``), and how many.
+        #: The ids of the tokens relayed, as they came (``12,13,``).
         self._ids = bytearray()
-        self.tokens = 0
-        #: Events passed to the client.
+        #: Events passed to the client (a chunk of several on the steady path counts one).
         self.events = 0
+        #: Past the answer's opening, on its first leg, its tokens' ids seen: a chunk of whole
+        #: token events takes the steady path (three calls, whatever its events).
+        self._steady = False
         #: Why a continuation would not be the answer the client would have had (None: it is).
         self.inexact: str | None = None
         #: The error event caught, and everything after it (None: none).
         self.error: bytes | None = None
         self._last = b""
+        #: Chunks on the steady path since the ids' length was last counted.
+        self._chunks = 0
         #: The answer's id (as JSON) and ``created``; a continuation leg's own.
         self._id = b""
         self._created = 0
@@ -116,9 +122,48 @@ class Transcript:
         """Something of the answer reached the client."""
         return self.events > 0
 
+    @property
+    def tokens(self) -> int:
+        """The tokens relayed."""
+        return len([token for token in bytes(self._ids).split(b",") if token.strip()])
+
     def __call__(self, data: bytes) -> bytes:
         """What of ``data`` the client gets now: every event it completes, as the client
         should have it."""
+        if (
+            self._steady
+            and not self._held
+            and data[-2:] == b"\n\n"
+            and b'"delta":{}' not in data
+            and b'data: {"error"' not in data
+        ):
+            # Whole token events (vLLM writes one at a time), nothing else to look at.
+            found = _LISTED.findall(data)
+            if found and self.inexact is None:
+                self._ids += b",".join(found)
+                self._ids += b","
+                self._chunks += 1
+                if self._chunks > MAX_RELAYED_TOKENS:
+                    self._bounded()
+            if b'"token_ids":null' in data:
+                self.inexact = self.inexact or "no_token_ids"
+            if self.chat and b'"reasoning' in data:
+                self.inexact = self.inexact or "reasoning"  # (a parser's state)
+            if found and self.strip:
+                data = _LISTED.sub(b'"token_ids":null', data)
+            self.events += 1
+            self._last = data
+            return data
+        return self._slow(data)
+
+    def _bounded(self) -> None:
+        """Past ``MAX_RELAYED_TOKENS`` chunks: past as many tokens, the ids are let go."""
+        self._chunks = 0
+        if self._ids.count(b",") > MAX_RELAYED_TOKENS:
+            self.inexact, self._ids = "too_long", bytearray()
+
+    def _slow(self, data: bytes) -> bytes:
+        """Event by event: an event cut short held, an opening, a continuation's events."""
         if self.error is not None:
             self.error += data
             return b""
@@ -142,6 +187,7 @@ class Transcript:
     def _event(self, event: bytes) -> bytes:
         if self.error is not None or is_error(event):
             self.error = (self.error or b"") + event
+            self._steady = False  # (what follows it is held with it)
             return b""
         if not event.startswith(_DONE):
             if self._resumed:
@@ -185,13 +231,11 @@ class Transcript:
         if not listed:
             self.inexact = self.inexact or "no_token_ids"
         elif self.inexact is None:
-            ids = event[start + 1 : end - 1]
-            if ids.strip():
-                self._ids += ids
-                self._ids += b","
-                self.tokens += ids.count(b",") + 1
-                if self.tokens > MAX_RELAYED_TOKENS:
-                    self.inexact, self._ids = "too_long", bytearray()
+            self._ids += event[start + 1 : end - 1]
+            self._ids += b","
+            self._steady = not self._resumed
+            if self._ids.count(b",") > MAX_RELAYED_TOKENS:
+                self.inexact, self._ids = "too_long", bytearray()
         if self.chat and b'"reasoning' in event:
             self.inexact = self.inexact or "reasoning"  # (a parser's state no request carries)
         if self.strip and listed:
@@ -213,7 +257,9 @@ class Transcript:
         if last.startswith(_DONE) or _FINISHED.search(last) or _NO_CHOICES.search(last):
             return "finished"
         relayed = [int(token) for token in bytes(self._ids).split(b",") if token.strip()]
-        return self.prompt + relayed, self.tokens
+        if len(relayed) > MAX_RELAYED_TOKENS:
+            return "too_long"
+        return self.prompt + relayed, len(relayed)
 
     def resume(self, cached: int | None = None) -> None:
         """A continuation's leg is relayed from now on: its events become the answer's;
@@ -222,6 +268,7 @@ class Transcript:
         self._held = b""
         self.error = None
         self._resumed = True
+        self._steady = False
         self._leg_id = None
         self._before = self.tokens
         self._cached = cached

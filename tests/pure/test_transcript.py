@@ -187,3 +187,26 @@ def test_a_whole_answer_is_held_until_it_ends() -> None:
     assert not whole.passed and whole.rest() == b'{"id": "x"}'
     big = Whole()
     assert big(b"x" * (MAX_HELD + 1)) == b"x" * (MAX_HELD + 1) and big.passed
+
+
+def test_past_the_opening_whole_chunks_of_several_events_pass_alike() -> None:
+    transcript = Transcript(chat=True, strip=True)
+    transcript(opening([1]))
+    transcript(chunk([7], "a"))  # (its ids seen: the steady path from here)
+    assert transcript(chunk([8], "b") + chunk([9, 10], "cd")) == chunk(None, "b") + chunk(
+        None, "cd"
+    )
+    cut = chunk([11], "e")
+    assert transcript(cut[:9]) == b"" and transcript(cut[9:]) == chunk(None, "e")
+    assert transcript.continuation() == ([1, 7, 8, 9, 10, 11], 5)
+    assert transcript(chunk(None, "f")) == chunk(None, "f")  # (its ids hidden from now on)
+    assert transcript.continuation() == "no_token_ids"
+
+
+def test_an_error_after_the_opening_holds_what_follows() -> None:
+    transcript = Transcript(chat=True, strip=False)
+    transcript(opening([1]) + chunk([7]))
+    error = b'data: {"error": {"message": "x", "code": 500}}\n\n'
+    assert transcript(chunk([8]) + error) == chunk([8])
+    assert transcript(DONE) == b"" and transcript.error == error + DONE
+    assert transcript.continuation() == ([1, 7, 8], 2)
