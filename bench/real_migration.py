@@ -16,6 +16,11 @@ continuation), and the whole answer's time against the same request through the 
 
     python -m bench.real_migration --proxy http://127.0.0.1:8399 \\
         --reference http://127.0.0.1:8312 --kill-pid 12345 --kill-after 40 --max-tokens 200 --ids
+
+With ``--whole SECONDS`` the request is not streamed, and the decode is killed that long after
+it was sent, while it generates (vLLM sends a whole answer only once it is generated: the
+connection is lost before any header): the proxy sends the request again, with a prefill of
+its own, and the answer is compared whole.
 """
 
 from __future__ import annotations
@@ -102,6 +107,40 @@ def answer(stream: Iterator[tuple[float, bytes]], kill_after: int, pid: int | No
     return said
 
 
+def whole(base: str, body: dict[str, Any], kill_in: float, pid: int | None) -> Any:
+    """A chat completion not streamed, its decode killed ``kill_in`` seconds after it was
+    sent (``pid`` None: not), and the seconds it took."""
+    where = urlsplit(base)
+    connection = http.client.HTTPConnection(str(where.hostname), where.port, timeout=300)
+    sent = dict(body, stream=False)
+    sent.pop("stream_options", None)
+    started = time.perf_counter()
+    connection.request(
+        "POST", "/v1/chat/completions", json.dumps(sent), {"Content-Type": "application/json"}
+    )
+    if pid is not None:
+        time.sleep(kill_in)
+        kill(pid)
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    assert response.status == 200, answer
+    return answer, time.perf_counter() - started
+
+
+def compare_whole(args: argparse.Namespace) -> None:
+    body = request(args.max_tokens, True)
+    moved, took = whole(args.proxy, body, args.whole, args.kill_pid)
+    reference, _ = whole(args.reference, body, 0, None)
+    again, uninterrupted = whole(args.proxy, body, 0, None)
+    mine, theirs = moved["choices"][0], reference["choices"][0]
+    print(f"same token ids: {mine['token_ids'] == theirs['token_ids']}")
+    print(f"same text: {mine['message']['content'] == theirs['message']['content']}")
+    print(f"same finish: {mine['finish_reason'] == theirs['finish_reason']}")
+    print(f"usage: {moved['usage']} (directly: {reference['usage']})")
+    print(f"whole answer: {took:.2f} s moved, {uninterrupted:.2f} s uninterrupted (proxy)")
+    print(f"same as uninterrupted: {again['choices'][0]['token_ids'] == mine['token_ids']}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.real_migration")
     parser.add_argument("--proxy", required=True)
@@ -110,7 +149,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kill-after", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--ids", action="store_true", help="the client asks for token ids")
+    parser.add_argument(
+        "--whole", type=float, metavar="SECONDS", help="not streamed: kill this long after"
+    )
     args = parser.parse_args(argv)
+    if args.whole is not None:
+        compare_whole(args)
+        return
 
     body = request(args.max_tokens, args.ids)
     started = time.perf_counter()

@@ -64,6 +64,30 @@ class Resumable:
 NEVER = Resumable(refused="off")
 
 
+#: Every field that may keep a completion from moving, or from moving at any token: most
+#: bodies name none, and are read no further (one set operation).
+_READ = frozenset(
+    (
+        "n",
+        "best_of",
+        "use_beam_search",
+        "response_format",
+        "tools",
+        "seed",
+        "stop",
+        "echo",
+        "logprobs",
+        "prompt_logprobs",
+        "truncate_prompt_tokens",
+        *_GRAMMARS,
+        *(field for field, _ in _OWN_OUTPUT),
+    )
+)
+WHOLE = Resumable(from_start="whole")
+NO_TOKEN_IDS = Resumable(from_start="no_token_ids")
+ANY_TOKEN = Resumable()
+
+
 def resumable(path: str, body: JSONObject, stream: bool) -> Resumable:
     """What a migration may do for a completion of ``path`` whose body is ``body``.
 
@@ -72,14 +96,15 @@ def resumable(path: str, body: JSONObject, stream: bool) -> Resumable:
     moves at any token on chat and text completions, unless what it asks
     depends on state no continuation carries.
     """
-    refused = _refused(body)
+    named = body.keys() & _READ
+    refused = _refused(body) if named else None
     if refused is not None:
         return Resumable(refused=refused)
     if not stream:
-        return Resumable(from_start="whole")
+        return WHOLE
     if path not in (routes.CHAT_COMPLETIONS, routes.COMPLETIONS):
-        return Resumable(from_start="no_token_ids")
-    return Resumable(from_start=_stateful(path, body))
+        return NO_TOKEN_IDS
+    return Resumable(from_start=_stateful(path, body)) if named else ANY_TOKEN
 
 
 def _refused(body: JSONObject) -> str | None:

@@ -40,7 +40,8 @@ _EMPTY_DELTA = b'"delta":{},"logprobs":null,"finish_reason":null'
 _CHOICES = re.compile(rb'"choices":\s*\[\s*\{')
 _NO_CHOICES = re.compile(rb'"choices":\s*\[\s*\]')
 _FINISHED = re.compile(rb'"finish_reason":\s*"')
-_CREATED = re.compile(rb'("created":\s*)\d+')
+_CREATED = re.compile(rb'("created":\s*)(\d+)')
+_ID = re.compile(rb'"id":\s*("[^"]*")')
 _COUNTS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)":(\s*)(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
 
@@ -57,6 +58,16 @@ def payload(event: bytes) -> Any:
         return json.loads(event[start:]) if start >= 0 else None
     except ValueError:
         return None
+
+
+def _named(event: bytes) -> tuple[bytes, bytes]:
+    """An answer's id and ``created`` as its event writes them (``b'"chatcmpl-1"'``,
+    ``b"1765"``; empty where it says none)."""
+    answer, created = _ID.search(event), _CREATED.search(event)
+    return (
+        answer.group(1) if answer is not None else b"",
+        created.group(2) if created is not None else b"",
+    )
 
 
 def _list_at(event: bytes, key: bytes) -> tuple[int, int, int] | None:
@@ -90,8 +101,8 @@ class Transcript:
         self.chat = chat
         self.strip = strip
         self._held = b""
-        #: The prompt's ids, from the answer's opening (None: not said).
-        self.prompt: list[int] | None = None
+        #: The prompt's ids, as the answer's opening wrote them (``1,2,3``; None: not said).
+        self._prompt: bytes | None = None
         #: The ids of the tokens relayed, as they came (``12,13,``).
         self._ids = bytearray()
         #: Events passed to the client (a chunk of several on the steady path counts one).
@@ -107,10 +118,9 @@ class Transcript:
         #: Chunks on the steady path since the ids' length was last counted.
         self._chunks = 0
         #: The answer's id (as JSON) and ``created``; a continuation leg's own.
-        self._id = b""
-        self._created = 0
+        self._id = self._created = b""
         self._leg_id: bytes | None = None
-        self._leg_created = 0
+        self._leg_created = b""
         #: Tokens relayed before the leg now relayed (0: the first leg), and the cached
         #: prompt tokens its usage says (None: its own).
         self._before = 0
@@ -121,6 +131,15 @@ class Transcript:
     def passed(self) -> bool:
         """Something of the answer reached the client."""
         return self.events > 0
+
+    @property
+    def prompt(self) -> list[int] | None:
+        """The prompt's ids, as the answer's opening said them (None: not, or not ids)."""
+        try:
+            ids = [int(token) for token in (self._prompt or b"").split(b",")]
+        except ValueError:
+            return None
+        return ids if ids and min(ids) >= 0 else None
 
     @property
     def tokens(self) -> int:
@@ -134,23 +153,23 @@ class Transcript:
             self._steady
             and not self._held
             and data[-2:] == b"\n\n"
-            and b'"delta":{}' not in data
             and b'data: {"error"' not in data
+            and not (self.chat and (b'"delta":{}' in data or b'"reasoning' in data))
         ):
-            # Whole token events (vLLM writes one at a time), nothing else to look at.
-            found = _LISTED.findall(data)
-            if found and self.inexact is None:
-                self._ids += b",".join(found)
-                self._ids += b","
-                self._chunks += 1
-                if self._chunks > MAX_RELAYED_TOKENS:
-                    self._bounded()
-            if b'"token_ids":null' in data:
-                self.inexact = self.inexact or "no_token_ids"
-            if self.chat and b'"reasoning' in data:
-                self.inexact = self.inexact or "reasoning"  # (a parser's state)
-            if found and self.strip:
-                data = _LISTED.sub(b'"token_ids":null', data)
+            # Whole token events (vLLM writes one at a time), nothing else to look at: one
+            # pass of a regular expression splits out their ids (vLLM sends ids in every
+            # token event of a request, or in none: the event-by-event path saw them).
+            pieces = _LISTED.split(data)
+            ids = pieces[1::2]
+            if ids:
+                if self.inexact is None:
+                    self._ids += b",".join(ids)
+                    self._ids += b","
+                    self._chunks += 1
+                    if self._chunks > MAX_RELAYED_TOKENS:
+                        self._bounded()
+                if self.strip:
+                    data = b'"token_ids":null'.join(pieces[::2])
             self.events += 1
             self._last = data
             return data
@@ -204,20 +223,15 @@ class Transcript:
         return event
 
     def _opening(self, event: bytes) -> bytes:
-        """The answer's first event: its id, its time and the prompt's ids."""
-        opening = payload(event)
-        if not isinstance(opening, dict):
-            self.inexact = "unreadable"
+        """The answer's first event: its id, its time and the prompt's ids (read where they
+        are written, a chat's at the top, a text completion's in its choice)."""
+        self._id, self._created = _named(event)
+        found = _list_at(event, _PROMPT_IDS)
+        if found is None or not found[2]:
             return event
-        self._id = json.dumps(opening.get("id")).encode()
-        created = opening.get("created")
-        self._created = created if isinstance(created, int) else 0
-        choices = opening.get("choices") or [{}]
-        holder = opening if self.chat else choices[0]
-        ids = holder.get("prompt_token_ids") if isinstance(holder, dict) else None
-        if isinstance(ids, list) and ids and all(type(t) is int for t in ids):
-            self.prompt = ids
-        return _nulled(event, _PROMPT_IDS) if self.strip else event
+        start, end, _ = found
+        self._prompt = event[start + 1 : end - 1]
+        return event[:start] + b"null" + event[end:] if self.strip else event
 
     def _ids_of(self, event: bytes) -> bytes:
         """The event's token ids kept, and shown as the client asked."""
@@ -251,7 +265,8 @@ class Transcript:
         or why no continuation is the answer the client would have had."""
         if self.inexact is not None:
             return self.inexact
-        if self.prompt is None:
+        prompt = self.prompt
+        if prompt is None:
             return "no_token_ids"
         last = self._last
         if last.startswith(_DONE) or _FINISHED.search(last) or _NO_CHOICES.search(last):
@@ -259,7 +274,7 @@ class Transcript:
         relayed = [int(token) for token in bytes(self._ids).split(b",") if token.strip()]
         if len(relayed) > MAX_RELAYED_TOKENS:
             return "too_long"
-        return self.prompt + relayed, len(relayed)
+        return prompt + relayed, len(relayed)
 
     def resume(self, cached: int | None = None) -> None:
         """A continuation's leg is relayed from now on: its events become the answer's;
@@ -277,18 +292,14 @@ class Transcript:
         """A continuation's event as the answer's: its opening dropped (a chat's role) or
         without its prompt's ids (a text completion's), its id, time and usage the answer's."""
         if self._leg_id is None:
-            opening = payload(event)
-            if isinstance(opening, dict):
-                self._leg_id = json.dumps(opening.get("id")).encode()
-                created = opening.get("created")
-                self._leg_created = created if isinstance(created, int) else 0
+            self._leg_id, self._leg_created = _named(event)
             if self.chat and b'"role"' in event:
                 return b""
             event = _nulled(event, _PROMPT_IDS)
         if self._leg_id and self._leg_id != self._id:
             event = event.replace(self._leg_id, self._id, 1)
         if self._leg_created != self._created:
-            event = _CREATED.sub(rb"\g<1>%d" % self._created, event, count=1)
+            event = _CREATED.sub(rb"\g<1>" + self._created, event, count=1)
         if b'"usage"' in event:
             event = self._usage(event)
         return event

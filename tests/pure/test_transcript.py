@@ -199,8 +199,9 @@ def test_past_the_opening_whole_chunks_of_several_events_pass_alike() -> None:
     cut = chunk([11], "e")
     assert transcript(cut[:9]) == b"" and transcript(cut[9:]) == chunk(None, "e")
     assert transcript.continuation() == ([1, 7, 8, 9, 10, 11], 5)
-    assert transcript(chunk(None, "f")) == chunk(None, "f")  # (its ids hidden from now on)
-    assert transcript.continuation() == "no_token_ids"
+    reasoned = chunk([12], "g").replace(b'"content"', b'"reasoning"')
+    assert transcript(reasoned) == chunk(None, "g").replace(b'"content"', b'"reasoning"')
+    assert transcript.continuation() == "reasoning"
 
 
 def test_an_error_after_the_opening_holds_what_follows() -> None:
