@@ -40,6 +40,8 @@ _EMPTY_DELTA = b'"delta":{},"logprobs":null,"finish_reason":null'
 _CHOICES = re.compile(rb'"choices":\s*\[\s*\{')
 _NO_CHOICES = re.compile(rb'"choices":\s*\[\s*\]')
 _FINISHED = re.compile(rb'"finish_reason":\s*"')
+#: A token event whose text is empty (a chat's content, a text completion's text).
+_SAID_NOTHING = re.compile(rb'"(?:content|text)":\s*""')
 _CREATED = re.compile(rb'("created":\s*)(\d+)')
 _ID = re.compile(rb'"id":\s*("[^"]*")')
 _COUNTS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)":(\s*)(\d+)')
@@ -117,6 +119,8 @@ class Transcript:
         self._last = b""
         #: Chunks on the steady path since the ids' length was last counted.
         self._chunks = 0
+        #: The last token relayed said nothing (a chunk dropped: its text held back).
+        self._unsaid = False
         #: The answer's id (as JSON) and ``created``; a continuation leg's own.
         self._id = self._created = b""
         self._leg_id: bytes | None = None
@@ -172,6 +176,7 @@ class Transcript:
                     data = b'"token_ids":null'.join(pieces[::2])
             self.events += 1
             self._last = data
+            self._unsaid = False
             return data
         return self._slow(data)
 
@@ -255,7 +260,9 @@ class Transcript:
         if self.strip and listed:
             event = event[:start] + b"null" + event[end:]
             if self.chat and _EMPTY_DELTA in event:
+                self._unsaid = True
                 return b""  # (vLLM sends it only to carry the ids)
+        self._unsaid = False
         return event
 
     # -- a continuation ---------------------------------------------------------
@@ -271,6 +278,11 @@ class Transcript:
         last = self._last
         if last.startswith(_DONE) or _FINISHED.search(last) or _NO_CHOICES.search(last):
             return "finished"
+        tail = last[last.rfind(b"data: ") :]  # (the last event: a chunk may hold several)
+        if self._unsaid or (_SAID_NOTHING.search(tail) and b'"role"' not in tail):
+            # vLLM holds back a token's text that ends inside a character; a continuation's
+            # detokenizer, starting from its prompt, would write the rest otherwise.
+            return "mid_character"
         relayed = [int(token) for token in bytes(self._ids).split(b",") if token.strip()]
         if len(relayed) > MAX_RELAYED_TOKENS:
             return "too_long"

@@ -81,6 +81,14 @@ def test_an_empty_chunk_sent_only_to_carry_ids_is_not_passed() -> None:
     empty = chunk([9], "").replace(b'"delta":{"content":""}', b'"delta":{}')
     assert transcript(opening([1]) + empty + chunk([10], "é")) == opening(None) + chunk(None, "é")
     assert transcript.continuation() == ([1, 9, 10], 2)
+    assert transcript(empty.replace(b"[9]", b"[11]")) == b""
+    assert transcript.continuation() == "mid_character"  # (the last token said nothing)
+
+
+def test_a_stream_moves_after_its_opening_alone() -> None:
+    transcript = Transcript(chat=True, strip=True)
+    transcript(opening([1, 2]))
+    assert transcript.continuation() == ([1, 2], 0)
 
 
 def test_an_error_event_is_caught_with_what_follows() -> None:
@@ -99,6 +107,9 @@ def test_an_error_event_is_caught_with_what_follows() -> None:
         (opening([1]) + chunk([7], finish="stop"), "finished"),
         (opening([1]) + chunk([7]) + USAGE, "finished"),
         (opening([1]) + chunk([7]) + DONE, "finished"),
+        # (vLLM 0.32's detokenizer, on real vLLM: a prompt that ends inside a character
+        # makes a continuation write the prompt's text first)
+        (opening([1]) + chunk([7], "a") + chunk([8], ""), "mid_character"),
         (opening([1]) + chunk([7]).replace(b'"content"', b'"reasoning"'), "reasoning"),
     ],
 )
