@@ -82,13 +82,18 @@ class Migrations:
         #: A continuation is out: the completion, where and at which token it moved,
         #: and the decode instance it went to.
         self._continuing: Completion | None = None
-        self._at = ""
+        self._from = ("", 0)
         self._to: str | None = None
         #: When it moved, and how long its continuation took to its first byte.
         self._since = 0.0
         self._took: float | None = None
         #: The prompt tokens its first prefill found cached, as its handoff said.
         self._cached: int | None = None
+
+    @property
+    def out(self) -> bool:
+        """A continuation is out (its legs' failure is a failed move, not the answer's)."""
+        return self._continuing is not None
 
     @property
     def tracked(self) -> bool:
@@ -160,16 +165,18 @@ class Migrations:
         if self.refused is not None:
             self._stays("refused", self.refused)
             return None
-        passed = self._filter is not None and self._filter.passed
+        filtered = self._filter
+        passed = filtered is not None and filtered.passed
         relayed, continued = 0, self.completion
-        if passed and isinstance(self._filter, Transcript):
-            found = self._filter.continuation()
+        if isinstance(filtered, Transcript) and passed:
+            found = filtered.continuation()
             if isinstance(found, str):
                 self._stays("refused", found)
                 return None
             prompt, relayed = found
             continued = self.completion.continued(prompt, relayed)
-        elif passed and not (isinstance(self._filter, Opening) and not self._filter.tokens):
+        elif passed and (not isinstance(filtered, Opening) or filtered.tokens):
+            # (a stream past its first token, a whole answer past what is held)
             self._stays("refused", self.from_start)
             return None
         if not self._may():
@@ -180,12 +187,11 @@ class Migrations:
     def again(self) -> Completion | None:
         """The continuation out failed before its answer came: the same once more, or None
         (the request then ends as ``broke`` says)."""
-        continuing, at = self._continuing, self._at
+        continuing, (source, relayed) = self._continuing, self._from
         self._concluded("failed")
         if continuing is None or not self._may():
             return None
-        source, _, relayed = at.rpartition("@")
-        return self._out(source, int(relayed), continuing)
+        return self._out(source, relayed, continuing)
 
     def completed(self) -> None:
         """The answer ended whole: the continuation out, if any, did it."""
@@ -203,7 +209,7 @@ class Migrations:
 
     def _out(self, source: str, relayed: int, continued: Completion) -> Completion:
         self.tries += 1
-        self._continuing, self._at, self._to = continued, f"{source}@{relayed}", None
+        self._continuing, self._from, self._to = continued, (source, relayed), None
         self._since, self._took = self.clock.seconds(), None
         self.trace.moving(self.tries, relayed, source)
         log.warn(
@@ -227,6 +233,7 @@ class Migrations:
         if self._continuing is None:
             return
         self.metrics.child(self.metrics.migrations, outcome).inc()
+        (source, relayed), to = self._from, self._to or "none"
         took = "" if self._took is None else f" ({round(self._took * 1000)} ms)"
-        self.record.migrations.append(f"{self._at} -> {self._to or 'none'} {outcome}{took}")
+        self.record.migrations.append(f"{source}@{relayed} -> {to} {outcome}{took}")
         self._continuing = None

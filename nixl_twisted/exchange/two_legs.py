@@ -129,6 +129,8 @@ class Exchange:
             try:
                 continued, failed = await self._pair(routing, moving, keepalive, avoid)
             except (ProxyError, PrefillRefused):
+                if not moves.out:
+                    raise  # (the end of an answer that could move no more: its error)
                 # The continuation failed before its answer came: once more, or the end.
                 continued, failed = moves.again(), []
                 if continued is None:

@@ -176,3 +176,12 @@ def test_off_the_legs_are_protocol_version_2s() -> None:
     setup.post(CHAT, STREAM).answer()
     (decode,) = setup.decodes[0].requests
     assert decode.body is not None and "return_token_ids" not in decode.body
+
+
+def test_a_whole_answer_that_breaks_again_is_a_502_never_a_short_200() -> None:
+    setup = Setup(tokens=TOKENS, decodes=2)
+    for decode in setup.decodes:
+        decode.break_next()  # (its JSON closed halfway)
+    answer = setup.post(CHAT, dict(STREAM, stream=False, stream_options=None)).answer()
+    assert answer.status == 502 and answer.json()["error"]["code"] == "decode_stream_broken"
+    assert migrations(setup) == {"failed": 1, "exhausted": 1}
