@@ -299,15 +299,22 @@ async def conversations(
     rng: random.Random,
     model: str = "fake-model",
     follow_up: int = 80,
+    assign: random.Random | None = None,
 ) -> dict[str, Any]:
     """Every conversation's turns, interleaved in ``rng``'s order (it drew the workload too).
 
-    With several ``urls`` (proxies), a conversation's turns alternate between them;
-    each turn after the first asks ``follow_up`` words more.
+    With several ``urls`` (proxies), a conversation's turns alternate between them, or
+    with ``assign`` each turn goes to one drawn at random from it (drawn before the
+    first is sent, so that the draw does not depend on which turn ends first); each turn
+    after the first asks ``follow_up`` words more.
     """
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0) for url in urls]
+    drawn = [
+        [assign.randrange(len(clients)) if assign else t % len(clients) for t in range(count)]
+        for count in made.turns
+    ]
     histories = made.histories
     waiting = order(made, rng)
     done_turns = [0] * len(histories)
@@ -318,7 +325,7 @@ async def conversations(
 
     async def one_turn(n: int) -> None:
         nonlocal failures
-        client = clients[done_turns[n] % len(clients)]
+        client = clients[drawn[n][done_turns[n]]]
         started = time.monotonic()
         first: float | None = None
         text = []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import struct
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -68,7 +69,8 @@ def line(told: Told) -> str | None:
     if not _plain(told.role) or not _plain(told.url):
         return None
     if isinstance(told, Sent):
-        packed = b"".join(h.to_bytes(8, "big") for h in told.chain[:MAX_PIECES])
+        chain = told.chain[:MAX_PIECES]
+        packed = struct.pack(f">{len(chain)}Q", *chain)
         return f"s\t{told.role}\t{told.url}\t{_b64(packed)}"
     salt = _b64(told.salt.encode("utf-8", "surrogatepass")) if told.salt is not None else ""
     return f"p\t{told.role}\t{told.url}\t{salt}\t{_b64(_packed(told.tokens[:MAX_TOKENS]))}"
@@ -100,10 +102,7 @@ def _parsed(text: str) -> Told | None:
             packed = base64.b64decode(fields[3], validate=True)
             if len(packed) % 8 or len(packed) > 8 * MAX_PIECES:
                 return None
-            chain = tuple(
-                int.from_bytes(packed[at : at + 8], "big") for at in range(0, len(packed), 8)
-            )
-            return Sent(fields[1], fields[2], chain)
+            return Sent(fields[1], fields[2], struct.unpack(f">{len(packed) // 8}Q", packed))
         if fields[0] == "p" and len(fields) == 5 and fields[1] in ROLES:
             salt = base64.b64decode(fields[3], validate=True).decode("utf-8", "surrogatepass")
             packed = base64.b64decode(fields[4], validate=True)
@@ -114,7 +113,7 @@ def _parsed(text: str) -> Told | None:
             if sys.byteorder == "big":
                 ids.byteswap()
             return Predicted(fields[1], fields[2], ids, salt or None)
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError, struct.error):
         return None
     return None
 
