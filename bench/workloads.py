@@ -321,6 +321,8 @@ async def conversations(
     busy: set[int] = set()
     ttfts: list[float] = []
     failures = 0
+    #: Why turns failed, each reason once, as the client said it.
+    why: list[str] = []
     lock = asyncio.Lock()
 
     async def one_turn(n: int) -> None:
@@ -359,8 +361,11 @@ async def conversations(
                     if chunk.choices and chunk.choices[0].delta.content:
                         first = first or time.monotonic()
                         text.append(chunk.choices[0].delta.content)
-        except Exception:
+        except Exception as error:
             failures += 1
+            said = f"{type(error).__name__}: {error}"[:300]
+            if said not in why:
+                why.append(said)
             return
         ttfts.append((first or time.monotonic()) - started)
         histories[n] = next_turn(histories[n], done_turns[n], "".join(text), follow_up)
@@ -391,5 +396,6 @@ async def conversations(
         "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
         "ttft_p99_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))] * 1000, 1) if ttfts else None,
         "failures": failures,
+        "why_failed": why,
         "turns": len(ttfts),
     }
