@@ -69,7 +69,7 @@ class StreamReader:
             self._asked.cancel()  # (waiting for a connection that will not come)
         return self.link.stop()
 
-    def caught_up(self) -> Any:
+    def caught_up(self) -> Deferred[None]:
         """Fires once a read has taken everything the streams held (for tests)."""
         return self._caught_up.wait()
 

@@ -24,6 +24,7 @@ from functools import partial
 from typing import Any
 
 from twisted.application.service import Service
+from twisted.internet.defer import Deferred
 
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.fleet import messages
@@ -71,11 +72,11 @@ class SharedRoutes(Service):
         self.outbox.stop()
         return self.reader.stop()
 
-    def caught_up(self) -> Any:
+    def caught_up(self) -> Deferred[None]:
         """Fires once the streams' entries at start were applied (for tests and operators)."""
         return self.reader.caught_up()
 
-    def applied(self) -> Any:
+    def applied(self) -> Deferred[None]:
         """Fires once the next entry another replica told was applied here (for tests)."""
         return self._applied.wait()
 
