@@ -121,6 +121,31 @@ class ReplicasTests(FleetCase):
         await mine.beat()
         assert mine.is_shared and decode.slots == 2
 
+    async def test_a_redis_that_lost_its_memory_is_told_what_each_replica_holds(self) -> None:
+        other = await self.two(decode_max_in_flight=2)
+        slot = f"decode|{self.decode.url}"
+        self.decode.hold_streams_after(1)
+        self.addCleanup(self.decode.release)
+        streams = []
+        for proxy in (self.proxy, other):  # a decode slot held through each replica
+            held = self.decode.stream_held()
+            streams.append(self.chat(proxy, dict(CHAT, stream=True)))
+            await held
+        mine = replicas_of(other)
+        await mine.beat()
+        assert shared_of(other).view == {slot: 2}
+        await replicas_of(self.proxy).stopService()  # (it will not write its lease back)
+        await self.redis.stop()
+        await self.redis.start()  # (the same port, an empty memory)
+        await mine.link.connected()
+        await mine.beat()  # Redis forgot it: it writes back the one lease it holds
+        assert (mine.is_shared, shared_of(other).view) == (True, {slot: 1})
+        self.decode.release()
+        for stream in streams:
+            await (await stream).content()
+        await mine.beat()
+        assert shared_of(other).view == {}  # given back when its leg ended, not twice
+
 
 class FleetTenantsTests(FleetCase):
     async def test_a_tenants_requests_in_flight_are_counted_over_every_replica(self) -> None:
