@@ -146,6 +146,32 @@ class ReplicasTests(FleetCase):
         await mine.beat()
         assert shared_of(other).view == {}  # given back when its leg ended, not twice
 
+    async def test_a_request_that_times_out_or_whose_client_leaves_leaves_the_fleets_queue(
+        self,
+    ) -> None:
+        other = await self.two(queue_timeout=5)
+        held = await self.held_stream()
+        waits = slots_of(other).entered()
+        timing_out = self.chat(other)
+        await waits
+        waits = slots_of(other).entered()
+        leaving = self.chat(other)
+        await waits
+        leaving.cancel()  # its client goes away while it waits
+        self.clock.advance(5)  # the other one's queue timeout
+        refused = await timing_out
+        assert (refused.code, refused.headers.getRawHeaders("Retry-After")) == (503, ["5"])
+        assert b"queue_timeout" in await refused.content()
+        self.decode.release()
+        await held.done
+        await replicas_of(other).beat()
+        answered = await self.chat(other)  # nothing of theirs is left waiting ahead of it
+        assert answered.code == 200
+        await answered.content()
+        assert len(self.decode.requests_for("decode")) == 2
+        queue = slots_of(other).queue
+        assert (len(queue), queue._waiting) == (0, 0)
+
 
 class FleetTenantsTests(FleetCase):
     async def test_a_tenants_requests_in_flight_are_counted_over_every_replica(self) -> None:
