@@ -11,7 +11,7 @@ from typing import Any
 from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseNeverReceived
 
 from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.leases import SharedSlots
@@ -158,6 +158,7 @@ class ReplicasTests(FleetCase):
         leaving = self.chat(other)
         await waits
         leaving.cancel()  # its client goes away while it waits
+        leaving.addErrback(lambda failure: failure.trap(ResponseNeverReceived))
         self.clock.advance(5)  # the other one's queue timeout
         refused = await timing_out
         assert (refused.code, refused.headers.getRawHeaders("Retry-After")) == (503, ["5"])
