@@ -28,7 +28,8 @@ KUBERNETES_VALIDATE_VERSION := 1.37.0
 KUBERNETES_VALIDATE ?= $(TOOLS)/kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)/bin/kubernetes-validate
 VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' nixl_twisted/__init__.py)
 IMAGE ?= nixl-twisted:$(VERSION)
-IMAGE_BASE ?= python:3.12-slim
+# Empty: python:3.12-slim when a registry gives it, else Debian's, made here (build.sh).
+IMAGE_BASE ?=
 
 .PHONY: demo test lint layers docs-check bench-smoke demo-check chart-check docs install install-demo redis-server dnsmasq chromium helm kubernetes-validate manifests image image-check clean
 
@@ -137,9 +138,11 @@ manifests: helm
 	  $(HELM) template nixlproxy deploy/helm/nixl-twisted --namespace serving 2>/dev/null; \
 	} >deploy/kubernetes/nixl-twisted.yaml
 
-# The image, with docker (its daemon answering) or podman; IMAGE_BASE=... for
-# another base (deploy/image/debian-base.sh makes one with no registry). Not in
-# `make test`: it needs root and a container runtime.
+# The image, with docker (its daemon answering) or podman, installed and
+# configured here when there is no daemon (deploy/image/runtime.sh: its files in
+# ~/.cache/nixl-twisted/podman, none in /etc); from Debian's archive when no
+# registry answers (deploy/image/debian-base.sh); IMAGE_BASE=... for another base.
+# Not in `make test`: it needs root and minutes.
 image:
 	IMAGE=$(IMAGE) IMAGE_BASE=$(IMAGE_BASE) PYTHON=$(PYTHON) deploy/image/build.sh
 

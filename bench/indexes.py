@@ -18,23 +18,25 @@ def index_memory(prompts: int = 100_000) -> dict[str, Any]:
 
     from twisted.internet.task import Clock
 
-    from nixl_twisted.backends import routing
+    from nixl_twisted.backends import policies
     from nixl_twisted.backends.pools import BackendPool
     from nixl_twisted.backends.prompt_keys import routing_for
+    from nixl_twisted.backends.routing import Balance
     from nixl_twisted.config.settings import BY_NAME
     from nixl_twisted.protocol.completion import Completion
 
     pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(4)], Clock())
     balance = BY_NAME["cache-aware-balance"].default
     pool.sent.resize(BY_NAME["cache-aware-entries"].default)
-    pool.policy = routing.policy("cache-aware", balance, pool.sent)
-    pool.policy_name = "cache-aware"
+    parts = policies.Parts(Balance(balance), pool.sent)
+    pool.use_policies(policies.chosen("cache-aware", parts))
+    reads = policies.needs({"cache-aware"})
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for n in range(prompts):
         body = {"messages": [{"role": "user", "content": f"distinct prompt {n} " * 20}]}
         chat = Completion("/v1/chat/completions", body, str(n))
-        pool.choose(routing=routing_for({"cache-aware"}, 512, None, chat))
+        pool.choose(routing=routing_for(reads, 512, None, chat))
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return {"prompts": prompts, "entries": len(pool.sent), "retained_bytes": after - before}

@@ -42,6 +42,8 @@ class Arrival:
     at: float
     tenant: str
     body: bytes
+    #: Which of the targets' URLs it goes to (``bench.replicas``: a replica of the proxy).
+    target: int = 0
 
 
 def arrivals(
@@ -114,15 +116,16 @@ async def _exchange(
 
 
 async def send_all(
-    url: str,
+    url: str | Sequence[str],
     path: str,
     planned: Sequence[Arrival],
     header: str,
     timeout: float,
 ) -> list[Outcome]:
-    """Send every arrival at its time (``header`` names its tenant); each outcome once
-    answered, refused, failed or past ``timeout`` seconds."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
+    """Send every arrival at its time (``header`` names its tenant), to its target's URL;
+    each outcome once answered, refused, failed or past ``timeout`` seconds."""
+    urls = [url] if isinstance(url, str) else list(url)
+    where = [u.removeprefix("http://").rsplit(":", 1) for u in urls]
     outcomes = [Outcome(arrival.tenant) for arrival in planned]
     begun = time.perf_counter()
 
@@ -131,6 +134,7 @@ async def send_all(
         started = time.perf_counter()
         outcome.lag = started - (begun + arrival.at)
         raw = _request(path, arrival.body, {header: arrival.tenant})
+        host, port = where[arrival.target % len(where)]
         try:
             exchange = _exchange(host, int(port), raw, begun, started, outcome)
             await asyncio.wait_for(exchange, timeout)
@@ -179,7 +183,7 @@ async def sample(urls: dict[str, list[str]], every: float, done: asyncio.Event) 
 
 
 async def run(
-    url: str,
+    url: str | Sequence[str],
     planned: Sequence[Arrival],
     fakes: dict[str, list[str]],
     header: str,

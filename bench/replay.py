@@ -37,6 +37,7 @@ from twisted.internet.testing import MemoryReactor
 from twisted.web.client import Agent
 
 from bench.workloads import ANSWER, FAKES, SHAPES, Shape, Sizes, at, body, next_turn, order
+from nixl_twisted.backends.policies import needs
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.backends.service import BackendService
@@ -109,7 +110,7 @@ def replay(
         health_interval=0,
         **(settings or {}),
     )
-    held = _Subscribed(MemoryReactor(), clock, lambda: (), config)
+    held = _Subscribed(MemoryReactor(), clock, (), config)
     pool = BackendPool("prefill", urls, clock)
     decode = BackendPool("decode", ["http://decode-0:8200"], clock)
     BackendService(pool, decode, Upstream(Agent(MemoryReactor())), config, holdings=held)
@@ -127,7 +128,7 @@ def replay(
     #: Legs in flight: (when its compute ends, a tiebreak, what it holds).
     flying: list[tuple[float, int, Lease, int, list[dict[str, Any]]]] = []
     busy: set[int] = set()
-    names = (config.policies.prefill,)
+    reads = needs((config.policies.prefill,))
     legs: Counter[str] = Counter()
     decisions: Counter[str] = Counter()
     waits: list[float] = []
@@ -140,8 +141,8 @@ def replay(
         path = "/v1/completions" if "prompt" in sent_body else "/v1/chat/completions"
         completion = Completion(path, sent_body, f"replay-{sent}")
         tokens = prompt_tokens(sent_body)
-        routing = routing_for(names, config.policies.key_bytes, None, completion)
-        if "kv-aware" in names:  # (as vLLM's render endpoint gives them)
+        routing = routing_for(reads, config.policies.key_bytes, None, completion)
+        if reads.token_ids:  # (as vLLM's render endpoint gives them)
             routing = replace(routing, tokens=tuple(tokens))
         instance, decision = pool.choose(routing=routing)
         lease = pool.lease(instance, decision)

@@ -7,16 +7,33 @@
 # with setuptools and wheel to build the proxy's own wheel from this tree in
 # the Dockerfile's first stage. The build itself then reaches nothing.
 #
-#   IMAGE_BASE (python:3.12-slim)  the base; deploy/image/debian-base.sh makes
-#                                  one from Debian's archive where no registry is reached
+#   IMAGE_BASE                     the base; unset: python:3.12-slim from Docker Hub,
+#                                  or, when no registry answers, Debian's own made here
+#                                  from Debian's archive by deploy/image/debian-base.sh
 #   IMAGE (nixl-twisted:VERSION)   the tag to give it
-#   RUNTIME                        docker or podman (found when unset)
+#   RUNTIME                        docker or podman (found when unset: runtime.sh)
 #   PYTHON (python3)               runs pip to fill the wheelhouse
 set -eu
 cd "$(dirname "$0")/../.."
 
 . deploy/image/runtime.sh
-BASE=${IMAGE_BASE:-python:3.12-slim}
+REGISTRY_BASE=docker.io/library/python:3.12-slim
+DEBIAN_BASE=localhost/nixl-twisted-base:bookworm
+BASE=${IMAGE_BASE:-}
+if [ -z "$BASE" ]; then
+    # Python's own image when it is here or a registry gives it; else Debian's, made once.
+    if $RUNTIME image inspect "$REGISTRY_BASE" >/dev/null 2>&1 ||
+        said=$(timeout 120 $RUNTIME pull "$REGISTRY_BASE" 2>&1); then
+        BASE=$REGISTRY_BASE
+    else
+        echo "image: no registry gave $REGISTRY_BASE ($(echo "$said" | tail -n1))"
+        if ! $RUNTIME image inspect "$DEBIAN_BASE" >/dev/null 2>&1; then
+            echo "image: making $DEBIAN_BASE from Debian's archive (deploy/image/debian-base.sh)"
+            RUNTIME=$RUNTIME deploy/image/debian-base.sh "$DEBIAN_BASE"
+        fi
+        BASE=$DEBIAN_BASE
+    fi
+fi
 PYTHON=${PYTHON:-python3}
 VERSION=$(sed -n 's/^__version__ = "\(.*\)"/\1/p' nixl_twisted/__init__.py)
 IMAGE=${IMAGE:-nixl-twisted:$VERSION}

@@ -8,20 +8,22 @@
 #   make image IMAGE_BASE=localhost/nixl-twisted-base:bookworm
 #
 # SUITE (bookworm) and MIRROR (the one apt uses here, else deb.debian.org) can
-# be set; RUNTIME is podman, else docker.
+# be set; RUNTIME is docker or podman as deploy/image/runtime.sh finds it, and
+# debootstrap is installed with apt-get when it is missing. `make image` runs
+# this itself when no registry gives it Python's image.
 set -eu
+cd "$(dirname "$0")/../.."
+. deploy/image/runtime.sh
 
 SUITE=${SUITE:-bookworm}
 TAG=${1:-localhost/nixl-twisted-base:$SUITE}
-RUNTIME=${RUNTIME:-$(command -v podman || command -v docker || true)}
 if [ -z "${MIRROR:-}" ]; then
     # The mirror apt is set up with (deb822 or one-line sources), else Debian's own.
     MIRROR=$(grep -hs -m1 -o 'http[^ ]*/debian/\?$' /etc/apt/sources.list.d/*.sources /etc/apt/sources.list \
         | head -n1 || true)
     MIRROR=${MIRROR:-http://deb.debian.org/debian}
 fi
-[ -n "$RUNTIME" ] || { echo "debian-base.sh: neither podman nor docker is installed" >&2; exit 1; }
-command -v debootstrap >/dev/null || { echo "debian-base.sh: apt-get install debootstrap" >&2; exit 1; }
+image_has debootstrap || image_install debootstrap
 
 root=$(mktemp -d)
 trap 'rm -rf "$root"' EXIT
@@ -32,6 +34,6 @@ debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
 rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb \
     "$root"/usr/share/doc/* "$root"/usr/share/man/* "$root"/usr/share/info/* \
     "$root"/usr/share/locale/* "$root"/var/log/*.log
-tar -C "$root" -c . | "$RUNTIME" import \
+tar -C "$root" -c . | $RUNTIME import \
     --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' - "$TAG"
 echo "debian-base.sh: made $TAG from $MIRROR ($SUITE)"

@@ -50,6 +50,10 @@ class Instance:
     own_cap: int | None = None
     #: The legs this process may hold on it at once (``backends.capacity``; None: no cap).
     slots: int | None = None
+    #: This process's share of its cap, such that the shares of every process add up to
+    #: the cap (the saturation signal's slots): its static share, or under
+    #: ``--replicas-redis`` the cap over the replicas alive (``fleet.leases``).
+    cap_share: float | None = None
     #: It answered 503 (its engine's queue full): no leg goes to it before this time.
     full_until: float = 0.0
     #: It joined lately (added, discovered, up again): until then it takes the cache

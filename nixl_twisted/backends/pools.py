@@ -7,8 +7,8 @@ the rules of ``nixl_twisted.backends.health``. Panic: when every instance not
 draining is down, legs go to them anyway (best effort) rather than refusing
 everything.
 
-A leg holds its instance through a ``Lease``, the one way legs take and give
-back an instance. Under ``--workers`` the supervisor owns the instances'
+A leg holds its instance through a ``Lease`` (``leases``), the one way legs
+take and give back an instance. Under ``--workers`` the supervisor owns the instances'
 health: a worker's pool reports its outcomes (``report``) and adopts what it
 is told.
 """
@@ -25,9 +25,11 @@ from nixl_twisted.backends import health
 from nixl_twisted.backends.capacity import COOL, Caps, has_room
 from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.leases import Lease, NoHealthyInstance, NoRoom
+from nixl_twisted.backends.policies import ROUND_ROBIN, Chosen, InUse
 from nixl_twisted.backends.prefixes import SentPrefixes
 from nixl_twisted.backends.roster import PoolChangeRefused, Roster
-from nixl_twisted.backends.routing import NO_ROUTING, Policy, Routing, round_robin
+from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.warm_up import joined
 from nixl_twisted.config.values import backend_url, cap_of, instance_url, kv_ports, rank_urls
 
@@ -37,21 +39,6 @@ log = Logger()
 
 #: (role, url, failure reason or None for a success): an outcome sent elsewhere.
 Report = Callable[[str, str, "str | None"], None]
-
-
-class NoHealthyInstance(Exception):
-    """Every instance of a pool is draining or was already tried for this leg."""
-
-    def __init__(self, role: str, retry_after: float, model: str | None = None) -> None:
-        #: What the client is told: the pool, and the model when the request named one.
-        self.what = f"{role} instance" + (f" serving {model!r}" if model is not None else "")
-        super().__init__(f"no healthy {self.what}")
-        self.role = role
-        self.retry_after = retry_after
-
-
-class NoRoom(NoHealthyInstance):
-    """Every instance that could take the leg is at its cap (or cooling after a 503)."""
 
 
 class BackendPool(Roster):
@@ -100,14 +87,12 @@ class BackendPool(Roster):
         #: them anyway); each model whose instances are so, None for the whole pool.
         self.panicking = False
         self._in_panic: set[str | None] = set()
-        #: Which candidate serves the next leg (``nixl_twisted.backends.routing``).
-        self.policy: Policy = round_robin
-        self.policy_name = "round-robin"
-        #: A model's own policy, where ``[models.NAME]`` gives one (name, policy).
-        self.model_policies: dict[str, tuple[str, Policy]] = {}
+        #: Which candidate serves the next leg: the pool's policy and each model's own
+        #: (``nixl_twisted.backends.policies``).
+        self.policies: Chosen = ROUND_ROBIN
         #: The health checks also read each instance's load from vLLM's ``/metrics``.
         self.reads_load = False
-        #: Its instances are asked where they publish their KV events (``kv-aware``).
+        #: Its instances are asked where they publish their KV events.
         self.reads_events = False
         #: cache-aware's memory of which instance was sent which prompt prefix.
         self.sent = SentPrefixes(0)
@@ -123,6 +108,18 @@ class BackendPool(Roster):
         """New health rules; ``checked``: new instances wait for their first check."""
         self.thresholds = thresholds
         self._initial = State.PENDING if checked else State.UP
+
+    def use_policies(self, chosen: Chosen, warm_up: float = 0.0, load: bool = False) -> None:
+        """Choose by ``chosen``, its instances read for what its policies read; ``warm_up``:
+        seconds a joining instance takes their misses; ``load``: read whatever (a decide rule)."""
+        self.policies = chosen
+        self.warm_up = warm_up
+        needs = chosen.needs
+        self.reads_load = needs.load or load
+        self.reads_events = needs.kv_events
+        if not self.reads_load:
+            for instance in self.instances:
+                instance.load = {}  # no longer read: not shown as if it were current
 
     def _new(self, url: str, source: str) -> Instance:
         declared = backend_url(url)
@@ -152,10 +149,23 @@ class BackendPool(Roster):
     def _cap(self, instance: Instance, own: int | None) -> None:
         instance.own_cap = own
         instance.slots = self.caps.slots(instance)
+        instance.cap_share = instance.slots
         self.capped = self.capped or instance.slots is not None
 
-    def has_room(self, instance: Instance) -> bool:
-        return has_room(instance, self._now())
+    def room_for(self, model: str | None) -> bool:
+        """Whether some instance that serves ``model`` takes a leg now.
+
+        One with no room stands for every one it would be: the policy decides
+        among those with room, and an instance down or draining is the policy's
+        to pass over (a pool with none usable answers 503 there, not here).
+        """
+        now, usable = self._now(), False
+        for instance in self.instances:
+            if self.available(instance):
+                usable = True
+                if (model is None or instance.serves(model)) and has_room(instance, now):
+                    return True
+        return not usable
 
     def cool(self, instance: Instance) -> None:
         """vLLM answered 503 (its engine's queue is full): it counts as full for a moment."""
@@ -242,14 +252,15 @@ class BackendPool(Roster):
                 serving="" if model is None else f" (serving {model!r})",
             )
         self.panicking = panic
-        _, policy = self.policy_for(model)
-        instance, decision = policy(self, candidates, routing)
+        instance, decision = self.policy_for(model).policy(self, candidates, routing)
         return instance, decision
 
-    def policy_for(self, model: str | None) -> tuple[str, Policy]:
-        """The policy (name, policy) that chooses for ``model``: its own, else the pool's."""
-        own = self.model_policies.get(model) if model is not None else None
-        return own if own is not None else (self.policy_name, self.policy)
+    def policy_for(self, model: str | None) -> InUse:
+        """The policy that chooses for ``model``: its own (``[models.NAME]``), else the pool's."""
+        chosen = self.policies
+        if model is None or not chosen.by_model:
+            return chosen.default
+        return chosen.by_model.get(model, chosen.default)
 
     def round_robin(self, candidates: Sequence[Instance]) -> Instance:
         """The next of ``candidates`` in the pool's rotation."""
@@ -268,7 +279,7 @@ class BackendPool(Roster):
         instance.in_flight += 1
         return Lease(self, instance, decision)
 
-    def _released(self, instance: Instance) -> None:
+    def released(self, instance: Instance) -> None:
         """A leg ended; a draining instance with none left leaves the pool."""
         instance.in_flight -= 1
         if instance.draining and instance.in_flight == 0 and instance in self.instances:
@@ -336,33 +347,3 @@ class BackendPool(Roster):
         now = self._now()
         waits = [max(0.0, i.retry_at - now) for i in self.instances if i.state is State.DOWN]
         return min(waits) if waits else BACKOFF_BASE
-
-
-class Lease:
-    """One leg's hold on an instance; released exactly once, however the leg ends."""
-
-    def __init__(self, pool: BackendPool, instance: Instance, decision: str = "next") -> None:
-        self.pool = pool
-        self.instance = instance
-        #: Why the pool's policy chose this instance.
-        self.decision = decision
-        self.held = True
-        #: What else ends with the leg (its trace span).
-        self.on_release: Callable[[], object] | None = None
-        #: Ends with the leg too: its slot in ``--replicas-redis`` given back.
-        self._also: list[Callable[[], object]] = []
-
-    def also(self, then: Callable[[], object]) -> None:
-        """``then()`` when the lease is released, after the instance is given back."""
-        self._also.append(then)
-
-    def release(self, result: object = None) -> object:
-        """Give the instance back (usable as a callback: passes ``result`` on)."""
-        if self.held:
-            self.held = False
-            self.pool._released(self.instance)
-            if self.on_release is not None:
-                self.on_release()
-            for then in self._also:
-                then()
-        return result

@@ -1,10 +1,10 @@
 """What a completion offers its pool's policy to route on (``Routing``), read from the value.
 
 The conversation key (``Rendered.key``: the part of a prompt every turn
-repeats), the whole prompt as chained pieces for cache-aware's memory of
-prefixes sent, a token-id prompt's ids for kv-aware, and the session key;
-each worked out only when a policy in use looks at it, from the prompt the
-completion rendered once (``protocol.prompts.render``). A completion's
+repeats), the whole prompt as chained pieces for the memory of prefixes
+sent, a token-id prompt's ids for the KV events' index, and the session
+key; each worked out only when a policy in use reads it (``policies.Needs``),
+from the prompt the completion rendered once (``protocol.prompts.render``). A completion's
 ``cache_salt`` namespaces every one of them, as it namespaces vLLM's prefix
 cache: requests with different salts never share a key, a remembered
 prefix or a KV block, so none predicts another's hits.
@@ -12,33 +12,34 @@ prefix or a KV block, so none predicts another's hits.
 
 from __future__ import annotations
 
-from collections.abc import Collection
-
+from nixl_twisted.backends.policies import Needs
 from nixl_twisted.backends.prefixes import pieces
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.protocol.completion import Completion
 
 
 def routing_for(
-    policies: Collection[str], key_bytes: int, session: bytes | None, completion: Completion
+    needs: Needs, key_bytes: int, session: bytes | None, completion: Completion
 ) -> Routing:
-    """What ``completion`` is routed on, worked out only if one of the ``policies`` in use looks.
+    """What ``completion`` is routed on, worked out only as far as the policies in use read.
 
-    ``session`` is the request's ``X-Session-Id``; ``key_bytes`` the
-    completion prompt bytes that key a conversation (``--cache-key-bytes``).
-    Only instances that serve the completion's model are candidates.
+    ``needs``: what they read (``BackendService.needs``); ``session`` is the
+    request's ``X-Session-Id``; ``key_bytes`` the completion prompt bytes
+    that key a conversation (``--cache-key-bytes``). Only instances that
+    serve the completion's model are candidates.
     """
     model = completion.served
-    if not {"cache-aware", "kv-aware", "session"} & set(policies):
+    prompt = needs.prompt_text or needs.token_ids
+    if not prompt and not needs.session_key:
         return NO_ROUTING if model is None else Routing(model=model)
-    if "cache-aware" not in policies and "kv-aware" not in policies:
+    if not prompt:
         return Routing(session=session_key(session, completion), model=model)
     rendered = completion.rendered
     salt = completion.salt
-    prompt = rendered.key(key_bytes)
+    key = rendered.key(key_bytes)
     return Routing(
-        prompt=_salted(salt, prompt) if prompt is not None else None,
-        session=session_key(session, completion) if "session" in policies else None,
+        prompt=_salted(salt, key) if key is not None else None,
+        session=session_key(session, completion) if needs.session_key else None,
         chain=pieces(rendered.text, _salted(salt, b"")) if rendered.text else (),
         prompt_bytes=len(rendered.text),
         tokens=rendered.ids,  # (a token-id prompt needs no render)

@@ -239,7 +239,7 @@ class Roster:
         """The one way instances leave; refused if it would leave no instance in rotation.
 
         No new legs from now; out of the list at once if ``at_once`` or idle,
-        else when their last leg ends (``_released``). ``refuse=False``: a
+        else when their last leg ends (``released``). ``refuse=False``: a
         discovery's change, which may empty the pool.
         """
         if not leaving:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
+from nixl_twisted.backends.holdings import Holdings
 from nixl_twisted.backends.prefixes import PIECE_BYTES, SentPrefixes
 from nixl_twisted.backends.warm_up import WARM_UP, warm_miss
 
@@ -313,39 +313,6 @@ def session(pool: Pool, candidates: Sequence[Candidate], routing: Routing) -> Ch
     return rendezvous(key, candidates)[0], "session"
 
 
+#: A routing policy: the pool, its candidates and what the request offers, to an instance
+#: and a decision (``policies.REGISTRY`` knows each by name, and what it reads).
 Policy = Callable[[Pool, Sequence[Candidate], Routing], Choice]
-
-
-def policies(
-    balance: Balance,
-    sent: SentPrefixes | None = None,
-    min_match: float = 0.5,
-    held: Holdings | None = None,
-) -> dict[str, Policy]:
-    """Every policy by the name ``settings.POLICIES`` gives it.
-
-    ``balance``, ``sent`` (the pool's memory of prefixes sent) and ``min_match`` are
-    cache-aware's and kv-aware's; ``held`` (what the KV events say) is kv-aware's.
-    """
-    cache_aware = CacheAware(balance, sent if sent is not None else SentPrefixes(0), min_match)
-    return {
-        "round-robin": round_robin,
-        "least-loaded": least_loaded,
-        "load": by_load,
-        "cache-aware": cache_aware,
-        "session": session,
-        "kv-aware": KvAware(
-            balance, held if held is not None else NO_HOLDINGS, cache_aware, min_match
-        ),
-    }
-
-
-def policy(
-    name: str,
-    balance: Balance,
-    sent: SentPrefixes | None = None,
-    min_match: float = 0.5,
-    held: Holdings | None = None,
-) -> Policy:
-    """The policy of this name."""
-    return policies(balance, sent, min_match, held)[name]

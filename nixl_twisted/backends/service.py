@@ -15,12 +15,14 @@ from typing import Any, Protocol
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 
+from nixl_twisted.backends import policies as registry
 from nixl_twisted.backends import routing
 from nixl_twisted.backends.capacity import Caps
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.models import name_instances, named_by_instance
+from nixl_twisted.backends.policies import Needs
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.upstream import Upstream
 from nixl_twisted.config import Disaggregation, ModelPools, Policies, Pools, ProxyConfig
@@ -61,6 +63,9 @@ class BackendService(Service):
         #: The models ``[models.NAME]`` lists each member under, by pool role and by
         #: instance URL or discovery source (``Pools.named``).
         self._named: dict[str, dict[str, frozenset[str]]] = {}
+        #: What the policies read, for requests of each model that has its own (``needs``).
+        self._needs: dict[str, Needs] = {}
+        self._needs_any = registry.NOTHING
         self.configure(config)
 
     def pools(self) -> tuple[BackendPool, BackendPool]:
@@ -124,8 +129,9 @@ class BackendService(Service):
     ) -> None:
         """Each pool chooses its instances by its policy (a model's own, for its requests).
 
-        The health checks read vLLM's load for the ``load`` policy, and the
-        prefill pool's for the busy-prefill rule (``rules.busy_prompt``).
+        What the policies read (``policies.Needs``) says what is read of the
+        instances: vLLM's load (also the prefill pool's for the busy-prefill
+        rule, ``rules.busy_prompt``), the KV events, the memory of prefixes sent.
         """
         busy_rule = rules is not None and rules.busy_prompt > 0
         busy_rule = busy_rule or any(m.setting("decode-only-busy-below", 0) for m in models)
@@ -134,22 +140,24 @@ class BackendService(Service):
             name = policies.of(pool.role)
             key = f"{pool.role}-policy"
             own = {m.name: m.setting(key, name) for m in models if key in dict(m.own)}
-            used = {name, *own.values()}
-            remembers = bool(used & {"cache-aware", "kv-aware"})  # (kv-aware falls back to it)
+            remembers = registry.needs({name, *own.values()}).sent_prefixes
             pool.sent.resize(policies.entries if remembers else 0)
-            made = {
-                named: routing.policy(named, balance, pool.sent, policies.min_match, self.holdings)
-                for named in used
-            }
-            pool.policy = made[name]
-            pool.policy_name = name
-            pool.warm_up = policies.warm_up
-            pool.model_policies = {model: (named, made[named]) for model, named in own.items()}
-            pool.reads_load = "load" in used or (busy_rule and pool is self.prefill)
-            pool.reads_events = "kv-aware" in used
-            if not pool.reads_load:
-                for instance in pool.instances:
-                    instance.load = {}  # no longer read: not shown as if it were current
+            parts = registry.Parts(balance, pool.sent, policies.min_match, self.holdings)
+            chosen = registry.chosen(name, parts, own)
+            pool.use_policies(chosen, policies.warm_up, busy_rule and pool is self.prefill)
+        # What a request's routing reads, by the model it names (any other: the pools' own).
+        prefill, decode = self.prefill, self.decode
+        self._needs_any = prefill.policy_for(None).needs | decode.policy_for(None).needs
+        self._needs = {
+            model: prefill.policy_for(model).needs | decode.policy_for(model).needs
+            for model in {*prefill.policies.by_model, *decode.policies.by_model}
+        }
+
+    def needs(self, model: str | None) -> Needs:
+        """What the policies choosing ``model``'s instances read, in both pools together."""
+        if model is None:
+            return self._needs_any
+        return self._needs.get(model, self._needs_any)
 
     def use_caps(self, config: ProxyConfig) -> None:
         """Each instance's cap (its own, its model's, its pool's) and this process's share."""

@@ -20,8 +20,10 @@ from nixl_twisted.config.parts import (
 )
 from nixl_twisted.config.proxy import ProxyConfig, resolve
 from nixl_twisted.config.sources import ConfigError
+from nixl_twisted.config.tenants import NO_RULE, TenantRow, TenantRule
 
 __all__ = [
+    "NO_RULE",
     "ConfigError",
     "Disaggregation",
     "DiscoveryConfig",
@@ -33,6 +35,8 @@ __all__ = [
     "Pools",
     "ProxyConfig",
     "Retries",
+    "TenantRow",
+    "TenantRule",
     "TenantsConfig",
     "Timeouts",
     "Traces",

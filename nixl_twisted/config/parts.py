@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nixl_twisted.config.models import ModelPools
+from nixl_twisted.config.tenants import TenantRow
 from nixl_twisted.config.values import discovered_by
 
 
@@ -87,7 +88,7 @@ class TenantsConfig:
     tokens_per_minute: int
     #: Each listed tenant's own: (name, in flight, requests, tokens, priority, weight, salt);
     #: -1 (None for the priority, the weight and the salt): the default.
-    table: tuple[tuple[str, int, int, int, int | None, float | None, str | None], ...] = ()
+    table: tuple[TenantRow, ...] = ()
     #: The vLLM ``priority`` of every tenant's requests (None: the client's own).
     priority: int | None = None
     #: The Redis that every replica counts requests and tokens per minute in (None: each its own).

@@ -466,8 +466,8 @@ SETTINGS: tuple[Setting, ...] = (
         "round-robin",
         choice(*POLICIES),
         help=(
-            "How the prefill instance of each request is chosen: round-robin, "
-            "least-loaded, load, cache-aware, session or kv-aware (docs/routing.md)."
+            "How the prefill instance of each request is chosen: "
+            f"{', '.join(POLICIES[:-1])} or {POLICIES[-1]} (docs/routing.md)."
         ),
     ),
     Setting(

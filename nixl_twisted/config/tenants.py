@@ -7,6 +7,8 @@ Each parser takes its own output as input, as ``values``' do.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from nixl_twisted.config.spelling import known_keys
@@ -88,10 +90,56 @@ TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
 #: What else a tenant's table may say.
 TENANT_KEYS = (*TENANT_LIMITS, "priority", "weight", "cache-salt")
 
-#: One tenant's row: name, in flight, requests, tokens (-1: the default's), priority (None:
-#: unset), its weight in the proxy's fair queue (None: 1) and its ``cache_salt`` (None: none,
-#: or the one ``--tenant-salt-secret-file`` derives).
-TenantRow = tuple[str, int, int, int, int | None, float | None, str | None]
+
+class TenantRow(NamedTuple):
+    """One ``[tenants.NAME]`` table as the configuration gives it (a tuple in the workers'
+    JSON): what it leaves out is the default's (-1, or None)."""
+
+    name: str
+    #: Its limits: -1, the default's; 0, none.
+    max_in_flight: int = -1
+    requests_per_minute: int = -1
+    tokens_per_minute: int = -1
+    #: Its vLLM priority (None: the default's), its weight in the fair queue (None: 1) and
+    #: its ``cache_salt`` (None: none, or the one ``--tenant-salt-secret-file`` derives).
+    priority: int | None = None
+    weight: float | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class TenantRule:
+    """One tenant's rule in effect, from the configuration to its requests' ``Completion``
+    and their place in the fair queue: its limits (0: none), the vLLM priority of its
+    requests (None: unset), its weight in the fair queue and its ``cache_salt`` (None: none).
+    A request with no tenant has ``NO_RULE``."""
+
+    max_in_flight: int = 0
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    priority: int | None = None
+    weight: float = 1.0
+    cache_salt: str | None = None
+
+    @property
+    def counted(self) -> bool:
+        """Whether there is anything to count: a limit."""
+        return bool(self.max_in_flight or self.requests_per_minute or self.tokens_per_minute)
+
+    def under(self, row: TenantRow) -> TenantRule:
+        """``row``'s rule, this (the default's) where it says nothing of its own."""
+        return TenantRule(
+            row.max_in_flight if row.max_in_flight >= 0 else self.max_in_flight,
+            row.requests_per_minute if row.requests_per_minute >= 0 else self.requests_per_minute,
+            row.tokens_per_minute if row.tokens_per_minute >= 0 else self.tokens_per_minute,
+            self.priority if row.priority is None else row.priority,
+            1.0 if row.weight is None else row.weight,
+            row.cache_salt,
+        )
+
+
+#: The rule of a request with no tenant: no limit, no priority, weight 1.
+NO_RULE = TenantRule()
 
 
 def weight(value: object) -> float:
@@ -153,5 +201,6 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             salt = None if limits.get("cache-salt") is None else cache_salt(limits["cache-salt"])
         except InvalidValue as error:
             raise InvalidValue(f"{where}cache-salt {error}") from None
-        table.append((str(name), *numbers, own, share, salt))
-    return tuple(sorted(table, key=lambda row: row[0]))  # type: ignore[arg-type]
+        in_flight, requests, tokens = numbers
+        table.append(TenantRow(str(name), in_flight, requests, tokens, own, share, salt))
+    return tuple(sorted(table, key=lambda row: row.name))

@@ -14,8 +14,8 @@ from urllib.parse import SplitResult, urlsplit
 
 from twisted.internet.endpoints import serverFromString
 
-#: The routing policies by name (``nixl_twisted.backends.routing.policies`` makes
-#: each; a test checks that the two agree), so the table imports nothing of the proxy.
+#: The routing policies by name, as ``nixl_twisted.backends.policies.REGISTRY`` knows
+#: them (a test holds the two equal), so that the table imports nothing of the proxy.
 POLICIES = ("round-robin", "least-loaded", "load", "cache-aware", "session", "kv-aware")
 
 

@@ -39,7 +39,9 @@ from typing import Any, Generic, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
@@ -68,12 +70,25 @@ Told = Callable[[str, float, "Ticket"], None]
 
 @dataclass(frozen=True)
 class Ticket:
-    """Who waits: its tenant (None: none), weight and priority, and its model's instances."""
+    """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
+    and its model's instances."""
 
     tenant: str | None = None
-    weight: float = 1.0
-    priority: int = 0
+    rule: TenantRule = NO_RULE
     model: str | None = None
+
+    @classmethod
+    def of(cls, completion: Completion) -> Ticket:
+        """A completion's place in the queue, as its tenant's rule gives it."""
+        return cls(completion.tenant, completion.rule, completion.served)
+
+    @property
+    def weight(self) -> float:
+        return self.rule.weight
+
+    @property
+    def priority(self) -> int:
+        return self.rule.priority or 0
 
     @property
     def sheddable(self) -> bool:

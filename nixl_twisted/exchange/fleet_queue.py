@@ -19,16 +19,13 @@ the fleet's move there, and are let go by it.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
-from nixl_twisted.backends.pools import Lease
 from nixl_twisted.exchange.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
@@ -41,47 +38,25 @@ from nixl_twisted.exchange.fair_queue import (
     Ticket,
     Told,
 )
+from nixl_twisted.exchange.fleet_waiting import (
+    FleetWaiting,
+    Placed,
+    drain_seconds,
+    full,
+    place_args,
+    shed,
+    text,
+    timed_out,
+)
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.leases import SharedSlots
-from nixl_twisted.fleet.replicas import Replicas, Unshared, view_of
-from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.replies import view_of
 from nixl_twisted.protocol.errors import ProxyError
 
-
-class Taken(Protocol):
-    """What a placement holds: its decode slot, its prefill slot (None: none yet)."""
-
-    @property
-    def decode(self) -> Lease: ...
-
-    @property
-    def prefill(self) -> Lease | None: ...
-
-    def release(self) -> None: ...
-
-
-Placed = TypeVar("Placed", bound=Taken)
-
-
-@dataclass(eq=False)
-class FleetWaiting(Generic[Placed]):
-    """One of this replica's requests, from its arrival until it has its slots."""
-
-    ticket: Ticket
-    place: Callable[[], Placed | str]
-    arrived: float
-    deferred: Deferred[Placed]
-    order: int
-    member: str = ""
-    finish: float = 0.0
-    timer: IDelayedCall | None = None
-    #: The pool it found full last time it was tried ("decode" or "prefill").
-    blocked: str = ""
-    #: Its client left (while Redis was asked), or it has its slots, or it left the queue.
-    gone: bool = False
-    done: bool = False
-    #: Where it waits while this replica is alone (``FairQueue``'s Deferred).
-    inner: Deferred[Placed] | None = None
+#: Seconds a model whose first request is another replica's waits before trying again,
+#: when no message said a slot freed (one may have been lost).
+BEHIND = 1.0
 
 
 class FleetQueue(Generic[Placed]):
@@ -106,11 +81,16 @@ class FleetQueue(Generic[Placed]):
         self._order = itertools.count()
         self._trying: set[str | None] = set()
         self._again: set[str | None] = set()
+        #: Models whose first request is another replica's, and since when: not tried again
+        #: before a slot frees somewhere (a message) or ``BEHIND`` seconds pass.
+        self._behind: dict[str | None, float] = {}
+        #: A placement tried and not granted is giving its slots back: that frees no slot.
+        self._quiet = False
         #: What the fleet's queue said last: requests waiting, and the latest grants (ms).
         self._waiting = 0
         self._grants: list[float] = []
         replicas.hold(self)
-        replicas.on_freed(lambda _: self.pump())
+        replicas.on_freed(self._freed)
 
     # -- FairQueue's face ---------------------------------------------------------------
 
@@ -145,10 +125,10 @@ class FleetQueue(Generic[Placed]):
         waiting = FleetWaiting(ticket, place, self.clock.seconds(), answered, next(self._order))
         got = place()
         decode, prefill = self._names(got)
-        args = self._args(waiting, "", got, decode, prefill, ticket.sheddable)
+        args = place_args(self.local.size, waiting, "", got, decode, prefill, ticket.sheddable)
 
         def said(reply: Any) -> None:
-            code, what = int(reply[0]), _text(reply[1])
+            code, what = int(reply[0]), text(reply[1])
             self._heard(reply)
             if code == scripts.GRANTED:
                 assert not isinstance(got, str)
@@ -161,13 +141,13 @@ class FleetQueue(Generic[Placed]):
                 answered.callback(got)
                 return
             if not isinstance(got, str):
-                got.release()
+                self._release(got)
             if code in (scripts.SHED, scripts.FULL):
                 waiting.done = True
                 if code == scripts.SHED:
-                    outcome, refusal = SHED, _shed(ticket, self.retry_after())
+                    outcome, refusal = SHED, shed(ticket, self.retry_after())
                 else:
-                    outcome, refusal = QUEUE_FULL, _full(self.local.size, self.retry_after())
+                    outcome, refusal = QUEUE_FULL, full(self.local.size, self.retry_after())
                 self.told(outcome, 0.0, ticket)
                 if not waiting.gone:
                     answered.errback(refusal)
@@ -183,7 +163,7 @@ class FleetQueue(Generic[Placed]):
         def alone(failure: Failure) -> None:
             failure.trap(Unshared)
             if not isinstance(got, str):
-                got.release()
+                self._release(got)
             if not waiting.gone:
                 self._alone(waiting)
 
@@ -192,6 +172,8 @@ class FleetQueue(Generic[Placed]):
 
     def pump(self) -> None:
         """Slots may have freed: this replica's first request of each model is tried."""
+        if self._quiet:
+            return
         self.local.pump()
         if not self.replicas.is_shared:
             return
@@ -205,11 +187,24 @@ class FleetQueue(Generic[Placed]):
             self._end(waiting, SHUT)
             waiting.deferred.errback(error())
 
+    def _freed(self, changed: dict[str, int], version: int | None) -> None:
+        """A slot freed somewhere, or a request left or went: whoever is first may go."""
+        self._behind.clear()
+        self.pump()
+
+    def _release(self, got: Placed) -> None:
+        """A placement tried and not granted gives its slots back, quietly."""
+        self._quiet = True
+        try:
+            got.release()
+        finally:
+            self._quiet = False
+
     def held(self) -> tuple[list[str], list[str]]:
         """(Its requests' places are not written back: they wait here instead.)"""
         return [], []
 
-    def shared(self, view: dict[str, int]) -> None:
+    def shared(self, view: dict[str, int], version: int) -> None:
         """Redis answers: its first requests are tried."""
         self.pump()
 
@@ -229,40 +224,9 @@ class FleetQueue(Generic[Placed]):
         lately (1 at least, the timeout at most, and the timeout while none went)."""
         if not self.replicas.is_shared:
             return self.local.retry_after()
-        grants = self._grants
-        if len(grants) < 2:
-            return self.timeout
-        span = (grants[0] - grants[-1]) / 1000
-        if span <= 0:
-            return 1.0
-        rate = (len(grants) - 1) / span
-        return float(min(self.timeout, max(1, math.ceil(self._waiting / rate))))
+        return drain_seconds(self._grants, self._waiting, self.timeout)
 
     # -- inside -------------------------------------------------------------------------
-
-    def _args(
-        self,
-        waiting: FleetWaiting[Placed],
-        member: str,
-        got: Placed | str,
-        decode: tuple[str, int, str],
-        prefill: tuple[str, int, str],
-        sheddable: bool,
-    ) -> list[object]:
-        ticket = waiting.ticket
-        return [
-            ticket.model or "",
-            ticket.priority,
-            member,
-            ticket.tenant or "",
-            ticket.weight,
-            1 if sheddable else 0,
-            self.local.size,
-            waiting.order,
-            got if isinstance(got, str) else "",
-            *decode,
-            *prefill,
-        ]
 
     def _names(self, got: Placed | str) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
         if isinstance(got, str):
@@ -277,9 +241,9 @@ class FleetQueue(Generic[Placed]):
             self.slots.granted(got.prefill, prefill)
 
     def _heard(self, reply: Any) -> None:
-        self.slots.seen(view_of(reply[2]))
+        self.slots.seen(view_of(reply[2]), int(reply[5]))
         self._waiting = int(reply[3])
-        self._grants = [float(_text(g)) for g in reply[4]]
+        self._grants = [float(text(g)) for g in reply[4]]
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
     def _wait(self, waiting: FleetWaiting[Placed]) -> None:
@@ -323,7 +287,8 @@ class FleetQueue(Generic[Placed]):
             self._again.add(model)
             return
         mine = [w for w in self._mine.get(model, []) if not w.done]
-        if not mine:
+        behind = self._behind.get(model)
+        if not mine or (behind is not None and self.clock.seconds() - behind < BEHIND):
             return
         waiting = mine[0]
         got = waiting.place()
@@ -331,7 +296,7 @@ class FleetQueue(Generic[Placed]):
             waiting.blocked = got
             return  # (full as this replica sees the fleet: a message will say when not)
         decode, prefill = self._names(got)
-        args = self._args(waiting, waiting.member, got, decode, prefill, False)
+        args = place_args(self.local.size, waiting, waiting.member, got, decode, prefill, False)
         self._trying.add(model)
 
         def said(reply: Any) -> None:
@@ -347,15 +312,17 @@ class FleetQueue(Generic[Placed]):
                     waiting.deferred.callback(got)
                 self._again.add(model)
             else:
-                got.release()
-                waiting.blocked = _text(reply[1]) if code == scripts.BLOCKED else ""
+                self._release(got)
+                waiting.blocked = text(reply[1]) if code == scripts.BLOCKED else ""
+                if code == scripts.NOT_FIRST:
+                    self._behind[model] = self.clock.seconds()
             if model in self._again:
                 self._again.discard(model)
                 self._try(model)
 
         def alone(failure: Failure) -> None:
             self._trying.discard(model)
-            got.release()
+            self._release(got)
             failure.trap(Unshared)
 
         self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)
@@ -386,14 +353,7 @@ class FleetQueue(Generic[Placed]):
         if waiting.done:
             return
         self._end(waiting, TIMED_OUT)
-        waiting.deferred.errback(
-            ProxyError(
-                ErrorCode.QUEUE_TIMEOUT,
-                f"no slot came free within the proxy's queue timeout ({self.timeout:g} s): "
-                "try again later",
-                retry_after=self.retry_after(),
-            )
-        )
+        waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
 
     def _left(self, waiting: FleetWaiting[Placed]) -> None:
         """Its client left: out of the queue, nothing sent for it (slots Redis gives it
@@ -405,24 +365,3 @@ class FleetQueue(Generic[Placed]):
             self._end(waiting, LEFT)
         elif not waiting.done:
             self.told(LEFT, self.clock.seconds() - waiting.arrived, waiting.ticket)
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-def _shed(ticket: Ticket, retry_after: float) -> ProxyError:
-    return ProxyError(
-        ErrorCode.SHED,
-        "the fleet is full and this tenant's requests are sheddable (priority "
-        f"{ticket.priority}): try again later",
-        retry_after=retry_after,
-    )
-
-
-def _full(size: int, retry_after: float) -> ProxyError:
-    return ProxyError(
-        ErrorCode.QUEUE_FULL,
-        f"the proxy's queue is full ({size} requests wait for a slot): try again later",
-        retry_after=retry_after,
-    )

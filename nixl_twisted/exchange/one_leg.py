@@ -21,11 +21,12 @@ from twisted.web.server import Request
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
-from nixl_twisted.exchange.legs import DecodeRequest, Legs
+from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt
+from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.relay import abandon, break_off, relay_body, start_response
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Elsewhere, reason_of, send_leg
 from nixl_twisted.observe.access import record_of
-from nixl_twisted.observe.spans import LegTrace, RequestTrace
+from nixl_twisted.observe.spans import AttemptTrace, RequestTrace
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Relayed
 from nixl_twisted.protocol.errors import ProxyError
@@ -59,7 +60,7 @@ class HolderFirst:
         self.left = len(self.order) - len(tried) - 1
         return instance, "holder" if instance.url == self.holder else "asked"
 
-    def answered(self, served: tuple[IResponse, LegTrace]) -> str:
+    def answered(self, served: tuple[IResponse, AttemptTrace]) -> str:
         return f"answered_{served[0].code}"
 
     def failed(self, instance: Instance) -> None:
@@ -73,14 +74,14 @@ async def relay(legs: Legs, request: Request, relayed: Relayed, trace: RequestTr
     model = relayed.served
     routing = NO_ROUTING if model is None else Routing(model=model)
     retries = legs.config.retries.decode
-    lease, (response, leg) = await send_leg(
+    lease, (response, span) = await send_leg(
         pool,
         legs.metrics,
         attempt,
         ByPolicy(pool, legs.metrics, routing, retries),
         Asked(trace, record_of(request)),
     )
-    await _relay(legs, request, relayed.path, lease, response, leg)
+    await _relay(legs, request, relayed.path, lease, response, span)
 
 
 async def follow_up(
@@ -94,22 +95,22 @@ async def follow_up(
     attempt = _attempt(legs, request, relayed)
     asking = HolderFirst(legs.backends.decode, holder)
 
-    async def ask(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
-        response, leg = await attempt(instance, leg)
+    async def ask(instance: Instance, span: AttemptTrace) -> tuple[IResponse, AttemptTrace]:
+        response, span = await attempt(instance, span)
         if response.code == 404 and asking.left > 0:
             abandon(response)
             raise Elsewhere("answered_404")
-        return response, leg
+        return response, span
 
-    lease, (response, leg) = await send_leg(
+    lease, (response, span) = await send_leg(
         legs.backends.decode, legs.metrics, ask, asking, Asked(trace, record_of(request))
     )
-    await _relay(legs, request, relayed.path, lease, response, leg)
+    await _relay(legs, request, relayed.path, lease, response, span)
 
 
 def _attempt(
     legs: Legs, request: Request, relayed: Relayed
-) -> Callable[[Instance, LegTrace], Awaitable[tuple[IResponse, LegTrace]]]:
+) -> Callable[[Instance, AttemptTrace], Awaitable[tuple[IResponse, AttemptTrace]]]:
     """One attempt at the leg: decode's response, and the span it goes on in."""
     config = legs.config
     record = record_of(request)
@@ -122,14 +123,14 @@ def _attempt(
     )
     sent = DecodeRequest(relayed.path, relayed.body, headers, config.timeouts.decode)
 
-    async def attempt(instance: Instance, leg: LegTrace) -> tuple[IResponse, LegTrace]:
-        return await legs.decode_attempt(instance, leg, sent, record), leg
+    async def attempt(instance: Instance, span: AttemptTrace) -> tuple[IResponse, AttemptTrace]:
+        return await decode_attempt(legs, instance, span, sent, record), span
 
     return attempt
 
 
 async def _relay(
-    legs: Legs, request: Request, path: str, lease: Lease, response: IResponse, leg: LegTrace
+    legs: Legs, request: Request, path: str, lease: Lease, response: IResponse, span: AttemptTrace
 ) -> None:
     record = record_of(request)
     record.decode_status = response.code
@@ -137,7 +138,7 @@ async def _relay(
         start_response(request, response)
         await relay_body(request, response, legs.clock, legs.config.timeouts.stream_idle)
     except CancelledError:
-        leg.fail("client left during relay", "relay")
+        span.fail("client left during relay", "relay")
         raise
     except Exception as error:
         log.error(
@@ -146,7 +147,7 @@ async def _relay(
             url=lease.instance.url,
             reason=reason_of(error),
         )
-        leg.fail(f"broke off: {reason_of(error)}", "relay")
+        span.fail(f"broke off: {reason_of(error)}", "relay")
         record.ended, record.error = "broken", "decode closed its answer early"
         await break_off(request, record.error, ErrorCode.DECODE_BROKEN)
     finally:

@@ -1,25 +1,40 @@
-"""Where a capped completion's legs go: both slots taken at once, or the pool found full.
+"""Where a completion's legs go, and whether it takes a prefill leg: decided here, once.
 
-``place`` is what the fair queue (``slots``) calls for a waiting completion,
-each time room may have come free: it chooses the decode instance (by the
-pool's policy, among those under their caps), decides whether a prefill leg
-pays (``decide``: the rules may ask what that decode instance holds), and
-then chooses the prefill instance, all or nothing. A pool with no room is
-seen before its policy is asked, so that a request tried and put back
-leaves no trace in the policies' memory or their counters.
+The decode instance is chosen and held first, by the pool's policy; the
+decide rules then say whether a prefill leg pays (``decide``: they may ask
+what that decode instance holds). With no cap anywhere that is all
+(``place_now``): the prefill instance is chosen when its leg is sent. With
+caps, ``place`` is what the fair queue (``slots``) calls for a waiting
+completion each time room may have come free: both slots are taken at
+once, the prefill instance too, all or nothing. A pool with no room is seen
+before its policy is asked (``BackendPool.room_for``), so that a request
+tried and put back leaves no trace in the policies' memory or their counters.
 """
 
 from __future__ import annotations
 
-from nixl_twisted.backends.pools import BackendPool, NoRoom
+from nixl_twisted.backends.pools import Lease, NoRoom
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.config import Disaggregation
-from nixl_twisted.exchange.decide import FALLBACK, Mode, decide
+from nixl_twisted.exchange.decide import FALLBACK, Decision, Mode, decide
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.sending import reserve
 from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
+
+
+def place_now(
+    legs: Legs, rules: Disaggregation, completion: Completion, routing: Routing
+) -> Placed:
+    """No instance has a cap: the decode instance the policy chooses now, held, and whether
+    prefill pays (a ``ProxyError``, 503, when no decode instance serves)."""
+    decode = reserve(legs.backends.decode, legs.metrics, routing)
+    try:
+        return Placed(decode, _decided(legs, rules, completion, routing, decode))
+    except BaseException:
+        decode.release()
+        raise
 
 
 def place(
@@ -28,18 +43,18 @@ def place(
     """Both legs' slots held (``Placed``), or the pool with no room (``"decode"``,
     ``"prefill"``); a ``ProxyError`` when a pool has no instance at all (503)."""
     backends, metrics, model = legs.backends, legs.metrics, routing.model
-    if not _room(backends.decode, model):
+    if not backends.decode.room_for(model):
         return "decode"
-    if rules.always and not _room(backends.prefill, model):
+    if rules.always and not backends.prefill.room_for(model):
         return "prefill"  # (two legs, whatever the decode instance: seen first)
     try:
         decode = reserve(backends.decode, metrics, routing, room=True)
     except NoRoom:  # (in panic: every instance down, those with room taken)
         return "decode"
-    decision = decide(rules, completion, decode.instance, backends.prefill, legs.kv, routing.tokens)
+    decision = _decided(legs, rules, completion, routing, decode)
     if decision.mode is not Mode.PD:
         return Placed(decode, decision)
-    if not _room(backends.prefill, model):
+    if not backends.prefill.room_for(model):
         decode.release()
         return "prefill"
     try:
@@ -55,15 +70,9 @@ def place(
     return Placed(decode, decision, prefill)
 
 
-def _room(pool: BackendPool, model: str | None) -> bool:
-    """Whether some instance of ``pool`` that serves ``model`` takes a leg now.
-
-    One with no room stands for every one it would be: the policy decides
-    among those with room, and an instance down or draining is the policy's
-    to pass over (a pool with none usable answers 503 there, not here).
-    """
-    for instance in pool.instances:
-        serves = model is None or instance.serves(model)
-        if serves and pool.has_room(instance) and pool.available(instance):
-            return True
-    return not any(pool.available(i) for i in pool.instances)
+def _decided(
+    legs: Legs, rules: Disaggregation, completion: Completion, routing: Routing, decode: Lease
+) -> Decision:
+    """Two legs or decode alone, on the decode instance held (the one place it is asked)."""
+    prefill = legs.backends.prefill
+    return decide(rules, completion, decode.instance, prefill, legs.kv, routing.tokens)

@@ -1,6 +1,6 @@
 """The prefill leg: one attempt, and what prefill's answer means.
 
-The decode leg's attempt is ``Legs.decode_attempt``; this is prefill's,
+The decode leg's attempt is ``decode.decode_attempt``; this is prefill's,
 whose answer is read whole (it is one token and its ``kv_transfer_params``)
 and judged by its status alone (``classify_prefill``).
 """
@@ -27,7 +27,7 @@ from nixl_twisted.exchange.sending import (
     unreachable,
 )
 from nixl_twisted.observe.metrics import ProxyMetrics
-from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -69,7 +69,7 @@ def classify_prefill(status: int) -> PrefillVerdict:
 async def prefill_attempt(
     legs: Legs,
     instance: Instance,
-    leg: LegTrace,
+    span: AttemptTrace,
     target: str,
     lowered: bytes,
     headers: Headers,
@@ -82,14 +82,14 @@ async def prefill_attempt(
     """
     url = instance.base + target
     try:
-        response = await legs.backends.upstream.post(url, lowered, leg.headers(url, headers))
+        response = await legs.backends.upstream.post(url, lowered, span.headers(url, headers))
     except (CancelledError, TimeoutError):
         raise
     except Exception as error:
         raise unreachable(instance, error) from None
     status = response.code
     answered(status)
-    leg.answered(status)
+    span.answered(status)
     try:
         answer = await read_body(response)
     except (CancelledError, TimeoutError):

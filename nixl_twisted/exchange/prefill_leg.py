@@ -1,129 +1,98 @@
-"""The exchange's prefill leg: decided, sent with its retries, its ``kv_transfer_params`` handed on.
+"""A completion's prefill leg: sent with its retries, its ``kv_transfer_params`` handed back.
 
 One attempt at one instance is ``prefill.prefill_attempt``; this is the leg
-around it: whether prefill pays at all (``decide``), the fallback to decode
-alone when no prefill instance serves, the prompt's token ids asked for and
-checked, and the decode body the handoff yields.
+around it: the instance chosen (or the one placing held), the prompt's
+token ids asked for and checked, the attempt timed and accounted for, and
+the params the handoff yields, which the exchange (``two_legs``) makes the
+decode body of.
 """
 
 from __future__ import annotations
 
-from twisted.internet.defer import CancelledError, TimeoutError, ensureDeferred
+from twisted.internet.defer import TimeoutError, ensureDeferred
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
-from nixl_twisted.exchange.decide import ALWAYS, FALLBACK, Decision, Mode, decide
-from nixl_twisted.exchange.legs import DecodeRequest
-from nixl_twisted.exchange.phased import PhasedExchange
+from nixl_twisted.backends.routing import Routing
+from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.prefill import handed_over, prefill_attempt
-from nixl_twisted.exchange.sending import (
-    Asked,
-    ByPolicy,
-    NoInstanceServed,
-    account,
-    send_leg,
-    timed_out,
-)
-from nixl_twisted.exchange.slots import Placed
-from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.exchange.sending import Asked, ByPolicy, account, send_leg, timed_out
+from nixl_twisted.exchange.served import Served
+from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol import lowering, token_ids
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.handoff import read_prefill_answer
 from nixl_twisted.protocol.headers import for_rank
 from nixl_twisted.protocol.phases import Phase
 
 
-class PrefillLeg(PhasedExchange):
-    """What a completion does up to its handoff: decide, prefill, the decode body."""
+class PrefillLeg:
+    """Prefill for one completion, on the instance its pool's policy chooses (and retries)."""
 
-    async def _before_decode(self, placed: Placed) -> DecodeRequest:
-        """Decide, run the prefill leg if it pays, and say what the decode leg sends."""
-        decision = ALWAYS
-        params: lowering.JSONObject = {}
-        try:
-            decision = placed.decision or decide(
-                self.rules,
-                self.completion,
-                placed.decode.instance,
-                self.backends.prefill,
-                self.legs.kv,
-                self.routing.tokens,
-            )
-            if decision.mode is Mode.PD:
-                try:
-                    params = await self._prefill_leg(placed.prefill)
-                except NoInstanceServed:
-                    if self.rules.fallback != "decode":
-                        raise
-                    decision = FALLBACK
-        finally:
-            self._decided(decision)
-        if decision.mode is Mode.PD:
-            self._enter(Phase.HANDOFF)
-            body = self.completion.decode_bytes(params)
-        else:
-            if self.client_gone:  # (left while prefill's last error was being read)
-                raise CancelledError()
-            self._enter(Phase.DECODE)
-            body = self.completion.decode_only_bytes()
-        return DecodeRequest(self.target, body, self.headers, self.timeouts.decode, True)
+    def __init__(
+        self, legs: Legs, completion: Completion, routing: Routing, served: Served
+    ) -> None:
+        self.legs = legs
+        self.completion = completion
+        self.routing = routing
+        self.served = served
+        #: Prefill is asked for the prompt's token ids, handed to decode (``token_ids``).
+        self.asks_token_ids = served.config.token_ids_to_decode and completion.hands_token_ids
 
-    def _prefill_wanted(self) -> bool:
-        """Nobody to answer and no blocks held yet: no more prefill attempts."""
-        return not self.client_gone
-
-    def _decided(self, decision: Decision) -> None:
-        self.decision = decision
-        mode, reason = decision.mode.value, decision.reason.value
-        self.record.mode, self.record.decided_by = mode, reason
-        self.metrics.child(self.metrics.disaggregation_decisions, mode, reason).inc()
-
-    async def _prefill_leg(self, reserved: Lease | None) -> lowering.JSONObject:
+    async def send(self, reserved: Lease | None) -> lowering.JSONObject:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered);
-        ``reserved``: the instance the fair queue placed it on (None: chosen now)."""
+        ``reserved``: the instance placing held for it (None: chosen now)."""
+        legs, served, routing = self.legs, self.served, self.routing
         lowered = self.completion.prefill_bytes(self.asks_token_ids)
-        pool = self.backends.prefill
+        pool = legs.backends.prefill
+        retries = served.config.retries.prefill
         prefill, params = await send_leg(
             pool,
-            self.metrics,
-            lambda instance, leg: self._prefill(instance, leg, lowered),
-            ByPolicy(pool, self.metrics, self.routing, self.retries.prefill, self._capped),
-            Asked(self.trace, self.record, self._prefill_wanted),
+            legs.metrics,
+            lambda instance, span: self._attempt(instance, span, lowered),
+            ByPolicy(pool, legs.metrics, routing, retries, served.room),
+            Asked(served.trace, served.record, self._wanted),
             reserved,
         )
-        self.record.prefill_route = prefill.decision
-        self.record.prefill_matched_tokens = self.routing.matched.get("prefill")
-        self._params_at = self.clock.seconds()
+        served.record.prefill_route = prefill.decision
+        served.record.prefill_matched_tokens = routing.matched.get("prefill")
         prefill.release()
         return params
 
-    async def _prefill(
-        self, instance: Instance, leg: LegTrace, lowered: bytes
+    def _wanted(self) -> bool:
+        """Nobody to answer and no blocks held yet: no more prefill attempts."""
+        return not self.served.phases.client_gone
+
+    async def _attempt(
+        self, instance: Instance, span: AttemptTrace, lowered: bytes
     ) -> lowering.JSONObject:
-        self.record.prefill = instance.url
-        self._leg = leg
-        self._enter(Phase.PREFILL)
-        started = self.clock.seconds()
-        headers = for_rank(self.headers, instance.rank)
+        legs, served = self.legs, self.served
+        phases, record, clock = served.phases, served.record, legs.clock
+        timeout = served.config.timeouts.prefill
+        record.prefill = instance.url
+        phases.attempting(span)
+        phases.enter(Phase.PREFILL)
+        started = clock.seconds()
+        headers = for_rank(served.headers, instance.rank)
         answering = ensureDeferred(
-            prefill_attempt(
-                self.legs, instance, leg, self.target, lowered, headers, self._prefill_answered
-            )
+            prefill_attempt(legs, instance, span, served.target, lowered, headers, self._answered)
         )
         try:
-            answer = await self._track(answering.addTimeout(self.timeouts.prefill, self.clock))
+            answer = await phases.track(answering.addTimeout(timeout, clock))
         except TimeoutError:
-            account(self.metrics, self.backends.prefill, instance, "timeout", "prefill timed out")
-            raise timed_out(instance, self.timeouts.prefill) from None
+            account(legs.metrics, legs.backends.prefill, instance, "timeout", "prefill timed out")
+            raise timed_out(instance, timeout) from None
         parsed = read_prefill_answer(answer, instance.url)
-        params = handed_over(self.metrics, instance, parsed, self.request_id)
-        account(self.metrics, self.backends.prefill, instance, "answered")
-        self.record.prefill_seconds = self.clock.seconds() - started
-        self.metrics.child(self.metrics.prefill_seconds, instance.url).observe(
-            self.record.prefill_seconds
+        request_id = self.completion.request_id
+        params = handed_over(legs.metrics, instance, parsed, request_id)
+        account(legs.metrics, legs.backends.prefill, instance, "answered")
+        record.prefill_seconds = clock.seconds() - started
+        legs.metrics.child(legs.metrics.prefill_seconds, instance.url).observe(
+            record.prefill_seconds
         )
         return token_ids.handed(params, parsed) if self.asks_token_ids else params
 
-    def _prefill_answered(self, status: int) -> None:
+    def _answered(self, status: int) -> None:
         # Prefill has answered: from here a disconnect must not stop decode.
-        self._enter(Phase.HANDOFF)
-        self.record.prefill_status = status
+        self.served.phases.enter(Phase.HANDOFF)
+        self.served.record.prefill_status = status

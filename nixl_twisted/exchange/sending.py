@@ -25,7 +25,7 @@ from nixl_twisted.backends.pools import BackendPool, Lease, NoHealthyInstance, N
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
-from nixl_twisted.observe.spans import NO_LEG, NO_TRACE, LegTrace, RequestTrace
+from nixl_twisted.observe.spans import NO_ATTEMPT, NO_TRACE, AttemptTrace, RequestTrace
 from nixl_twisted.protocol import codes
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -134,12 +134,12 @@ class NoInstanceServed(ProxyError):
         super().__init__(error.code, error.message, error.retry_after, status, error.detail)
 
 
-def traced(lease: Lease, trace: RequestTrace, attempt: int) -> LegTrace:
+def traced(lease: Lease, trace: RequestTrace, attempt: int) -> AttemptTrace:
     """The span of one attempt on ``lease``'s instance (if traced), ending with the lease."""
-    leg = trace.leg(lease.instance, lease.decision, lease.pool.policy_name, attempt)
-    if leg is not NO_LEG:
-        lease.on_release = leg.end
-    return leg
+    span = trace.attempt(lease.instance, lease.decision, lease.pool.policies.default.name, attempt)
+    if span is not NO_ATTEMPT:
+        lease.on_release = span.end
+    return span
 
 
 def reserve(
@@ -203,8 +203,8 @@ class ByPolicy:
         instance, decision = pool.choose(exclude=tried, routing=routing, room=self.room)
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
-        policy_name, _ = pool.policy_for(routing.model)
-        metrics.child(metrics.routing_decisions, pool.role, policy_name, decision).inc()
+        policy = pool.policy_for(routing.model).name
+        metrics.child(metrics.routing_decisions, pool.role, policy, decision).inc()
         matched = routing.matched.get(pool.role)
         if matched is not None:
             metrics.child(metrics.kv_matched_tokens, pool.role).observe(matched)
@@ -237,7 +237,7 @@ NO_ASKED = Asked()
 async def send_leg(
     pool: BackendPool,
     metrics: ProxyMetrics,
-    attempt: Callable[[Instance, LegTrace], Awaitable[T]],
+    attempt: Callable[[Instance, AttemptTrace], Awaitable[T]],
     order: Order,
     asked: Asked = NO_ASKED,
     reserved: Lease | None = None,
@@ -275,12 +275,12 @@ async def send_leg(
                 lease = pool.lease(chosen, decision)
             instance = lease.instance
             tried.append(instance)
-            leg = traced(lease, asked.trace, number)
+            span = traced(lease, asked.trace, number)
             try:
-                served = await attempt(instance, leg)
+                served = await attempt(instance, span)
             except Retry as retry:
                 said = retry.down or "full (503)"
-                leg.fail(f"{said}; another instance is tried" if number <= retries else said)
+                span.fail(f"{said}; another instance is tried" if number <= retries else said)
                 lease.release()
                 order.failed(instance)
                 if retry.down is None:
@@ -294,7 +294,7 @@ async def send_leg(
                 lease.release()
                 noted(pool.role, instance.url, elsewhere.outcome, number > 1)
             except BaseException as error:
-                leg.fail(reason_of(error))
+                span.fail(reason_of(error))
                 lease.release()
                 order.failed(instance)
                 noted(pool.role, instance.url, outcome_of(error), number > 1)

@@ -61,12 +61,12 @@ def wanted(
 ) -> BackendPool | None:
     """The pool to render a prompt with, when anything in use needs its token ids.
 
-    A pool's whose policy for ``model`` is ``kv-aware``, or, for the
+    A pool's whose policy for ``model`` reads them, or, for the
     cached-on-decode rule while some instance's events are read (``listening``),
     the decode pool's; None: nothing looks.
     """
     for pool in backends.pools():
-        if pool.policy_for(model)[0] == "kv-aware":
+        if pool.policy_for(model).needs.token_ids:
             return pool
     return backends.decode if rules.uncached and listening else None
 

@@ -1,92 +1,187 @@
-"""One completion as two legs: its slots placed, the prefill leg, the decode leg, the relay.
+"""One completion as two legs: the prompt rendered if asked, its slots placed and decided,
+the prefill leg, the decode leg and its relay.
 
-The phase machine (``RULES``: what a client disconnect does in each phase)
-is ``phased``; each leg is its own module (``prefill_leg``, ``decode_leg``);
-this is their order, and the placing that comes before both.
+The exchange composes them and holds the order: each leg is an object of
+its own (``prefill_leg.PrefillLeg``, ``decode_leg.DecodeLeg``) that takes
+what it needs and returns what it yields; the phase machine (``RULES``:
+what a client disconnect does in each phase) is ``phased.Phases``, which
+both are handed.
 """
 
 from __future__ import annotations
 
-from twisted.internet.defer import Deferred, ensureDeferred
-from twisted.logger import Logger
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 
-from nixl_twisted.exchange.decode_leg import DecodeLeg
+from nixl_twisted.backends.prompt_keys import routing_for
+from nixl_twisted.backends.routing import Routing
+from nixl_twisted.exchange.decide import FALLBACK, Decision, Mode
+from nixl_twisted.exchange.decode import DecodeRequest
+from nixl_twisted.exchange.decode_leg import DecodeLeg, Watch
 from nixl_twisted.exchange.fair_queue import Ticket
-from nixl_twisted.exchange.placing import place
+from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
+from nixl_twisted.exchange.legs import Legs
+from nixl_twisted.exchange.phased import Phases
+from nixl_twisted.exchange.placing import place, place_now
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
-from nixl_twisted.exchange.relay import abandon
-from nixl_twisted.exchange.sending import Asked, ByPolicy, reserve, send_leg
+from nixl_twisted.exchange.request import ExchangeRequest, query_of
+from nixl_twisted.exchange.sending import NoInstanceServed
+from nixl_twisted.exchange.served import Served
 from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.exchange.tokens import wanted
+from nixl_twisted.observe.access import record_of
+from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
+from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.headers import backend_request_headers
 from nixl_twisted.protocol.phases import Phase
 
-log = Logger()
 
+class Exchange:
+    """Serves one completion: its legs in order, its phases, its shutdown."""
 
-class Exchange(PrefillLeg, DecodeLeg):
-    """Serves one completion: the prefill leg, the decode leg, the relay."""
+    def __init__(
+        self,
+        legs: Legs,
+        request: ExchangeRequest,
+        completion: Completion,
+        trace: RequestTrace = NO_TRACE,
+        watch: Watch | None = None,
+    ) -> None:
+        """Made by ``Serving``: ``legs`` the proxy's, with the configuration now in effect.
 
-    async def _legs(self) -> None:
-        renders = wanted(self.backends, self.rules, self.routing.model, bool(self.legs.kv.streams))
-        if renders is not None:  # (kv-aware, or the cached rule: the prompt's token ids)
-            renderer, timeout = self.legs.renderer, self.render_timeout
-            rendering = renderer.routed(
-                renders, self.routing, self.completion, self.headers, timeout
-            )
-            self.routing = await self._track(ensureDeferred(rendering))
-        placed = await self._placed()
+        Only instances serving ``completion.served`` take its legs, by that
+        model's own policies and rules. ``watch``: given the decode instance,
+        what watches its answer pass (the Responses API's ids).
+        """
+        self.legs = legs
+        self.config = config = legs.config
+        self.request = request
+        self.completion = completion
+        self.trace = trace
+        self.watch = watch
+        request_id = completion.request_id
+        self.record = record = record_of(request)
+        record.request_id = request_id  # (a batch's part has no other place to get it)
+        self.phases = Phases(request, record, legs.metrics, request_id)
+        self.headers = backend_request_headers(
+            request.requestHeaders, request_id, config.backend_api_key, keyed=config.keyed
+        )
+        model = completion.served
+        session = request.getHeader(b"x-session-id")
+        needs = legs.backends.needs(model)
+        self.routing = routing_for(needs, config.policies.key_bytes, session, completion)
+        #: When a prefill leg is skipped (``nixl_twisted.exchange.decide``), as in effect now.
+        self.rules = config.rules_for(model)
+
+    @property
+    def phase(self) -> Phase:
+        return self.phases.phase
+
+    def start(self) -> Deferred[None]:
+        """Run the exchange; the Deferred is the one Klein cancels on disconnect."""
+        return self.phases.start(self._run)
+
+    def reached(self, phase: Phase | str) -> Deferred[None]:
+        """Fires once the exchange has entered ``phase`` (for tests and operators)."""
+        return self.phases.reached(phase)
+
+    def shut_down(self) -> None:
+        """Cut this request, saying so: a 503 if nothing was sent, else an error event."""
+        self.phases.shut_down()
+
+    async def _run(self) -> None:
+        interval = self.config.timeouts.sse_keepalive
+        keepalive = keep_alive(self.request, self.legs.clock, interval, self.completion.stream)
         try:
-            completed = await self._before_decode(placed)
+            await self._legs(keepalive)
+        except CancelledError:
+            if not self.phases.shutting_down:
+                raise
+            await self.phases.cut_short()
+        finally:
+            if keepalive is not None:
+                keepalive.stop()
+
+    async def _legs(self, keepalive: KeepAlive | None) -> None:
+        routing = await self._rendered()
+        served, placed = await self._placed(routing)
+        try:
+            decision, handed_at, body = await self._handoff(routing, served, placed)
         except BaseException:
             placed.release()  # (until send_leg takes them over, the leases are ours to give back)
             raise
-        reserved = placed.decode
-        pool = self.backends.decode
-        decode, response = await send_leg(
-            pool,
-            self.metrics,
-            lambda instance, leg: self._decode(instance, leg, completed),
-            ByPolicy(pool, self.metrics, self.routing, self.retries.decode, self._capped),
-            Asked(self.trace, self.record, self._decode_wanted),
-            reserved,
-        )
-        self.record.decode_route = decode.decision
-        self.record.decode_matched_tokens = self.routing.matched.get("decode")
-        try:
-            if self.client_gone:
-                self._leg.fail(f"{self.client_gone}: decode's answer abandoned", self.phase.value)
-                abandon(response)
-                log.info(
-                    "decode for {request_id} abandoned, unread: {why}",
-                    request_id=self.request_id,
-                    why=self.client_gone,
-                )
-                return
-            self._enter(Phase.RELAY)
-            await self._relay(response, decode)
-        finally:
-            decode.release()
+        sent = DecodeRequest(served.target, body, self.headers, self.config.timeouts.decode, True)
+        decode = DecodeLeg(self.legs, self.completion, routing, served, keepalive, self.watch)
+        await decode.send(sent, placed.decode, decision, handed_at)
 
-    async def _placed(self) -> Placed:
-        """The decode instance held (and, with caps, the prefill instance too): at once, or
-        once the fair queue lets this request go (``Phase.QUEUED``)."""
-        slots, backends = self.legs.slots, self.backends
-        self._capped = slots is not None and (backends.decode.capped or backends.prefill.capped)
-        if slots is None or not self._capped:
+    async def _rendered(self) -> Routing:
+        """The routing, with the prompt's token ids when a policy or the cached rule reads them
+        (rendered by vLLM: ``tokens``)."""
+        legs, routing = self.legs, self.routing
+        renders = wanted(legs.backends, self.rules, routing.model, bool(legs.kv.streams))
+        if renders is None:
+            return routing
+        timeout = self.config.kv_events.render_timeout
+        rendering = legs.renderer.routed(renders, routing, self.completion, self.headers, timeout)
+        return await self.phases.track(ensureDeferred(rendering))
+
+    async def _placed(self, routing: Routing) -> tuple[Served, Placed]:
+        """The decode instance held (and, with caps, the prefill instance too), and whether
+        prefill pays: at once, or once the fair queue lets it go (``Phase.QUEUED``)."""
+        legs, phases = self.legs, self.phases
+        slots, backends = legs.slots, legs.backends
+        room = slots is not None and (backends.decode.capped or backends.prefill.capped)
+        target = self.completion.path + query_of(self.request)
+        served = Served(
+            self.request, target, self.headers, self.config, self.trace, self.record, phases, room
+        )
+        if slots is None or not room:
             # Decode first: the rules may ask what its instance holds, and a
             # request with no decode instance to go to is refused before prefill runs.
-            return Placed(reserve(self.backends.decode, self.metrics, self.routing))
-        self._enter(Phase.QUEUED)
+            return served, place_now(legs, self.rules, self.completion, routing)
+        phases.enter(Phase.QUEUED)
         c = self.completion
-        taken = slots.take(Ticket(c.tenant, c.weight, c.priority, c.served), self._place)
+        ticket = Ticket.of(c)
+        taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing))
         if isinstance(taken, Deferred):
-            since = self.clock.seconds()
+            clock = legs.clock
+            since = clock.seconds()
             try:
-                taken = await self._track(taken)
+                taken = await phases.track(taken)
             finally:
-                self.record.queued_seconds = self.clock.seconds() - since
-        self._enter(Phase.PREFILL)
-        return taken
+                self.record.queued_seconds = clock.seconds() - since
+        phases.enter(Phase.PREFILL)
+        return served, taken
 
-    def _place(self) -> Placed | str:
-        return place(self.legs, self.rules, self.completion, self.routing)
+    async def _handoff(
+        self, routing: Routing, served: Served, placed: Placed
+    ) -> tuple[Decision, float, bytes]:
+        """The prefill leg if placing decided it pays (decode alone when no prefill instance
+        serves and the fallback is on), and what the decode leg sends after it."""
+        decision = placed.decision
+        assert decision is not None  # (placing decides for every completion)
+        handed_at, params = 0.0, {}
+        try:
+            if decision.mode is Mode.PD:
+                try:
+                    prefill = PrefillLeg(self.legs, self.completion, routing, served)
+                    params = await prefill.send(placed.prefill)
+                    handed_at = self.legs.clock.seconds()
+                except NoInstanceServed:
+                    if self.rules.fallback != "decode":
+                        raise
+                    decision = FALLBACK
+        finally:
+            self._decided(decision)
+        if decision.mode is Mode.PD:
+            self.phases.enter(Phase.HANDOFF)
+            return decision, handed_at, self.completion.decode_bytes(params)
+        if self.phases.client_gone:  # (left while prefill's last error was being read)
+            raise CancelledError()
+        self.phases.enter(Phase.DECODE)
+        return decision, handed_at, self.completion.decode_only_bytes()
+
+    def _decided(self, decision: Decision) -> None:
+        mode, reason = decision.mode.value, decision.reason.value
+        self.record.mode, self.record.decided_by = mode, reason
+        metrics = self.legs.metrics
+        metrics.child(metrics.disaggregation_decisions, mode, reason).inc()

@@ -46,6 +46,9 @@ class SharedSlots:
         self.metrics = metrics
         #: Each capped instance's legs over every replica, as Redis last said (``POOL|URL``).
         self.view: dict[str, int] = {}
+        #: The version of the slots ``view`` is as of (each change in Redis counts one):
+        #: an answer that left Redis before a message this replica already heard is older.
+        self.version = 0
         #: The leases this replica holds in Redis: lease id -> ``POOL|URL``.
         self.leases: dict[str, str] = {}
         self._ids = (f"{n:x}" for n in itertools.count(1))
@@ -57,22 +60,28 @@ class SharedSlots:
     def held(self) -> tuple[list[str], list[str]]:
         return [f"{where}|{lease}" for lease, where in self.leases.items()], []
 
-    def shared(self, view: dict[str, int]) -> None:
-        self.view = view
-        self.apply()
+    def shared(self, view: dict[str, int], version: int) -> None:
+        self.seen(view, version)
 
     def alone(self) -> None:
         self.apply()
 
     def restored(self) -> None:
-        """(Its leases were written back as they are.)"""
+        """Its leases were written back as they are, to a Redis that may have forgotten
+        everything (restarted): its versions may start again from nothing."""
+        self.version = -1
 
-    def seen(self, view: dict[str, int]) -> None:
-        """A script's answer: the fleet's view now."""
-        self.view = view
+    def seen(self, view: dict[str, int], version: int) -> None:
+        """A script's answer: the fleet's view as of ``version`` (an older one is left)."""
+        if version < self.version:
+            return
+        self.view, self.version = view, version
         self.apply()
 
-    def _changed(self, changed: dict[str, int]) -> None:
+    def _changed(self, changed: dict[str, int], version: int | None) -> None:
+        if version is None or version <= self.version:
+            return  # (a nudge, or older than what this replica knows)
+        self.version = version
         for where, legs in changed.items():
             if legs > 0:
                 self.view[where] = legs
@@ -104,6 +113,7 @@ class SharedSlots:
                     slots = max(1, cap // self.replicas.count)
                 roomier = roomier or slots > (instance.slots or 0)
                 instance.slots = slots
+                instance.cap_share = cap / self.replicas.count
             if roomier:
                 pool.notify_freed()
         for pool_role, legs in fleet.items():

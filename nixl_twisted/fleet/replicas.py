@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from twisted.application.service import Service
 from twisted.internet import defer
@@ -38,6 +37,7 @@ from twisted.python.failure import Failure
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
 from nixl_twisted.fleet.link import RETRY, RedisLink
+from nixl_twisted.fleet.replies import freed, info_of, prefix_of, shown, text, view_of, why
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
@@ -59,8 +59,9 @@ class Holder(Protocol):
     def held(self) -> tuple[list[str], list[str]]:
         """Its lease entries (``POOL|URL|LEASE``) and tenants' entries (``TENANT|ID``)."""
 
-    def shared(self, view: dict[str, int]) -> None:
-        """Redis answers: this is the fleet's view of the slots (``POOL|URL`` -> legs)."""
+    def shared(self, view: dict[str, int], version: int) -> None:
+        """Redis answers: this is the fleet's view of the slots (``POOL|URL`` -> legs), as
+        of ``version`` (each change of the slots counts one)."""
 
     def alone(self) -> None:
         """Redis does not answer: each part goes on without it."""
@@ -72,12 +73,6 @@ class Holder(Protocol):
 
 class Unshared(Exception):
     """Redis is not answering now: the caller goes on alone, at once."""
-
-
-def prefix_of(url: str) -> str:
-    """Every key's prefix: one hash tag per Redis database, so one shard holds them all."""
-    database = urlsplit(url).path.strip("/") or "0"
-    return f"nixlproxy:{{fleet-{database}}}:"
 
 
 class Replicas(Service):
@@ -117,10 +112,11 @@ class Replicas(Service):
         #: The live replicas, by id: what each says of itself.
         self.seen: dict[str, dict[str, Any]] = {}
         self._holders: list[Holder] = []
-        self._freed: list[Callable[[dict[str, int]], object]] = []
+        self._freed: list[Callable[[dict[str, int], int | None], object]] = []
         self._beat: LoopingCall | None = None
         self._away_said = False
         self._ready = Happened()
+        self._said_shared = False
         #: Seconds each heartbeat lasts (``TTL``).
         self.ttl = TTL
 
@@ -130,9 +126,9 @@ class Replicas(Service):
         """``holder`` keeps state in Redis: written back at each return, told each change."""
         self._holders.append(holder)
 
-    def on_freed(self, told: Callable[[dict[str, int]], object]) -> None:
-        """``told(changed)`` on each message of the fleet's: slots that changed (``POOL|URL``
-        -> legs), or none (a request may go now)."""
+    def on_freed(self, told: Callable[[dict[str, int], int | None], object]) -> None:
+        """``told(changed, version)`` on each message of the fleet's: slots that changed
+        (``POOL|URL`` -> legs) as of ``version``, or none (None: a request may go now)."""
         self._freed.append(told)
 
     def ready(self) -> Deferred[None]:
@@ -141,6 +137,18 @@ class Replicas(Service):
         if self.is_shared:
             return succeed(None)
         return self._ready.wait()
+
+    def status(self) -> dict[str, Any]:
+        """What ``/healthcheck`` and the status page say of the fleet's replicas."""
+        return {
+            "redis": shown(self.url),
+            "shared": self.is_shared,
+            "id": self.id,
+            "seen": [
+                {"id": replica, **{k: info.get(k) for k in ("host", "pid", "worker", "started")}}
+                for replica, info in sorted(self.seen.items())
+            ],
+        }
 
     @property
     def count(self) -> int:
@@ -187,7 +195,7 @@ class Replicas(Service):
         def failed(failure: Failure) -> Failure:
             if failure.check(defer.CancelledError) and not failure.check(defer.TimeoutError):
                 return failure
-            self.away(_why(failure, budget, self.link.open))
+            self.away(why(failure, budget, self.link.open))
             return Failure(Unshared(failure.getErrorMessage()))
 
         return sent.addCallbacks(answered, failed)
@@ -201,18 +209,25 @@ class Replicas(Service):
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def beaten(reply: Any) -> Deferred[None] | None:
-            mine, purged, live, view = reply
+            mine, purged, live, view, version, dead = reply
             if purged:
                 self.metrics.leases_expired.inc(int(purged))
-            self.seen = {_text(live[i]): _info(live[i + 1]) for i in range(0, len(live) - 1, 2)}
+            for replica in dead:
+                log.info(
+                    "replicas: replica {replica} stopped beating; what it held is given back "
+                    "({purged} slots in all)",
+                    replica=text(replica),
+                    purged=int(purged),
+                )
+            self.seen = {text(live[i]): info_of(live[i + 1]) for i in range(0, len(live) - 1, 2)}
             self.metrics.seen.set(len(self.seen))
             if mine and self.is_shared:
-                self._shared(_view(view))
+                self._shared(view_of(view), int(version))
                 return None
             return self._restore()
 
         def failed(failure: Failure) -> None:
-            self.away(_why(failure, BEAT_BUDGET, self.link.open))
+            self.away(why(failure, BEAT_BUDGET, self.link.open))
 
         return sent.addCallback(beaten).addErrback(failed)
 
@@ -227,32 +242,36 @@ class Replicas(Service):
         sent = self.link.eval(scripts.RESTORE, [], [self.prefix, self.id, *args])
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
-        def restored(view: Any) -> None:
+        def restored(reply: Any) -> None:
+            view, version = reply
             was = self._away_said
             self.is_shared = True
             self._away_said = False
             self.metrics.fallback.set(0)
             for holder in self._holders:
                 holder.restored()
-            if was:
+            if was or not self._said_shared:
+                self._said_shared = True
                 log.info(
-                    "replicas: Redis {url} answers again; caps, queue and tenants are shared "
-                    "with {count} replicas",
-                    url=_shown(self.url),
+                    "replicas: replica {id} shares caps, queue and tenants with {count} "
+                    "replicas through Redis {url}{again}",
+                    id=self.id,
                     count=self.count,
+                    url=shown(self.url),
+                    again=" (it answers again)" if was else "",
                 )
-            self._shared(_view(view))
+            self._shared(view_of(view), int(version))
             ready, self._ready = self._ready, Happened()
             ready.fire()
 
         def failed(failure: Failure) -> None:
-            self.away(_why(failure, BEAT_BUDGET, self.link.open))
+            self.away(why(failure, BEAT_BUDGET, self.link.open))
 
         return sent.addCallback(restored).addErrback(failed)
 
-    def _shared(self, view: dict[str, int]) -> None:
+    def _shared(self, view: dict[str, int], version: int) -> None:
         for holder in self._holders:
-            holder.shared(view)
+            holder.shared(view, version)
 
     def away(self, what: tuple[str, str]) -> None:
         """Redis did not answer: every part goes on alone until a beat answers again."""
@@ -266,7 +285,7 @@ class Replicas(Service):
             log.warn(
                 "replicas: Redis {url} {what}; this replica holds each cap to its share "
                 "(cap / {count} replicas) and queues alone until it answers again",
-                url=_shown(self.url),
+                url=shown(self.url),
                 what=said,
                 count=self.count,
             )
@@ -278,55 +297,6 @@ class Replicas(Service):
         self.away(("refused", f"refused the connection ({why}; tried again every {RETRY:g} s)"))
 
     def _heard(self, message: str) -> None:
-        changed = {}
-        for line in message.splitlines():
-            field, _, count = line.rpartition("\t")
-            if field:
-                changed[field] = int(count)
+        changed, version = freed(message)
         for told in self._freed:
-            told(changed)
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-def _info(value: object) -> dict[str, Any]:
-    try:
-        said = json.loads(_text(value))
-    except ValueError:
-        return {}
-    return said if isinstance(said, dict) else {}
-
-
-def _view(flat: Sequence[object]) -> dict[str, int]:
-    """HGETALL's flat answer as a map (txredisapi may give a dict already)."""
-    if isinstance(flat, dict):
-        return {_text(k): int(v) for k, v in flat.items()}
-    return {_text(flat[i]): int(_text(flat[i + 1])) for i in range(0, len(flat) - 1, 2)}
-
-
-def view_of(flat: Sequence[object]) -> dict[str, int]:
-    """The slots' view in a script's answer."""
-    return _view(flat)
-
-
-def _why(failure: Failure, budget: float, connected: bool) -> tuple[str, str]:
-    """Why Redis could not say: the reason counted, and what the log says."""
-    message = failure.getErrorMessage()
-    if failure.check(defer.TimeoutError):
-        if connected:
-            return "timeout", f"did not answer within {budget * 1000:g} ms"
-        return "not_connected", "could not be reached"
-    if failure.check("txredisapi.ConnectionError"):
-        return "not_connected", f"could not be reached ({message})"
-    if failure.check("txredisapi.ResponseError"):
-        return "error", f"answered with an error ({message})"
-    return "error", f"failed ({type(failure.value).__name__}: {message})"
-
-
-def _shown(url: str) -> str:
-    """The URL without its password, as the log may show it."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+            told(changed, version)

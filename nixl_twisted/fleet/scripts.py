@@ -38,7 +38,16 @@ end
 local function count(field, by)
   local n = redis.call('HINCRBY', P .. 'slots', field, by)
   if n <= 0 then redis.call('HDEL', P .. 'slots', field) end
+  redis.call('INCR', P .. 'version')
   return math.max(n, 0)
+end
+local function version()
+  return tonumber(redis.call('GET', P .. 'version')) or 0
+end
+local function publish(changed)
+  if #changed > 0 then
+    redis.call('PUBLISH', P .. 'freed', '#' .. version() .. '\\n' .. table.concat(changed, '\\n'))
+  end
 end
 local function unwait(model, prio, member)
   local q = P .. 'q:' .. model .. ':' .. prio
@@ -74,7 +83,7 @@ local function forget(r, keep)
     redis.call('ZREM', P .. 'alive', r)
     redis.call('HDEL', P .. 'info', r)
   end
-  if #changed > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
+  publish(changed)
   return n
 end
 """
@@ -82,16 +91,20 @@ end
 # ARGV: prefix, replica, ttl (ms), what it says of itself (JSON).
 # Forgets every replica whose heartbeat expired (its leases, waits and tenants' requests);
 # returns {1 if this replica was alive still (else what it held is gone: restore it),
-# leases forgotten, {replica, info, ...} of the live ones, the slots' view (HGETALL)}.
+# leases forgotten, {replica, info, ...} of the live ones, the slots' view (HGETALL), its
+# version, the replicas forgotten}.
 HEARTBEAT = (
     _COMMON
     + """
 local now = now_ms()
 local known = redis.call('ZSCORE', P .. 'alive', me)
 local mine = known ~= false and tonumber(known) > now
-local purged = 0
+local purged, dead = 0, {}
 for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', '-inf', now)) do
-  if r ~= me then purged = purged + forget(r, false) end
+  if r ~= me then
+    purged = purged + forget(r, false)
+    dead[#dead + 1] = r
+  end
 end
 if not mine then forget(me, true) end
 redis.call('ZADD', P .. 'alive', now + tonumber(ARGV[3]), me)
@@ -101,7 +114,7 @@ for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', now, '+inf')) do
   live[#live + 1] = r
   live[#live + 1] = redis.call('HGET', P .. 'info', r) or '{}'
 end
-return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots')}
+return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead}
 """
 )
 
@@ -129,8 +142,8 @@ for i = 6 + n, #ARGV do
 end
 redis.call('ZADD', P .. 'alive', now + tonumber(ARGV[3]), me)
 redis.call('HSET', P .. 'info', me, ARGV[4])
-if #changed > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
-return redis.call('HGETALL', P .. 'slots')
+publish(changed)
+return {redis.call('HGETALL', P .. 'slots'), version()}
 """
 )
 
@@ -170,7 +183,7 @@ end
 local function answer(code, said)
   return {code, said, redis.call('HGETALL', P .. 'slots'),
           tonumber(redis.call('GET', P .. 'waiting')) or 0,
-          redis.call('LRANGE', P .. 'grants', 0, -1)}
+          redis.call('LRANGE', P .. 'grants', 0, -1), version()}
 end
 local function room(field, cap)
   if field == '' or tonumber(cap) == 0 then return true end
@@ -209,7 +222,7 @@ if go and blocked == '' then
   end
   redis.call('LPUSH', P .. 'grants', now)
   redis.call('LTRIM', P .. 'grants', 0, 63)
-  if #changed > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
+  publish(changed)
   if member ~= '' and redis.call('EXISTS', P .. 'qp:' .. model) == 1 then
     redis.call('PUBLISH', P .. 'freed', '')
   end
@@ -264,7 +277,7 @@ for i = 3, #ARGV do
     n = n + 1
   end
 end
-if n > 0 then redis.call('PUBLISH', P .. 'freed', table.concat(changed, '\\n')) end
+publish(changed)
 return n
 """
 )

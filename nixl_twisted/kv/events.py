@@ -60,7 +60,7 @@ class KvEvents(Service):
         self,
         reactor: Any,
         clock: IReactorTime,
-        pools: Callable[[], tuple[BackendPool, ...]],
+        pools: Sequence[BackendPool],
         config: ProxyConfig,
         counted: Callable[[str, str, str], object] = lambda role, url, what: None,
         client: Upstream | None = None,
@@ -124,7 +124,7 @@ class KvEvents(Service):
     def _reconcile(self) -> None:
         wanted: dict[tuple[str, str], tuple[Endpoints, Instance]] = {}
         self.asked = {}
-        for pool in self._pools():
+        for pool in self._pools:
             default = self.defaults.get(pool.role, PoolEvents())
             for instance in pool.instances:
                 where = endpoints(instance, default.events_port, default.replay_port)

@@ -24,7 +24,8 @@ class KvStatus(Protocol):
     def status(self, role: str, url: str) -> dict[str, Any] | None: ...
 
 
-#: A request waiting in the proxy's queue: (the pool it found full, its model, its tenant).
+#: A request waiting in the proxy's queue: (the pool it found full, "" when it waits
+#: behind another of its model; its model; its tenant).
 Queued = tuple[str, str, str]
 
 
@@ -43,9 +44,12 @@ class FleetMetrics(Collector):
         queued: Callable[[], Iterable[Queued]] | None = None,
     ) -> None:
         self._pools = list(pools)
+        #: What the pools are, and what waits in the queue (the saturation reads them too).
+        self.pools = self._pools
         self._events = events
         self._sources = sources
         self._queued = queued
+        self.queued = queued
 
     def describe(self) -> Iterator[Metric]:
         """Nothing up front: its families are read from the pools and the queue when
@@ -122,8 +126,9 @@ class FleetMetrics(Collector):
             "the pool they found full.",
             labels=["pool", "model", "tenant"],
         )
-        for key, count in Tally(self._queued() if self._queued is not None else ()).items():
-            queued.add_metric(list(key), float(count))
+        waiting = self._queued() if self._queued is not None else ()
+        for (found, *key), count in Tally(waiting).items():
+            queued.add_metric([found or "decode", *key], float(count))
         errors = CounterMetricFamily(
             "nixlproxy_discovery_errors",
             "Lookups and watches that failed (the last known instances were kept), by source.",

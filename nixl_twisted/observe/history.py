@@ -22,6 +22,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from nixl_twisted.backends.policies import finds_prefixes
 from nixl_twisted.protocol import routes
 
 log = Logger()
@@ -36,7 +37,6 @@ WINDOW = 10
 #: The routing decisions that found the prompt's prefix where they sent it (``routing.md``),
 #: of the policies that look for one.
 HITS = frozenset({"prefix", "kv_match", "kv_predicted"})
-CACHE_POLICIES = frozenset({"cache-aware", "kv-aware"})
 #: The routes whose requests the chart counts: the clients', not the proxy's own.
 _OWN = frozenset(
     {
@@ -156,7 +156,7 @@ def point(newer: Sample, older: Sample, before: Sample) -> dict[str, Any]:
             {
                 k: v
                 for k, v in _grown(newer.routing, before.routing).items()
-                if k[0] in CACHE_POLICIES
+                if finds_prefixes(k[0])
             },
             HITS.__contains__,
         ),

@@ -8,7 +8,7 @@ move; what the fleet holds when Prometheus asks is ``fleet_metrics``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import (
@@ -26,9 +26,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
-from nixl_twisted.observe.fleet_metrics import FleetMetrics, KvStatus, Queued
+from nixl_twisted.observe.fleet_metrics import FleetMetrics
 from nixl_twisted.observe.gc_pauses import GC_BUCKETS
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
+from nixl_twisted.observe.saturation import Saturation, Summed
 from nixl_twisted.protocol import routes
 
 if TYPE_CHECKING:
@@ -66,25 +67,11 @@ class MetricsResource(Resource):
 class ProxyMetrics:
     """Every metric the proxy exports, and the events that move them."""
 
-    def __init__(
-        self,
-        pools: Iterable[BackendPool] = (),
-        shared_dir: str | None = None,
-        events: KvStatus | None = None,
-        sources: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
-        queued: Callable[[], Iterable[Queued]] | None = None,
-    ) -> None:
-        """``shared_dir``: a worker's; its /metrics then sums every worker's files there.
-
-        ``queued``: each request waiting in the proxy's queue, as (pool it found full,
-        model, tenant).
-
-        ``sources``: discovery's failures by pool and kind (``BackendService.discovery_errors``).
-        """
-        self._pools = list(pools)
-        self._events = events
-        self._sources = sources
-        self._queued = queued
+    def __init__(self, pools: Iterable[BackendPool] = (), shared_dir: str | None = None) -> None:
+        """``pools``: what the fleet holds is read from them at each scrape (``read_fleet``
+        adds the rest); ``shared_dir``: a worker's, its /metrics then sums every worker's
+        files there."""
+        self._fleet = FleetMetrics(pools)
         self._shared_dir = shared_dir
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # No ``*_created`` series: one per counter and histogram child, they
@@ -251,7 +238,24 @@ class ProxyMetrics:
         )
         #: ``--replicas-redis``: this replica's part of the fleet.
         self.replicas = ReplicaMetrics(r)
-        r.register(FleetMetrics(self._pools, events, sources, queued))
+        #: Each pool's saturation and its parts, by model (``observe.saturation``); the queue
+        #: it reads is the fleet's (``read_fleet``).
+        self.saturation = Saturation(r, self._fleet.pools)
+        r.register(self._fleet)
+
+    def read_fleet(self, fleet: FleetMetrics) -> None:
+        """What the fleet holds is read from ``fleet`` at each scrape from now on: the root's,
+        made once the KV events, discovery's report and the queue it reads exist (each of
+        which counts into these metrics, so is made after them); the saturation reads the
+        same queue."""
+        self.registry.unregister(self._fleet)
+        self._fleet = fleet
+        self.registry.register(fleet)
+        self.saturation.reads(fleet.queued)
+
+    def kv_event(self, role: str, url: str, kind: str) -> None:
+        """A batch of an instance's KV events, a gap, a bad message (``KvEvents``' count)."""
+        self.child(self.kv_events, role, url, kind).inc()
 
     def child(self, metric: MetricWrapperBase, *labels: str) -> Any:
         """``metric.labels(*labels)``, remembered: the hot path asks for the same few.
@@ -285,11 +289,12 @@ class ProxyMetrics:
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format; a worker's: the whole proxy's."""
+        self.saturation.sample()
         if self._shared_dir is None:
             return generate_latest(self.registry)
         # The library's multiprocess collector, read afresh per scrape, as its docs say.
         scrape = CollectorRegistry()
-        MultiProcessCollector(scrape, path=self._shared_dir)
+        scrape.register(Summed(self._shared_dir))
         # Health is the supervisor's verdict, the same in every worker: this one's will do.
-        scrape.register(FleetMetrics(self._pools, self._events, self._sources, self._queued))
+        scrape.register(self._fleet)
         return generate_latest(scrape)

@@ -1,6 +1,6 @@
 """The spans of one request: a server span for the client's request, a client span per leg attempt.
 
-``RequestTrace`` and ``LegTrace`` are what the proxy's code calls; their
+``RequestTrace`` and ``AttemptTrace`` are what the proxy's code calls; their
 base classes are tracing off and do nothing (no span, no header touched,
 nothing allocated), so the hot path pays nothing for them. ``ServerSpan``
 and its legs are tracing on. Contexts are passed explicitly, span to span,
@@ -154,7 +154,7 @@ _GETTER = _HeadersGetter()
 _SETTER = _HeadersSetter()
 
 
-class LegTrace:
+class AttemptTrace:
     """One attempt of a leg, as a span; this base is tracing off, and does nothing."""
 
     def headers(self, url: str, headers: Headers) -> Headers:
@@ -177,19 +177,19 @@ class RequestTrace:
     def note_request(self, completion: Completion) -> None:
         """What the request asks for: its model, streamed or not."""
 
-    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
+    def attempt(self, instance: Instance, decision: str, policy: str, number: int) -> AttemptTrace:
         """A span for one attempt of a leg to ``instance``, started now."""
-        return NO_LEG
+        return NO_ATTEMPT
 
     def end(self, request: Request, record: Figures) -> None:
         """The request is over: its figures, its status, and the span ended."""
 
 
-NO_LEG = LegTrace()
+NO_ATTEMPT = AttemptTrace()
 NO_TRACE = RequestTrace()
 
 
-class _LegSpan(LegTrace):
+class _AttemptSpan(AttemptTrace):
     def __init__(self, span: trace.Span, context: Context) -> None:
         self._span = span
         self._context = trace.set_span_in_context(span, context)
@@ -223,7 +223,7 @@ class _LegSpan(LegTrace):
             self._span.end()
 
 
-class _UnsampledLeg(LegTrace):
+class _UnsampledAttempt(AttemptTrace):
     """A leg of a request not recorded: it records nothing, and only tells vLLM so.
 
     Its headers carry the request's own context, flagged unsampled, so that
@@ -293,7 +293,7 @@ class ServerSpan(RequestTrace):
         )
         self._context = trace.set_span_in_context(self._span, self._parent)
         #: Not sampled: its legs make no spans, only say so to vLLM (a cheap path).
-        self._unsampled = None if self._span.is_recording() else _UnsampledLeg(self._context)
+        self._unsampled = None if self._span.is_recording() else _UnsampledAttempt(self._context)
 
     def note_request(self, completion: Completion) -> None:
         if self._unsampled is not None:
@@ -304,7 +304,7 @@ class ServerSpan(RequestTrace):
             described["gen_ai.request.model"] = printable(model)
         self._span.set_attributes(described)
 
-    def leg(self, instance: Instance, decision: str, policy: str, attempt: int) -> LegTrace:
+    def attempt(self, instance: Instance, decision: str, policy: str, number: int) -> AttemptTrace:
         if self._unsampled is not None:
             return self._unsampled
         host, port = _origin(instance.base)
@@ -314,14 +314,14 @@ class ServerSpan(RequestTrace):
             "server.port": port,
             "nixlproxy.policy": policy,
             "nixlproxy.decision": decision,
-            "nixlproxy.attempt": attempt,
+            "nixlproxy.attempt": number,
         }
         if instance.rank is not None:
             attributes["nixlproxy.dp_rank"] = instance.rank
         span = self._tracer.start_span(
             instance.role, context=self._context, kind=SpanKind.CLIENT, attributes=attributes
         )
-        return _LegSpan(span, self._parent)
+        return _AttemptSpan(span, self._parent)
 
     def end(self, request: Request, record: Figures) -> None:
         if self._unsampled is not None:

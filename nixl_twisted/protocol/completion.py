@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
+from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.protocol import charges, lowering, salts, token_ids
 from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
 from nixl_twisted.protocol.prompts import Measured, Rendered, measure, render
@@ -42,11 +43,10 @@ class Completion:
     #: Its stream's usage is asked of vLLM for the proxy's sake (a tenant's tokens),
     #: not the client's, whose stream goes without it.
     hides_usage: bool = False
-    #: Whose it is (None: no tenant), its tenant's weight and priority: its place in the
-    #: proxy's fair queue while instances are at their caps.
+    #: Whose it is (None: no tenant), and its tenant's rule (``admitted``): its place in
+    #: the proxy's fair queue while instances are at their caps, among the rest.
     tenant: str | None = None
-    weight: float = 1.0
-    priority: int = 0
+    rule: TenantRule = NO_RULE
     #: The ``cache_salt`` both legs carry (None: none): the namespace of its prefix cache,
     #: and so of every routing key (``backends.prompt_keys``).
     salt: str | None = None
@@ -93,27 +93,20 @@ class Completion:
 
     # -- variants ---------------------------------------------------------------
 
-    def admitted(
-        self,
-        tenant: str,
-        priority: int | None,
-        weight: float,
-        counts_usage: bool,
-        salt: str | None = None,
-    ) -> Completion:
-        """As its tenant's rule sends it: with the tenant's vLLM ``priority`` and ``cache_salt``
-        (both legs are lowered from it; ``salts.combined`` with the client's own), a stream
-        asking for its usage when the tenant's tokens count, and its tenant's place in the
-        fair queue."""
+    def admitted(self, tenant: str, rule: TenantRule) -> Completion:
+        """As its tenant's ``rule`` sends it: with the tenant's vLLM ``priority`` and
+        ``cache_salt`` (both legs are lowered from it; ``salts.combined`` with the client's
+        own), a stream asking for its usage when the tenant's tokens count, and its tenant's
+        place in the fair queue."""
         body = self.body
-        if priority is not None:
-            body = lowering.with_priority(self.path, body, priority)
+        if rule.priority is not None:
+            body = lowering.with_priority(self.path, body, rule.priority)
         own = self.salt
-        if salt is not None:
-            own = salts.combined(salt, self.salt)
+        if rule.cache_salt is not None:
+            own = salts.combined(rule.cache_salt, self.salt)
             body = dict(body, cache_salt=own)
-        asked = lowering.usage_asked(self.path, body) if counts_usage else None
-        queued = {"tenant": tenant, "weight": weight, "priority": priority or 0, "salt": own}
+        asked = lowering.usage_asked(self.path, body) if rule.tokens_per_minute else None
+        queued = {"tenant": tenant, "rule": rule, "salt": own}
         if asked is not None:
             return self._variant(body=asked, hides_usage=True, **queued)
         return self._variant(body=body, **queued)

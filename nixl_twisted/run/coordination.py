@@ -211,16 +211,11 @@ class SupervisorLink(Service):
 
     name = "supervisor-link"
 
-    def __init__(
-        self,
-        reactor: Any,
-        backends: BackendService,
-        reconfigure: Callable[[ProxyConfig], None],
-    ) -> None:
+    def __init__(self, reactor: Any, backends: BackendService) -> None:
         self._reactor = reactor
         self.backends = backends
-        #: Applies the configuration the supervisor reloaded (``ProxyService.reconfigure``).
-        self._reconfigure = reconfigure
+        #: Who applies the configuration the supervisor reloaded (``on_reloaded``).
+        self._reloaded: list[Callable[[ProxyConfig], object]] = []
         self._wire: _Wire | None = None
         self._io: StandardIO | None = None
         self._waiting: dict[int, Deferred[None]] = {}
@@ -228,6 +223,11 @@ class SupervisorLink(Service):
         #: What the supervisor's discovery last said of its sources (``discovery.report``).
         self.told = Told()
         self._telling: LoopingCall | None = None
+
+    def on_reloaded(self, apply: Callable[[ProxyConfig], object]) -> None:
+        """``apply(config)`` with each configuration the supervisor reloaded (the worker's
+        tree, ``ProxyService.reconfigure``, which is made after the link it serves through)."""
+        self._reloaded.append(apply)
 
     def startService(self) -> None:
         super().startService()
@@ -286,7 +286,8 @@ class SupervisorLink(Service):
                     error=str(error),
                 )
                 return
-            self._reconfigure(config)
+            for apply in self._reloaded:
+                apply(config)
             log.info("configuration reloaded from the supervisor")
         elif "change" in message:
             _apply(self.backends, message["change"], "worker")

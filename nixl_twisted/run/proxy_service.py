@@ -10,7 +10,7 @@ accepting, drain, close the client connections, stop the rest.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 from twisted.application.internet import StreamServerEndpointService
 from twisted.application.service import Service
@@ -23,12 +23,16 @@ from twisted.logger import Logger
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.service import Discovery
+from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.happened import Happened
 from nixl_twisted.logs import lifecycle
+from nixl_twisted.observe.refusals import LogThrottle
 from nixl_twisted.run import heap, startup
 from nixl_twisted.run.ports import Announced, address, bind_error
 from nixl_twisted.run.tree import Logging, ProcessTree
+from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
+from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.site import TrackingSite
 
 log = Logger()
@@ -43,6 +47,17 @@ class Configured(Protocol):
     def configure(self, config: ProxyConfig) -> None: ...
 
 
+class Served(NamedTuple):
+    """What the proxy stops in order besides its children: the door's admission (not
+    ready, then draining), the requests being served (cut at the drain timeout), and the
+    loops of the refusals' log throttle and the client keys' file."""
+
+    admission: Admission
+    serving: Serving
+    throttle: LogThrottle
+    keys: ClientKeys
+
+
 class ProxyService(ProcessTree):
     """One proxy: its children, and the one order they stop in."""
 
@@ -54,17 +69,20 @@ class ProxyService(ProcessTree):
         checks: HealthChecks,
         reactor: Any,
         clock: IReactorTime,
+        served: Served,
         discovery: Discovery | None = None,
         configured: Sequence[Configured] = (),
         logging: Logging | None = None,
     ) -> None:
         """``checks``: the health checks, whose first round the proxy waits for before it
-        says it listens; ``discovery``: finds the instances of DNS names and selectors (not
-        in a worker: its supervisor does); ``configured``: the other parts a reload
-        configures again; ``logging``: what it logs through (``ProcessTree``)."""
+        says it listens; ``served``: what it stops in order besides its children;
+        ``discovery``: finds the instances of DNS names and selectors (not in a worker: its
+        supervisor does); ``configured``: the other parts a reload configures again;
+        ``logging``: what it logs through (``ProcessTree``)."""
         super().__init__(config, logging)
         self._reactor = reactor
         self.app = app
+        self.served = served
         self.site = site
         self.backends = app.fleet.backends
         self.checks = checks
@@ -137,31 +155,31 @@ class ProxyService(ProcessTree):
         """Say not ready (and wait), stop accepting, drain, close connections, stop the backends."""
         delay = self.config.timeouts.shutdown_delay
         if delay > 0:
-            self.app.admission.leaving = True
+            self.served.admission.leaving = True
             lifecycle.info(
                 "not ready now; still serving for {seconds} s before draining", seconds=delay
             )
             await deferLater(self.clock, delay)
-        self.app.admission.start_draining()
-        self.app.serving.stop_queueing()  # (each waiting request answered 503 at once)
+        self.served.admission.start_draining()
+        self.served.serving.stop_queueing()  # (each waiting request answered 503 at once)
         listeners = self.listeners()
         await DeferredList([maybeDeferred(s.stopService) for s in listeners])
         draining = Deferred.fromCoroutine(self._drain())  # its timer runs from now,
         self._ports_closed.fire()  # before whoever waits on this goes on
         if not await draining:
-            self.app.shut_down()  # each told in band, before its connection closes
+            self.served.serving.shut_down()  # each told in band, before its connection closes
         await self._close_connections()
         rest = [s for s in self if s not in listeners and s.running]
         await DeferredList([maybeDeferred(s.stopService) for s in reversed(rest)])
-        self.app.refusals.throttle.stop()
-        self.app.tenancy.keys.stop()
+        self.served.throttle.stop()
+        self.served.keys.stop()
 
     def when_ports_closed(self) -> Deferred[None]:
         """Fires once a stopping proxy accepts no more connections."""
         return self._ports_closed.wait()
 
     async def _drain(self) -> bool:
-        admission = self.app.admission
+        admission = self.served.admission
         if admission.in_flight:
             lifecycle.info("draining {in_flight} requests in flight", in_flight=admission.in_flight)
         try:

@@ -25,6 +25,8 @@ it works with. The tree::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet.interfaces import (
@@ -53,18 +55,21 @@ from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.fleet.responses import SharedResponses
 from nixl_twisted.fleet.routes import SharedRoutes
+from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
+from nixl_twisted.observe.fleet_metrics import FleetMetrics, Queued
 from nixl_twisted.observe.gc_pauses import GcPauses
 from nixl_twisted.observe.history import History
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
 from nixl_twisted.observe.observed import Observed
 from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
+from nixl_twisted.observe.saturation import Sampling
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import listener
-from nixl_twisted.run.proxy_service import Configured, ProxyService
+from nixl_twisted.run.proxy_service import Configured, ProxyService, Served
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.web.admin import AdminAPI
@@ -95,19 +100,40 @@ def _worker_hangup() -> None:
 def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Ticket) -> None:
     """A request's outcome at the fair queue: counted, and how long it waited if it did."""
     metrics.admissions.labels(outcome).inc()
+    metrics.saturation.told(outcome, ticket.model)
     if outcome != AT_ONCE:
         metrics.queue_seconds.observe(waited)
+
+
+def backend_pools(config: ProxyConfig, clock: IReactorTime) -> tuple[BackendPool, BackendPool]:
+    """The prefill and decode pools as the configuration gives them (the service, discovery
+    and the admin API change them from then on)."""
+    thresholds = Thresholds.of(config.health)
+    checked = config.health.interval > 0
+    prefill = BackendPool("prefill", config.pools.static("prefill"), clock, thresholds, checked)
+    decode = BackendPool("decode", config.pools.static("decode"), clock, thresholds, checked)
+    return prefill, decode
+
+
+def _queued(slots: Slots) -> Iterator[Queued]:
+    """Each request waiting in the queue: the pool it found full, its model, its tenant."""
+    for waiting in slots.queue.waiting():
+        ticket = waiting.ticket
+        # ("": it waits behind another of its model; the saturation and the gauge say for
+        # which pool.)
+        yield waiting.blocked, ticket.model or "", ticket.tenant or ""
 
 
 def backend_service(
     config: ProxyConfig,
     reactor: Any,
     clock: IReactorTime,
+    pools: tuple[BackendPool, BackendPool],
     agent: IAgent | None = None,
     run_checks: bool = True,
     holdings: Holdings = NO_HOLDINGS,
 ) -> tuple[BackendService, HealthChecks]:
-    """Both pools and their clients, and the health checks over them, from the configuration.
+    """Both ``pools`` and their clients, and the health checks over them.
 
     ``run_checks=False``: no health checks here, though the pools still expect
     them (new instances pending): a ``--workers`` worker, whose supervisor
@@ -122,11 +148,8 @@ def backend_service(
         probes = pooled_upstream(reactor, connect, 1, health.interval + health.timeout + 1)
     else:
         legs, probes = Upstream(agent), Upstream(agent)
-    thresholds = Thresholds.of(health)
-    checked = health.interval > 0
-    prefill = BackendPool("prefill", config.pools.static("prefill"), clock, thresholds, checked)
-    decode = BackendPool("decode", config.pools.static("decode"), clock, thresholds, checked)
-    checks = HealthChecks((prefill, decode), probes, clock, config, runs=run_checks)
+    prefill, decode = pools
+    checks = HealthChecks(pools, probes, clock, config, runs=run_checks)
     return BackendService(prefill, decode, legs, config, checks, holdings), checks
 
 
@@ -159,33 +182,20 @@ def build(
         if agent is not None
         else pooled_upstream(reactor, config.timeouts.connect, 1, 1.0)
     )
-    kv = KvEvents(
-        reactor,
-        clock,
-        lambda: backends.pools(),
-        config,
-        lambda role, url, kind: metrics.child(metrics.kv_events, role, url, kind).inc(),
-        asker,
-    )
+    pools = backend_pools(config, clock)
+    # What the KV events, the queue and the rest count into, first; the fleet they hold is
+    # read from them once they exist (``read_fleet``).
+    metrics = ProxyMetrics(pools, os.environ.get(METRICS_DIR_ENV) if shared else None)
+    kv = KvEvents(reactor, clock, pools, config, metrics.kv_event, asker)
     # A worker's pools take their health from the supervisor, which checks.
-    backends, checks = backend_service(config, reactor, clock, agent, not shared, kv)
+    backends, checks = backend_service(config, reactor, clock, pools, agent, not shared, kv)
     # A worker's supervisor discovers for all, and tells it; it also carries its admin changes.
     link, found = None, None
     if shared:
-        link = SupervisorLink(reactor, backends, lambda given: root.reconfigure(given))
+        link = SupervisorLink(reactor, backends)
     else:
         found = Discovery(reactor, clock, backends, config)
     report: Reported = link.told if link is not None else cast(Discovery, found)
-    metrics = ProxyMetrics(
-        backends.pools(),
-        os.environ.get(METRICS_DIR_ENV) if shared else None,
-        kv,
-        report.errors,
-        lambda: (
-            (w.blocked or "decode", w.ticket.model or "", w.ticket.tenant or "")
-            for w in slots.queue.waiting()
-        ),
-    )
     # --replicas-redis: this process is one replica of the proxy; caps, queue, routing view
     # and stored responses the fleet's.
     replicas, fleet_slots, routes, responses = None, None, None, ResponseDirectory()
@@ -196,20 +206,26 @@ def build(
         routes = SharedRoutes(replicas, outbox, backends.pools, kv, metrics.replicas)
         responses = ResponseDirectory(shared=SharedResponses(replicas, outbox))
     shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
-    slots = Slots(backends, clock, config, lambda *said: _queue_said(metrics, *said), shared_fleet)
+    slots = Slots(backends, clock, config, partial(_queue_said, metrics), shared_fleet)
+    metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
     observed = Observed(metrics, traces, Refusals(metrics.refused, LogThrottle(clock)))
-    admission = Admission(config.limits.max_in_flight, metrics.in_flight.set)
     keys = ClientKeys(clock, config)
     limits = TenantLimits(clock, config)
     windows = None
     if config.tenants.redis is not None:
         windows = SharedWindows(config.tenants.redis, clock, reactor, metrics)
     tenancy = Tenancy(
-        keys, limits, lambda model: context_length(model, backends.decode.instances), windows
+        keys,
+        limits,
+        lambda model: context_length(model, backends.decode.instances),
+        windows,
+        SharedTenants(replicas) if replicas is not None else None,
     )
+    # Admission, one step for every route: the tenant, then --max-in-flight (``web.admission``).
+    admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)
     fleet = Fleet(backends, kv, report)
     admin = AdminAPI(fleet, config, link.publish if link is not None else None)
     legs = Legs(backends, kv, clock, metrics, config, slots)
@@ -217,7 +233,9 @@ def build(
     # The status page's charts and warning lines: sampled and kept only while the root runs.
     history = History(clock, metrics.sampled)
     warnings = RecentWarnings()
-    status = StatusPage(fleet, serving, admission, tenancy, history, warnings, config.worker)
+    status = StatusPage(
+        fleet, serving, admission, tenancy, history, warnings, config.worker, replicas
+    )
     app = ProxyApp(config, fleet, serving, admission, tenancy, admin, observed, status)
     site = TrackingSite(
         app.resource(),
@@ -229,7 +247,10 @@ def build(
         client_keys=keys,
     )
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
-    root = ProxyService(config, app, site, checks, reactor, clock, found, configured, logging)
+    served = Served(admission, serving, observed.refusals.throttle, keys)
+    root = ProxyService(
+        config, app, site, checks, reactor, clock, served, found, configured, logging
+    )
     if replicas is not None:  # (before the listeners: shared before the first request)
         replicas.setServiceParent(root)
     if routes is not None:
@@ -237,6 +258,8 @@ def build(
     history.setServiceParent(root)
     warnings.setServiceParent(root)
     GcPauses(metrics.gc_pauses, clock).setServiceParent(root)
+    if shared:  # (other workers answer scrapes from this one's file)
+        Sampling(metrics.saturation, clock).setServiceParent(root)
     if windows is not None:
         windows.setServiceParent(root)
     kv.setServiceParent(root)
@@ -255,5 +278,6 @@ def build(
         hangup = _worker_hangup if shared else root.reload
         SignalService(reactor, hangup).setServiceParent(root)
     if link is not None:
+        link.on_reloaded(root.reconfigure)  # (as the supervisor reloaded it, as a SIGHUP would)
         link.setServiceParent(root)
     return root

@@ -49,7 +49,7 @@ from nixl_twisted.run.coordination import (
     encode,
 )
 from nixl_twisted.run.ports import cannot_listen, shared_socket
-from nixl_twisted.run.root import backend_service
+from nixl_twisted.run.root import backend_pools, backend_service
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import Logging, ProcessTree
 
@@ -280,6 +280,6 @@ def supervise(
     config: ProxyConfig, reactor: Any, take_signals: bool = True, logging: Logging | None = None
 ) -> SupervisorService:
     """The service tree of a ``--workers`` parent: it checks the backends' health for all."""
-    backends, checks = backend_service(config, reactor, reactor)
+    backends, checks = backend_service(config, reactor, reactor, backend_pools(config, reactor))
     supervisor = WorkerSupervisor(config, reactor, backends, checks)
     return SupervisorService(config, supervisor, reactor, take_signals, logging)

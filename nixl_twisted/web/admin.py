@@ -30,6 +30,7 @@ from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import bearer_token
 from nixl_twisted.web.fleet import Fleet
+from nixl_twisted.web.front import on_admin_port
 
 log = Logger()
 
@@ -74,7 +75,7 @@ class AdminAPI:
         served, and to the admin token alone once clients need a key: the
         client endpoints are then where untrusted callers are.
         """
-        if getattr(request, "admin_port", False):  # (set by ``front.FrontDoor``)
+        if on_admin_port(request):
             return True
         if config.admin_listen is not None:
             return False

@@ -1,4 +1,13 @@
-"""Admission: how many requests are served at once, and the drain on shutdown."""
+"""Admission, one step for every route: the tenant held to its limits, a slot of the proxy's
+``--max-in-flight`` taken, the request served with its tenant's rule, the slot given back;
+and the drain on shutdown.
+
+The steps, in order: ``Tenancy.admit`` (whose it is, 429 past its tenant's limits: in
+flight, counted over every replica with ``--replicas-redis``, requests and tokens per
+minute, in Redis with ``--limits-redis``), ``admit`` (503 past ``--max-in-flight``, or while
+draining), the work (a two-leg completion then waits in the fair queue for its slots:
+``exchange.slots``), ``release``.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +15,14 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.web.server import Request
 
-from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config import NO_RULE, ProxyConfig, TenantRule
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.web.tenancy import Tenancy
 
 T = TypeVar("T")
 
@@ -19,9 +31,14 @@ class Admission:
     """Counts requests in flight; refuses past the limit, and all while draining."""
 
     def __init__(
-        self, max_in_flight: int, on_change: Callable[[int], object] = lambda count: None
+        self,
+        max_in_flight: int,
+        on_change: Callable[[int], object] = lambda count: None,
+        tenancy: Tenancy | None = None,
     ) -> None:
-        """``on_change`` is told the new count on every change (the in-flight gauge)."""
+        """``on_change`` is told the new count on every change (the in-flight gauge);
+        ``tenancy``: whose each request is, and its tenant's limits (None: no tenants)."""
+        self.tenancy = tenancy
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.draining = False
@@ -33,6 +50,25 @@ class Admission:
     def configure(self, config: ProxyConfig) -> None:
         """``--max-in-flight`` from now on (a reload)."""
         self.max_in_flight = config.limits.max_in_flight
+
+    def request(
+        self,
+        request: Request,
+        path: str,
+        completion: Completion | None,
+        work: Callable[[TenantRule], Deferred[T]],
+    ) -> Deferred[T]:
+        """A route's one step of admission: its tenant admitted (at once, or once Redis has
+        said), then a slot taken, ``work`` run with the tenant's rule, the slot given back.
+
+        ``completion`` None: a request that generates no tokens (models, tokenize, a stored
+        response), held to its tenant's in flight and requests per minute only.
+        """
+        tenancy = self.tenancy
+        admitted = tenancy.admit(request, path, completion) if tenancy is not None else NO_RULE
+        if isinstance(admitted, Deferred):
+            return admitted.addCallback(lambda rule: self.serve(lambda: work(rule)))
+        return self.serve(lambda: work(admitted))
 
     def serve(self, work: Callable[[], Deferred[T]]) -> Deferred[T]:
         """Take one request in, run ``work``, and give its slot back however it ends.

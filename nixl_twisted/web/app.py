@@ -9,7 +9,6 @@ batch of them, or one leg to a decode instance.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from functools import partial
 
 from klein import Klein
@@ -22,7 +21,7 @@ from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
 from nixl_twisted.backends.models import listing
-from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config import ProxyConfig, TenantRule
 from nixl_twisted.exchange.prefill import PrefillRefused
 from nixl_twisted.exchange.relay import start_response
 from nixl_twisted.exchange.serving import Serving
@@ -42,7 +41,6 @@ from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.status import StatusPage
 from nixl_twisted.web.tenancy import Tenancy
-from nixl_twisted.web.tenants import Rule
 
 log = Logger()
 
@@ -218,9 +216,8 @@ class ProxyApp:
     ) -> Deferred[None]:
         trace = self._trace(request) if trace is None else trace
         # (In flight and requests per minute: no tokens generated.)
-        return _then(
-            self.tenancy.admit(request, relayed.path),
-            lambda _: self.admission.serve(lambda: self.serving.relayed(request, relayed, trace)),
+        return self.admission.request(
+            request, relayed.path, None, lambda _: self.serving.relayed(request, relayed, trace)
         )
 
     @app.route(routes.COMPLETIONS, methods=["POST"])
@@ -253,11 +250,8 @@ class ProxyApp:
     ) -> Deferred[None]:
         trace = self._trace(request)
         read = door.relayed(request, path, body)
-        return _then(
-            self.tenancy.admit(request, path),
-            lambda _: self.admission.serve(
-                lambda: self.serving.follow_up(request, read, response_id, trace)
-            ),
+        return self.admission.request(
+            request, path, None, lambda _: self.serving.follow_up(request, read, response_id, trace)
         )
 
     def _trace(self, request: Request) -> RequestTrace:
@@ -275,17 +269,14 @@ class ProxyApp:
         read = door.completion(request, record, path, limit, self.backends.decode.instances)
         trace.note_request(read)
 
-        def serve(rule: Rule) -> Deferred[None]:
-            # A tenant's tokens are counted from the stream's usage, asked for the proxy's sake.
-            admitted, tenant = read, record.tenant
-            if tenant is not None:  # (its rule, and its place in the fair queue)
-                counts = bool(rule.tokens_per_minute)
-                admitted = read.admitted(
-                    tenant, rule.priority, rule.weight, counts, rule.cache_salt
-                )
-            return self.admission.serve(lambda: self.serving.completion(request, admitted, trace))
+        def serve(rule: TenantRule) -> Deferred[None]:
+            # As its tenant's rule sends it (a tenant's tokens are counted from the stream's
+            # usage, asked for the proxy's sake), and in its tenant's place in the queue.
+            tenant = record.tenant
+            admitted = read if tenant is None else read.admitted(tenant, rule)
+            return self.serving.completion(request, admitted, trace)
 
-        return _then(self.tenancy.admit(request, path, read), serve)
+        return self.admission.request(request, path, read, serve)
 
     def shut_down(self) -> None:
         """The drain timeout ended: every completion still running is cut, and told why."""
@@ -341,15 +332,6 @@ class ProxyApp:
         message = "the proxy failed unexpectedly; see its log"
         record_of(request).error = f"{message}: {failure.getErrorMessage()}"
         return error_answer(request, ProxyError(ErrorCode.INTERNAL_ERROR, message))
-
-
-def _then(
-    admitted: Rule | Deferred[Rule], serve: Callable[[Rule], Deferred[None]]
-) -> Deferred[None]:
-    """Serve once the tenant is admitted: at once, or when Redis has said (``--limits-redis``)."""
-    if isinstance(admitted, Deferred):
-        return admitted.addCallback(serve)
-    return serve(admitted)
 
 
 def _request_id(request: IRequest) -> str | None:

@@ -14,9 +14,11 @@ import re
 from collections.abc import Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
+from twisted.python.components import Componentized
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from werkzeug.exceptions import BadHost
+from zope.interface import Interface, implementer
 
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.codes import ErrorCode
@@ -46,12 +48,26 @@ def host_problem(request: IRequest) -> str | None:
     return None
 
 
+class IFrontDoor(Interface):
+    """The door a request came in through (a component of Twisted's request, as Klein keeps
+    its own per-request state: ``FrontDoor.render`` sets it, ``on_admin_port`` reads it)."""
+
+
+def on_admin_port(request: IRequest) -> bool:
+    """Whether ``request`` came in on the ``--admin-listen`` endpoint."""
+    if not isinstance(request, Componentized):
+        return False
+    door = request.getComponent(IFrontDoor)
+    return door is not None and bool(door.admin)
+
+
+@implementer(IFrontDoor)
 class FrontDoor(Resource):
     """Refuses a URL that is not UTF-8 or a bad ``Host`` with a JSON 400; the rest to the app.
 
     With ``--admin-listen`` (``split``), the admin endpoint's door (``admin``)
     lets in only the admin routes, and the client endpoints' door keeps them
-    out (404, as for a route that does not exist); ``request.admin_port``
+    out (404, as for a route that does not exist); ``on_admin_port(request)``
     says which endpoint it came in on (``ProxyApp`` shows the fleet there).
     """
 
@@ -66,7 +82,8 @@ class FrontDoor(Resource):
     ) -> None:
         super().__init__()
         self._app = app
-        self._admin = admin
+        #: The ``--admin-listen`` endpoint's door (``on_admin_port``).
+        self.admin = admin
         self._split = split
         #: The headers that say who a client is, as configured now (the tenant header's).
         self._identity = identity
@@ -83,12 +100,13 @@ class FrontDoor(Resource):
         if twice is not None:
             return _refuse(request, ErrorCode.CONFLICTING_HEADERS, said_twice(twice))
         routed = "/" + path.lstrip("/")  # (Werkzeug routes //admin/... as /admin/...)
-        if (self._admin and routed not in routes.ADMIN_PORT) or (
-            self._split and not self._admin and routed in routes.ADMIN_ONLY
+        if (self.admin and routed not in routes.ADMIN_PORT) or (
+            self._split and not self.admin and routed in routes.ADMIN_ONLY
         ):
             method = request.method.decode("ascii", "replace")
             return _refuse(request, ErrorCode.NOT_FOUND, f"{method} {path}: Not Found")
-        request.admin_port = self._admin  # type: ignore[attr-defined]
+        if isinstance(request, Componentized):  # (Twisted's request is; a test's may not be)
+            request.setComponent(IFrontDoor, self)
         try:
             return self._app.render(request)
         except BadHost:  # a name Werkzeug will not bind to (IDNA), past the syntax above

@@ -21,6 +21,7 @@ from twisted.web.iweb import IRequest
 from nixl_twisted import __version__
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.exchange.serving import Serving
+from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.identity import ID, VERSION
 from nixl_twisted.observe.history import INTERVAL, WINDOW, History
 from nixl_twisted.observe.recent_warnings import RecentWarnings
@@ -52,11 +53,14 @@ class StatusPage:
         history: History,
         warnings: RecentWarnings,
         worker: int | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         """``history`` and ``warnings``: the charts' samples and the log's lines, kept while
-        the proxy runs; ``worker``: which one this is, under ``--workers``."""
+        the proxy runs; ``worker``: which one this is, under ``--workers``; ``replicas``:
+        this replica of the fleet (``--replicas-redis``)."""
         self.fleet, self.serving, self.admission, self.tenancy = fleet, serving, admission, tenancy
         self.history, self.warnings, self.worker = history, warnings, worker
+        self.replicas = replicas
 
     @property
     def ready(self) -> bool:
@@ -76,6 +80,7 @@ class StatusPage:
             "instances": self.fleet.instances(),
             "sources": self.fleet.report.sources(),
             "queues": self.serving.queues(),
+            "replicas": self.replicas.status() if self.replicas is not None else None,
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -100,6 +105,7 @@ class StatusPage:
             "instances": said["instances"],
             "sources": said["sources"],
             "queues": said["queues"],
+            "replicas": said["replicas"],
             "tenants": self.tenancy.limits.usage(windows=self.tenancy.shared is None),
             "history": {
                 "interval_seconds": INTERVAL,

@@ -140,6 +140,28 @@ def _tenants(status: dict[str, Any]) -> str:
     return _table(head, rows, "tenant-table")
 
 
+def _replicas(status: dict[str, Any]) -> str:
+    replicas = status.get("replicas")
+    if replicas is None:
+        return "<p>One process: no --replicas-redis.</p>"
+    said = "shared" if replicas["shared"] else "ALONE (Redis does not answer: static shares)"
+    rows = [
+        _row(
+            [
+                r["id"],
+                r["host"],
+                r["pid"],
+                r["worker"],
+                "this one" if r["id"] == replicas["id"] else "",
+            ],
+            ' class="replica"',
+        )
+        for r in replicas["seen"]
+    ]
+    head = ("replica", "host", "pid", "worker", "")
+    return f"<p>{_e(replicas['redis'])}: {_e(said)}</p>" + _table(head, rows, "replica-table")
+
+
 def _summary(status: dict[str, Any]) -> str:
     proxy = status["proxy"]
     said = [
@@ -178,6 +200,7 @@ def render(status: dict[str, Any]) -> bytes:
 <noscript><p>The charts need JavaScript; the tables are as of this page's load.</p></noscript>
 <div id="chart-area"></div></section>
 <section id="tenants"><h2>Tenants</h2>{_tenants(status)}</section>
+<section id="replicas"><h2>Replicas</h2>{_replicas(status)}</section>
 <section id="warnings"><h2>Recent warnings</h2><ol id="warning-lines">{warnings}</ol></section>
 </main>
 <script src="/status.js"></script>

@@ -3,7 +3,9 @@
 The tenant is the client key's (``ClientKeys``), else ``--tenant-header``'s
 value. A request is counted by ``TenantLimits`` when its tenant has a limit,
 charged while it runs the most it may use (``protocol.charges``), and, when
-it ends, the tokens vLLM's usage says it used instead.
+it ends, the tokens vLLM's usage says it used instead. Requests and tokens per
+minute are counted for every process in ``--limits-redis`` (``shared_limits``),
+requests in flight for every replica in ``--replicas-redis`` (``fleet.tenants``).
 """
 
 from __future__ import annotations
@@ -13,15 +15,14 @@ from collections.abc import Callable
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.server import Request
 
+from nixl_twisted.config import NO_RULE, TenantRule
+from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows, Verdict
-from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, Rule, TenantLimits
-
-#: A request with no tenant: no limit, no priority.
-NO_RULE = Rule()
+from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, TenantLimits
 
 
 class Tenancy:
@@ -33,6 +34,7 @@ class Tenancy:
         limits: TenantLimits,
         context_of: Callable[[object], int | None] = lambda model: None,
         shared: SharedWindows | None = None,
+        fleet: SharedTenants | None = None,
     ) -> None:
         self.keys = keys
         self.limits = limits
@@ -40,6 +42,8 @@ class Tenancy:
         self.context_of = context_of
         #: Where requests and tokens per minute are counted for every process (None: here).
         self.shared = shared
+        #: Where requests in flight are counted for every replica (None: here).
+        self.fleet = fleet
 
     def tenant(self, request: Request, path: str) -> str | None:
         """Whose the request is: its client key's tenant, else the tenant header's."""
@@ -53,9 +57,10 @@ class Tenancy:
 
     def admit(
         self, request: Request, path: str, completion: Completion | None = None
-    ) -> Rule | Deferred[Rule]:
+    ) -> TenantRule | Deferred[TenantRule]:
         """Hold the request to its tenant's limits (429 past one) until it ends; its rule
-        (a Deferred when Redis counts the tenant's windows, ``--limits-redis``).
+        (a Deferred when Redis counts the tenant's windows, ``--limits-redis``, or its
+        requests in flight, ``--replicas-redis``).
 
         ``completion`` None: a request that generates no tokens (models,
         tokenize, a stored response), held to in flight and requests per
@@ -74,29 +79,54 @@ class Tenancy:
             estimate = completion.charge(self.context_of(completion.model))
         held = _Held(request, estimate)
         request.notifyFinish().addBoth(held.ended)
+        fleet = self.fleet if rule.max_in_flight else None
+        here = fleet is None  # (in flight held here, else over every replica)
         if self.shared is None or not (rule.requests_per_minute or tpm):
-            held.ticket = self.limits.admit(tenant, estimate)
-            return rule
+            held.ticket = self.limits.admit(tenant, estimate, in_flight=here)
+            return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
         # In flight here (a 429 at once), then the windows in Redis.
-        held.ticket = self.limits.admit(tenant, estimate, windows=False)
+        held.ticket = self.limits.admit(tenant, estimate, windows=False, in_flight=here)
         shared = self.shared
 
-        def decided(verdict: Verdict | None) -> Rule:
+        def decided(verdict: Verdict | None) -> TenantRule | Deferred[TenantRule]:
             if held.over:  # (its client left while Redis was asked)
                 if verdict is not None and verdict.admitted and tpm:
                     shared.charge(tenant, verdict.member, 0)  # (its estimate, given back)
                 raise CancelledError()
             if verdict is None:  # (Redis could not say: this process decides)
                 held.give_back()
-                held.ticket = self.limits.admit(tenant, estimate)
+                held.ticket = self.limits.admit(tenant, estimate, in_flight=here)
             elif not verdict.admitted:
                 held.give_back()
                 raise self.limits.refused(tenant, verdict.limit, verdict.wait)
             elif tpm:
                 held.charge = lambda used: shared.charge(tenant, verdict.member, used)
-            return rule
+            return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
 
         return shared.admit(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
+
+    def _in_flight(
+        self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: _Held
+    ) -> Deferred[TenantRule]:
+        """The tenant's requests in flight over every replica (``--replicas-redis``), or,
+        while Redis does not answer, this replica's share of its limit."""
+
+        def placed(place: str | bool | None) -> TenantRule:
+            if isinstance(place, str):
+                if held.over:  # (its client left while Redis was asked)
+                    fleet.release(place)
+                    raise CancelledError()
+                held.place = lambda: fleet.release(place)
+                return rule
+            limit = rule.max_in_flight
+            if place is None:  # (Redis could not say: this replica's share)
+                limit = fleet.share(limit)
+                if self.limits.in_flight(tenant) <= limit:
+                    return rule
+            held.give_back()
+            raise self.limits.refused(tenant, f"{limit} requests in flight", 1.0)
+
+        return fleet.admit(tenant, rule.max_in_flight).addCallback(placed)
 
 
 class _Held:
@@ -108,6 +138,8 @@ class _Held:
         self.ticket = NO_TICKET
         #: Given what it used, in Redis, when its windows are counted there.
         self.charge: Callable[[int], None] | None = None
+        #: Its place among its tenant's requests in flight over every replica, given back.
+        self.place: Callable[[], None] | None = None
         self.over = False
 
     def give_back(self) -> None:
@@ -127,3 +159,6 @@ class _Held:
         self.ticket.release(used)
         if self.charge is not None:
             self.charge(used)
+        if self.place is not None:
+            place, self.place = self.place, None
+            place()

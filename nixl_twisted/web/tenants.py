@@ -28,7 +28,7 @@ from typing import Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from nixl_twisted.config import ProxyConfig, TenantsConfig
+from nixl_twisted.config import NO_RULE, ProxyConfig, TenantRule, TenantsConfig
 from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.protocol import salts
 from nixl_twisted.protocol.codes import ErrorCode
@@ -42,24 +42,6 @@ MIN_SECRET = 16
 MAX_SECRET = 4096
 #: The longest tenant name kept (a header's value is the client's to choose).
 MAX_NAME = 128
-
-
-@dataclass(frozen=True)
-class Rule:
-    """One tenant's limits (0: none), the vLLM priority of its requests (None: unset), its
-    weight in the proxy's fair queue, and its ``cache_salt`` (None: none)."""
-
-    max_in_flight: int = 0
-    requests_per_minute: int = 0
-    tokens_per_minute: int = 0
-    priority: int | None = None
-    weight: float = 1.0
-    cache_salt: str | None = None
-
-    @property
-    def counted(self) -> bool:
-        """Whether there is anything to count: a limit."""
-        return bool(self.max_in_flight or self.requests_per_minute or self.tokens_per_minute)
 
 
 @dataclass
@@ -113,8 +95,8 @@ class TenantLimits:
         """``config``: configured at once, as a reload configures it (``configure``)."""
         self.clock = clock
         self.header: bytes | None = None
-        self.default = Rule()
-        self.rules: dict[str, Rule] = {}
+        self.default = NO_RULE
+        self.rules: dict[str, TenantRule] = {}
         #: The secret each tenant's ``cache_salt`` is derived from (None: none).
         self.salt_secret: bytes | None = None
         self._use: dict[str, _Usage] = {}
@@ -125,23 +107,13 @@ class TenantLimits:
     def configure(self, config: ProxyConfig) -> None:
         tenants: TenantsConfig = config.tenants
         self.header = tenants.header.encode("ascii") if tenants.header else None
-        default = self.default = Rule(
+        default = self.default = TenantRule(
             tenants.max_in_flight,
             tenants.requests_per_minute,
             tenants.tokens_per_minute,
             tenants.priority,
         )
-        self.rules = {
-            name: Rule(  # (-1, or None for the priority: the default's)
-                in_flight if in_flight >= 0 else default.max_in_flight,
-                requests if requests >= 0 else default.requests_per_minute,
-                tokens if tokens >= 0 else default.tokens_per_minute,
-                default.priority if priority is None else priority,
-                1.0 if weight is None else weight,
-                salt,
-            )
-            for name, in_flight, requests, tokens, priority, weight, salt in tenants.table
-        }
+        self.rules = {row.name: default.under(row) for row in tenants.table}
         path = tenants.salt_secret_file
         if path is None:
             self.salt_secret = None
@@ -151,7 +123,7 @@ class TenantLimits:
             except InvalidValue as error:  # (checked at start: a reload keeps the one it had)
                 log.warn("--tenant-salt-secret-file: {error}; kept the last", error=error)
 
-    def rule(self, tenant: str) -> Rule:
+    def rule(self, tenant: str) -> TenantRule:
         """``tenant``'s rule, with its ``cache_salt``: its own, else derived from its name."""
         name = tenant[:MAX_NAME]
         rule = self.rules.get(name, self.default)
@@ -163,13 +135,21 @@ class TenantLimits:
         """Whether ``tenant`` has any limit to be held to."""
         return self.rule(tenant).counted
 
-    def admit(self, tenant: str | None, estimate: int | None, windows: bool = True) -> Ticket:
+    def admit(
+        self,
+        tenant: str | None,
+        estimate: int | None,
+        windows: bool = True,
+        in_flight: bool = True,
+    ) -> Ticket:
         """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits.
 
         ``estimate`` None: a request that generates nothing (models, tokenize, a stored
         response), held to the in-flight and requests limits only, and charged no tokens.
         ``windows`` False: requests and tokens per minute are counted elsewhere (Redis,
-        ``shared_limits``), in flight only here.
+        ``shared_limits``), in flight only here. ``in_flight`` False: its requests in
+        flight are held to their limit elsewhere (every replica's, ``fleet.tenants``),
+        counted here all the same.
         """
         if tenant is None:
             return NO_TICKET
@@ -183,7 +163,7 @@ class TenantLimits:
         use = self._use.setdefault(tenant, _Usage())
         use.forget_before(now - WINDOW)
         rpm = rule.requests_per_minute if windows else 0
-        if rule.max_in_flight and use.in_flight >= rule.max_in_flight:
+        if in_flight and rule.max_in_flight and use.in_flight >= rule.max_in_flight:
             raise self.refused(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
         if rpm and len(use.started) >= rpm:
             wait = use.started[0] + WINDOW - now
@@ -208,6 +188,11 @@ class TenantLimits:
                 self._use.pop(tenant, None)
 
         return Ticket(release)
+
+    def in_flight(self, tenant: str) -> int:
+        """``tenant``'s requests in flight in this process now."""
+        use = self._use.get(tenant[:MAX_NAME])
+        return use.in_flight if use is not None else 0
 
     def refused(self, tenant: str, limit: str, wait: float) -> ProxyError:
         """The 429 of ``tenant`` at ``limit`` (``refusal``), its time kept for the status page."""

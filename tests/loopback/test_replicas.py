@@ -11,7 +11,7 @@ from typing import Any
 from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseNeverReceived
 
 from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.leases import SharedSlots
@@ -39,7 +39,9 @@ def shared_of(proxy: RunningProxy) -> SharedSlots:
     return shared
 
 
-class ReplicasTests(ProxyCase):
+class FleetCase(ProxyCase):
+    """Two proxies sharing one real redis-server."""
+
     timeout = 20
 
     async def two(self, **settings: Any) -> RunningProxy:
@@ -54,13 +56,18 @@ class ReplicasTests(ProxyCase):
             await replicas_of(each).ready()
         return other
 
-    def chat(self, proxy: RunningProxy, body: object = CHAT) -> Deferred[Any]:
+    def chat(
+        self, proxy: RunningProxy, body: object = CHAT, headers: dict[str, str] | None = None
+    ) -> Deferred[Any]:
         client = HTTPClient(Agent(reactor, pool=HTTPConnectionPool(reactor, persistent=False)))
-        headers: dict[bytes | str, bytes | str] = {"Content-Type": "application/json"}
+        sent: dict[bytes | str, bytes | str] = {"Content-Type": "application/json"}
+        sent.update(headers or {})
         return client.post(
-            proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
+            proxy.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=sent
         )
 
+
+class ReplicasTests(FleetCase):
     async def test_an_instances_cap_holds_for_every_replica(self) -> None:
         other = await self.two()
         held = await self.held_stream()  # the one decode slot, held through this proxy
@@ -113,3 +120,94 @@ class ReplicasTests(ProxyCase):
         await mine.link.connected()
         await mine.beat()
         assert mine.is_shared and decode.slots == 2
+
+    async def test_a_redis_that_lost_its_memory_is_told_what_each_replica_holds(self) -> None:
+        other = await self.two(decode_max_in_flight=2)
+        slot = f"decode|{self.decode.url}"
+        self.decode.hold_streams_after(1)
+        self.addCleanup(self.decode.release)
+        streams = []
+        for proxy in (self.proxy, other):  # a decode slot held through each replica
+            held = self.decode.stream_held()
+            streams.append(self.chat(proxy, dict(CHAT, stream=True)))
+            await held
+        mine = replicas_of(other)
+        await mine.beat()
+        assert shared_of(other).view == {slot: 2}
+        await replicas_of(self.proxy).stopService()  # (it will not write its lease back)
+        await self.redis.stop()
+        await self.redis.start()  # (the same port, an empty memory)
+        await mine.link.connected()
+        await mine.beat()  # Redis forgot it: it writes back the one lease it holds
+        assert (mine.is_shared, shared_of(other).view) == (True, {slot: 1})
+        self.decode.release()
+        for stream in streams:
+            await (await stream).content()
+        await mine.beat()
+        assert shared_of(other).view == {}  # given back when its leg ended, not twice
+
+    async def test_a_request_that_times_out_or_whose_client_leaves_leaves_the_fleets_queue(
+        self,
+    ) -> None:
+        other = await self.two(queue_timeout=5)
+        held = await self.held_stream()
+        waits = slots_of(other).entered()
+        timing_out = self.chat(other)
+        await waits
+        waits = slots_of(other).entered()
+        leaving = self.chat(other)
+        await waits
+        leaving.cancel()  # its client goes away while it waits
+        leaving.addErrback(lambda failure: failure.trap(ResponseNeverReceived))
+        self.clock.advance(5)  # the other one's queue timeout
+        refused = await timing_out
+        assert (refused.code, refused.headers.getRawHeaders("Retry-After")) == (503, ["5"])
+        assert b"queue_timeout" in await refused.content()
+        self.decode.release()
+        await held.done
+        await replicas_of(other).beat()
+        answered = await self.chat(other)  # nothing of theirs is left waiting ahead of it
+        assert answered.code == 200
+        await answered.content()
+        assert len(self.decode.requests_for("decode")) == 2
+        queue = slots_of(other).queue
+        assert (len(queue), queue._waiting) == (0, 0)
+
+
+class FleetTenantsTests(FleetCase):
+    async def test_a_tenants_requests_in_flight_are_counted_over_every_replica(self) -> None:
+        other = await self.two(tenant_header="x-team", tenant_max_in_flight=1)
+        self.decode.hold_streams_after(1)
+        held = self.decode.stream_held()
+        first = await self.post("/v1/chat/completions", dict(CHAT, stream=True), {"x-team": "a"})
+        self.addCleanup(self.decode.release)
+        await held
+        refused = await self.chat(other, headers={"x-team": "a"})
+        assert refused.code == 429  # its one request in flight is on the other replica
+        assert b"1 requests in flight" in await refused.content()
+        self.decode.release()
+        await first.content()
+        other_team = await self.chat(other, headers={"x-team": "b"})
+        assert other_team.code == 200
+        await other_team.content()
+
+    async def test_tenants_waiting_on_different_replicas_share_the_slots_by_weight(self) -> None:
+        tenants = {"a": {"weight": 3}, "b": {"weight": 1}}
+        other = await self.two(tenant_header="x-team", tenants=json.dumps(tenants))
+        held = await self.held_stream()  # the one decode slot
+        waiting: list[Deferred[Any]] = []
+        for proxy, team in [(self.proxy, "a")] * 4 + [(other, "b")] * 4:
+            waits = slots_of(proxy).entered()
+            body = dict(CHAT, user=f"{team}-{len(waiting)}")
+            waiting.append(self.chat(proxy, body, {"x-team": team}))
+            await waits
+        self.decode.release()
+        for answered in waiting:
+            response = await answered
+            assert response.code == 200
+            await response.content()
+        await held.done
+        served = [(r.body or {}).get("user", "")[:1] for r in self.decode.requests_for("decode")]
+        # Let go in the fleet's order whichever replica held them: three of a for one of b.
+        assert served[1:5] == ["a", "a", "a", "b"]
+        assert served[5:] == ["a", "b", "b", "b"]

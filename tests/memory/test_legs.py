@@ -1,4 +1,4 @@
-"""One attempt of a decode leg (``Legs.decode_attempt``), in memory: what each outcome counts.
+"""One attempt of a decode leg (``decode.decode_attempt``), in memory: what each outcome counts.
 
 A completion's decode leg and the single-leg routes share this one attempt;
 here it runs against a scripted decode resource behind treq's in-memory
@@ -24,12 +24,13 @@ from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.legs import DecodeRequest, Legs
+from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt
+from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.sending import Retry
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
-from nixl_twisted.observe.spans import NO_LEG
+from nixl_twisted.observe.spans import NO_ATTEMPT
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 
@@ -91,7 +92,7 @@ class Setup:
         config = ProxyConfig.create(**given, health_interval=0)
         backends = BackendService(prefill, self.pool, Upstream(self.agent), config)
         self.metrics = ProxyMetrics()
-        kv = KvEvents(self.clock, self.clock, backends.pools, config)
+        kv = KvEvents(self.clock, self.clock, backends.pools(), config)
         self.legs = Legs(backends, kv, self.clock, self.metrics, config)
         self.record = AccessRecord()
         self.tracked: list[Deferred[IResponse]] = []
@@ -106,7 +107,7 @@ class Setup:
             return waiting
 
         ended: list[Any] = []
-        sent = self.legs.decode_attempt(instance, NO_LEG, request, self.record, track)
+        sent = decode_attempt(self.legs, instance, NO_ATTEMPT, request, self.record, track)
         ensureDeferred(sent).addBoth(ended.append)
         self.agent.traversal.flush()
         return ended

@@ -48,15 +48,15 @@ def test_a_reload_gives_a_model_its_instances_and_its_own_policy(tmp_path: Path)
         ("http://d2:1#rank=0", ["qwen"]),
         ("http://d2:1#rank=1", ["qwen"]),
     ]
-    assert decode.policy_for("qwen")[0] == "session"
-    assert decode.policy_for("llama")[0] == "round-robin"
+    assert decode.policy_for("qwen").name == "session"
+    assert decode.policy_for("llama").name == "round-robin"
     path.write_text(
         'prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n'
         '[models.qwen]\ndecode = ["http://d1:1"]\n'
     )
     service.reload()
     assert [(i.url, sorted(i.named)) for i in decode.instances] == [("http://d1:1", ["qwen"])]
-    assert decode.policy_for("qwen")[0] == "round-robin"
+    assert decode.policy_for("qwen").name == "round-robin"
 
 
 def test_a_reload_that_fails_leaves_the_pools_alone_and_logs_the_key(
@@ -78,17 +78,20 @@ def test_a_reload_changes_the_policies_too(tmp_path: Path) -> None:
     path = tmp_path / "nixlproxy.toml"
     path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n')
     service = proxy_from(path)
-    assert service.backends.prefill.policy_name == "round-robin"
+    assert service.backends.prefill.policies.default.name == "round-robin"
     path.write_text(
         'prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n'
         'prefill-policy = "cache-aware"\ndecode-policy = "least-loaded"\n'
     )
     service.reload()
     pools = service.backends
-    assert (pools.prefill.policy_name, pools.decode.policy_name) == ("cache-aware", "least-loaded")
+    assert (pools.prefill.policies.default.name, pools.decode.policies.default.name) == (
+        "cache-aware",
+        "least-loaded",
+    )
     path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\nprefill-policy = "x"\n')
     service.reload()  # refused, named; the policy stays
-    assert pools.prefill.policy_name == "cache-aware"
+    assert pools.prefill.policies.default.name == "cache-aware"
 
 
 def test_a_reload_applies_limits_timeouts_and_the_log_level_and_warns_once(

@@ -104,7 +104,8 @@ def test_a_new_worker_is_told_every_instance_health() -> None:
 def test_a_worker_reports_adopts_verdicts_applies_changes_and_waits_for_done() -> None:
     worker = backends()
     applied: list[ProxyConfig] = []
-    link = SupervisorLink(None, worker, applied.append)
+    link = SupervisorLink(None, worker)
+    link.on_reloaded(applied.append)
     sent: list[dict[str, Any]] = []
     link._send = sent.append  # type: ignore[method-assign,assignment]
     link.startService = lambda: None  # type: ignore[method-assign]
@@ -161,7 +162,7 @@ def test_what_a_source_lists_goes_to_every_worker_and_to_each_new_one() -> None:
 
 def test_a_worker_applies_what_the_supervisor_discovered_and_shows_its_sources() -> None:
     worker = backends(checked=False)
-    link = SupervisorLink(None, worker, lambda config: None)
+    link = SupervisorLink(None, worker)
     source = "dns+http://decode.test:1"
     link.received({"discovered": {"pool": "decode", "source": source, "urls": [D2]}})
     assert [(i.url, i.source) for i in worker.decode.instances] == [(D1, "static"), (D2, "dns")]
@@ -176,7 +177,7 @@ def test_a_worker_applies_what_the_supervisor_discovered_and_shows_its_sources()
 def test_decode_only_tokens_sent_by_the_workers_reach_the_supervisors_health_loop() -> None:
     coordinator, first, _ = supervisor()
     worker = backends()
-    link = SupervisorLink(None, worker, lambda config: None)
+    link = SupervisorLink(None, worker)
     sent: list[dict[str, Any]] = []
     link._send = sent.append  # type: ignore[method-assign,assignment]
     link.tell_alone()

@@ -42,6 +42,17 @@ def test_the_dashboard_covers_what_an_operator_looks_at() -> None:
         "nixlproxy_retries_total",
         "nixlproxy_client_disconnects_total",
         "nixlproxy_requests_in_flight",
+        "nixlproxy_pool_refused_total",
     )
     for metric in wanted:
         assert metric in text, metric
+
+
+def test_the_dashboard_shows_each_pools_saturation_as_the_docs_and_keda_work_it_out() -> None:
+    dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
+    queries = [" ".join(t["expr"].split()) for p in dashboard["panels"] for t in p["targets"]]
+    part = 'sum by (pool, model) (nixlproxy_pool_{}{{job=~"$job"}})'
+    saturation = (
+        f"({part.format('slots_in_use')} + {part.format('queued')}) / {part.format('slots')}"
+    )
+    assert saturation in queries

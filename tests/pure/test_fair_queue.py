@@ -12,6 +12,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
+from nixl_twisted.config import TenantRule
 from nixl_twisted.exchange.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
@@ -95,8 +96,8 @@ def test_weights_share_what_goes_while_both_wait() -> None:
     fair, _, _ = queue(size=1000)
     slots = Slots()
     for n in range(60):
-        fair.enter(Ticket("heavy", weight=3), slots.place(f"heavy-{n}"))
-        fair.enter(Ticket("light", weight=1), slots.place(f"light-{n}"))
+        fair.enter(Ticket("heavy", TenantRule(weight=3)), slots.place(f"heavy-{n}"))
+        fair.enter(Ticket("light", TenantRule(weight=1)), slots.place(f"light-{n}"))
     for _ in range(40):
         slots.free["decode"] = 1
         fair.pump()
@@ -118,8 +119,8 @@ def test_a_lower_priority_goes_before_any_fairness() -> None:
     fair, _, _ = queue()
     slots = Slots()
     for n in range(3):
-        fair.enter(Ticket("later", priority=5, weight=100), slots.place(f"later-{n}"))
-    fair.enter(Ticket("sooner", priority=1), slots.place("sooner"))
+        fair.enter(Ticket("later", TenantRule(priority=5, weight=100)), slots.place(f"later-{n}"))
+    fair.enter(Ticket("sooner", TenantRule(priority=1)), slots.place("sooner"))
     slots.free["decode"] = 2
     fair.pump()
     assert slots.placed == ["sooner", "later-0"]
@@ -128,9 +129,12 @@ def test_a_lower_priority_goes_before_any_fairness() -> None:
 def test_a_sheddable_request_is_refused_at_once_when_it_cannot_go() -> None:
     fair, _, said = queue()
     slots = Slots(decode=1)
-    assert fair.enter(Ticket("batch", priority=-1), slots.place("room")) == ("placed", "room")
+    assert fair.enter(Ticket("batch", TenantRule(priority=-1)), slots.place("room")) == (
+        "placed",
+        "room",
+    )
     with pytest.raises(ProxyError) as refused:
-        fair.enter(Ticket("batch", priority=-1), slots.place("full"))
+        fair.enter(Ticket("batch", TenantRule(priority=-1)), slots.place("full"))
     assert refused.value.code is ErrorCode.SHED and refused.value.retry_after
     assert len(fair) == 0 and said == [AT_ONCE, SHED]
 
@@ -252,7 +256,7 @@ def test_tenants_that_keep_waiting_are_served_in_proportion_to_their_weights(
     # Each tenant keeps a backlog: enough requests that none runs dry in ``rounds``.
     for n in range(3 * rounds + 1):
         for i, tenant in enumerate(tenants):
-            fair.enter(Ticket(tenant, weight=weights[i]), slots.place(f"{tenant}-{n}"))
+            fair.enter(Ticket(tenant, TenantRule(weight=weights[i])), slots.place(f"{tenant}-{n}"))
     for taken in arrivals[:rounds]:
         slots.free["decode"] = taken
         fair.pump()

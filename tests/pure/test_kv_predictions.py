@@ -7,7 +7,7 @@ from typing import Any
 
 from twisted.internet.task import Clock
 
-from nixl_twisted.backends import routing
+from nixl_twisted.backends import policies
 from nixl_twisted.backends.holdings import Reach
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.routing import Routing
@@ -137,8 +137,7 @@ def kv_pool(count: int) -> tuple[BackendPool, KvIndex, Clock]:
     """A kv-aware pool whose instances all publish, over a real index with a ``Clock``."""
     pool = BackendPool("prefill", [f"http://p{i}:1" for i in range(count)], Clock())
     held = Indexed({i.url for i in pool.instances})
-    pool.policy = routing.policy("kv-aware", routing.Balance(), held=held)
-    pool.policy_name = "kv-aware"
+    pool.use_policies(policies.chosen("kv-aware", policies.Parts(held=held)))
     return pool, held.index, held.clock
 
 

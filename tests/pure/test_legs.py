@@ -15,7 +15,7 @@ from nixl_twisted.backends.routing import NO_ROUTING
 from nixl_twisted.exchange.prefill import PrefillVerdict, classify_prefill
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, reason_of, send_leg
 from nixl_twisted.observe.metrics import ProxyMetrics
-from nixl_twisted.observe.spans import LegTrace
+from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 
@@ -74,7 +74,7 @@ def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
     backends = pool("a", "b")
     seen: list[Instance] = []
 
-    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+    def attempt(instance: Instance, _: AttemptTrace) -> Deferred[str]:
         seen.append(instance)
         assert instance.in_flight == 1  # held while it serves
         if instance.url == "http://a:1":
@@ -94,7 +94,7 @@ def test_a_retry_goes_to_the_next_instance_and_gives_the_first_back() -> None:
 def test_when_every_instance_failed_the_last_error_is_the_answer() -> None:
     backends = pool("a", "b")
 
-    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+    def attempt(instance: Instance, _: AttemptTrace) -> Deferred[str]:
         raise Retry(ProxyError(DOWN, f"{instance.url} is down"), "x", "y")
 
     failure = run(send_leg(backends, ProxyMetrics(), attempt, by_policy(backends, 5)))
@@ -105,7 +105,7 @@ def test_when_every_instance_failed_the_last_error_is_the_answer() -> None:
 def test_another_error_ends_the_leg_and_releases_the_instance() -> None:
     backends = pool("a", "b")
 
-    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+    def attempt(instance: Instance, _: AttemptTrace) -> Deferred[str]:
         raise ValueError("not the instance's fault")
 
     failure = run(send_leg(backends, ProxyMetrics(), attempt, by_policy(backends, 2)))
@@ -118,7 +118,7 @@ def test_go_on_stops_the_retries() -> None:
     backends = pool("a", "b")
     calls: list[Instance] = []
 
-    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+    def attempt(instance: Instance, _: AttemptTrace) -> Deferred[str]:
         calls.append(instance)
         raise Retry(ProxyError(DOWN, "down"), "x", "y")
 
@@ -147,7 +147,7 @@ def test_twisted_client_errors_are_said_by_their_messages_not_reprs() -> None:
 
 
 def test_a_handoff_gap_past_the_warning_is_counted_and_logged() -> None:
-    from nixl_twisted.exchange.legs import note_handoff
+    from nixl_twisted.exchange.decode import note_handoff
 
     metrics = ProxyMetrics()
     assert not note_handoff(metrics, 0.002, 10.0, "r1", "http://d:1")
@@ -164,7 +164,7 @@ def test_a_leg_sent_elsewhere_asks_the_next_and_counts_nothing_against_the_first
     backends = pool("a", "b")
     record = AccessRecord()
 
-    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+    def attempt(instance: Instance, _: AttemptTrace) -> Deferred[str]:
         if instance.url == "http://a:1":
             raise Elsewhere("answered_404")
         return succeed("held here")
@@ -186,7 +186,7 @@ def test_a_leg_chooses_by_the_pools_policy_and_counts_each_choice() -> None:
     backends = pool("a", "b")
     metrics = ProxyMetrics()
 
-    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+    def attempt(instance: Instance, _: AttemptTrace) -> Deferred[str]:
         if instance.url == "http://a:1":
             raise Retry(ProxyError(DOWN, "a is down"), "unreachable", "refused")
         return succeed("answer")
@@ -217,7 +217,7 @@ def test_a_leg_may_choose_its_own_instances_then_no_policy_or_retry_is_counted()
         def failed(self, instance: Instance) -> None:
             pass
 
-    def attempt(instance: Instance, _: LegTrace) -> Deferred[str]:
+    def attempt(instance: Instance, _: AttemptTrace) -> Deferred[str]:
         seen.append((instance.url, instance.in_flight))
         raise Retry(ProxyError(DOWN, f"{instance.url} is down"), "x", "y")
 

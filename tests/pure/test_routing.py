@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.task import Clock
 
-from nixl_twisted.backends import prompt_keys, routing
+from nixl_twisted.backends import policies, prompt_keys, routing
 from nixl_twisted.backends.holdings import Reach
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
@@ -37,7 +37,11 @@ def prompt_key(body: dict[str, Any], key_bytes: int) -> bytes | None:
 def routing_for(
     policies: set[str], key_bytes: int, session: bytes | None, body: dict[str, Any]
 ) -> Routing:
-    return prompt_keys.routing_for(policies, key_bytes, session, completion(body))
+    return prompt_keys.routing_for(needs(policies), key_bytes, session, completion(body))
+
+
+def needs(names: Collection[str]) -> policies.Needs:
+    return policies.needs(names)
 
 
 def session_key(header: bytes | None, body: dict[str, Any]) -> str | None:
@@ -49,13 +53,12 @@ def pool_of(count: int, name: str = "prefill") -> BackendPool:
 
 
 def use(pool: BackendPool, name: str, balance: float = 1.5) -> BackendPool:
-    pool.policy = routing.policy(name, routing.Balance(balance))
-    pool.policy_name = name
+    pool.use_policies(policies.chosen(name, policies.Parts(routing.Balance(balance))))
     return pool
 
 
 def test_the_settings_name_every_policy_and_no_other() -> None:
-    assert tuple(routing.policies(routing.Balance())) == POLICIES
+    assert tuple(policies.REGISTRY) == POLICIES
 
 
 def test_least_loaded_takes_the_fewest_legs_ties_in_rotation() -> None:
@@ -217,8 +220,9 @@ def test_a_request_is_routed_on_what_the_policies_in_use_look_at() -> None:
 def remembering(count: int, entries: int = 1000, min_match: float = 0.5) -> BackendPool:
     pool = pool_of(count)
     pool.sent = SentPrefixes(entries)
-    pool.policy = routing.policy("cache-aware", routing.Balance(), pool.sent, min_match)
-    pool.policy_name = "cache-aware"
+    pool.use_policies(
+        policies.chosen("cache-aware", policies.Parts(sent=pool.sent, min_match=min_match))
+    )
     return pool
 
 
@@ -368,8 +372,7 @@ TOKENS = tuple(range(2000, 2064))
 
 def kv_pool(count: int, held: Indexed) -> BackendPool:
     pool = pool_of(count)
-    pool.policy = routing.policy("kv-aware", routing.Balance(), held=held)
-    pool.policy_name = "kv-aware"
+    pool.use_policies(policies.chosen("kv-aware", policies.Parts(held=held)))
     return pool
 
 
@@ -418,9 +421,9 @@ def salted(body: dict[str, Any], salt: str | None) -> Completion:
 
 def test_every_routing_key_is_its_salts_own() -> None:
     body = {"messages": [{"role": "user", "content": DOCUMENT}], "user": "u1"}
-    policies = {"cache-aware", "kv-aware", "session"}
+    every = needs({"cache-aware", "kv-aware", "session"})
     keys = {
-        salt: prompt_keys.routing_for(policies, 512, None, salted(body, salt))
+        salt: prompt_keys.routing_for(every, 512, None, salted(body, salt))
         for salt in (None, "tenant-a", "tenant-b")
     }
     assert len({r.prompt for r in keys.values()}) == 3
@@ -429,7 +432,7 @@ def test_every_routing_key_is_its_salts_own() -> None:
     assert all(chains) and not chains[0] & chains[1] and not chains[1] & chains[2]
     assert keys[None].prompt == prompt_key(body, 512) and keys[None].session == "u1"
     assert keys["tenant-a"].salt == "tenant-a"
-    only_session = prompt_keys.routing_for({"session"}, 512, b"s", salted(body, "tenant-a"))
+    only_session = prompt_keys.routing_for(needs({"session"}), 512, b"s", salted(body, "tenant-a"))
     assert only_session.session == "tenant-a\0s"
 
 
@@ -438,7 +441,7 @@ def test_cache_aware_never_follows_a_prefix_another_salt_sent() -> None:
 
     def ask(question: str, salt: str | None) -> Routing:
         body = {"messages": [{"role": "user", "content": f"{DOCUMENT}\n\n{question}"}]}
-        return prompt_keys.routing_for({"cache-aware"}, 512, None, salted(body, salt))
+        return prompt_keys.routing_for(needs({"cache-aware"}), 512, None, salted(body, salt))
 
     first, _ = pool.choose(routing=ask("Why?", "tenant-a"))
     assert pool.choose(routing=ask("How?", "tenant-a")) == (first, "prefix")

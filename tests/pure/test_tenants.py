@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from twisted.internet.task import Clock
 
-from nixl_twisted.config import ConfigError, ProxyConfig
+from nixl_twisted.config import ConfigError, ProxyConfig, TenantRule
 from nixl_twisted.protocol import salts
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.run import startup
-from nixl_twisted.web.tenants import Rule, TenantLimits
+from nixl_twisted.web.tenants import TenantLimits
 
 
 def limits(**settings: object) -> tuple[TenantLimits, Clock]:
@@ -135,7 +135,7 @@ def test_the_tenant_table_with_priorities_survives_the_workers_json() -> None:
 
 def test_a_tenants_table_takes_underscores_and_names_a_wrong_key() -> None:
     underscored, _ = limits(tenants={"vip": {"max_in_flight": 3, "tokens_per_minute": 9}})
-    assert underscored.rule("vip") == Rule(max_in_flight=3, tokens_per_minute=9)
+    assert underscored.rule("vip") == TenantRule(max_in_flight=3, tokens_per_minute=9)
     for given, said in [
         (
             {"max_inflight": 3},

@@ -187,10 +187,10 @@ def test_off_is_the_same_no_op_objects_every_time() -> None:
     request = DummyRequest([b"v1", b"chat", b"completions"])
     trace = off.request(request, 0.0)  # type: ignore[arg-type]
     assert trace is spans.NO_TRACE
-    leg = trace.leg(None, "next", "round-robin", 1)  # type: ignore[arg-type]
-    assert leg is spans.NO_LEG
+    span = trace.attempt(None, "next", "round-robin", 1)  # type: ignore[arg-type]
+    assert span is spans.NO_ATTEMPT
     headers = Headers({b"traceparent": [b"00-client-trace-01"]})
-    assert leg.headers("http://d1:8200/v1/models", headers) is headers  # not even copied
+    assert span.headers("http://d1:8200/v1/models", headers) is headers  # not even copied
 
 
 def new_request(*headers: tuple[bytes, bytes]) -> Request:
@@ -263,9 +263,9 @@ def through_a_leg(*headers: tuple[bytes, bytes]) -> tuple[Headers, str]:
     traced.add_span_processor(SimpleSpanProcessor(exported))
     request = new_request(*headers)
     trace = tracing.Tracing(traced).request(request, 0.0)
-    leg = trace.leg(Instance("http://d1:8200", "decode"), "next", "round-robin", 1)
-    sent = leg.headers("http://d1:8200/v1/completions", Headers())
-    leg.end()
+    attempt = trace.attempt(Instance("http://d1:8200", "decode"), "next", "round-robin", 1)
+    sent = attempt.headers("http://d1:8200/v1/completions", Headers())
+    attempt.end()
     trace.end(request, AccessRecord())
     span = next(s for s in exported.get_finished_spans() if s.kind.name == "SERVER")
     assert span.context is not None
@@ -430,9 +430,9 @@ def test_a_leg_names_its_server_by_host_and_port_and_its_url(
     traced = TracerProvider()
     traced.add_span_processor(SimpleSpanProcessor(exported))
     trace = tracing.Tracing(traced).request(new_request(), 0.0)
-    leg = trace.leg(Instance(instance, "decode"), "next", "round-robin", 1)
-    leg.headers(sent, Headers())
-    leg.end()
+    attempt = trace.attempt(Instance(instance, "decode"), "next", "round-robin", 1)
+    attempt.headers(sent, Headers())
+    attempt.end()
     (span,) = exported.get_finished_spans()
     attributes = dict(span.attributes or {})
     assert attributes["server.address"] == address

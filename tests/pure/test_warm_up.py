@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from twisted.internet.task import Clock
 
-from nixl_twisted.backends import routing
+from nixl_twisted.backends import policies
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool
@@ -20,8 +20,7 @@ def cache_aware(count: int, clock: Clock, checked: bool = False) -> BackendPool:
     urls = [f"http://p{i}:1" for i in range(count)]
     pool = BackendPool("prefill", urls, clock, checked=checked)
     pool.sent = SentPrefixes(1000)
-    pool.policy = routing.policy("cache-aware", routing.Balance(), pool.sent)
-    pool.policy_name = "cache-aware"
+    pool.use_policies(policies.chosen("cache-aware", policies.Parts(sent=pool.sent)))
     pool.warm_up = WARM_UP
     return pool
 
@@ -95,8 +94,7 @@ def test_kv_aware_sends_a_miss_to_the_warming_instance_not_only_the_least_loaded
     urls = {"http://p0:1", "http://p1:1", "http://p9:1"}
     held = Indexed(urls)
     pool = BackendPool("prefill", ["http://p0:1", "http://p1:1"], held.clock)
-    pool.policy = routing.policy("kv-aware", routing.Balance(), held=held)
-    pool.policy_name = "kv-aware"
+    pool.use_policies(policies.chosen("kv-aware", policies.Parts(held=held)))
     pool.warm_up = WARM_UP
     idle, loaded = pool.instances
     loaded.in_flight = 4

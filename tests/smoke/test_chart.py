@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 import nixl_twisted
+from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.run.proxy_service import CLOSE_GRACE
 from nixl_twisted.tap import Options
 from tests.loopback.test_tls import self_signed
@@ -32,9 +33,9 @@ MANIFESTS = ROOT / "deploy" / "kubernetes" / "nixl-twisted.yaml"
 EVERYTHING_ON = CHART / "ci" / "everything-on-values.yaml"
 VALUES = {"defaults": None, "everything-on": EVERYTHING_ON}
 TOOLS = Path.home() / ".cache" / "nixl-twisted"
-#: What kubernetes-validate has no schema for: Prometheus Operator's resource,
-#: checked field by field below instead.
-NO_SCHEMA = {"ServiceMonitor"}
+#: What kubernetes-validate has no schema for: Prometheus Operator's resource and
+#: KEDA's, checked field by field below instead.
+NO_SCHEMA = {"ServiceMonitor", "ScaledObject"}
 #: The oldest Kubernetes the chart says it runs on (Chart.yaml's kubeVersion),
 #: and the newest kubernetes-validate knows.
 KUBERNETES = ("1.25", "1.37")
@@ -114,7 +115,9 @@ def test_kubernetes_validate_strict_passes_every_resource_the_chart_renders(
     unchecked = re.findall(r"^WARN .*Couldn't find schema for kind (\w+)", said, re.M)
     assert set(unchecked) == {k for k in kinds if k in NO_SCHEMA}, said
     assert not re.search(
-        r"^(ERROR|WARN)(?!.*Couldn't find schema for kind ServiceMonitor)", said, re.M
+        r"^(ERROR|WARN)(?!.*Couldn't find schema for kind (ServiceMonitor|ScaledObject) )",
+        said,
+        re.M,
     )
 
 
@@ -122,10 +125,10 @@ def test_everything_on_renders_every_template_and_the_defaults_the_hardened_core
     on = {doc["kind"] for doc in documents(rendered("everything-on"))}
     assert on == {
         "ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding",
-        "Secret", "Service", "ServiceAccount", "ServiceMonitor",
+        "Secret", "Service", "ServiceAccount", "ServiceMonitor", "ScaledObject",
     }  # fmt: skip
     defaults = {doc["kind"] for doc in documents(rendered("defaults"))}
-    assert defaults == on - {"Secret", "ServiceMonitor"}
+    assert defaults == on - {"Secret", "ServiceMonitor", "ScaledObject"}
 
 
 def test_the_plain_manifests_are_the_chart_rendered_with_its_defaults() -> None:
@@ -265,3 +268,50 @@ def test_the_service_monitor_scrapes_the_metrics_service_and_grafana_gets_the_da
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     shipped = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
     assert json.loads(dashboard["data"]["nixlproxy.json"]) == shipped
+
+
+#: KEDA's ScaledObject (keda.sh/v1alpha1) and its Prometheus trigger: the fields they have.
+SCALED_OBJECT_SPEC = {
+    "scaleTargetRef", "pollingInterval", "cooldownPeriod", "initialCooldownPeriod",
+    "idleReplicaCount", "minReplicaCount", "maxReplicaCount", "advanced", "fallback", "triggers",
+}  # fmt: skip
+TRIGGER = {"type", "name", "metadata", "metricType", "authenticationRef", "useCachedMetrics"}
+PROMETHEUS_METADATA = {
+    "serverAddress", "query", "threshold", "activationThreshold", "namespace",
+    "customHeaders", "ignoreNullValues", "unsafeSsl", "queryParameters", "timeout",
+}  # fmt: skip
+
+
+def test_keda_scales_each_vllm_pool_by_the_saturation_the_proxies_export() -> None:
+    docs = documents(rendered("everything-on"))
+    scaled = {doc["metadata"]["name"]: doc for doc in by_kind(docs, "ScaledObject")}
+    assert set(scaled) == {"vllm-prefill", "vllm-decode", "vllm-decode-llama-70b"}
+    (monitored,) = [s for s in by_kind(docs, "Service") if s["spec"].get("clusterIP") == "None"]
+    exported = {family.name for family in ProxyMetrics().registry.collect()}
+    for name, doc in scaled.items():
+        assert doc["apiVersion"] == "keda.sh/v1alpha1"
+        spec = doc["spec"]
+        assert set(spec) <= SCALED_OBJECT_SPEC, set(spec) - SCALED_OBJECT_SPEC
+        assert spec["scaleTargetRef"] == {"name": name}
+        assert 1 <= spec["minReplicaCount"] <= spec["maxReplicaCount"]
+        (trigger,) = spec["triggers"]
+        assert set(trigger) <= TRIGGER and set(trigger["metadata"]) <= PROMETHEUS_METADATA
+        assert (trigger["type"], trigger["metricType"]) == ("prometheus", "Value")
+        metadata = trigger["metadata"]
+        # KEDA reads every metadata value as a string.
+        assert all(isinstance(value, str) for value in metadata.values()), metadata
+        assert 0 < float(metadata["threshold"]) <= 1
+        query = metadata["query"]
+        asked = re.findall(r"(nixlproxy_[a-z_]+)\{([^}]*)\}", query)
+        assert {metric for metric, _ in asked} == {
+            "nixlproxy_pool_slots_in_use",
+            "nixlproxy_pool_queued",
+            "nixlproxy_pool_slots",
+        }
+        assert {metric for metric, _ in asked} <= exported
+        pool = "prefill" if "prefill" in name else "decode"
+        for _, matchers in asked:  # the series of this release's proxies, of this pool
+            said = dict(re.findall(r'(\w+)="([^"]*)"', matchers))
+            assert said["job"] == monitored["metadata"]["name"]
+            assert said["namespace"] == "serving" and said["pool"] == pool
+            assert said.get("model") == ("llama-70b" if name.endswith("70b") else None)

@@ -41,7 +41,7 @@ pod starts without it, and a Secret of that name made later is read). */}}
 
 {{- define "nixl-twisted.makesSecret" -}}
 {{- $s := .Values.secrets }}
-{{- if and (not $s.existingSecret) (or $s.apiKeys $s.backendApiKey $s.adminToken $s.limitsRedis) }}true{{ end }}
+{{- if and (not $s.existingSecret) (or $s.apiKeys $s.backendApiKey $s.adminToken $s.limitsRedis $s.replicasRedis) }}true{{ end }}
 {{- end }}
 
 {{/* Whether discovery by selector is on (in the top-level pools or a model's). */}}

@@ -1,0 +1,78 @@
+"""``SharedTenants``: a tenant's requests in flight counted over every replica.
+
+``--tenant-max-in-flight`` (and a tenant's own ``max-in-flight``) holds for
+the whole proxy while ``--replicas-redis`` answers: a request takes one of
+its tenant's places in Redis (``scripts.TENANT_IN``) as it is admitted and
+gives it back when it ends; a replica that dies gives back its own with its
+heartbeat. While Redis does not answer, each replica holds the tenant to its
+share of the limit (the limit over the replicas last seen, one at least).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
+
+from nixl_twisted.fleet import scripts
+from nixl_twisted.fleet.replicas import Replicas, Unshared
+
+#: What ``admit`` says when Redis could not: the replica decides alone.
+ALONE = None
+
+
+class SharedTenants:
+    """Each tenant's requests in flight over every replica; the places this one holds."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.replicas = replicas
+        #: The places this replica holds: id -> tenant.
+        self.places: dict[str, str] = {}
+        self._ids = (f"{n:x}" for n in itertools.count(1))
+        replicas.hold(self)
+
+    def held(self) -> tuple[list[str], list[str]]:
+        return [], [f"{tenant}|{place}" for place, tenant in self.places.items()]
+
+    def shared(self, view: dict[str, int], version: int) -> None:
+        """(Nothing to read: a tenant's count is read when one of its requests comes.)"""
+
+    def alone(self) -> None:
+        """(Each request is held to the share while alone: nothing to do now.)"""
+
+    def restored(self) -> None:
+        """(Its places were written back as they are.)"""
+
+    def share(self, limit: int) -> int:
+        """This replica's share of a tenant's ``limit`` while Redis does not answer."""
+        return max(1, limit // self.replicas.count)
+
+    def admit(self, tenant: str, limit: int) -> Deferred[str | bool | None]:
+        """One more request of ``tenant`` in flight: its place's id, False past ``limit``
+        over every replica, or ``ALONE`` (None) when Redis could not say."""
+        if not self.replicas.is_shared:
+            return succeed(ALONE)
+        place = next(self._ids)
+        sent = self.replicas.call(scripts.TENANT_IN, [tenant, limit, place], "tenant")
+
+        def said(reply: Any) -> str | bool:
+            if int(reply[0]) != 1:
+                return False
+            self.places[place] = tenant
+            return place
+
+        def alone(failure: Failure) -> None:
+            failure.trap(Unshared)
+            return ALONE
+
+        return sent.addCallbacks(said, alone)
+
+    def release(self, place: str) -> None:
+        """That request ended: its place goes back (once)."""
+        tenant = self.places.pop(place, None)
+        if tenant is None or not self.replicas.is_shared:
+            return  # (written back without it when Redis answers again)
+        sent = self.replicas.call(scripts.TENANT_OUT, [tenant, place], "tenant")
+        sent.addErrback(lambda failure: failure.trap(Unshared))
