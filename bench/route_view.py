@@ -55,7 +55,7 @@ def cpu(prompt_bytes: int, tokens: int) -> dict[str, Any]:
     memory = SentPrefixes(100_000)
     clock = Clock()
     config = ProxyConfig.create(prefill=[URL], decode=["http://d:1"])
-    kv = KvEvents(clock, clock, lambda: (), config)
+    kv = KvEvents(clock, clock, (), config)
     kv.index("prefill").apply("http://x", [Stored((1,), None, tuple(range(16)), 16)])
 
     def hear_sent() -> None:

@@ -127,8 +127,7 @@ class SharedRoutesTests(ProxyCase):
     async def ask(self, proxy: RunningProxy, body: dict[str, Any], path: str = "") -> Any:
         response = await self.http.post(
             proxy.url + (path or "/v1/chat/completions"),
-            data=json.dumps(body).encode(),
-            headers={b"Content-Type": [b"application/json"]},
+            json=body,
         )
         answer = json.loads(await response.content())
         self.assertEqual(response.code, 200, answer)

@@ -94,7 +94,7 @@ def test_a_prefix_heard_is_remembered_and_not_told_on() -> None:
 
 def events(clock: Clock) -> KvEvents:
     config = ProxyConfig.create(prefill=[URL], decode=["http://d:1"])
-    kv = KvEvents(clock, clock, lambda: (), config)
+    kv = KvEvents(clock, clock, (), config)
     kv.index("prefill").apply("http://other", [Stored((9,), None, tuple(range(16)), 16)])
     return kv
 
@@ -135,7 +135,7 @@ def test_what_another_replica_told_is_applied_once_and_its_own_not_at_all() -> N
     outbox = Outbox(replicas, clock, replicas.metrics)
     routes = SharedRoutes(replicas, outbox, lambda: (pool,), kv, replicas.metrics)
     chain = pieces(b"d" * 1024)
-    told = [Sent("prefill", URL, chain), Predicted("prefill", URL, PROMPT)]
+    told: list[messages.Told] = [Sent("prefill", URL, chain), Predicted("prefill", URL, PROMPT)]
     lines = [x for x in map(messages.line, told) if x is not None]
     routes._heard("s", messages.entry(replicas.id, lines), 0.0)  # its own: applied as it chose
     assert pool.sent.longest(chain, {URL}) == {}
