@@ -14,6 +14,9 @@ STEP_NEEDS ?= install
 # real dnsmasq (DNS discovery against a real resolver) and a real headless
 # Chromium with its chromedriver (the status page in a browser).
 LAYER_NEEDS ?= redis-server dnsmasq chromium
+# What the benchmarks' smoke runs need besides: a real redis-server (bench.routing
+# --replicas and bench.route_view share one routing view through it).
+BENCH_NEEDS ?= redis-server
 # What the chart's check needs: Helm and kubernetes-validate, kept outside the
 # clone (CI clones afresh each run), so that only a machine's first run fetches them.
 CHART_NEEDS ?= helm kubernetes-validate
@@ -92,7 +95,7 @@ test: install redis-server dnsmasq chromium helm kubernetes-validate
 	@failed=""; \
 	for step in $(TEST_STEPS); do \
 		echo "==> make $$step"; \
-		$(MAKE) --no-print-directory STEP_NEEDS= LAYER_NEEDS= CHART_NEEDS= $$step || failed="$$failed $$step"; \
+		$(MAKE) --no-print-directory STEP_NEEDS= LAYER_NEEDS= BENCH_NEEDS= CHART_NEEDS= $$step || failed="$$failed $$step"; \
 	done; \
 	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed" >&2; exit 1; fi; \
 	echo "make test: every step passed ($(TEST_STEPS))"
@@ -103,7 +106,7 @@ layers: $(STEP_NEEDS) $(LAYER_NEEDS)
 docs-check: $(STEP_NEEDS)
 	$(BIN)/python -m pytest tests/smoke/test_docs.py
 
-bench-smoke: $(STEP_NEEDS)
+bench-smoke: $(STEP_NEEDS) $(BENCH_NEEDS)
 	$(BIN)/python -m pytest tests/smoke/test_bench.py
 
 demo-check: $(STEP_NEEDS)

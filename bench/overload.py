@@ -81,6 +81,19 @@ class Fleet:
             "max_tokens": self.tokens,
         }
 
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Fleet:
+        """The fleet the command line (``arguments``) describes."""
+        return cls(
+            args.prefills,
+            args.decodes,
+            args.max_num_seqs,
+            args.tokens,
+            args.token_interval,
+            args.prefill_cost,
+            args.max_num_queued_reqs,
+        )
+
     @property
     def stream_seconds(self) -> float:
         return (self.tokens + 1) * self.token_interval
@@ -342,15 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.requests is not None and args.requests < 1:
         parser.error("--requests must be at least 1")
-    fleet = Fleet(
-        args.prefills,
-        args.decodes,
-        args.max_num_seqs,
-        args.tokens,
-        args.token_interval,
-        args.prefill_cost,
-        args.max_num_queued_reqs,
-    )
+    fleet = Fleet.of(args)
     if args.serve_fakes:
         serve_fakes(fleet)
         return 0

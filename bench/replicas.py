@@ -207,15 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=float, metavar="SECONDS", help="SIGKILL replica 0")
     parser.add_argument("--redis-stop", metavar="T1,T2", help="stop Redis at T1, start at T2")
     args = parser.parse_args(argv)
-    fleet = Fleet(
-        args.prefills,
-        args.decodes,
-        args.max_num_seqs,
-        args.tokens,
-        args.token_interval,
-        args.prefill_cost,
-        args.max_num_queued_reqs,
-    )
+    fleet = Fleet.of(args)
     if args.serve_fakes:
         from bench.overload import serve_fakes
 

@@ -32,9 +32,14 @@ and ``--in-flight 1,4``: the ideal, round-robin, cache-aware and kv-aware
 hit rate over the ideal's and its worst seed's, and the busiest instance's
 legs over an even share. Against real vLLM (``--real-prefill``) the shapes
 take shorter texts (``bench.workloads.REAL``), to fit a 2,048-token context.
+With ``--replicas N`` (``bench.replicas_routing``): for ``cache-aware`` and
+``kv-aware``, one proxy against N taking each turn at random, alone and
+sharing one routing view through a redis-server of the run's own
+(``--replicas-redis``).
 
     python -m bench.routing [--workload chat|documents|mixed] [--conversations 24] [--turns 6]
     python -m bench.routing --shapes all --seeds 1,2,3 [--instances 2,4,8 --in-flight 1,4]
+    python -m bench.routing --shapes all --seeds 1,2,3 --replicas 2
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class Run:
     slow: bool = False
     #: vllm-project/router instead of nixlproxy (its policy name).
     router: str | None = None
+    #: With several proxies: each turn to one drawn at random (seeded), not in turn.
+    at_random: bool = False
+    #: With several proxies: one routing view through a redis-server of the run's own.
+    shared: bool = False
 
 
 RUNS = (
@@ -219,6 +228,17 @@ def instances(run: Run, args: argparse.Namespace) -> Iterator[dict[str, list[str
 
 
 @contextmanager
+def redis_server() -> Iterator[str]:
+    """A redis-server of its own for one run (nothing kept from the run before), off the
+    proxies' core, and its URL."""
+    port = _free_port()
+    command = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    command += ["--appendonly", "no"]
+    with _process(_pinned("1", command), port):
+        yield f"redis://127.0.0.1:{port}/0"
+
+
+@contextmanager
 def vllm_router(binary: str, policy: str, urls: dict[str, list[str]]) -> Iterator[str]:
     """vllm-project/router in P/D mode in front of the instances, pinned to the proxy's core."""
     port = _free_port()
@@ -264,6 +284,8 @@ def measure(run: Run, args: argparse.Namespace, known: Shape | None = None) -> d
                 *[a for u in urls["decode"] for a in ("--decode", u)],
                 *args.proxy_arg,
             ]
+            if run.shared:
+                proxy_args += ["--replicas-redis", stack.enter_context(redis_server())]
             fronts = [
                 stack.enter_context(nixlproxy(proxy_args, "0", run.workers))[1]
                 for _ in range(run.proxies)
@@ -288,7 +310,10 @@ def measure(run: Run, args: argparse.Namespace, known: Shape | None = None) -> d
                 args.opening_bytes,
             )
             concurrency, follow_up = args.concurrency, args.follow_up_words
-        result = asyncio.run(conversations(fronts, made, concurrency, rng, args.model, follow_up))
+        assign = random.Random(f"assign-{args.seed}") if run.at_random else None
+        result = asyncio.run(
+            conversations(fronts, made, concurrency, rng, args.model, follow_up, assign)
+        )
         after = _counters(urls["prefill"])
     hits = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     queries = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
@@ -425,6 +450,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--instances", default="", help="--shapes: e.g. 2,4,8 (its own: none)")
     parser.add_argument("--in-flight", default="", help="--shapes: e.g. 1,4 (its own: none)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="--shapes: one proxy against N taking requests at random, alone and sharing "
+        "their routing view through a redis-server (--replicas-redis)",
+    )
     parser.add_argument("--serve-fakes", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--slow", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -449,6 +481,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.proxy_python:
         _proxy_from(args.proxy_python)
+    if args.shapes and args.replicas:
+        from bench.replicas_routing import replicas_table
+
+        return replicas_table(args)
     if args.shapes:
         return shapes_table(args)
     if args.prefills:

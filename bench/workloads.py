@@ -299,26 +299,35 @@ async def conversations(
     rng: random.Random,
     model: str = "fake-model",
     follow_up: int = 80,
+    assign: random.Random | None = None,
 ) -> dict[str, Any]:
     """Every conversation's turns, interleaved in ``rng``'s order (it drew the workload too).
 
-    With several ``urls`` (proxies), a conversation's turns alternate between them;
-    each turn after the first asks ``follow_up`` words more.
+    With several ``urls`` (proxies), a conversation's turns alternate between them, or
+    with ``assign`` each turn goes to one drawn at random from it (drawn before the
+    first is sent, so that the draw does not depend on which turn ends first); each turn
+    after the first asks ``follow_up`` words more.
     """
     from openai import AsyncOpenAI
 
     clients = [AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0) for url in urls]
+    drawn = [
+        [assign.randrange(len(clients)) if assign else t % len(clients) for t in range(count)]
+        for count in made.turns
+    ]
     histories = made.histories
     waiting = order(made, rng)
     done_turns = [0] * len(histories)
     busy: set[int] = set()
     ttfts: list[float] = []
     failures = 0
+    #: Why turns failed, each reason once, as the client said it.
+    why: list[str] = []
     lock = asyncio.Lock()
 
     async def one_turn(n: int) -> None:
         nonlocal failures
-        client = clients[done_turns[n] % len(clients)]
+        client = clients[drawn[n][done_turns[n]]]
         started = time.monotonic()
         first: float | None = None
         text = []
@@ -352,8 +361,11 @@ async def conversations(
                     if chunk.choices and chunk.choices[0].delta.content:
                         first = first or time.monotonic()
                         text.append(chunk.choices[0].delta.content)
-        except Exception:
+        except Exception as error:
             failures += 1
+            said = f"{type(error).__name__}: {error}"[:300]
+            if said not in why:
+                why.append(said)
             return
         ttfts.append((first or time.monotonic()) - started)
         histories[n] = next_turn(histories[n], done_turns[n], "".join(text), follow_up)
@@ -384,5 +396,6 @@ async def conversations(
         "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else None,
         "ttft_p99_ms": round(ttfts[int(0.99 * (len(ttfts) - 1))] * 1000, 1) if ttfts else None,
         "failures": failures,
+        "why_failed": why,
         "turns": len(ttfts),
     }

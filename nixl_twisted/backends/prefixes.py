@@ -8,14 +8,17 @@ share a hash only when they share everything before it too. This is the
 proxy's own memory of what it sent, not of what vLLM still holds (for
 that, ``kv-aware`` and vLLM's KV events): it never asks vLLM, and an entry
 may outlive the blocks it stands for. Bounded by ``--cache-aware-entries``
-(one entry per piece), the least recently used going first.
+(one entry per piece), the least recently used going first. With
+``--replicas-redis`` each prompt sent is told to the other replicas
+(``on_sent``), and what they sent is remembered here as if sent from here
+(``remember``): the hashes are blake2b's, the same in every process.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 #: Bytes of rendered prompt per piece: a piece is the finest prefix the memory knows.
 PIECE_BYTES = 256
@@ -52,6 +55,7 @@ class SentPrefixes:
         #: The most entries kept (0: remember nothing).
         self.entries = entries
         self._sent: OrderedDict[int, tuple[str, ...]] = OrderedDict()
+        self._told: list[Callable[[Sequence[int], str], object]] = []
 
     def __len__(self) -> int:
         return len(self._sent)
@@ -72,10 +76,21 @@ class SentPrefixes:
                     depths[url] = at
         return depths
 
+    def on_sent(self, told: Callable[[Sequence[int], str], object]) -> None:
+        """``told(chain, url)`` of each prompt this process sends (the other replicas)."""
+        self._told.append(told)
+
     def sent(self, chain: Sequence[int], url: str) -> None:
         """``url`` was sent this prompt: it is now the first holder of each of its prefixes."""
-        if not self.entries:
-            return
+        if self.remember(chain, url):
+            for told in self._told:
+                told(chain, url)
+
+    def remember(self, chain: Sequence[int], url: str) -> bool:
+        """``url`` was sent this prompt (by this process, or another replica: not told on);
+        whether there was anything to remember."""
+        if not self.entries or not chain:
+            return False
         remembered = self._sent
         for piece in chain:
             holders = remembered.get(piece, ())
@@ -84,6 +99,7 @@ class SentPrefixes:
             remembered.move_to_end(piece)
         while len(remembered) > self.entries:
             remembered.popitem(last=False)
+        return True
 
     def resize(self, entries: int) -> None:
         """A reload's new bound: the oldest entries beyond it go now."""

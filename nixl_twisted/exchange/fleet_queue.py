@@ -19,16 +19,13 @@ the fleet's move there, and are let go by it.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 
-from nixl_twisted.backends.pools import Lease
 from nixl_twisted.exchange.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
@@ -41,51 +38,25 @@ from nixl_twisted.exchange.fair_queue import (
     Ticket,
     Told,
 )
+from nixl_twisted.exchange.fleet_waiting import (
+    FleetWaiting,
+    Placed,
+    drain_seconds,
+    full,
+    place_args,
+    shed,
+    text,
+    timed_out,
+)
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.leases import SharedSlots
-from nixl_twisted.fleet.replicas import Replicas, Unshared, view_of
-from nixl_twisted.protocol.codes import ErrorCode
+from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.replies import view_of
 from nixl_twisted.protocol.errors import ProxyError
 
 #: Seconds a model whose first request is another replica's waits before trying again,
 #: when no message said a slot freed (one may have been lost).
 BEHIND = 1.0
-
-
-class Taken(Protocol):
-    """What a placement holds: its decode slot, its prefill slot (None: none yet)."""
-
-    @property
-    def decode(self) -> Lease: ...
-
-    @property
-    def prefill(self) -> Lease | None: ...
-
-    def release(self) -> None: ...
-
-
-Placed = TypeVar("Placed", bound=Taken)
-
-
-@dataclass(eq=False)
-class FleetWaiting(Generic[Placed]):
-    """One of this replica's requests, from its arrival until it has its slots."""
-
-    ticket: Ticket
-    place: Callable[[], Placed | str]
-    arrived: float
-    deferred: Deferred[Placed]
-    order: int
-    member: str = ""
-    finish: float = 0.0
-    timer: IDelayedCall | None = None
-    #: The pool it found full last time it was tried ("decode" or "prefill").
-    blocked: str = ""
-    #: Its client left (while Redis was asked), or it has its slots, or it left the queue.
-    gone: bool = False
-    done: bool = False
-    #: Where it waits while this replica is alone (``FairQueue``'s Deferred).
-    inner: Deferred[Placed] | None = None
 
 
 class FleetQueue(Generic[Placed]):
@@ -154,10 +125,10 @@ class FleetQueue(Generic[Placed]):
         waiting = FleetWaiting(ticket, place, self.clock.seconds(), answered, next(self._order))
         got = place()
         decode, prefill = self._names(got)
-        args = self._args(waiting, "", got, decode, prefill, ticket.sheddable)
+        args = place_args(self.local.size, waiting, "", got, decode, prefill, ticket.sheddable)
 
         def said(reply: Any) -> None:
-            code, what = int(reply[0]), _text(reply[1])
+            code, what = int(reply[0]), text(reply[1])
             self._heard(reply)
             if code == scripts.GRANTED:
                 assert not isinstance(got, str)
@@ -174,9 +145,9 @@ class FleetQueue(Generic[Placed]):
             if code in (scripts.SHED, scripts.FULL):
                 waiting.done = True
                 if code == scripts.SHED:
-                    outcome, refusal = SHED, _shed(ticket, self.retry_after())
+                    outcome, refusal = SHED, shed(ticket, self.retry_after())
                 else:
-                    outcome, refusal = QUEUE_FULL, _full(self.local.size, self.retry_after())
+                    outcome, refusal = QUEUE_FULL, full(self.local.size, self.retry_after())
                 self.told(outcome, 0.0, ticket)
                 if not waiting.gone:
                     answered.errback(refusal)
@@ -253,40 +224,9 @@ class FleetQueue(Generic[Placed]):
         lately (1 at least, the timeout at most, and the timeout while none went)."""
         if not self.replicas.is_shared:
             return self.local.retry_after()
-        grants = self._grants
-        if len(grants) < 2:
-            return self.timeout
-        span = (grants[0] - grants[-1]) / 1000
-        if span <= 0:
-            return 1.0
-        rate = (len(grants) - 1) / span
-        return float(min(self.timeout, max(1, math.ceil(self._waiting / rate))))
+        return drain_seconds(self._grants, self._waiting, self.timeout)
 
     # -- inside -------------------------------------------------------------------------
-
-    def _args(
-        self,
-        waiting: FleetWaiting[Placed],
-        member: str,
-        got: Placed | str,
-        decode: tuple[str, int, str],
-        prefill: tuple[str, int, str],
-        sheddable: bool,
-    ) -> list[object]:
-        ticket = waiting.ticket
-        return [
-            ticket.model or "",
-            ticket.priority,
-            member,
-            ticket.tenant or "",
-            ticket.weight,
-            1 if sheddable else 0,
-            self.local.size,
-            waiting.order,
-            got if isinstance(got, str) else "",
-            *decode,
-            *prefill,
-        ]
 
     def _names(self, got: Placed | str) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
         if isinstance(got, str):
@@ -303,7 +243,7 @@ class FleetQueue(Generic[Placed]):
     def _heard(self, reply: Any) -> None:
         self.slots.seen(view_of(reply[2]), int(reply[5]))
         self._waiting = int(reply[3])
-        self._grants = [float(_text(g)) for g in reply[4]]
+        self._grants = [float(text(g)) for g in reply[4]]
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
     def _wait(self, waiting: FleetWaiting[Placed]) -> None:
@@ -356,7 +296,7 @@ class FleetQueue(Generic[Placed]):
             waiting.blocked = got
             return  # (full as this replica sees the fleet: a message will say when not)
         decode, prefill = self._names(got)
-        args = self._args(waiting, waiting.member, got, decode, prefill, False)
+        args = place_args(self.local.size, waiting, waiting.member, got, decode, prefill, False)
         self._trying.add(model)
 
         def said(reply: Any) -> None:
@@ -373,7 +313,7 @@ class FleetQueue(Generic[Placed]):
                 self._again.add(model)
             else:
                 self._release(got)
-                waiting.blocked = _text(reply[1]) if code == scripts.BLOCKED else ""
+                waiting.blocked = text(reply[1]) if code == scripts.BLOCKED else ""
                 if code == scripts.NOT_FIRST:
                     self._behind[model] = self.clock.seconds()
             if model in self._again:
@@ -413,14 +353,7 @@ class FleetQueue(Generic[Placed]):
         if waiting.done:
             return
         self._end(waiting, TIMED_OUT)
-        waiting.deferred.errback(
-            ProxyError(
-                ErrorCode.QUEUE_TIMEOUT,
-                f"no slot came free within the proxy's queue timeout ({self.timeout:g} s): "
-                "try again later",
-                retry_after=self.retry_after(),
-            )
-        )
+        waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
 
     def _left(self, waiting: FleetWaiting[Placed]) -> None:
         """Its client left: out of the queue, nothing sent for it (slots Redis gives it
@@ -432,24 +365,3 @@ class FleetQueue(Generic[Placed]):
             self._end(waiting, LEFT)
         elif not waiting.done:
             self.told(LEFT, self.clock.seconds() - waiting.arrived, waiting.ticket)
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-def _shed(ticket: Ticket, retry_after: float) -> ProxyError:
-    return ProxyError(
-        ErrorCode.SHED,
-        "the fleet is full and this tenant's requests are sheddable (priority "
-        f"{ticket.priority}): try again later",
-        retry_after=retry_after,
-    )
-
-
-def _full(size: int, retry_after: float) -> ProxyError:
-    return ProxyError(
-        ErrorCode.QUEUE_FULL,
-        f"the proxy's queue is full ({size} requests wait for a slot): try again later",
-        retry_after=retry_after,
-    )

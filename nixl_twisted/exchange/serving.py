@@ -59,8 +59,12 @@ class Serving:
         self, request: Request, relayed: Relayed, response_id: str, trace: RequestTrace
     ) -> Deferred[None]:
         """A stored response's route, to the decode instance that holds it first."""
-        holder = self.responses.where(response_id)
-        return Deferred.fromCoroutine(one_leg.follow_up(self.legs, request, relayed, holder, trace))
+
+        async def follow() -> None:
+            holder = await self.responses.find(response_id)
+            await one_leg.follow_up(self.legs, request, relayed, holder, trace)
+
+        return Deferred.fromCoroutine(follow())
 
     def _exchange(
         self,

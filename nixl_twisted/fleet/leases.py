@@ -67,7 +67,9 @@ class SharedSlots:
         self.apply()
 
     def restored(self) -> None:
-        """(Its leases were written back as they are.)"""
+        """Its leases were written back as they are, to a Redis that may have forgotten
+        everything (restarted): its versions may start again from nothing."""
+        self.version = -1
 
     def seen(self, view: dict[str, int], version: int) -> None:
         """A script's answer: the fleet's view as of ``version`` (an older one is left)."""

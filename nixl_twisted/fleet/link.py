@@ -66,6 +66,11 @@ class RedisLink:
         sent: Deferred[Any] = self.redis.eval(script, keys, args)
         return sent
 
+    def command(self, *args: object) -> Deferred[Any]:
+        """Any other command (``XREAD``, ``TIME``), waiting for a connection."""
+        sent: Deferred[Any] = self.redis.execute_command(*args)
+        return sent
+
     def connected(self) -> Deferred[None]:
         """Fires when a connection to Redis is next made (for tests and operators)."""
         waiting: Deferred[None] = Deferred()

@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from twisted.application.service import Service
 from twisted.internet import defer
@@ -38,6 +37,7 @@ from twisted.python.failure import Failure
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
 from nixl_twisted.fleet.link import RETRY, RedisLink
+from nixl_twisted.fleet.replies import freed, info_of, prefix_of, shown, text, view_of, why
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
@@ -73,12 +73,6 @@ class Holder(Protocol):
 
 class Unshared(Exception):
     """Redis is not answering now: the caller goes on alone, at once."""
-
-
-def prefix_of(url: str) -> str:
-    """Every key's prefix: one hash tag per Redis database, so one shard holds them all."""
-    database = urlsplit(url).path.strip("/") or "0"
-    return f"nixlproxy:{{fleet-{database}}}:"
 
 
 class Replicas(Service):
@@ -147,7 +141,7 @@ class Replicas(Service):
     def status(self) -> dict[str, Any]:
         """What ``/healthcheck`` and the status page say of the fleet's replicas."""
         return {
-            "redis": _shown(self.url),
+            "redis": shown(self.url),
             "shared": self.is_shared,
             "id": self.id,
             "seen": [
@@ -201,7 +195,7 @@ class Replicas(Service):
         def failed(failure: Failure) -> Failure:
             if failure.check(defer.CancelledError) and not failure.check(defer.TimeoutError):
                 return failure
-            self.away(_why(failure, budget, self.link.open))
+            self.away(why(failure, budget, self.link.open))
             return Failure(Unshared(failure.getErrorMessage()))
 
         return sent.addCallbacks(answered, failed)
@@ -222,18 +216,18 @@ class Replicas(Service):
                 log.info(
                     "replicas: replica {replica} stopped beating; what it held is given back "
                     "({purged} slots in all)",
-                    replica=_text(replica),
+                    replica=text(replica),
                     purged=int(purged),
                 )
-            self.seen = {_text(live[i]): _info(live[i + 1]) for i in range(0, len(live) - 1, 2)}
+            self.seen = {text(live[i]): info_of(live[i + 1]) for i in range(0, len(live) - 1, 2)}
             self.metrics.seen.set(len(self.seen))
             if mine and self.is_shared:
-                self._shared(_view(view), int(version))
+                self._shared(view_of(view), int(version))
                 return None
             return self._restore()
 
         def failed(failure: Failure) -> None:
-            self.away(_why(failure, BEAT_BUDGET, self.link.open))
+            self.away(why(failure, BEAT_BUDGET, self.link.open))
 
         return sent.addCallback(beaten).addErrback(failed)
 
@@ -263,15 +257,15 @@ class Replicas(Service):
                     "replicas through Redis {url}{again}",
                     id=self.id,
                     count=self.count,
-                    url=_shown(self.url),
+                    url=shown(self.url),
                     again=" (it answers again)" if was else "",
                 )
-            self._shared(_view(view), int(version))
+            self._shared(view_of(view), int(version))
             ready, self._ready = self._ready, Happened()
             ready.fire()
 
         def failed(failure: Failure) -> None:
-            self.away(_why(failure, BEAT_BUDGET, self.link.open))
+            self.away(why(failure, BEAT_BUDGET, self.link.open))
 
         return sent.addCallback(restored).addErrback(failed)
 
@@ -291,7 +285,7 @@ class Replicas(Service):
             log.warn(
                 "replicas: Redis {url} {what}; this replica holds each cap to its share "
                 "(cap / {count} replicas) and queues alone until it answers again",
-                url=_shown(self.url),
+                url=shown(self.url),
                 what=said,
                 count=self.count,
             )
@@ -303,58 +297,6 @@ class Replicas(Service):
         self.away(("refused", f"refused the connection ({why}; tried again every {RETRY:g} s)"))
 
     def _heard(self, message: str) -> None:
-        changed, version = {}, None
-        for line in message.splitlines():
-            if line.startswith("#"):
-                version = int(line[1:])
-                continue
-            field, _, count = line.rpartition("\t")
-            if field:
-                changed[field] = int(count)
+        changed, version = freed(message)
         for told in self._freed:
             told(changed, version)
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
-def _info(value: object) -> dict[str, Any]:
-    try:
-        said = json.loads(_text(value))
-    except ValueError:
-        return {}
-    return said if isinstance(said, dict) else {}
-
-
-def _view(flat: Sequence[object]) -> dict[str, int]:
-    """HGETALL's flat answer as a map (txredisapi may give a dict already)."""
-    if isinstance(flat, dict):
-        return {_text(k): int(v) for k, v in flat.items()}
-    return {_text(flat[i]): int(_text(flat[i + 1])) for i in range(0, len(flat) - 1, 2)}
-
-
-def view_of(flat: Sequence[object]) -> dict[str, int]:
-    """The slots' view in a script's answer."""
-    return _view(flat)
-
-
-def _why(failure: Failure, budget: float, connected: bool) -> tuple[str, str]:
-    """Why Redis could not say: the reason counted, and what the log says."""
-    message = failure.getErrorMessage()
-    if failure.check(defer.TimeoutError):
-        if connected:
-            return "timeout", f"did not answer within {budget * 1000:g} ms"
-        return "not_connected", "could not be reached"
-    if failure.check("txredisapi.ConnectionError"):
-        return "not_connected", f"could not be reached ({message})"
-    if failure.check("txredisapi.ResponseError"):
-        return "error", f"answered with an error ({message})"
-    return "error", f"failed ({type(failure.value).__name__}: {message})"
-
-
-def _shown(url: str) -> str:
-    """The URL without its password, as the log may show it."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"

@@ -85,6 +85,8 @@ class KvEvents(Service):
         #: A look at the pools is under way; an answer came meanwhile (look again after).
         self._looking = False
         self._look_again = False
+        #: Told of each prediction of new blocks (``--replicas-redis``: the other replicas).
+        self._predicted: list[Callable[[str, str, Sequence[int], str | None], object]] = []
         self.configure(config)
 
     def configure(self, config: ProxyConfig) -> None:
@@ -190,7 +192,26 @@ class KvEvents(Service):
     ) -> Callable[[], object]:
         index = self.index(role)
         prediction = index.predict(url, tokens, salt=salt)
+        if prediction.keys:  # (blocks its events confirmed already: every replica reads them)
+            for told in self._predicted:
+                told(role, url, tokens, salt)
         return lambda: index.withdraw(prediction)
+
+    def on_predicted(self, told: Callable[[str, str, Sequence[int], str | None], object]) -> None:
+        """``told(role, url, tokens, salt)`` of each choice that predicted new blocks."""
+        self._predicted.append(told)
+
+    def foretold(
+        self, role: str, url: str, tokens: Sequence[int], salt: str | None, age: float
+    ) -> bool:
+        """Another replica predicted these blocks on ``url`` ``age`` s ago: predicted here too,
+        for what is left of their life (not told on); whether any of it was left."""
+        index = self.index(role)
+        predictions = index.predictions
+        if predictions is None or age >= predictions.life:
+            return False
+        index.predict(url, tokens, salt=salt, expires=self.clock.seconds() + predictions.life - age)
+        return True
 
     def blocks(self, role: str, url: str) -> int:
         index = self.index(role)

@@ -59,6 +59,20 @@ class ReplicaMetrics:
             "(counted by the replica that noticed).",
             registry=r,
         )
+        self.told = Counter(
+            "nixlproxy_replicas_told",
+            "What this replica told the others through --replicas-redis, by kind: sent "
+            "(a cache-aware choice), predicted (a kv-aware prediction of new blocks), "
+            "response (a stored response's decode instance).",
+            ["kind"],
+            registry=r,
+        )
+        self.heard = Counter(
+            "nixlproxy_replicas_heard",
+            "Routing choices of the other replicas applied here, by kind: sent, predicted.",
+            ["kind"],
+            registry=r,
+        )
         self.redis_seconds = Histogram(
             "nixlproxy_replicas_redis_seconds",
             "Round trips to --replicas-redis, by script.",

@@ -10,6 +10,7 @@ it works with. The tree::
     ├── Discovery             DNS names and Kubernetes selectors (not in a worker)
     ├── SharedWindows         --limits-redis: tenants' windows in Redis
     ├── Replicas              --replicas-redis: the heartbeat; caps and queue the fleet's
+    ├── SharedRoutes          --replicas-redis: routing choices told and heard
     ├── KvEvents              vLLM's KV events, when an instance publishes them
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
@@ -50,7 +51,10 @@ from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas
+from nixl_twisted.fleet.responses import SharedResponses
+from nixl_twisted.fleet.routes import SharedRoutes
 from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
@@ -192,11 +196,15 @@ def build(
     else:
         found = Discovery(reactor, clock, backends, config)
     report: Reported = link.told if link is not None else cast(Discovery, found)
-    # --replicas-redis: this process is one replica of the proxy; caps and queue the fleet's.
-    replicas, fleet_slots = None, None
+    # --replicas-redis: this process is one replica of the proxy; caps, queue, routing view
+    # and stored responses the fleet's.
+    replicas, fleet_slots, routes, responses = None, None, None, ResponseDirectory()
     if config.replicas.redis is not None:
         replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
         fleet_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
+        outbox = Outbox(replicas, reactor, metrics.replicas)
+        routes = SharedRoutes(replicas, outbox, backends.pools, kv, metrics.replicas)
+        responses = ResponseDirectory(shared=SharedResponses(replicas, outbox))
     shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
     slots = Slots(backends, clock, config, partial(_queue_said, metrics), shared_fleet)
     metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))
@@ -221,7 +229,7 @@ def build(
     fleet = Fleet(backends, kv, report)
     admin = AdminAPI(fleet, config, link.publish if link is not None else None)
     legs = Legs(backends, kv, clock, metrics, config, slots)
-    serving = Serving(legs, ResponseDirectory())
+    serving = Serving(legs, responses)
     # The status page's charts and warning lines: sampled and kept only while the root runs.
     history = History(clock, metrics.sampled)
     warnings = RecentWarnings()
@@ -245,6 +253,8 @@ def build(
     )
     if replicas is not None:  # (before the listeners: shared before the first request)
         replicas.setServiceParent(root)
+    if routes is not None:
+        routes.setServiceParent(root)
     history.setServiceParent(root)
     warnings.setServiceParent(root)
     GcPauses(metrics.gc_pauses, clock).setServiceParent(root)

@@ -11,7 +11,7 @@ from typing import Any
 from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.web.client import Agent, HTTPConnectionPool
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseNeverReceived
 
 from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.leases import SharedSlots
@@ -120,6 +120,58 @@ class ReplicasTests(FleetCase):
         await mine.link.connected()
         await mine.beat()
         assert mine.is_shared and decode.slots == 2
+
+    async def test_a_redis_that_lost_its_memory_is_told_what_each_replica_holds(self) -> None:
+        other = await self.two(decode_max_in_flight=2)
+        slot = f"decode|{self.decode.url}"
+        self.decode.hold_streams_after(1)
+        self.addCleanup(self.decode.release)
+        streams = []
+        for proxy in (self.proxy, other):  # a decode slot held through each replica
+            held = self.decode.stream_held()
+            streams.append(self.chat(proxy, dict(CHAT, stream=True)))
+            await held
+        mine = replicas_of(other)
+        await mine.beat()
+        assert shared_of(other).view == {slot: 2}
+        await replicas_of(self.proxy).stopService()  # (it will not write its lease back)
+        await self.redis.stop()
+        await self.redis.start()  # (the same port, an empty memory)
+        await mine.link.connected()
+        await mine.beat()  # Redis forgot it: it writes back the one lease it holds
+        assert (mine.is_shared, shared_of(other).view) == (True, {slot: 1})
+        self.decode.release()
+        for stream in streams:
+            await (await stream).content()
+        await mine.beat()
+        assert shared_of(other).view == {}  # given back when its leg ended, not twice
+
+    async def test_a_request_that_times_out_or_whose_client_leaves_leaves_the_fleets_queue(
+        self,
+    ) -> None:
+        other = await self.two(queue_timeout=5)
+        held = await self.held_stream()
+        waits = slots_of(other).entered()
+        timing_out = self.chat(other)
+        await waits
+        waits = slots_of(other).entered()
+        leaving = self.chat(other)
+        await waits
+        leaving.cancel()  # its client goes away while it waits
+        leaving.addErrback(lambda failure: failure.trap(ResponseNeverReceived))
+        self.clock.advance(5)  # the other one's queue timeout
+        refused = await timing_out
+        assert (refused.code, refused.headers.getRawHeaders("Retry-After")) == (503, ["5"])
+        assert b"queue_timeout" in await refused.content()
+        self.decode.release()
+        await held.done
+        await replicas_of(other).beat()
+        answered = await self.chat(other)  # nothing of theirs is left waiting ahead of it
+        assert answered.code == 200
+        await answered.content()
+        assert len(self.decode.requests_for("decode")) == 2
+        queue = slots_of(other).queue
+        assert (len(queue), queue._waiting) == (0, 0)
 
 
 class FleetMigrationTests(FleetCase):

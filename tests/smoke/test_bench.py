@@ -166,6 +166,26 @@ def test_a_short_mixed_routing_run_at_a_count_prints_each_policy_against_the_ide
     )
 
 
+def test_a_replicas_routing_run_prints_one_proxy_against_two_sharing_a_view() -> None:
+    """Two proxies at random, alone and through a redis-server the run starts and stops."""
+    ran = run(
+        [PYTHON, "-m", "bench.routing", "--shapes", "documents", "--seeds", "1", "--replicas", "2"]
+    )
+    rate = r"\d\.\d{3} \(\d\.\d{3}\)"
+    row = rf"\| documents \| 2 \| 1 \| kv-aware \| \d\.\d{{3}} \| {rate} \| {rate} \| {rate} \| "
+    assert ran.code == 0 and re.search(row, ran.stdout) and "failed" not in ran.stdout, ran.why(
+        f"exit 0, a row matching {row!r} and nothing failed"
+    )
+
+
+def test_a_short_route_view_run_prints_what_the_view_costs() -> None:
+    ran = run([PYTHON, "-m", "bench.route_view", "--trips", "20"])
+    row = r"\| told to applied by another replica, p50 \| \d+\.\d\d ms \|"
+    assert ran.code == 0 and re.search(row, ran.stdout), ran.why(
+        f"exit 0 and a row matching {row!r}"
+    )
+
+
 def test_a_short_decide_run_prints_its_row_and_fails_nothing() -> None:
     """Run a only: the other runs need the proxy's conditional disaggregation options."""
     ran = run(
