@@ -23,7 +23,7 @@ from nixl_twisted.exchange.broken import Break
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.spans import RequestTrace
-from nixl_twisted.protocol import routes
+from nixl_twisted.protocol import resumable, routes
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.held import Opening, Whole
 from nixl_twisted.protocol.lowering import JSONObject
@@ -174,6 +174,9 @@ class Migrations:
                 self._stays("refused", found)
                 return None
             prompt, relayed = found
+            if resumable.spent(self.completion.path, self.completion.body, relayed):
+                self._stays("refused", "max_tokens_reached")
+                return None
             continued = self.completion.continued(prompt, relayed)
         elif passed and (not isinstance(filtered, Opening) or filtered.tokens):
             # (a stream past its first token, a whole answer past what is held)

@@ -61,9 +61,6 @@ class Resumable:
         return self.refused is None and self.from_start is None
 
 
-NEVER = Resumable(refused="off")
-
-
 #: Every field that may keep a completion from moving, or from moving at any token: most
 #: bodies name none, and are read no further (one set operation).
 _READ = frozenset(
@@ -144,6 +141,20 @@ def _stateful(path: str, body: JSONObject) -> str | None:
         if value is not None and value != 0:
             return why
     return None
+
+
+def spent(path: str, body: JSONObject, relayed: int) -> bool:
+    """The ``relayed`` tokens are all ``max_tokens`` (or ``max_completion_tokens``) allows:
+    only the final chunk was missing, and a continuation asked for none more would be a
+    400 from vLLM; the answer ends as without migrations."""
+    limits: tuple[str, ...] = ("max_tokens", "max_completion_tokens")
+    if path == routes.COMPLETIONS:
+        limits = ("max_tokens",)
+    for field in limits:
+        value = body.get(field, COMPLETIONS_MAX_TOKENS if path == routes.COMPLETIONS else None)
+        if isinstance(value, int) and not isinstance(value, bool) and value - relayed <= 0:
+            return True
+    return False
 
 
 def continued_body(path: str, body: JSONObject, prompt: list[int], relayed: int) -> JSONObject:

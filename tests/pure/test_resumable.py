@@ -9,7 +9,12 @@ import pytest
 
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.completion import Completion
-from nixl_twisted.protocol.resumable import COMPLETIONS_MAX_TOKENS, continued_body, resumable
+from nixl_twisted.protocol.resumable import (
+    COMPLETIONS_MAX_TOKENS,
+    continued_body,
+    resumable,
+    spent,
+)
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -86,3 +91,14 @@ def test_a_continued_chat_hands_its_ids_on_both_legs() -> None:
     alone = json.loads(continued.decode_only_bytes())
     assert alone["kv_transfer_params"] == {"prompt_token_ids": [5, 6, 7]}
     assert "return_token_ids" not in alone
+
+
+def test_a_continuation_that_would_ask_for_no_token_is_never_made() -> None:
+    # (vLLM answers a max_tokens of 0 with a 400: the answer ends as without migrations)
+    chat, text = routes.CHAT_COMPLETIONS, routes.COMPLETIONS
+    assert spent(chat, {"max_tokens": 3}, 3)
+    assert spent(chat, {"max_completion_tokens": 3}, 3)
+    assert not spent(chat, {"max_tokens": 4}, 3)
+    assert not spent(chat, {}, 10_000)  # (vLLM's own limit: the context left)
+    assert spent(text, {}, COMPLETIONS_MAX_TOKENS)  # (absent is vLLM's 16)
+    assert not spent(text, {"max_tokens": None}, 10_000)  # (null is no limit)
