@@ -212,8 +212,8 @@ def summary(
         "served": len(served),
         "goodput": round(len(on_time) / window, 2),
         "goodput_share": round(len(on_time) / window / capacity, 3),
-        "ttft_p50_s": _round(_percentile(ttfts, 0.5)),
-        "ttft_p99_s": _round(_percentile(ttfts, 0.99)),
+        "ttft_p50_s": _round(_percentile(ttfts, 0.5), 3),  # (ms: a replica's cost is a few)
+        "ttft_p99_s": _round(_percentile(ttfts, 0.99), 3),
         "refused": {
             str(status): round(n / count, 3)
             for status, n in sorted(Counter(o.status for o in unserved).items())
@@ -226,8 +226,8 @@ def summary(
     }
 
 
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 2)
+def _round(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def measure(

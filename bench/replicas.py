@@ -12,7 +12,11 @@ split). Tenant ``a``'s requests go to replica 0 and ``b``'s to replica 1 (with
 
 The table is ``bench.overload``'s. ``--kill-at T`` sends SIGKILL to replica 0
 T seconds into the load and prints the goodput of the survivors per second
-after it; ``--redis-stop T1,T2`` stops Redis at T1 and starts it again at T2.
+after it; the arrivals aimed at replica 0 go to the others from
+``--failover`` seconds after the kill on (a Service's endpoints without the
+dead pod; until then they find nothing listening). ``--redis-stop T1,T2``
+stops Redis at T1 and starts it again at T2, and prints the requests
+waiting inside the decode engines each second (the most sampled in it).
 
     python -m bench.replicas --shared --loads 3           # two replicas, one fleet
     python -m bench.replicas --split --loads 3            # each replica the cap / 2
@@ -92,9 +96,11 @@ def aimed(
     pinned: float,
     skew: float | None,
     seed: int,
+    gone: float | None = None,
 ) -> list[open_loop.Arrival]:
     """Each arrival given its replica: its tenant's (``a``: 0, ``b``: 1) with probability
-    ``pinned``, else another at random; with ``skew``, replica 0 with that probability."""
+    ``pinned``, else another at random; with ``skew``, replica 0 with that probability;
+    from ``gone`` seconds on, replica 0's to another at random (it died)."""
     rng = random.Random(seed)
     homes = {tenant: n % replicas for n, tenant in enumerate(TENANTS)}
     made = []
@@ -105,6 +111,8 @@ def aimed(
             home = homes[arrival.tenant]
         else:
             home = rng.choice([r for r in range(replicas) if r != homes[arrival.tenant]])
+        if gone is not None and arrival.at >= gone and home == 0 and replicas > 1:
+            home = rng.randrange(1, replicas)
         made.append(replace(arrival, target=home))
     return made
 
@@ -114,7 +122,8 @@ def measure(
 ) -> dict[str, Any]:
     rate = factor * fleet.capacity
     planned = open_loop.arrivals(rate, list(TENANTS), seed, fleet.body, args.seconds, args.requests)
-    planned = aimed(planned, args.replicas, args.pinned, args.skew, seed)
+    gone = None if args.kill_at is None else args.kill_at + args.failover
+    planned = aimed(planned, args.replicas, args.pinned, args.skew, seed, gone)
     window = args.seconds if args.requests is None else planned[-1].at
     cap = fleet.max_num_seqs if not args.split else max(1, fleet.max_num_seqs // args.replicas)
     options = [
@@ -149,7 +158,15 @@ def measure(
     result["log_lines"] = result["log_lines_not_access"] = 0
     if args.kill_at is not None:
         result["after_kill"] = _per_second(outcomes, planned, args.kill_at, fleet.capacity)
+    if args.redis_stop:
+        result["decode_waiting_each_second"] = _each_second(gauges.waiting.get("decode", []))
     return result
+
+
+def _each_second(samples: Sequence[float], every: float = 0.25) -> list[int]:
+    """The most sampled in each second of the load."""
+    per = max(1, round(1 / every))
+    return [int(max(samples[i : i + per])) for i in range(0, len(samples), per)]
 
 
 def _events(
@@ -205,6 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pinned", type=float, default=0.9, help="a tenant's share to its own")
     parser.add_argument("--skew", type=float, help="this share of all to replica 0 instead")
     parser.add_argument("--kill-at", type=float, metavar="SECONDS", help="SIGKILL replica 0")
+    parser.add_argument(
+        "--failover",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="after the kill, replica 0's arrivals go to the others",
+    )
     parser.add_argument("--redis-stop", metavar="T1,T2", help="stop Redis at T1, start at T2")
     args = parser.parse_args(argv)
     fleet = Fleet.of(args)
@@ -226,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(row(result, run, args.repeat), flush=True)
                 if "after_kill" in result:
                     print(f"  after the kill, goodput per second: {result['after_kill']}")
+                if "decode_waiting_each_second" in result:
+                    waiting = result["decode_waiting_each_second"]
+                    print(f"  waiting inside the decode engines, each second: {waiting}")
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

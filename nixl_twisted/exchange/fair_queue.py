@@ -221,6 +221,19 @@ class FairQueue(Generic[T]):
         rate = (len(self._recent) - 1) / span
         return float(min(self.timeout, max(1, math.ceil(self._waiting / rate))))
 
+    def withdraw(self, deferred: Deferred[T]) -> bool:
+        """The request waiting on ``deferred`` leaves, nothing said or fired: it waits
+        elsewhere now (``fleet_queue``, when Redis answers again); whether it was here."""
+        for queue in self._models.values():
+            for *_, waiting in queue.heap:
+                if waiting.deferred is deferred and not waiting.done:
+                    waiting.done = True
+                    self._waiting -= 1
+                    if waiting.timer is not None and waiting.timer.active():
+                        waiting.timer.cancel()
+                    return True
+        return False
+
     def waiting(self) -> list[Waiting[T]]:
         """Every request waiting now (``/healthcheck``, the depth gauge)."""
         return [w for q in self._models.values() for *_, w in q.heap if not w.done]

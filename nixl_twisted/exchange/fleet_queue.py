@@ -89,6 +89,8 @@ class FleetQueue(Generic[Placed]):
         #: What the fleet's queue said last: requests waiting, and the latest grants (ms).
         self._waiting = 0
         self._grants: list[float] = []
+        #: Requests that wait in this replica's own queue (``inner``) since Redis went away.
+        self._alone_now: list[FleetWaiting[Placed]] = []
         replicas.hold(self)
         replicas.on_freed(self._freed)
 
@@ -119,10 +121,22 @@ class FleetQueue(Generic[Placed]):
     def enter(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
         """Slots for a new request: from the fleet's queue while Redis answers, else this
         replica's own."""
-        if not self.replicas.is_shared:
-            return self.local.enter(ticket, place)
         answered: Deferred[Placed] = Deferred(lambda _: self._left(waiting))
         waiting = FleetWaiting(ticket, place, self.clock.seconds(), answered, next(self._order))
+        if not self.replicas.is_shared:
+            inner = self.local.enter(ticket, self._kept(place))
+            if not isinstance(inner, Deferred):
+                return inner
+            self._lone(waiting, inner)
+            self.entered()
+            return answered
+        self._enter(waiting)
+        return answered
+
+    def _enter(self, waiting: FleetWaiting[Placed]) -> None:
+        """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
+        refused; alone when Redis does not answer."""
+        ticket, place, answered = waiting.ticket, waiting.place, waiting.deferred
         got = place()
         decode, prefill = self._names(got)
         args = place_args(self.local.size, waiting, "", got, decode, prefill, ticket.sheddable)
@@ -168,15 +182,21 @@ class FleetQueue(Generic[Placed]):
                 self._alone(waiting)
 
         self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)
-        return answered
 
     def pump(self) -> None:
-        """Slots may have freed: this replica's first request of each model is tried."""
+        """Slots may have freed: this replica's first request of each model is tried (and,
+        when Redis answers again, what waited in this replica's own queue joins the fleet's:
+        placed from there, its slots would be counted nowhere)."""
         if self._quiet:
             return
-        self.local.pump()
         if not self.replicas.is_shared:
+            self.local.pump()
             return
+        for waiting in [w for w in self._alone_now if not w.done and w.inner is not None]:
+            if self.local.withdraw(waiting.inner):  # type: ignore[arg-type]
+                waiting.inner = None
+                self._enter(waiting)
+        self._alone_now = [w for w in self._alone_now if w.inner is not None and not w.done]
         for model in [m for m, ws in self._mine.items() if ws]:
             self._try(model)
 
@@ -260,7 +280,7 @@ class FleetQueue(Generic[Placed]):
     def _alone(self, waiting: FleetWaiting[Placed]) -> None:
         """It waits in this replica's own queue (Redis does not answer)."""
         try:
-            inner = self.local.enter(waiting.ticket, waiting.place)
+            inner = self.local.enter(waiting.ticket, self._kept(waiting.place))
         except ProxyError as error:
             waiting.done = True
             waiting.deferred.errback(error)
@@ -269,7 +289,13 @@ class FleetQueue(Generic[Placed]):
             waiting.done = True
             waiting.deferred.callback(inner)
             return
+        self._lone(waiting, inner)
+
+    def _lone(self, waiting: FleetWaiting[Placed], inner: Deferred[Placed]) -> None:
+        """``waiting`` waits on ``inner``, in this replica's own queue, until it goes, fails,
+        or joins the fleet's queue again (``pump``)."""
         waiting.inner = inner
+        self._alone_now.append(waiting)
 
         def got(placed: Placed) -> None:
             waiting.done = True
@@ -281,6 +307,19 @@ class FleetQueue(Generic[Placed]):
                 waiting.deferred.errback(failure)
 
         inner.addCallbacks(got, failed)
+
+    def _kept(self, place: Callable[[], Placed | str]) -> Callable[[], Placed | str]:
+        """``place`` for this replica's own queue: what it places alone is kept as leases, so
+        that Redis counts them when they are written back (``SharedSlots.held``)."""
+
+        def placed() -> Placed | str:
+            got = place()
+            if not isinstance(got, str):
+                decode, prefill = self._names(got)
+                self._granted(got, decode, prefill)
+            return got
+
+        return placed
 
     def _try(self, model: str | None) -> None:
         if model in self._trying:

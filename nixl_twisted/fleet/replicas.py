@@ -181,9 +181,13 @@ class Replicas(Service):
         self, script: str, args: Sequence[object], name: str, budget: float = BUDGET
     ) -> Deferred[Any]:
         """Run ``script`` with this replica's prefix and id first; fails with ``Unshared`` at
-        once while Redis is known away, or when it does not answer within ``budget``."""
-        if not self.is_shared and not self.link.open:
-            return fail(Unshared("Redis is not answering"))
+        once until a beat has shared this replica's state (Redis away, or back but without
+        this replica's leases yet: a slot granted then would be counted without them), or
+        when it does not answer within ``budget``."""
+        if not self.is_shared:
+            return fail(
+                Unshared("Redis is not answering" if not self.link.open else "not shared yet")
+            )
         started = self.reactor.seconds()
         sent = self.link.eval(script, [], [self.prefix, self.id, *args])
         sent.addTimeout(budget, self.reactor)

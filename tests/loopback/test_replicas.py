@@ -121,6 +121,37 @@ class ReplicasTests(FleetCase):
         await mine.beat()
         assert mine.is_shared and decode.slots == 2
 
+    async def test_what_a_replica_placed_or_queued_alone_is_the_fleets_when_redis_returns(
+        self,
+    ) -> None:
+        other = await self.two(decode_max_in_flight=2)
+        slot = f"decode|{self.decode.url}"
+        mine = replicas_of(other)
+        await mine.beat()  # (it has seen both replicas alive: alone, its share is 1)
+        await replicas_of(self.proxy).stopService()  # (only ``other`` writes back)
+        await self.redis.stop()
+        await mine.beat()
+        assert not mine.is_shared
+        self.decode.hold_streams_after(1)
+        self.addCleanup(self.decode.release)
+        held = self.decode.stream_held()
+        first = self.chat(other, dict(CHAT, stream=True))  # placed alone: its share
+        await held
+        waits = slots_of(other).entered()
+        held = self.decode.stream_held()
+        second = self.chat(other, dict(CHAT, stream=True))  # waits in its own queue
+        await waits
+        await self.redis.start()  # (an empty memory)
+        await mine.link.connected()
+        await mine.beat()  # the lease placed alone written back; the one waiting asks Redis
+        await held
+        assert shared_of(other).view == {slot: 2}  # both counted: none placed past Redis
+        self.decode.release()
+        for stream in (first, second):
+            await (await stream).content()
+        await mine.beat()
+        assert shared_of(other).view == {}
+
     async def test_a_redis_that_lost_its_memory_is_told_what_each_replica_holds(self) -> None:
         other = await self.two(decode_max_in_flight=2)
         slot = f"decode|{self.decode.url}"
