@@ -70,7 +70,8 @@ class DecodeKilledTests(TwistdCase):
     async def moved(self, path: str, body: dict[str, object], relayed: int) -> None:
         """``body`` streamed through a proxy whose first decode is killed after ``relayed``
         tokens: the answer the other pair gives uninterrupted, the move in the access event."""
-        doomed, a = await self.pair("--decode-hold-after", str(1 + relayed))
+        events = relayed + (1 if path == "/v1/chat/completions" else 0)  # (a chat's role first)
+        doomed, a = await self.pair("--decode-hold-after", str(events))
         _, b = await self.pair()
         self.clock = Clock()  # (the proxy's timers: none runs out in this test)
         proxy = self.start_proxy([a["prefill-0"], b["prefill-0"]], [a["decode-0"], b["decode-0"]])
