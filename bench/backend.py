@@ -44,10 +44,22 @@ COMPLETION = json.dumps(
         "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24},
     }
 ).encode()
+#: A token's chunk as vLLM 0.32 writes it: its ``token_ids`` null unless asked
+#: (``return_token_ids``), and the first one's ``prompt_token_ids`` the same.
 CHUNK = (
     b'data: {"id":"chatcmpl-bench","object":"chat.completion.chunk",'
-    b'"choices":[{"index":0,"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
+    b'"choices":[{"index":0,"delta":{"content":"tok "},"logprobs":null,'
+    b'"finish_reason":null,"token_ids":%s}]%s}\n\n'
 )
+PROMPT_IDS = b"[1,2,3,4,5,6,7,8]"
+
+
+def _chunk(index: int, ids: bool) -> bytes:
+    """The ``index``-th token's chunk (an id of its own, when asked)."""
+    token = b"[%d]" % (1000 + index) if ids else b"null"
+    if index:
+        return CHUNK % (token, b"")
+    return CHUNK % (token, b',"prompt_token_ids":' + (PROMPT_IDS if ids else b"null"))
 
 
 def _head(status: bytes, content_type: bytes, length: int | None) -> bytes:
@@ -87,8 +99,10 @@ async def _serve(
             elif request.get("stream"):
                 tokens = int(request.get("max_tokens") or 64)
                 writer.write(_head(b"200 OK", b"text/event-stream", None))
+                ids = request.get("return_token_ids") is True
                 for index in range(tokens):
-                    writer.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+                    chunk = _chunk(index, ids)
+                    writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                     if interval:
                         await writer.drain()
                         await asyncio.sleep(interval)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Final
 
 ID: Final = "inferlab-vllm-nixl-proxy"
-VERSION: Final = 2
+VERSION: Final = 3
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import typing
+from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar, cast
 
@@ -229,6 +231,28 @@ class ChunkCollector(Protocol):
             self.done.callback(self.chunks)
         else:
             self.done.errback(reason)
+
+
+#: An answer's ids and times: its own in each answer, the same in all its events.
+_IDS = re.compile(rb'"((?:chatcmpl-|cmpl-|resp_|msg_)[0-9a-f]+)"')
+_TIMES = re.compile(rb'"(created|created_at)":\d+')
+
+
+def as_one(body: bytes) -> bytes:
+    """``body`` with its ids and times in a word, once each is shown to be one answer's:
+    every id of a kind (a chat's, a response's, an item's) is the same throughout."""
+    kinds: dict[bytes, set[bytes]] = defaultdict(set)
+    for found in _IDS.finditer(body):
+        kinds[found.group(1).split(b"-")[0].split(b"_")[0]].add(found.group(1))
+    spread = {kind: ids for kind, ids in kinds.items() if len(ids) > 1}
+    # (a Responses answer has two ids of kind msg: its item's and no other)
+    assert not spread, f"an answer with several ids of one kind: {spread}"
+    return _TIMES.sub(rb'"\1":0', _IDS.sub(b'"ID"', body))
+
+
+def assert_same_answer(got: bytes, reference: bytes) -> None:
+    """``got`` is ``reference`` byte for byte, but for the answer's own id and time."""
+    assert as_one(got) == as_one(reference)
 
 
 def sse_events(body: bytes) -> list[Any]:

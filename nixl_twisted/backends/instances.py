@@ -7,6 +7,7 @@ and vLLM's own load as last scraped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,14 @@ class Instance:
     #: (``backends.recompute``; None: not judged yet), and the episodes so far.
     recompute: float | None = None
     recompute_episodes: int = 0
+    #: Told when it is marked down: the relays of answers that may move to another
+    #: instance (``exchange.migration``).
+    on_down: set[Callable[[], object]] = field(default_factory=set)
+
+    def marked_down(self) -> None:
+        """It was just marked down: whoever is still relaying an answer from it is told."""
+        for told in list(self.on_down):
+            told()
 
     def serves(self, model: str) -> bool:
         """Whether a request for ``model`` may go here (``nixl_twisted.backends.models``):

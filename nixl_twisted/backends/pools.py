@@ -303,6 +303,7 @@ class BackendPool(Roster):
                 failures=instance.failures,
                 reason=reason,
             )
+            instance.marked_down()
         self._changed(instance)
 
     def record_success(self, instance: Instance) -> None:
@@ -341,6 +342,8 @@ class BackendPool(Roster):
                 url=instance.url,
                 state=instance.state.value,
             )
+            if instance.state is State.DOWN:
+                instance.marked_down()
 
     def retry_after(self) -> float:
         """Seconds until the first down instance may be tried again."""

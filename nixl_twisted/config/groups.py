@@ -96,6 +96,8 @@ GROUPS: tuple[Group, ...] = (
             ("sse-keepalive", "SECONDS"),
             ("prefill-retries", "N"),
             ("decode-retries", "N"),
+            ("decode-migrations", "N"),
+            ("migration-deadline", "SECONDS"),
             ("health-interval", "SECONDS"),
             ("health-timeout", "SECONDS"),
             ("unhealthy-threshold", "N"),

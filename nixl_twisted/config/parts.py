@@ -200,6 +200,16 @@ class Retries:
 
 
 @dataclass(frozen=True)
+class MigrationRules:
+    """A decode answer that fails mid-answer, continued on another decode instance."""
+
+    #: Moves per request at most (0: none).
+    limit: int
+    #: Seconds from a request's arrival past which it no longer moves (0: no deadline).
+    deadline: float
+
+
+@dataclass(frozen=True)
 class Health:
     """Active ``GET /health`` checks; ``interval`` 0 turns them off."""
 

@@ -24,6 +24,7 @@ from nixl_twisted.config.parts import (
     Health,
     KvEventsConfig,
     Limits,
+    MigrationRules,
     Policies,
     Pools,
     Replicas,
@@ -51,6 +52,7 @@ class ProxyConfig:
     tenants: TenantsConfig
     timeouts: Timeouts
     retries: Retries
+    migrations: MigrationRules
     health: Health
     limits: Limits
     capacity: Capacity
@@ -219,6 +221,7 @@ _PARTS: dict[str, type] = {
     "tenants": TenantsConfig,
     "timeouts": Timeouts,
     "retries": Retries,
+    "migrations": MigrationRules,
     "health": Health,
     "limits": Limits,
     "capacity": Capacity,

@@ -428,6 +428,28 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "decode-migrations",
+        "migrations.limit",
+        1,
+        count(0),
+        help=(
+            "Times a completion whose decode instance fails after its first byte (its "
+            "answer broken off, silent, an error event, the instance marked down) is "
+            "continued on another decode instance, token for token (0: never; "
+            "docs/failures.md)."
+        ),
+    ),
+    Setting(
+        "migration-deadline",
+        "migrations.deadline",
+        600.0,
+        seconds_or_off,
+        help=(
+            "Seconds from a completion's arrival past which its decode failing is no "
+            "longer continued elsewhere (0: no deadline)."
+        ),
+    ),
+    Setting(
         "health-interval",
         "health.interval",
         3.0,

@@ -4,7 +4,9 @@ One attempt at one instance is ``decode.decode_attempt``, the bytes' path
 ``relay.relay_body``; this is the leg around them: the handoff's gap
 measured, the first byte timed (and the SSE keep-alive stopped by it),
 decode's error answer given in-band once the client has its 200, and a
-body that breaks off or goes silent ended as such, never passed off as whole.
+body that breaks off, goes silent, answers an error event or whose instance
+is marked down moved to another instance (``migration``: ``Moving``) or
+ended as such (``broken``), never passed off as whole.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
@@ -20,12 +22,14 @@ from twisted.web.iweb import IResponse
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.routing import Routing
+from nixl_twisted.exchange.broken import Break, ErrorEvent, InstanceDown
 from nixl_twisted.exchange.decide import Decision, Mode
 from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt, note_handoff
 from nixl_twisted.exchange.keepalive import KeepAlive
 from nixl_twisted.exchange.legs import Legs
-from nixl_twisted.exchange.relay import StreamSilent, abandon, break_off, relay_body, start_response
-from nixl_twisted.exchange.sending import Asked, ByPolicy, reason_of, send_leg
+from nixl_twisted.exchange.migration import Migrations, Moving
+from nixl_twisted.exchange.relay import Filter, abandon, relay_body, start_response
+from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, account, send_leg
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol.codes import ErrorCode
@@ -52,14 +56,20 @@ class DecodeLeg:
         served: Served,
         keepalive: KeepAlive | None = None,
         watch: Watch | None = None,
+        moves: Migrations | None = None,
     ) -> None:
-        """``keepalive``: the stream's comment frames until its first token (None: none)."""
+        """``keepalive``: the stream's comment frames until its first token (None: none);
+        ``moves``: the completion's migrations (None: off)."""
         self.legs = legs
         self.completion = completion
         self.routing = routing
         self.served = served
         self.keepalive = keepalive
         self.watch = watch
+        self.moves = moves
+        #: The relay out now, and whether its instance was marked down meanwhile.
+        self._relaying: Deferred[None] | None = None
+        self._down = False
         #: Decode alone computes the prompt (``Mode.DECODE_ONLY``), and when prefill's params
         #: were read otherwise; when the attempt out now was sent.
         self._alone = False
@@ -112,9 +122,16 @@ class DecodeLeg:
         if self._alone:  # (computed there on purpose: not an alarm)
             ids = completion.token_ids
             instance.alone_tokens += len(ids) if ids else completion.estimate or 0
-        response = await decode_attempt(
-            self.legs, instance, span, sent, served.record, served.phases.track
-        )
+        if self.moves is not None:
+            self.moves.sent_to(instance.url)
+        try:
+            response = await decode_attempt(
+                self.legs, instance, span, sent, served.record, served.phases.track
+            )
+        except Retry as retry:
+            if retry.sent and self.moves is not None:
+                self._lost(retry, instance)
+            raise
         if not self._alone:
             gap = self._sent_at - self._handed_at
             served.record.handoff_gap_seconds = gap
@@ -127,71 +144,112 @@ class DecodeLeg:
         if self.keepalive is not None:
             self.keepalive.stop()
         waited = self.legs.clock.seconds() - self._sent_at
-        self.served.record.decode_first_byte_seconds = waited
+        if self.moves is None or not self.moves.tries:  # (the first decode leg's, kept)
+            self.served.record.decode_first_byte_seconds = waited
+        else:
+            self.moves.first_byte()
         metrics = self.legs.metrics
         metrics.child(metrics.decode_first_byte_seconds, instance.url).observe(waited)
 
     async def _relay(self, response: IResponse, decode: Lease) -> None:
-        served, keepalive = self.served, self.keepalive
+        served, keepalive, moves = self.served, self.keepalive, self.moves
         request, phases, timeouts = served.request, served.phases, served.config.timeouts
-        if keepalive is not None and keepalive.in_band(response):
+        resuming = moves is not None and moves.resuming
+        if resuming and response.code != 200:
+            abandon(response)  # (the client has part of an answer: this one cannot be it)
+            raise ProxyError(
+                ErrorCode.DECODE_STREAM_BROKEN,
+                "the decode instance broke off its answer",
+                detail=f"a continuation's decode answered {response.code}",
+            )
+        if not resuming and keepalive is not None and keepalive.in_band(response):
             # The client has its 200 already: decode's error answer goes in-band.
             await phases.track(keepalive.answer_in_band(response, timeouts.stream_idle))
             return
-        if keepalive is None or not keepalive.opened:
+        if not resuming and (keepalive is None or not keepalive.opened):
+            if moves is not None and moves.tries:  # (an answer again: the first one's headers go)
+                request.responseHeaders = Headers({REQUEST_ID: [self._request_id]})
             start_response(request, response)
+        filtered = moves.filtered() if moves is not None else None
+        instance = decode.instance
+        if filtered is not None:
+            instance.on_down.add(self._marked_down)
         try:
-            watching = self.watch(decode.instance.url) if self.watch is not None else None
-            await phases.track(
-                relay_body(
-                    request,
-                    response,
-                    self.legs.clock,
-                    timeouts.stream_idle,
-                    partial(self._first_byte, decode.instance),
-                    watching,
-                    self._used,
-                    UsageChunkHidden() if self.completion.hides_usage else None,
-                )
-            )
-        except CancelledError:
-            raise
-        except Exception as error:
-            await self._broken(error, decode.instance.url)
+            failed = await self._relayed(response, decode, filtered)
+        finally:
+            instance.on_down.discard(self._marked_down)
+        if failed is None:
+            if moves is not None:
+                moves.completed()
+            return
+        caught = filtered.error if filtered is not None else None
+        held = moves is not None and moves.held
+        await self._broken(Break(failed, instance.url, caught, held), instance)
 
-    async def _broken(self, error: Exception, url: str) -> None:
-        """Decode's body broke off or went silent: a 504 if the client has had nothing, else
-        the stream ended so that the client can tell."""
-        served, phases = self.served, self.served.phases
-        request_id = self.completion.request_id
-        silent = isinstance(error, StreamSilent)
-        phases.failed(str(error) if silent else f"broke off: {reason_of(error)}", "relay")
-        if silent and not served.request.startedWriting:
-            served.request.responseHeaders = Headers({REQUEST_ID: [request_id.encode()]})
-            raise ProxyError(
-                ErrorCode.DECODE_TIMEOUT,
-                "the decode instance sent headers, then nothing",
-                detail=f"decode instance {url} sent headers, then nothing: {error}",
-            ) from None
-        log.error(
-            "decode body for {request_id} broke off: {reason}",
-            request_id=request_id,
-            reason=reason_of(error),
-        )
-        served.record.ended = "broken"
-        said = (
-            f"decode went silent mid-stream: {error}"
-            if silent
-            else "decode closed the stream early"
-        )
-        served.record.error = said
-        # The client is told what happened; the detail is in the log line above.
-        phases.breaking_off()
-        await break_off(
+    async def _relayed(
+        self, response: IResponse, decode: Lease, filtered: Filter | None
+    ) -> Exception | None:
+        """Decode's body relayed; what failed it after its headers (None: it ended whole)."""
+        served = self.served
+        watching = self.watch(decode.instance.url) if self.watch is not None else None
+        self._relaying = relay_body(
             served.request,
-            said,
-            ErrorCode.DECODE_TIMEOUT if silent else ErrorCode.DECODE_STREAM_BROKEN,
+            response,
+            self.legs.clock,
+            served.config.timeouts.stream_idle,
+            partial(self._first_byte, decode.instance),
+            watching,
+            self._used,
+            UsageChunkHidden() if self.completion.hides_usage else None,
+            filtered,
         )
+        try:
+            await served.phases.track(self._relaying)
+        except CancelledError:
+            if not self._down:
+                raise
+            return InstanceDown(f"decode instance {decode.instance.url} marked down")
+        except Exception as error:
+            return error
+        if filtered is not None and filtered.error is not None:
+            return ErrorEvent("an error event")
+        return None
+
+    def _lost(self, retry: Retry, instance: Instance) -> None:
+        """Decode's connection was lost once it had the request: it may have pulled prefill's
+        KV, which prefill then frees, so the answer moves whole, with a prefill of its own,
+        rather than the same params going to another instance (the retry, when it cannot)."""
+        moves = self.moves
+        if moves is None or not moves.movable():
+            return
+        account(self.legs.metrics, self.legs.backends.decode, instance, retry.outcome, retry.down)
+        continued = moves.move(Break(retry, instance.url))
+        if continued is not None:
+            raise Moving(continued, instance)
+
+    def _marked_down(self) -> None:
+        """The instance streaming this answer was marked down: the answer moves now, if it
+        can (else it streams on for as long as the instance sends it)."""
+        relaying = self._relaying
+        if relaying is None or relaying.called or self.moves is None:
+            return
+        if self.moves.movable():
+            self._down = True
+            relaying.cancel()
+
+    @property
+    def _request_id(self) -> bytes:
+        return self.completion.request_id.encode()
+
+    async def _broken(self, broke: Break, instance: Instance) -> None:
+        """Decode's answer failed after its headers: it moves to another instance
+        (``Moving``), or ends so that the client can tell (``Break.end``)."""
+        self.served.phases.failed(broke.reason, "relay")
+        if self.moves is not None:
+            continued = self.moves.move(broke)
+            if continued is not None:
+                raise Moving(continued, instance)
+        await broke.end(self.served)
 
     def _used(self, tail: bytes) -> None:
         """What decode's answer reported using, from its last chunks."""

@@ -13,6 +13,9 @@ tried and put back leaves no trace in the policies' memory or their counters.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease, NoRoom
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.config import Disaggregation
@@ -25,11 +28,16 @@ from nixl_twisted.protocol.errors import ProxyError
 
 
 def place_now(
-    legs: Legs, rules: Disaggregation, completion: Completion, routing: Routing
+    legs: Legs,
+    rules: Disaggregation,
+    completion: Completion,
+    routing: Routing,
+    avoid: Sequence[Instance] = (),
 ) -> Placed:
     """No instance has a cap: the decode instance the policy chooses now, held, and whether
-    prefill pays (a ``ProxyError``, 503, when no decode instance serves)."""
-    decode = reserve(legs.backends.decode, legs.metrics, routing)
+    prefill pays (a ``ProxyError``, 503, when no decode instance serves); ``avoid``: decode
+    instances not to choose while another will do (a migration's)."""
+    decode = reserve(legs.backends.decode, legs.metrics, routing, avoid=avoid)
     try:
         return Placed(decode, _decided(legs, rules, completion, routing, decode))
     except BaseException:
@@ -38,7 +46,11 @@ def place_now(
 
 
 def place(
-    legs: Legs, rules: Disaggregation, completion: Completion, routing: Routing
+    legs: Legs,
+    rules: Disaggregation,
+    completion: Completion,
+    routing: Routing,
+    avoid: Sequence[Instance] = (),
 ) -> Placed | str:
     """Both legs' slots held (``Placed``), or the pool with no room (``"decode"``,
     ``"prefill"``); a ``ProxyError`` when a pool has no instance at all (503)."""
@@ -48,7 +60,7 @@ def place(
     if rules.always and not backends.prefill.room_for(model):
         return "prefill"  # (two legs, whatever the decode instance: seen first)
     try:
-        decode = reserve(backends.decode, metrics, routing, room=True)
+        decode = reserve(backends.decode, metrics, routing, room=True, avoid=avoid)
     except NoRoom:  # (in panic: every instance down, those with room taken)
         return "decode"
     decision = _decided(legs, rules, completion, routing, decode)

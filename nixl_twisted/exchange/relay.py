@@ -10,6 +10,7 @@ that the client can tell it is incomplete. What they write to is an
 from __future__ import annotations
 
 import contextlib
+import typing
 from collections.abc import Callable
 from typing import cast
 
@@ -34,6 +35,22 @@ class StreamSilent(Exception):
     """A backend body went silent for longer than the idle timeout."""
 
 
+class Filter(typing.Protocol):
+    """What stands between decode's body and the client when the answer may move to another
+    instance (``protocol.transcript``): it passes what the client may have now, keeps what
+    a continuation needs, and catches an in-band error event instead of passing it."""
+
+    #: The error event caught, and what came after it (None: none).
+    error: bytes | None
+    #: Nothing more to look at: the rest passes as it comes.
+    done: bool
+
+    def __call__(self, data: bytes) -> bytes: ...
+
+    def rest(self) -> bytes:
+        """What it held when the body ended whole."""
+
+
 class _BodyRelay(Protocol):
     """Writes each chunk of a backend body to the client as it arrives.
 
@@ -54,9 +71,12 @@ class _BodyRelay(Protocol):
         watch: Callable[[bytes], bool] | None = None,
         on_end: Callable[[bytes], None] | None = None,
         hidden: UsageChunkHidden | None = None,
+        filtered: Filter | None = None,
     ) -> None:
         #: Takes out what the proxy asked for itself (the usage chunk) on the way.
         self._hidden = hidden
+        #: Stands first: what the client may have of the body now (None: all of it).
+        self._filtered = filtered
         self._on_first_byte = on_first_byte
         #: Shown each chunk as it passes, until it says it has seen enough.
         self._watch = watch
@@ -80,14 +100,33 @@ class _BodyRelay(Protocol):
             self._timer = self._clock.callLater(self._idle_timeout, self._silent)
 
     def dataReceived(self, data: bytes) -> None:
+        if self._finished.called:
+            return  # (stopped: what its connection still delivers is nobody's)
         if self._on_first_byte is not None:
             first, self._on_first_byte = self._on_first_byte, None
             first()
         if self._watch is not None and self._watch(data):
             self._watch = None
-        self._before_last, self._last = self._last, data
         if self._timer is not None:
             self._heard = self._clock.seconds()
+        filtered = self._filtered
+        if filtered is not None:
+            data = filtered(data)
+            if filtered.done:
+                self._filtered = None
+            if not data:
+                return
+        # (``_pass``, inlined: a call per token on every stream)
+        self._before_last, self._last = self._last, data
+        if self._hidden is not None:
+            data = self._hidden(data)
+            if not data:
+                return
+        self._request.write(data)
+
+    def _pass(self, data: bytes) -> None:
+        """``data`` to the client, as decode sent it or as the filter let it through."""
+        self._before_last, self._last = self._last, data
         if self._hidden is not None:
             data = self._hidden(data)
             if not data:
@@ -108,16 +147,26 @@ class _BodyRelay(Protocol):
             )
 
     def stop(self) -> None:
-        """Close the backend connection (vLLM then aborts the request)."""
+        """Close the backend connection (vLLM then aborts the request); from now on the
+        client may take another producer (a moved answer's next decode)."""
+        self._unregister()
         if self.transport is not None:
             cast(IPushProducer, self.transport).stopProducing()
+
+    def _unregister(self) -> None:
+        client = connected(self._request)
+        if client is not None and client.producer is self.transport is not None:
+            client.unregisterProducer()
 
     def connectionLost(self, reason: Failure = _DONE) -> None:
         if self._timer is not None and self._timer.active():
             self._timer.cancel()
-        client = connected(self._request)
-        if client is not None and client.producer is not None:
-            client.unregisterProducer()
+        self._unregister()
+        ended = reason.check(ResponseDone, PotentialDataLoss) is not None
+        if ended and self._filtered is not None and not self._finished.called:
+            held = self._filtered.rest()  # (only a body that ended whole lets it go)
+            if held:
+                self._pass(held)
         if self._on_end is not None:
             self._on_end(self._before_last + self._last)
         rest = self._hidden.rest() if self._hidden is not None else b""
@@ -125,7 +174,7 @@ class _BodyRelay(Protocol):
             self._request.write(rest)
         if self._finished.called:
             return
-        if reason.check(ResponseDone, PotentialDataLoss):
+        if ended:
             self._finished.callback(None)
         else:
             self._finished.errback(reason)
@@ -156,19 +205,23 @@ def relay_body(
     watch: Callable[[bytes], bool] | None = None,
     on_end: Callable[[bytes], None] | None = None,
     hidden: UsageChunkHidden | None = None,
+    filtered: Filter | None = None,
 ) -> Deferred[None]:
     """Relay a backend body to the client; fires when the backend's body ended.
 
     ``watch`` is shown each chunk as it passes (unchanged), until it returns
     True; ``on_end`` is given the body's last two chunks, however it ended (as
-    the backend sent them: ``hidden`` takes its chunk out of what the client gets).
+    the client gets them but for ``hidden``, which takes its chunk out of what
+    the client gets); ``filtered`` stands before both (an answer that may move).
 
     Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data.
     Cancelling the Deferred closes the backend connection, which makes vLLM
     abort the request and free its KV blocks.
     """
     finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    relay = _BodyRelay(request, finished, clock, idle_timeout, on_first_byte, watch, on_end, hidden)
+    relay = _BodyRelay(
+        request, finished, clock, idle_timeout, on_first_byte, watch, on_end, hidden, filtered
+    )
     response.deliverBody(relay)
     return finished
 

@@ -43,9 +43,12 @@ class ExchangeRequest(Protocol):
 def connected(request: ExchangeRequest) -> Request | None:
     """The client's own request while its connection is open: what can be paused or closed.
 
-    None for a batch's part, and for a client whose connection is gone.
+    None for a batch's part, and for a client whose connection is gone (or whose answer
+    ended: Twisted then drops its channel).
     """
-    return request if isinstance(request, Request) and request.channel is not None else None
+    if isinstance(request, Request) and getattr(request, "channel", None) is not None:
+        return request
+    return None
 
 
 def query_of(request: ExchangeRequest) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import CancelledError
 from twisted.python.failure import Failure
+from twisted.web.client import ResponseFailed, ResponseNeverReceived
 from twisted.web.iweb import IResponse
 
 from nixl_twisted.backends.instances import Instance
@@ -32,6 +33,9 @@ from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
 
+#: How a connection is lost once the request was written to it (the instance may have it).
+_SENT = (ResponseNeverReceived, ResponseFailed)
+
 
 class Retry(Exception):
     """The instance failed (``down`` says why): another may serve the same leg.
@@ -40,12 +44,16 @@ class Retry(Exception):
     queue is full); it counts as full for a moment, not toward marking it down.
     """
 
-    def __init__(self, error: ProxyError, outcome: str, down: str | None) -> None:
+    def __init__(
+        self, error: ProxyError, outcome: str, down: str | None, sent: bool = False
+    ) -> None:
         super().__init__(error.detail)
         #: What the client sees if no other instance serves the leg.
         self.error = error
         self.outcome = outcome
         self.down = down
+        #: The request had reached the instance when its connection was lost.
+        self.sent = sent
 
 
 def full(instance: Instance) -> Retry:
@@ -80,12 +88,13 @@ class PrefillRefused(Exception):
 
 
 def unreachable(instance: Instance, error: BaseException) -> Retry:
-    """The instance could not be reached: nothing was sent, so another may serve the leg."""
+    """The instance could not be reached, or its connection was lost before it answered:
+    another may serve the leg (``Retry.sent``: the request may have reached it)."""
     reason = reason_of(error)
     detail = f"{instance.role} instance {instance.url} could not be reached: {reason}"
     message = f"a {instance.role} instance could not be reached"
     failed = ProxyError(codes.unreachable(instance.role), message, detail=detail)
-    return Retry(failed, "unreachable", reason)
+    return Retry(failed, "unreachable", reason, isinstance(error, _SENT))
 
 
 def timed_out(instance: Instance, seconds: float) -> ProxyError:
@@ -143,17 +152,25 @@ def traced(lease: Lease, trace: RequestTrace, attempt: int) -> AttemptTrace:
 
 
 def reserve(
-    pool: BackendPool, metrics: ProxyMetrics, routing: Routing = NO_ROUTING, room: bool = False
+    pool: BackendPool,
+    metrics: ProxyMetrics,
+    routing: Routing = NO_ROUTING,
+    room: bool = False,
+    avoid: Sequence[Instance] = (),
 ) -> Lease:
     """The instance the pool's policy chooses now, held for a leg sent later (503: none).
 
-    ``room``: among those under their caps only (``NoRoom`` when none is).
+    ``room``: among those under their caps only (``NoRoom`` when none is);
+    ``avoid``: not these while another will do (a migration's: the instance
+    that failed, taken again when it is the only one left).
     """
     try:
-        instance, decision = ByPolicy(pool, metrics, routing, room=room)(())
-    except NoRoom:
-        raise
+        instance, decision = ByPolicy(pool, metrics, routing, room=room, avoid=avoid)(())
     except NoHealthyInstance as error:
+        if avoid:
+            return reserve(pool, metrics, routing, room)
+        if isinstance(error, NoRoom):
+            raise
         raise unavailable(error) from None
     return pool.lease(instance, decision)
 
@@ -188,19 +205,23 @@ class ByPolicy:
         routing: Routing,
         retries: int = 0,
         room: bool = False,
+        avoid: Sequence[Instance] = (),
     ) -> None:
-        """``room``: only instances under their caps (a completion's legs, when capped)."""
+        """``room``: only instances under their caps (a completion's legs, when capped);
+        ``avoid``: never these (``reserve``)."""
         self.pool = pool
         self.metrics = metrics
         self.routing = routing
         self.retries = retries
         self.room = room
+        self.avoid = avoid
 
     def __call__(self, tried: Sequence[Instance]) -> tuple[Instance, str]:
         pool, metrics, routing = self.pool, self.metrics, self.routing
         if tried:
             metrics.retries.labels(pool.role).inc()
-        instance, decision = pool.choose(exclude=tried, routing=routing, room=self.room)
+        excluded = [*self.avoid, *tried] if self.avoid else tried
+        instance, decision = pool.choose(exclude=excluded, routing=routing, room=self.room)
         if pool.panicking:
             metrics.panic_legs.labels(pool.role).inc()
         policy = pool.policy_for(routing.model).name

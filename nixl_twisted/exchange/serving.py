@@ -47,7 +47,7 @@ class Serving:
 
         def part(to: PartRequest, one: Completion) -> Deferred[None]:
             record_of(to).served_model = record_of(request).served_model
-            return self._exchange(to, one, trace)
+            return self._exchange(to, one, trace, part=True)
 
         return Batch(request, completion, part).start()
 
@@ -67,10 +67,14 @@ class Serving:
         return Deferred.fromCoroutine(follow())
 
     def _exchange(
-        self, request: ExchangeRequest, completion: Completion, trace: RequestTrace
+        self,
+        request: ExchangeRequest,
+        completion: Completion,
+        trace: RequestTrace,
+        part: bool = False,
     ) -> Deferred[None]:
         watch = self.responses.watcher if completion.path == routes.RESPONSES else None
-        exchange = Exchange(self.legs, request, completion, trace, watch)
+        exchange = Exchange(self.legs, request, completion, trace, watch, part)
         self.exchanges.add(exchange)
 
         def ended(result: object) -> object:

@@ -1,17 +1,22 @@
 """One completion as two legs: the prompt rendered if asked, its slots placed and decided,
-the prefill leg, the decode leg and its relay.
+the prefill leg, the decode leg and its relay; again elsewhere if decode fails mid-answer.
 
 The exchange composes them and holds the order: each leg is an object of
 its own (``prefill_leg.PrefillLeg``, ``decode_leg.DecodeLeg``) that takes
 what it needs and returns what it yields; the phase machine (``RULES``:
 what a client disconnect does in each phase) is ``phased.Phases``, which
-both are handed.
+both are handed. A decode answer that fails after its first byte may move
+(``migration``): the exchange then places, prefills and decodes the
+continuation the same way, into the same client answer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 
+from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.exchange.decide import FALLBACK, Decision, Mode
@@ -20,17 +25,19 @@ from nixl_twisted.exchange.decode_leg import DecodeLeg, Watch
 from nixl_twisted.exchange.fair_queue import Ticket
 from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import Legs
+from nixl_twisted.exchange.migration import BATCH, Migrations, Moving
 from nixl_twisted.exchange.phased import Phases
 from nixl_twisted.exchange.placing import place, place_now
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
-from nixl_twisted.exchange.sending import NoInstanceServed
+from nixl_twisted.exchange.sending import NoInstanceServed, PrefillRefused
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import backend_request_headers
 from nixl_twisted.protocol.phases import Phase
 
@@ -45,12 +52,14 @@ class Exchange:
         completion: Completion,
         trace: RequestTrace = NO_TRACE,
         watch: Watch | None = None,
+        part: bool = False,
     ) -> None:
         """Made by ``Serving``: ``legs`` the proxy's, with the configuration now in effect.
 
         Only instances serving ``completion.served`` take its legs, by that
         model's own policies and rules. ``watch``: given the decode instance,
-        what watches its answer pass (the Responses API's ids).
+        what watches its answer pass (the Responses API's ids); ``part``: a
+        batch's part (which never moves: the batch merges what it writes).
         """
         self.legs = legs
         self.config = config = legs.config
@@ -71,6 +80,15 @@ class Exchange:
         self.routing = routing_for(needs, config.policies.key_bytes, session, completion)
         #: When a prefill leg is skipped (``nixl_twisted.exchange.decide``), as in effect now.
         self.rules = config.rules_for(model)
+        #: Where its answer moves should its decode instance fail mid-answer (None: off).
+        self.moves: Migrations | None = None
+        #: What the legs placed last were sent with (a moved answer's end is told through it).
+        self._served: Served | None = None
+        rules = config.migrations
+        if rules.limit:
+            refused = BATCH if part else None
+            made = Migrations(completion, rules, legs.clock, legs.metrics, record, trace, refused)
+            self.moves = made
 
     @property
     def phase(self) -> Phase:
@@ -103,15 +121,50 @@ class Exchange:
 
     async def _legs(self, keepalive: KeepAlive | None) -> None:
         routing = await self._rendered()
-        served, placed = await self._placed(routing)
+        moving, avoid = await self._pair(routing, self.completion, keepalive)
+        while moving is not None:  # (its answer moves: the continuation, the same way)
+            moves = self.moves
+            assert moves is not None and moves.broke is not None
+            self.phases.enter(Phase.PREFILL)
+            try:
+                continued, failed = await self._pair(routing, moving, keepalive, avoid)
+            except (ProxyError, PrefillRefused):
+                if not moves.out:
+                    raise  # (the end of an answer that could move no more: its error)
+                # The continuation failed before its answer came: once more, or the end.
+                continued, failed = moves.again(), []
+                if continued is None:
+                    assert self._served is not None
+                    await moves.broke.end(self._served)
+            moving, avoid = continued, [*avoid, *failed]
+
+    async def _pair(
+        self,
+        routing: Routing,
+        completion: Completion,
+        keepalive: KeepAlive | None,
+        avoid: list[Instance] | None = None,
+    ) -> tuple[Completion | None, list[Instance]]:
+        """``completion``'s legs, placed, handed off and relayed; what continues its answer
+        on another decode instance and the instance it failed on (None: it ended)."""
+        first = avoid is None
+        served, placed = await self._placed(routing, completion, avoid or ())
         try:
-            decision, handed_at, body = await self._handoff(routing, served, placed)
+            decision, handed_at, body = await self._handoff(
+                routing, completion, served, placed, first
+            )
         except BaseException:
             placed.release()  # (until send_leg takes them over, the leases are ours to give back)
             raise
         sent = DecodeRequest(served.target, body, self.headers, self.config.timeouts.decode, True)
-        decode = DecodeLeg(self.legs, self.completion, routing, served, keepalive, self.watch)
-        await decode.send(sent, placed.decode, decision, handed_at)
+        decode = DecodeLeg(
+            self.legs, completion, routing, served, keepalive, self.watch, self.moves
+        )
+        try:
+            await decode.send(sent, placed.decode, decision, handed_at)
+        except Moving as moving:
+            return moving.completion, [moving.source]
+        return None, []
 
     async def _rendered(self) -> Routing:
         """The routing, with the prompt's token ids when a policy or the cached rule reads them
@@ -124,61 +177,70 @@ class Exchange:
         rendering = legs.renderer.routed(renders, routing, self.completion, self.headers, timeout)
         return await self.phases.track(ensureDeferred(rendering))
 
-    async def _placed(self, routing: Routing) -> tuple[Served, Placed]:
+    async def _placed(
+        self, routing: Routing, c: Completion, avoid: Sequence[Instance]
+    ) -> tuple[Served, Placed]:
         """The decode instance held (and, with caps, the prefill instance too), and whether
-        prefill pays: at once, or once the fair queue lets it go (``Phase.QUEUED``)."""
-        legs, phases = self.legs, self.phases
+        prefill pays: at once, or once the fair queue lets it go (``Phase.QUEUED``);
+        ``avoid``: decode instances a moved answer failed on."""
+        legs, phases, record = self.legs, self.phases, self.record
         slots, backends = legs.slots, legs.backends
         room = slots is not None and (backends.decode.capped or backends.prefill.capped)
-        target = self.completion.path + query_of(self.request)
+        target = c.path + query_of(self.request)
         served = Served(
-            self.request, target, self.headers, self.config, self.trace, self.record, phases, room
+            self.request, target, self.headers, self.config, self.trace, record, phases, room
         )
+        self._served = served
         if slots is None or not room:
             # Decode first: the rules may ask what its instance holds, and a
             # request with no decode instance to go to is refused before prefill runs.
-            return served, place_now(legs, self.rules, self.completion, routing)
+            return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
-        c = self.completion
         ticket = Ticket.of(c)
-        taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing))
+        taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
         if isinstance(taken, Deferred):
             clock = legs.clock
             since = clock.seconds()
             try:
                 taken = await phases.track(taken)
             finally:
-                self.record.queued_seconds = clock.seconds() - since
+                waited = clock.seconds() - since
+                record.queued_seconds = (record.queued_seconds or 0.0) + waited
         phases.enter(Phase.PREFILL)
         return served, taken
 
     async def _handoff(
-        self, routing: Routing, served: Served, placed: Placed
+        self, routing: Routing, c: Completion, served: Served, placed: Placed, first: bool
     ) -> tuple[Decision, float, bytes]:
         """The prefill leg if placing decided it pays (decode alone when no prefill instance
-        serves and the fallback is on), and what the decode leg sends after it."""
+        serves and the fallback is on), and what the decode leg sends after it; ``first``:
+        not a moved answer's continuation (counted once per completion)."""
         decision = placed.decision
         assert decision is not None  # (placing decides for every completion)
         handed_at, params = 0.0, {}
         try:
             if decision.mode is Mode.PD:
                 try:
-                    prefill = PrefillLeg(self.legs, self.completion, routing, served)
-                    params = await prefill.send(placed.prefill)
+                    params = await PrefillLeg(self.legs, c, routing, served).send(placed.prefill)
                     handed_at = self.legs.clock.seconds()
                 except NoInstanceServed:
                     if self.rules.fallback != "decode":
                         raise
                     decision = FALLBACK
         finally:
-            self._decided(decision)
+            if first:
+                self._decided(decision)
+        moves = self.moves
+        if moves is not None and first:
+            moves.handed(params)
+        tracked = moves is not None and moves.tracked
         if decision.mode is Mode.PD:
             self.phases.enter(Phase.HANDOFF)
-            return decision, handed_at, self.completion.decode_bytes(params)
+            return decision, handed_at, c.decode_bytes(params, tracked)
         if self.phases.client_gone:  # (left while prefill's last error was being read)
             raise CancelledError()
         self.phases.enter(Phase.DECODE)
-        return decision, handed_at, self.completion.decode_only_bytes()
+        return decision, handed_at, c.decode_only_bytes(tracked)
 
     def _decided(self, decision: Decision) -> None:
         mode, reason = decision.mode.value, decision.reason.value

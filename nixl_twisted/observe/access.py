@@ -83,6 +83,10 @@ class AccessRecord:
     parts: list[AccessRecord] = field(default_factory=list)
     #: A leg took more than one attempt (the event then lists them all).
     retried: bool = False
+    #: Each move to another decode instance (``FROM@TOKEN -> TO OUTCOME``), and why a
+    #: decode failure did not move when it did not (``refused (n)``, ``exhausted``, ...).
+    migrations: list[str] = field(default_factory=list)
+    migration: str | None = None
 
     def attempted(self, leg: str, instance: str, outcome: str, again: bool = False) -> None:
         """One attempt of a leg; ``again``: not its first."""
@@ -199,6 +203,10 @@ class AccessLog:
             fields["attempts"] = [" ".join(attempt) for attempt in record.attempts]
         if record.parts:
             fields["parts"] = [part.describe_part(i) for i, part in enumerate(record.parts)]
+        if record.migrations:
+            fields["migrations"] = record.migrations
+        if record.migration is not None:
+            fields["migration"] = record.migration
         # Rendered here: Twisted's own formatting of fifteen fields costs
         # several times more, on every request.
         log.info("{access_line}", access_line=access_line(fields), access=fields)
@@ -243,6 +251,10 @@ def access_line(f: dict[str, Any]) -> str:
         parts.append(f"attempts=[{'; '.join(f['attempts'])}]")
     if "parts" in f:
         parts.append(f"parts=[{'; '.join(f['parts'])}]")
+    if "migrations" in f:
+        parts.append(f"migrated=[{'; '.join(f['migrations'])}]")
+    if "migration" in f:
+        parts.append(f"migration={quoted(f['migration'])}")
     if "ended" in f:
         parts.append(f"ended={f['ended']}")
     return " ".join(parts)

@@ -200,6 +200,21 @@ class ProxyMetrics:
         self.retries = Counter(
             "nixlproxy_retries", "Legs sent again to another instance.", ["pool"], registry=r
         )
+        self.migrations = Counter(
+            "nixlproxy_migrations",
+            "Completions whose decode instance failed after their first byte, by what came "
+            "of it: completed or failed (a continuation on another decode instance), "
+            "refused, exhausted, past_deadline (none sent: docs/failures.md).",
+            ["outcome"],
+            registry=r,
+        )
+        self.migration_seconds = Histogram(
+            "nixlproxy_migration_seconds",
+            "From a decode instance failing mid-answer to the first byte of the answer's "
+            "continuation on another: how long a moved stream stalled.",
+            buckets=LEG_BUCKETS,
+            registry=r,
+        )
         self.admissions = Counter(
             "nixlproxy_admissions",
             "Completions at the proxy's queue while instances are capped, by outcome: "

@@ -21,9 +21,10 @@ from functools import cached_property
 from typing import Any
 
 from nixl_twisted.config import NO_RULE, TenantRule
-from nixl_twisted.protocol import charges, lowering, salts, token_ids
+from nixl_twisted.protocol import charges, lowering, routes, salts, token_ids
 from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
 from nixl_twisted.protocol.prompts import Measured, Rendered, measure, render
+from nixl_twisted.protocol.resumable import Resumable, continued_body, resumable
 
 #: The facts a variant keeps (they read the prompt, which no variant changes).
 _KEPT = ("measured", "rendered")
@@ -50,6 +51,9 @@ class Completion:
     #: The ``cache_salt`` both legs carry (None: none): the namespace of its prefix cache,
     #: and so of every routing key (``backends.prompt_keys``).
     salt: str | None = None
+    #: A chat continued on another decode instance (``continued``): the ids of its prompt
+    #: and of the tokens relayed, which both legs carry instead of its messages rendered.
+    resumed: tuple[int, ...] | None = None
 
     @property
     def model(self) -> object:
@@ -79,6 +83,11 @@ class Completion:
     def token_ids(self) -> tuple[int, ...] | None:
         """A prompt given as token ids, as given (None: text, to be rendered by vLLM)."""
         return self.rendered.ids
+
+    @cached_property
+    def resumable(self) -> Resumable:
+        """What a migration may do for it, should its decode instance fail mid-answer."""
+        return resumable(self.path, self.body, self.stream)
 
     @property
     def user(self) -> str | None:
@@ -126,6 +135,14 @@ class Completion:
             for i, prompt in enumerate(self.batch.prompts)
         )
 
+    def continued(self, prompt: list[int], relayed: int) -> Completion:
+        """This completion after ``relayed`` tokens reached its client, to be continued on
+        another decode instance: ``prompt`` the ids of its prompt and of those tokens
+        (``protocol.resumable``; its facts are worked out again, for a longer prompt)."""
+        body = continued_body(self.path, self.body, prompt, relayed)
+        ids = tuple(prompt) if self.path != routes.COMPLETIONS else None
+        return replace(self, body=body, resumed=ids)
+
     def _variant(self, **changes: Any) -> Completion:
         made = replace(self, **changes)
         for name in _KEPT:
@@ -137,22 +154,32 @@ class Completion:
 
     @property
     def hands_token_ids(self) -> bool:
-        """Decode would use the prompt's token ids, prefill asked for them (``token_ids``)."""
-        return token_ids.used_by_decode(self.path, self.body)
+        """Decode would use the prompt's token ids, prefill asked for them (``token_ids``;
+        a continuation has its own)."""
+        return self.resumed is None and token_ids.used_by_decode(self.path, self.body)
 
     def prefill_bytes(self, ask_token_ids: bool = False) -> bytes:
         """The prefill leg's body: lowered (one token, not streamed), encoded;
         ``ask_token_ids``: asking for the prompt's token ids too."""
         lowered = lowering.prefill_body(self.body, self.request_id, self.path)
+        if self.resumed is not None:
+            lowered = token_ids.given(lowered, self.resumed)
         return lowering.encode(token_ids.asking(lowered) if ask_token_ids else lowered)
 
-    def decode_bytes(self, params: JSONObject) -> bytes:
-        """The decode leg's body: the client's, plus prefill's ``kv_transfer_params`` verbatim."""
-        return lowering.encode(lowering.decode_body(self.body, params))
+    def decode_bytes(self, params: JSONObject, tracked: bool = False) -> bytes:
+        """The decode leg's body: the client's, plus prefill's ``kv_transfer_params`` verbatim;
+        ``tracked``: asking for the ids of the tokens it streams (a migration's)."""
+        return self._decoded(lowering.decode_body(self.body, params), tracked)
 
-    def decode_only_bytes(self) -> bytes:
-        """The decode leg's body when prefill is skipped: no ``kv_transfer_params`` at all."""
-        return lowering.encode(lowering.decode_only_body(self.body))
+    def decode_only_bytes(self, tracked: bool = False) -> bytes:
+        """The decode leg's body when prefill is skipped: no ``kv_transfer_params`` at all
+        (but a continuation's prompt ids)."""
+        return self._decoded(lowering.decode_only_body(self.body), tracked)
+
+    def _decoded(self, leg: JSONObject, tracked: bool) -> bytes:
+        if self.resumed is not None:
+            leg = token_ids.given(leg, self.resumed)
+        return lowering.encode(token_ids.asking(leg) if tracked else leg)
 
 
 def read_completion(

@@ -11,6 +11,7 @@ the proxy asks for them only where decode uses them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from nixl_twisted.protocol import routes
@@ -79,9 +80,20 @@ def used_by_decode(path: str, body: JSONObject) -> bool:
     )
 
 
-def asking(lowered: JSONObject) -> JSONObject:
-    """A prefill body that asks for the prompt's token ids."""
-    return dict(lowered, return_token_ids=True)
+def asking(leg: JSONObject) -> JSONObject:
+    """A leg's body that asks for token ids: prefill's answers the prompt's, a decode
+    stream's each chunk's (``return_token_ids``)."""
+    return dict(leg, return_token_ids=True)
+
+
+def given(leg: JSONObject, ids: Sequence[int]) -> JSONObject:
+    """A leg's body whose prompt is ``ids`` (a continued chat's: its prompt and the tokens
+    relayed), in ``kv_transfer_params``, where vLLM's chat renderer takes them on either leg
+    and with or without a handoff (its other params kept)."""
+    params = leg.get("kv_transfer_params")
+    handed = dict(params) if isinstance(params, dict) else {}
+    handed["prompt_token_ids"] = list(ids)
+    return dict(leg, kv_transfer_params=handed)
 
 
 def prompt_ids(answer: Any) -> list[int] | None:

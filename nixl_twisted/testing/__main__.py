@@ -10,6 +10,8 @@ answers replays (each pair of ports said on a line of its own, after its
 URL's), and the command line routes prefills ``kv-aware`` on them. With
 ``--max-num-seqs`` (and ``--max-num-queued-reqs``), each has vLLM's
 capacity: that many requests run at once, the rest wait (or are refused).
+With ``--decode-hold-after``, each decode's streams hang after that many
+events (a test kills the process there: a decode that dies mid-answer).
 """
 
 from __future__ import annotations
@@ -143,6 +145,14 @@ def arguments() -> argparse.ArgumentParser:
         "with 503, as vLLM's --max-num-queued-reqs (unset: no limit)",
     )
     parser.add_argument(
+        "--decode-hold-after",
+        type=_at_least(0),
+        default=None,
+        metavar="EVENTS",
+        help="each decode's streams stop after this many events and wait, for good (an "
+        "instance that hangs mid-answer, or one to kill mid-answer; unset: they do not)",
+    )
+    parser.add_argument(
         "--kv-events",
         action="store_true",
         help="publish each instance's KV cache events on ZeroMQ, as vLLM's "
@@ -223,6 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             **fake_options(args),
         )
         reactor.addSystemEventTrigger("before", "shutdown", cluster.stop)
+        if args.decode_hold_after is not None:
+            for fake in cluster.decodes:
+                fake.hold_streams_after(args.decode_hold_after)
         for fake in cluster.instances:
             print(f"fake {fake.name} listening on {fake.url}", flush=True)
             said = kv_line(fake)

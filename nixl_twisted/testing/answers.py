@@ -1,4 +1,11 @@
-"""What vLLM answers look like: OpenAI completions, chat completions, their streams, errors."""
+"""What vLLM answers look like: OpenAI completions, chat completions, their streams, errors.
+
+Encoded compact, as vLLM's pydantic models are (``model_dump_json``); the
+fields vLLM sets to null when not asked (``token_ids``, ``prompt_token_ids``)
+are there as null. A generated token's id says its place in the answer
+(``FIRST_GENERATED`` plus its index), so that an answer continued from a
+prompt that ends with some of them goes on from there, as a model would.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +19,25 @@ from typing import Any
 JSONObject = dict[str, Any]
 
 
+#: The id of an answer's first generated token; the next ones follow it. Beyond any id
+#: of a prompt's text (four bytes each, ``prefix_cache.text_tokens``).
+FIRST_GENERATED = 1 << 40
+
+
 def encode(value: object) -> bytes:
-    return json.dumps(value).encode("utf-8")
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def generated_ids(start: int, count: int) -> list[int]:
+    """The ids of the tokens at places ``start`` to ``start + count`` of an answer."""
+    return list(range(FIRST_GENERATED + start, FIRST_GENERATED + start + count))
+
+
+def resumed_at(prompt: list[int]) -> int:
+    """Where an answer whose prompt is ``prompt`` goes on from: after the generated tokens
+    the prompt ends with (0: a prompt of the client's own)."""
+    last = prompt[-1] if prompt else 0
+    return last - FIRST_GENERATED + 1 if last >= FIRST_GENERATED else 0
 
 
 def vllm_error(status: int, message: str, kind: str | None = None) -> bytes:
@@ -49,6 +73,8 @@ class Answer:
     #: Asked ``return_token_ids``: the prompt's ids, answered as vLLM answers them
     #: (a chat's at the top, a text completion's in its choice; a stream's first chunk).
     prompt_token_ids: list[int] | None = None
+    #: Asked ``return_token_ids``: the ids of ``words``, one each (a stream's in each chunk).
+    token_ids: list[int] | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -67,8 +93,10 @@ class Answer:
                 "text": text,
                 "logprobs": None,
                 "finish_reason": self.finish_reason,
+                "prompt_token_ids": None,
             }
             kind = "text_completion"
+        choice["token_ids"] = self.token_ids
         whole = {
             "id": self._prefixed_id(),
             "object": kind,
@@ -80,8 +108,7 @@ class Answer:
         return self._with_ids(whole, choice)
 
     def _with_ids(self, event: JSONObject, choice: JSONObject) -> JSONObject:
-        if self.prompt_token_ids is not None:
-            (event if self.chat else choice)["prompt_token_ids"] = self.prompt_token_ids
+        (event if self.chat else choice)["prompt_token_ids"] = self.prompt_token_ids
         return event
 
     def _prefixed_id(self) -> str:
@@ -119,14 +146,24 @@ class Answer:
         for index, word in enumerate(self.words):
             last = index == len(self.words) - 1
             finish = self.finish_reason if last else None
+            ids = None if self.token_ids is None else [self.token_ids[index]]
             if self.chat:
                 choice: JSONObject = {
                     "index": 0,
                     "delta": {"content": word},
+                    "logprobs": None,
                     "finish_reason": finish,
+                    "token_ids": ids,
                 }
             else:
-                choice = {"index": 0, "text": word, "logprobs": None, "finish_reason": finish}
+                choice = {
+                    "index": 0,
+                    "text": word,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                    "prompt_token_ids": None,
+                    "token_ids": ids,
+                }
             events.append(self._chunk(choice, first=not self.chat and index == 0))
         if include_usage:
             events.append(self._chunk({}, self.usage))
@@ -148,10 +185,11 @@ def prompt_tokens(body: JSONObject, chat: bool) -> int:
     return max(1, len(text.split()))
 
 
-def words(text: str, count: int) -> list[str]:
-    """``count`` tokens of ``text``, from its start again when it runs out."""
+def words(text: str, count: int, start: int = 0) -> list[str]:
+    """``count`` tokens of ``text`` from its ``start``-th, from its start again when it
+    runs out: the token at each place of an answer is always the same."""
     pieces = text.split()
-    return [pieces[i % len(pieces)] + " " for i in range(count)]
+    return [pieces[i % len(pieces)] + " " for i in range(start, start + count)]
 
 
 def _sse(event: str, data: JSONObject) -> bytes:

@@ -20,6 +20,11 @@ class Behaviour:
     issues_params: bool = True
     #: Cut the answer off: a stream after this many events, a JSON answer halfway.
     cut_after: int | None = None
+    #: A stream cut off after this many generated tokens (its opening events before them).
+    cut_after_tokens: int | None = None
+    #: A stream that answers vLLM's in-band error event after this many generated tokens,
+    #: then ends as vLLM ends it (an engine that failed mid-answer).
+    error_after_tokens: int | None = None
     #: Keys of the ``kv_transfer_params`` a prefill leg answers, changed (``None``: left out).
     spoiled: tuple[tuple[str, object], ...] = ()
 
@@ -77,3 +82,13 @@ def spoiled(params: dict[str, Any], changes: tuple[tuple[str, object], ...]) -> 
 def break_off(after_events: int = 1) -> Behaviour:
     """A stream closed after ``after_events`` events; a JSON answer closed halfway."""
     return Behaviour(cut_after=after_events)
+
+
+def die_after(tokens: int) -> Behaviour:
+    """A stream closed after ``tokens`` generated tokens, as by an instance that died."""
+    return Behaviour(cut_after_tokens=tokens)
+
+
+def fail_after(tokens: int) -> Behaviour:
+    """A stream that answers vLLM's error event after ``tokens`` generated tokens."""
+    return Behaviour(error_after_tokens=tokens)

@@ -16,6 +16,8 @@ from nixl_twisted.testing.behaviours import (
     ErrorAnswer,
     RawAnswer,
     break_off,
+    die_after,
+    fail_after,
     omit_kv_transfer_params,
     spoil_kv_transfer_params,
 )
@@ -67,6 +69,15 @@ class Controls:
         """Cut the next answer off: a stream after ``after_events`` events, a
         JSON answer halfway through its announced ``Content-Length``."""
         self.script(break_off(after_events))
+
+    def die_after_next(self, tokens: int) -> None:
+        """Cut the next stream off after ``tokens`` generated tokens (its connection closed
+        as by an instance that died); a test stops serving the fake to keep it dead."""
+        self.script(die_after(tokens))
+
+    def fail_after_next(self, tokens: int) -> None:
+        """Answer vLLM's in-band error event in the next stream after ``tokens`` tokens."""
+        self.script(fail_after(tokens))
 
     def hold_streams_after(self, chunks: int) -> None:
         """Let streams write ``chunks`` events, then wait for :meth:`release`."""

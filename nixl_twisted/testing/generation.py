@@ -109,9 +109,18 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         chat = request.path.endswith(b"/chat/completions")
         messages_api = request.path.endswith(b"/v1/messages")
         responses_api = request.path.endswith(b"/v1/responses")
-        input_tokens = answers.prompt_tokens(body, chat)
         cached = 0
         tokens = prompt_tokens(body)
+        # vLLM's chat renderer takes a prompt handed as ids on any leg (a continuation's
+        # prefill, a decode-only leg); a decode leg's are taken with its KV, below.
+        if role != "decode" and isinstance(kv, dict) and "prompt_token_ids" in kv:
+            handed = prompt_ids.take(kv, body, chat or messages_api or responses_api)
+            if handed.refusal is not None:
+                request.setResponseCode(400)
+                return answers.vllm_error(400, handed.refusal)
+            kv = handed.params
+            if handed.used is not None:
+                tokens = handed.used
         if role in ("prefill", "plain"):
             # What the lookup stored and evicted is one batch, published as vLLM
             # publishes a step's events: once the step (the compute) has run.
@@ -127,7 +136,7 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         kv_answer: JSONObject | None = None
         if role == "prefill" and behaviour.issues_params:
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
-            kv_answer = self.ledger.issue(self.name, request_id, input_tokens, self._kv_port)
+            kv_answer = self.ledger.issue(self.name, request_id, len(tokens), self._kv_port)
             kv_answer = spoiled(kv_answer, behaviour.spoiled)
         elif role == "decode" and self.recompute_silently:
             self.sources.local_compute += len(tokens)
@@ -153,8 +162,13 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
             if responses_api
             else body.get("max_completion_tokens") or body.get("max_tokens")
         )
-        count = self.tokens if not isinstance(limit, int) else min(self.tokens, limit)
-        words = answers.words(self.text, count)
+        # Its answer's tokens are the same at each place: a prompt that ends with some of
+        # them (a continuation's) goes on from there, to where the answer would end.
+        start = answers.resumed_at(tokens)
+        count = max(0, self.tokens - start)
+        count = count if not isinstance(limit, int) else min(count, limit)
+        words = answers.words(self.text, count, start)
+        input_tokens = len(tokens)
         if responses_api:
             reply = answers.Response(
                 model=str(body.get("model", self.model)), words=words, input_tokens=input_tokens
@@ -166,21 +180,21 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
                 if kv_answer is not None:
                     whole["kv_transfer_params"] = kv_answer
                 return answers.encode(whole)
-            await self._stream(request, reply.events())
+            await self._stream(request, reply.events(), *_cut(behaviour, 4, messages=False))
             return None
         if messages_api:
             message = answers.Message(
                 model=str(body.get("model", self.model)),
                 words=words,
                 stop_reason="max_tokens" if count == limit else "end_turn",
-                input_tokens=answers.prompt_tokens(body, True),
+                input_tokens=input_tokens,
             )
             if not body.get("stream"):
                 whole = message.whole()
                 if kv_answer is not None:
                     whole["kv_transfer_params"] = kv_answer
                 return answers.encode(whole)
-            await self._stream(request, message.events(), behaviour.cut_after)
+            await self._stream(request, message.events(), *_cut(behaviour, 2, messages=True))
             return None
         answer = answers.Answer(
             chat=chat,
@@ -194,6 +208,11 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
             prompt_token_ids=tokens if self.returns_token_ids and prompt_ids.asked(body) else None,
+            token_ids=(
+                answers.generated_ids(start, count)
+                if self.returns_token_ids and prompt_ids.asked(body)
+                else None
+            ),
         )
         if not body.get("stream"):
             return await self._whole(request, answer, kv_answer, behaviour.cut_after is not None)
@@ -201,7 +220,8 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
             await self._pour(request, *self._firehose)
             return None
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        await self._stream(request, answer.events(include_usage), behaviour.cut_after)
+        cut = _cut(behaviour, 1 if chat else 0, messages=False)
+        await self._stream(request, answer.events(include_usage), *cut)
         return None
 
     async def _whole(
@@ -225,20 +245,47 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         return None
 
     async def _stream(
-        self, request: Request, events: list[bytes], cut_after: int | None = None
+        self,
+        request: Request,
+        events: list[bytes],
+        cut_after: int | None = None,
+        failed: list[bytes] | None = None,
     ) -> None:
-        """Write ``events`` as they come; ``cut_after``: that many, then a cut connection."""
+        """Write ``events`` as they come; ``cut_after``: that many, then a cut connection,
+        or (``failed``) then these (vLLM's error event and the stream's end)."""
         request.setHeader(b"Content-Type", b"text/event-stream")
         if cut_after is not None:
-            events = events[:cut_after]
+            events = events[:cut_after] + (failed or [])
         for index, event in enumerate(events):
             if index > 0:
                 await self._before_next_token()
             if self._hold_after is not None and index >= self._hold_after:
                 await self._wait_at_hold()
             request.write(event)
-        if cut_after is not None:
+        if cut_after is not None and failed is None:
             await cut_off(request)
+
+
+def _cut(
+    behaviour: Behaviour, opening: int, messages: bool
+) -> tuple[int | None, list[bytes] | None]:
+    """Where a stream of ``opening`` events before its first token is cut, and what ends it
+    then (None: a cut connection; else vLLM's error event, as its route says it)."""
+    if behaviour.error_after_tokens is not None:
+        error = {"message": "engine failed mid-answer", "type": "InternalServerError"}
+        if messages:
+            said = {"type": "error", "error": {"type": "internal_error", "message": "failed"}}
+            return opening + behaviour.error_after_tokens, [
+                b"event: error\ndata: " + answers.encode(said) + b"\n\n"
+            ]
+        event = json.dumps({"error": dict(error, param=None, code=500)}).encode()
+        return opening + behaviour.error_after_tokens, [
+            b"data: " + event + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+    if behaviour.cut_after_tokens is not None:
+        return opening + behaviour.cut_after_tokens, None
+    return behaviour.cut_after, None
 
 
 def _header(request: Request, name: bytes) -> str | None:

@@ -17,7 +17,7 @@ from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.testing import RunningProxy
-from tests.support import CHAT, ProxyCase, real_redis
+from tests.support import CHAT, ChunkCollector, ProxyCase, real_redis, sse_events
 
 
 def replicas_of(proxy: RunningProxy) -> Replicas:
@@ -44,11 +44,11 @@ class FleetCase(ProxyCase):
 
     timeout = 20
 
-    async def two(self, **settings: Any) -> RunningProxy:
+    async def two(self, decodes: int = 1, **settings: Any) -> RunningProxy:
         """Redis, the fakes and two proxies sharing it, each shared once it has beaten."""
         self.redis = await real_redis(self)
         self.settings = {"replicas_redis": self.redis.url, "decode_max_in_flight": 1, **settings}
-        await self.start(proxy=self.settings)
+        await self.start(decodes=decodes, proxy=self.settings)
         other = self.start_proxy(
             [f.url for f in self.prefills], [f.url for f in self.decodes], **self.settings
         )
@@ -203,6 +203,32 @@ class ReplicasTests(FleetCase):
         assert len(self.decode.requests_for("decode")) == 2
         queue = slots_of(other).queue
         assert (len(queue), queue._waiting) == (0, 0)
+
+
+class FleetMigrationTests(FleetCase):
+    async def test_a_moved_answer_gives_its_slot_back_and_takes_the_next_through_redis(
+        self,
+    ) -> None:
+        other = await self.two(decodes=2)
+        first, second = self.decodes
+        first.die_after_next(2)
+        second.hold_streams_after(2)  # the continuation (its role dropped) holds after a token
+        held = second.stream_held()
+        response = await self.post("/v1/chat/completions", dict(CHAT, stream=True))
+        stream = ChunkCollector()
+        response.deliverBody(stream)
+        await held
+        mine, theirs = shared_of(self.proxy), shared_of(other)
+        # The lease on the instance that failed went back to Redis; the next one was taken.
+        assert list(mine.leases.values()) == [f"decode|{second.url}"]
+        await replicas_of(other).beat()
+        assert theirs.view == {f"decode|{second.url}": 1}
+        second.release()
+        await stream.done
+        assert sse_events(stream.body)[-1] == "[DONE]"
+        assert mine.leases == {}
+        await replicas_of(other).beat()
+        assert theirs.view == {}
 
 
 class FleetTenantsTests(FleetCase):

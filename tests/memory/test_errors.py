@@ -171,7 +171,7 @@ def test_kv_load_failure_on_decode_reaches_client() -> None:
 
 
 def test_a_stream_cut_off_ends_with_an_error_event_not_a_clean_end() -> None:
-    setup = Setup(tokens=5)
+    setup = Setup(tokens=5, decode_migrations=0)
     setup.decode.break_next(after_events=2)
     client = setup.post("/v1/chat/completions", dict(FULL_CHAT, stream=True))
     assert client.answer().status == 200
@@ -194,7 +194,7 @@ def test_every_answer_says_server_nixl_twisted() -> None:
 
 
 def test_a_json_body_cut_off_is_never_finished_as_complete() -> None:
-    setup = Setup()
+    setup = Setup(decode_migrations=0)
     setup.decode.break_next()
     client = setup.post("/v1/completions", {"model": "m", "prompt": "x"})
     assert client.answer().status == 200
@@ -210,7 +210,7 @@ def test_a_prefill_answer_cut_off_is_502() -> None:
 
 
 def test_the_proxy_serves_on_after_a_broken_backend() -> None:
-    setup = Setup()
+    setup = Setup(decode_migrations=0)
     setup.decode.break_next()
     broken = setup.post("/v1/completions", {"model": "m", "prompt": "x"})
     assert not broken.answer().complete and broken.lost

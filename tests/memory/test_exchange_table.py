@@ -168,7 +168,7 @@ def test_decode_timeout_of_a_decode_only_request_is_a_504() -> None:
 
 
 def test_stream_idle_timeout_in_relay_ends_with_an_error_event_and_a_short_close() -> None:
-    setup = Setup()
+    setup = Setup(decode_migrations=0)
     setup.decode.hold_streams_after(2)
     client = setup.post("/v1/chat/completions", STREAM)
     setup.proxy.advance(TIMEOUTS.stream_idle - 0.001)

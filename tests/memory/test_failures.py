@@ -71,7 +71,7 @@ def test_a_long_generation_that_keeps_producing_is_never_cut() -> None:
 
 
 def test_a_stream_that_stalls_after_some_tokens_ends_one_idle_timeout_after_its_last() -> None:
-    setup = Setup(tokens=6)  # the fake's tokens come on the proxy's clock
+    setup = Setup(tokens=6, decode_migrations=0)  # the fake's tokens come on the proxy's clock
     setup.decode.token_interval = TIMEOUTS.stream_idle * 0.4
     setup.decode.hold_streams_after(3)
     client = setup.post("/v1/chat/completions", STREAM)

@@ -27,7 +27,7 @@ def test_the_proxys_own_errors_have_anthropics_shape() -> None:
 
 
 def test_a_broken_stream_ends_with_anthropics_error_event() -> None:
-    setup = Setup(tokens=5)
+    setup = Setup(tokens=5, decode_migrations=0)
     setup.decode.break_next(after_events=2)
     client = setup.post("/v1/messages", dict(ASK, stream=True))
     answer = client.answer()

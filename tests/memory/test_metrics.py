@@ -217,7 +217,7 @@ def test_a_batch_lists_each_parts_legs_and_sums_their_usage(
 def test_a_decode_break_is_not_told_as_the_client_leaving(
     logged: list[dict[str, Any]], access_events: list[dict[str, Any]]
 ) -> None:
-    setup = Setup()
+    setup = Setup(decode_migrations=0)
     setup.decode.break_next(after_events=2)
     client = setup.post("/v1/chat/completions", dict(FULL_CHAT, stream=True))
     # The proxy closes the connection (its event written as it does).

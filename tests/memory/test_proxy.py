@@ -63,9 +63,10 @@ def test_decode_leg_is_the_client_body_plus_verbatim_params() -> None:
 
     (decode,) = setup.decode.requests
     issued = setup.ledger.redeemed[0]
-    # Prefill's params verbatim, plus the prompt's token ids it answered (protocol.md).
+    # Prefill's params verbatim, plus the prompt's token ids it answered (protocol.md);
+    # a stream that may move asks for its tokens' ids (failures.md, "Decode migrations").
     handed = dict(issued, prompt_token_ids=decode.handed_token_ids)
-    assert decode.body == dict(body, kv_transfer_params=handed)
+    assert decode.body == dict(body, kv_transfer_params=handed, return_token_ids=True)
     # Nested lists and keys vLLM may add later arrived as issued.
     assert issued["remote_block_ids"] == [[0], [100]]
     assert "x_future_key" in issued
@@ -117,7 +118,7 @@ def test_first_chunk_reaches_client_while_decode_holds_the_rest() -> None:
     client = setup.post("/v1/completions", {"model": "m", "prompt": "hi", "stream": True})
 
     assert held.called
-    assert b'"text": "Hello "' in client.answer().body
+    assert b'"text":"Hello "' in client.answer().body
     # The decode still holds the stream: the proxy passed on what it had.
     assert b"[DONE]" not in client.answer().body
     assert not client.answer().complete

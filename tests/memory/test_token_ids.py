@@ -21,7 +21,7 @@ def test_a_chats_prompt_ids_go_from_prefill_to_decode_and_decode_uses_them() -> 
     assert setup.decode.token_ids_reused == 1
     # The client's answer is as it was: no ids it did not ask for, and decode not asked.
     assert decode.body is not None and "return_token_ids" not in decode.body
-    assert "prompt_token_ids" not in answer.json()
+    assert answer.json()["prompt_token_ids"] is None
     # Every other key of prefill's params reached decode as issued.
     assert decode.body["kv_transfer_params"] == dict(
         setup.ledger.redeemed[0], prompt_token_ids=prompt_tokens(FULL_CHAT)
@@ -33,7 +33,10 @@ def test_a_streamed_chat_hands_the_ids_and_its_chunks_carry_none() -> None:
     events = sse_events(setup.post("/v1/chat/completions", dict(CHAT, stream=True)))
 
     assert setup.decode.token_ids_reused == 1
-    assert not any("prompt_token_ids" in event for event in events if isinstance(event, dict))
+    # As vLLM says them when not asked (decode was asked, for a migration's sake).
+    chunks = [event for event in events if isinstance(event, dict)]
+    assert [event.get("prompt_token_ids") for event in chunks] == [None] * len(chunks)
+    assert {choice.get("token_ids") for e in chunks for choice in e["choices"]} == {None}
 
 
 def test_a_client_that_asked_for_ids_gets_them_from_decode() -> None:

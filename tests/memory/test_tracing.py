@@ -295,7 +295,7 @@ def test_a_decode_timeout() -> None:
 
 
 def test_a_broken_stream() -> None:
-    setup = Traced(tokens=5)
+    setup = Traced(tokens=5, decode_migrations=0)
     setup.decode.break_next(after_events=2)
     client = setup.post("/v1/chat/completions", STREAM)
     assert not client.answer().complete and client.lost
@@ -307,9 +307,9 @@ def test_a_broken_stream() -> None:
 
 
 def test_a_silent_stream() -> None:
-    setup = Traced(tokens=5)
+    setup = Traced(tokens=5, decode_migrations=0)
     client = setup.held_stream(after=2, body=STREAM)
-    assert b'"content": "Hello "' in client.received()
+    assert b'"content":"Hello "' in client.received()
     setup.proxy.advance(TIMEOUTS.stream_idle)
     assert not client.answer().complete and client.lost
     assert_failed(setup.server(), "decode went silent mid-stream")

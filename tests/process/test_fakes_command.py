@@ -35,6 +35,7 @@ OPTIONS = {
     "--token-interval": "0.05",
     "--max-num-seqs": "0",
     "--max-num-queued-reqs": "None",
+    "--decode-hold-after": "None",
     "--kv-events": "False",
 }
 COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}

@@ -1,0 +1,242 @@
+"""Decode migrations: an answer whose decode instance fails mid-answer, continued on another.
+
+``Migrations`` is one completion's, made by the exchange while
+``--decode-migrations`` is on. It gives each decode leg what stands between
+its answer and the client (``protocol.transcript``), and when the leg
+breaks (``broken.Break``) says whether the request moves, and as what
+completion: the request itself while the client has nothing of the answer,
+else the prompt and the tokens relayed, as ids, with what is left to
+generate (``protocol.resumable``). At most ``--decode-migrations`` moves, none
+once the request is ``--migration-deadline`` seconds old; each is counted
+(``nixlproxy_migrations_total{outcome}``), told in the access event (both
+decode instances and the token it moved at) and in the trace.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.config.parts import MigrationRules
+from nixl_twisted.exchange.broken import Break
+from nixl_twisted.observe.access import AccessRecord
+from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.observe.spans import RequestTrace
+from nixl_twisted.protocol import resumable, routes
+from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.held import Opening, Whole
+from nixl_twisted.protocol.lowering import JSONObject
+from nixl_twisted.protocol.transcript import Transcript
+
+log = Logger()
+
+#: Why a part of a batched completion never moves: the batch merges what it writes.
+BATCH = "batch"
+
+
+class Moving(Exception):
+    """The request moves to another decode instance: ``completion`` continues the answer
+    ``source`` failed."""
+
+    def __init__(self, completion: Completion, source: Instance) -> None:
+        super().__init__("moving to another decode instance")
+        self.completion = completion
+        self.source = source
+
+
+class Migrations:
+    """One completion's moves: what each decode leg is relayed through, and whether a break
+    moves it, and as what."""
+
+    def __init__(
+        self,
+        completion: Completion,
+        rules: MigrationRules,
+        clock: IReactorTime,
+        metrics: ProxyMetrics,
+        record: AccessRecord,
+        trace: RequestTrace,
+        refused: str | None = None,
+    ) -> None:
+        """``refused``: why it never moves, besides what its body says (a batch's part)."""
+        self.completion = completion
+        self.rules = rules
+        self.clock = clock
+        self.metrics = metrics
+        self.record = record
+        self.trace = trace
+        resumable = completion.resumable
+        #: Why it never moves (None: it may), and why only before its first token.
+        self.refused = refused or resumable.refused
+        self.from_start = resumable.from_start
+        self._deadline = clock.seconds() + rules.deadline if rules.deadline else None
+        self.tries = 0
+        #: What the decode leg relayed now stands behind (a tracked stream's transcript).
+        self._filter: Transcript | Opening | Whole | None = None
+        #: The client has part of the answer: legs from now on continue it (their
+        #: headers and their opening are not relayed).
+        self.resuming = False
+        #: The last break, whose end is the request's if no continuation serves it.
+        self.broke: Break | None = None
+        #: A continuation is out: the completion, where and at which token it moved,
+        #: and the decode instance it went to.
+        self._continuing: Completion | None = None
+        self._from = ("", 0)
+        self._to: str | None = None
+        #: When it moved, and how long its continuation took to its first byte.
+        self._since = 0.0
+        self._took: float | None = None
+        #: The prompt tokens its first prefill found cached, as its handoff said.
+        self._cached: int | None = None
+
+    @property
+    def out(self) -> bool:
+        """A continuation is out (its legs' failure is a failed move, not the answer's)."""
+        return self._continuing is not None
+
+    @property
+    def tracked(self) -> bool:
+        """Its decode legs are asked for the ids of the tokens they stream."""
+        return self.refused is None and self.from_start is None
+
+    def filtered(self) -> Transcript | Opening | Whole | None:
+        """What stands between the next decode leg's answer and the client (None: nothing:
+        the answer never moves)."""
+        if self.refused is not None:
+            return None
+        if self.tracked:
+            transcript = self._filter
+            if isinstance(transcript, Transcript) and self.resuming:
+                transcript.resume(self._cached)
+            else:
+                chat = self.completion.path == routes.CHAT_COMPLETIONS
+                strip = self.completion.body.get("return_token_ids") is not True
+                self._filter = Transcript(chat, strip)
+        elif self.completion.stream:
+            opening = self._filter.opening if isinstance(self._filter, Opening) else ()
+            self._filter = Opening(opening if self.resuming else ())
+        else:
+            self._filter = Whole()
+        return self._filter
+
+    def handed(self, params: JSONObject) -> None:
+        """The first prefill's params: the cached prompt tokens the answer's usage says
+        (vLLM's decode says ``remote_prefill_cached_tokens``), whoever finishes it."""
+        cached = params.get("remote_prefill_cached_tokens")
+        if type(cached) is int and not self.tries:
+            self._cached = cached
+
+    @property
+    def held(self) -> bool:
+        """The answer is held whole until it is complete (it is not streamed)."""
+        return isinstance(self._filter, Whole) and not self._filter.done
+
+    def sent_to(self, url: str) -> None:
+        """A continuation's decode leg went to ``url``."""
+        if self._continuing is not None:
+            self._to = url
+
+    def first_byte(self) -> None:
+        """The continuation out answered its first byte: the time the move took, from the
+        break (``nixlproxy_migration_seconds``, and the access event)."""
+        if self._continuing is not None and self._took is None:
+            self._took = self.clock.seconds() - self._since
+            self.metrics.migration_seconds.observe(self._took)
+
+    def movable(self) -> bool:
+        """Whether a break now would move the request (nothing counted, nothing said)."""
+        if self.refused is not None or self.tries >= self.rules.limit:
+            return False
+        if self._deadline is not None and self.clock.seconds() >= self._deadline:
+            return False
+        passed = self._filter
+        if passed is None or not passed.passed:
+            return True
+        if isinstance(passed, Opening):
+            return not passed.tokens
+        return isinstance(passed, Transcript) and not isinstance(passed.continuation(), str)
+
+    def move(self, broke: Break) -> Completion | None:
+        """The completion that continues the request after ``broke``, or None: it ends as
+        without migrations (``broke.end``; the access event says why)."""
+        self._concluded("failed")
+        self.broke = broke
+        if self.refused is not None:
+            self._stays("refused", self.refused)
+            return None
+        filtered = self._filter
+        passed = filtered is not None and filtered.passed
+        relayed, continued = 0, self.completion
+        if isinstance(filtered, Transcript) and passed:
+            found = filtered.continuation()
+            if isinstance(found, str):
+                self._stays("refused", found)
+                return None
+            prompt, relayed = found
+            if resumable.spent(self.completion.path, self.completion.body, relayed):
+                self._stays("refused", "max_tokens_reached")
+                return None
+            continued = self.completion.continued(prompt, relayed)
+        elif passed and (not isinstance(filtered, Opening) or filtered.tokens):
+            # (a stream past its first token, a whole answer past what is held)
+            self._stays("refused", self.from_start)
+            return None
+        if not self._may():
+            return None
+        self.resuming = passed
+        return self._out(broke.url, relayed, continued)
+
+    def again(self) -> Completion | None:
+        """The continuation out failed before its answer came: the same once more, or None
+        (the request then ends as ``broke`` says)."""
+        continuing, (source, relayed) = self._continuing, self._from
+        self._concluded("failed")
+        if continuing is None or not self._may():
+            return None
+        return self._out(source, relayed, continuing)
+
+    def completed(self) -> None:
+        """The answer ended whole: the continuation out, if any, did it."""
+        self._concluded("completed")
+
+    def _may(self) -> bool:
+        """Another move is allowed: tries left, and the request not past its deadline."""
+        if self.tries >= self.rules.limit:
+            self._stays("exhausted")
+            return False
+        if self._deadline is not None and self.clock.seconds() >= self._deadline:
+            self._stays("past_deadline")
+            return False
+        return True
+
+    def _out(self, source: str, relayed: int, continued: Completion) -> Completion:
+        self.tries += 1
+        self._continuing, self._from, self._to = continued, (source, relayed), None
+        self._since, self._took = self.clock.seconds(), None
+        self.trace.moving(self.tries, relayed, source)
+        log.warn(
+            "decode for {request_id} failed after {tokens} tokens on {url}: moving it to "
+            "another decode instance ({tries} of {limit})",
+            request_id=self.completion.request_id,
+            tokens=relayed,
+            url=source,
+            tries=self.tries,
+            limit=self.rules.limit,
+        )
+        return continued
+
+    def _stays(self, outcome: str, why: str | None = None) -> None:
+        """No move: counted, and said in the access event."""
+        self.metrics.child(self.metrics.migrations, outcome).inc()
+        self.record.migration = outcome if why is None else f"{outcome} ({why})"
+
+    def _concluded(self, outcome: str) -> None:
+        """The continuation out, if any, ended so."""
+        if self._continuing is None:
+            return
+        self.metrics.child(self.metrics.migrations, outcome).inc()
+        (source, relayed), to = self._from, self._to or "none"
+        took = "" if self._took is None else f" ({round(self._took * 1000)} ms)"
+        self.record.migrations.append(f"{source}@{relayed} -> {to} {outcome}{took}")
+        self._continuing = None
