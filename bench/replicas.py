@@ -144,7 +144,9 @@ def measure(
         ]
         for _, log in targets:
             log.load_begins()
-        events = _events(args, targets, redis)
+        started: list[subprocess.Popen[bytes]] = []  # (a Redis started again: stopped at the end)
+        stack.callback(_stop_all, started)
+        events = _events(args, targets, redis, started)
         outcomes, gauges, elapsed = asyncio.run(
             open_loop.run(
                 [url for url, _ in targets], planned, urls, TENANT_HEADER, args.client_timeout
@@ -152,6 +154,7 @@ def measure(
         )
         for timer in events:
             timer.cancel()
+            timer.join()
     said = summary(outcomes, gauges, window, fleet.capacity, args.ttft_bound)
     result: dict[str, Any] = {"load": factor, "offered": round(rate, 2), **said}
     result["elapsed_s"] = round(elapsed, 1)
@@ -169,12 +172,20 @@ def _each_second(samples: Sequence[float], every: float = 0.25) -> list[int]:
     return [int(max(samples[i : i + per])) for i in range(0, len(samples), per)]
 
 
+def _stop_all(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        process.terminate()
+        process.wait(10)
+
+
 def _events(
     args: argparse.Namespace,
     targets: Sequence[tuple[str, Any]],
     redis: tuple[str, subprocess.Popen[bytes], list[str]] | None,
+    started: list[subprocess.Popen[bytes]],
 ) -> list[threading.Timer]:
-    """What happens to the fleet during the load: a replica killed, Redis stopped."""
+    """What happens to the fleet during the load: a replica killed, Redis stopped (and each
+    Redis started again put in ``started``)."""
     timers = []
     if args.kill_at is not None:
         victim = targets[0][1].process
@@ -186,12 +197,13 @@ def _events(
         def stopped() -> None:
             process_box[0].send_signal(signal.SIGTERM)
 
-        def started() -> None:
+        def again() -> None:
             process_box[0] = subprocess.Popen(
                 redis[2], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
             )
+            started.append(process_box[0])
 
-        timers += [threading.Timer(stop, stopped), threading.Timer(start, started)]
+        timers += [threading.Timer(stop, stopped), threading.Timer(start, again)]
     for timer in timers:
         timer.start()
     return timers
