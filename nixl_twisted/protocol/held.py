@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from nixl_twisted.protocol.events import each, framed
 from nixl_twisted.protocol.transcript import is_error, payload
 
 #: How the events that open a stream before its first token begin (Responses, Messages).
@@ -93,14 +94,10 @@ class Opening:
         if self.error is not None:
             self.error += data
             return b""
-        if self._held:
-            data = self._held + data
-        end = data.rfind(b"\n\n") + 2
-        if end == 1:
-            self._held = data
+        whole, self._held = framed(self._held, data)
+        if not whole:
             return b""
-        self._held = data[end:]
-        passed = [self._event(event + b"\n\n") for event in data[:end].split(b"\n\n")[:-1]]
+        passed = [self._event(event) for event in each(whole)]
         # Past the first token, with nothing to make the first answer's, nothing to look at.
         self.done = self._tokens and not self._swaps and not self._held
         return b"".join(passed)

@@ -26,6 +26,7 @@ import json
 import re
 from typing import Any
 
+from nixl_twisted.protocol.events import each, framed
 from nixl_twisted.protocol.resumable import MAX_RELAYED_TOKENS
 
 #: How an in-band error event begins (vLLM's OpenAI routes, Messages, Responses).
@@ -191,17 +192,12 @@ class Transcript:
         if self.error is not None:
             self.error += data
             return b""
-        if self._held:
-            data = self._held + data
-        end = data.rfind(b"\n\n") + 2
-        if end == 1:
-            self._held = data
+        whole, self._held = framed(self._held, data)
+        if not whole:
             return b""
-        self._held = data[end:]
-        if data.find(b"\n\n") + 2 == end:
-            return self._event(data if end == len(data) else data[:end])
-        passed = [self._event(event + b"\n\n") for event in data[:end].split(b"\n\n")[:-1]]
-        return b"".join(passed)
+        if whole.find(b"\n\n") + 2 == len(whole):  # (one event: as it came)
+            return self._event(whole)
+        return b"".join([self._event(event) for event in each(whole)])
 
     def rest(self) -> bytes:
         """What was held when decode's answer ended: an event cut short, as it came."""

@@ -20,21 +20,16 @@ SHARES = b"shares caps, queue and tenants with"
 
 
 class ReplicaProcessTests(TwistdCase):
+    def fleet(self, redis_url: str) -> tuple[str, ...]:
+        """The fakes, the decode instance capped at one slot, shared through ``redis_url``."""
+        return (
+            *("--prefill", self.prefill.url, "--decode", self.decode.url),
+            *("--decode-max-in-flight", "1", "--replicas-redis", redis_url),
+        )
+
     async def replica(self, redis_url: str, *more: str) -> tuple[TwistdProtocol, str]:
         """A replica before the fakes, once it listens and shares the fleet's state."""
-        process = self.spawn(
-            "--listen",
-            "tcp:0:interface=127.0.0.1",
-            "--prefill",
-            self.prefill.url,
-            "--decode",
-            self.decode.url,
-            "--decode-max-in-flight",
-            "1",
-            "--replicas-redis",
-            redis_url,
-            *more,
-        )
+        process = self.spawn("--listen", "tcp:0:interface=127.0.0.1", *self.fleet(redis_url), *more)
         address = await process.listening
         await process.said(SHARES)
         return process, f"http://{address}"
@@ -100,16 +95,7 @@ class ReplicaProcessTests(TwistdCase):
     async def test_workers_are_replicas_of_one_proxy(self) -> None:
         redis = await real_redis(self)
         await self.start()
-        process, address = await self.spawn_workers(
-            "--prefill",
-            self.prefill.url,
-            "--decode",
-            self.decode.url,
-            "--decode-max-in-flight",
-            "1",
-            "--replicas-redis",
-            redis.url,
-        )
+        process, address = await self.spawn_workers(*self.fleet(redis.url))
         await process.said(SHARES, times=2)  # each worker is a replica
         url = f"http://{address}"
         await self.held(url)
