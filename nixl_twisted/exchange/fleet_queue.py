@@ -38,6 +38,7 @@ from nixl_twisted.exchange.fair_queue import (
     Ticket,
     Told,
 )
+from nixl_twisted.exchange.fleet_alone import AloneQueue
 from nixl_twisted.exchange.fleet_waiting import (
     FleetWaiting,
     Placed,
@@ -89,8 +90,8 @@ class FleetQueue(Generic[Placed]):
         #: What the fleet's queue said last: requests waiting, and the latest grants (ms).
         self._waiting = 0
         self._grants: list[float] = []
-        #: Requests that wait in this replica's own queue (``inner``) since Redis went away.
-        self._alone_now: list[FleetWaiting[Placed]] = []
+        #: Where requests wait while Redis does not answer.
+        self.alone_queue = AloneQueue(local, self._keep)
         replicas.hold(self)
         replicas.on_freed(self._freed)
 
@@ -124,10 +125,9 @@ class FleetQueue(Generic[Placed]):
         answered: Deferred[Placed] = Deferred(lambda _: self._left(waiting))
         waiting = FleetWaiting(ticket, place, self.clock.seconds(), answered, next(self._order))
         if not self.replicas.is_shared:
-            inner = self.local.enter(ticket, self._kept(place))
-            if not isinstance(inner, Deferred):
-                return inner
-            self._lone(waiting, inner)
+            got = self.alone_queue.enter(waiting)
+            if got is not None:
+                return got
             self.entered()
             return answered
         self._enter(waiting)
@@ -179,7 +179,7 @@ class FleetQueue(Generic[Placed]):
             if not isinstance(got, str):
                 self._release(got)
             if not waiting.gone:
-                self._alone(waiting)
+                self.alone_queue.take(waiting)
 
         self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)
 
@@ -192,11 +192,8 @@ class FleetQueue(Generic[Placed]):
         if not self.replicas.is_shared:
             self.local.pump()
             return
-        for waiting in [w for w in self._alone_now if not w.done and w.inner is not None]:
-            if self.local.withdraw(waiting.inner):  # type: ignore[arg-type]
-                waiting.inner = None
-                self._enter(waiting)
-        self._alone_now = [w for w in self._alone_now if w.inner is not None and not w.done]
+        for waiting in self.alone_queue.rejoin():
+            self._enter(waiting)
         for model in [m for m, ws in self._mine.items() if ws]:
             self._try(model)
 
@@ -237,7 +234,7 @@ class FleetQueue(Generic[Placed]):
         for waiting in [w for ws in self._mine.values() for w in ws]:
             self._end(waiting, "", leave=False)
             waiting.done = False
-            self._alone(waiting)
+            self.alone_queue.take(waiting)
 
     def retry_after(self) -> float:
         """Seconds the fleet's queue takes to drain at the rate the fleet let requests go
@@ -277,49 +274,10 @@ class FleetQueue(Generic[Placed]):
         self.entered()
         self._try(model)  # (a slot may have freed meanwhile)
 
-    def _alone(self, waiting: FleetWaiting[Placed]) -> None:
-        """It waits in this replica's own queue (Redis does not answer)."""
-        try:
-            inner = self.local.enter(waiting.ticket, self._kept(waiting.place))
-        except ProxyError as error:
-            waiting.done = True
-            waiting.deferred.errback(error)
-            return
-        if not isinstance(inner, Deferred):
-            waiting.done = True
-            waiting.deferred.callback(inner)
-            return
-        self._lone(waiting, inner)
-
-    def _lone(self, waiting: FleetWaiting[Placed], inner: Deferred[Placed]) -> None:
-        """``waiting`` waits on ``inner``, in this replica's own queue, until it goes, fails,
-        or joins the fleet's queue again (``pump``)."""
-        waiting.inner = inner
-        self._alone_now.append(waiting)
-
-        def got(placed: Placed) -> None:
-            waiting.done = True
-            waiting.deferred.callback(placed)
-
-        def failed(failure: Failure) -> None:
-            if not waiting.gone:
-                waiting.done = True
-                waiting.deferred.errback(failure)
-
-        inner.addCallbacks(got, failed)
-
-    def _kept(self, place: Callable[[], Placed | str]) -> Callable[[], Placed | str]:
-        """``place`` for this replica's own queue: what it places alone is kept as leases, so
-        that Redis counts them when they are written back (``SharedSlots.held``)."""
-
-        def placed() -> Placed | str:
-            got = place()
-            if not isinstance(got, str):
-                decode, prefill = self._names(got)
-                self._granted(got, decode, prefill)
-            return got
-
-        return placed
+    def _keep(self, got: Placed) -> None:
+        """A placement made alone, kept as leases (written back when Redis answers)."""
+        decode, prefill = self._names(got)
+        self._granted(got, decode, prefill)
 
     def _try(self, model: str | None) -> None:
         if model in self._trying:

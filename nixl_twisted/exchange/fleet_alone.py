@@ -1,0 +1,88 @@
+"""``AloneQueue``: where a replica's requests wait while Redis does not answer.
+
+Its own ``FairQueue``, the caps held to their static share (``fleet.leases``).
+What it places is kept as leases (``keep``), written back with the rest when
+Redis answers again; and then what still waits here leaves it (``rejoin``)
+to ask the fleet's queue, since a request let go from here then would hold
+slots Redis does not count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic
+
+from twisted.internet.defer import Deferred
+from twisted.python.failure import Failure
+
+from nixl_twisted.exchange.fair_queue import FairQueue
+from nixl_twisted.exchange.fleet_waiting import FleetWaiting, Placed
+from nixl_twisted.protocol.errors import ProxyError
+
+
+class AloneQueue(Generic[Placed]):
+    """This replica's own queue, and the fleet's requests that wait in it."""
+
+    def __init__(self, local: FairQueue[Placed], keep: Callable[[Placed], object]) -> None:
+        """``keep``: each placement made here, kept as leases."""
+        self.local = local
+        self.keep = keep
+        #: The requests that wait here, each on its ``inner`` Deferred.
+        self._waiting: list[FleetWaiting[Placed]] = []
+
+    def enter(self, waiting: FleetWaiting[Placed]) -> Placed | None:
+        """A new request: its slots now, or None while it waits here (``waiting.deferred``
+        fires when it goes); raises the 503 that refuses it."""
+        inner = self.local.enter(waiting.ticket, self._kept(waiting.place))
+        if not isinstance(inner, Deferred):
+            return inner
+        self._wait(waiting, inner)
+        return None
+
+    def take(self, waiting: FleetWaiting[Placed]) -> None:
+        """A request that waited in the fleet's queue, or was about to, waits here instead."""
+        try:
+            got = self.enter(waiting)
+        except ProxyError as error:
+            waiting.done = True
+            waiting.deferred.errback(error)
+            return
+        if got is not None:
+            waiting.done = True
+            waiting.deferred.callback(got)
+
+    def rejoin(self) -> list[FleetWaiting[Placed]]:
+        """Redis answers again: what waits here leaves, in the order it came, for the
+        fleet's queue (nothing fired; its timeout there counts from its arrival)."""
+        leaving = []
+        for waiting in self._waiting:
+            if waiting.done or waiting.inner is None or not self.local.withdraw(waiting.inner):
+                continue
+            waiting.inner = None
+            leaving.append(waiting)
+        self._waiting = []
+        return leaving
+
+    def _wait(self, waiting: FleetWaiting[Placed], inner: Deferred[Placed]) -> None:
+        waiting.inner = inner
+        self._waiting.append(waiting)
+
+        def got(placed: Placed) -> None:
+            waiting.done = True
+            waiting.deferred.callback(placed)
+
+        def failed(failure: Failure) -> None:
+            if not waiting.gone:
+                waiting.done = True
+                waiting.deferred.errback(failure)
+
+        inner.addCallbacks(got, failed)
+
+    def _kept(self, place: Callable[[], Placed | str]) -> Callable[[], Placed | str]:
+        def placed() -> Placed | str:
+            got = place()
+            if not isinstance(got, str):
+                self.keep(got)
+            return got
+
+        return placed
