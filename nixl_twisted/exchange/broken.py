@@ -18,7 +18,7 @@ from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.exchange.relay import StreamSilent, break_off
-from nixl_twisted.exchange.sending import reason_of
+from nixl_twisted.exchange.sending import Retry, reason_of
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -74,6 +74,10 @@ class Break:
             request.write(self.caught)  # (vLLM's own event and its end, relayed as they came)
             return
         request_id = record.request_id
+        if not request.startedWriting and isinstance(self.error, Retry):
+            # Lost before decode's headers: the status the leg would have ended with.
+            record.error = self.error.error.message
+            raise self.error.error from None
         if not request.startedWriting and (self.silent or self.held):
             # Nothing reached the client: a status says it (a whole answer is held until
             # it is complete, so it never ends short).

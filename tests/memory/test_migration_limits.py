@@ -185,3 +185,15 @@ def test_a_whole_answer_that_breaks_again_is_a_502_never_a_short_200() -> None:
     answer = setup.post(CHAT, dict(STREAM, stream=False, stream_options=None)).answer()
     assert answer.status == 502 and answer.json()["error"]["code"] == "decode_stream_broken"
     assert migrations(setup) == {"failed": 1, "exhausted": 1}
+
+
+def test_a_request_lost_before_its_headers_everywhere_is_answered_with_a_status() -> None:
+    # (nothing reached its client: a closed connection would say nothing of why)
+    path, body = "/v1/completions", {"model": "m", "prompt": "a b c", "stream": True}
+    setup = Setup(tokens=TOKENS, decodes=2, decode_retries=0)
+    for decode in setup.decodes:
+        decode.die_after_next(0)  # (no opening on this route: closed before a byte)
+    answer = setup.post(path, body).answer()
+
+    assert answer.status == 502, answer.body
+    assert b"error" in answer.body
