@@ -222,9 +222,11 @@ class DecodeLeg:
         moves = self.moves
         if moves is None or not moves.movable():
             return
-        account(self.legs.metrics, self.legs.backends.decode, instance, retry.outcome, retry.down)
         continued = moves.move(Break(retry, instance.url))
-        if continued is not None:
+        if continued is not None:  # (else the leg's retry counts the failure, once)
+            account(
+                self.legs.metrics, self.legs.backends.decode, instance, retry.outcome, retry.down
+            )
             raise Moving(continued, instance)
 
     def _marked_down(self) -> None:

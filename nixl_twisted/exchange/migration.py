@@ -155,7 +155,17 @@ class Migrations:
             return True
         if isinstance(passed, Opening):
             return not passed.tokens
-        return isinstance(passed, Transcript) and not isinstance(passed.continuation(), str)
+        return isinstance(passed, Transcript) and not isinstance(self._from_here(passed), str)
+
+    def _from_here(self, transcript: Transcript) -> tuple[list[int], int] | str:
+        """The continuation's prompt ids and the tokens relayed, or why there is none (a
+        continuation that may generate nothing more is none: vLLM refuses ``max_tokens`` 0)."""
+        found = transcript.continuation()
+        if isinstance(found, str):
+            return found
+        if resumable.spent(self.completion.path, self.completion.body, found[1]):
+            return "max_tokens_reached"
+        return found
 
     def move(self, broke: Break) -> Completion | None:
         """The completion that continues the request after ``broke``, or None: it ends as
@@ -169,14 +179,11 @@ class Migrations:
         passed = filtered is not None and filtered.passed
         relayed, continued = 0, self.completion
         if isinstance(filtered, Transcript) and passed:
-            found = filtered.continuation()
+            found = self._from_here(filtered)
             if isinstance(found, str):
                 self._stays("refused", found)
                 return None
             prompt, relayed = found
-            if resumable.spent(self.completion.path, self.completion.body, relayed):
-                self._stays("refused", "max_tokens_reached")
-                return None
             continued = self.completion.continued(prompt, relayed)
         elif passed and (not isinstance(filtered, Opening) or filtered.tokens):
             # (a stream past its first token, a whole answer past what is held)
