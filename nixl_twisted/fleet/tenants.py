@@ -56,18 +56,30 @@ class SharedTenants:
             return succeed(ALONE)
         place = next(self._ids)
         sent = self.replicas.call(scripts.TENANT_IN, [tenant, limit, place], "tenant")
+        # Its own Deferred: a client that leaves cancels it, not Redis's answer, so that a
+        # place Redis grants after it left is given back instead of held for nobody.
+        answered: Deferred[str | bool | None] = Deferred()
 
-        def said(reply: Any) -> str | bool:
-            if int(reply[0]) != 1:
-                return False
-            self.places[place] = tenant
-            return place
+        def said(reply: Any) -> None:
+            granted = int(reply[0]) == 1
+            if granted:
+                self.places[place] = tenant
+            if answered.called:  # (its client left while Redis was asked)
+                if granted:
+                    self.release(place)
+                return
+            answered.callback(place if granted else False)
 
-        def alone(failure: Failure) -> None:
-            failure.trap(Unshared)
-            return ALONE
+        def failed(failure: Failure) -> None:
+            if answered.called:
+                return
+            if failure.check(Unshared):
+                answered.callback(ALONE)
+            else:
+                answered.errback(failure)
 
-        return sent.addCallbacks(said, alone)
+        sent.addCallbacks(said, failed)
+        return answered
 
     def release(self, place: str) -> None:
         """That request ended: its place goes back (once)."""
