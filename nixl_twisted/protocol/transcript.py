@@ -249,8 +249,9 @@ class Transcript:
             self._ids += event[start + 1 : end - 1]
             self._ids += b","
             self._steady = not self._resumed
-            if self._ids.count(b",") > MAX_RELAYED_TOKENS:
-                self.inexact, self._ids = "too_long", bytearray()
+            self._chunks += 1  # (as the steady path counts: one pass per bound's worth)
+            if self._chunks > MAX_RELAYED_TOKENS:
+                self._bounded()
         if self.chat and b'"reasoning' in event:
             self.inexact = self.inexact or "reasoning"  # (a parser's state no request carries)
         if self.strip and listed:

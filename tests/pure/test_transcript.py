@@ -127,6 +127,15 @@ def test_past_the_length_the_ids_are_let_go() -> None:
     assert transcript.continuation() == "too_long"
 
 
+def test_a_stream_past_the_length_keeps_no_ids() -> None:
+    # (what bounds the memory: each token's ids let go once past the bound, not kept)
+    transcript = Transcript(chat=True, strip=True)
+    transcript(opening([1]))
+    for token in range(MAX_RELAYED_TOKENS + 1):
+        transcript(chunk([token]))
+    assert transcript.inexact == "too_long" and transcript.tokens == 0
+
+
 def test_a_continuations_events_are_the_answers() -> None:
     transcript = Transcript(chat=True, strip=True)
     transcript(opening([1, 2]) + chunk([7], "a"))
