@@ -162,8 +162,8 @@ class FleetQueue(Generic[Placed]):
                     outcome, refusal = SHED, shed(ticket, self.retry_after())
                 else:
                     outcome, refusal = QUEUE_FULL, full(self.local.size, self.retry_after())
-                self.told(outcome, 0.0, ticket)
-                if not waiting.gone:
+                if not waiting.gone:  # (else counted as left already)
+                    self.told(outcome, 0.0, ticket)
                     answered.errback(refusal)
                 return
             waiting.member, pool, finish = what.split("\n")
