@@ -188,8 +188,17 @@ class ReplicasTests(FleetCase):
         waits = slots_of(other).entered()
         leaving = self.chat(other)
         await waits
+        gone: Deferred[None] = Deferred()
+
+        def left(event: dict[str, Any]) -> None:
+            if not gone.called and event.get("access", {}).get("ended") == "client_left":
+                gone.callback(None)
+
+        self._observe(left)
         leaving.cancel()  # its client goes away while it waits
         leaving.addErrback(lambda failure: failure.trap(ResponseNeverReceived))
+        await gone
+        assert len(slots_of(other).queue) == 1  # it left the fleet's queue, not timed out
         self.clock.advance(5)  # the other one's queue timeout
         refused = await timing_out
         assert (refused.code, refused.headers.getRawHeaders("Retry-After")) == (503, ["5"])
