@@ -137,6 +137,11 @@ class Migrations:
         if self._continuing is not None:
             self._to = url
 
+    @property
+    def went_to(self) -> str | None:
+        """The decode instance the continuation out was sent to (None: none yet)."""
+        return self._to if self._continuing is not None else None
+
     def first_byte(self) -> None:
         """The continuation out answered its first byte: the time the move took, from the
         break (``nixlproxy_migration_seconds``, and the access event)."""

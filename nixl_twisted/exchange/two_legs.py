@@ -131,8 +131,10 @@ class Exchange:
             except (ProxyError, PrefillRefused):
                 if not moves.out:
                     raise  # (the end of an answer that could move no more: its error)
-                # The continuation failed before its answer came: once more, or the end.
-                continued, failed = moves.again(), []
+                # The continuation failed before its answer came: once more (elsewhere, while
+                # another decode instance will do), or the end.
+                failed = [i for i in self.legs.backends.decode.instances if i.url == moves.went_to]
+                continued = moves.again()
                 if continued is None:
                     assert self._served is not None
                     await moves.broke.end(self._served)

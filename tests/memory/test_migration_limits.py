@@ -197,3 +197,15 @@ def test_a_request_lost_before_its_headers_everywhere_is_answered_with_a_status(
 
     assert answer.status == 502, answer.body
     assert b"error" in answer.body
+
+
+def test_a_continuation_that_failed_is_tried_again_elsewhere() -> None:
+    # (cache-aware would send it back to the instance that has its longest prefix)
+    setup = Setup(tokens=TOKENS, decodes=3, decode_migrations=2, decode_policy="cache-aware")
+    first, failing, last = setup.decodes[1], setup.decodes[2], setup.decodes[0]  # (as it picks)
+    first.die_after_next(2)
+    failing.crash_next(500, "KV load failed")
+    answer = setup.post(CHAT, STREAM).answer()
+    assert answer.complete
+    assert_same_answer(answer.body, uninterrupted(CHAT, STREAM))
+    assert [len(d.requests) for d in (first, failing, last)] == [1, 1, 1]
