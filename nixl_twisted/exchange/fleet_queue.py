@@ -46,13 +46,12 @@ from nixl_twisted.exchange.fleet_waiting import (
     full,
     place_args,
     shed,
-    text,
     timed_out,
 )
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas, Unshared
-from nixl_twisted.fleet.replies import view_of
+from nixl_twisted.fleet.replies import text, view_of
 from nixl_twisted.protocol.errors import ProxyError
 
 #: Seconds a model whose first request is another replica's waits before trying again,

@@ -81,10 +81,6 @@ def place_args(
     ]
 
 
-def text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
-
 def shed(ticket: Ticket, retry_after: float) -> ProxyError:
     return ProxyError(
         ErrorCode.SHED,

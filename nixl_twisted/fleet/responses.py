@@ -20,6 +20,7 @@ from twisted.python.failure import Failure
 from nixl_twisted.fleet import route_scripts
 from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.replies import text
 
 
 class SharedResponses:
@@ -38,7 +39,7 @@ class SharedResponses:
         def said(value: Any) -> str | None:
             if value is None:
                 return None
-            return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            return text(value)
 
         def away(failure: Failure) -> None:
             failure.trap(Unshared)

@@ -25,6 +25,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted.fleet.link import RETRY, SILENCE, RedisLink
+from nixl_twisted.fleet.replies import text
 from nixl_twisted.happened import Happened
 
 log = Logger()
@@ -91,7 +92,7 @@ class StreamReader:
 
     def _timed(self, said: Any) -> None:
         self._asked = None
-        seconds, micros = (int(_text(part)) for part in said)
+        seconds, micros = (int(text(part)) for part in said)
         self._offset_ms = seconds * 1000 + micros / 1000 - self.reactor.seconds() * 1000
         self._read()
 
@@ -99,10 +100,10 @@ class StreamReader:
         self._asked = None
         full = False
         for stream, entries in reply or ():
-            name = _text(stream)
+            name = text(stream)
             full = full or len(entries) >= COUNT
             for entry_id, fields in entries:
-                said = _text(entry_id)
+                said = text(entry_id)
                 self.last[name] = said
                 self._tell(name, said, fields)
         if not full:
@@ -110,14 +111,14 @@ class StreamReader:
         self._read()
 
     def _tell(self, stream: str, entry_id: str, fields: Any) -> None:
-        values = [_text(v) for v in fields] if isinstance(fields, list) else []
-        text = dict(zip(values[::2], values[1::2], strict=False)).get("m")
-        if text is None:
+        values = [text(v) for v in fields] if isinstance(fields, list) else []
+        message = dict(zip(values[::2], values[1::2], strict=False)).get("m")
+        if message is None:
             return
         now_ms = self.reactor.seconds() * 1000 + (self._offset_ms or 0.0)
         age = max(0.0, (now_ms - int(entry_id.partition("-")[0])) / 1000)
         try:
-            self.heard(stream, text, age)
+            self.heard(stream, message, age)
         except Exception:
             log.failure("replicas: an entry of {stream} was not applied", stream=stream)
 
@@ -127,7 +128,3 @@ class StreamReader:
         self._offset_ms = None
         if self._reading:
             self._retry = self.reactor.callLater(RETRY, self._read)
-
-
-def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)

@@ -19,13 +19,15 @@ call. Readers take the streams with ``XREAD`` (``route_reader``).
 
 from __future__ import annotations
 
+from nixl_twisted.kv.predictions import PREDICTED_LIFE
+
 #: The choices of ``cache-aware`` kept in Redis (one entry each, at most about 2.7 KB:
 #: a 64 KiB prompt's 256 piece hashes in base64; about 450 bytes for an 8 KB prompt).
 SENT_ENTRIES = 4096
 #: The predictions of ``kv-aware`` kept (at most 8,192 token ids each, 44 KB in base64).
 PREDICTED_ENTRIES = 256
 #: How long a prediction counts (``kv.predictions.PREDICTED_LIFE``), in ms.
-PREDICTED_LIFE_MS = 10_000
+PREDICTED_LIFE_MS = int(PREDICTED_LIFE * 1000)
 #: How long the instance of a stored response is kept, in ms (an hour).
 RESPONSE_TTL_MS = 3_600_000
 
