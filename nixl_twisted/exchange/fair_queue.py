@@ -121,6 +121,45 @@ class _ModelQueue:
     last: dict[str | None, float] = field(default_factory=dict)
 
 
+def shed(ticket: Ticket, retry_after: float) -> ProxyError:
+    """A sheddable request refused while the fleet is full (503 ``shed``)."""
+    return ProxyError(
+        ErrorCode.SHED,
+        "the fleet is full and this tenant's requests are sheddable (priority "
+        f"{ticket.priority}): try again later",
+        retry_after=retry_after,
+    )
+
+
+def full(size: int, retry_after: float) -> ProxyError:
+    """A request refused by a full queue (503 ``queue_full``)."""
+    return ProxyError(
+        ErrorCode.QUEUE_FULL,
+        f"the proxy's queue is full ({size} requests wait for a slot): try again later",
+        retry_after=retry_after,
+    )
+
+
+def timed_out(timeout: float, retry_after: float) -> ProxyError:
+    """A request that waited its whole ``--queue-timeout`` (503 ``queue_timeout``)."""
+    return ProxyError(
+        ErrorCode.QUEUE_TIMEOUT,
+        f"no slot came free within the proxy's queue timeout ({timeout:g} s): try again later",
+        retry_after=retry_after,
+    )
+
+
+def drain_seconds(went: int, span: float, waiting: int, timeout: float) -> float:
+    """Seconds ``waiting`` requests take to go at the rate ``went`` went over ``span``
+    seconds: 1 at least, ``timeout`` at most, and ``timeout`` while fewer than two went."""
+    if went < 2:
+        return timeout
+    if span <= 0:
+        return 1.0
+    rate = (went - 1) / span
+    return float(min(timeout, max(1, math.ceil(waiting / rate))))
+
+
 class FairQueue(Generic[T]):
     """Requests waiting for ``place`` to find them slots; see the module's docstring."""
 
@@ -163,20 +202,10 @@ class FairQueue(Generic[T]):
             blocked = ""
         if ticket.sheddable:
             self.told(SHED, 0.0, ticket)
-            raise ProxyError(
-                ErrorCode.SHED,
-                "the fleet is full and this tenant's requests are sheddable (priority "
-                f"{ticket.priority}): try again later",
-                retry_after=self.retry_after(),
-            )
+            raise shed(ticket, self.retry_after())
         if self._waiting >= self.size:
             self.told(QUEUE_FULL, 0.0, ticket)
-            raise ProxyError(
-                ErrorCode.QUEUE_FULL,
-                f"the proxy's queue is full ({self.size} requests wait for a slot): "
-                "try again later",
-                retry_after=self.retry_after(),
-            )
+            raise full(self.size, self.retry_after())
         queue.last[ticket.tenant] = finish
         waiting: Waiting[T] = Waiting(ticket, place, finish, self.clock.seconds())
         waiting.blocked = blocked
@@ -213,13 +242,9 @@ class FairQueue(Generic[T]):
     def retry_after(self) -> float:
         """Seconds the queue takes to drain at the rate it let requests go lately
         (1 at least, ``timeout`` at most, and ``timeout`` while nothing has gone)."""
-        if len(self._recent) < 2:
-            return self.timeout
-        span = self._recent[-1] - self._recent[0]
-        if span <= 0:
-            return 1.0
-        rate = (len(self._recent) - 1) / span
-        return float(min(self.timeout, max(1, math.ceil(self._waiting / rate))))
+        recent = self._recent
+        span = recent[-1] - recent[0] if recent else 0.0
+        return drain_seconds(len(recent), span, self._waiting, self.timeout)
 
     def withdraw(self, deferred: Deferred[T]) -> bool:
         """The request waiting on ``deferred`` leaves, nothing said or fired: it waits
@@ -302,14 +327,7 @@ class FairQueue(Generic[T]):
         if waiting.done:
             return
         self._end(waiting, TIMED_OUT)
-        waiting.deferred.errback(
-            ProxyError(
-                ErrorCode.QUEUE_TIMEOUT,
-                f"no slot came free within the proxy's queue timeout ({self.timeout:g} s): "
-                "try again later",
-                retry_after=self.retry_after(),
-            )
-        )
+        waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
 
     def _left(self, waiting: Waiting[T]) -> None:
         """Its client left while it waited: taken out, nothing sent for it."""

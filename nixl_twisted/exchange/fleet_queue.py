@@ -37,16 +37,16 @@ from nixl_twisted.exchange.fair_queue import (
     FairQueue,
     Ticket,
     Told,
+    drain_seconds,
+    full,
+    shed,
+    timed_out,
 )
 from nixl_twisted.exchange.fleet_alone import AloneQueue
 from nixl_twisted.exchange.fleet_waiting import (
     FleetWaiting,
     Placed,
-    drain_seconds,
-    full,
     place_args,
-    shed,
-    timed_out,
 )
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.leases import SharedSlots
@@ -240,7 +240,9 @@ class FleetQueue(Generic[Placed]):
         lately (1 at least, the timeout at most, and the timeout while none went)."""
         if not self.replicas.is_shared:
             return self.local.retry_after()
-        return drain_seconds(self._grants, self._waiting, self.timeout)
+        grants = self._grants  # (ms, newest first)
+        span = (grants[0] - grants[-1]) / 1000 if grants else 0.0
+        return drain_seconds(len(grants), span, self._waiting, self.timeout)
 
     # -- inside -------------------------------------------------------------------------
 

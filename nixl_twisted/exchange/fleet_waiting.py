@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -13,8 +12,6 @@ from twisted.internet.interfaces import IDelayedCall
 
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.exchange.fair_queue import Ticket
-from nixl_twisted.protocol.codes import ErrorCode
-from nixl_twisted.protocol.errors import ProxyError
 
 
 class Taken(Protocol):
@@ -79,41 +76,3 @@ def place_args(
         *decode,
         *prefill,
     ]
-
-
-def shed(ticket: Ticket, retry_after: float) -> ProxyError:
-    return ProxyError(
-        ErrorCode.SHED,
-        "the fleet is full and this tenant's requests are sheddable (priority "
-        f"{ticket.priority}): try again later",
-        retry_after=retry_after,
-    )
-
-
-def full(size: int, retry_after: float) -> ProxyError:
-    return ProxyError(
-        ErrorCode.QUEUE_FULL,
-        f"the proxy's queue is full ({size} requests wait for a slot): try again later",
-        retry_after=retry_after,
-    )
-
-
-def timed_out(timeout: float, retry_after: float) -> ProxyError:
-    return ProxyError(
-        ErrorCode.QUEUE_TIMEOUT,
-        f"no slot came free within the proxy's queue timeout ({timeout:g} s): try again later",
-        retry_after=retry_after,
-    )
-
-
-def drain_seconds(grants: Sequence[float], waiting: int, timeout: float) -> float:
-    """Seconds the fleet's queue takes to drain at the rate the fleet let requests go lately
-    (``grants``: their times in ms, newest first): 1 at least, ``timeout`` at most, and
-    ``timeout`` while fewer than two went."""
-    if len(grants) < 2:
-        return timeout
-    span = (grants[0] - grants[-1]) / 1000
-    if span <= 0:
-        return 1.0
-    rate = (len(grants) - 1) / span
-    return float(min(timeout, max(1, math.ceil(waiting / rate))))
