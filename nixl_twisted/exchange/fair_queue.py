@@ -181,9 +181,12 @@ class FairQueue(Generic[T]):
         """Requests waiting now."""
         return self._waiting
 
-    def enter(self, ticket: Ticket, place: Callable[[], T | str]) -> T | Deferred[T]:
+    def enter(
+        self, ticket: Ticket, place: Callable[[], T | str], since: float | None = None
+    ) -> T | Deferred[T]:
         """What ``place`` gives now, when nothing of its model waits ahead of it; else a
-        Deferred that fires when it does, or fails with the 503 that says why not."""
+        Deferred that fires when it does, or fails with the 503 that says why not;
+        ``since``: when it began to wait elsewhere (its timeout counts from then)."""
         queue = self._models.setdefault(ticket.model, _ModelQueue())
         start = max(queue.now, queue.last.get(ticket.tenant, 0.0))
         finish = start + 1.0 / ticket.weight
@@ -207,10 +210,14 @@ class FairQueue(Generic[T]):
             self.told(QUEUE_FULL, 0.0, ticket)
             raise full(self.size, self.retry_after())
         queue.last[ticket.tenant] = finish
-        waiting: Waiting[T] = Waiting(ticket, place, finish, self.clock.seconds())
+        now = self.clock.seconds()
+        arrived = now if since is None else min(since, now)
+        waiting: Waiting[T] = Waiting(ticket, place, finish, arrived)
         waiting.blocked = blocked
         waiting.deferred = Deferred(lambda _: self._left(waiting))
-        waiting.timer = self.clock.callLater(self.timeout, self._expire, waiting)
+        waiting.timer = self.clock.callLater(
+            max(0.0, self.timeout - (now - arrived)), self._expire, waiting
+        )
         heapq.heappush(queue.heap, (*key, waiting))
         self._waiting += 1
         return waiting.deferred

@@ -33,7 +33,7 @@ class AloneQueue(Generic[Placed]):
     def enter(self, waiting: FleetWaiting[Placed]) -> Placed | None:
         """A new request: its slots now, or None while it waits here (``waiting.deferred``
         fires when it goes); raises the 503 that refuses it."""
-        inner = self.local.enter(waiting.ticket, self._kept(waiting.place))
+        inner = self.local.enter(waiting.ticket, self._kept(waiting.place), waiting.arrived)
         if not isinstance(inner, Deferred):
             return inner
         self._wait(waiting, inner)

@@ -173,6 +173,18 @@ def test_a_request_waits_no_longer_than_the_timeout() -> None:
     assert slots.placed == [] and said == [TIMED_OUT]
 
 
+def test_a_request_that_waited_elsewhere_first_waits_only_what_is_left_of_its_timeout() -> None:
+    # (the fleet's queue, before Redis went away: its client waits no longer for the move)
+    fair, clock, _ = queue(timeout=10)
+    clock.advance(100)
+    waiting = fair.enter(Ticket("a"), Slots().place("moved"), since=94)
+    clock.advance(3.9)
+    assert outcome(waiting) is None
+    clock.advance(0.1)
+    error = outcome(waiting)
+    assert isinstance(error, ProxyError) and error.code is ErrorCode.QUEUE_TIMEOUT
+
+
 def test_a_client_that_left_while_waiting_is_taken_out_and_nothing_is_sent() -> None:
     fair, _, said = queue()
     slots = Slots()
