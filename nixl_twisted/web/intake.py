@@ -120,6 +120,16 @@ class LimitedRequest(Request):
             return
         super().handleContentChunk(data)
 
+    def chunk_announced(self, size: int) -> bool:
+        """A chunk of ``size`` bytes is coming (``framing.BoundedChunks``): False, and 413 at
+        once, when it would take the body past ``--max-body-size``."""
+        if self._discarding or self._refused:
+            return self._discarding  # (a refused body is read and dropped, or not read)
+        if self._received + size <= self._site().limits.max_body_size:
+            return True
+        self._refuse_too_large()
+        return False
+
     def _hold(self, size: int) -> bool:
         budget = self._site().body_budget
         if budget is None:

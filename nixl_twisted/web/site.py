@@ -4,8 +4,9 @@ Knowing them lets a stopping service close every client connection and wait
 until each is gone, so nothing is left half-open after shutdown (and trial
 finds a clean reactor after each test). What is refused before the app sees
 it is refused here, as JSON: connections past ``--max-connections``,
-requests too slow to arrive (``deadlines``), header lines too long,
-malformed HTTP; bodies too large or too many by its requests (``intake``);
+requests too slow to arrive (``deadlines``), header lines too long or
+too many (431), malformed HTTP and framing a backend could read otherwise
+(``framing``); bodies too large or too many by its requests (``intake``);
 a URL or Host the app cannot route by ``front.FrontDoor``.
 """
 
@@ -18,7 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.web import http
-from twisted.web.http import HTTPChannel
+from twisted.web.http import HTTPChannel, _ChunkedTransferDecoder
 from twisted.web.resource import IResource
 from twisted.web.server import Site
 
@@ -30,6 +31,7 @@ from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError, for_route
 from nixl_twisted.protocol.headers import IDENTITY, conflicting, said_twice
 from nixl_twisted.web.deadlines import ClientLimits, RequestDeadlines
+from nixl_twisted.web.framing import BoundedChunks, header_problem
 from nixl_twisted.web.intake import BodyBudget, LimitedRequest
 from nixl_twisted.web.keys import ClientKeys, needs_key
 
@@ -112,12 +114,40 @@ class _TrackedChannel(HTTPChannel):
         self.factory.refused(code, logged)
         self.refuse(code, said)
 
+    def lineReceived(self, line: bytes) -> None:
+        # (Twisted's own count of the head's bytes, which it answers with a bare 400.)
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self._too_large("the request's line and headers are larger than the proxy accepts")
+            return
+        super().lineReceived(line)
+
+    def headerReceived(self, line: bytes) -> bool:
+        if self._receivedHeaderCount >= self.maxHeaders:
+            self._too_large(f"the request has more than {self.maxHeaders} headers")
+            return False
+        problem = header_problem(line, framed=self._transferDecoder is not None)
+        if problem is not None:
+            self.refuse(ErrorCode.MALFORMED_REQUEST, problem)
+            return False
+        if not super().headerReceived(line):
+            return False
+        if type(self._transferDecoder) is _ChunkedTransferDecoder:
+            request = self.requests[-1]
+            assert isinstance(request, LimitedRequest)  # (the site's request factory)
+            self._transferDecoder = BoundedChunks(
+                request.handleContentChunk,
+                self._finishRequestBody,
+                lambda said: self.refuse(ErrorCode.MALFORMED_REQUEST, said),
+                request.chunk_announced,
+            )
+        return True
+
+    def _too_large(self, message: str) -> None:
+        self.refuse(ErrorCode.REQUEST_HEADER_TOO_LARGE, message)
+
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request line or header line too long: 431, not a silent close."""
-        self.refuse(
-            ErrorCode.REQUEST_HEADER_TOO_LARGE,
-            "a request line or header is longer than the proxy accepts",
-        )
+        self._too_large("a request line or header is longer than the proxy accepts")
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # Twisted's answer to a malformed request line or header has no
