@@ -110,7 +110,7 @@ class ErrorCode(enum.Enum):
         404,
         _CLIENT,
         "no such route, no admin API (no `--admin-token`), no such instance (admin), "
-        "or no decode instance holds the response",
+        "or no decode instance holds the response (or its id is not one: `resp_...`)",
     )
     MODEL_NOT_FOUND = (
         "model_not_found",
@@ -128,20 +128,27 @@ class ErrorCode(enum.Enum):
         "method_not_allowed",
         405,
         _CLIENT,
-        "a route served with other methods, which `Allow` names",
+        "a route served with other methods, which `Allow` names (methods are case-sensitive)",
     )
-    MALFORMED_REQUEST = ("malformed_request", 400, _CLIENT, "HTTP the proxy cannot parse")
+    MALFORMED_REQUEST = (
+        "malformed_request",
+        400,
+        _CLIENT,
+        "HTTP the proxy cannot parse or frame (RFC 9112): a `Transfer-Encoding` other than "
+        "`chunked` alone, a chunk size past 16 hex digits, a control byte in a header's value",
+    )
     REQUEST_HEADER_TOO_LARGE = (
         "request_header_too_large",
         431,
         _CLIENT,
-        "a request line or header line too long",
+        "a request line or header line too long, more than 500 headers or 16 KB of them",
     )
     INVALID_URL = (
         "invalid_url",
         400,
         _CLIENT,
-        "the request's URL is not UTF-8, or an admin change's `url` is not a backend URL",
+        "the request's URL is not UTF-8 or its path has a `.`/`..` segment or an encoded "
+        "`?`/`#`, or an admin change's `url` is not a backend URL",
     )
     INVALID_HOST = (
         "invalid_host",

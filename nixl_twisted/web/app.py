@@ -9,6 +9,7 @@ batch of them, or one leg to a decode instance.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from functools import partial
 
 from klein import Klein
@@ -102,7 +103,13 @@ class ProxyApp:
     def resource(self, admin: bool = False) -> IResource:
         """The Twisted Web resource that serves this app (``admin``: on --admin-listen)."""
         split = self.config.admin_listen is not None
-        return FrontDoor(self.app.resource(), admin, split, self._identity_headers)
+        return FrontDoor(
+            self.app.resource(), admin, split, self._identity_headers, self._served_methods
+        )
+
+    def _served_methods(self, path: str) -> Iterable[str]:
+        """The methods ``path`` is served with, as the router answers a wrong one's ``Allow``."""
+        return self.app.url_map.bind("proxy").allowed_methods(path)
 
     def _identity_headers(self) -> tuple[bytes, ...]:
         """The headers that say who a client is: keys, and the tenant header when set."""
@@ -250,6 +257,7 @@ class ProxyApp:
     ) -> Deferred[None]:
         trace = self._trace(request)
         read = door.relayed(request, path, body)
+        door.stored_response(response_id)
         return self.admission.request(
             request, path, None, lambda _: self.serving.follow_up(request, read, response_id, trace)
         )

@@ -12,6 +12,7 @@ the client's body again.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from functools import partial
 
@@ -57,6 +58,18 @@ def relayed(
     if decode is None:
         return read
     return read.routed(served_model(read.model, decode, record))
+
+
+#: A stored response's id as vLLM makes them (``resp_`` and a UUID's hex) and the proxy
+#: records them: anything else names no stored response, and is never put in a backend's path.
+_RESPONSE_ID = re.compile(r"resp_[A-Za-z0-9_-]{1,128}")
+
+
+def stored_response(response_id: str) -> None:
+    """A 404 for an id that cannot be a stored response's, before any backend is asked."""
+    if _RESPONSE_ID.fullmatch(response_id) is None:
+        shown = lowering.printable(response_id, 140)
+        raise ProxyError(ErrorCode.NOT_FOUND, f"No response found with id '{shown}'.")
 
 
 def served_model(requested: object, decode: Iterable[Instance], record: AccessRecord) -> str | None:

@@ -5,7 +5,11 @@ Klein would answer these with a plain-text 400 and a traceback in the log
 (a Host that Werkzeug cannot bind a URL map to): client garbage is neither
 the operator's error nor a 5xx. HTTP/1.1 requires exactly one ``Host``
 (RFC 9112 section 3.2): none, or two, is a 400 too; so are two different
-values of a header that says who the client is (``headers.conflicting``).
+values of a header that says who the client is (``headers.conflicting``), and
+a path with a dot segment or an encoded ``?`` or ``#`` (a backend would read
+another path, or a query, than the one routed). Methods are case-sensitive
+(RFC 9110 section 9.1): ``post`` is not ``POST``, which Werkzeug would route
+it as; it is a 405 naming the methods the route serves.
 """
 
 from __future__ import annotations
@@ -48,6 +52,15 @@ def host_problem(request: IRequest) -> str | None:
     return None
 
 
+def path_problem(path: str) -> str | None:
+    """Why a request's decoded path cannot be routed as it is, or None."""
+    if any(segment in (".", "..") for segment in path.split("/")):
+        return "the request's path has a `.` or `..` segment"
+    if "?" in path or "#" in path:
+        return "the request's path has an encoded `?` or `#`"
+    return None
+
+
 class IFrontDoor(Interface):
     """The door a request came in through (a component of Twisted's request, as Klein keeps
     its own per-request state: ``FrontDoor.render`` sets it, ``on_admin_port`` reads it)."""
@@ -79,6 +92,7 @@ class FrontDoor(Resource):
         admin: bool = False,
         split: bool = False,
         identity: Callable[[], Iterable[bytes]] = lambda: IDENTITY,
+        methods: Callable[[str], Iterable[str]] = lambda path: (),
     ) -> None:
         super().__init__()
         self._app = app
@@ -87,12 +101,17 @@ class FrontDoor(Resource):
         self._split = split
         #: The headers that say who a client is, as configured now (the tenant header's).
         self._identity = identity
+        #: The methods a path is served with (none: no such route).
+        self._methods = methods
 
     def render(self, request: IRequest) -> bytes | int:
         try:
             path = unquote_to_bytes(request.path).decode("utf-8")
         except UnicodeDecodeError:
             return _refuse(request, ErrorCode.INVALID_URL, "the request URL is not valid UTF-8")
+        problem = path_problem(path)
+        if problem is not None:
+            return _refuse(request, ErrorCode.INVALID_URL, problem)
         problem = host_problem(request)
         if problem is not None:
             return _refuse(request, ErrorCode.INVALID_HOST, problem)
@@ -105,6 +124,8 @@ class FrontDoor(Resource):
         ):
             method = request.method.decode("ascii", "replace")
             return _refuse(request, ErrorCode.NOT_FOUND, f"{method} {path}: Not Found")
+        if request.method != request.method.upper():
+            return self._not_a_method(request, routed)
         if isinstance(request, Componentized):  # (Twisted's request is; a test's may not be)
             request.setComponent(IFrontDoor, self)
         try:
@@ -113,6 +134,19 @@ class FrontDoor(Resource):
             return _refuse(
                 request, ErrorCode.INVALID_HOST, "the Host header is not a valid host name"
             )
+
+    def _not_a_method(self, request: IRequest, path: str) -> bytes:
+        """A method not all in capitals: 405 with the route's own (404 where none is served)."""
+        method = request.method.decode("ascii", "replace")
+        served = sorted(self._methods(path))
+        if not served:
+            return _refuse(request, ErrorCode.NOT_FOUND, f"{method} {path}: Not Found")
+        request.setHeader(b"Allow", ", ".join(served).encode("ascii"))
+        message = (
+            f"methods are case-sensitive (RFC 9110 section 9.1): {method} is not one of "
+            f"{', '.join(served)}"
+        )
+        return _refuse(request, ErrorCode.METHOD_NOT_ALLOWED, message)
 
 
 def _refuse(request: IRequest, code: ErrorCode, message: str) -> bytes:
