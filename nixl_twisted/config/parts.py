@@ -230,6 +230,8 @@ class Limits:
     max_buffered_bodies: int
     #: Prompts one batched completion may hold.
     max_batch_prompts: int
+    #: Choices (``n``, ``best_of``) one completion may ask for.
+    max_n: int
     max_idle_per_backend: int
     #: Client connections open at once (each holds a file descriptor).
     max_connections: int

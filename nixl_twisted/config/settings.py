@@ -695,6 +695,16 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "max-n",
+        "limits.max_n",
+        128,
+        count(1),
+        help=(
+            "Choices one completion may ask for (n, and best_of where vLLM still reads "
+            "it); past it, 400 before any leg (vLLM itself allows 16384)."
+        ),
+    ),
+    Setting(
         "max-in-flight",
         "limits.max_in_flight",
         1024,

@@ -93,6 +93,12 @@ class ErrorCode(enum.Enum):
         _CLIENT,
         "a `/v1/completions` with more prompts than `--max-batch-prompts`",
     )
+    TOO_MANY_CHOICES = (
+        "too_many_choices",
+        400,
+        _CLIENT,
+        "a completion whose `n` or `best_of` is past `--max-n`",
+    )
     PREVIOUS_RESPONSE_ID_UNSUPPORTED = (
         "previous_response_id_unsupported",
         400,

@@ -188,14 +188,17 @@ def read_completion(
     request_id: str,
     max_batch_prompts: int,
     served: Callable[[object], str | None] = lambda model: None,
+    max_n: int = 128,
 ) -> Completion:
-    """A two-leg route's body read: a ``ProxyError`` (400) for one the proxy cannot serve.
+    """A two-leg route's body read: a ``ProxyError`` (400) for one the proxy cannot serve
+    (``max_n``: the choices a prompt may ask for, ``--max-n``).
 
     ``served``: the model its instances must serve, given the one the body
     names (raising the route's refusal when none serves it).
     """
     body = lowering.parse_client_body(raw)
     lowering.check_servable(path, body)
+    lowering.check_choices(body, max_n)
     model = served(body.get("model"))
     batch = lowering.batch_of(path, body, max_batch_prompts)
     salt = salts.client_salt(body)

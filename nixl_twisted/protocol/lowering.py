@@ -153,6 +153,27 @@ class BatchRequest:
     include_usage: bool = False
 
 
+#: The fields that ask vLLM for several completions of one prompt.
+_CHOICES = ("n", "best_of")
+
+
+def check_choices(body: JSONObject, limit: int) -> None:
+    """400 for a body asking more than ``limit`` completions of a prompt (``--max-n``).
+
+    vLLM takes up to 16384 (``VLLM_MAX_N_SEQUENCES``), each a sequence
+    holding decode's KV blocks; a batch multiplies them by its prompts.
+    A number vLLM would refuse as such is left to vLLM.
+    """
+    for name in _CHOICES:
+        value = body.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > limit:
+            raise ProxyError(
+                ErrorCode.TOO_MANY_CHOICES,
+                f"'{name}' asks for more than {limit} completions; this proxy serves at "
+                "most that many per prompt (--max-n)",
+            )
+
+
 def batch_of(path: str, body: JSONObject, limit: int) -> BatchRequest | None:
     """A batched completion (each prompt its own prefill/decode pair), or None.
 

@@ -272,9 +272,11 @@ class ProxyApp:
 
     def _two_legs(self, request: Request, path: str) -> Deferred[None]:
         trace = self._trace(request)
-        limit = self.config.limits.max_batch_prompts
-        record = record_of(request)
-        read = door.completion(request, record, path, limit, self.backends.decode.instances)
+        limits, record = self.config.limits, record_of(request)
+        decode = self.backends.decode.instances
+        read = door.completion(
+            request, record, path, limits.max_batch_prompts, decode, limits.max_n
+        )
         trace.note_request(read)
 
         def serve(rule: TenantRule) -> Deferred[None]:

@@ -34,6 +34,7 @@ def completion(
     path: str,
     max_batch_prompts: int,
     decode: Iterable[Instance],
+    max_n: int = 128,
 ) -> Completion:
     """A two-leg route's request as a ``Completion``, routed to the model it names;
     ``record``: its access record (the request's)."""
@@ -41,7 +42,8 @@ def completion(
     request.setHeader(REQUEST_ID, request_id.encode("ascii"))  # (every answer has one)
     record.request_id = request_id
     served = partial(served_model, decode=decode, record=record)
-    return read_completion(client_body(request), path, request_id, max_batch_prompts, served)
+    body = client_body(request)
+    return read_completion(body, path, request_id, max_batch_prompts, served, max_n)
 
 
 def relayed(

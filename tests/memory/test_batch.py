@@ -108,3 +108,19 @@ def test_a_client_leaving_cancels_every_part() -> None:
     assert parts >= 1
     assert setup.decode.disconnects == parts
     assert setup.proxy.app.in_flight == 0
+
+
+def test_choices_past_max_n_are_400_before_any_leg() -> None:
+    # 32 prompts with n: 1000000 were sent on as 32 prefill legs.
+    setup = Setup(max_n=4)
+    many = {"model": "m", "prompt": [f"p{i}" for i in range(32)], "n": 1_000_000}
+    for path, body in (
+        ("/v1/completions", many),
+        ("/v1/chat/completions", {"model": "m", "messages": [], "n": 5}),
+        ("/v1/completions", {"model": "m", "prompt": "x", "best_of": 5.0}),
+    ):
+        assert_error(setup.post(path, body).answer(), 400, "too_many_choices")
+    assert setup.prefill.requests == []
+    answer = setup.post("/v1/completions", batch(n=4)).answer()
+    assert answer.status == 200  # (at the bound: served)
+    assert len(setup.prefill.requests) == len(PROMPTS)
