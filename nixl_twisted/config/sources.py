@@ -77,6 +77,10 @@ def read_file(path: str) -> dict[str, object]:
         raise ConfigError("config", f"--config {path}: cannot read it: {error.strerror}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError("config", f"--config {path}: not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:  # (tomllib reads bytes as UTF-8, and says it so)
+        raise ConfigError(
+            "config", f"--config {path}: not UTF-8 text (byte {error.start}), as TOML must be"
+        ) from None
     table = _flattened(table)
     try:
         named = dashed(table, f"--config {path}: ")

@@ -74,8 +74,8 @@ def reloaded(config: ProxyConfig, environ: Mapping[str, str]) -> Reload:
 
 
 def refused(error: ConfigError) -> None:
-    """The file could not be used: nothing changed."""
-    log.error(
+    """The file could not be used: nothing changed, and the proxy serves on as it was."""
+    log.warn(
         "SIGHUP: nothing reloaded, every setting kept as it was ({key}): {error}",
         key=error.key,
         error=str(error),

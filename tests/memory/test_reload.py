@@ -7,7 +7,7 @@ from typing import Any
 
 from twisted.internet.task import Clock
 from twisted.internet.testing import MemoryReactorClock
-from twisted.logger import formatEvent
+from twisted.logger import LogLevel, formatEvent
 
 from nixl_twisted.config import resolve
 from nixl_twisted.logs import LogLevels
@@ -72,6 +72,21 @@ def test_a_reload_that_fails_leaves_the_pools_alone_and_logs_the_key(
     (error,) = [e for e in logged if e.get("log_format", "").startswith("SIGHUP: nothing")]
     assert error["key"] == "decode"
     assert "'d9:1' must start with http://" in error["error"]
+
+
+def test_a_reload_of_a_file_that_is_not_utf8_warns_naming_it_and_keeps_all(
+    tmp_path: Path, logged: list[dict[str, Any]]
+) -> None:
+    path = tmp_path / "nixlproxy.toml"
+    path.write_text('prefill = ["http://p1:1"]\ndecode = ["http://d1:1"]\n')
+    service = proxy_from(path)
+    path.write_bytes(b'prefill = ["http://p9:1"]\ndecode = ["http://d9:1"] # \xff\n')
+    service.reload()  # (raised UnicodeDecodeError, logged critical by the signal's caller)
+    assert service.backends.prefill.urls == ("http://p1:1",)
+    assert service.config.pools.decode == ("http://d1:1",)
+    (warning,) = [e for e in logged if e.get("log_format", "").startswith("SIGHUP: nothing")]
+    assert warning["log_level"] == LogLevel.warn
+    assert str(path) in warning["error"] and "not UTF-8" in warning["error"]
 
 
 def test_a_reload_changes_the_policies_too(tmp_path: Path) -> None:

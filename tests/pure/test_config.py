@@ -180,6 +180,16 @@ def test_bad_files_are_refused_naming_the_key(
     assert path in str(caught.value)
 
 
+def test_a_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    # tomllib raised UnicodeDecodeError, no ConfigError: at SIGHUP a critical traceback.
+    path = tmp_path / "nixlproxy.toml"
+    path.write_bytes(b'decode = ["http://d:1"]\n# caf\xe9\n')
+    with pytest.raises(ConfigError) as caught:
+        resolve({"prefill": ["http://p:1"]}, str(path), {})
+    assert caught.value.key == "config"
+    assert str(path) in str(caught.value) and "not UTF-8" in str(caught.value)
+
+
 def test_a_missing_file_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(usage.UsageError, match="cannot read it"):
         parse("--config", str(tmp_path / "absent.toml"))
