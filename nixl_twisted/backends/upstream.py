@@ -33,7 +33,6 @@ from twisted.web.client import (
     BrowserLikePolicyForHTTPS,
     HTTPConnectionPool,
     ResponseDone,
-    _HTTP11ClientFactory,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
@@ -46,6 +45,7 @@ from twisted.web.iweb import (
 )
 from zope.interface import implementer
 
+from nixl_twisted.backends.connections import QuietFactory
 from nixl_twisted.backends.names import BackendResolver, ResolvingWith, threaded_lookup
 
 
@@ -188,19 +188,8 @@ def backend_agent(
         resolver = BackendResolver(threaded_lookup(reactor))
     tls = tls or BrowserLikePolicyForHTTPS()
     endpoints = _Endpoints(reactor, connect_timeout, tls, resolver)
-    connections._factory = _QuietFactory
+    connections._factory = QuietFactory
     return Agent.usingEndpointFactory(reactor, endpoints, pool=connections)
-
-
-class _QuietFactory(_HTTP11ClientFactory):
-    """Twisted's factory for one pooled connection, without its "Starting factory" line.
-
-    Each backend connection logged two info lines (starting, stopping),
-    most of a busy proxy's log. (A private class and hook of
-    ``HTTPConnectionPool``: ``test_no_factory_chatter`` notices if they go.)
-    """
-
-    noisy = False
 
 
 class Upstream:

@@ -20,9 +20,11 @@ from twisted.web.client import (
     Agent,
     BrowserLikePolicyForHTTPS,
     HTTPConnectionPool,
+    ResponseFailed,
 )
 from twisted.web.http_headers import Headers
 
+from nixl_twisted.backends.connections import MAX_HEADER_LINES, HeadTooLarge
 from nixl_twisted.backends.upstream import Upstream, backend_agent, read_body
 from nixl_twisted.testing import FakeVLLM, TransferLedger
 from tests.loopback.test_tls import self_signed
@@ -84,3 +86,36 @@ class IPv6BackendTests(ProxyCase):
         self.assertEqual((len(prefill.requests), len(decode.requests)), (1, 1))
         # Decode redeemed exactly what prefill issued (the fakes check it).
         self.assertEqual((len(ledger.redeemed), ledger.issued), (1, {}))
+
+
+class ResponseHeadTests(ProxyCase):
+    """A backend's answer with more headers than the proxy reads fails its leg (Twisted's
+    parser held 100,000 of them, 52 MB, and the proxy relayed them)."""
+
+    async def test_an_answer_past_the_header_bound_fails_and_one_within_it_is_read(self) -> None:
+        fake = FakeVLLM(name="decode-heady")
+        url = await fake.listen()
+        self.addCleanup(fake.stop)
+        connections = HTTPConnectionPool(reactor)
+        upstream = Upstream(backend_agent(reactor, connections, 10.0), connections)
+        self.addCleanup(upstream.close)
+        body = json.dumps({**CHAT, "kv_transfer_params": None}).encode()
+        headers = Headers({b"Content-Type": [b"application/json"]})
+        fake.extra_headers.update({f"x-h{i}": "v" for i in range(MAX_HEADER_LINES - 10)})
+        response = await upstream.post(url + "/v1/chat/completions", body, headers)
+        self.assertEqual(response.code, 200)
+        await read_body(response)
+        fake.extra_headers.update({f"x-h{i}": "v" for i in range(100_000)})
+        with self.assertRaises(ResponseFailed) as caught:
+            await upstream.post(url + "/v1/chat/completions", body, headers)
+        (reason,) = caught.exception.reasons
+        self.assertTrue(reason.check(HeadTooLarge), reason)
+
+    async def test_a_decode_answering_100000_headers_is_a_502(self) -> None:
+        await self.start()
+        self.decodes[0].extra_headers.update({f"x-h{i}": "v" for i in range(100_000)})
+        response = await self.post("/v1/chat/completions", CHAT)
+        self.assertEqual(response.code, 502)
+        self.assertFalse(response.headers.hasHeader(b"x-h1"))
+        error = json.loads(await response.content())["error"]
+        self.assertEqual(error["code"], "decode_unreachable")  # (the leg's failure, logged why)
