@@ -91,11 +91,15 @@ class Options(usage.Options):
     def opt_api_key(self, key: str) -> None:
         self["api-key"].append(key)
 
+    def opt_forward_header(self, name: str) -> None:
+        self["forward-header"].append(name)
+
     opt_listen.__doc__ = _help("listen")
     opt_prefill.__doc__ = _help("prefill")
     opt_decode.__doc__ = _help("decode")
     opt_allowed_backends.__doc__ = _help("allowed-backends")
     opt_api_key.__doc__ = _help("api-key")
+    opt_forward_header.__doc__ = _help("forward-header")
 
     def opt_version(self) -> None:
         """Print the package's version and the protocol identity, then exit."""

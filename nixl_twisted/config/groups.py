@@ -87,6 +87,7 @@ GROUPS: tuple[Group, ...] = (
         "Backends: connections, timeouts, retries, health",
         (
             ("backend-api-key", "KEY"),
+            ("forward-header", "NAME"),
             ("connect-timeout", "SECONDS"),
             ("backend-idle-timeout", "SECONDS"),
             ("max-idle-per-backend", "N"),

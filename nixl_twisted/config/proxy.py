@@ -72,6 +72,8 @@ class ProxyConfig:
     api_keys: tuple[str, ...] = field(repr=False)
     api_keys_file: str | None
     admin_token: str | None = field(repr=False)
+    #: Client headers both legs carry besides ``headers.FORWARDED`` (``--forward-header``).
+    forward_headers: tuple[str, ...]
     #: The ``--config`` file, whose pools SIGHUP reloads.
     config_path: str | None = None
     #: Set in a ``--workers`` worker: its number; its TCP ports are shared.

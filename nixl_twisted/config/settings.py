@@ -345,6 +345,18 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "forward-header",
+        "forward_headers",
+        (),
+        header_name,
+        many=True,
+        help=(
+            "A client header both legs carry (repeatable); without it a leg carries only "
+            "the client's Authorization and W3C trace context (traceparent, tracestate, "
+            "baggage) of what the client sent."
+        ),
+    ),
+    Setting(
         "connect-timeout",
         "timeouts.connect",
         10.0,

@@ -120,6 +120,7 @@ def _attempt(
         config.backend_api_key,
         json_body=relayed.body is not None,
         keyed=config.keyed,
+        forwarded=config.forward_headers,
     )
     sent = DecodeRequest(relayed.path, relayed.body, headers, config.timeouts.decode)
 

@@ -72,7 +72,11 @@ class Exchange:
         record.request_id = request_id  # (a batch's part has no other place to get it)
         self.phases = Phases(request, record, legs.metrics, request_id)
         self.headers = backend_request_headers(
-            request.requestHeaders, request_id, config.backend_api_key, keyed=config.keyed
+            request.requestHeaders,
+            request_id,
+            config.backend_api_key,
+            keyed=config.keyed,
+            forwarded=config.forward_headers,
         )
         model = completion.served
         session = request.getHeader(b"x-session-id")

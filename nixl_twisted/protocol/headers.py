@@ -1,8 +1,10 @@
 """Which headers cross the proxy, in each direction (RFC 9110 section 7.6.1).
 
-Pure functions over ``twisted.web.http_headers.Headers``: what the client sent
-goes on to both legs except what is hop-by-hop or owned by the proxy, and
-what decode answered comes back except what is hop-by-hop.
+Pure functions over ``twisted.web.http_headers.Headers``. Of what the client
+sent, both legs carry what the protocol names (its ``Authorization``) and
+W3C trace context, which vLLM reads to join the client's trace, plus the
+headers the operator names (``--forward-header``); the rest is for the proxy
+or for nobody. What decode answered comes back except what is hop-by-hop.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ _PROXY_OWNED_REQUEST = frozenset(
 IDENTITY = (b"Authorization", b"x-api-key")
 _CLIENT_KEYS = frozenset(name.lower() for name in IDENTITY)
 
+#: The client's headers each leg carries: its key (``docs/protocol.md``), unless
+#: clients key the proxy itself, and W3C trace context. Nothing else: a ``Cookie`` or a
+#: ``Range`` means nothing to vLLM, and ``Forwarded`` or ``X-Forwarded-For`` would claim
+#: an origin the proxy never checked.
+FORWARDED = frozenset({b"authorization", b"traceparent", b"tracestate", b"baggage"})
+
 REQUEST_ID = b"X-Request-Id"
 AUTHORIZATION = b"Authorization"
 
@@ -97,12 +105,15 @@ def _connection_tokens(headers: Headers) -> frozenset[bytes]:
     return frozenset(tokens)
 
 
-def _end_to_end(headers: Headers, also_drop: frozenset[bytes]) -> Headers:
+def _end_to_end(
+    headers: Headers, also_drop: frozenset[bytes], only: frozenset[bytes] | None = None
+) -> Headers:
+    """``headers`` but the hop-by-hop ones and ``also_drop`` (``only``: of these names)."""
     drop = HOP_BY_HOP | _connection_tokens(headers) | also_drop
     kept = Headers()
     for name, values in headers.getAllRawHeaders():
         lowered = name.lower()
-        if lowered in drop:
+        if lowered in drop or (only is not None and lowered not in only):
             continue
         if lowered == b"content-encoding" and not any(v.strip() for v in values):
             # Twisted's content decoder leaves an empty value behind when
@@ -118,15 +129,20 @@ def backend_request_headers(
     backend_api_key: str | None,
     json_body: bool = True,
     keyed: bool = False,
+    forwarded: Iterable[str] = (),
 ) -> Headers:
-    """The headers a backend call carries: the client's end-to-end ones plus ours.
+    """The headers a backend call carries: the client's ``FORWARDED`` ones and those named
+    in ``forwarded`` (``--forward-header``), plus ours.
 
     The client's ``Authorization`` wins; the operator's backend key is used
     only when the client sent none. ``keyed``: clients authenticate to the
     proxy (``--api-key``), so their key stays here and vLLM gets the backend
-    key alone.
+    key alone. A header that is hop-by-hop or the proxy's own is never the
+    client's to send on, named or not.
     """
-    headers = _end_to_end(client, _PROXY_OWNED_REQUEST | (_CLIENT_KEYS if keyed else frozenset()))
+    named = FORWARDED | {name.lower().encode("ascii") for name in forwarded}
+    kept = named - _PROXY_OWNED_REQUEST - (_CLIENT_KEYS if keyed else frozenset())
+    headers = _end_to_end(client, frozenset(), kept)
     if json_body:
         headers.setRawHeaders(b"Content-Type", [b"application/json"])
     headers.setRawHeaders(REQUEST_ID, [request_id.encode("ascii")])

@@ -89,7 +89,7 @@ def test_no_authorization_without_client_or_operator_key() -> None:
 # -- headers ---------------------------------------------------------------------
 
 
-def test_end_to_end_headers_forwarded_hop_by_hop_not() -> None:
+def test_trace_context_forwarded_hop_by_hop_not() -> None:
     setup = Setup()
     setup.post(
         "/v1/chat/completions",
@@ -109,6 +109,25 @@ def test_end_to_end_headers_forwarded_hop_by_hop_not() -> None:
         assert headers.getRawHeaders(b"x-hop") is None
         assert headers.getRawHeaders(b"keep-alive") is None
         assert headers.getRawHeaders(b"content-type") == [b"application/json"]
+
+
+def test_only_the_key_trace_context_and_named_headers_reach_the_legs() -> None:
+    # Forwarded, X-Forwarded-For, Cookie and Range reached both legs.
+    setup = Setup(forward_header=["X-Team"])
+    sent = {
+        "Authorization": "Bearer client",
+        "Forwarded": "for=203.0.113.9",
+        "X-Forwarded-For": "203.0.113.9",
+        "Cookie": "session=1",
+        "Range": "bytes=0-1",
+        "X-Team": "blue",
+    }
+    assert setup.post("/v1/chat/completions", FULL_CHAT, headers=sent).answer().status == 200
+    for request in (setup.prefill.requests[0], setup.decode.requests[0]):
+        names = {name.lower() for name, _ in request.headers.getAllRawHeaders()}
+        assert names & {b"forwarded", b"x-forwarded-for", b"cookie", b"range"} == set()
+        assert request.headers.getRawHeaders(b"x-team") == [b"blue"]
+        assert request.authorization == "Bearer client"
 
 
 def test_decode_response_headers_relayed_without_hop_by_hop() -> None:

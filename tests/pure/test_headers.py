@@ -37,9 +37,39 @@ def test_hop_by_hop_and_proxy_owned_request_headers_are_not_forwarded() -> None:
         None,
     )
     assert dict(sent.getAllRawHeaders()) == {
-        b"User-Agent": [b"openai-python"],
         b"Content-Type": [b"application/json"],
         b"X-Request-Id": [b"r-1"],
+    }
+
+
+def test_only_the_key_trace_context_and_named_headers_are_forwarded() -> None:
+    # Forwarded, X-Forwarded-For, Cookie and Range reached both legs.
+    sent = backend_request_headers(
+        client(
+            authorization="Bearer c",
+            traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            tracestate="v=1",
+            baggage="k=v",
+            forwarded="for=203.0.113.9",
+            x_forwarded_for="203.0.113.9",
+            cookie="session=1",
+            range="bytes=0-1",
+            x_tenant_note="kept",
+            x_other="dropped",
+            host="named:1",
+        ),
+        "r-1",
+        None,
+        forwarded=("X-Tenant-Note", "Host", "Connection"),
+    )
+    assert {name.lower() for name, _ in sent.getAllRawHeaders()} == {
+        b"authorization",
+        b"traceparent",
+        b"tracestate",
+        b"baggage",
+        b"x-tenant-note",
+        b"content-type",
+        b"x-request-id",
     }
 
 
