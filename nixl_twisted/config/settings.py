@@ -26,6 +26,7 @@ from nixl_twisted.config.values import (
     endpoint,
     fraction,
     label_selector,
+    migrations,
     pool_member,
     port_or_name,
     port_or_off,
@@ -431,11 +432,11 @@ SETTINGS: tuple[Setting, ...] = (
         "decode-migrations",
         "migrations.limit",
         1,
-        count(0),
+        migrations,
         help=(
             "Times a completion whose decode instance fails after its first byte (its "
             "answer broken off, silent, an error event, the instance marked down) is "
-            "continued on another decode instance, token for token (0: never; "
+            "continued on another decode instance, token for token (0: never; at most 8; "
             "docs/failures.md)."
         ),
     ),
