@@ -394,7 +394,8 @@ SETTINGS: tuple[Setting, ...] = (
         seconds,
         help=(
             "Seconds of silence allowed between two chunks of a decode body; a "
-            "long generation that keeps producing tokens is never cut."
+            "long generation that keeps producing tokens is never cut. A client that "
+            "reads nothing of its answer for as long is closed (client_slow)."
         ),
     ),
     Setting(
