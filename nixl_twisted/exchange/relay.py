@@ -237,7 +237,8 @@ class _BodyRelay(Protocol):
         self._unregister()
         ended = reason.check(ResponseDone, PotentialDataLoss) is not None
         if ended and self._terminal:  # (an event stream short of its last event)
-            ended, reason = False, Failure(StreamCutShort(_cut_short(reason)))
+            how = "closed its connection" if reason.check(PotentialDataLoss) else "ended its body"
+            ended, reason = False, Failure(StreamCutShort(f"the backend {how} mid-stream"))
         if ended and self._filtered is not None and not self._finished.called:
             held = self._filtered.rest()  # (only a body that ended whole lets it go)
             if held:
@@ -253,12 +254,6 @@ class _BodyRelay(Protocol):
             self._finished.callback(None)
         else:
             self._finished.errback(reason)
-
-
-def _cut_short(reason: Failure) -> str:
-    if reason.check(PotentialDataLoss) is not None:
-        return "the backend closed its connection before the stream's last event"
-    return "the backend's body ended before the stream's last event"
 
 
 def start_response(request: IRequest | ExchangeRequest, response: IResponse) -> None:
@@ -304,18 +299,8 @@ def relay_body(
     abort the request and free its KV blocks.
     """
     finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    relay = _BodyRelay(
-        request,
-        finished,
-        clock,
-        idle_timeout,
-        on_first_byte,
-        watch,
-        on_end,
-        hidden,
-        filtered,
-        terminal,
-    )
+    hooks = (on_first_byte, watch, on_end, hidden, filtered, terminal)
+    relay = _BodyRelay(request, finished, clock, idle_timeout, *hooks)
     response.deliverBody(relay)
     return finished
 
