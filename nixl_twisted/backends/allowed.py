@@ -128,6 +128,11 @@ class AllowedBackends:
                 return what + refusal
         return None
 
+    def host_refusal(self, host: str) -> str | None:
+        """Why the proxy may not point anything at ``host`` (None: it may): prefill's
+        handoff ``remote_host``, where decode's NIXL handshake goes."""
+        return self._host_refusal(host.strip("[]").lower().rstrip("."))
+
     def _host_refusal(self, host: str) -> str | None:
         address = _address(host)
         if address is None:

@@ -26,6 +26,7 @@ from nixl_twisted.config.values import (
     endpoint,
     fraction,
     label_selector,
+    migrations,
     pool_member,
     port_or_name,
     port_or_off,
@@ -405,7 +406,8 @@ SETTINGS: tuple[Setting, ...] = (
         seconds,
         help=(
             "Seconds of silence allowed between two chunks of a decode body; a "
-            "long generation that keeps producing tokens is never cut."
+            "long generation that keeps producing tokens is never cut. A client that "
+            "reads nothing of its answer for as long is closed (client_slow)."
         ),
     ),
     Setting(
@@ -443,11 +445,11 @@ SETTINGS: tuple[Setting, ...] = (
         "decode-migrations",
         "migrations.limit",
         1,
-        count(0),
+        migrations,
         help=(
             "Times a completion whose decode instance fails after its first byte (its "
             "answer broken off, silent, an error event, the instance marked down) is "
-            "continued on another decode instance, token for token (0: never; "
+            "continued on another decode instance, token for token (0: never; at most 8; "
             "docs/failures.md)."
         ),
     ),

@@ -68,6 +68,23 @@ def count(least: int) -> Callable[[object], int]:
     return parse
 
 
+#: The most ``--decode-migrations`` may be: each move prefills the prompt and every token
+#: relayed again, and a decode that breaks every answer would be tried so many times a request.
+MAX_MIGRATIONS = 8
+
+
+def migrations(value: object) -> int:
+    """Moves per completion: 0 (off) to ``MAX_MIGRATIONS``."""
+    number = count(0)(value)
+    if number > MAX_MIGRATIONS:
+        raise InvalidValue(
+            f"must be at most {MAX_MIGRATIONS}, not {value!r}: each move prefills the prompt "
+            "and the tokens relayed again, so a decode that breaks every answer would cost "
+            "that many prefills a request"
+        )
+    return number
+
+
 def port_or_off(value: object) -> int:
     """A TCP port, or 0 for none."""
     number = as_number(value, int, "a port number")

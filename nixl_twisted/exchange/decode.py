@@ -42,6 +42,9 @@ class DecodeRequest:
     timeout: float
     #: A 503 (vLLM's engine queue full) is retried on another instance, not relayed.
     full_is_retried: bool = False
+    #: A 2xx is judged when its body ends (the leg's: a decode that breaks its answers
+    #: counts toward being marked down), not as its headers come.
+    judged_by_body: bool = False
 
 
 def _as_it_is(waiting: Deferred[IResponse]) -> Deferred[IResponse]:
@@ -87,8 +90,11 @@ async def decode_attempt(
         abandon(response)
         raise full(instance)  # (vLLM's engine queue is full: another instance is asked)
     # An answer, even an error (a KV-load failure is a 500), shows the
-    # instance is up: only silence and refusals take it out.
-    account(legs.metrics, pool, instance, "answered" if response.code < 400 else "error_status")
+    # instance is up: only silence, refusals and answers broken off take it out.
+    if response.code < 400 and request.judged_by_body:
+        legs.metrics.child(legs.metrics.backend_requests, pool.role, instance.url, "answered").inc()
+    else:
+        account(legs.metrics, pool, instance, "answered" if response.code < 400 else "error_status")
     return response
 
 

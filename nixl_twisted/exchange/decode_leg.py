@@ -28,10 +28,18 @@ from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt, note_han
 from nixl_twisted.exchange.keepalive import KeepAlive
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import Migrations, Moving
-from nixl_twisted.exchange.relay import Filter, abandon, relay_body, start_response
+from nixl_twisted.exchange.relay import (
+    ClientSlow,
+    Filter,
+    abandon,
+    close_slow,
+    relay_body,
+    start_response,
+)
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, account, send_leg
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.observe.spans import AttemptTrace
+from nixl_twisted.protocol import events
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
@@ -178,13 +186,22 @@ class DecodeLeg:
             failed = await self._relayed(response, decode, filtered)
         finally:
             instance.on_down.discard(self._marked_down)
+        pool = self.legs.backends.decode
+        if isinstance(failed, ClientSlow):
+            await self._slow(failed)  # (the client's doing: decode is not judged by it)
+            return
         if failed is None:
+            pool.record_success(instance)  # (judged once its answer ended whole)
             if moves is not None:
                 moves.completed()
             return
         caught = filtered.error if filtered is not None else None
         held = moves is not None and moves.held
-        await self._broken(Break(failed, instance.url, caught, held), instance)
+        broke = Break(failed, instance.url, caught, held)
+        if not isinstance(failed, InstanceDown):
+            # A broken answer counts toward marking its instance down, as any failed leg.
+            pool.record_failure(instance, f"its answer {broke.reason}")
+        await self._broken(broke, instance)
 
     async def _relayed(
         self, response: IResponse, decode: Lease, filtered: Filter | None
@@ -192,6 +209,8 @@ class DecodeLeg:
         """Decode's body relayed; what failed it after its headers (None: it ended whole)."""
         served = self.served
         watching = self.watch(decode.instance.url) if self.watch is not None else None
+        kind = response.headers.getRawHeaders(b"content-type", [b""])[0]
+        streamed = kind.startswith(b"text/event-stream")
         self._relaying = relay_body(
             served.request,
             response,
@@ -202,6 +221,7 @@ class DecodeLeg:
             self._used,
             UsageChunkHidden() if self.completion.hides_usage else None,
             filtered,
+            events.terminal(self.completion.path) if streamed else (),
         )
         try:
             await served.phases.track(self._relaying)
@@ -210,10 +230,26 @@ class DecodeLeg:
                 raise
             return InstanceDown(f"decode instance {decode.instance.url} marked down")
         except Exception as error:
-            return error
+            if filtered is None or filtered.error is None or isinstance(error, ClientSlow):
+                return error
         if filtered is not None and filtered.error is not None:
             return ErrorEvent("an error event")
         return None
+
+    async def _slow(self, slow: ClientSlow) -> None:
+        """The client stopped reading: its answer ends as its own doing, never decode's (no
+        move, no failure counted against the instance)."""
+        served = self.served
+        served.phases.failed(str(slow), "relay")
+        served.phases.breaking_off()
+        log.info(
+            "client of {request_id} read nothing of its answer for {seconds:g} s: "
+            "closed (client_slow)",
+            request_id=self.completion.request_id,
+            seconds=served.config.timeouts.stream_idle,
+        )
+        served.record.ended = "client_slow"
+        await close_slow(served.request)
 
     def _lost(self, retry: Retry, instance: Instance) -> None:
         """Decode's connection was lost once it had the request: it may have pulled prefill's

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from twisted.internet.interfaces import IReactorTime
 
+from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.slots import Slots
@@ -44,6 +45,8 @@ class Legs:
         self.clock = clock
         self.metrics = metrics
         self.config = config
+        #: Where prefill's handoff may point decode (``--allowed-backends``, metadata never).
+        self.allowed = AllowedBackends(config.discovery.allowed)
         self.slots = slots
         #: Prompts' token ids from vLLM's render endpoints, for kv-aware.
         self.renderer = Renderer(backends.upstream, clock)
@@ -51,3 +54,4 @@ class Legs:
     def configure(self, config: ProxyConfig) -> None:
         """A reload: the next request takes ``config``'s timeouts, retries and rules."""
         self.config = config
+        self.allowed = AllowedBackends(config.discovery.allowed)

@@ -27,7 +27,7 @@ from nixl_twisted.protocol import resumable, routes
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.held import Opening, Whole
 from nixl_twisted.protocol.lowering import JSONObject
-from nixl_twisted.protocol.transcript import Transcript
+from nixl_twisted.protocol.transcript import PROMPT_MISMATCH, Transcript
 
 log = Logger()
 
@@ -89,6 +89,10 @@ class Migrations:
         self._took: float | None = None
         #: The prompt tokens its first prefill found cached, as its handoff said.
         self._cached: int | None = None
+        #: The request's own prompt ids, which a continuation starts from: as given, or as
+        #: its first prefill answered them (None: unknown; never a decode answer's).
+        given = completion.token_ids
+        self.prompt: list[int] | None = list(given) if given else None
 
     @property
     def out(self) -> bool:
@@ -120,12 +124,15 @@ class Migrations:
             self._filter = Whole()
         return self._filter
 
-    def handed(self, params: JSONObject) -> None:
+    def handed(self, params: JSONObject, prompt: list[int] | None = None) -> None:
         """The first prefill's params: the cached prompt tokens the answer's usage says
-        (vLLM's decode says ``remote_prefill_cached_tokens``), whoever finishes it."""
+        (vLLM's decode says ``remote_prefill_cached_tokens``), whoever finishes it; and the
+        prompt's ids it answered (``prompt``), the request's own unless it gave them."""
         cached = params.get("remote_prefill_cached_tokens")
         if type(cached) is int and not self.tries:
             self._cached = cached
+        if prompt is not None and self.prompt is None and not self.tries:
+            self.prompt = prompt
 
     @property
     def held(self) -> bool:
@@ -165,7 +172,7 @@ class Migrations:
     def _from_here(self, transcript: Transcript) -> tuple[list[int], int] | str:
         """The continuation's prompt ids and the tokens relayed, or why there is none (a
         continuation that may generate nothing more is none: vLLM refuses ``max_tokens`` 0)."""
-        found = transcript.continuation()
+        found = transcript.continuation(self.prompt)
         if isinstance(found, str):
             return found
         if resumable.spent(self.completion.path, self.completion.body, found[1]):
@@ -186,6 +193,13 @@ class Migrations:
         if isinstance(filtered, Transcript) and passed:
             found = self._from_here(filtered)
             if isinstance(found, str):
+                if found == PROMPT_MISMATCH:
+                    log.warn(
+                        "decode instance {url} answered {request_id} for other prompt token "
+                        "ids than the request's: its answer is not continued",
+                        url=broke.url,
+                        request_id=self.completion.request_id,
+                    )
                 self._stays("refused", found)
                 return None
             prompt, relayed = found

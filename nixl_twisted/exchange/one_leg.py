@@ -23,7 +23,14 @@ from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt
 from nixl_twisted.exchange.legs import Legs
-from nixl_twisted.exchange.relay import abandon, break_off, relay_body, start_response
+from nixl_twisted.exchange.relay import (
+    ClientSlow,
+    abandon,
+    break_off,
+    close_slow,
+    relay_body,
+    start_response,
+)
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Elsewhere, reason_of, send_leg
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import AttemptTrace, RequestTrace
@@ -141,6 +148,11 @@ async def _relay(
     except CancelledError:
         span.fail("client left during relay", "relay")
         raise
+    except ClientSlow as slow:  # (the client's doing, not the instance's)
+        log.info("{path}: its client read nothing of it: closed (client_slow)", path=path)
+        span.fail(str(slow), "relay")
+        record.ended = "client_slow"
+        await close_slow(request)
     except Exception as error:
         log.error(
             "{path} from {url} broke off: {reason}",

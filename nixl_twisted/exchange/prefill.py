@@ -15,6 +15,7 @@ from twisted.internet.defer import CancelledError, TimeoutError
 from twisted.logger import Logger
 from twisted.web.http_headers import Headers
 
+from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.upstream import read_body
 from nixl_twisted.exchange.legs import Legs
@@ -34,6 +35,9 @@ from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.handoff import BadHandoff, check_handoff, kv_transfer_params_of
 
 log = Logger()
+
+#: No ``--allowed-backends``: any handoff host but the cloud metadata services.
+_ANY = AllowedBackends()
 
 #: The ``problem`` of an answer without usable params, by its error code.
 _UNUSABLE = {
@@ -118,19 +122,28 @@ async def prefill_attempt(
 
 
 def handed_over(
-    metrics: ProxyMetrics, instance: Instance, answer: Any, request_id: str
+    metrics: ProxyMetrics,
+    instance: Instance,
+    answer: Any,
+    request_id: str,
+    allowed: AllowedBackends = _ANY,
 ) -> lowering.JSONObject:
     """Prefill's ``kv_transfer_params``, checked (``protocol.handoff``) before decode is sent.
 
     Params decode could not pull with (none, not an object, a key missing or
-    wrong, no blocks) are the instance's failure, not the request's: counted
-    by problem, said in a warning line, and ``Retry`` (another prefill
-    instance, then ``--prefill-fallback``). They never reach decode, which
-    would compute the prompt itself without a word.
+    wrong, no blocks), or whose ``remote_host`` ``allowed`` refuses (a cloud
+    metadata address, a host outside ``--allowed-backends``: decode's NIXL
+    handshake would go there), are the instance's failure, not the
+    request's: counted by problem, said in a warning line, and ``Retry``
+    (another prefill instance, then ``--prefill-fallback``). They never
+    reach decode, which would compute the prompt itself without a word.
     """
     try:
         params = kv_transfer_params_of(answer, instance.url)
         check_handoff(params)
+        refused = allowed.host_refusal(params["remote_host"])
+        if refused is not None:
+            raise BadHandoff("disallowed_host", f"remote_host {refused}")
     except ProxyError as error:
         problem = _UNUSABLE[error.code]
         metrics.missing_kv_transfer_params.inc()
@@ -139,7 +152,9 @@ def handed_over(
         problem, said = bad.problem, str(bad)
         failed = ProxyError(
             ErrorCode.BAD_HANDOFF,
-            "the prefill instance's kv_transfer_params cannot be pulled from",
+            "the prefill instance's kv_transfer_params name a remote_host the proxy does not allow"
+            if problem == "disallowed_host"
+            else "the prefill instance's kv_transfer_params cannot be pulled from",
             detail=f"prefill instance {instance.url} handed over bad kv_transfer_params: {said}",
         )
     else:

@@ -30,20 +30,30 @@ class PrefillLeg:
     """Prefill for one completion, on the instance its pool's policy chooses (and retries)."""
 
     def __init__(
-        self, legs: Legs, completion: Completion, routing: Routing, served: Served
+        self,
+        legs: Legs,
+        completion: Completion,
+        routing: Routing,
+        served: Served,
+        own_ids: bool = False,
     ) -> None:
+        """``own_ids``: the prompt's ids are asked for the proxy (a migration's continuation
+        starts from them, never from what a failed decode said they were)."""
         self.legs = legs
         self.completion = completion
         self.routing = routing
         self.served = served
         #: Prefill is asked for the prompt's token ids, handed to decode (``token_ids``).
         self.asks_token_ids = served.config.token_ids_to_decode and completion.hands_token_ids
+        self._asks = self.asks_token_ids or own_ids
+        #: The prompt's ids, as the prefill that served the leg answered them (None: not).
+        self.prompt_ids: list[int] | None = None
 
     async def send(self, reserved: Lease | None) -> lowering.JSONObject:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered);
         ``reserved``: the instance placing held for it (None: chosen now)."""
         legs, served, routing = self.legs, self.served, self.routing
-        lowered = self.completion.prefill_bytes(self.asks_token_ids)
+        lowered = self.completion.prefill_bytes(self._asks)
         pool = legs.backends.prefill
         retries = served.config.retries.prefill
         prefill, params = await send_leg(
@@ -84,12 +94,14 @@ class PrefillLeg:
             raise timed_out(instance, timeout) from None
         parsed = read_prefill_answer(answer, instance.url)
         request_id = self.completion.request_id
-        params = handed_over(legs.metrics, instance, parsed, request_id)
+        params = handed_over(legs.metrics, instance, parsed, request_id, legs.allowed)
         account(legs.metrics, legs.backends.prefill, instance, "answered")
         record.prefill_seconds = clock.seconds() - started
         legs.metrics.child(legs.metrics.prefill_seconds, instance.url).observe(
             record.prefill_seconds
         )
+        if self._asks:
+            self.prompt_ids = token_ids.answered_prompt(parsed)
         return token_ids.handed(params, parsed) if self.asks_token_ids else params
 
     def _answered(self, status: int) -> None:

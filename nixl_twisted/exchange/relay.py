@@ -15,12 +15,13 @@ from collections.abc import Callable
 from typing import cast
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, ITCPTransport
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import UNKNOWN_LENGTH, ResponseDone
 from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IRequest, IResponse
+from zope.interface import implementer
 
 from nixl_twisted.exchange.request import ExchangeRequest, connected
 from nixl_twisted.protocol.codes import ErrorCode
@@ -33,6 +34,36 @@ _DONE = Failure(ResponseDone())
 
 class StreamSilent(Exception):
     """A backend body went silent for longer than the idle timeout."""
+
+
+class ClientSlow(Exception):
+    """The client read nothing for the idle timeout: it held the backend's body paused."""
+
+
+class StreamCutShort(Exception):
+    """An event stream ended without its route's last event (``[DONE]``, ``message_stop``,
+    ``response.completed``): the backend's connection closed, or its body ended, mid-answer."""
+
+
+@implementer(IPushProducer)
+class _Paced:
+    """The backend's socket as the client's producer: the client's connection pausing it is
+    told to the relay, whose silence is then the client's, not the backend's."""
+
+    def __init__(self, transport: IPushProducer, relay: _BodyRelay) -> None:
+        self.transport = transport
+        self.relay = relay
+
+    def pauseProducing(self) -> None:
+        self.relay.paused()
+        self.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self.relay.resumed()
+        self.transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.transport.stopProducing()
 
 
 class Filter(typing.Protocol):
@@ -58,7 +89,11 @@ class _BodyRelay(Protocol):
     is never cut, a stalled one is. Each chunk only notes when it came
     (restarting the timer on every chunk cost three Python calls a token);
     a timer that fires while data came since is armed again for what is
-    left of the silence, so a stall is still caught to the instant.
+    left of the silence, so a stall is still caught to the instant. While
+    the client's connection has paused the backend (its buffer full: it
+    stopped reading), silence is the client's: the backend's is counted
+    again from when the client resumes it, and a client that reads nothing
+    for the whole timeout ends the relay as ``ClientSlow``.
     """
 
     def __init__(
@@ -72,6 +107,7 @@ class _BodyRelay(Protocol):
         on_end: Callable[[bytes], None] | None = None,
         hidden: UsageChunkHidden | None = None,
         filtered: Filter | None = None,
+        terminal: tuple[bytes, ...] = (),
     ) -> None:
         #: Takes out what the proxy asked for itself (the usage chunk) on the way.
         self._hidden = hidden
@@ -90,11 +126,20 @@ class _BodyRelay(Protocol):
         self._timer: IDelayedCall | None = None
         #: When the last chunk came (the clock's seconds).
         self._heard = 0.0
+        #: Since when the client's connection has held the backend paused (None: it has not).
+        self._paused_at: float | None = None
+        #: What the client's request was given as its producer.
+        self._producer: _Paced | None = None
+        #: An event stream's last events, each at a line's start (empty: not looked for, or
+        #: seen), and the end of the chunk before (where one may begin).
+        self._terminal = tuple(b"\n" + event for event in terminal)
+        self._edge = b"\n"
 
     def connectionMade(self) -> None:
         client = connected(self._request)
         if client is not None:
-            client.registerProducer(self.transport, True)
+            self._producer = _Paced(cast(IPushProducer, self.transport), self)
+            client.registerProducer(self._producer, True)
         if self._idle_timeout is not None:
             self._heard = self._clock.seconds()
             self._timer = self._clock.callLater(self._idle_timeout, self._silent)
@@ -109,6 +154,8 @@ class _BodyRelay(Protocol):
             self._watch = None
         if self._timer is not None:
             self._heard = self._clock.seconds()
+        if self._terminal:
+            self._look_for_end(data)
         filtered = self._filtered
         if filtered is not None:
             data = filtered(data)
@@ -133,15 +180,41 @@ class _BodyRelay(Protocol):
                 return
         self._request.write(data)
 
+    def _look_for_end(self, data: bytes) -> None:
+        """Whether the route's last event begins in ``data`` (or across the chunk before)."""
+        seen = self._edge + data
+        if any(end in seen for end in self._terminal):
+            self._terminal = ()
+        else:
+            self._edge = seen[-32:]
+
+    def paused(self) -> None:
+        """The client's connection paused the backend: its silence is the client's now."""
+        if self._paused_at is None:
+            self._paused_at = self._clock.seconds()
+
+    def resumed(self) -> None:
+        """The client read again: the backend's silence is counted from now."""
+        self._paused_at = None
+        self._heard = self._clock.seconds()
+
     def _silent(self) -> None:
         assert self._idle_timeout is not None
-        left = self._heard + self._idle_timeout - self._clock.seconds()
-        if left > 0:  # data came since the timer was armed: wait out the rest
+        now = self._clock.seconds()
+        since = self._heard if self._paused_at is None else self._paused_at
+        left = since + self._idle_timeout - now
+        if left > 0:  # data came (or the client paused) since: wait out the rest
             self._timer = self._clock.callLater(left, self._silent)
             return
         self._timer = None
         self.stop()
-        if not self._finished.called:
+        if self._finished.called:
+            return
+        if self._paused_at is not None:
+            self._finished.errback(
+                ClientSlow(f"the client read nothing for {self._idle_timeout:g} s")
+            )
+        else:
             self._finished.errback(
                 StreamSilent(f"no data from the backend for {self._idle_timeout:g} s")
             )
@@ -155,7 +228,7 @@ class _BodyRelay(Protocol):
 
     def _unregister(self) -> None:
         client = connected(self._request)
-        if client is not None and client.producer is self.transport is not None:
+        if client is not None and client.producer is self._producer is not None:
             client.unregisterProducer()
 
     def connectionLost(self, reason: Failure = _DONE) -> None:
@@ -163,6 +236,9 @@ class _BodyRelay(Protocol):
             self._timer.cancel()
         self._unregister()
         ended = reason.check(ResponseDone, PotentialDataLoss) is not None
+        if ended and self._terminal:  # (an event stream short of its last event)
+            how = "closed its connection" if reason.check(PotentialDataLoss) else "ended its body"
+            ended, reason = False, Failure(StreamCutShort(f"the backend {how} mid-stream"))
         if ended and self._filtered is not None and not self._finished.called:
             held = self._filtered.rest()  # (only a body that ended whole lets it go)
             if held:
@@ -206,22 +282,25 @@ def relay_body(
     on_end: Callable[[bytes], None] | None = None,
     hidden: UsageChunkHidden | None = None,
     filtered: Filter | None = None,
+    terminal: tuple[bytes, ...] = (),
 ) -> Deferred[None]:
     """Relay a backend body to the client; fires when the backend's body ended.
 
     ``watch`` is shown each chunk as it passes (unchanged), until it returns
     True; ``on_end`` is given the body's last two chunks, however it ended (as
     the client gets them but for ``hidden``, which takes its chunk out of what
-    the client gets); ``filtered`` stands before both (an answer that may move).
+    the client gets); ``filtered`` stands before both (an answer that may move);
+    ``terminal``: an event stream's last events, one of which must come
+    (``protocol.events.terminal``), else it fails with ``StreamCutShort``.
 
-    Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data.
+    Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data,
+    ``ClientSlow`` after as long with the client reading nothing.
     Cancelling the Deferred closes the backend connection, which makes vLLM
     abort the request and free its KV blocks.
     """
     finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    relay = _BodyRelay(
-        request, finished, clock, idle_timeout, on_first_byte, watch, on_end, hidden, filtered
-    )
+    hooks = (on_first_byte, watch, on_end, hidden, filtered, terminal)
+    relay = _BodyRelay(request, finished, clock, idle_timeout, *hooks)
     response.deliverBody(relay)
     return finished
 
@@ -251,5 +330,17 @@ async def break_off(request: ExchangeRequest, message: str, code: ErrorCode) -> 
         client.write(stream_error_event(client.path, message, code))
     lost = client.notifyFinish()
     client.channel.loseConnection()
+    with contextlib.suppress(Exception):
+        await lost
+
+
+async def close_slow(request: ExchangeRequest) -> None:
+    """Close the connection of a client that stopped reading (``ClientSlow``): at once,
+    since what is buffered for it would never be read."""
+    client = connected(request)
+    if client is None:
+        return
+    lost = client.notifyFinish()
+    cast(ITCPTransport, client.channel.transport).abortConnection()
     with contextlib.suppress(Exception):
         await lost

@@ -162,7 +162,8 @@ class Exchange:
         except BaseException:
             placed.release()  # (until send_leg takes them over, the leases are ours to give back)
             raise
-        sent = DecodeRequest(served.target, body, self.headers, self.config.timeouts.decode, True)
+        timeout = self.config.timeouts.decode
+        sent = DecodeRequest(served.target, body, self.headers, timeout, True, True)
         decode = DecodeLeg(
             self.legs, completion, routing, served, keepalive, self.watch, self.moves
         )
@@ -224,10 +225,13 @@ class Exchange:
         decision = placed.decision
         assert decision is not None  # (placing decides for every completion)
         handed_at, params = 0.0, {}
+        moves = self.moves
+        own_ids = first and moves is not None and moves.tracked
+        prefill = PrefillLeg(self.legs, c, routing, served, own_ids)
         try:
             if decision.mode is Mode.PD:
                 try:
-                    params = await PrefillLeg(self.legs, c, routing, served).send(placed.prefill)
+                    params = await prefill.send(placed.prefill)
                     handed_at = self.legs.clock.seconds()
                 except NoInstanceServed:
                     if self.rules.fallback != "decode":
@@ -236,9 +240,8 @@ class Exchange:
         finally:
             if first:
                 self._decided(decision)
-        moves = self.moves
         if moves is not None and first:
-            moves.handed(params)
+            moves.handed(params, prefill.prompt_ids)
         tracked = moves is not None and moves.tracked
         if decision.mode is Mode.PD:
             self.phases.enter(Phase.HANDOFF)

@@ -64,8 +64,9 @@ class AccessRecord:
     error: str | None = None
     trace: RequestTrace = NO_TRACE
     #: How it ended, when not simply answered: "broken" (the backend broke
-    #: off its answer), "client_left", "shutting_down" (cut by the proxy at
-    #: its drain timeout).
+    #: off its answer), "client_left", "client_slow" (its client read nothing
+    #: for ``--stream-idle-timeout``: closed), "shutting_down" (cut by the
+    #: proxy at its drain timeout).
     ended: str = "answered"
     started: float = field(default_factory=time.monotonic)
     #: The ``model`` the client asked for (bounded, printable).
@@ -155,7 +156,7 @@ class AccessLog:
         record = record_of(request)
         if client_left and record.ended == "answered":
             record.ended = "client_left"
-        cut = record.ended in ("client_left", "shutting_down") and client_left
+        cut = record.ended in ("client_left", "client_slow", "shutting_down") and client_left
         elapsed = time.monotonic() - record.started
         route = route_label(request.path)
         status = record.ended if cut else str(request.code)

@@ -256,6 +256,8 @@ def _failure(request: Request, record: Figures) -> str | None:
     during = f" during {record.phase.value}" if record.phase is not None else ""
     if record.ended == "client_left":
         return f"client left{during}"
+    if record.ended == "client_slow":
+        return f"client read nothing{during}"
     if record.ended == "shutting_down":
         return "the proxy is shutting down: its drain timeout ended"
     if record.ended == "broken":

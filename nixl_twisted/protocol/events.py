@@ -7,6 +7,8 @@ and holds the rest until its end arrives.
 
 from __future__ import annotations
 
+from nixl_twisted.protocol import routes
+
 
 def framed(held: bytes, data: bytes) -> tuple[bytes, bytes]:
     """``data`` read after ``held``: its whole events (b"" while none has ended), and what
@@ -22,3 +24,25 @@ def framed(held: bytes, data: bytes) -> tuple[bytes, bytes]:
 def each(whole: bytes) -> list[bytes]:
     """``framed``'s whole events, one by one, each with its blank line."""
     return [event + b"\n\n" for event in whole.split(b"\n\n")[:-1]]
+
+
+#: How each two-leg route's event stream ends, as vLLM writes it: chat and text completions
+#: with ``data: [DONE]``, Messages with ``message_stop``, Responses with ``response.completed``
+#: (``response.incomplete`` past its token limit); an error event ends any of them.
+_TERMINAL = {
+    routes.CHAT_COMPLETIONS: (b"data: [DONE]", b'data: {"error"'),
+    routes.COMPLETIONS: (b"data: [DONE]", b'data: {"error"'),
+    routes.MESSAGES: (b"event: message_stop", b"event: error"),
+    routes.RESPONSES: (
+        b"event: response.completed",
+        b"event: response.incomplete",
+        b"event: response.failed",
+        b"event: error",
+    ),
+}
+
+
+def terminal(path: str) -> tuple[bytes, ...]:
+    """The events one of which ends ``path``'s stream whole (each at a line's start); a
+    stream that ends without one broke off (empty: a route the proxy does not know so)."""
+    return _TERMINAL.get(path, ())

@@ -24,7 +24,7 @@ REQUIRED = ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids"
 
 #: Why a handoff is refused, in a word: the ``problem`` label of
 #: ``nixlproxy_prefill_bad_handoffs_total``.
-PROBLEMS = ("not_remote_prefill", "missing_key", "bad_value", "no_blocks")
+PROBLEMS = ("not_remote_prefill", "missing_key", "bad_value", "no_blocks", "disallowed_host")
 
 
 class BadHandoff(ValueError):

@@ -107,6 +107,18 @@ def prompt_ids(answer: Any) -> list[int] | None:
     return ids
 
 
+def answered_prompt(answer: Any) -> list[int] | None:
+    """The prompt's ids a prefill answer asked ``return_token_ids`` says: a chat's at its
+    top, a text completion's in its choice (None: not said, or not ids)."""
+    ids = prompt_ids(answer)
+    if ids is not None or not isinstance(answer, dict):
+        return ids
+    choices = answer.get("choices")
+    if isinstance(choices, list) and len(choices) == 1:
+        return prompt_ids(choices[0])
+    return None
+
+
 def handed(params: JSONObject, answer: Any) -> JSONObject:
     """Prefill's ``kv_transfer_params`` with the prompt's ids prefill answered, for decode.
 

@@ -47,6 +47,8 @@ _CREATED = re.compile(rb'("created":\s*)(\d+)')
 _ID = re.compile(rb'"id":\s*("[^"]*")')
 _COUNTS = re.compile(rb'"(prompt_tokens|completion_tokens|cached_tokens)":(\s*)(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens":\s*(\d+)')
+#: Why an answer is not continued when it said other prompt ids than the request's.
+PROMPT_MISMATCH = "prompt_mismatch"
 
 
 def is_error(event: bytes) -> bool:
@@ -264,14 +266,18 @@ class Transcript:
 
     # -- a continuation ---------------------------------------------------------
 
-    def continuation(self) -> tuple[list[int], int] | str:
-        """The ids of the prompt and of every token relayed, and how many were relayed;
-        or why no continuation is the answer the client would have had."""
+    def continuation(self, prompt: list[int] | None) -> tuple[list[int], int] | str:
+        """The ids of ``prompt`` (the request's own: never what decode's answer said it
+        was) and of every token relayed, and how many were relayed; or why no
+        continuation is the answer the client would have had (an answer that said other
+        prompt ids than ``prompt``: ``PROMPT_MISMATCH``)."""
         if self.inexact is not None:
             return self.inexact
-        prompt = self.prompt
         if prompt is None:
             return "no_token_ids"
+        said = self.prompt
+        if said is not None and said != prompt:
+            return PROMPT_MISMATCH
         last = self._last
         if last.startswith(_DONE) or _FINISHED.search(last) or _NO_CHOICES.search(last):
             return "finished"

@@ -25,6 +25,11 @@ class Behaviour:
     #: A stream that answers vLLM's in-band error event after this many generated tokens,
     #: then ends as vLLM ends it (an engine that failed mid-answer).
     error_after_tokens: int | None = None
+    #: A stream whose body ends after this many generated tokens as if it were whole (a
+    #: hostile or broken instance): no ``[DONE]``, ``message_stop`` or ``response.completed``.
+    end_after_tokens: int | None = None
+    #: Its answer says other prompt token ids than the request's (a hostile instance).
+    other_prompt_ids: bool = False
     #: Keys of the ``kv_transfer_params`` a prefill leg answers, changed (``None``: left out).
     spoiled: tuple[tuple[str, object], ...] = ()
 
@@ -92,3 +97,14 @@ def die_after(tokens: int) -> Behaviour:
 def fail_after(tokens: int) -> Behaviour:
     """A stream that answers vLLM's error event after ``tokens`` generated tokens."""
     return Behaviour(error_after_tokens=tokens)
+
+
+def end_after(tokens: int) -> Behaviour:
+    """A stream whose body ends after ``tokens`` generated tokens without its last event."""
+    return Behaviour(end_after_tokens=tokens)
+
+
+def other_prompt_ids(die_after_tokens: int) -> Behaviour:
+    """A stream whose answer says other prompt ids than the request's, closed after
+    ``die_after_tokens`` tokens (so that its answer would move)."""
+    return Behaviour(cut_after_tokens=die_after_tokens, other_prompt_ids=True)

@@ -17,8 +17,10 @@ from nixl_twisted.testing.behaviours import (
     RawAnswer,
     break_off,
     die_after,
+    end_after,
     fail_after,
     omit_kv_transfer_params,
+    other_prompt_ids,
     spoil_kv_transfer_params,
 )
 
@@ -74,6 +76,16 @@ class Controls:
         """Cut the next stream off after ``tokens`` generated tokens (its connection closed
         as by an instance that died); a test stops serving the fake to keep it dead."""
         self.script(die_after(tokens))
+
+    def end_after_next(self, tokens: int) -> None:
+        """End the next stream's body after ``tokens`` tokens as if whole, without its
+        route's last event (``[DONE]``, ``message_stop``, ``response.completed``)."""
+        self.script(end_after(tokens))
+
+    def other_prompt_ids_next(self, die_after_tokens: int) -> None:
+        """Answer the next stream with other prompt token ids than the request's (when
+        asked for them), and cut it off after ``die_after_tokens`` tokens."""
+        self.script(other_prompt_ids(die_after_tokens))
 
     def fail_after_next(self, tokens: int) -> None:
         """Answer vLLM's in-band error event in the next stream after ``tokens`` tokens."""
@@ -156,8 +168,13 @@ class Controls:
         pour = _Pour(self, request, event_bytes, total_bytes)
         request.registerProducer(pour, True)
         pour.resumeProducing()
-        await pour.done
-        request.unregisterProducer()
+        try:
+            await pour.done
+        except CancelledError:
+            return  # (its reader closed the stream: nobody to end it for)
+        finally:
+            request.unregisterProducer()
+        request.write(b"data: [DONE]\n\n")  # (as vLLM ends a stream)
 
 
 @implementer(IPushProducer)

@@ -207,7 +207,11 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
                 "total_tokens": input_tokens + len(words),
                 "prompt_tokens_details": {"cached_tokens": cached},
             },
-            prompt_token_ids=tokens if self.returns_token_ids and prompt_ids.asked(body) else None,
+            prompt_token_ids=(
+                _said(tokens, behaviour)
+                if self.returns_token_ids and prompt_ids.asked(body)
+                else None
+            ),
             token_ids=(
                 answers.generated_ids(start, count)
                 if self.returns_token_ids and prompt_ids.asked(body)
@@ -252,7 +256,8 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         failed: list[bytes] | None = None,
     ) -> None:
         """Write ``events`` as they come; ``cut_after``: that many, then a cut connection,
-        or (``failed``) then these (vLLM's error event and the stream's end)."""
+        or (``failed``) then these (vLLM's error event and the stream's end; none: the
+        body ends there)."""
         request.setHeader(b"Content-Type", b"text/event-stream")
         if cut_after is not None:
             events = events[:cut_after] + (failed or [])
@@ -285,7 +290,14 @@ def _cut(
         ]
     if behaviour.cut_after_tokens is not None:
         return opening + behaviour.cut_after_tokens, None
+    if behaviour.end_after_tokens is not None:
+        return opening + behaviour.end_after_tokens, []  # (then its body ends)
     return behaviour.cut_after, None
+
+
+def _said(tokens: list[int], behaviour: Behaviour) -> list[int]:
+    """The prompt's ids as its answer says them (a hostile instance: other ones)."""
+    return [token + 1 for token in tokens] if behaviour.other_prompt_ids else tokens
 
 
 def _header(request: Request, name: bytes) -> str | None:

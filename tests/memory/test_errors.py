@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from twisted.logger import LogLevel, formatEvent
 
 from nixl_twisted import __version__
@@ -264,3 +265,38 @@ def test_a_bad_handoff_falls_back_to_decode_alone_when_told() -> None:
     assert answer.status == 200
     (alone,) = setup.decode.requests
     assert alone.role == "plain" and not alone.carried_kv_transfer_params
+
+
+@pytest.mark.parametrize(
+    ("host", "allowed"),
+    [
+        ("169.254.169.254", ()),
+        ("fd00:ec2::254", ()),
+        ("[fd00:ec2::254]", ()),
+        ("metadata.google.internal", ()),
+        ("10.9.9.9", ("10.0.0.0/16",)),
+        ("169.254.169.254", ("169.254.0.0/16",)),  # (metadata: only listed alone)
+    ],
+)
+def test_a_handoff_pointing_decode_at_a_host_not_allowed_is_a_failed_prefill(
+    host: str, allowed: tuple[str, ...], logged: list[dict[str, Any]]
+) -> None:
+    setup = Setup(allowed_backends=list(allowed))
+    setup.prefill.spoil_kv_transfer_params_next(remote_host=host)
+    answer = setup.post("/v1/completions", {"model": "m", "prompt": "x"}).answer()
+    assert_error(answer, 502, "bad_kv_transfer_params")
+    assert "remote_host" in answer.json()["error"]["message"]
+    assert setup.decode.requests == []  # (decode's NIXL handshake never pointed there)
+    problem = (("instance", setup.prefill.url), ("problem", "disallowed_host"))
+    assert setup.scrape()[("nixlproxy_prefill_bad_handoffs_total", problem)] == 1
+    warned = [formatEvent(e) for e in logged if e.get("log_level") == LogLevel.warn]
+    assert any("remote_host" in line for line in warned), warned
+
+
+def test_a_handoff_host_allowed_reaches_decode() -> None:
+    setup = Setup(allowed_backends=["10.0.0.0/16", "127.0.0.0/8"])
+    answer = setup.post("/v1/completions", {"model": "m", "prompt": "x"}).answer()
+    assert answer.status == 200
+    (decoded,) = setup.decode.requests_for("decode")
+    assert decoded.body is not None
+    assert decoded.body["kv_transfer_params"]["remote_host"] == "127.0.0.1"

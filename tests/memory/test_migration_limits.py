@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from twisted.logger import LogLevel, formatEvent
 
 from nixl_twisted.observe.access import access_line
 from nixl_twisted.testing.prefix_cache import prompt_tokens
@@ -209,3 +210,86 @@ def test_a_continuation_that_failed_is_tried_again_elsewhere() -> None:
     assert answer.complete
     assert_same_answer(answer.body, uninterrupted(CHAT, STREAM))
     assert [len(d.requests) for d in (first, failing, last)] == [1, 1, 1]
+
+
+def test_a_decode_that_breaks_its_answers_is_marked_down_as_any_failed_leg() -> None:
+    # (its headers came each time: counted as it answered, its breaks were never counted)
+    setup = Setup(tokens=TOKENS, decodes=2, unhealthy_threshold=3)
+    broken, _ = setup.decodes
+    for _ in range(6):
+        broken.die_after_next(1)
+    for _ in range(6):
+        answer = setup.post(CHAT, STREAM).answer()
+        assert answer.complete  # (each moved to the sound one)
+    first, _ = setup.proxy.service.backends.decode.instances
+    assert (first.url, first.state.value, first.failures) == (broken.url, "down", 3)
+    assert len(broken.requests) == 3  # (down: no more of the answers go to it)
+    assert "its answer broke off" in (first.last_error or "")
+
+
+def test_a_sound_answer_starts_the_count_again() -> None:
+    setup = Setup(tokens=TOKENS, decodes=1, decode_migrations=0, unhealthy_threshold=2)
+    (decode,) = setup.decodes
+    decode.die_after_next(1)
+    setup.post(CHAT, STREAM).answer()
+    assert setup.proxy.service.backends.decode.instances[0].failures == 1
+    assert setup.post(CHAT, STREAM).answer().complete
+    (instance,) = setup.proxy.service.backends.decode.instances
+    assert (instance.state.value, instance.failures) == ("up", 0)
+
+
+@pytest.mark.parametrize("path", list(STREAMS))
+def test_a_stream_that_ends_without_its_last_event_is_broken_never_whole(
+    path: str, access_events: list[dict[str, Any]]
+) -> None:
+    setup = Setup(tokens=TOKENS, decode_migrations=0)
+    setup.decode.end_after_next(2)  # (its body ends whole, short of [DONE] or its like)
+    client = setup.post(path, STREAMS[path])
+    answer = client.answer()
+
+    assert not answer.complete and client.lost
+    said = answer.body[answer.body.rstrip(b"\n").rfind(b"\n\n") :]
+    assert b"error" in said and b"decode closed the stream early" in said, said
+    (event,) = access_events
+    assert event["ended"] == "broken"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_that_ends_without_its_last_event_moves(path: str) -> None:
+    setup = Setup(tokens=TOKENS, decodes=2)
+    setup.decodes[0].end_after_next(2)
+    answer = setup.post(path, STREAMS[path]).answer()
+    assert answer.complete
+    assert_same_answer(answer.body, uninterrupted(path, STREAMS[path]))
+    assert len(setup.decodes[1].requests) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_an_answer_that_said_another_prompt_is_never_continued_from_it(
+    path: str, access_events: list[dict[str, Any]], logged: list[dict[str, Any]]
+) -> None:
+    setup = Setup(tokens=TOKENS, decodes=2)
+    setup.decodes[0].other_prompt_ids_next(2)  # (its prompt ids each one more than asked)
+    client = setup.post(path, STREAMS[path])
+
+    assert not client.answer().complete and client.lost
+    assert sse_events(client)[-1]["error"]["code"] == "decode_stream_broken"
+    assert setup.decodes[1].requests == []  # (its prompt was never sent as the request's)
+    (event,) = access_events
+    assert event["migration"] == "refused (prompt_mismatch)"
+    assert migrations(setup) == {"refused": 1}
+    warned = [formatEvent(e) for e in logged if e.get("log_level") == LogLevel.warn]
+    assert any("other prompt token ids" in line for line in warned), warned
+
+
+def test_a_continuation_starts_from_the_prompt_prefill_answered() -> None:
+    setup = Setup(tokens=TOKENS, decodes=2)
+    setup.decodes[0].die_after_next(2)
+    answer = setup.post("/v1/completions", STREAMS["/v1/completions"]).answer()
+    assert answer.complete
+    (prefilled, again) = setup.prefill.requests_for("prefill")
+    assert prefilled.body is not None and prefilled.body.get("return_token_ids") is True
+    (continued,) = setup.decodes[1].requests_for("decode")
+    assert continued.body is not None and again.body is not None
+    prompt = prompt_tokens(STREAMS["/v1/completions"])
+    assert continued.body["prompt"][: len(prompt)] == prompt

@@ -52,6 +52,8 @@ def test_prefill_leg_is_lowered_as_the_seed_does() -> None:
         "max_completion_tokens": 1,
         "top_p": 0.5,
         "kv_transfer_params": prefill_kv_transfer_params(request_id),
+        # (a stream that may move: the prompt's own ids, which a continuation starts from)
+        "return_token_ids": True,
     }
     assert prefill.body["kv_transfer_params"]["transfer_id"] == f"xfer-{request_id}"
 

@@ -140,6 +140,7 @@ def test_the_command_line_wins(tmp_path: Path) -> None:
         ([*POOLS, "--metrics-listen", "nope:1"], "--metrics-listen 'nope:1'"),
         ([*POOLS, "--workers", "2", "--listen", "unix:/x"], "--workers needs every --listen"),
         ([*POOLS, "--workers", "2", "--metrics-listen", "unix:/m.sock"], "to be tcp:"),
+        ([*POOLS, "--decode-migrations", "1000"], "--decode-migrations must be at most 8"),
     ],
 )
 def test_unusable_options_are_usage_errors_naming_the_problem(

@@ -54,14 +54,14 @@ def test_the_ids_are_kept_and_shown_as_null_when_the_client_did_not_ask() -> Non
     transcript = Transcript(chat=True, strip=True)
     passed = transcript(opening([1, 2, 3]) + chunk([7], "a") + chunk([8], "b"))
     assert passed == opening(None) + chunk(None, "a") + chunk(None, "b")
-    assert transcript.continuation() == ([1, 2, 3, 7, 8], 2)
+    assert transcript.continuation([1, 2, 3]) == ([1, 2, 3, 7, 8], 2)
 
 
 def test_a_client_that_asked_gets_them_as_they_came() -> None:
     transcript = Transcript(chat=True, strip=False)
     sent = opening([1, 2]) + chunk([7], "a")
     assert transcript(sent) == sent
-    assert transcript.continuation() == ([1, 2, 7], 1)
+    assert transcript.continuation([1, 2]) == ([1, 2, 7], 1)
 
 
 def test_an_event_split_across_reads_passes_whole_once_it_ends() -> None:
@@ -72,7 +72,7 @@ def test_an_event_split_across_reads_passes_whole_once_it_ends() -> None:
     assert all(p.endswith(b"\n\n") for p in passed if p)
     cut = chunk([9], "c")
     assert transcript(cut[:-3]) == b""  # cut short: never passed
-    assert transcript.continuation() == ([1, 7, 8], 2)
+    assert transcript.continuation([1]) == ([1, 7, 8], 2)
 
 
 def test_an_empty_chunk_sent_only_to_carry_ids_is_not_passed() -> None:
@@ -80,15 +80,15 @@ def test_an_empty_chunk_sent_only_to_carry_ids_is_not_passed() -> None:
     transcript = Transcript(chat=True, strip=True)
     empty = chunk([9], "").replace(b'"delta":{"content":""}', b'"delta":{}')
     assert transcript(opening([1]) + empty + chunk([10], "é")) == opening(None) + chunk(None, "é")
-    assert transcript.continuation() == ([1, 9, 10], 2)
+    assert transcript.continuation([1]) == ([1, 9, 10], 2)
     assert transcript(empty.replace(b"[9]", b"[11]")) == b""
-    assert transcript.continuation() == "mid_character"  # (the last token said nothing)
+    assert transcript.continuation([1]) == "mid_character"  # (the last token said nothing)
 
 
 def test_a_stream_moves_after_its_opening_alone() -> None:
     transcript = Transcript(chat=True, strip=True)
     transcript(opening([1, 2]))
-    assert transcript.continuation() == ([1, 2], 0)
+    assert transcript.continuation([1, 2]) == ([1, 2], 0)
 
 
 def test_an_error_event_is_caught_with_what_follows() -> None:
@@ -96,14 +96,14 @@ def test_an_error_event_is_caught_with_what_follows() -> None:
     error = b'data: {"error": {"message": "KV load failed", "code": 500}}\n\n'
     assert transcript(opening([1]) + chunk([7]) + error + DONE) == opening(None) + chunk(None)
     assert transcript.error == error + DONE and is_error(error)
-    assert transcript.continuation() == ([1, 7], 1)
+    assert transcript.continuation([1]) == ([1, 7], 1)
 
 
 @pytest.mark.parametrize(
     ("events", "why"),
     [
         (opening([1]) + chunk(None), "no_token_ids"),  # (a server that hides them)
-        (opening(None) + chunk([7]), "no_token_ids"),  # (no prompt ids: nothing to send)
+        (opening([2]) + chunk([7]), "prompt_mismatch"),  # (it answered another prompt)
         (opening([1]) + chunk([7], finish="stop"), "finished"),
         (opening([1]) + chunk([7]) + USAGE, "finished"),
         (opening([1]) + chunk([7]) + DONE, "finished"),
@@ -116,15 +116,26 @@ def test_an_error_event_is_caught_with_what_follows() -> None:
 def test_what_no_continuation_would_answer_alike_is_said(events: bytes, why: str) -> None:
     transcript = Transcript(chat=True, strip=True)
     transcript(events)
-    assert transcript.continuation() == why
+    assert transcript.continuation([1]) == why
+
+
+def test_the_continuation_is_the_requests_own_prompt_never_the_answers() -> None:
+    transcript = Transcript(chat=True, strip=True)
+    transcript(opening(None) + chunk([7]))  # (decode said no prompt ids: the request's hold)
+    assert transcript.continuation([1, 2]) == ([1, 2, 7], 1)
+    assert transcript.continuation(None) == "no_token_ids"  # (unknown: nothing to send)
+    answered = Transcript(chat=True, strip=True)
+    answered(opening([5, 6]) + chunk([7]))
+    assert answered.continuation(None) == "no_token_ids"  # (never what decode said)
+    assert answered.continuation([1, 2]) == "prompt_mismatch"
 
 
 def test_past_the_length_the_ids_are_let_go() -> None:
     transcript = Transcript(chat=True, strip=True)
     transcript(opening([1]) + chunk(list(range(MAX_RELAYED_TOKENS)), "x"))
-    assert transcript.continuation() == ([1, *range(MAX_RELAYED_TOKENS)], MAX_RELAYED_TOKENS)
+    assert transcript.continuation([1]) == ([1, *range(MAX_RELAYED_TOKENS)], MAX_RELAYED_TOKENS)
     assert transcript(chunk([5])) == chunk(None)
-    assert transcript.continuation() == "too_long"
+    assert transcript.continuation([1]) == "too_long"
 
 
 def test_a_stream_past_the_length_keeps_no_ids() -> None:
@@ -149,7 +160,7 @@ def test_a_continuations_events_are_the_answers() -> None:
         b'"prompt_tokens_details":{"cached_tokens":1}}}\n\n'
     )
     assert passed == chunk(None, "b") + usage + DONE
-    assert transcript.continuation() == "finished"
+    assert transcript.continuation([1, 2]) == "finished"
 
 
 def test_a_text_completions_continuation_loses_its_prompts_ids() -> None:
@@ -160,7 +171,7 @@ def test_a_text_completions_continuation_loses_its_prompts_ids() -> None:
 
     transcript = Transcript(chat=False, strip=False)
     assert transcript(text([7], [1, 2])) == text([7], [1, 2])
-    assert transcript.continuation() == ([1, 2, 7], 1)
+    assert transcript.continuation([1, 2]) == ([1, 2, 7], 1)
     transcript.resume()
     assert transcript(text([8], [1, 2, 7], "cmpl-2")) == text([8], None)
 
@@ -218,10 +229,10 @@ def test_past_the_opening_whole_chunks_of_several_events_pass_alike() -> None:
     )
     cut = chunk([11], "e")
     assert transcript(cut[:9]) == b"" and transcript(cut[9:]) == chunk(None, "e")
-    assert transcript.continuation() == ([1, 7, 8, 9, 10, 11], 5)
+    assert transcript.continuation([1]) == ([1, 7, 8, 9, 10, 11], 5)
     reasoned = chunk([12], "g").replace(b'"content"', b'"reasoning"')
     assert transcript(reasoned) == chunk(None, "g").replace(b'"content"', b'"reasoning"')
-    assert transcript.continuation() == "reasoning"
+    assert transcript.continuation([1]) == "reasoning"
 
 
 def test_an_error_after_the_opening_holds_what_follows() -> None:
@@ -230,4 +241,4 @@ def test_an_error_after_the_opening_holds_what_follows() -> None:
     error = b'data: {"error": {"message": "x", "code": 500}}\n\n'
     assert transcript(chunk([8]) + error) == chunk([8])
     assert transcript(DONE) == b"" and transcript.error == error + DONE
-    assert transcript.continuation() == ([1, 7, 8], 2)
+    assert transcript.continuation([1]) == ([1, 7, 8], 2)
