@@ -230,6 +230,8 @@ class Limits:
     max_buffered_bodies: int
     #: Prompts one batched completion may hold.
     max_batch_prompts: int
+    #: Stored responses kept per tenant (their decode instance, and whose they are).
+    responses_per_tenant: int
     max_idle_per_backend: int
     #: Client connections open at once (each holds a file descriptor).
     max_connections: int
