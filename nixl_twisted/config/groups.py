@@ -121,6 +121,7 @@ GROUPS: tuple[Group, ...] = (
             ("max-body-size", "BYTES"),
             ("max-buffered-bodies", "BYTES"),
             ("max-batch-prompts", "N"),
+            ("responses-per-tenant", "N"),
         ),
     ),
     Group(
