@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, maybeDeferred
 
 from nixl_twisted.fleet.responses import UNKNOWN_OWNER, Stored
 from nixl_twisted.protocol.codes import ErrorCode
@@ -68,7 +68,7 @@ class ResponseDirectory:
         when it is another tenant's, or, with a tenant, whose it is is not known."""
         here = self.where(response_id)
         if here is not None or self.shared is None:
-            return succeed(_theirs(response_id, here, tenant))
+            return maybeDeferred(_theirs, response_id, here, tenant)
 
         def found(there: Stored | None) -> str | None:
             if there is not None and there.owner != UNKNOWN_OWNER:

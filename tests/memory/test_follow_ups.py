@@ -188,13 +188,18 @@ def test_with_tenants_an_id_whose_owner_is_unknown_is_asked_of_no_instance(
 def test_the_routes_the_proxy_does_not_serve_reach_no_instance(tmp_path: Any) -> None:
     setup = Tenants(tmp_path / "keys")
     theirs = setup.made("sk-alpha")
-    for method, path, body in (
-        ("DELETE", f"/v1/responses/{theirs}", None),
-        ("GET", f"/v1/responses/{theirs}/input_items", None),
-        ("POST", "/v1/responses", {"model": "m", "input": "y", "previous_response_id": theirs}),
+    for method, path, body, refused in (
+        ("DELETE", f"/v1/responses/{theirs}", None, (405, "method_not_allowed")),
+        ("GET", f"/v1/responses/{theirs}/input_items", None, (404, "not_found")),
+        (
+            "POST",
+            "/v1/responses",
+            {"model": "m", "input": "y", "previous_response_id": theirs},
+            (400, "previous_response_id_unsupported"),
+        ),
     ):
-        status, _ = setup.as_("sk-low", method, path, body)
-        assert status in (400, 404, 405), (method, path, status)
+        status, answer = setup.as_("sk-low", method, path, body)
+        assert (status, answer["error"]["code"]) == refused
     assert setup.asked() == []
     assert len(setup.decodes[0].requests) + len(setup.decodes[1].requests) == 1  # (the made)
 
