@@ -265,10 +265,10 @@ def sse_events(body: bytes) -> list[Any]:
     return events
 
 
-async def real_redis(case: TestCase, *options: str) -> RedisServer:
-    """A redis-server on loopback (with these options of its own), stopped after ``case``
-    (``make test`` installs it)."""
-    return await _started(case, RedisServer(reactor, options), RedisMissing)
+async def real_redis(case: TestCase, *options: str, tls_for: str | None = None) -> RedisServer:
+    """A redis-server on loopback (with these options of its own; with TLS too, its
+    certificate for ``tls_for``), stopped after ``case`` (``make test`` installs it)."""
+    return await _started(case, RedisServer(reactor, options, tls_for), RedisMissing)
 
 
 async def real_dnsmasq(

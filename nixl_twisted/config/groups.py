@@ -123,6 +123,7 @@ GROUPS: tuple[Group, ...] = (
             ("max-buffered-bodies", "BYTES"),
             ("max-batch-prompts", "N"),
             ("max-n", "N"),
+            ("responses-per-tenant", "N"),
         ),
     ),
     Group(

@@ -232,6 +232,8 @@ class Limits:
     max_batch_prompts: int
     #: Choices (``n``, ``best_of``) one completion may ask for.
     max_n: int
+    #: Stored responses kept per tenant (their decode instance, and whose they are).
+    responses_per_tenant: int
     max_idle_per_backend: int
     #: Client connections open at once (each holds a file descriptor).
     max_connections: int

@@ -719,6 +719,17 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "responses-per-tenant",
+        "limits.responses_per_tenant",
+        1000,
+        count(1),
+        live=False,
+        help=(
+            "Stored responses (Responses API ids) the proxy keeps the decode instance of, per "
+            "tenant (and for requests without one, together); the oldest is forgotten first."
+        ),
+    ),
+    Setting(
         "max-in-flight",
         "limits.max_in_flight",
         1024,

@@ -8,15 +8,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
+
+from cryptography import x509
 
 from nixl_twisted.config.spelling import known_keys
 from nixl_twisted.config.values import InvalidValue, as_number, text
 
+#: The query parameters a Redis URL may carry (redis-py's names, so its URLs carry over).
+REDIS_PARAMETERS = ("ssl_ca_certs",)
+
 
 def redis_url(value: object) -> str:
-    """A Redis server's URL: ``redis://[:PASSWORD@]HOST[:PORT][/DB]`` (``rediss://``: TLS)."""
+    """A Redis server's URL: ``redis://[:PASSWORD@]HOST[:PORT][/DB]``; ``rediss://`` for TLS,
+    with ``?ssl_ca_certs=PATH`` to trust the CAs in that PEM file instead of the system's."""
     url = text(value)
     if any(char.isspace() or not char.isprintable() for char in url):
         raise InvalidValue(f"{url!r} must not contain whitespace or control characters")
@@ -30,7 +37,28 @@ def redis_url(value: object) -> str:
     database = parts.path.strip("/")
     if database and not database.isdigit():
         raise InvalidValue(f"{url!r}: the database after the host must be a number")
+    for name, given in parse_qsl(parts.query, keep_blank_values=True):
+        if name not in REDIS_PARAMETERS:
+            known = ", ".join(REDIS_PARAMETERS)
+            raise InvalidValue(f"{url!r}: unknown parameter {name!r} (known: {known})")
+        if parts.scheme != "rediss":
+            raise InvalidValue(f"{url!r}: {name} is for TLS, in a rediss:// URL")
+        redis_ca_file(given)
     return url
+
+
+def redis_ca_file(path: str) -> str:
+    """The text of a PEM file of CA certificates (``ssl_ca_certs``), read now so that a
+    file that cannot be read is said at start, not at the first connection."""
+    try:
+        pem = Path(path).read_text(encoding="ascii")
+    except (OSError, ValueError) as error:
+        raise InvalidValue(f"ssl_ca_certs={path!r} cannot be read: {error}") from None
+    try:
+        x509.load_pem_x509_certificates(pem.encode())
+    except ValueError as error:
+        raise InvalidValue(f"ssl_ca_certs={path!r} holds no PEM certificate: {error}") from None
+    return pem
 
 
 def client_key(value: object) -> str:

@@ -10,6 +10,7 @@ On a drain that timed out, ``shut_down`` cuts every completion still running.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -61,7 +62,7 @@ class Serving:
         """A stored response's route, to the decode instance that holds it first."""
 
         async def follow() -> None:
-            holder = await self.responses.find(response_id)
+            holder = await self.responses.find(response_id, record_of(request).tenant)
             await one_leg.follow_up(self.legs, request, relayed, holder, trace)
 
         return Deferred.fromCoroutine(follow())
@@ -73,7 +74,9 @@ class Serving:
         trace: RequestTrace,
         part: bool = False,
     ) -> Deferred[None]:
-        watch = self.responses.watcher if completion.path == routes.RESPONSES else None
+        watch = None
+        if completion.path == routes.RESPONSES:  # (its id kept as its tenant's)
+            watch = partial(self.responses.watcher, owner=record_of(request).tenant)
         exchange = Exchange(self.legs, request, completion, trace, watch, part)
         self.exchanges.add(exchange)
 

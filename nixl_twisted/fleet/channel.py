@@ -17,6 +17,8 @@ from urllib.parse import unquote, urlsplit
 
 from twisted.logger import Logger
 
+from nixl_twisted.fleet.redis_tls import endpoint, verified
+
 log = Logger()
 
 
@@ -35,7 +37,11 @@ class Channel:
         parts = urlsplit(self.url)
         heard, name = self.heard, self.name
 
-        class Listening(txredisapi.SubscriberProtocol):  # type: ignore[name-defined]
+        base = txredisapi.SubscriberProtocol
+        if parts.scheme == "rediss":  # (a refusal is said by the link to the same Redis)
+            base = verified(base, parts.hostname or "")
+
+        class Listening(base):  # type: ignore[valid-type,misc]
             def messageReceived(self, pattern: Any, channel: Any, message: Any) -> None:
                 text = message.decode("utf-8", "replace") if isinstance(message, bytes) else message
                 try:
@@ -55,9 +61,7 @@ class Channel:
             connection.subscribe(name).addErrback(lambda _: None)
 
         factory.addConnection = subscribed
-        host, port = parts.hostname or "127.0.0.1", parts.port or 6379
-        tls = parts.scheme == "rediss"
-        factory.startConnecting(txredisapi._makeEndpoint(host, port, 1, tls or None))
+        factory.startConnecting(endpoint(self.url, 1))
 
     def stop(self) -> Any:
         """Stop listening: the connection closed, none made again."""

@@ -20,6 +20,8 @@ from urllib.parse import unquote, urlsplit
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from nixl_twisted.fleet.redis_tls import endpoint, verified
+
 #: Seconds before a connection that Redis refused is made again.
 RETRY = 1.0
 #: Seconds a connection's handshake, or any call on it, may go unanswered before
@@ -120,25 +122,30 @@ def handshake_failure(why: str) -> str:
 
 def _connect(url: str, connected: Callable[[], None], refused: Callable[[str], None]) -> Any:
     """txredisapi's lazy connection, telling ``connected`` when one is made and
-    ``refused`` why it gave up."""
+    ``refused`` why it gave up (for ``rediss://``, a certificate it did not trust too)."""
     txredisapi = importlib.import_module("txredisapi")
     parts = urlsplit(url)
     database = parts.path.strip("/")
-    redis = txredisapi.lazyConnection(
-        host=parts.hostname,
-        port=parts.port or 6379,
-        dbid=int(database) if database else None,
+    factory = txredisapi.RedisFactory(
+        f"{parts.hostname}:{parts.port or 6379}",
+        int(database) if database else None,
+        1,
+        # (not lazy: its own line on each refusal would repeat every RETRY s; ours is said once)
+        isLazy=False,
         password=unquote(parts.password) if parts.password else None,
         username=unquote(parts.username) if parts.username else None,
-        ssl_context_factory=parts.scheme == "rediss",
-        connectTimeout=1,
         replyTimeout=SILENCE,
     )
-    factory = redis._factory
+    if parts.scheme == "rediss":
+
+        class Refusing(verified(factory.protocol, parts.hostname or "")):  # type: ignore[misc]
+            def refused_by_tls(self, why: str) -> None:
+                self.factory.stopTrying()  # (as txredisapi does when AUTH is refused)
+                self.factory.connectionError(why)
+
+        factory.protocol = Refusing
     # Back within a second of Redis, not txredisapi's ten.
     factory.initialDelay, factory.maxDelay = 0.1, 1.0
-    # Its own line on each refusal would repeat every RETRY s: ours is said once.
-    factory.isLazy = False
     added = factory.addConnection
 
     def addConnection(connection: Any) -> None:
@@ -149,4 +156,5 @@ def _connect(url: str, connected: Callable[[], None], refused: Callable[[str], N
     factory.addConnection = addConnection
     # (in place of failing a Deferred of its own that nobody holds)
     factory.connectionError = refused
-    return redis
+    factory.startConnecting(endpoint(url, 1))
+    return factory.handler

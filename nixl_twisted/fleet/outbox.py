@@ -25,9 +25,13 @@ from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 class Outbox:
     """This replica's choices and stored responses of one turn, sent together."""
 
-    def __init__(self, replicas: Replicas, reactor: Any, metrics: ReplicaMetrics) -> None:
-        """``reactor``: the next turn (``callLater(0)``)."""
+    def __init__(
+        self, replicas: Replicas, reactor: Any, metrics: ReplicaMetrics, per_owner: int = 1000
+    ) -> None:
+        """``reactor``: the next turn (``callLater(0)``); ``per_owner``: the stored responses
+        Redis keeps per tenant (``--responses-per-tenant``)."""
         self.replicas = replicas
+        self.per_owner = per_owner
         self.reactor = reactor
         self.metrics = metrics
         self._sent: list[str] = []
@@ -47,9 +51,9 @@ class Outbox:
         self.metrics.told.labels(kind=kind).inc()
         self._soon()
 
-    def stored(self, response_id: str, instance_url: str) -> None:
-        """A stored response's decode instance, kept in Redis for every replica."""
-        self._responses += [response_id, instance_url]
+    def stored(self, response_id: str, instance_url: str, owner: str | None) -> None:
+        """A stored response's decode instance and owner, kept in Redis for every replica."""
+        self._responses += [response_id, instance_url, owner or ""]
         self.metrics.told.labels(kind="response").inc()
         self._soon()
 
@@ -64,7 +68,7 @@ class Outbox:
         self._sent, self._predicted, self._responses = [], [], []
         if not (sent or predicted or responses):
             return
-        args = [len(sent), len(predicted), *sent, *predicted, *responses]
+        args = [len(sent), len(predicted), self.per_owner, *sent, *predicted, *responses]
         self.replicas.call(route_scripts.SHARE, args, "share").addErrback(_dropped)
 
     def stop(self) -> None:

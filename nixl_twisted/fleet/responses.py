@@ -1,9 +1,11 @@
-"""``SharedResponses``: which decode instance holds each stored response, kept for every replica.
+"""``SharedResponses``: which decode instance holds each stored response, and whose it is,
+kept for every replica.
 
 The Responses API stores a response on the decode instance that made it;
 ``GET /v1/responses/{id}`` and its cancel must go there, whichever replica
-the client reaches. Each id seen is kept in Redis (``route_scripts``:
-``response:ID``, an hour, sent with the turn's routing choices by the
+the client reaches, for its owner alone. Each id seen is kept in Redis
+(``route_scripts``: ``response:ID``, an hour, each tenant's latest
+``--responses-per-tenant``, sent with the turn's routing choices by the
 ``outbox``, never waited for); a replica that does not know an id looks it
 up there within the replicas' budget, and when Redis does not answer asks
 each decode instance in turn, as a lone proxy does
@@ -12,7 +14,7 @@ each decode instance in turn, as a lone proxy does
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
@@ -22,6 +24,16 @@ from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.fleet.replies import text
 
+#: The owner of a response kept by a replica that did not say whose it was.
+UNKNOWN_OWNER = "\n"
+
+
+class Stored(NamedTuple):
+    """Where a stored response is, and whose it is (its tenant; None: none)."""
+
+    instance_url: str
+    owner: str | None
+
 
 class SharedResponses:
     """The instance of each stored response, in ``--replicas-redis``."""
@@ -30,16 +42,19 @@ class SharedResponses:
         self.replicas = replicas
         self.outbox = outbox
 
-    def stored(self, response_id: str, instance_url: str) -> None:
-        self.outbox.stored(response_id, instance_url)
+    def stored(self, response_id: str, where: Stored) -> None:
+        self.outbox.stored(response_id, where.instance_url, where.owner)
 
-    def find(self, response_id: str) -> Deferred[str | None]:
+    def find(self, response_id: str) -> Deferred[Stored | None]:
         asked = self.replicas.call(route_scripts.RESPONSE, [response_id], "response")
 
-        def said(value: Any) -> str | None:
+        def said(value: Any) -> Stored | None:
             if value is None:
                 return None
-            return text(value)
+            instance_url, kept, owner = text(value).partition("\n")
+            if not kept:  # (kept by a replica that did not say whose it is)
+                return Stored(instance_url, UNKNOWN_OWNER)
+            return Stored(instance_url, owner or None)
 
         def away(failure: Failure) -> None:
             failure.trap(Unshared)

@@ -11,7 +11,11 @@ Beside the keys of ``scripts`` (same prefix, same hash tag, one shard):
   those of the last ``PREDICTED_LIFE_MS`` (``XTRIM MINID``, exact: the
   stream is short): a prediction counts for that long;
 - ``response:ID``: the decode instance that holds the stored response
-  ``ID`` (Responses API), for ``RESPONSE_TTL_MS``.
+  ``ID`` (Responses API) and its owner (``URL\\nTENANT``, the tenant empty
+  for none), for ``RESPONSE_TTL_MS``;
+- ``responses:SHA1``, a sorted set per owner (SHA-1 of the tenant's name):
+  its ids by when they were stored, the latest CAP kept (an older one's
+  ``response:ID`` deleted with it), for ``RESPONSE_TTL_MS`` after the last.
 
 ``SHARE`` is the one write: what a replica chose in one reactor turn, in one
 call. Readers take the streams with ``XREAD`` (``route_reader``).
@@ -33,29 +37,42 @@ RESPONSE_TTL_MS = 3_600_000
 
 SENT, PREDICTED = "routes:sent", "routes:predicted"
 
-# ARGV: prefix, replica, S, N, then S entries for routes:sent, N for routes:predicted, then
-# pairs of (response id, decode instance URL). Returns 0.
+# ARGV: prefix, replica, S, N, CAP, then S entries for routes:sent, N for routes:predicted,
+# then triples of (response id, decode instance URL, owner: the tenant, "" for none), each
+# owner's latest CAP kept. Returns 0.
 SHARE = f"""
 local P = ARGV[1]
-local s, n = tonumber(ARGV[3]), tonumber(ARGV[4])
-for i = 5, 4 + s do
+local s, n, cap = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+for i = 6, 5 + s do
   redis.call('XADD', P .. '{SENT}', 'MAXLEN', '~', {SENT_ENTRIES}, '*', 'm', ARGV[i])
 end
-for i = 5 + s, 4 + s + n do
+for i = 6 + s, 5 + s + n do
   redis.call('XADD', P .. '{PREDICTED}', 'MAXLEN', '~', {PREDICTED_ENTRIES}, '*', 'm', ARGV[i])
 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if n > 0 then
-  local t = redis.call('TIME')
-  local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - {PREDICTED_LIFE_MS}
-  redis.call('XTRIM', P .. '{PREDICTED}', 'MINID', oldest)
+  redis.call('XTRIM', P .. '{PREDICTED}', 'MINID', now - {PREDICTED_LIFE_MS})
 end
-for i = 5 + s + n, #ARGV - 1, 2 do
-  redis.call('SET', P .. 'response:' .. ARGV[i], ARGV[i + 1], 'PX', {RESPONSE_TTL_MS})
+for i = 6 + s + n, #ARGV - 2, 3 do
+  local id, owner = ARGV[i], ARGV[i + 2]
+  redis.call('SET', P .. 'response:' .. id, ARGV[i + 1] .. '\\n' .. owner, 'PX', {RESPONSE_TTL_MS})
+  local index = P .. 'responses:' .. redis.sha1hex(owner)
+  redis.call('ZADD', index, now, id)
+  redis.call('ZREMRANGEBYSCORE', index, '-inf', now - {RESPONSE_TTL_MS})
+  local over = redis.call('ZCARD', index) - cap
+  if over > 0 then
+    for _, gone in ipairs(redis.call('ZRANGE', index, 0, over - 1)) do
+      redis.call('DEL', P .. 'response:' .. gone)
+    end
+    redis.call('ZREMRANGEBYRANK', index, 0, over - 1)
+  end
+  redis.call('PEXPIRE', index, {RESPONSE_TTL_MS})
 end
 return 0
 """
 
-# ARGV: prefix, replica, response id. The decode instance that holds it, or nil.
+# ARGV: prefix, replica, response id. Its decode instance and owner (URL\\nTENANT), or nil.
 RESPONSE = """
 return redis.call('GET', ARGV[1] .. 'response:' .. ARGV[3])
 """

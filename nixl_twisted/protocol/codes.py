@@ -116,7 +116,8 @@ class ErrorCode(enum.Enum):
         404,
         _CLIENT,
         "no such route, no admin API (no `--admin-token`), no such instance (admin), "
-        "or no decode instance holds the response (or its id is not one: `resp_...`)",
+        "no decode instance holds the response (or its id is not one: `resp_...`), or the stored "
+        "response is another tenant's (or, with tenants, its owner is not known)",
     )
     MODEL_NOT_FOUND = (
         "model_not_found",

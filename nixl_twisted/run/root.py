@@ -198,13 +198,16 @@ def build(
     report: Reported = link.told if link is not None else cast(Discovery, found)
     # --replicas-redis: this process is one replica of the proxy; caps, queue, routing view
     # and stored responses the fleet's.
-    replicas, fleet_slots, routes, responses = None, None, None, ResponseDirectory()
+    per_tenant = config.limits.responses_per_tenant
+    replicas, fleet_slots, routes = None, None, None
+    responses = ResponseDirectory(per_owner=per_tenant)
     if config.replicas.redis is not None:
         replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
         fleet_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
-        outbox = Outbox(replicas, reactor, metrics.replicas)
+        outbox = Outbox(replicas, reactor, metrics.replicas, per_tenant)
         routes = SharedRoutes(replicas, outbox, backends.pools, kv, metrics.replicas)
-        responses = ResponseDirectory(shared=SharedResponses(replicas, outbox))
+        kept = SharedResponses(replicas, outbox)
+        responses = ResponseDirectory(shared=kept, per_owner=per_tenant)
     shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
     slots = Slots(backends, clock, config, partial(_queue_said, metrics), shared_fleet)
     metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))

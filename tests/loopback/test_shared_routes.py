@@ -13,7 +13,11 @@ what it needs (an entry applied, the streams read) and nothing else.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from twisted.internet import reactor
@@ -67,9 +71,9 @@ class ScriptsTests(ProxyCase):
         return link
 
     async def share(
-        self, link: RedisLink, sent: list[str], predicted: list[str], *pairs: str
+        self, link: RedisLink, sent: list[str], predicted: list[str], *stored: str, cap: int = 9
     ) -> Any:
-        args = [self.prefix, "r1", len(sent), len(predicted), *sent, *predicted, *pairs]
+        args = [self.prefix, "r1", len(sent), len(predicted), cap, *sent, *predicted, *stored]
         return await link.eval(route_scripts.SHARE, [], args)
 
     async def test_the_streams_keep_their_latest_entries_and_a_prediction_its_life(self) -> None:
@@ -90,17 +94,29 @@ class ScriptsTests(ProxyCase):
         entries = await link.command("XRANGE", self.prefix + route_scripts.SENT, "-", "+")
         self.assertEqual([messages.read(e[1][1]) for e in entries], [messages.read(sent)] * 2)
 
-    async def test_a_stored_responses_instance_is_kept_for_an_hour(self) -> None:
+    async def test_a_stored_responses_instance_and_owner_are_kept_for_an_hour(self) -> None:
         link = await self.link()
-        await self.share(link, [], [], "resp_1", "http://d:8200", "resp_2", "http://e:8200")
+        await self.share(link, [], [], "resp_1", "http://d:8200", "alpha", "resp_2", "http://e", "")
         found = [
             await link.eval(route_scripts.RESPONSE, [], [self.prefix, "r2", response])
             for response in ("resp_1", "resp_2", "resp_3")
         ]
-        self.assertEqual(found, ["http://d:8200", "http://e:8200", None])
-        ttl = await link.command("PTTL", self.prefix + "response:resp_1")
-        self.assertGreater(ttl, route_scripts.RESPONSE_TTL_MS - 5000)
-        self.assertLessEqual(ttl, route_scripts.RESPONSE_TTL_MS)
+        self.assertEqual(found, ["http://d:8200\nalpha", "http://e\n", None])
+        for key in ("response:resp_1", "responses:" + hashlib.sha1(b"alpha").hexdigest()):
+            ttl = await link.command("PTTL", self.prefix + key)
+            self.assertGreater(ttl, route_scripts.RESPONSE_TTL_MS - 5000)
+            self.assertLessEqual(ttl, route_scripts.RESPONSE_TTL_MS)
+
+    async def test_each_owner_keeps_its_latest_responses_the_oldest_forgotten(self) -> None:
+        link = await self.link()
+        for n in range(5):  # (one call each: each stored later than the one before)
+            await self.share(link, [], [], f"resp_a{n}", "http://d", "alpha", cap=3)
+        await self.share(link, [], [], "resp_b", "http://d", "beta", cap=3)
+        kept = await link.command("KEYS", self.prefix + "response:*")
+        names = sorted(str(k).removeprefix(self.prefix + "response:") for k in kept)
+        self.assertEqual(names, ["resp_a2", "resp_a3", "resp_a4", "resp_b"])
+        index = self.prefix + "responses:" + hashlib.sha1(b"alpha").hexdigest()
+        self.assertEqual(await link.command("ZCARD", index), 3)
 
 
 class SharedRoutesTests(ProxyCase):
@@ -198,6 +214,40 @@ class SharedRoutesTests(ProxyCase):
         asked = [[r.path for r in d.requests if r.role == "other"] for d in self.decodes]
         # Straight to the instance that holds it: none asked in vain.
         self.assertEqual(sorted(asked), [[], [f"/v1/responses/{made['id']}"]])
+
+    async def test_a_stored_response_is_its_tenants_alone_from_either_proxy(self) -> None:
+        keys = Path(tempfile.mkdtemp(prefix="nixlproxy-keys-"))
+        self.addCleanup(shutil.rmtree, keys)
+        (keys / "keys").write_text("sk-alpha alpha\nsk-low low\n")
+        other = await self.two(decodes=2, api_keys_file=str(keys / "keys"))
+
+        def headers(key: str) -> dict[bytes | str, bytes | str]:
+            return {"Authorization": f"Bearer {key}"}
+
+        made = await self.http.post(
+            self.proxy.url + "/v1/responses",
+            json={"model": "m", "input": "x"},
+            headers=headers("sk-alpha"),
+        )
+        made_id = json.loads(await made.content())["id"]
+        # (its share, sent on the first proxy's one connection, answered before this)
+        await replicas_of(self.proxy).link.command("PING")
+        for method, path in (("GET", ""), ("POST", "/cancel")):
+            refused = await self.http.request(
+                method,
+                f"{other.url}/v1/responses/{made_id}{path}",
+                headers=headers("sk-low"),
+                data=b"{}" if method == "POST" else None,
+            )
+            answer = json.loads(await refused.content())
+            self.assertEqual((refused.code, answer["error"]["code"]), (404, "not_found"))
+        self.assertEqual(
+            [r.path for d in self.decodes for r in d.requests if r.role == "other"], []
+        )
+        again = await self.http.get(
+            f"{other.url}/v1/responses/{made_id}", headers=headers("sk-alpha")
+        )
+        self.assertEqual((again.code, json.loads(await again.content())["id"]), (200, made_id))
 
     async def test_with_redis_away_nothing_fails_and_each_keeps_its_own_memory(self) -> None:
         other = await self.two()

@@ -113,3 +113,109 @@ def test_when_no_instance_holds_it_the_last_404_is_the_answer(
         f"decode {first} answered_404",
         f"decode {second} answered_404",
     ]
+
+
+class Tenants(Setup):
+    """Two tenants, each with its key (``alpha``, ``low``)."""
+
+    def __init__(self, keys: Any, per_tenant: int = 1000) -> None:
+        keys.write_text("sk-alpha alpha\nsk-low low\n")
+        ledger = TransferLedger()
+        self.prefill = FakeVLLM(name="prefill-0", ledger=ledger)
+        self.decodes = [FakeVLLM(name=f"decode-{i}", ledger=ledger) for i in range(2)]
+        self.proxy = InMemoryProxy(
+            [self.prefill], self.decodes, api_keys_file=str(keys), responses_per_tenant=per_tenant
+        )
+
+    def as_(self, key: str, method: str, path: str, body: object = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        sent = json.dumps(body).encode() if body is not None else b""
+        answer = self.proxy.request(method, path, sent, headers).answer()
+        return answer.status, answer.json()
+
+    def made(self, key: str) -> str:
+        status, body = self.as_(key, "POST", "/v1/responses", {"model": "m", "input": "x"})
+        assert status == 200, body
+        return str(body["id"])
+
+    def asked(self) -> list[str]:
+        """What the decode instances were asked of stored responses."""
+        return [r.path for d in self.decodes for r in d.requests if r.role == "other"]
+
+
+def _not_found(response_id: str) -> dict[str, Any]:
+    message = f"Response with id '{response_id}' not found."
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
+
+
+def test_another_tenants_stored_response_is_not_found(tmp_path: Any) -> None:
+    setup = Tenants(tmp_path / "keys")
+    theirs = setup.made("sk-alpha")
+    for method, path in (
+        ("GET", f"/v1/responses/{theirs}"),
+        ("POST", f"/v1/responses/{theirs}/cancel"),
+    ):
+        assert setup.as_("sk-low", method, path, {} if method == "POST" else None) == (
+            404,
+            _not_found(theirs),
+        )
+    assert setup.asked() == []  # (no decode instance asked for it)
+    status, body = setup.as_("sk-alpha", "GET", f"/v1/responses/{theirs}")
+    assert (status, body["id"]) == (200, theirs)  # its owner's, still
+
+
+def test_with_tenants_an_id_whose_owner_is_unknown_is_asked_of_no_instance(
+    tmp_path: Any,
+) -> None:
+    setup = Tenants(tmp_path / "keys")
+    theirs = setup.made("sk-alpha")
+    setup.proxy.app.serving.responses = ResponseDirectory()  # a restart: its owner unknown
+    assert setup.as_("sk-alpha", "GET", f"/v1/responses/{theirs}") == (404, _not_found(theirs))
+    assert setup.as_("sk-low", "GET", "/v1/responses/resp_nope") == (
+        404,
+        _not_found("resp_nope"),
+    )
+    assert setup.asked() == []
+
+
+def test_the_routes_the_proxy_does_not_serve_reach_no_instance(tmp_path: Any) -> None:
+    setup = Tenants(tmp_path / "keys")
+    theirs = setup.made("sk-alpha")
+    for method, path, body, refused in (
+        ("DELETE", f"/v1/responses/{theirs}", None, (405, "method_not_allowed")),
+        ("GET", f"/v1/responses/{theirs}/input_items", None, (404, "not_found")),
+        (
+            "POST",
+            "/v1/responses",
+            {"model": "m", "input": "y", "previous_response_id": theirs},
+            (400, "previous_response_id_unsupported"),
+        ),
+    ):
+        status, answer = setup.as_("sk-low", method, path, body)
+        assert (status, answer["error"]["code"]) == refused
+    assert setup.asked() == []
+    assert len(setup.decodes[0].requests) + len(setup.decodes[1].requests) == 1  # (the made)
+
+
+def test_each_tenant_keeps_its_latest_responses_the_oldest_forgotten_first(
+    tmp_path: Any,
+) -> None:
+    setup = Tenants(tmp_path / "keys", per_tenant=2)
+    first, second, third = (setup.made("sk-alpha") for _ in range(3))
+    low = setup.made("sk-low")  # (another tenant's count: its own)
+    directory = setup.proxy.app.serving.responses
+    assert [directory.where(i) is not None for i in (first, second, third, low)] == [
+        False,
+        True,
+        True,
+        True,
+    ]
+    assert setup.as_("sk-alpha", "GET", f"/v1/responses/{first}") == (404, _not_found(first))
+    assert setup.as_("sk-alpha", "GET", f"/v1/responses/{third}")[0] == 200

@@ -1,7 +1,7 @@
 """``--replicas-redis`` between real ``twistd nixlproxy`` processes and a real redis-server:
 a cap holds for two replicas, a replica killed with SIGKILL gives its slot back within its
-heartbeat's life, Redis stopped and started again costs no request, and ``--workers`` are
-replicas too."""
+heartbeat's life, Redis stopped and started again costs no request, ``rediss://`` with a
+certificate made in the test shares as well, and ``--workers`` are replicas too."""
 
 from __future__ import annotations
 
@@ -89,6 +89,22 @@ class ReplicaProcessTests(TwistdCase):
         assert response.code == 200
         await response.content()
         assert len(self.decode.requests_for("decode")) == 4
+        for process in (first, second):
+            await self.terminate(process)
+
+    async def test_replicas_share_through_redis_over_verified_tls(self) -> None:
+        redis = await real_redis(self, tls_for="127.0.0.1")
+        await self.start()
+        first, first_url = await self.replica(redis.tls_url)  # (trusting its certificate)
+        second, second_url = await self.replica(redis.tls_url)
+        await self.held(first_url)
+        waiting = self.chat(second_url)  # the fleet's one decode slot is the first's
+        assert len(self.decode.requests_for("decode")) == 1
+        self.decode.release()
+        response = await waiting
+        assert response.code == 200
+        await response.content()
+        assert len(self.decode.requests_for("decode")) == 2
         for process in (first, second):
             await self.terminate(process)
 

@@ -13,6 +13,7 @@ from nixl_twisted.config import ConfigError, ProxyConfig, resolve
 from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, SETTINGS
 from nixl_twisted.run.reloads import reloaded
 from nixl_twisted.tap import Options
+from nixl_twisted.testing.redis import self_signed
 
 POOLS = ["--prefill", "http://p1:8100", "--decode", "http://d1:8200"]
 
@@ -322,3 +323,30 @@ def test_a_bodys_ceiling_is_never_below_its_timeout() -> None:
     assert ceiling() == 120.0
     assert ceiling(body_max_timeout=600) == 600.0
     assert ceiling(body_timeout=300) == 300.0  # (a longer --body-timeout is kept whole)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("rediss://r:6380/0?ssl_cert_reqs=none", "unknown parameter 'ssl_cert_reqs'"),
+        ("redis://r:6379/0?ssl_ca_certs=CA", "ssl_ca_certs is for TLS, in a rediss:// URL"),
+        ("rediss://r:6380/0?ssl_ca_certs=/no/such/ca.pem", "cannot be read"),
+        ("rediss://r:6380/0?ssl_ca_certs=EMPTY", "holds no PEM certificate"),
+        ("rediss://r:6380/0?ssl_ca_certs=CA", "holds no PEM certificate"),
+    ],
+)
+def test_a_redis_url_s_tls_parameters_are_checked_at_start(
+    tmp_path: Path, url: str, message: str
+) -> None:
+    (tmp_path / "empty.pem").write_text("")
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\n")
+    url = url.replace("EMPTY", str(tmp_path / "empty.pem")).replace("CA", str(tmp_path / "ca.pem"))
+    for option in ("--limits-redis", "--replicas-redis"):
+        with pytest.raises(usage.UsageError, match=re.escape(message)):
+            parse(*POOLS, option, url)
+
+
+def test_a_rediss_url_may_name_its_ca_file(tmp_path: Path) -> None:
+    ca_file, _ = self_signed(str(tmp_path), "r")
+    url = f"rediss://:secret@r:6380/0?ssl_ca_certs={ca_file}"
+    assert parse(*POOLS, "--limits-redis", url).tenants.redis == url
