@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Final
 
 ID: Final = "inferlab-vllm-nixl-proxy"
-VERSION: Final = 3
+VERSION: Final = 4
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ bodies = st.dictionaries(
 def test_identity_is_byte_stable() -> None:
     # Recorded by users as evidence of which proxy produced a result.
     assert ID == "inferlab-vllm-nixl-proxy"
-    assert VERSION == 3
+    assert VERSION == 4
     assert meta().id == ID
     assert meta().version == VERSION
 
