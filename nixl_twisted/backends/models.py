@@ -124,6 +124,16 @@ def resolve(requested: object, decode: Iterable[Instance]) -> Resolved:
     return Resolved(requested, False)  # (only an instance that never said may serve it)
 
 
+def named(model: str, decode: Iterable[Instance]) -> bool:
+    """Whether a decode instance is known to serve ``model``: its ``/v1/models`` says so, or
+    a table lists it under it (a name only a client gave is not one: ``--replicas-redis``
+    makes no key of it)."""
+    return any(
+        model in instance.models if instance.models is not None else model in instance.named
+        for instance in decode
+    )
+
+
 def context_length(model: object, decode: Iterable[Instance]) -> int | None:
     """The most tokens one sequence of ``model`` may hold (prompt and completion), as the
     decode instances' cards say (vLLM's ``max_model_len``; an adapter's is its

@@ -24,6 +24,7 @@ from typing import Any, Generic
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted.exchange.fair_queue import (
@@ -46,13 +47,16 @@ from nixl_twisted.exchange.fleet_alone import AloneQueue
 from nixl_twisted.exchange.fleet_waiting import (
     FleetWaiting,
     Placed,
+    Placement,
     place_args,
+    read_placement,
 )
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas, Unshared
-from nixl_twisted.fleet.replies import text, view_of
 from nixl_twisted.protocol.errors import ProxyError
+
+log = Logger()
 
 #: Seconds a model whose first request is another replica's waits before trying again,
 #: when no message said a slot freed (one may have been lost).
@@ -70,20 +74,24 @@ class FleetQueue(Generic[Placed]):
         slots: SharedSlots,
         told: Told,
         entered: Callable[[], object] = lambda: None,
+        named: Callable[[str], bool] = lambda model: True,
     ) -> None:
+        """``named(model)``: whether an instance is known to serve ``model`` (else its
+        requests wait in the queue of those that name none: ``FleetWaiting.model``)."""
         self.clock = clock
         self.local = local
         self.replicas = replicas
         self.slots = slots
         self.told = told
         self.entered = entered
-        self._mine: dict[str | None, list[FleetWaiting]] = {}
+        self.named = named
+        self._mine: dict[str, list[FleetWaiting]] = {}
         self._order = itertools.count()
-        self._trying: set[str | None] = set()
-        self._again: set[str | None] = set()
+        self._trying: set[str] = set()
+        self._again: set[str] = set()
         #: Models whose first request is another replica's, and since when: not tried again
         #: before a slot frees somewhere (a message) or ``BEHIND`` seconds pass.
-        self._behind: dict[str | None, float] = {}
+        self._behind: dict[str, float] = {}
         #: A placement tried and not granted is giving its slots back: that frees no slot.
         self._quiet = False
         #: What the fleet's queue said last: requests waiting, and the latest grants (ms).
@@ -122,7 +130,10 @@ class FleetQueue(Generic[Placed]):
         """Slots for a new request: from the fleet's queue while Redis answers, else this
         replica's own."""
         answered: Deferred[Placed] = Deferred(lambda _: self._left(waiting))
-        waiting = FleetWaiting(ticket, place, self.clock.seconds(), answered, next(self._order))
+        model = ticket.model if ticket.model and self.named(ticket.model) else ""
+        waiting = FleetWaiting(
+            ticket, place, self.clock.seconds(), answered, next(self._order), model
+        )
         if not self.replicas.is_shared:
             got = self.alone_queue.enter(waiting)
             if got is not None:
@@ -140,8 +151,8 @@ class FleetQueue(Generic[Placed]):
         decode, prefill = self._names(got)
         args = place_args(self.local.size, waiting, "", got, decode, prefill, ticket.sheddable)
 
-        def said(reply: Any) -> None:
-            code, what = int(reply[0]), text(reply[1])
+        def said(reply: Placement) -> None:
+            code = reply.code
             self._heard(reply)
             if code == scripts.GRANTED:
                 assert not isinstance(got, str)
@@ -165,22 +176,22 @@ class FleetQueue(Generic[Placed]):
                     self.told(outcome, 0.0, ticket)
                     answered.errback(refusal)
                 return
-            waiting.member, pool, finish = what.split("\n")
-            waiting.finish = float(finish)
-            waiting.blocked = "" if pool == "queued" else pool
+            waiting.member, waiting.finish = reply.member, reply.finish
+            waiting.blocked = reply.blocked
             if waiting.gone:
                 self._leave(waiting)
                 return
             self._wait(waiting)
 
         def alone(failure: Failure) -> None:
-            failure.trap(Unshared)
             if not isinstance(got, str):
                 self._release(got)
             if not waiting.gone:
                 self.alone_queue.take(waiting)
+            failure.trap(Unshared)
 
-        self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)
+        sent = self.replicas.call(scripts.PLACE, args, "place", read_placement)
+        sent.addCallbacks(said, alone).addErrback(_unexpected)
 
     def pump(self) -> None:
         """Slots may have freed: this replica's first request of each model is tried (and,
@@ -258,17 +269,17 @@ class FleetQueue(Generic[Placed]):
         if got.prefill is not None:
             self.slots.granted(got.prefill, prefill)
 
-    def _heard(self, reply: Any) -> None:
-        self.slots.seen(view_of(reply[2]), int(reply[5]))
-        self._waiting = int(reply[3])
-        self._grants = [float(text(g)) for g in reply[4]]
+    def _heard(self, reply: Placement) -> None:
+        self.slots.seen(reply.view, reply.version)
+        self._waiting = reply.waiting
+        self._grants = reply.grants
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
     def _wait(self, waiting: FleetWaiting[Placed]) -> None:
         """It waits in the fleet's queue, until its turn, its timeout or its client leaves."""
         left = self.timeout - (self.clock.seconds() - waiting.arrived)
         waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
-        model = waiting.ticket.model
+        model = waiting.model
         mine = self._mine.setdefault(model, [])
         mine.append(waiting)
         mine.sort(key=lambda w: (w.ticket.priority, w.finish, w.order))
@@ -280,7 +291,7 @@ class FleetQueue(Generic[Placed]):
         decode, prefill = self._names(got)
         self._granted(got, decode, prefill)
 
-    def _try(self, model: str | None) -> None:
+    def _try(self, model: str) -> None:
         if model in self._trying:
             self._again.add(model)
             return
@@ -297,10 +308,10 @@ class FleetQueue(Generic[Placed]):
         args = place_args(self.local.size, waiting, waiting.member, got, decode, prefill, False)
         self._trying.add(model)
 
-        def said(reply: Any) -> None:
+        def said(reply: Placement) -> None:
             self._trying.discard(model)
             self._heard(reply)
-            code = int(reply[0])
+            code = reply.code
             if code == scripts.GRANTED:
                 self._granted(got, decode, prefill)
                 if waiting.done:
@@ -311,7 +322,7 @@ class FleetQueue(Generic[Placed]):
                 self._again.add(model)
             else:
                 self._release(got)
-                waiting.blocked = text(reply[1]) if code == scripts.BLOCKED else ""
+                waiting.blocked = reply.blocked
                 if code == scripts.NOT_FIRST:
                     self._behind[model] = self.clock.seconds()
             if model in self._again:
@@ -323,14 +334,15 @@ class FleetQueue(Generic[Placed]):
             self._release(got)
             failure.trap(Unshared)
 
-        self.replicas.call(scripts.PLACE, args, "place").addCallbacks(said, alone)
+        sent = self.replicas.call(scripts.PLACE, args, "place", read_placement)
+        sent.addCallbacks(said, alone).addErrback(_unexpected)
 
     def _end(self, waiting: FleetWaiting[Placed], outcome: str, leave: bool = True) -> None:
         """It leaves the fleet's queue, ``outcome`` said of it ("": moved to this replica's)."""
         if waiting.done:
             return
         waiting.done = True
-        mine = self._mine.get(waiting.ticket.model, [])
+        mine = self._mine.get(waiting.model, [])
         if waiting in mine:
             mine.remove(waiting)
         if waiting.timer is not None and waiting.timer.active():
@@ -344,7 +356,7 @@ class FleetQueue(Generic[Placed]):
         if not self.replicas.is_shared or not waiting.member:
             return  # (written back without it when Redis answers again)
         ticket = waiting.ticket
-        args = [ticket.model or "", ticket.priority, waiting.member]
+        args = [waiting.model, ticket.priority, waiting.member]
         self.replicas.call(scripts.LEAVE, args, "leave").addErrback(lambda f: f.trap(Unshared))
 
     def _expire(self, waiting: FleetWaiting[Placed]) -> None:
@@ -363,3 +375,8 @@ class FleetQueue(Generic[Placed]):
             self._end(waiting, LEFT)
         elif not waiting.done:
             self.told(LEFT, self.clock.seconds() - waiting.arrived, waiting.ticket)
+
+
+def _unexpected(failure: Failure) -> None:
+    """(Redis's answers are read before these run: what fails here is the proxy's own.)"""
+    log.failure("fleet queue: a placement's answer could not be handled", failure)

@@ -21,6 +21,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from nixl_twisted.backends.models import named
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
@@ -76,7 +77,10 @@ class Slots:
         )
         self.queue: FairQueue[Placed] | FleetQueue[Placed] = local
         if fleet is not None:
-            self.queue = FleetQueue(clock, local, *fleet, told, self._waits)
+            decode = backends.decode
+            self.queue = FleetQueue(
+                clock, local, *fleet, told, self._waits, lambda m: named(m, decode.instances)
+            )
         self._sweep: IDelayedCall | None = None
         self._entered = Happened()
         for pool in backends.pools():

@@ -61,7 +61,11 @@ class SharedSlots:
         return [f"{where}|{lease}" for lease, where in self.leases.items()], []
 
     def shared(self, view: dict[str, int], version: int) -> None:
-        self.seen(view, version)
+        """A heartbeat's view is taken as it is, whatever version this replica knows (a
+        message on ``freed`` may have been forged by a writer to Redis, its version far
+        ahead: the next heartbeat brings this replica back to Redis's own)."""
+        self.view, self.version = view, version
+        self.apply()
 
     def alone(self) -> None:
         self.apply()

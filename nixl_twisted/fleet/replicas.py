@@ -24,7 +24,7 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, overload
 
 from twisted.application.service import Service
 from twisted.internet import defer
@@ -36,12 +36,23 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
+from nixl_twisted.fleet.heartbeat import HEARTBEAT, Beat, read_beat
 from nixl_twisted.fleet.link import RETRY, RedisLink
-from nixl_twisted.fleet.replies import freed, info_of, prefix_of, shown, text, view_of, why
+from nixl_twisted.fleet.replies import (
+    WrongReply,
+    count_of,
+    freed,
+    prefix_of,
+    shown,
+    view_of,
+    why,
+)
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
 log = Logger()
+
+T = TypeVar("T")
 
 #: Seconds between two heartbeats, and how long one lasts: a replica that stops beating
 #: is forgotten, and its slots given back, within ``TTL + BEAT`` seconds.
@@ -177,13 +188,32 @@ class Replicas(Service):
 
     # -- calls ------------------------------------------------------------------------
 
+    @overload
+    def call(self, script: str, args: Sequence[object], name: str) -> Deferred[Any]: ...
+
+    @overload
     def call(
-        self, script: str, args: Sequence[object], name: str, budget: float = BUDGET
+        self,
+        script: str,
+        args: Sequence[object],
+        name: str,
+        read: Callable[[Any], T],
+        budget: float = BUDGET,
+    ) -> Deferred[T]: ...
+
+    def call(
+        self,
+        script: str,
+        args: Sequence[object],
+        name: str,
+        read: Callable[[Any], Any] = lambda reply: reply,
+        budget: float = BUDGET,
     ) -> Deferred[Any]:
-        """Run ``script`` with this replica's prefix and id first; fails with ``Unshared`` at
-        once until a beat has shared this replica's state (Redis away, or back but without
-        this replica's leases yet: a slot granted then would be counted without them), or
-        when it does not answer within ``budget``."""
+        """Run ``script`` with this replica's prefix and id first, its reply read by ``read``;
+        fails with ``Unshared`` at once until a beat has shared this replica's state (Redis
+        away, or back but without this replica's leases yet: a slot granted then would be
+        counted without them), or when it does not answer within ``budget``, or answers what
+        ``read`` cannot read (``WrongReply``, or any error of its: never the caller's)."""
         if not self.is_shared:
             return fail(
                 Unshared("Redis is not answering" if not self.link.open else "not shared yet")
@@ -192,9 +222,9 @@ class Replicas(Service):
         sent = self.link.eval(script, [], [self.prefix, self.id, *args])
         sent.addTimeout(budget, self.reactor)
 
-        def answered(result: object) -> object:
+        def answered(result: object) -> Any:
             self.metrics.redis_seconds.labels(script=name).observe(self.reactor.seconds() - started)
-            return result
+            return read(result)
 
         def failed(failure: Failure) -> Failure:
             if failure.check(defer.CancelledError) and not failure.check(defer.TimeoutError):
@@ -202,38 +232,39 @@ class Replicas(Service):
             self.away(why(failure, budget, self.link.open))
             return Failure(Unshared(failure.getErrorMessage()))
 
-        return sent.addCallbacks(answered, failed)
+        return sent.addCallback(answered).addErrback(failed)
 
     def beat(self) -> Deferred[None]:
         """One heartbeat: alive for ``TTL`` more, the dead forgotten, the view read; written
         back whole when Redis had forgotten this replica or was away."""
         sent = self.link.eval(
-            scripts.HEARTBEAT, [], [self.prefix, self.id, int(self.ttl * 1000), self.info]
+            HEARTBEAT,
+            [],
+            [self.prefix, self.id, int(self.ttl * 1000), self.info, int(TTL * 1000)],
         )
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
-        def beaten(reply: Any) -> Deferred[None] | None:
-            mine, purged, live, view, version, dead = reply
-            if purged:
-                self.metrics.leases_expired.inc(int(purged))
-            for replica in dead:
+        def beaten(beat: Beat) -> Deferred[None]:
+            if beat.purged:
+                self.metrics.leases_expired.inc(beat.purged)
+            for replica in beat.dead:
                 log.info(
                     "replicas: replica {replica} stopped beating; what it held is given back "
                     "({purged} slots in all)",
-                    replica=text(replica),
-                    purged=int(purged),
+                    replica=replica,
+                    purged=beat.purged,
                 )
-            self.seen = {text(live[i]): info_of(live[i + 1]) for i in range(0, len(live) - 1, 2)}
+            self.seen = beat.live
             self.metrics.seen.set(len(self.seen))
-            if mine and self.is_shared:
-                self._shared(view_of(view), int(version))
-                return None
+            if beat.mine and self.is_shared:
+                self._shared(beat.view, beat.version)
+                return succeed(None)
             return self._restore()
 
         def failed(failure: Failure) -> None:
             self.away(why(failure, BEAT_BUDGET, self.link.open))
 
-        return sent.addCallback(beaten).addErrback(failed)
+        return sent.addCallback(read_beat).addCallback(beaten).addErrback(failed)
 
     def _restore(self) -> Deferred[None]:
         leases: list[str] = []
@@ -247,7 +278,7 @@ class Replicas(Service):
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def restored(reply: Any) -> None:
-            view, version = reply
+            view, version = _restored(reply)
             was = self._away_said
             self.is_shared = True
             self._away_said = False
@@ -264,7 +295,7 @@ class Replicas(Service):
                     url=shown(self.url),
                     again=" (it answers again)" if was else "",
                 )
-            self._shared(view_of(view), int(version))
+            self._shared(view, version)
             ready, self._ready = self._ready, Happened()
             ready.fire()
 
@@ -304,3 +335,10 @@ class Replicas(Service):
         changed, version = freed(message)
         for told in self._freed:
             told(changed, version)
+
+
+def _restored(reply: Any) -> tuple[dict[str, int], int]:
+    """``RESTORE``'s reply: the slots' view and its version."""
+    if not isinstance(reply, (list, tuple)) or len(reply) != 2:
+        raise WrongReply(reply)
+    return view_of(reply[0]), count_of(reply[1])

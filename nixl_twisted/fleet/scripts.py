@@ -20,29 +20,77 @@ one shard. ``ARGV[1]`` is that prefix, ``ARGV[2]`` the replica's id. The keys:
 Every change of ``slots`` is published on ``freed`` (``FIELD\\tCOUNT`` lines),
 so that every replica's view of the fleet follows within a round trip, and a
 replica whose request waits first tries again at once.
+
+The counts (``slots``, ``tenants``, ``waiting``) are kept by each script as
+it goes, and rebuilt from the live replicas' own records by the heartbeat
+(``heartbeat``), which heals whatever else a writer to Redis may have put
+there.
 """
 
 from __future__ import annotations
 
-#: Shared by every script: the clock, liveness, forgetting a replica, the view.
-_COMMON = """
+#: Shared by every script: numbers read safely, the clock, liveness, forgetting a replica.
+#: Anything read from a key is checked before use (a writer to Redis may have put anything
+#: there): ``num`` and ``whole`` give nil for what is not a finite number or a count, an
+#: entry that does not parse is skipped, so that no value makes a script fail.
+COMMON = """
 local P, me = ARGV[1], ARGV[2]
+local function num(s)
+  local n = tonumber(s)
+  if n == nil or n ~= n or n == math.huge or n == -math.huge then return nil end
+  return n
+end
+local function whole(s)
+  local n = num(s)
+  if n == nil or n < 0 or n > 9007199254740992 or n ~= math.floor(n) then return nil end
+  return n
+end
+local function safe(...)
+  local got = redis.pcall(...)
+  if type(got) == 'table' and got.err then return nil end
+  return got
+end
+local function members(key)
+  local got = safe('SMEMBERS', key)
+  if got == nil then
+    redis.call('DEL', key)
+    return {}
+  end
+  return got
+end
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 local function alive(r, now)
-  local s = redis.call('ZSCORE', P .. 'alive', r)
-  return s ~= false and tonumber(s) > now
+  if r == nil then return false end
+  local s = num(redis.call('ZSCORE', P .. 'alive', r))
+  return s ~= nil and s > now
 end
+local function add(key, field, by)
+  local n = (whole(redis.call('HGET', key, field)) or 0) + by
+  if n <= 0 then
+    redis.call('HDEL', key, field)
+    return 0
+  end
+  redis.call('HSET', key, field, n)
+  return n
+end
+local function bump(key, by)
+  local n = math.max(0, (whole(redis.call('GET', key)) or 0) + by)
+  redis.call('SET', key, n)
+  return n
+end
+local function lease_field(e) return string.match(e, '^([^\\t\\n]+)|[^|\\t\\n]*$') end
+local function tenant_of(e) return string.match(e, '^(.*)|[^|]*$') end
+local function wait_of(e) return string.match(e, '^(.-)\\n(.-)\\n(.*)$') end
 local function count(field, by)
-  local n = redis.call('HINCRBY', P .. 'slots', field, by)
-  if n <= 0 then redis.call('HDEL', P .. 'slots', field) end
-  redis.call('INCR', P .. 'version')
-  return math.max(n, 0)
+  local n = add(P .. 'slots', field, by)
+  bump(P .. 'version', 1)
+  return n
 end
 local function version()
-  return tonumber(redis.call('GET', P .. 'version')) or 0
+  return whole(redis.call('GET', P .. 'version')) or 0
 end
 local function publish(changed)
   if #changed > 0 then
@@ -51,32 +99,32 @@ local function publish(changed)
 end
 local function unwait(model, prio, member)
   local q = P .. 'q:' .. model .. ':' .. prio
-  if redis.call('ZREM', q, member) == 0 then return false end
-  redis.call('DECR', P .. 'waiting')
-  if redis.call('ZCARD', q) == 0 then redis.call('ZREM', P .. 'qp:' .. model, prio) end
+  if safe('ZREM', q, member) ~= 1 then return false end
+  bump(P .. 'waiting', -1)
+  if safe('ZCARD', q) == 0 then redis.call('ZREM', P .. 'qp:' .. model, prio) end
   return true
 end
 local function forget(r, keep)
   local n, changed = 0, {}
   local leases = P .. 'r:' .. r .. ':leases'
-  for _, e in ipairs(redis.call('SMEMBERS', leases)) do
-    local field = string.match(e, '^(.*)|[^|]*$')
-    changed[#changed + 1] = field .. '\\t' .. count(field, -1)
-    n = n + 1
+  for _, e in ipairs(members(leases)) do
+    local field = lease_field(e)
+    if field then
+      changed[#changed + 1] = field .. '\\t' .. count(field, -1)
+      n = n + 1
+    end
   end
   redis.call('DEL', leases)
   local waits = P .. 'r:' .. r .. ':waits'
-  for _, e in ipairs(redis.call('SMEMBERS', waits)) do
-    local model, prio, member = string.match(e, '^(.-)\\n(.-)\\n(.*)$')
-    unwait(model, prio, member)
+  for _, e in ipairs(members(waits)) do
+    local model, prio, member = wait_of(e)
+    if model then unwait(model, prio, member) end
   end
   redis.call('DEL', waits)
   local tenants = P .. 'r:' .. r .. ':tenants'
-  for _, e in ipairs(redis.call('SMEMBERS', tenants)) do
-    local t = string.match(e, '^(.*)|[^|]*$')
-    if redis.call('HINCRBY', P .. 'tenants', t, -1) <= 0 then
-      redis.call('HDEL', P .. 'tenants', t)
-    end
+  for _, e in ipairs(members(tenants)) do
+    local t = tenant_of(e)
+    if t then add(P .. 'tenants', t, -1) end
   end
   redis.call('DEL', tenants)
   if not keep then
@@ -88,42 +136,12 @@ local function forget(r, keep)
 end
 """
 
-# ARGV: prefix, replica, ttl (ms), what it says of itself (JSON).
-# Forgets every replica whose heartbeat expired (its leases, waits and tenants' requests);
-# returns {1 if this replica was alive still (else what it held is gone: restore it),
-# leases forgotten, {replica, info, ...} of the live ones, the slots' view (HGETALL), its
-# version, the replicas forgotten}.
-HEARTBEAT = (
-    _COMMON
-    + """
-local now = now_ms()
-local known = redis.call('ZSCORE', P .. 'alive', me)
-local mine = known ~= false and tonumber(known) > now
-local purged, dead = 0, {}
-for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', '-inf', now)) do
-  if r ~= me then
-    purged = purged + forget(r, false)
-    dead[#dead + 1] = r
-  end
-end
-if not mine then forget(me, true) end
-redis.call('ZADD', P .. 'alive', now + tonumber(ARGV[3]), me)
-redis.call('HSET', P .. 'info', me, ARGV[4])
-local live = {}
-for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', now, '+inf')) do
-  live[#live + 1] = r
-  live[#live + 1] = redis.call('HGET', P .. 'info', r) or '{}'
-end
-return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead}
-"""
-)
-
 # ARGV: prefix, replica, ttl (ms), its info, N, N lease entries (POOL|URL|LEASE), then
 # tenant entries (TENANT|ID). What the replica holds now, in place of whatever Redis held
 # for it (after Redis was away, or forgot it): no slot lost, none counted twice. Its
 # waiting requests are entered again by the replica. Returns the slots' view.
 RESTORE = (
-    _COMMON
+    COMMON
     + """
 local now = now_ms()
 forget(me, true)
@@ -131,14 +149,19 @@ local n = tonumber(ARGV[5])
 local changed = {}
 for i = 6, 5 + n do
   local e = ARGV[i]
-  redis.call('SADD', P .. 'r:' .. me .. ':leases', e)
-  local field = string.match(e, '^(.*)|[^|]*$')
-  changed[#changed + 1] = field .. '\\t' .. count(field, 1)
+  local field = lease_field(e)
+  if field then
+    redis.call('SADD', P .. 'r:' .. me .. ':leases', e)
+    changed[#changed + 1] = field .. '\\t' .. count(field, 1)
+  end
 end
 for i = 6 + n, #ARGV do
   local e = ARGV[i]
-  redis.call('SADD', P .. 'r:' .. me .. ':tenants', e)
-  redis.call('HINCRBY', P .. 'tenants', string.match(e, '^(.*)|[^|]*$'), 1)
+  local t = tenant_of(e)
+  if t then
+    redis.call('SADD', P .. 'r:' .. me .. ':tenants', e)
+    add(P .. 'tenants', t, 1)
+  end
 end
 redis.call('ZADD', P .. 'alive', now + tonumber(ARGV[3]), me)
 redis.call('HSET', P .. 'info', me, ARGV[4])
@@ -160,7 +183,7 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL = range(6)
 # A waiting one (``member``) goes when it is the first of its model and its slots are free.
 # Answers {code, member or pool, the slots' view, waiting, the latest grant times (ms)}.
 PLACE = (
-    _COMMON
+    COMMON
     + """
 local now = now_ms()
 local model, prio, member = ARGV[3], ARGV[4], ARGV[5]
@@ -174,20 +197,28 @@ local function first()
       redis.call('ZREM', P .. 'qp:' .. model, prios[1])
     else
       local r = string.match(h[1], '^[^:]*:([^:]*):')
-      if alive(r, now) then return prios[1], h[1] end
-      unwait(model, prios[1], h[1])
-      redis.call('SREM', P .. 'r:' .. r .. ':waits', model .. '\\n' .. prios[1] .. '\\n' .. h[1])
+      local entry = model .. '\\n' .. prios[1] .. '\\n' .. h[1]
+      if alive(r, now) and safe('SISMEMBER', P .. 'r:' .. r .. ':waits', entry) == 1 then
+        return prios[1], h[1]
+      end
+      -- No live replica holds it: its replica died (it counts among those waiting), or
+      -- someone else wrote it (it never did).
+      if r and safe('SREM', P .. 'r:' .. r .. ':waits', entry) == 1 then
+        unwait(model, prios[1], h[1])
+      else
+        redis.call('ZREM', q, h[1])
+      end
     end
   end
 end
 local function answer(code, said)
   return {code, said, redis.call('HGETALL', P .. 'slots'),
-          tonumber(redis.call('GET', P .. 'waiting')) or 0,
+          whole(redis.call('GET', P .. 'waiting')) or 0,
           redis.call('LRANGE', P .. 'grants', 0, -1), version()}
 end
 local function room(field, cap)
   if field == '' or tonumber(cap) == 0 then return true end
-  return (tonumber(redis.call('HGET', P .. 'slots', field)) or 0) < tonumber(cap)
+  return (whole(redis.call('HGET', P .. 'slots', field)) or 0) < tonumber(cap)
 end
 local fprio, fmember = first()
 local vkey, lkey = P .. 'v', P .. 'last:' .. model
@@ -208,14 +239,14 @@ if go and blocked == '' then
       changed[#changed + 1] = ARGV[i] .. '\\t' .. count(ARGV[i], 1)
     end
   end
-  local v = tonumber(redis.call('HGET', vkey, model)) or 0
+  local v = num(redis.call('HGET', vkey, model)) or 0
   if member ~= '' then
-    local finish = tonumber(redis.call('ZSCORE', P .. 'q:' .. model .. ':' .. prio, member))
+    local finish = num(redis.call('ZSCORE', P .. 'q:' .. model .. ':' .. prio, member))
     unwait(model, prio, member)
     redis.call('SREM', P .. 'r:' .. me .. ':waits', model .. '\\n' .. prio .. '\\n' .. member)
     redis.call('HSET', vkey, model, math.max(v, finish or v))
   else
-    local l = tonumber(redis.call('HGET', lkey, tenant)) or 0
+    local l = num(redis.call('HGET', lkey, tenant)) or 0
     local finish = math.max(v, l) + 1 / tonumber(ARGV[7])
     redis.call('HSET', vkey, model, finish)
     redis.call('HSET', lkey, tenant, finish)
@@ -230,18 +261,19 @@ if go and blocked == '' then
 end
 if member ~= '' then return answer(2, blocked) end
 if ARGV[8] == '1' then return answer(4, '') end
-if (tonumber(redis.call('GET', P .. 'waiting')) or 0) >= tonumber(ARGV[9]) then
+if (whole(redis.call('GET', P .. 'waiting')) or 0) >= tonumber(ARGV[9]) then
   return answer(5, '')
 end
-local v = tonumber(redis.call('HGET', vkey, model)) or 0
-local l = tonumber(redis.call('HGET', lkey, tenant)) or 0
+local v = num(redis.call('HGET', vkey, model)) or 0
+local l = num(redis.call('HGET', lkey, tenant)) or 0
 local finish = math.max(v, l) + 1 / tonumber(ARGV[7])
 redis.call('HSET', lkey, tenant, finish)
-local named = string.format('%016d', redis.call('INCR', P .. 'seq')) .. ':' .. me .. ':' .. ARGV[10]
+redis.call('HSETNX', vkey, model, v)  -- (the heartbeat trims the tags of the models in v)
+local named = string.format('%016d', bump(P .. 'seq', 1)) .. ':' .. me .. ':' .. ARGV[10]
 redis.call('ZADD', P .. 'q:' .. model .. ':' .. prio, finish, named)
 redis.call('ZADD', P .. 'qp:' .. model, tonumber(prio), prio)
 redis.call('SADD', P .. 'r:' .. me .. ':waits', model .. '\\n' .. prio .. '\\n' .. named)
-redis.call('INCR', P .. 'waiting')
+bump(P .. 'waiting', 1)
 if blocked == '' then blocked = 'queued' end
 return answer(1, named .. '\\n' .. blocked .. '\\n' .. string.format('%.17g', finish))
 """
@@ -250,7 +282,7 @@ return answer(1, named .. '\\n' .. blocked .. '\\n' .. string.format('%.17g', fi
 # ARGV: prefix, replica, model, priority, member. A waiting request leaves (timed out, its
 # client gone, the replica stopping); when it was the first, the next may go.
 LEAVE = (
-    _COMMON
+    COMMON
     + """
 local model, prio, member = ARGV[3], ARGV[4], ARGV[5]
 local q = P .. 'q:' .. model .. ':' .. prio
@@ -267,12 +299,12 @@ return 0
 # ARGV: prefix, replica, lease entries (POOL|URL|LEASE). Legs that ended give their slots
 # back; each once, however often asked. Returns how many were held.
 RELEASE = (
-    _COMMON
+    COMMON
     + """
 local changed, n = {}, 0
 for i = 3, #ARGV do
-  if redis.call('SREM', P .. 'r:' .. me .. ':leases', ARGV[i]) == 1 then
-    local field = string.match(ARGV[i], '^(.*)|[^|]*$')
+  local field = lease_field(ARGV[i])
+  if field and redis.call('SREM', P .. 'r:' .. me .. ':leases', ARGV[i]) == 1 then
     changed[#changed + 1] = field .. '\\t' .. count(field, -1)
     n = n + 1
   end
@@ -285,11 +317,11 @@ return n
 # ARGV: prefix, replica, tenant, limit, id. One more request of ``tenant`` in flight, if
 # under ``limit`` over every replica: {1} taken, {0, count} refused.
 TENANT_IN = (
-    _COMMON
+    COMMON
     + """
-local n = tonumber(redis.call('HGET', P .. 'tenants', ARGV[3])) or 0
+local n = whole(redis.call('HGET', P .. 'tenants', ARGV[3])) or 0
 if n >= tonumber(ARGV[4]) then return {0, n} end
-redis.call('HINCRBY', P .. 'tenants', ARGV[3], 1)
+add(P .. 'tenants', ARGV[3], 1)
 redis.call('SADD', P .. 'r:' .. me .. ':tenants', ARGV[3] .. '|' .. ARGV[5])
 return {1}
 """
@@ -297,12 +329,10 @@ return {1}
 
 # ARGV: prefix, replica, tenant, id. That request ended (once, however often asked).
 TENANT_OUT = (
-    _COMMON
+    COMMON
     + """
 if redis.call('SREM', P .. 'r:' .. me .. ':tenants', ARGV[3] .. '|' .. ARGV[4]) == 1 then
-  if redis.call('HINCRBY', P .. 'tenants', ARGV[3], -1) <= 0 then
-    redis.call('HDEL', P .. 'tenants', ARGV[3])
-  end
+  add(P .. 'tenants', ARGV[3], -1)
   return 1
 end
 return 0

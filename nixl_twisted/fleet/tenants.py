@@ -18,6 +18,7 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.replies import WrongReply
 
 #: What ``admit`` says when Redis could not: the replica decides alone.
 ALONE = None
@@ -55,13 +56,12 @@ class SharedTenants:
         if not self.replicas.is_shared:
             return succeed(ALONE)
         place = next(self._ids)
-        sent = self.replicas.call(scripts.TENANT_IN, [tenant, limit, place], "tenant")
+        sent = self.replicas.call(scripts.TENANT_IN, [tenant, limit, place], "tenant", _granted)
         # Its own Deferred: a client that leaves cancels it, not Redis's answer, so that a
         # place Redis grants after it left is given back instead of held for nobody.
         answered: Deferred[str | bool | None] = Deferred()
 
-        def said(reply: Any) -> None:
-            granted = int(reply[0]) == 1
+        def said(granted: bool) -> None:
             if granted:
                 self.places[place] = tenant
             if answered.called:  # (its client left while Redis was asked)
@@ -88,3 +88,10 @@ class SharedTenants:
             return  # (written back without it when Redis answers again)
         sent = self.replicas.call(scripts.TENANT_OUT, [tenant, place], "tenant")
         sent.addErrback(lambda failure: failure.trap(Unshared))
+
+
+def _granted(reply: Any) -> bool:
+    """``TENANT_IN``'s reply: {1} taken, {0, count} refused."""
+    if isinstance(reply, (list, tuple)) and reply and type(reply[0]) is int and reply[0] in (0, 1):
+        return bool(reply[0] == 1)
+    raise WrongReply(reply)

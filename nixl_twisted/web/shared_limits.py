@@ -47,32 +47,66 @@ log = Logger()
 TIMEOUT = 0.1
 WINDOW_MS = 60_000
 
+#: Shared by both scripts: what a key holds is checked before use (anyone who can write to
+#: Redis may have written there). A key of the wrong type is deleted; a count that is not a
+#: whole number is 0; an entry dated after the window's end (no process dates one so) leaves
+#: it; a total with no expiry (no script writes one so) or not a count is summed again from
+#: the requests' own tokens. Each key expires with the window: whatever was forged is gone
+#: within two windows at most.
+_CHECKED = """
+local function whole(s)
+  local n = tonumber(s)
+  if n == nil or n ~= n or n < 0 or n > 9007199254740992 or n ~= math.floor(n) then return nil end
+  return n
+end
+local function typed(key, kind)
+  local t = redis.call('TYPE', key)['ok']
+  if t ~= 'none' and t ~= kind then redis.call('DEL', key) end
+end
+local function total(tokens, used, sum, window)
+  local n = whole(redis.call('GET', sum))
+  if n == nil or redis.call('PTTL', sum) == -1 then
+    n = 0
+    for _, v in ipairs(redis.call('HVALS', used)) do n = n + (whole(v) or 0) end
+    redis.call('SET', sum, n, 'PX', window)
+  end
+  return n
+end
+"""
+
 # KEYS: requests (zset), tokens (zset), tokens by member (hash), their total.
 # ARGV: now (ms), window (ms), requests limit, tokens limit, estimate (-1: none), member.
 # {0}: admitted; {1, oldest}: past the requests; {2, oldest}: past the tokens.
-ADMIT = """
+ADMIT = (
+    _CHECKED
+    + """
 local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
-local since = now - window
+local since, later = now - window, '(' .. (now + window)
 local rpm, tpm, estimate = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local counted = tpm > 0 and estimate >= 0
+typed(KEYS[1], 'zset')
+typed(KEYS[2], 'zset')
+typed(KEYS[3], 'hash')
+typed(KEYS[4], 'string')
 if rpm > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', since)
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], later, '+inf')
   if redis.call('ZCARD', KEYS[1]) >= rpm then
     return {1, redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]}
   end
 end
 if counted then
-  local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', since)
-  if #gone > 0 then
-    local freed = 0
-    for _, member in ipairs(gone) do
-      freed = freed + (tonumber(redis.call('HGET', KEYS[3], member)) or 0)
+  local used = total(KEYS[2], KEYS[3], KEYS[4], window)
+  local freed = 0
+  for _, range in ipairs({{'-inf', since}, {later, '+inf'}}) do
+    for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], range[1], range[2])) do
+      freed = freed + (whole(redis.call('HGET', KEYS[3], member)) or 0)
       redis.call('HDEL', KEYS[3], member)
+      redis.call('ZREM', KEYS[2], member)
     end
-    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', since)
-    redis.call('DECRBY', KEYS[4], freed)
   end
-  local used = tonumber(redis.call('GET', KEYS[4])) or 0
+  used = math.max(0, used - freed)
+  redis.call('SET', KEYS[4], used, 'PX', window)
   if used > 0 and used + estimate > tpm then
     local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
     return {2, oldest[2] or ARGV[1]}
@@ -85,24 +119,33 @@ end
 if counted then
   redis.call('ZADD', KEYS[2], now, ARGV[6])
   redis.call('HSET', KEYS[3], ARGV[6], estimate)
-  redis.call('INCRBY', KEYS[4], estimate)
-  for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], window) end
+  redis.call('SET', KEYS[4], total(KEYS[2], KEYS[3], KEYS[4], window) + estimate, 'PX', window)
+  for i = 2, 3 do redis.call('PEXPIRE', KEYS[i], window) end
 end
 return {0}
 """
+)
 
 # KEYS: tokens (zset), tokens by member (hash), their total.
 # ARGV: now (ms), window (ms), member, tokens. The estimate becomes what was used,
 # counted from now; one that already left the window is charged afresh.
-CHARGE = """
-local before = tonumber(redis.call('HGET', KEYS[2], ARGV[3])) or 0
+CHARGE = (
+    _CHECKED
+    + """
+local window = tonumber(ARGV[2])
+typed(KEYS[1], 'zset')
+typed(KEYS[2], 'hash')
+typed(KEYS[3], 'string')
+local used = total(KEYS[1], KEYS[2], KEYS[3], window)
+local before = whole(redis.call('HGET', KEYS[2], ARGV[3])) or 0
 local tokens = tonumber(ARGV[4])
 redis.call('ZADD', KEYS[1], tonumber(ARGV[1]), ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[3], tokens)
-redis.call('INCRBY', KEYS[3], tokens - before)
-for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], tonumber(ARGV[2])) end
+redis.call('SET', KEYS[3], math.max(0, used + tokens - before), 'PX', window)
+for i = 1, 2 do redis.call('PEXPIRE', KEYS[i], window) end
 return 1
 """
+)
 
 
 @dataclass(frozen=True)
@@ -171,7 +214,8 @@ class SharedWindows(Service):
             self._shared()
             if code == 0:
                 return Verdict(True, member=member)
-            wait = max(1.0, (oldest + WINDOW_MS - now) / 1000)  # (clocks may differ)
+            # (clocks may differ; no entry stays past two windows: ``_CHECKED``)
+            wait = min(2 * WINDOW_MS / 1000, max(1.0, (oldest + WINDOW_MS - now) / 1000))
             limit = f"{rpm} requests per minute" if code == 1 else f"{tpm} tokens per minute"
             return Verdict(False, limit, wait)
 

@@ -6,6 +6,7 @@ limits are shared again once Redis behaves."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -20,7 +21,7 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 
-from nixl_twisted.fleet.link import RETRY
+from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.testing import RunningProxy
 from nixl_twisted.testing.resp import OK, ScriptedRedis
 from nixl_twisted.web.shared_limits import SharedWindows
@@ -261,6 +262,28 @@ class SharedLimitTests(ProxyCase):
                 "did not answer within 100 ms",
             ],
         )
+
+    # What a writer to Redis forged of a tenant's window leaves it within two windows: at
+    # once, for an entry dated past the window's end or a total no script wrote.
+    async def forge(self, *commands: tuple[object, ...]) -> None:
+        link = RedisLink(self.redis.url, reactor, lambda why: None)
+        link.start()
+        self.addCleanup(link.stop)
+        tag = hashlib.sha256(b"team-a").hexdigest()[:16]
+        for name, key, *rest in commands:
+            await link.command(name, f"nixlproxy:{{{tag}}}:{key}", *rest)
+
+    async def test_a_request_dated_far_ahead_leaves_the_window(self) -> None:
+        one, _ = await self.shared(tenant_requests_per_minute=1)
+        await self.forge(("ZADD", "requests", 10**15, "forged"))
+        self.assertEqual(await self.status(one), 200)
+        self.assertEqual(self.fallback(one), 0)
+
+    async def test_a_total_no_script_wrote_is_summed_again(self) -> None:
+        one, _ = await self.shared(tenant_tokens_per_minute=1000)
+        await self.forge(("SET", "total", 10**9), ("SET", "used", "x"))
+        self.assertEqual(await self.status(one), 200)  # (and the key of the wrong type, gone)
+        self.assertEqual(self.fallback(one), 0)
 
 
 class RedisClient(Protocol):

@@ -22,10 +22,12 @@ class Answered:
     def hold(self, holder: object) -> None:
         pass
 
-    def call(self, script: str, args: list[Any], name: str) -> Deferred[Any]:
+    def call(
+        self, script: str, args: list[Any], name: str, read: Any = lambda reply: reply
+    ) -> Deferred[Any]:
         asked: Deferred[Any] = Deferred()
         self.calls.append((name, args, asked))
-        return asked
+        return asked.addCallback(read)
 
 
 def test_a_place_granted_after_its_client_left_is_given_back() -> None:
