@@ -250,7 +250,7 @@ class FleetTenantsTests(FleetCase):
         await held
         refused = await self.chat(other, headers={"x-team": "a"})
         assert refused.code == 429  # its one request in flight is on the other replica
-        assert b"1 requests in flight" in await refused.content()
+        assert b"1 request in flight" in await refused.content()
         self.decode.release()
         await first.content()
         other_team = await self.chat(other, headers={"x-team": "b"})
