@@ -136,7 +136,8 @@ def full(size: int, retry_after: float) -> ProxyError:
     """A request refused by a full queue (503 ``queue_full``)."""
     return ProxyError(
         ErrorCode.QUEUE_FULL,
-        f"the proxy's queue is full ({counted(size, 'request')} waiting for a slot): try again later",
+        f"the proxy's queue is full ({counted(size, 'request')} waiting for a slot): "
+        "try again later",
         retry_after=retry_after,
     )
 

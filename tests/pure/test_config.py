@@ -321,3 +321,35 @@ def test_a_bodys_ceiling_is_never_below_its_timeout() -> None:
     assert ceiling() == 120.0
     assert ceiling(body_max_timeout=600) == 600.0
     assert ceiling(body_timeout=300) == 300.0  # (a longer --body-timeout is kept whole)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("decode_max_inflight = 3", "'decode_max_inflight' unknown key; did you mean 'decode-max-in-flight'?"),
+        ("prefil = []", "'prefil' unknown key; did you mean 'prefill'?"),
+        ('[replicas]\nurl = "redis://r"', "'[replicas] url' unknown key ([replicas] takes redis)"),
+        ('[replicas]\nrediss = "redis://r"', "'[replicas] rediss' unknown key; did you mean '[replicas] redis'?"),
+        ("colour = 3", "'colour' unknown key (the keys are the options' long names: twistd nixlproxy --help"),
+    ],
+)  # fmt: skip
+def test_an_unknown_key_is_named_as_written_with_what_it_likely_meant(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    """Not the 90 keys in one line: the one it likely meant, or where they are listed."""
+    path = config_file(tmp_path, 'decode = ["http://d:1"]\n' + text + "\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve({"prefill": ["http://p:1"]}, path, {})
+    assert str(caught.value).startswith(f"--config {path}: {said}")
+    assert len(str(caught.value)) < 200 + len(path)
+
+
+def test_a_mistyped_option_gets_the_option_it_likely_meant() -> None:
+    with pytest.raises(usage.UsageError) as caught:
+        parse(*POOLS, "--decode-max-inflight", "4")
+    assert str(caught.value) == (
+        "option --decode-max-inflight not recognized; did you mean --decode-max-in-flight?"
+    )
+    with pytest.raises(usage.UsageError) as caught:
+        parse(*POOLS, "--colour", "4")
+    assert str(caught.value) == "option --colour not recognized"
