@@ -214,7 +214,9 @@ class Replicas(Service):
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def beaten(reply: Any) -> Deferred[None] | None:
-            mine, purged, live, view, version, dead = reply
+            mine, purged, live, view, version, dead, waiting = reply
+            # (each beat, not only this replica's own placements: idle, it places none)
+            self.metrics.fleet_waiting.set(int(waiting))
             if purged:
                 self.metrics.leases_expired.inc(int(purged))
             for replica in dead:

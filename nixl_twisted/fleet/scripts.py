@@ -92,7 +92,7 @@ end
 # Forgets every replica whose heartbeat expired (its leases, waits and tenants' requests);
 # returns {1 if this replica was alive still (else what it held is gone: restore it),
 # leases forgotten, {replica, info, ...} of the live ones, the slots' view (HGETALL), its
-# version, the replicas forgotten}.
+# version, the replicas forgotten, how many wait in the fleet's queue}.
 HEARTBEAT = (
     _COMMON
     + """
@@ -114,7 +114,8 @@ for _, r in ipairs(redis.call('ZRANGEBYSCORE', P .. 'alive', now, '+inf')) do
   live[#live + 1] = r
   live[#live + 1] = redis.call('HGET', P .. 'info', r) or '{}'
 end
-return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead}
+return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead,
+        tonumber(redis.call('GET', P .. 'waiting')) or 0}
 """
 )
 
