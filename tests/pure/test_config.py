@@ -326,11 +326,14 @@ def test_a_bodys_ceiling_is_never_below_its_timeout() -> None:
 @pytest.mark.parametrize(
     ("text", "said"),
     [
-        ("decode_max_inflight = 3", "'decode_max_inflight' unknown key; did you mean 'decode-max-in-flight'?"),
+        ("decode_max_inflight = 3", "'decode_max_inflight' unknown key; did you mean "
+         "'decode-max-in-flight'?"),
         ("prefil = []", "'prefil' unknown key; did you mean 'prefill'?"),
         ('[replicas]\nurl = "redis://r"', "'[replicas] url' unknown key ([replicas] takes redis)"),
-        ('[replicas]\nrediss = "redis://r"', "'[replicas] rediss' unknown key; did you mean '[replicas] redis'?"),
-        ("colour = 3", "'colour' unknown key (the keys are the options' long names: twistd nixlproxy --help"),
+        ('[replicas]\nrediss = "redis://r"', "'[replicas] rediss' unknown key; did you mean "
+         "'[replicas] redis'?"),
+        ("colour = 3", "'colour' unknown key (the keys are the options' long names: "
+         "twistd nixlproxy --help"),
     ],
 )  # fmt: skip
 def test_an_unknown_key_is_named_as_written_with_what_it_likely_meant(
