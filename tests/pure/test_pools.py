@@ -441,7 +441,7 @@ def test_marked_down_after_one_failure_says_one_failure() -> None:
             said.append(formatEvent(event))
 
     pool = BackendPool("decode", ["http://a:1", "http://b:2"], Clock(), Thresholds(1, 2), False)
-    a, b = pool.instances
+    a, _ = pool.instances
     globalLogPublisher.addObserver(observer)
     try:
         pool.record_failure(a, "refused")
