@@ -31,7 +31,7 @@ IMAGE ?= nixl-twisted:$(VERSION)
 # Empty: python:3.12-slim when a registry gives it, else Debian's, made here (build.sh).
 IMAGE_BASE ?=
 
-.PHONY: demo test lint layers docs-check bench-smoke demo-check chart-check docs install install-demo redis-server dnsmasq chromium helm kubernetes-validate manifests image image-check clean
+.PHONY: demo test lint layers docs-check bench-smoke demo-check chart-check docs install install-demo redis-server dnsmasq chromium helm kubernetes-validate manifests chart-schema image image-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -130,6 +130,11 @@ $(KUBERNETES_VALIDATE):
 	$(PYTHON) -m venv $(TOOLS)/kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)
 	$(TOOLS)/kubernetes-validate-$(KUBERNETES_VALIDATE_VERSION)/bin/python -m pip install --quiet \
 		kubernetes-validate==$(KUBERNETES_VALIDATE_VERSION)
+
+# The chart's values.schema.json, made from the proxy's settings table (each key
+# of `config` typed as the proxy parses it); chart-check holds the file equal to it.
+chart-schema: $(STEP_NEEDS)
+	$(BIN)/python deploy/helm/values_schema.py >deploy/helm/nixl-twisted/values.schema.json
 
 # The plain manifests, for users without Helm: the chart with its defaults.
 manifests: helm

@@ -9,6 +9,7 @@ nothing live. ``makeService`` hands that value to the composition root
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -18,6 +19,7 @@ from twisted.python import usage
 from nixl_twisted import __version__, identity, logs
 from nixl_twisted.config import ConfigError, ProxyConfig, help, resolve
 from nixl_twisted.config.settings import BACKEND_API_KEY_ENV, BY_NAME, SETTINGS, default_text
+from nixl_twisted.config.spelling import did_you_mean
 from nixl_twisted.run import needs, startup
 from nixl_twisted.run.root import build
 from nixl_twisted.run.tree import Logging
@@ -121,6 +123,18 @@ class Options(usage.Options):
     def getUsage(self, width: int | None = None) -> str:
         """What twistd prints before a usage error: the synopsis and a hint, not 80 lines."""
         return f"    nixlproxy {self.synopsis}\nThe options: twistd nixlproxy --help\n"
+
+    def parseOptions(self, options: list[str] | None = None) -> None:
+        """As ``usage.Options`` parses, with the option a mistyped one most likely meant."""
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as error:
+            unknown = re.fullmatch(r"option --(\S+) not recognized", str(error))
+            if unknown is None:
+                raise
+            names = [name.rstrip("=") for name in self.longOpt]
+            hint = did_you_mean(unknown[1], names, lambda name: f"--{name}")
+            raise usage.UsageError(f"{error}{hint}") from None
 
     def postOptions(self) -> None:
         try:

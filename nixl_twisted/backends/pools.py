@@ -32,6 +32,7 @@ from nixl_twisted.backends.roster import PoolChangeRefused, Roster
 from nixl_twisted.backends.routing import NO_ROUTING, Routing
 from nixl_twisted.backends.warm_up import joined
 from nixl_twisted.config.values import backend_url, cap_of, instance_url, kv_ports, rank_urls
+from nixl_twisted.config.words import counted
 
 __all__ = ["BackendPool", "Lease", "NoHealthyInstance", "NoRoom", "PoolChangeRefused"]
 
@@ -297,10 +298,11 @@ class BackendPool(Roster):
             return
         if health.failed(instance, reason, self.thresholds, self._now()):
             log.warn(
-                "{role} instance {url} marked down after {failures} failures in a row: {reason}",
+                "{role} instance {url} marked down after {failed} in a row: {reason}",
                 role=self.role,
                 url=instance.url,
                 failures=instance.failures,
+                failed=counted(instance.failures, "failure"),
                 reason=reason,
             )
             instance.marked_down()

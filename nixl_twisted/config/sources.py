@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Mapping
 
 from nixl_twisted.config.settings import BY_NAME, SETTINGS
-from nixl_twisted.config.spelling import SpelledTwice, dashed
+from nixl_twisted.config.spelling import SpelledTwice, dashed, did_you_mean
 from nixl_twisted.config.values import InvalidValue
 
 if sys.version_info >= (3, 11):
@@ -28,14 +28,19 @@ class ConfigError(ValueError):
         self.key = key
 
 
-def parse(raw: Mapping[str, object], where: Callable[[str], str]) -> dict[str, object]:
-    """Parse raw values by long name; ``where(key)`` starts each error message."""
+def parse(
+    raw: Mapping[str, object],
+    where: Callable[[str], str],
+    unknown: Callable[[str], str] | None = None,
+) -> dict[str, object]:
+    """Parse raw values by long name; ``where(key)`` starts each error message, and
+    ``unknown(key)`` says what a key that is no setting may have meant."""
     parsed: dict[str, object] = {}
     for key, value in raw.items():
         setting = BY_NAME.get(key)
         if setting is None:
-            known = ", ".join(sorted(BY_NAME))
-            raise ConfigError(key, f"{where(key)}unknown key (keys are: {known})")
+            hint = (unknown or _meant)(key)
+            raise ConfigError(key, f"{where(key)}unknown key{hint or _LISTED}")
         try:
             if setting.many:
                 if not isinstance(value, list | tuple):
@@ -46,6 +51,14 @@ def parse(raw: Mapping[str, object], where: Callable[[str], str]) -> dict[str, o
         except InvalidValue as error:
             raise ConfigError(key, f"{where(key)}{error}") from None
     return parsed
+
+
+#: What an unknown key's error says when no setting's name is close to it.
+_LISTED = " (the keys are the options' long names: twistd nixlproxy --help, docs/configuration.md)"
+
+
+def _meant(key: str) -> str:
+    return did_you_mean(key, BY_NAME)
 
 
 def from_environment(given: Mapping[str, object], environ: Mapping[str, str]) -> dict[str, object]:
@@ -81,13 +94,27 @@ def read_file(path: str) -> dict[str, object]:
         raise ConfigError(
             "config", f"--config {path}: not UTF-8 text (byte {error.start}), as TOML must be"
         ) from None
-    table = _flattened(table)
+    table, written = _flattened(table)
     try:
         named = dashed(table, f"--config {path}: ")
     except SpelledTwice as error:
         raise ConfigError(error.name, str(error)) from None
     raw = {name: value for name, (_, value) in named.items()}
-    return parse(raw, lambda name: f"--config {path}: {named[name][0]!r} ")
+
+    def as_written(name: str) -> str:
+        key = named[name][0]
+        return repr(written.get(key, key))
+
+    def unknown(name: str) -> str:
+        table = next((t for t in TABLES if named[name][0] in _inside(written, t)), None)
+        if table is None:
+            return did_you_mean(name, BY_NAME)
+        # A key of [replicas]: what that table takes, as it is written there.
+        inner = [key[len(table) + 1 :] for key in BY_NAME if key.startswith(f"{table}-")]
+        hint = did_you_mean(name[len(table) + 1 :], inner, lambda key: repr(f"[{table}] {key}"))
+        return hint or f" ([{table}] takes {', '.join(inner)})"
+
+    return parse(raw, lambda name: f"--config {path}: {as_written(name)} ", unknown)
 
 
 #: The TOML tables whose keys are settings of their own: ``[replicas] redis = URL`` is
@@ -95,12 +122,21 @@ def read_file(path: str) -> dict[str, object]:
 TABLES = ("replicas",)
 
 
-def _flattened(table: dict[str, object]) -> dict[str, object]:
-    """``[replicas] redis = ...`` as ``replicas-redis = ...``: one key per setting."""
+def _flattened(table: dict[str, object]) -> tuple[dict[str, object], dict[str, str]]:
+    """``[replicas] redis = ...`` as ``replicas-redis = ...``: one key per setting; and
+    how each key of a table was written (``'[replicas] url'``), for its errors."""
     flat: dict[str, object] = {}
+    written: dict[str, str] = {}
     for key, value in table.items():
         if key in TABLES and isinstance(value, dict):
-            flat.update({f"{key}-{inner}": given for inner, given in value.items()})
+            for inner, given in value.items():
+                flat[f"{key}-{inner}"] = given
+                written[f"{key}-{inner}"] = f"[{key}] {inner}"
         else:
             flat[key] = value
-    return flat
+    return flat, written
+
+
+def _inside(written: Mapping[str, str], table: str) -> set[str]:
+    """The flat keys that were written inside ``[table]``."""
+    return {key for key, shown in written.items() if shown.startswith(f"[{table}] ")}

@@ -40,6 +40,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from nixl_twisted.config import NO_RULE, TenantRule
+from nixl_twisted.config.words import counted
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
@@ -135,7 +136,8 @@ def full(size: int, retry_after: float) -> ProxyError:
     """A request refused by a full queue (503 ``queue_full``)."""
     return ProxyError(
         ErrorCode.QUEUE_FULL,
-        f"the proxy's queue is full ({size} requests wait for a slot): try again later",
+        f"the proxy's queue is full ({counted(size, 'request')} waiting for a slot): "
+        "try again later",
         retry_after=retry_after,
     )
 

@@ -19,6 +19,7 @@ from twisted.logger import Logger
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.config.parts import MigrationRules
+from nixl_twisted.config.words import counted
 from nixl_twisted.exchange.broken import Break
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
@@ -242,10 +243,11 @@ class Migrations:
         self._since, self._took = self.clock.seconds(), None
         self.trace.moving(self.tries, relayed, source)
         log.warn(
-            "decode for {request_id} failed after {tokens} tokens on {url}: moving it to "
+            "decode for {request_id} failed after {relayed} on {url}: moving it to "
             "another decode instance ({tries} of {limit})",
             request_id=self.completion.request_id,
             tokens=relayed,
+            relayed=counted(relayed, "token"),
             url=source,
             tries=self.tries,
             limit=self.rules.limit,

@@ -185,7 +185,8 @@ for model in pairs(models) do
     if redis.call('HLEN', lkey) > LAST_MAX then redis.call('DEL', lkey) end
   end
 end
-return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead}
+return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead,
+        waiting}
 """
 )
 
@@ -204,13 +205,15 @@ class Beat:
     #: The slots' view (``POOL|URL`` -> legs) and its version.
     view: dict[str, int]
     version: int
+    #: Requests waiting in the fleet's queue, as this beat rebuilt the count.
+    waiting: int
 
 
 def read_beat(reply: object) -> Beat:
     """``HEARTBEAT``'s reply, each part checked (``WrongReply`` when one is not as written)."""
-    if not isinstance(reply, Sequence) or len(reply) != 6:
+    if not isinstance(reply, Sequence) or len(reply) != 7:
         raise WrongReply(reply)
-    mine, purged, live, view, version, dead = reply
+    mine, purged, live, view, version, dead, waiting = reply
     if not isinstance(live, Sequence) or not isinstance(dead, Sequence) or len(live) % 2:
         raise WrongReply(reply)
     return Beat(
@@ -220,6 +223,7 @@ def read_beat(reply: object) -> Beat:
         live={text(live[i]): _info(live[i + 1]) for i in range(0, len(live), 2)},
         view=view_of(view),
         version=count_of(version),
+        waiting=count_of(waiting),
     )
 
 

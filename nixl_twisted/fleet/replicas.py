@@ -34,6 +34,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nixl_twisted.config.words import counted
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
 from nixl_twisted.fleet.heartbeat import HEARTBEAT, Beat, read_beat
@@ -245,14 +246,17 @@ class Replicas(Service):
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def beaten(beat: Beat) -> Deferred[None]:
+            # (each beat, not only this replica's own placements: idle, it places none)
+            self.metrics.fleet_waiting.set(beat.waiting)
             if beat.purged:
                 self.metrics.leases_expired.inc(beat.purged)
             for replica in beat.dead:
                 log.info(
                     "replicas: replica {replica} stopped beating; what it held is given back "
-                    "({purged} slots in all)",
+                    "({slots} in all)",
                     replica=replica,
                     purged=beat.purged,
+                    slots=counted(beat.purged, "slot"),
                 )
             self.seen = beat.live
             self.metrics.seen.set(len(self.seen))
@@ -288,10 +292,11 @@ class Replicas(Service):
             if was or not self._said_shared:
                 self._said_shared = True
                 log.info(
-                    "replicas: replica {id} shares caps, queue and tenants with {count} "
-                    "replicas through Redis {url}{again}",
+                    "replicas: replica {id} shares caps, queue and tenants with {replicas} "
+                    "through Redis {url}{again}",
                     id=self.id,
                     count=self.count,
+                    replicas=counted(self.count, "replica"),
                     url=shown(self.url),
                     again=" (it answers again)" if was else "",
                 )
@@ -319,10 +324,11 @@ class Replicas(Service):
             self._away_said = True
             log.warn(
                 "replicas: Redis {url} {what}; this replica holds each cap to its share "
-                "(cap / {count} replicas) and queues alone until it answers again",
+                "(cap / {replicas}) and queues alone until it answers again",
                 url=shown(self.url),
                 what=said,
                 count=self.count,
+                replicas=counted(self.count, "replica"),
             )
         if was_shared:
             for holder in self._holders:

@@ -49,7 +49,8 @@ class ReplicaMetrics:
         )
         self.fleet_waiting = Gauge(
             "nixlproxy_replicas_fleet_waiting",
-            "Requests waiting for a slot over every replica, as this replica last saw.",
+            "Requests waiting for a slot over every replica, as this replica last read "
+            "(at each of its placements and each heartbeat).",
             registry=r,
             multiprocess_mode="livemax",
         )

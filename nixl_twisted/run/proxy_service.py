@@ -22,6 +22,7 @@ from twisted.logger import Logger
 
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.config import ProxyConfig
+from nixl_twisted.config.words import counted
 from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.happened import Happened
@@ -181,14 +182,19 @@ class ProxyService(ProcessTree):
     async def _drain(self) -> bool:
         admission = self.served.admission
         if admission.in_flight:
-            lifecycle.info("draining {in_flight} requests in flight", in_flight=admission.in_flight)
+            lifecycle.info(
+                "draining {requests} in flight",
+                in_flight=admission.in_flight,
+                requests=counted(admission.in_flight, "request"),
+            )
         try:
             await admission.drained().addTimeout(self.config.timeouts.drain, self.clock)
         except TimeoutError:
             log.warn(
-                "drain timeout of {seconds} s: closing {in_flight} requests still in flight",
+                "drain timeout of {seconds} s: closing {requests} still in flight",
                 seconds=self.config.timeouts.drain,
                 in_flight=admission.in_flight,
+                requests=counted(admission.in_flight, "request"),
             )
             return False
         return True

@@ -16,6 +16,7 @@ any ``--log-level``.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import importlib
 import os
 import resource
@@ -26,7 +27,9 @@ from twisted.logger import Logger
 from nixl_twisted import __version__
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue
+from nixl_twisted.config.words import counted
 from nixl_twisted.exchange import decide
+from nixl_twisted.fleet.replies import shown
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.web.keys_file import read_keys
 from nixl_twisted.web.tenants import read_secret
@@ -96,7 +99,7 @@ def summary(config: ProxyConfig) -> str:
         config.limits,
         config.timeouts,
     )
-    workers = f", {config.workers} workers" if config.workers > 1 else ""
+    workers = f", {counted(config.workers, 'worker')}" if config.workers > 1 else ""
     interval = config.health.interval
     checks = f"every {interval:g} s" if interval else "off"
     return (
@@ -107,7 +110,69 @@ def summary(config: ProxyConfig) -> str:
         f"{config.retries.decode}, prefill-timeout {timeouts.prefill:g} s, "
         f"decode-timeout {timeouts.decode:g} s, drain-timeout {timeouts.drain:g} s, "
         f"health checks {checks}; {decide.describe(config.disaggregation)}{_models(config)}"
+        f"; {limiting(config)}"
     )
+
+
+def limiting(config: ProxyConfig) -> str:
+    """What holds requests back, besides max-in-flight: each instance's cap, the queue,
+    the tenants' limits, the client keys (how many, never which) and the Redis each
+    shares through (its URL without a password)."""
+    capacity = config.capacity
+    caps = (
+        f"caps prefill {capacity.prefill_max_in_flight or 'none'}, "
+        f"decode {capacity.decode_max_in_flight or 'none'} per instance"
+    )
+    queued = capacity.prefill_max_in_flight or capacity.decode_max_in_flight
+    queue = (
+        f"queue {capacity.queue_size}, {capacity.queue_timeout:g} s at most"
+        if queued
+        else "no queue"
+    )
+    return "; ".join([caps, queue, _tenants(config), _keys(config), _redis(config)])
+
+
+def _tenants(config: ProxyConfig) -> str:
+    tenants = config.tenants
+    limits = [
+        said
+        for value, said in (
+            (tenants.max_in_flight, f"{tenants.max_in_flight} in flight"),
+            (tenants.requests_per_minute, f"{counted(tenants.requests_per_minute, 'request')}/min"),
+            (tenants.tokens_per_minute, f"{counted(tenants.tokens_per_minute, 'token')}/min"),
+        )
+        if value
+    ]
+    whose = f"by {tenants.header}" if tenants.header else "by client key"
+    each = f", each {', '.join(limits)}" if limits else ", no limit each"
+    listed = f", [tenants] lists {len(tenants.table)}" if tenants.table else ""
+    if not (tenants.header or config.keyed or tenants.table):
+        return "tenants: none"
+    return f"tenants {whose}{each}{listed}"
+
+
+def _keys(config: ProxyConfig) -> str:
+    """How many client keys: the given ones and the file's (read at start, just before)."""
+    if not config.keyed:
+        return "client keys: none (anyone is served)"
+    keys = set(config.api_keys)
+    if config.api_keys_file is not None:
+        with contextlib.suppress(InvalidValue):  # (said by check_keys_file, each look)
+            keys |= set(read_keys(config.api_keys_file))
+    source = f", --api-keys-file {config.api_keys_file}" if config.api_keys_file else ""
+    return f"client keys: {len(keys)}{source}"
+
+
+def _redis(config: ProxyConfig) -> str:
+    shared = [
+        f"{what} {shown(url)}"
+        for what, url in (
+            ("replicas", config.replicas.redis),
+            ("tenant limits", config.tenants.redis),
+        )
+        if url
+    ]
+    return f"Redis: {', '.join(shared)}" if shared else "Redis: none (this replica alone)"
 
 
 def _models(config: ProxyConfig) -> str:

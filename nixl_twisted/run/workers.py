@@ -37,6 +37,7 @@ from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.endpoints import tcp_address, tcp_endpoint
+from nixl_twisted.config.words import counted
 from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV
 from nixl_twisted.run import startup
@@ -273,7 +274,7 @@ class SupervisorService(ProcessTree):
         super().reconfigure(config)
 
     def reached(self) -> str:
-        return f", sent to {len(self.supervisor.workers)} workers"
+        return f", sent to {counted(len(self.supervisor.workers), 'worker')}"
 
 
 def supervise(

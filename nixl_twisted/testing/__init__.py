@@ -1,8 +1,10 @@
 """A fake vLLM and a proxy harness for trial tests: yours and ours.
 
 - :class:`FakeVLLM` plays prefill and decode as NIXL-enabled vLLM does
-  (``fake``), sharing a :class:`TransferLedger` (``ledger``), answering in
-  OpenAI's shapes (``answers``), failing as scripted (``behaviours``);
+  (``fake``), sharing a :class:`TransferLedger` (``ledger``; a
+  :class:`SharedLedger` across processes), answering in OpenAI's shapes
+  (``answers``), failing as scripted (``behaviours``), or every request
+  of one instance as its :class:`Fault` says (``faults``);
 - :class:`KvPublisher` (``kv_publisher``) publishes a fake's KV cache events
   on ZeroMQ as vLLM does (``FakeVLLM(kv_events=True)``), replays included;
 - :func:`start_cluster` (``cluster``) starts N fake prefills and M fake
@@ -33,6 +35,7 @@ from nixl_twisted.testing.cluster import FakeCluster, start_cluster
 from nixl_twisted.testing.collector import FakeCollector, ReceivedSpan
 from nixl_twisted.testing.dns import FakeDns
 from nixl_twisted.testing.fake import FakeVLLM
+from nixl_twisted.testing.faults import Fault
 from nixl_twisted.testing.harness import (
     FakePair,
     RunningProxy,
@@ -42,7 +45,7 @@ from nixl_twisted.testing.harness import (
 )
 from nixl_twisted.testing.kubernetes import FakeKubernetes
 from nixl_twisted.testing.kv_publisher import KvPublisher
-from nixl_twisted.testing.ledger import TransferLedger
+from nixl_twisted.testing.ledger import SharedLedger, TransferLedger
 from nixl_twisted.testing.memory import InMemoryClient, InMemoryProxy
 from nixl_twisted.testing.process import Twistd, TwistdProtocol, spawn_twistd
 from nixl_twisted.testing.received import ReceivedRequest
@@ -58,6 +61,7 @@ __all__ = [
     "FakePair",
     "FakeSite",
     "FakeVLLM",
+    "Fault",
     "InMemoryClient",
     "InMemoryProxy",
     "KvPublisher",
@@ -65,6 +69,7 @@ __all__ = [
     "ReceivedRequest",
     "ReceivedSpan",
     "RunningProxy",
+    "SharedLedger",
     "TransferLedger",
     "Twistd",
     "TwistdProtocol",

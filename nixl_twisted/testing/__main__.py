@@ -1,9 +1,11 @@
 """``python -m nixl_twisted.testing``: fake vLLM prefill and decode instances from a shell.
 
 All of them in this one process, sharing one ``TransferLedger``, so that a
-proxy may pair any prefill with any decode, as it does real vLLM instances
-(two processes would hold two ledgers, and a decode would refuse the other
-process's params as a KV-load failure). Prints each instance's URL once all
+proxy may pair any prefill with any decode, as it does real vLLM instances;
+with ``--ledger DIR``, processes given the same directory share one ledger
+(without, a decode would refuse another process's params as a KV-load
+failure). ``--fault decode-1=fail-kv`` (``hang``, ``500``) fails one
+instance's every request while the others serve. Prints each instance's URL once all
 listen, then a ``twistd nixlproxy`` command line that serves them. With
 ``--kv-events``, each also publishes its KV cache events on ZeroMQ and
 answers replays (each pair of ports said on a line of its own, after its
@@ -26,6 +28,8 @@ from twisted.internet.endpoints import quoteStringArgument
 
 from nixl_twisted.testing.cluster import FakeCluster, start_cluster
 from nixl_twisted.testing.fake import SENTENCE_TOKENS, FakeVLLM
+from nixl_twisted.testing.faults import Fault, fault_named
+from nixl_twisted.testing.ledger import SharedLedger
 
 #: The proxy's own listening endpoint in the command line printed for the user.
 PROXY_LISTEN = "tcp:8000"
@@ -153,12 +157,41 @@ def arguments() -> argparse.ArgumentParser:
         "instance that hangs mid-answer, or one to kill mid-answer; unset: they do not)",
     )
     parser.add_argument(
+        "--fault",
+        type=_fault,
+        action="append",
+        default=[],
+        metavar="NAME=FAULT",
+        help="one instance fails every generation request: fail-kv (a decode whose KV "
+        "loads all fail, 500), hang (taken, never answered) or 500 (an engine error); "
+        "repeatable, e.g. --fault decode-1=fail-kv",
+    )
+    parser.add_argument(
+        "--ledger",
+        default=None,
+        metavar="DIR",
+        help="keep the KV ledger in this directory, which fake processes given the same "
+        "one share: any decode of any of them redeems what any prefill issued (unset: "
+        "in this process alone)",
+    )
+    parser.add_argument(
         "--kv-events",
         action="store_true",
         help="publish each instance's KV cache events on ZeroMQ, as vLLM's "
         "--kv-events-config does, with a replay endpoint; their ports are printed",
     )
     return parser
+
+
+def _fault(text: str) -> tuple[str, Fault]:
+    """``NAME=FAULT`` as (the instance's name, its fault)."""
+    name, equals, kind = text.partition("=")
+    if not equals or not name:
+        raise argparse.ArgumentTypeError(f"not NAME=FAULT: {text!r}")
+    try:
+        return name, fault_named(kind)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def fake_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -223,6 +256,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         if first and first + count - 1 > 65535:
             parser.error(f"{option} {first}: {count} consecutive ports go past 65535")
+    names = [f"prefill-{i}" for i in range(args.prefills)]
+    names += [f"decode-{i}" for i in range(args.decodes)]
+    for name, _ in args.fault:
+        if name not in names:
+            parser.error(f"--fault {name}: no such instance here ({', '.join(names)})")
+    ledger = SharedLedger(args.ledger) if args.ledger is not None else None
     failed: list[str] = []
 
     async def serve() -> None:
@@ -230,14 +269,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             endpoints(args.prefill_port, args.prefills, args.interface),
             endpoints(args.decode_port, args.decodes, args.interface),
             reactor,
+            ledger,
             **fake_options(args),
         )
         reactor.addSystemEventTrigger("before", "shutdown", cluster.stop)
         if args.decode_hold_after is not None:
             for fake in cluster.decodes:
                 fake.hold_streams_after(args.decode_hold_after)
+        faults = dict(args.fault)
         for fake in cluster.instances:
-            print(f"fake {fake.name} listening on {fake.url}", flush=True)
+            fake.fault = faults.get(fake.name)
+            faulty = f" (fault: {fake.fault.value})" if fake.fault is not None else ""
+            print(f"fake {fake.name} listening on {fake.url}{faulty}", flush=True)
             said = kv_line(fake)
             if said is not None:
                 print(said, flush=True)

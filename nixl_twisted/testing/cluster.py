@@ -3,7 +3,8 @@
 A decode redeems ``kv_transfer_params`` only from the ledger its prefill
 wrote to, so instances that a proxy may pair in any way must share one:
 in one process, as ``python -m nixl_twisted.testing --prefills N --decodes M``
-serves them. It imports the fake's modules only, never the proxy's.
+serves them, or in a directory several such processes share (``--ledger``).
+It imports the fake's modules only, never the proxy's.
 """
 
 from __future__ import annotations
@@ -39,15 +40,18 @@ async def start_cluster(
     prefill_listen: Sequence[str],
     decode_listen: Sequence[str],
     reactor: Any = None,
+    ledger: TransferLedger | None = None,
     **fake_options: Any,
 ) -> FakeCluster:
     """One fake prefill per endpoint of ``prefill_listen`` (``prefill-0``, ...)
     and one decode per endpoint of ``decode_listen`` (``decode-0``, ...), all
-    sharing one ledger; ``fake_options`` are ``FakeVLLM``'s (``tokens=4``).
+    sharing one ledger (``ledger``, else a new one in this process: a
+    ``SharedLedger`` to share it with fakes in other processes);
+    ``fake_options`` are ``FakeVLLM``'s (``tokens=4``).
 
     If one cannot listen, those already listening are stopped and the error raised.
     """
-    ledger = TransferLedger()
+    ledger = ledger if ledger is not None else TransferLedger()
     cluster = FakeCluster(
         [
             FakeVLLM(name=f"prefill-{i}", ledger=ledger, **fake_options)

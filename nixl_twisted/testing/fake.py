@@ -28,6 +28,7 @@ from twisted.web.server import Request
 from nixl_twisted.testing.capacity import Capacity
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
+from nixl_twisted.testing.faults import Fault
 from nixl_twisted.testing.generation import Generation
 from nixl_twisted.testing.kv_publisher import KvEventsMixin
 from nixl_twisted.testing.ledger import TransferLedger
@@ -142,6 +143,9 @@ class FakeVLLM(Generation, OtherRoutes):
     recompute_silently: bool = False
     #: Its prompt tokens by source and NIXL failures, as ``/metrics`` says them.
     sources: PromptSources = field(default_factory=PromptSources)
+    #: How this instance fails every generation request (None: it serves them):
+    #: set it on one instance of a fleet, and back to None to heal it.
+    fault: Fault | None = None
 
     #: Every fake's routes, made once (werkzeug compiles each rule, which takes
     #: longer than a test in memory); Klein binds them to each fake.

@@ -13,7 +13,7 @@ import json
 import uuid
 from typing import Any
 
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.server import Request
 
 from nixl_twisted.testing import answers, prompt_ids, schema
@@ -21,6 +21,7 @@ from nixl_twisted.testing.behaviours import Behaviour, spoiled
 from nixl_twisted.testing.capacity import QUEUE_FULL, QUEUE_FULL_TYPE, Capacity
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
+from nixl_twisted.testing.faults import Fault
 from nixl_twisted.testing.kv_publisher import KvEventsMixin
 from nixl_twisted.testing.ledger import TransferLedger
 from nixl_twisted.testing.prefix_cache import PrefixCache, prompt_tokens
@@ -44,6 +45,7 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
     extra_headers: dict[str, str]
     recompute_silently: bool
     sources: PromptSources
+    fault: Fault | None
     cache: PrefixCache
     responses: dict[str, JSONObject]
     _kv_port: int
@@ -84,6 +86,11 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         for name, value in self.extra_headers.items():
             request.setHeader(name.encode("ascii"), value.encode("utf-8"))
 
+        if self.fault is Fault.ERROR_500:
+            request.setResponseCode(500)
+            return answers.vllm_error(500, "engine error (the fake's fault: 500)")
+        if self.fault is Fault.HANG:
+            await Deferred()  # for good: only its client leaving (a cancel) ends it
         behaviour = self._next_behaviour()
         instead = behaviour.instead()
         if instead is not None:
@@ -149,6 +156,10 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
             kv = handed.params
             if handed.used is not None:
                 tokens, self.token_ids_reused = handed.used, self.token_ids_reused + 1
+            if self.fault is Fault.FAIL_KV:
+                self.sources.failed_transfers += 1
+                request.setResponseCode(500)
+                return answers.vllm_error(500, "KV load failed: the fake's fault: fail-kv")
             problem = self.ledger.redeem(kv)
             if problem is not None:
                 request.setResponseCode(500)

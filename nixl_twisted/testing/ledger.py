@@ -1,7 +1,16 @@
-"""``TransferLedger``: the ``kv_transfer_params`` prefills issued, checked on decode."""
+"""``TransferLedger``: the ``kv_transfer_params`` prefills issued, checked on decode.
+
+In one process the ledger is a dict (``TransferLedger``); fakes in several
+processes serving one fleet share a directory (``SharedLedger``): one file
+per params issued, taken by an atomic rename when redeemed, so that any
+decode of any process redeems what any prefill of any other issued.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import uuid
 from typing import Any
 
@@ -45,17 +54,67 @@ class TransferLedger:
             "x_future_key": {"nested": [1, [2, 3]], "flag": None},
         }
         self.issued[remote_request_id] = params
+        self._keep(remote_request_id, params)
         return params
 
     def redeem(self, params: object) -> str | None:
         """Consume issued params; return why they cannot be loaded, or None."""
         if not isinstance(params, dict):
             return "kv_transfer_params is not an object"
-        issued = self.issued.get(str(params.get("remote_request_id")))
+        remote_request_id = str(params.get("remote_request_id"))
+        issued = self._take(remote_request_id)
         if issued is None:
             return "no prefill issued these kv_transfer_params"
         if params != issued:
+            self._keep(remote_request_id, issued)  # (still there for the right params)
             return "kv_transfer_params differ from what prefill issued"
-        del self.issued[str(params["remote_request_id"])]
+        self.issued.pop(remote_request_id, None)
         self.redeemed.append(params)
         return None
+
+    def _keep(self, remote_request_id: str, params: JSONObject) -> None:
+        """(In one process, ``issued`` is the store.)"""
+        self.issued[remote_request_id] = params
+
+    def _take(self, remote_request_id: str) -> JSONObject | None:
+        """The params issued under this id, taken out (None: none are)."""
+        return self.issued.pop(remote_request_id, None)
+
+
+class SharedLedger(TransferLedger):
+    """A ledger in ``directory``, which fakes in other processes share.
+
+    ``issued`` and ``redeemed`` say what this process's fakes issued and
+    redeemed; the directory holds what is issued and not yet redeemed by any.
+    """
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+
+    def _path(self, remote_request_id: str) -> str:
+        # (a client's id is no file name: its digest is)
+        digest = hashlib.sha256(remote_request_id.encode("utf-8")).hexdigest()
+        return os.path.join(self.directory, f"{digest}.json")
+
+    def _keep(self, remote_request_id: str, params: JSONObject) -> None:
+        path = self._path(remote_request_id)
+        written = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.tmp"
+        with open(written, "w", encoding="utf-8") as file:
+            json.dump(params, file)
+        os.replace(written, path)  # whole, or not there: a reader never sees half
+
+    def _take(self, remote_request_id: str) -> JSONObject | None:
+        path = self._path(remote_request_id)
+        taken = f"{path}.{os.getpid()}-{uuid.uuid4().hex}.taken"
+        try:
+            os.rename(path, taken)  # atomic: of two decodes, one takes it
+        except FileNotFoundError:
+            return None
+        try:
+            with open(taken, encoding="utf-8") as file:
+                params: JSONObject = json.load(file)
+        finally:
+            os.unlink(taken)
+        return params

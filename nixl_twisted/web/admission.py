@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.web.server import Request
 
 from nixl_twisted.config import NO_RULE, ProxyConfig, TenantRule
+from nixl_twisted.config.words import counted
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
@@ -87,7 +88,7 @@ class Admission:
         if self.in_flight >= self.max_in_flight:
             raise ProxyError(
                 ErrorCode.TOO_MANY_REQUESTS_IN_FLIGHT,
-                f"the proxy is serving its limit of {self.max_in_flight} requests",
+                f"the proxy is serving its limit of {counted(self.max_in_flight, 'request')}",
                 retry_after=1.0,
             )
         self.in_flight += 1

@@ -25,6 +25,7 @@ from twisted.web.http_headers import Headers
 
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue
+from nixl_twisted.config.words import counted
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.headers import bearer_token
 from nixl_twisted.protocol.routes import speaks_anthropic
@@ -129,9 +130,10 @@ class ClientKeys:
             return  # (logged when that is news)
         if was_broken and self._file is not None:
             log.info(
-                "--api-keys-file {path} read again: {count} client keys in effect",
+                "--api-keys-file {path} read again: {keys} in effect",
                 path=self._file.path,
                 count=len(self._digests),
+                keys=counted(len(self._digests), "client key"),
             )
         elif before != self._digests:
             log.info("client keys: {count} in effect", count=len(self._digests))
@@ -145,7 +147,7 @@ class ClientKeys:
             "--api-keys-file cannot be used: {error}; {kept} in effect until it can be read",
             path=self._file.path if self._file is not None else None,
             error=problem,
-            kept=f"the {len(self._from_file)} keys it gave"
+            kept=f"the {counted(len(self._from_file), 'key')} it gave"
             if self._from_file
             else "none of its keys",
         )

@@ -41,6 +41,7 @@ def parse_keys(path: str, content: bytes) -> dict[str, str | None]:
     except UnicodeDecodeError:
         raise InvalidValue(f"{path}: not UTF-8 text") from None
     keys: dict[str, str | None] = {}
+    listed: dict[str, int] = {}  # each key's line
     for number, line in enumerate(lines, 1):
         words = line.split()
         # A comment is a word that starts with "#": a "#" inside a key is the key's.
@@ -50,10 +51,43 @@ def parse_keys(path: str, content: bytes) -> dict[str, str | None]:
         if len(words) > 2:
             raise InvalidValue(f"{path}:{number}: a key, then at most a tenant's name")
         try:
-            keys[client_key(words[0])] = words[1] if len(words) == 2 else None
+            key = client_key(words[0])
         except InvalidValue as error:
             raise InvalidValue(f"{path}:{number}: the key {error}") from None
+        tenant = words[1] if len(words) == 2 else None
+        _check_not_a_slip(path, number, key, tenant, keys, listed)
+        keys[key], listed[key] = tenant, number
     return keys
+
+
+def _check_not_a_slip(
+    path: str,
+    number: int,
+    key: str,
+    tenant: str | None,
+    keys: dict[str, str | None],
+    listed: dict[str, int],
+) -> None:
+    """Refuse a line that reads as a mistake rather than guess what it meant: a comma
+    in a key (``sk-b1,team-b``: a key and its tenant are apart by whitespace; keys in
+    ``NIXLPROXY_API_KEYS`` are comma-separated, so none holds one), and a key listed
+    again under another tenant (which one would it be charged to?). The key itself is
+    never in the message: it goes to the log."""
+    if "," in key:
+        raise InvalidValue(
+            f"{path}:{number}: a comma in the key: write the key, a space, then its "
+            "tenant's name (one key a line)"
+        )
+    if key in keys and keys[key] != tenant:
+        first, second = (_tenant(keys[key]), _tenant(tenant))
+        raise InvalidValue(
+            f"{path}:{number}: this key is on line {listed[key]} already, under {first}; "
+            f"here under {second}: give each key once"
+        )
+
+
+def _tenant(name: str | None) -> str:
+    return f"tenant {name!r}" if name is not None else "no tenant"
 
 
 def read_keys(path: str) -> dict[str, str | None]:

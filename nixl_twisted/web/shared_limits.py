@@ -38,6 +38,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nixl_twisted.config.words import counted
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.observe.metrics import ProxyMetrics
 
@@ -216,7 +217,11 @@ class SharedWindows(Service):
                 return Verdict(True, member=member)
             # (clocks may differ; no entry stays past two windows: ``_CHECKED``)
             wait = min(2 * WINDOW_MS / 1000, max(1.0, (oldest + WINDOW_MS - now) / 1000))
-            limit = f"{rpm} requests per minute" if code == 1 else f"{tpm} tokens per minute"
+            limit = (
+                f"{counted(rpm, 'request')} per minute"
+                if code == 1
+                else f"{counted(tpm, 'token')} per minute"
+            )
             return Verdict(False, limit, wait)
 
         def alone(failure: Failure) -> None:

@@ -16,6 +16,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.server import Request
 
 from nixl_twisted.config import NO_RULE, TenantRule
+from nixl_twisted.config.words import counted
 from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering
@@ -124,7 +125,7 @@ class Tenancy:
                 if self.limits.in_flight(tenant) <= limit:
                     return rule
             held.give_back()
-            raise self.limits.refused(tenant, f"{limit} requests in flight", 1.0)
+            raise self.limits.refused(tenant, f"{counted(limit, 'request')} in flight", 1.0)
 
         return fleet.admit(tenant, rule.max_in_flight).addCallback(placed)
 

@@ -28,7 +28,7 @@ from typing import Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from nixl_twisted.config import NO_RULE, ProxyConfig, TenantRule, TenantsConfig
+from nixl_twisted.config import NO_RULE, ProxyConfig, TenantRule, TenantsConfig, words
 from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.protocol import salts
 from nixl_twisted.protocol.codes import ErrorCode
@@ -164,15 +164,19 @@ class TenantLimits:
         use.forget_before(now - WINDOW)
         rpm = rule.requests_per_minute if windows else 0
         if in_flight and rule.max_in_flight and use.in_flight >= rule.max_in_flight:
-            raise self.refused(tenant, f"{rule.max_in_flight} requests in flight", 1.0)
+            raise self.refused(
+                tenant, f"{words.counted(rule.max_in_flight, 'request')} in flight", 1.0
+            )
         if rpm and len(use.started) >= rpm:
             wait = use.started[0] + WINDOW - now
-            raise self.refused(tenant, f"{rpm} requests per minute", wait)
+            raise self.refused(tenant, f"{words.counted(rpm, 'request')} per minute", wait)
         counted = windows and rule.tokens_per_minute and estimate is not None
         used = use.charged + use.estimated
         if counted and used and used + (estimate or 0) > rule.tokens_per_minute:
             wait = (use.tokens[0][0] + WINDOW - now) if use.tokens else 1.0
-            raise self.refused(tenant, f"{rule.tokens_per_minute} tokens per minute", wait)
+            raise self.refused(
+                tenant, f"{words.counted(rule.tokens_per_minute, 'token')} per minute", wait
+            )
         held = estimate if counted and estimate is not None else 0
         use.in_flight += 1
         use.estimated += held

@@ -213,6 +213,27 @@ class ReplicasTests(FleetCase):
         queue = slots_of(other).queue
         assert (len(queue), queue._waiting) == (0, 0)
 
+    async def test_the_fleets_waiting_gauge_falls_to_0_when_the_fleet_is_idle(self) -> None:
+        """Set from this replica's own placements alone, it kept what its last one saw
+        (the other replica's requests still waiting) on a fleet gone idle."""
+        other = await self.two()
+        held = await self.held_stream()
+        waits = slots_of(other).entered()
+        theirs = self.chat(other)
+        await waits  # the fleet's first waiting request, on the other replica
+        waits = slots_of(self.proxy).entered()
+        mine = self.post("/v1/chat/completions", CHAT)
+        await waits  # and this replica's, behind it
+        gauge = replicas_of(other).metrics.fleet_waiting._value
+        self.decode.release()
+        await held.done
+        for answered in (await theirs, await mine):
+            assert answered.code == 200
+            await answered.content()
+        for each in (other, self.proxy):
+            await replicas_of(each).beat()
+        assert gauge.get() == replicas_of(self.proxy).metrics.fleet_waiting._value.get() == 0
+
 
 class FleetMigrationTests(FleetCase):
     async def test_a_moved_answer_gives_its_slot_back_and_takes_the_next_through_redis(
@@ -250,7 +271,7 @@ class FleetTenantsTests(FleetCase):
         await held
         refused = await self.chat(other, headers={"x-team": "a"})
         assert refused.code == 429  # its one request in flight is on the other replica
-        assert b"1 requests in flight" in await refused.content()
+        assert b"1 request in flight" in await refused.content()
         self.decode.release()
         await first.content()
         other_team = await self.chat(other, headers={"x-team": "b"})

@@ -16,7 +16,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
-from nixl_twisted.testing import FakeVLLM, TransferLedger
+from nixl_twisted.testing import FakeVLLM, Fault, TransferLedger
 from nixl_twisted.testing.kv_publisher import KvPublisher
 
 
@@ -392,3 +392,45 @@ def test_a_prompts_kv_events_go_out_once_its_compute_has_run_in_the_order_of_the
         assert [len(hashes) for hashes in stored] == [2, 1]
     finally:
         publisher.close()
+
+
+def test_one_instance_fails_every_request_as_its_fault_says_until_healed() -> None:
+    """One decode of two whose KV loads all fail, then whose engine errs: the other serves."""
+    ledger = TransferLedger()
+    prefill = StubTreq(FakeVLLM(name="prefill-0", ledger=ledger).resource())
+    healthy, faulty = (FakeVLLM(name=f"decode-{i}", ledger=ledger) for i in range(2))
+    faulty.fault = Fault.FAIL_KV
+    to_healthy, to_faulty = StubTreq(healthy.resource()), StubTreq(faulty.resource())
+    leg = {"prompt": "a b c", "kv_transfer_params": {"do_remote_decode": True}}
+
+    for _ in range(3):  # every one of its legs, not the next alone
+        _, answer = post(prefill, "http://p/v1/completions", leg)
+        decode_leg = {"prompt": "a b c", "kv_transfer_params": answer["kv_transfer_params"]}
+        code, failed = post(to_faulty, "http://d/v1/completions", decode_leg)
+        assert (code, failed["error"]["message"]) == (
+            500,
+            "KV load failed: the fake's fault: fail-kv",
+        )
+        code, _ = post(to_healthy, "http://d/v1/completions", decode_leg)
+        assert code == 200  # its prefill's KV is still there for another decode
+    assert (faulty.sources.failed_transfers, healthy.sources.failed_transfers) == (3, 0)
+    plain = {"prompt": "a b c"}
+    assert post(to_faulty, "http://d/v1/completions", plain)[0] == 200  # no KV to load
+
+    faulty.fault = Fault.ERROR_500
+    code, answer = post(to_faulty, "http://d/v1/completions", plain)
+    assert (code, answer["error"]["code"]) == (500, 500)
+    faulty.fault = None  # healed
+    assert post(to_faulty, "http://d/v1/completions", plain)[0] == 200
+
+
+def test_a_hung_instance_takes_every_request_and_answers_none_but_its_health() -> None:
+    fake = FakeVLLM(fault=Fault.HANG)
+    stub = StubTreq(fake.resource())
+    answered: list[object] = []
+    stub.post("http://d/v1/completions", json={"prompt": "a"}).addBoth(answered.append)  # type: ignore[attr-defined]
+    stub.flush()
+    assert answered == [] and len(fake.requests) == 1
+    health = stub.get("http://d/health")  # type: ignore[attr-defined]
+    stub.flush()
+    assert health.result.code == 200

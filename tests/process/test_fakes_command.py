@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
@@ -36,6 +38,8 @@ OPTIONS = {
     "--max-num-seqs": "0",
     "--max-num-queued-reqs": "None",
     "--decode-hold-after": "None",
+    "--fault": "[]",
+    "--ledger": "None",
     "--kv-events": "False",
 }
 COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
@@ -212,6 +216,74 @@ class FakesCommandTests(TwistdCase):
         )
         self.assertNotIn(b"listening on", second.output)
         await self.stop(first)
+
+    async def test_fake_processes_given_one_ledger_serve_one_fleet(self) -> None:
+        """Each process's fakes redeem what the other's issued: one fleet, as the proxy
+        sees it (without --ledger, every crossing is a KV-load failure)."""
+        ledger = tempfile.mkdtemp(prefix="nixl-ledger-")
+        self.addCleanup(shutil.rmtree, ledger, True)
+        first, ours = await self.fakes(1, 1, "--ledger", ledger)
+        second, theirs = await self.fakes(1, 1, "--ledger", ledger)
+        alone, apart = await self.fakes(1, 1)  # its own ledger: the control
+        self.clock = Clock()
+        proxy = self.start_proxy(
+            [ours["prefill-0"], theirs["prefill-0"]], [theirs["decode-0"], ours["decode-0"]]
+        )
+        access = self.access_events()
+        http = self.fresh_connections()
+        for _ in range(2):
+            response = await http.post(proxy.url + "/v1/completions", json=COMPLETION)
+            self.assertEqual(response.code, 200, await response.text())
+        sides = {
+            url: side
+            for side, urls in (("ours", ours), ("theirs", theirs))
+            for url in urls.values()
+        }
+        crossed = [(sides[e["prefill"]], sides[e["decode"]]) for e in access]
+        self.assertEqual(crossed, [("ours", "theirs"), ("theirs", "ours")])
+        leg = {**COMPLETION, "kv_transfer_params": {"do_remote_decode": True}}
+        issued = await (await http.post(ours["prefill-0"] + "/v1/completions", json=leg)).json()
+        decode_leg = {**COMPLETION, "kv_transfer_params": issued["kv_transfer_params"]}
+        refused = await http.post(apart["decode-0"] + "/v1/completions", json=decode_leg)
+        self.assertEqual(refused.code, 500)
+        self.assertIn("no prefill issued these", (await refused.json())["error"]["message"])
+        for process in (first, second, alone):
+            await self.stop(process)
+
+    async def test_a_fault_fails_one_instance_alone(self) -> None:
+        process, urls = await self.fakes(1, 2, "--fault", "decode-1=fail-kv")
+        self.assertIn(f"listening on {urls['decode-1']} (fault: fail-kv)".encode(), process.output)
+        http = self.fresh_connections()
+        leg = {**COMPLETION, "kv_transfer_params": {"do_remote_decode": True}}
+        issued = await (await http.post(urls["prefill-0"] + "/v1/completions", json=leg)).json()
+        decode_leg = {**COMPLETION, "kv_transfer_params": issued["kv_transfer_params"]}
+        failed = await http.post(urls["decode-1"] + "/v1/completions", json=decode_leg)
+        self.assertEqual(failed.code, 500)
+        self.assertIn("KV load failed", (await failed.json())["error"]["message"])
+        served = await http.post(urls["decode-0"] + "/v1/completions", json=decode_leg)
+        self.assertEqual(served.code, 200, await served.text())
+        await self.stop(process)
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--fault", "decode-1=fail-kv"], "--fault decode-1: no such instance here"),
+        (["--fault", "decode-0=explode"], "no fault 'explode': one of fail-kv, hang, 500"),
+        (["--fault", "decode-0"], "not NAME=FAULT: 'decode-0'"),
+    ],
+)
+def test_a_fault_for_no_instance_or_of_no_kind_is_refused(args: list[str], said: str) -> None:
+    ran = subprocess.run(
+        [sys.executable, "-m", "nixl_twisted.testing", *args],
+        cwd=tempfile.gettempdir(),
+        env=installed_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert ran.returncode == 2 and said in ran.stderr, ran.stderr
 
 
 def test_help_explains_every_option_and_shows_its_default() -> None:

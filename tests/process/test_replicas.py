@@ -58,7 +58,7 @@ class ReplicaProcessTests(TwistdCase):
         waiting = self.chat(second_url)  # the fleet's one decode slot is the first's
         os.kill(first.transport.pid, signal.SIGKILL)  # type: ignore[union-attr]
         await first.ended
-        await second.said(b"stopped beating; what it held is given back (1 slots in all)")
+        await second.said(b"stopped beating; what it held is given back (1 slot in all)")
         self.decode.release()  # (the killed replica's stream is cut; the fake holds no more)
         response = await waiting
         assert response.code == 200

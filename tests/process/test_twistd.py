@@ -69,7 +69,7 @@ class TwistdTests(TwistdCase):
         await held
 
         os.kill(process.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
-        await process.said(b"draining 1 requests in flight")
+        await process.said(b"draining 1 request in flight")
         self.assertFalse(process.ended.called)
         self.decode.release()
         events = sse_events(b"".join(await collector.done))

@@ -92,7 +92,7 @@ def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
         (
             LogLevel.error,
             f"--api-keys-file cannot be used: {path}:1: a key, then at most a tenant's name; "
-            "the 1 keys it gave in effect until it can be read",
+            "the 1 key it gave in effect until it can be read",
         )
     ]
     assert tenant(keys, "sk-a") == "team-a"  # kept meanwhile
@@ -106,7 +106,7 @@ def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
     clock.advance(FILE_CHECK)  # (seen once: applied when the next look agrees)
     clock.advance(FILE_CHECK)
     assert lines[2:] == [
-        (LogLevel.info, f"--api-keys-file {path} read again: 1 client keys in effect")
+        (LogLevel.info, f"--api-keys-file {path} read again: 1 client key in effect")
     ]
     assert (tenant(keys, "sk-a"), tenant(keys, "sk-b")) == (None, "team-b")
     keys.stop()
@@ -137,7 +137,7 @@ def test_a_half_written_file_keeps_the_keys_in_effect_and_says_so(
             LogLevel.error,
             f"--api-keys-file cannot be used: {path}: its last line does not end in a newline "
             "(a file still being written?); write it whole, then rename it into place; "
-            "the 1 keys it gave in effect until it can be read",
+            "the 1 key it gave in effect until it can be read",
         )
     ]
     assert (tenant(keys, "sk-a"), tenant(keys, "sk-be"), tenant(keys, "sk-c")) == (
@@ -201,7 +201,7 @@ def test_the_bytes_in_effect_back_again_are_read_again_at_the_next_look(
     (where / "aside").rename(path)
     clock.advance(FILE_CHECK)
     assert [level for level, _ in lines[1:]] == [LogLevel.error, LogLevel.info]
-    assert lines[-1][1] == f"--api-keys-file {path} read again: 1 client keys in effect"
+    assert lines[-1][1] == f"--api-keys-file {path} read again: 1 client key in effect"
     assert tenant(keys, "sk-a") == "team-a"
     keys.stop()
 
@@ -244,3 +244,58 @@ def test_a_keys_file_that_cannot_be_read_at_start_stops_the_proxy(where: Path) -
     (where / "kyes").write_text("sk-a")
     with pytest.raises(SystemExit, match="its last line does not end in a newline"):
         startup.check_keys_file(config)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        # A comma where a space was meant: one key "sk-b1,team-b" with no tenant.
+        ("sk-a team-a\nsk-b1,team-b\n", ":2: a comma in the key: write the key, a space, then"),
+        # One key under two tenants: which one is it charged to?
+        (
+            "sk-a team-a\n# more\nsk-a team-b\n",
+            ":3: this key is on line 1 already, under tenant 'team-a'; here under tenant "
+            "'team-b': give each key once",
+        ),
+        ("sk-a\nsk-a team-b\n", ":2: this key is on line 1 already, under no tenant;"),
+    ],
+)
+def test_a_line_that_looks_like_a_mistake_is_refused_with_its_number(
+    where: Path, text: str, said: str
+) -> None:
+    path = where / "keys"
+    path.write_text(text)
+    with pytest.raises(InvalidValue) as refused:
+        read_keys(str(path))
+    assert str(refused.value).startswith(f"{path}{said}")
+    assert "sk-" not in str(refused.value).replace(str(path), "")  # never the key
+
+
+def test_the_same_key_twice_under_the_same_tenant_is_one_key(where: Path) -> None:
+    path = where / "keys"
+    path.write_text("sk-a team-a\nsk-a team-a\n")
+    assert read_keys(str(path)) == {"sk-a": "team-a"}
+
+
+def test_a_mistaken_line_at_start_stops_the_proxy_and_at_a_reload_keeps_the_keys(
+    where: Path, lines: list[tuple[LogLevel, str]]
+) -> None:
+    path = where / "keys"
+    path.write_text("sk-a team-a\nsk-b1,team-b\n")
+    config = ProxyConfig.create(**POOLS, api_keys_file=str(path))
+    with pytest.raises(SystemExit, match=re.escape(f"{path}:2: a comma in the key")):
+        startup.check_keys_file(config)
+    path, keys, _ = keyed_by(where, "sk-a team-a\n")
+    del lines[:]
+    path.write_text("sk-a team-a\nsk-a team-b\n")
+    keys.configure(config)  # SIGHUP
+    assert lines == [
+        (
+            LogLevel.error,
+            f"--api-keys-file cannot be used: {path}:2: this key is on line 1 already, under "
+            "tenant 'team-a'; here under tenant 'team-b': give each key once; "
+            "the 1 key it gave in effect until it can be read",
+        )
+    ]
+    assert tenant(keys, "sk-a") == "team-a"
+    keys.stop()

@@ -350,3 +350,38 @@ def test_a_rediss_url_may_name_its_ca_file(tmp_path: Path) -> None:
     ca_file, _ = self_signed(str(tmp_path), "r")
     url = f"rediss://:secret@r:6380/0?ssl_ca_certs={ca_file}"
     assert parse(*POOLS, "--limits-redis", url).tenants.redis == url
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("decode_max_inflight = 3", "'decode_max_inflight' unknown key; did you mean "
+         "'decode-max-in-flight'?"),
+        ("prefil = []", "'prefil' unknown key; did you mean 'prefill'?"),
+        ('[replicas]\nurl = "redis://r"', "'[replicas] url' unknown key ([replicas] takes redis)"),
+        ('[replicas]\nrediss = "redis://r"', "'[replicas] rediss' unknown key; did you mean "
+         "'[replicas] redis'?"),
+        ("colour = 3", "'colour' unknown key (the keys are the options' long names: "
+         "twistd nixlproxy --help"),
+    ],
+)  # fmt: skip
+def test_an_unknown_key_is_named_as_written_with_what_it_likely_meant(
+    tmp_path: Path, text: str, said: str
+) -> None:
+    """Not the 90 keys in one line: the one it likely meant, or where they are listed."""
+    path = config_file(tmp_path, 'decode = ["http://d:1"]\n' + text + "\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve({"prefill": ["http://p:1"]}, path, {})
+    assert str(caught.value).startswith(f"--config {path}: {said}")
+    assert len(str(caught.value)) < 200 + len(path)
+
+
+def test_a_mistyped_option_gets_the_option_it_likely_meant() -> None:
+    with pytest.raises(usage.UsageError) as caught:
+        parse(*POOLS, "--decode-max-inflight", "4")
+    assert str(caught.value) == (
+        "option --decode-max-inflight not recognized; did you mean --decode-max-in-flight?"
+    )
+    with pytest.raises(usage.UsageError) as caught:
+        parse(*POOLS, "--colour", "4")
+    assert str(caught.value) == "option --colour not recognized"

@@ -429,3 +429,22 @@ def test_a_reload_from_urls_to_a_name_keeps_the_urls_until_the_name_answers() ->
     assert pool.instances[0].source == "static"
     pool.discovered("dns+http://d.test:1", ["http://10.0.0.1:1"])
     assert [(i.url, i.draining) for i in pool.instances] == [("http://10.0.0.1:1", False)]
+
+
+def test_marked_down_after_one_failure_says_one_failure() -> None:
+    """An unhealthy threshold of 1 said "after 1 failures in a row"."""
+    said: list[str] = []
+
+    @provider(ILogObserver)
+    def observer(event: dict[str, Any]) -> None:
+        if event.get("log_namespace") == "nixl_twisted.backends.pools":
+            said.append(formatEvent(event))
+
+    pool = BackendPool("decode", ["http://a:1", "http://b:2"], Clock(), Thresholds(1, 2), False)
+    a, _ = pool.instances
+    globalLogPublisher.addObserver(observer)
+    try:
+        pool.record_failure(a, "refused")
+    finally:
+        globalLogPublisher.removeObserver(observer)
+    assert said == ["decode instance http://a:1 marked down after 1 failure in a row: refused"]

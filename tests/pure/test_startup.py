@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from twisted.logger import ILogObserver, LogLevel, formatEvent, globalLogPublisher
@@ -33,7 +34,43 @@ def test_the_summary_names_the_pools_policies_and_limits() -> None:
 def test_the_summary_names_each_models_table() -> None:
     table = {"qwen": {"decode": ["http://q:1", "http://q:2"], "decode-policy": "session"}}
     line = startup.summary(replace(CONFIG, pools=replace(CONFIG.pools, models=model_table(table))))
-    assert line.endswith("; models: qwen (0 prefill, 2 decode; decode-policy session)")
+    assert "; models: qwen (0 prefill, 2 decode; decode-policy session); caps " in line
+
+
+def test_the_summary_names_what_limits_requests_and_never_a_key_nor_a_password(
+    tmp_path: Path,
+) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("sk-file-1 team-a\nsk-file-2\nsk-given\n")
+    config = ProxyConfig.create(
+        prefill=["http://p:1"],
+        decode=["http://d:1"],
+        prefill_max_in_flight=8,
+        decode_max_in_flight=4,
+        queue_size=64,
+        queue_timeout=5,
+        api_key=["sk-given", "sk-other"],
+        api_keys_file=str(keys),
+        tenant_header="X-Tenant",
+        tenant_max_in_flight=3,
+        tenant_tokens_per_minute=1000,
+        tenants={"team-a": {"max-in-flight": 2}},
+        replicas_redis="redis://:hunter2@redis.serving:6379/1",
+        limits_redis="rediss://user:hunter3@limits:6380/0",
+    )
+    line = startup.summary(config)
+    assert line.endswith(
+        "; caps prefill 8, decode 4 per instance; queue 64, 5 s at most; "
+        "tenants by X-Tenant, each 3 in flight, 1000 tokens/min, [tenants] lists 1; "
+        f"client keys: 4, --api-keys-file {keys}; "
+        "Redis: replicas redis://redis.serving:6379/1, tenant limits rediss://limits:6380/0"
+    ), line
+    assert "hunter" not in line and "sk-" not in line
+    alone = startup.summary(CONFIG)
+    assert alone.endswith(
+        "; caps prefill none, decode none per instance; no queue; tenants: none; "
+        "client keys: none (anyone is served); Redis: none (this replica alone)"
+    ), alone
 
 
 class FakeLimits:

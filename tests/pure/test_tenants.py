@@ -139,7 +139,7 @@ def test_a_tenants_table_takes_underscores_and_names_a_wrong_key() -> None:
     for given, said in [
         (
             {"max_inflight": 3},
-            "tenant 'vip': unknown key 'max_inflight' (the keys are max-in-flight",
+            "tenant 'vip': unknown key 'max_inflight'; did you mean 'max-in-flight'?",
         ),
         ({"max-in-flight": 1, "max_in_flight": 2}, "'max-in-flight' and 'max_in_flight' are one"),
         ({"requests_per_minute": -5}, "tenant 'vip': requests-per-minute must be 0 (no limit) or"),

@@ -9,6 +9,8 @@ user's deployment. ``make chart-check`` fetches both tools (``make helm``,
 
 from __future__ import annotations
 
+import base64
+import importlib.util
 import json
 import os
 import re
@@ -22,6 +24,7 @@ import pytest
 import yaml
 
 import nixl_twisted
+from nixl_twisted.config.settings import SETTINGS
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.run.proxy_service import CLOSE_GRACE
 from nixl_twisted.tap import Options
@@ -31,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "nixl-twisted"
 MANIFESTS = ROOT / "deploy" / "kubernetes" / "nixl-twisted.yaml"
 EVERYTHING_ON = CHART / "ci" / "everything-on-values.yaml"
-VALUES = {"defaults": None, "everything-on": EVERYTHING_ON}
+REDIS_ON = CHART / "ci" / "redis-values.yaml"
+VALUES = {"defaults": None, "everything-on": EVERYTHING_ON, "redis": REDIS_ON}
 TOOLS = Path.home() / ".cache" / "nixl-twisted"
 #: What kubernetes-validate has no schema for: Prometheus Operator's resource and
 #: KEDA's, checked field by field below instead.
@@ -83,8 +87,16 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return doc
 
 
+def proxy_deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The proxy's Deployment (with redis.enabled, the chart's Redis is another)."""
+    (proxy,) = [
+        d for d in by_kind(docs, "Deployment") if not d["metadata"]["name"].endswith("-redis")
+    ]
+    return proxy
+
+
 def container(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    (proxy,) = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (proxy,) = proxy_deployment(docs)["spec"]["template"]["spec"]["containers"]
     return proxy
 
 
@@ -183,13 +195,17 @@ def test_the_proxy_reads_the_chart_s_flags_file_and_secrets_as_one_configuration
         for path, here in mounted.items():
             arg = arg.replace(path, str(here))
         args.append(arg)
-    secrets = {s["metadata"]["name"]: s["stringData"] for s in by_kind(docs, "Secret")}
+    secrets = {s["metadata"]["name"]: secret_data(s) for s in by_kind(docs, "Secret")}
+    environment: dict[str, str] = {}
     for variable in proxy.get("env", []):
         ref = variable.get("valueFrom", {}).get("secretKeyRef")
         if ref is not None and ref["key"] in secrets.get(ref["name"], {}):
-            monkeypatch.setenv(variable["name"], secrets[ref["name"]][ref["key"]])
-        elif ref is None:
-            monkeypatch.setenv(variable["name"], variable["value"])
+            environment[variable["name"]] = secrets[ref["name"]][ref["key"]]
+        elif ref is None:  # $(NAME): an earlier variable, as the kubelet puts it in
+            value = re.sub(r"\$\((\w+)\)", lambda m: environment[m[1]], variable["value"])
+            environment[variable["name"]] = value
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
     options = Options()
     options.parseOptions(args)
     config = options.config
@@ -201,9 +217,19 @@ def test_the_proxy_reads_the_chart_s_flags_file_and_secrets_as_one_configuration
         tenants = {row[0]: row for row in config.tenants.table}
         assert tenants["trial"][2] == 20  # requests a minute: a TOML table, whole numbers
         assert config.admin_token == "an-admin-token"
-    grace = one(docs, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    if name == "redis":  # the chart's Redis, its password from its Secret
+        assert (
+            config.replicas.redis == "redis://:a-redis-password@nixlproxy-nixl-twisted-redis:6379/0"
+        )
+    grace = proxy_deployment(docs)["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     drain = config.timeouts.shutdown_delay + config.timeouts.drain + CLOSE_GRACE
     assert drain < grace <= drain + 10, "SIGKILL before the drain can end, or long after"
+
+
+def secret_data(secret: dict[str, Any]) -> dict[str, str]:
+    """A Secret's values, whether written as stringData or (base64) data."""
+    data = {k: base64.b64decode(v).decode() for k, v in secret.get("data", {}).items()}
+    return {**data, **secret.get("stringData", {})}
 
 
 @pytest.mark.parametrize("name", VALUES)
@@ -214,6 +240,7 @@ def test_the_service_is_for_clients_and_the_admin_port_is_on_the_pods_alone(name
     assert set(ports) == {"http", "admin", "metrics"}
     services = {s["metadata"]["name"]: s["spec"] for s in by_kind(docs, "Service")}
     client = services.pop("nixlproxy-nixl-twisted")
+    services.pop("nixlproxy-nixl-twisted-redis", None)  # (the chart's Redis: its own pods)
     assert [p["targetPort"] for p in client["ports"]] == ["http"]
     for spec in services.values():  # the ServiceMonitor's, when on: metrics alone
         assert spec["clusterIP"] == "None"
@@ -227,7 +254,7 @@ def test_the_service_is_for_clients_and_the_admin_port_is_on_the_pods_alone(name
 @pytest.mark.parametrize("name", VALUES)
 def test_the_pods_run_hardened_and_may_only_list_and_watch_pods(name: str) -> None:
     docs = documents(rendered(name))
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = proxy_deployment(docs)["spec"]["template"]["spec"]
     proxy = container(docs)
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -251,7 +278,7 @@ def test_the_pods_run_hardened_and_may_only_list_and_watch_pods(name: str) -> No
 
 
 def pod_labels(docs: list[dict[str, Any]]) -> dict[str, str]:
-    selector: dict[str, str] = one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
+    selector: dict[str, str] = proxy_deployment(docs)["spec"]["selector"]["matchLabels"]
     return selector
 
 
@@ -315,3 +342,140 @@ def test_keda_scales_each_vllm_pool_by_the_saturation_the_proxies_export() -> No
             assert said["job"] == monitored["metadata"]["name"]
             assert said["namespace"] == "serving" and said["pool"] == pool
             assert said.get("model") == ("llama-70b" if name.endswith("70b") else None)
+
+
+def helm_run(*args: str) -> subprocess.CompletedProcess[str]:
+    """``helm ARGS`` on the chart, as the release nixlproxy in the namespace serving."""
+    command = [helm(), *args[:1], "nixlproxy", str(CHART), "--namespace", "serving", *args[1:]]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+
+def rendered_with(*sets: str) -> list[dict[str, Any]]:
+    done = helm_run("template", *[arg for s in sets for arg in ("--set", s)])
+    assert done.returncode == 0, done.stderr
+    return documents(done.stdout)
+
+
+def notes(*sets: str) -> str:
+    """What ``helm install`` prints after it (NOTES.txt), rendered without a cluster."""
+    done = helm_run("install", "--dry-run=client", *[arg for s in sets for arg in ("--set", s)])
+    assert done.returncode == 0, done.stderr
+    return done.stdout.partition("\nNOTES:\n")[2]
+
+
+def test_the_notes_warn_of_replicas_without_a_redis_to_share() -> None:
+    warned = notes()  # the defaults: two replicas, no Redis
+    assert "WARNING: 2 replicas and no Redis to share" in warned
+    assert "--set redis.enabled=true" in warned
+    for shared in (
+        ["redis.enabled=true"],
+        ["secrets.replicasRedis=redis://redis.serving:6379/1"],
+        ["replicaCount=1"],
+    ):
+        assert "WARNING" not in notes(*shared), shared
+
+
+def test_a_new_secret_rolls_the_pods_as_a_new_configuration_does() -> None:
+    def annotations(*sets: str) -> dict[str, str]:
+        pod = proxy_deployment(rendered_with(*sets))["spec"]["template"]["metadata"]
+        found: dict[str, str] = pod["annotations"]
+        return found
+
+    first = annotations("secrets.adminToken=one")
+    second = annotations("secrets.adminToken=two")
+    assert first["checksum/config"] == second["checksum/config"]
+    assert first["checksum/secret"] != second["checksum/secret"]
+    assert "checksum/secret" not in annotations()  # (no Secret of the chart's: none)
+    redis = [annotations("redis.enabled=true", f"redis.password={p}") for p in ("a", "b")]
+    assert redis[0]["checksum/redis-secret"] != redis[1]["checksum/redis-secret"]
+
+
+def test_one_value_runs_replicas_sharing_the_charts_own_redis() -> None:
+    docs = documents(rendered("redis"))
+    redis = {d["kind"]: d for d in docs if d["metadata"]["name"] == "nixlproxy-nixl-twisted-redis"}
+    assert set(redis) == {"Deployment", "Service", "Secret"}
+    pod = redis["Deployment"]["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert redis["Service"]["spec"]["selector"].items() <= labels.items()
+    # The proxy's Service, Deployment and budget select the proxy's pods, never Redis's.
+    assert not pod_labels(docs).items() <= labels.items()
+    (server,) = pod["spec"]["containers"]
+    assert server["args"][:3] == ["redis-server", "--requirepass", "$(REDIS_PASSWORD)"]
+    assert "a-redis-password" not in json.dumps(pod) + json.dumps(proxy_deployment(docs))
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert server["securityContext"]["readOnlyRootFilesystem"] is True
+    assert redis["Deployment"]["spec"]["replicas"] == 1
+    assert not any(
+        d["metadata"]["name"].endswith("-redis")
+        for d in by_kind(documents(rendered("defaults")), "Deployment")
+    )
+    both = helm_run(
+        "template", "--set", "redis.enabled=true", "--set", "secrets.replicasRedis=redis://r:6379"
+    )
+    assert both.returncode != 0
+    assert "redis.enabled and secrets.replicasRedis both name the replicas' Redis" in both.stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        ("config.decode-max-in-flight=abc", "at '/config/decode-max-in-flight': 'abc' does not"),
+        ("config.decode-max-inflight=4", "additional properties 'decode-max-inflight' not allowed"),
+        ("config.prefill-policy=fastest", "at '/config/prefill-policy'"),
+        ("config.drain-timeout=60", "additional properties 'drain-timeout' not allowed"),
+        ("replicaCount=two", "at '/replicaCount'"),
+        ("redis.password=p@ss", "at '/redis/password'"),
+        ("shutdownDelay=-1", "at '/shutdownDelay'"),
+    ],
+)  # fmt: skip
+def test_values_the_proxy_would_refuse_fail_at_render_naming_the_value(
+    value: str, said: str
+) -> None:
+    """Not a pod that crash-loops on its configuration: helm says which value, at once."""
+    done = helm_run("template", "--set", value)
+    assert done.returncode != 0
+    assert said in done.stderr, done.stderr
+
+
+def values_schema() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "values_schema", ROOT / "deploy" / "helm" / "values_schema.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_values_schema_is_made_from_the_proxy_s_settings() -> None:
+    made = values_schema()
+    assert (CHART / "values.schema.json").read_text() == made.render(), (
+        "values.schema.json is behind the settings table: make chart-schema"
+    )
+    config = json.loads(made.render())["properties"]["config"]["properties"]
+    assert set(config) | set(made.SET_BY_THE_CHART) == {s.name for s in SETTINGS}
+    # Every setting the proxy reads is typed here, but those the chart sets itself.
+    assert config["decode-max-in-flight"]["minimum"] == 0
+    assert config["prefill-policy"]["enum"][0] == "round-robin"
+
+
+def test_the_replicas_spread_over_nodes_by_default_softly() -> None:
+    def spread(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = proxy_deployment(docs)["spec"]["template"]["spec"].get(
+            "topologySpreadConstraints", []
+        )
+        return found
+
+    (soft,) = spread(documents(rendered("defaults")))
+    assert soft == {
+        "maxSkew": 1,
+        "topologyKey": "kubernetes.io/hostname",
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": pod_labels(documents(rendered("defaults")))},
+    }
+    everything = spread(documents(rendered("everything-on")))  # its own zone spread besides
+    assert [c["topologyKey"] for c in everything] == [
+        "kubernetes.io/hostname",
+        "topology.kubernetes.io/zone",
+    ]
+    assert spread(rendered_with("topologySpread.enabled=false")) == []

@@ -97,3 +97,46 @@ refuse: whole numbers are written here as integers. Tables nest as
 {{- toJson . }}
 {{- end }}
 {{- end }}
+
+{{/* The chart's Redis (redis.enabled): its name, labels (not the proxy's: the proxy's
+Service and PodDisruptionBudget must not select it) and Secret. */}}
+{{- define "nixl-twisted.redisName" -}}
+{{- printf "%s-redis" (include "nixl-twisted.fullname" . | trunc 57 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "nixl-twisted.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "nixl-twisted.name" . }}-redis
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "nixl-twisted.redisLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "nixl-twisted.redisSelectorLabels" . }}
+app.kubernetes.io/component: redis
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "nixl-twisted.redisSecretName" -}}
+{{- default (include "nixl-twisted.redisName" .) .Values.redis.existingSecret }}
+{{- end }}
+
+{{/* The password of the chart's Redis: the value given, else the one its Secret
+holds already (kept across upgrades), else a new random one. */}}
+{{- define "nixl-twisted.redisPassword" -}}
+{{- $password := .Values.redis.password }}
+{{- if not $password }}
+{{- $found := lookup "v1" "Secret" .Release.Namespace (include "nixl-twisted.redisName" .) }}
+{{- if and $found $found.data (index $found.data "redis-password") }}
+{{- $password = index $found.data "redis-password" | b64dec }}
+{{- else }}
+{{- $password = randAlphaNum 32 }}
+{{- end }}
+{{- end }}
+{{- $password }}
+{{- end }}
+
+{{/* Whether the replicas share a Redis: the chart's, or one given as a secret (an
+existing Secret may hold replicas-redis: the notes say so rather than guess). */}}
+{{- define "nixl-twisted.sharesState" -}}
+{{- if or .Values.redis.enabled .Values.secrets.replicasRedis }}true{{ end }}
+{{- end }}
