@@ -44,7 +44,7 @@ def shared(setup: Setup) -> tuple[Replicas, ScriptedLink]:
     link = ScriptedLink()
     replicas.link = link  # type: ignore[assignment]
     replicas.beat()
-    link.asked[0][2].callback([0, 0, [replicas.id, "{}"], [], 0, []])  # (new: written back)
+    link.asked[0][2].callback([0, 0, [replicas.id, "{}"], [], 0, [], 0])  # (new: written back)
     link.answer(scripts.RESTORE, [[], 0])
     assert replicas.is_shared
     return replicas, link
