@@ -57,6 +57,12 @@ class Instance:
     cap_share: float | None = None
     #: It answered 503 (its engine's queue full): no leg goes to it before this time.
     full_until: float = 0.0
+    #: Its legs failed in a row, its ejections lately, until when it is out of rotation,
+    #: and its ejections in all (``backends.outliers``).
+    leg_failures: int = 0
+    ejections: int = 0
+    ejected_until: float = 0.0
+    ejected_total: int = 0
     #: It joined lately (added, discovered, up again): until then it takes the cache
     #: policies' misses (``backends.warm_up``).
     warm_until: float = 0.0

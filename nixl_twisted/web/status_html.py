@@ -57,8 +57,11 @@ def _table(head: Iterable[str], rows: list[str], table_id: str | None = None) ->
 
 
 def state_of(instance: dict[str, Any]) -> str:
-    """An instance's state as the page says it: ``draining``, else ``up``, ``down``, ``pending``."""
-    return "draining" if instance["draining"] else str(instance["state"])
+    """An instance's state as the page says it: ``draining``, ``ejected`` (after failed legs
+    in a row), else ``up``, ``down``, ``pending``."""
+    if instance["draining"]:
+        return "draining"
+    return "ejected" if instance.get("ejected") else str(instance["state"])
 
 
 def cells(pool: str, instance: dict[str, Any]) -> list[object]:

@@ -25,7 +25,8 @@
   }
 
   function stateOf(instance) {
-    return instance.draining ? "draining" : String(instance.state);
+    if (instance.draining) return "draining";
+    return instance.ejected ? "ejected" : String(instance.state);
   }
 
   // An instance's row, in the order of status_html.COLUMNS.
