@@ -71,6 +71,11 @@ def cells(pool: str, instance: dict[str, Any]) -> list[object]:
     events = instance.get("kv_events")
     cap = instance.get("max_in_flight")
     legs = f"{instance['in_flight']}/{cap}" if cap is not None else str(instance["in_flight"])
+    fleet = instance.get("fleet_cap")
+    if fleet and fleet["held"] != fleet["highest"]:  # (--replicas-redis: the replicas differ)
+        legs += (
+            f" (replicas' caps differ: {fleet['held'] or 'none'} to {fleet['highest'] or 'none'})"
+        )
     came = ", ".join([instance["source"], *instance.get("discovered_by", [])])
     kv = None
     if events is not None:
