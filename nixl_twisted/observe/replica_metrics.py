@@ -69,6 +69,15 @@ class ReplicaMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.admin_changes = Counter(
+            "nixlproxy_replicas_admin_changes",
+            "Admin API changes (add, drain, remove) through --replicas-redis, by outcome: told "
+            "(made here, written for the fleet), applied (another replica's, made here), "
+            "unknown (no such instance here), refused (it would empty a pool), not_allowed "
+            "(outside --allowed-backends here), malformed (a line that does not parse).",
+            ["outcome"],
+            registry=r,
+        )
         self.leases_expired = Counter(
             "nixlproxy_replicas_leases_expired",
             "Slots given back because the replica holding them stopped its heartbeat "
