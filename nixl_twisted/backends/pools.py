@@ -193,14 +193,13 @@ class BackendPool(Roster):
         return self.clock.seconds()
 
     def available(self, instance: Instance) -> bool:
-        """Not draining, not ejected (``outliers``), and not down (or down but past its
-        backoff: a trial leg)."""
-        if instance.draining or outliers.ejected(instance, self._now()):
+        """Not draining, not ejected, and not down (or down but past its backoff: a trial leg)."""
+        if instance.draining or self.ejected(instance):
             return False
         return instance.state is not State.DOWN or self._now() >= instance.retry_at
 
     def ejected(self, instance: Instance) -> bool:
-        """Out of rotation now after failed legs in a row (``outliers``)."""
+        """Out of rotation a while after failed legs in a row (``outliers``)."""
         return outliers.ejected(instance, self._now())
 
     def ready(self) -> bool:
@@ -296,8 +295,7 @@ class BackendPool(Roster):
     # -- what legs and health checks learn ---------------------------------
 
     def record_failure(self, instance: Instance, reason: str, leg: bool = True) -> None:
-        """A failed check or leg (``nixl_twisted.backends.health`` says what it makes of it;
-        of a leg, ``outliers`` too: each process ejects by its own legs)."""
+        """A failed check or leg (``health`` judges both, ``outliers`` a leg)."""
         if leg:
             self.record_error(instance, reason)
         if self.report is not None:
@@ -330,8 +328,7 @@ class BackendPool(Roster):
         self._changed(instance)
 
     def record_error(self, instance: Instance, reason: str) -> None:
-        """A leg the instance answered with an error of its own (5xx): it is up, but its
-        failures in a row eject it a while (``outliers``)."""
+        """A failed leg (a 5xx too: up, but failing): toward ejecting it (``outliers``)."""
         rule, now = self.thresholds.outliers, self._now()
         outliers.leg_failed(self.role, self.instances, instance, rule, now, instance.url, reason)
 
