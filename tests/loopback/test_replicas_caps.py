@@ -53,6 +53,8 @@ class FleetCapTests(FleetCase):
         status = await self.http.get(roomy.url + "/status.json")
         shown = json.loads(await status.content())["instances"]["decode"][0]
         assert shown["fleet_cap"] == {"held": 1, "highest": 3}
+        page = await (await self.http.get(roomy.url + "/")).content()
+        assert b"caps differ: 1 to 3" in page
 
         self.decode.release()
         response = await second

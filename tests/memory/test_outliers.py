@@ -45,6 +45,8 @@ def test_a_decode_whose_kv_loads_fail_is_ejected_and_the_other_serves(
     assert shown[bad.url]["ejected"] is True and shown[bad.url]["ejections"] == 1
     assert shown[bad.url]["state"] == "up"  # (it answers: health has nothing against it)
     assert health["ready"] is True
+    page = setup.get("/").answer().body
+    assert b'class="instance state-ejected"' in page
 
     # Back after 30 s; still failing, out again for twice as long, said once more.
     setup.proxy.advance(30)
