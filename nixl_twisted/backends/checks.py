@@ -142,13 +142,15 @@ class HealthChecks(Service):
             if not self.running:
                 return  # cancelled by stopService
             reason = "timed out" if failure.check(TimeoutError) else failure.getErrorMessage()
-            pool.record_failure(instance, f"health check failed: {reason}")
+            pool.record_failure(instance, f"health check failed: {reason}", leg=False)
 
         def succeeded(_: object) -> Deferred[None]:
             # What it serves is read before it is judged up (a pending instance then
             # takes only its models' legs), under a timeout of its own: a slow or
             # failing /v1/models keeps the last list, and never fails the check.
-            return self._read(pool, instance).addCallback(lambda _: pool.record_success(instance))
+            return self._read(pool, instance).addCallback(
+                lambda _: pool.record_success(instance, leg=False)
+            )
 
         checking.addBoth(done)
         checking.addCallbacks(succeeded, failed)

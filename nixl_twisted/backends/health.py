@@ -15,9 +15,10 @@ whose outcomes they judge, logs the turns and tells whoever listens.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from nixl_twisted.backends.outliers import OutlierRule
 from nixl_twisted.config import Health
 from nixl_twisted.config.settings import BY_NAME
 
@@ -33,14 +34,16 @@ class State(enum.Enum):
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Outcomes in a row that turn an instance down, and back up."""
+    """Outcomes in a row that turn an instance down, and back up; failed legs that eject it."""
 
     unhealthy: int
     healthy: int
+    outliers: OutlierRule = field(default_factory=OutlierRule)
 
     @classmethod
     def of(cls, health: Health) -> Thresholds:
-        return cls(health.unhealthy_threshold, health.healthy_threshold)
+        outliers = OutlierRule(health.outlier_failures, health.outlier_seconds)
+        return cls(health.unhealthy_threshold, health.healthy_threshold, outliers)
 
 
 #: ``--unhealthy-threshold`` and ``--healthy-threshold`` as the settings table has them.

@@ -55,8 +55,17 @@ class Instance:
     #: the cap (the saturation signal's slots): its static share, or under
     #: ``--replicas-redis`` the cap over the replicas alive (``fleet.leases``).
     cap_share: float | None = None
+    #: Under ``--replicas-redis``, its caps over the live replicas (``fleet.caps``: its
+    #: ``lowest``, which the fleet holds it to, and ``highest``); None: not read.
+    fleet_cap: Any = None
     #: It answered 503 (its engine's queue full): no leg goes to it before this time.
     full_until: float = 0.0
+    #: Its legs failed in a row, its ejections lately, until when it is out of rotation,
+    #: and its ejections in all (``backends.outliers``).
+    leg_failures: int = 0
+    ejections: int = 0
+    ejected_until: float = 0.0
+    ejected_total: int = 0
     #: It joined lately (added, discovered, up again): until then it takes the cache
     #: policies' misses (``backends.warm_up``).
     warm_until: float = 0.0
@@ -136,6 +145,9 @@ class Instance:
             "draining": self.draining,
             "in_flight": self.in_flight,
             "max_in_flight": self.slots,
+            "fleet_cap": None
+            if self.fleet_cap is None
+            else {"held": self.fleet_cap.lowest, "highest": self.fleet_cap.highest},
             "failures": self.failures,
             "last_error": self.last_error,
             "load": self.load or None,

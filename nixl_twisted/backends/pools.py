@@ -21,7 +21,7 @@ from typing import Any
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from nixl_twisted.backends import health
+from nixl_twisted.backends import health, outliers
 from nixl_twisted.backends.capacity import COOL, Caps, has_room
 from nixl_twisted.backends.health import BACKOFF_BASE, DEFAULT_THRESHOLDS, State, Thresholds
 from nixl_twisted.backends.instances import Instance
@@ -194,10 +194,14 @@ class BackendPool(Roster):
         return self.clock.seconds()
 
     def available(self, instance: Instance) -> bool:
-        """Not draining, and not down (or down but past its backoff: a trial leg)."""
-        if instance.draining:
+        """Not draining, not ejected, and not down (or down but past its backoff: a trial leg)."""
+        if instance.draining or self.ejected(instance):
             return False
         return instance.state is not State.DOWN or self._now() >= instance.retry_at
+
+    def ejected(self, instance: Instance) -> bool:
+        """Out of rotation a while after failed legs in a row (``outliers``)."""
+        return outliers.ejected(instance, self._now())
 
     def ready(self) -> bool:
         """An instance not draining is up now: what /healthcheck reports."""
@@ -291,8 +295,10 @@ class BackendPool(Roster):
 
     # -- what legs and health checks learn ---------------------------------
 
-    def record_failure(self, instance: Instance, reason: str) -> None:
-        """A failed check or leg (``nixl_twisted.backends.health`` says what it makes of it)."""
+    def record_failure(self, instance: Instance, reason: str, leg: bool = True) -> None:
+        """A failed check or leg (``health`` judges both, ``outliers`` a leg)."""
+        if leg:
+            self.record_error(instance, reason)
         if self.report is not None:
             self.report(self.role, instance.url, reason)
             return
@@ -308,8 +314,10 @@ class BackendPool(Roster):
             instance.marked_down()
         self._changed(instance)
 
-    def record_success(self, instance: Instance) -> None:
+    def record_success(self, instance: Instance, leg: bool = True) -> None:
         """A check or leg that worked."""
+        if leg:
+            outliers.succeeded(instance)
         if not health.worth_judging(instance):
             return  # the common case: nothing to learn, nothing to report
         if self.report is not None:
@@ -320,6 +328,11 @@ class BackendPool(Roster):
             log.info("{role} instance {url} is back", role=self.role, url=instance.url)
         self._joined(instance, was)
         self._changed(instance)
+
+    def record_error(self, instance: Instance, reason: str) -> None:
+        """A failed leg (a 5xx too: up, but failing): toward ejecting it (``outliers``)."""
+        rule, now = self.thresholds.outliers, self._now()
+        outliers.leg_failed(self.role, self.instances, instance, rule, now, instance.url, reason)
 
     def _joined(self, instance: Instance, was: State) -> None:
         joined(instance, was, self._founding, self._now() + self.warm_up)

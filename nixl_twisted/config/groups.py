@@ -103,6 +103,8 @@ GROUPS: tuple[Group, ...] = (
             ("health-timeout", "SECONDS"),
             ("unhealthy-threshold", "N"),
             ("healthy-threshold", "N"),
+            ("outlier-consecutive-failures", "N"),
+            ("outlier-ejection-seconds", "SECONDS"),
         ),
     ),
     Group(

@@ -218,6 +218,9 @@ class Health:
     #: Failures in a row that mark an instance down, successes that bring it back.
     unhealthy_threshold: int
     healthy_threshold: int
+    #: Failed legs in a row that eject an instance a while (0: off), and for how long first.
+    outlier_failures: int = 5
+    outlier_seconds: float = 30.0
 
 
 @dataclass(frozen=True)

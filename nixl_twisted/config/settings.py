@@ -497,6 +497,26 @@ SETTINGS: tuple[Setting, ...] = (
         help=("Successes in a row (checks or legs) that bring a down instance back."),
     ),
     Setting(
+        "outlier-consecutive-failures",
+        "health.outlier_failures",
+        5,
+        count(0),
+        help=(
+            "Failed legs in a row (5xx, refused, timed out, broken off) that eject an instance "
+            "from rotation for a while, as Envoy's outlier detection (0: off; docs/failures.md)."
+        ),
+    ),
+    Setting(
+        "outlier-ejection-seconds",
+        "health.outlier_seconds",
+        30.0,
+        seconds,
+        help=(
+            "Seconds an instance's first ejection lasts; each further one lasts that much "
+            "longer, 300 s at most."
+        ),
+    ),
+    Setting(
         "prefill-policy",
         "policies.prefill",
         "round-robin",

@@ -91,8 +91,14 @@ async def decode_attempt(
         raise full(instance)  # (vLLM's engine queue is full: another instance is asked)
     # An answer, even an error (a KV-load failure is a 500), shows the
     # instance is up: only silence, refusals and answers broken off take it out.
+    # A 5xx still counts toward ejecting it a while (``backends.outliers``).
     if response.code < 400 and request.judged_by_body:
         legs.metrics.child(legs.metrics.backend_requests, pool.role, instance.url, "answered").inc()
+    elif response.code >= 500 and response.code != 503:  # (503: its engine is full)
+        legs.metrics.child(
+            legs.metrics.backend_requests, pool.role, instance.url, "error_status"
+        ).inc()
+        pool.record_error(instance, f"answered HTTP {response.code}")
     else:
         account(legs.metrics, pool, instance, "answered" if response.code < 400 else "error_status")
     return response

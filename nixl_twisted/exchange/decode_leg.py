@@ -191,7 +191,8 @@ class DecodeLeg:
             await self._slow(failed)  # (the client's doing: decode is not judged by it)
             return
         if failed is None:
-            pool.record_success(instance)  # (judged once its answer ended whole)
+            if response.code < 500:  # (a 5xx was counted as its leg's error: ``decode``)
+                pool.record_success(instance)  # (judged once its answer ended whole)
             if moves is not None:
                 moves.completed()
             return

@@ -114,9 +114,17 @@ async def prefill_attempt(
         raise full(instance)  # (vLLM's engine queue is full: not a failure of the instance)
     if verdict is PrefillVerdict.RETRY:
         raise Retry(failed, "error_status", f"answered HTTP {status}")
-    if verdict is not PrefillVerdict.PARAMS:
+    if verdict is PrefillVerdict.FAILED:
+        # It answered (it is up), but a 5xx counts toward ejecting it a while (outliers).
+        pool = legs.backends.prefill
+        legs.metrics.child(
+            legs.metrics.backend_requests, pool.role, instance.url, "error_status"
+        ).inc()
+        pool.record_error(instance, f"answered HTTP {status}")
+    elif verdict is not PrefillVerdict.PARAMS:
         # It answered: the error is this request's, not the instance's.
         account(legs.metrics, legs.backends.prefill, instance, "error_status")
+    if verdict is not PrefillVerdict.PARAMS:
         raise PrefillRefused(response, answer) if verdict is PrefillVerdict.REFUSED else failed
     return answer
 

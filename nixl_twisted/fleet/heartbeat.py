@@ -49,7 +49,7 @@ local now = now_ms()
 local ttl = whole(ARGV[3]) or 0
 local latest = now + math.max(ttl, whole(ARGV[5]) or 0)
 for _, k in ipairs({{'alive', 'zset'}, {'info', 'hash'}, {'slots', 'hash'},
-                    {'tenants', 'hash'}, {'v', 'hash'}, {'grants', 'list'},
+                    {'tenants', 'hash'}, {'v', 'hash'}, {'grants', 'list'}, {'caps', 'hash'},
                     {'waiting', 'string'}, {'version', 'string'}, {'seq', 'string'}}) do
   local t = redis.call('TYPE', P .. k[1])['ok']
   if t ~= 'none' and t ~= k[2] then redis.call('DEL', P .. k[1]) end

@@ -10,6 +10,8 @@ dies gives back its own through its heartbeat (``replicas``).
 
 While Redis does not answer, each replica holds an instance to its static
 share of the cap: the cap over the replicas last seen alive, one at least.
+The cap is the fleet's (``caps``): the lowest any live replica gives the
+instance, read at each heartbeat.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.fleet import scripts
+from nixl_twisted.fleet.caps import CAPS, CapCheck, FleetCap, held, read_caps
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
@@ -52,6 +56,9 @@ class SharedSlots:
         #: The leases this replica holds in Redis: lease id -> ``POOL|URL``.
         self.leases: dict[str, str] = {}
         self._ids = (f"{n:x}" for n in itertools.count(1))
+        #: Each instance's caps over the live replicas, as the last heartbeat read them.
+        self.fleet_caps: dict[str, FleetCap] = {}
+        self._check = CapCheck(metrics)
         replicas.hold(self)
         replicas.on_freed(self._changed)
 
@@ -66,6 +73,27 @@ class SharedSlots:
         ahead: the next heartbeat brings this replica back to Redis's own)."""
         self.view, self.version = view, version
         self.apply()
+        self.caps_read()
+
+    def caps_read(self) -> Deferred[None]:
+        """This replica's caps written, the fleet's read (``caps.CAPS``): at each heartbeat."""
+        mine = {
+            field(instance): pool.caps.of(instance)
+            for pool in self._pools()
+            for instance in pool.instances
+        }
+        args = [said for where, cap in mine.items() for said in (where, cap)]
+
+        def read(fleet: dict[str, FleetCap]) -> None:
+            self.fleet_caps = fleet
+            self._check.check(mine, fleet)
+            self.apply()
+
+        return self.replicas.call(CAPS, args, "caps", read_caps).addCallbacks(read, _unshared)
+
+    def cap_of(self, pool: BackendPool, instance: Instance) -> int:
+        """The cap this replica holds ``instance`` to: the fleet's (0: none)."""
+        return held(pool.caps.of(instance), self.fleet_caps.get(field(instance)))
 
     def alone(self) -> None:
         self.apply()
@@ -105,10 +133,12 @@ class SharedSlots:
         for pool in self._pools():
             roomier = False
             for instance in pool.instances:
-                cap = pool.caps.of(instance)
+                cap = self.cap_of(pool, instance)
                 if cap == 0:
                     continue
+                pool.capped = True  # (another replica's cap holds it: legs wait for room)
                 where = field(instance)
+                instance.fleet_cap = self.fleet_caps.get(where)
                 if shared:
                     others = max(0, self.view.get(where, 0) - mine.get(where, 0))
                     slots = max(0, cap - others)
@@ -130,10 +160,11 @@ class SharedSlots:
         name and cap 0 when there is none, or its instance has no cap)."""
         if lease is None:
             return "", 0, ""
-        cap = lease.pool.caps.of(lease.instance)
+        instance = lease.instance
+        cap = held(lease.pool.caps.of(instance), self.fleet_caps.get(field(instance)))
         if cap == 0:
             return "", 0, ""
-        return field(lease.instance), cap, next(self._ids)
+        return field(instance), cap, next(self._ids)
 
     def granted(self, lease: Lease, name: tuple[str, int, str]) -> None:
         """Redis gave ``lease`` its slot: held until its leg ends."""

@@ -15,7 +15,9 @@ one shard. ``ARGV[1]`` is that prefix, ``ARGV[2]`` the replica's id. The keys:
   ``r:ID:waits`` what each replica's clients wait for, ``waiting`` how many
   wait in all and ``grants`` when the latest were let go (the drain rate);
 - ``tenants``: each tenant's requests in flight over every replica,
-  ``r:ID:tenants`` each replica's (``TENANT|ID``).
+  ``r:ID:tenants`` each replica's (``TENANT|ID``);
+- ``caps``: each instance's cap over the fleet, the lowest of the live
+  replicas' own (``r:ID:caps``), which ``PLACE`` holds it to (``caps``).
 
 Every change of ``slots`` is published on ``freed`` (``FIELD\\tCOUNT`` lines),
 so that every replica's view of the fleet follows within a round trip, and a
@@ -128,6 +130,7 @@ local function forget(r, keep)
   end
   redis.call('DEL', tenants)
   if not keep then
+    redis.call('DEL', P .. 'r:' .. r .. ':caps')
     redis.call('ZREM', P .. 'alive', r)
     redis.call('HDEL', P .. 'info', r)
   end
@@ -177,7 +180,8 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL = range(6)
 # sheddable (0/1), queue size, local id, blocked pool ('': its instances chosen), then
 # pairs of (FIELD, CAP) and the lease ids, decode's first:
 #   12: decode FIELD, 13: decode cap, 14: decode lease, 15: prefill FIELD ('': none),
-#   16: prefill cap, 17: prefill lease.
+#   16: prefill cap, 17: prefill lease. A cap is this replica's; the fleet's (``caps``) holds
+# when it is lower.
 # A new request goes at once when nothing of its model waits (in any replica) and both its
 # slots are free; else it waits in the fleet's order (or is shed, or the queue is full).
 # A waiting one (``member``) goes when it is the first of its model and its slots are free.
@@ -217,8 +221,12 @@ local function answer(code, said)
           redis.call('LRANGE', P .. 'grants', 0, -1), version()}
 end
 local function room(field, cap)
-  if field == '' or tonumber(cap) == 0 then return true end
-  return (whole(redis.call('HGET', P .. 'slots', field)) or 0) < tonumber(cap)
+  if field == '' then return true end
+  local c = tonumber(cap)
+  local fleet = whole(safe('HGET', P .. 'caps', field))  -- (the lowest of the live replicas')
+  if fleet and fleet > 0 and (c == 0 or fleet < c) then c = fleet end
+  if c == 0 then return true end
+  return (whole(redis.call('HGET', P .. 'slots', field)) or 0) < c
 end
 local fprio, fmember = first()
 local vkey, lkey = P .. 'v', P .. 'last:' .. model

@@ -120,6 +120,18 @@ class FleetMetrics(Collector):
             "tokens itself (each one warning line).",
             labels=["instance"],
         )
+        ejections = CounterMetricFamily(
+            "nixlproxy_outlier_ejections",
+            "Times a backend instance was ejected from rotation a while after failed legs in a "
+            "row (--outlier-consecutive-failures; this process's legs).",
+            labels=["pool", "instance"],
+        )
+        ejected = GaugeMetricFamily(
+            "nixlproxy_backend_ejected",
+            "Whether a backend instance is ejected from rotation now (1), after failed legs in "
+            "a row.",
+            labels=["pool", "instance"],
+        )
         queued = GaugeMetricFamily(
             "nixlproxy_queued",
             "Requests waiting in the proxy's queue for their slots, by model, tenant and "
@@ -150,6 +162,8 @@ class FleetMetrics(Collector):
                     for outcome, count in events["predictions"].items():
                         predictions.add_metric([*labels, outcome], float(count))
                 healthy.add_metric(labels, 1.0 if instance.healthy else 0.0)
+                ejections.add_metric(labels, float(instance.ejected_total))
+                ejected.add_metric(labels, 1.0 if pool.ejected(instance) else 0.0)
                 in_flight.add_metric(labels, float(instance.in_flight))
                 if instance.slots is not None:
                     caps.add_metric(labels, float(instance.slots))
@@ -172,3 +186,5 @@ class FleetMetrics(Collector):
         yield queued
         yield recompute
         yield episodes
+        yield ejections
+        yield ejected

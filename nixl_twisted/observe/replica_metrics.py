@@ -54,6 +54,31 @@ class ReplicaMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        self.fleet_cap = Gauge(
+            "nixlproxy_replicas_fleet_cap",
+            "The cap the fleet holds each instance to: the lowest any live replica gives it "
+            "(0: none), as this replica last read.",
+            ["pool", "instance"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.cap_mismatch = Gauge(
+            "nixlproxy_replicas_cap_mismatch",
+            "1 while the live replicas give an instance different caps (the fleet holds the "
+            "lowest), else 0.",
+            ["pool", "instance"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.admin_changes = Counter(
+            "nixlproxy_replicas_admin_changes",
+            "Admin API changes (add, drain, remove) through --replicas-redis, by outcome: told "
+            "(made here, written for the fleet), applied (another replica's, made here), "
+            "unknown (no such instance here), refused (it would empty a pool), not_allowed "
+            "(outside --allowed-backends here), malformed (a line that does not parse).",
+            ["outcome"],
+            registry=r,
+        )
         self.leases_expired = Counter(
             "nixlproxy_replicas_leases_expired",
             "Slots given back because the replica holding them stopped its heartbeat "

@@ -174,10 +174,11 @@ class Coordinator:
         instance = pool.find(str(outcome.get("url"))) if pool is not None else None
         if pool is None or instance is None:
             return  # gone from the pools meanwhile
+        # (health only: each worker ejects outliers by its own legs)
         if outcome.get("failure") is None:
-            pool.record_success(instance)
+            pool.record_success(instance, leg=False)
         else:
-            pool.record_failure(instance, str(outcome["failure"]))
+            pool.record_failure(instance, str(outcome["failure"]), leg=False)
 
     def _health_changed(self, instance: Instance) -> None:
         self._send_all({"health": [instance.health()]})

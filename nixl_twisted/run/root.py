@@ -11,6 +11,7 @@ it works with. The tree::
     ├── SharedWindows         --limits-redis: tenants' windows in Redis
     ├── Replicas              --replicas-redis: the heartbeat; caps and queue the fleet's
     ├── SharedRoutes          --replicas-redis: routing choices told and heard
+    ├── FleetAdmin            --replicas-redis: admin changes made on every replica
     ├── KvEvents              vLLM's KV events, when an instance publishes them
     ├── listener x N          strports services, bound in privilegedStartService
     ├── metrics listener      when --metrics-listen is set
@@ -50,6 +51,7 @@ from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.exchange.slots import Slots
+from nixl_twisted.fleet.admin_changes import FleetAdmin
 from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas
@@ -199,13 +201,14 @@ def build(
     # --replicas-redis: this process is one replica of the proxy; caps, queue, routing view
     # and stored responses the fleet's.
     per_tenant = config.limits.responses_per_tenant
-    replicas, fleet_slots, routes = None, None, None
+    replicas, fleet_slots, routes, fleet_admin = None, None, None, None
     responses = ResponseDirectory(per_owner=per_tenant)
     if config.replicas.redis is not None:
         replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
         fleet_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
         outbox = Outbox(replicas, reactor, metrics.replicas, per_tenant)
         routes = SharedRoutes(replicas, outbox, backends.pools, kv, metrics.replicas)
+        fleet_admin = FleetAdmin(replicas, backends, config, metrics.replicas)
         kept = SharedResponses(replicas, outbox)
         responses = ResponseDirectory(shared=kept, per_owner=per_tenant)
     shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
@@ -230,7 +233,8 @@ def build(
     # Admission, one step for every route: the tenant, then --max-in-flight (``web.admission``).
     admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)
     fleet = Fleet(backends, kv, report)
-    admin = AdminAPI(fleet, config, link.publish if link is not None else None)
+    told = fleet_admin.tell if fleet_admin is not None else None
+    admin = AdminAPI(fleet, config, link.publish if link is not None else None, told)
     legs = Legs(backends, kv, clock, metrics, config, slots)
     serving = Serving(legs, responses)
     # The status page's charts and warning lines: sampled and kept only while the root runs.
@@ -250,6 +254,8 @@ def build(
         client_keys=keys,
     )
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
+    if fleet_admin is not None:  # (after a reload, the fleet's changes are made again)
+        configured.append(fleet_admin)
     served = Served(admission, serving, observed.refusals.throttle, keys)
     root = ProxyService(
         config, app, site, checks, reactor, clock, served, found, configured, logging
@@ -258,6 +264,8 @@ def build(
         replicas.setServiceParent(root)
     if routes is not None:
         routes.setServiceParent(root)
+    if fleet_admin is not None:
+        fleet_admin.setServiceParent(root)
     history.setServiceParent(root)
     warnings.setServiceParent(root)
     GcPauses(metrics.gc_pauses, clock).setServiceParent(root)

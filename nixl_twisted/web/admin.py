@@ -2,7 +2,8 @@
 
 Under ``--workers`` a change is made in the worker that got it, then
 published to the others through the supervisor, and answered once they all
-have it.
+have it; with ``--replicas-redis``, once Redis has it too, which every
+replica makes it from (``fleet.admin_changes``).
 
 Guarded by a bearer token (``--admin-token`` or ``NIXLPROXY_ADMIN_TOKEN``);
 without one configured the API does not exist (404). A missing or wrong
@@ -43,12 +44,15 @@ class AdminAPI:
         fleet: Fleet,
         config: ProxyConfig,
         publish: Callable[[dict[str, str]], Deferred[None]] | None = None,
+        tell: Callable[[dict[str, str]], Deferred[None]] | None = None,
     ) -> None:
-        """``publish`` tells the other workers of a change (``run.coordination``); alone,
+        """``publish`` tells the other workers of a change (``run.coordination``), ``tell``
+        the other replicas (``fleet.admin_changes``, with ``--replicas-redis``); alone,
         nobody is told."""
         self.fleet = fleet
         self.backends = fleet.backends
         self.publish = publish if publish is not None else _nobody
+        self.tell = tell if tell is not None else _nobody
         self.configure(config)
 
     def configure(self, config: ProxyConfig) -> None:
@@ -137,8 +141,10 @@ class AdminAPI:
         described = [self.fleet.status(instance) for instance in instances]
         # One instance: its description; the ranks of URL#dp=N: each of theirs.
         answer = described[0] if len(described) == 1 else {"instances": described}
-        # Answered once every worker has the change too.
-        published = self.publish({"op": op, "pool": pool.role, "url": url})
+        # Answered once every worker has the change too, and the fleet's Redis.
+        change = {"op": op, "pool": pool.role, "url": url}
+        published = self.publish(change)
+        published.addCallback(lambda _: self.tell(change))
         return published.addCallback(lambda _: answer)
 
 

@@ -26,6 +26,9 @@ class Fleet:
     def status(self, instance: Instance) -> dict[str, Any]:
         """What /healthcheck and the admin listing say of an instance, its KV events included."""
         said = instance.status()
+        pool = self.backends.pool(instance.role)
+        said["ejected"] = pool is not None and pool.ejected(instance)
+        said["ejections"] = instance.ejected_total
         said["kv_events"] = self.kv.status(instance.role, instance.url)
         return said
 

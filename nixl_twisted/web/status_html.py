@@ -57,8 +57,11 @@ def _table(head: Iterable[str], rows: list[str], table_id: str | None = None) ->
 
 
 def state_of(instance: dict[str, Any]) -> str:
-    """An instance's state as the page says it: ``draining``, else ``up``, ``down``, ``pending``."""
-    return "draining" if instance["draining"] else str(instance["state"])
+    """An instance's state as the page says it: ``draining``, ``ejected`` (after failed legs
+    in a row), else ``up``, ``down``, ``pending``."""
+    if instance["draining"]:
+        return "draining"
+    return "ejected" if instance.get("ejected") else str(instance["state"])
 
 
 def cells(pool: str, instance: dict[str, Any]) -> list[object]:
@@ -68,6 +71,11 @@ def cells(pool: str, instance: dict[str, Any]) -> list[object]:
     events = instance.get("kv_events")
     cap = instance.get("max_in_flight")
     legs = f"{instance['in_flight']}/{cap}" if cap is not None else str(instance["in_flight"])
+    fleet = instance.get("fleet_cap")
+    if fleet and fleet["held"] != fleet["highest"]:  # (--replicas-redis: the replicas differ)
+        legs += (
+            f" (replicas' caps differ: {fleet['held'] or 'none'} to {fleet['highest'] or 'none'})"
+        )
     came = ", ".join([instance["source"], *instance.get("discovered_by", [])])
     kv = None
     if events is not None:

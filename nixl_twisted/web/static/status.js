@@ -25,7 +25,8 @@
   }
 
   function stateOf(instance) {
-    return instance.draining ? "draining" : String(instance.state);
+    if (instance.draining) return "draining";
+    return instance.ejected ? "ejected" : String(instance.state);
   }
 
   // An instance's row, in the order of status_html.COLUMNS.
@@ -36,12 +37,17 @@
     var kv = null;
     if (events) kv = events.blocks + " blocks" + (events.state === "stale" ? " (stale)" : "");
     var usage = load.kv_cache_usage;
+    var legs = cap === null || cap === undefined ? String(instance.in_flight) : instance.in_flight + "/" + cap;
+    var fleet = instance.fleet_cap;
+    if (fleet && fleet.held !== fleet.highest) {
+      legs += " (replicas' caps differ: " + (fleet.held || "none") + " to " + (fleet.highest || "none") + ")";
+    }
     return [
       pool,
       instance.url,
       stateOf(instance),
       [instance.source].concat(instance.discovered_by || []).join(", "),
-      cap === null || cap === undefined ? String(instance.in_flight) : instance.in_flight + "/" + cap,
+      legs,
       number(load.running),
       number(load.waiting),
       usage === null || usage === undefined ? null : Math.round(usage * 100) + "%",
