@@ -98,12 +98,14 @@ def redis_side(url: str, entries: Sequence[str], trips: int) -> dict[str, Any]:
         await connected
         sent_entry, predicted_entry = entries
         for _ in range(route_scripts.SENT_ENTRIES // 256 + 2):
-            args = [prefix, "r1", 256, 0, *[sent_entry] * 256]
+            args = [prefix, "r1", *route_scripts.share_args([sent_entry] * 256, [])]
             await link.eval(route_scripts.SHARE, [], args)
         for _ in range(3):
-            args = [prefix, "r1", 0, 128, *[predicted_entry] * 128]
+            args = [prefix, "r1", *route_scripts.share_args([], [predicted_entry] * 128)]
             await link.eval(route_scripts.SHARE, [], args)
-        await link.eval(route_scripts.SHARE, [], [prefix, "r1", 0, 0, "resp_" + "x" * 24, URL])
+        stored = [route_scripts.StoredResponse("resp_" + "x" * 24, URL)]
+        args = [prefix, "r1", *route_scripts.share_args([], [], stored)]
+        await link.eval(route_scripts.SHARE, [], args)
         for name, stream in (("sent", route_scripts.SENT), ("predicted", route_scripts.PREDICTED)):
             length = await link.command("XLEN", prefix + stream)
             used = await link.command("MEMORY", "USAGE", prefix + stream, "SAMPLES", "0")
@@ -125,7 +127,9 @@ def redis_side(url: str, entries: Sequence[str], trips: int) -> dict[str, Any]:
             waiting: Deferred[None] = Deferred()
             heard.append(waiting)
             started = time.perf_counter()
-            link.eval(route_scripts.SHARE, [], [prefix, "r1", 1, 0, sent_entry])
+            link.eval(
+                route_scripts.SHARE, [], [prefix, "r1", *route_scripts.share_args([sent_entry], [])]
+            )
             await waiting
             delays.append(time.perf_counter() - started)
         await reader.stop()

@@ -36,7 +36,7 @@ class Outbox:
         self.metrics = metrics
         self._sent: list[str] = []
         self._predicted: list[str] = []
-        self._responses: list[str] = []
+        self._responses: list[route_scripts.StoredResponse] = []
         self._due: IDelayedCall | None = None
 
     def tell(self, told: Told) -> None:
@@ -53,7 +53,7 @@ class Outbox:
 
     def stored(self, response_id: str, instance_url: str, owner: str | None) -> None:
         """A stored response's decode instance and owner, kept in Redis for every replica."""
-        self._responses += [response_id, instance_url, owner or ""]
+        self._responses.append(route_scripts.StoredResponse(response_id, instance_url, owner or ""))
         self.metrics.told.labels(kind="response").inc()
         self._soon()
 
@@ -68,7 +68,7 @@ class Outbox:
         self._sent, self._predicted, self._responses = [], [], []
         if not (sent or predicted or responses):
             return
-        args = [len(sent), len(predicted), self.per_owner, *sent, *predicted, *responses]
+        args = route_scripts.share_args(sent, predicted, responses, self.per_owner)
         self.replicas.call(route_scripts.SHARE, args, "share").addErrback(_dropped)
 
     def stop(self) -> None:

@@ -23,6 +23,9 @@ call. Readers take the streams with ``XREAD`` (``route_reader``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from nixl_twisted.kv.predictions import PREDICTED_LIFE
 
 #: The choices of ``cache-aware`` kept in Redis (one entry each, at most about 2.7 KB:
@@ -71,6 +74,29 @@ for i = 6 + s + n, #ARGV - 2, 3 do
 end
 return 0
 """
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A stored response's id, the decode instance that holds it, and its owner ("": none)."""
+
+    id: str
+    instance: str
+    owner: str = ""
+
+
+def share_args(
+    sent: Sequence[str],
+    predicted: Sequence[str],
+    stored: Sequence[StoredResponse] = (),
+    per_owner: int = 1000,
+) -> list[object]:
+    """``SHARE``'s arguments after the prefix and the replica (``Replicas.call`` puts those):
+    the entries for each stream, the responses stored, each owner's latest ``per_owner``
+    kept. The one place that knows the script's argument order."""
+    responses = [part for each in stored for part in (each.id, each.instance, each.owner)]
+    return [len(sent), len(predicted), per_owner, *sent, *predicted, *responses]
+
 
 # ARGV: prefix, replica, response id. Its decode instance and owner (URL\\nTENANT), or nil.
 RESPONSE = """
