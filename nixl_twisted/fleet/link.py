@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from nixl_twisted.fleet.redis_tls import endpoint, verified
@@ -57,6 +57,8 @@ class RedisLink:
         self.redis = _connect(self.url, self._opened, self._gave_up)
 
     def stop(self) -> Deferred[None]:
+        if self._stopped:
+            return succeed(None)
         self._stopped = True
         if self._retry is not None and self._retry.active():
             self._retry.cancel()

@@ -36,7 +36,7 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
-from nixl_twisted.fleet.heartbeat import HEARTBEAT, Beat, read_beat
+from nixl_twisted.fleet.heartbeat import HEARTBEAT, SIGN_OUT, Beat, read_beat
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.fleet.replies import (
     WrongReply,
@@ -177,14 +177,40 @@ class Replicas(Service):
         self._beat.start(BEAT, now=True)
 
     def stopService(self) -> Deferred[None]:
+        """Sign out (what this replica holds given back at once), then close the link."""
         if not self.running:
             return succeed(None)
-        super().stopService()
-        self.is_shared = False  # (what it holds is forgotten with its heartbeat)
+        super().stopService()  # (from now on a call that fails is no news: ``away``)
+        self.is_shared = False
         if self._beat is not None and self._beat.running:
             self._beat.stop()
-        self.channel.stop()
-        return self.link.stop()  # (the channel's closing is not waited for: it holds nothing)
+        self.channel.stop()  # (its closing is not waited for: it holds nothing)
+        signed = self._sign_out() if self.link.open else succeed(None)
+        return signed.addBoth(lambda _: self.link.stop())
+
+    def _sign_out(self) -> Deferred[None]:
+        sent = self.link.eval(SIGN_OUT, [], [self.prefix, self.id])
+        sent.addTimeout(BEAT_BUDGET, self.reactor)
+
+        def signed(reply: object) -> None:
+            log.info(
+                "replicas: replica {id} signed out of Redis {url} ({given} slots given back)",
+                id=self.id,
+                url=shown(self.url),
+                given=count_of(reply),
+            )
+
+        def failed(failure: Failure) -> None:
+            log.info(
+                "replicas: replica {id} could not sign out of Redis {url} ({why}); the others "
+                "forget it within {ttl:g} s",
+                id=self.id,
+                url=shown(self.url),
+                why=why(failure, BEAT_BUDGET, self.link.open)[1],
+                ttl=self.ttl,
+            )
+
+        return sent.addCallback(signed).addErrback(failed)
 
     # -- calls ------------------------------------------------------------------------
 
@@ -245,6 +271,8 @@ class Replicas(Service):
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def beaten(beat: Beat) -> Deferred[None]:
+            if not self.running:
+                return succeed(None)  # (signed out since: nothing to write back)
             if beat.purged:
                 self.metrics.leases_expired.inc(beat.purged)
             for replica in beat.dead:
@@ -309,7 +337,10 @@ class Replicas(Service):
             holder.shared(view, version)
 
     def away(self, what: tuple[str, str]) -> None:
-        """Redis did not answer: every part goes on alone until a beat answers again."""
+        """Redis did not answer: every part goes on alone until a beat answers again (a call
+        cut short by this replica's own stop is no news)."""
+        if not self.running:
+            return
         reason, said = what
         if self.is_shared or not self._away_said:
             self.metrics.fallbacks.labels(reason=reason).inc()
