@@ -1,5 +1,5 @@
-"""The heartbeat script (``HEARTBEAT``), which keeps ``--replicas-redis`` alive and whole, its
-reply read (``Beat``), and the sign-out of a replica that stops (``SIGN_OUT``).
+"""The heartbeat script (``HEARTBEAT``), which keeps ``--replicas-redis`` alive and whole, and
+its reply read (``Beat``).
 
 Each replica runs it once a second. Besides its own liveness, it forgets
 every replica whose heartbeat expired, with what it held, and it heals what
@@ -188,12 +188,6 @@ end
 return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead}
 """
 )
-
-# ARGV: prefix, replica. The replica stops (SIGTERM): it signs out, what it still holds
-# given back at once (slots, waiting requests, tenants' places), as a heartbeat does for one
-# that stopped beating, so that no other replica counts it for the rest of its TTL. Returns
-# the leases given back.
-SIGN_OUT = COMMON + "\nreturn forget(me, false)\n"
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
-from nixl_twisted.fleet.heartbeat import HEARTBEAT, SIGN_OUT, Beat, read_beat
+from nixl_twisted.fleet.first_contact import FirstContact
+from nixl_twisted.fleet.heartbeat import HEARTBEAT, Beat, read_beat
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.fleet.replies import (
     WrongReply,
@@ -47,6 +48,7 @@ from nixl_twisted.fleet.replies import (
     view_of,
     why,
 )
+from nixl_twisted.fleet.sign_out import sign_out
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
@@ -125,7 +127,10 @@ class Replicas(Service):
         self._holders: list[Holder] = []
         self._freed: list[Callable[[dict[str, int], int | None], object]] = []
         self._beat: LoopingCall | None = None
+        self._beating: set[Deferred[Any]] = set()
         self._away_said = False
+        #: Whether Redis has answered once since the start (else: not ready, no capped slot).
+        self.first = FirstContact(url)
         self._ready = Happened()
         self._said_shared = False
         #: Seconds each heartbeat lasts (``TTL``).
@@ -154,6 +159,8 @@ class Replicas(Service):
         return {
             "redis": shown(self.url),
             "shared": self.is_shared,
+            "reached": self.first.reached,
+            "problem": self.first.problem,
             "id": self.id,
             "seen": [
                 {"id": replica, **{k: info.get(k) for k in ("host", "pid", "worker", "started")}}
@@ -185,32 +192,12 @@ class Replicas(Service):
         if self._beat is not None and self._beat.running:
             self._beat.stop()
         self.channel.stop()  # (its closing is not waited for: it holds nothing)
-        signed = self._sign_out() if self.link.open else succeed(None)
+        for beating in list(self._beating):  # (one waiting for a connection would wait on)
+            beating.cancel()
+        signed = succeed(None)
+        if self.link.open:
+            signed = sign_out(self.link, self.prefix, self.id, self.reactor, BEAT_BUDGET, self.ttl)
         return signed.addBoth(lambda _: self.link.stop())
-
-    def _sign_out(self) -> Deferred[None]:
-        sent = self.link.eval(SIGN_OUT, [], [self.prefix, self.id])
-        sent.addTimeout(BEAT_BUDGET, self.reactor)
-
-        def signed(reply: object) -> None:
-            log.info(
-                "replicas: replica {id} signed out of Redis {url} ({given} slots given back)",
-                id=self.id,
-                url=shown(self.url),
-                given=count_of(reply),
-            )
-
-        def failed(failure: Failure) -> None:
-            log.info(
-                "replicas: replica {id} could not sign out of Redis {url} ({why}); the others "
-                "forget it within {ttl:g} s",
-                id=self.id,
-                url=shown(self.url),
-                why=why(failure, BEAT_BUDGET, self.link.open)[1],
-                ttl=self.ttl,
-            )
-
-        return sent.addCallback(signed).addErrback(failed)
 
     # -- calls ------------------------------------------------------------------------
 
@@ -269,6 +256,8 @@ class Replicas(Service):
             [self.prefix, self.id, int(self.ttl * 1000), self.info, int(TTL * 1000)],
         )
         sent.addTimeout(BEAT_BUDGET, self.reactor)
+        self._beating.add(sent)
+        sent.addBoth(_passed, lambda: self._beating.discard(sent))
 
         def beaten(beat: Beat) -> Deferred[None]:
             if not self.running:
@@ -309,6 +298,7 @@ class Replicas(Service):
             view, version = _restored(reply)
             was = self._away_said
             self.is_shared = True
+            self.first.made()
             self._away_said = False
             self.metrics.fallback.set(0)
             for holder in self._holders:
@@ -342,6 +332,12 @@ class Replicas(Service):
         if not self.running:
             return
         reason, said = what
+        if reason == "not_connected" and self.link.unreachable is not None:
+            said = f"could not be reached: {self.link.unreachable}"
+        if not self.first.reached:
+            self.metrics.fallback.set(1)
+            self.first.failed(said)
+            return
         if self.is_shared or not self._away_said:
             self.metrics.fallbacks.labels(reason=reason).inc()
         was_shared, self.is_shared = self.is_shared, False
@@ -366,6 +362,12 @@ class Replicas(Service):
         changed, version = freed(message)
         for told in self._freed:
             told(changed, version)
+
+
+def _passed(result: T, then: Callable[[], object]) -> T:
+    """A callback that runs ``then`` and passes ``result`` on."""
+    then()
+    return result
 
 
 def _restored(reply: Any) -> tuple[dict[str, int], int]:

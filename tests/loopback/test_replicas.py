@@ -127,7 +127,7 @@ class ReplicasTests(FleetCase):
         assert (response.code, len(self.decode.requests_for("decode"))) == (200, 2)
         await response.content()
         assert mine.metrics.leases_expired._value.get() == 0  # (no heartbeat had to)
-        said = [e for e in logged if e.get("log_namespace") == "nixl_twisted.fleet.replicas"]
+        said = [e for e in logged if str(e.get("log_namespace")).startswith("nixl_twisted.fleet")]
         assert [e["log_level"].name for e in said] == ["info"]
         assert "signed out of Redis" in said[0]["log_format"]
 
