@@ -128,6 +128,7 @@ class Replicas(Service):
         self._freed: list[Callable[[dict[str, int], int | None], object]] = []
         self._beat: LoopingCall | None = None
         self._beating: set[Deferred[Any]] = set()
+        self._stopped = False
         self._away_said = False
         #: Whether Redis has answered once since the start (else: not ready, no capped slot).
         self.first = FirstContact(url)
@@ -187,7 +188,8 @@ class Replicas(Service):
         """Sign out (what this replica holds given back at once), then close the link."""
         if not self.running:
             return succeed(None)
-        super().stopService()  # (from now on a call that fails is no news: ``away``)
+        super().stopService()
+        self._stopped = True  # (from now on a call that fails is no news: ``away``)
         self.is_shared = False
         if self._beat is not None and self._beat.running:
             self._beat.stop()
@@ -260,7 +262,7 @@ class Replicas(Service):
         sent.addBoth(_passed, lambda: self._beating.discard(sent))
 
         def beaten(beat: Beat) -> Deferred[None]:
-            if not self.running:
+            if self._stopped:
                 return succeed(None)  # (signed out since: nothing to write back)
             if beat.purged:
                 self.metrics.leases_expired.inc(beat.purged)
@@ -329,7 +331,7 @@ class Replicas(Service):
     def away(self, what: tuple[str, str]) -> None:
         """Redis did not answer: every part goes on alone until a beat answers again (a call
         cut short by this replica's own stop is no news)."""
-        if not self.running:
+        if self._stopped:
             return
         reason, said = what
         if reason == "not_connected" and self.link.unreachable is not None:
