@@ -44,6 +44,8 @@ class StartTests(FleetCase):
         report = json.loads(await check.content())
         assert (check.code, report["ready"], report["waiting_for"]) == (503, False, "redis")
         assert report["replicas"]["reached"] is False and report["replicas"]["problem"]
+        page = await self.http.get(proxy.url + "/")
+        assert b"NOT READY: Redis not reached since the start" in await page.content()
         entered = slots_of(proxy).entered()
         waiting = self.chat(proxy)
         await entered  # no slot of the cap: not served alone with the whole cap
