@@ -1,6 +1,7 @@
 """``AloneQueue``: where a replica's requests wait while Redis does not answer.
 
-Its own ``FairQueue``, the caps held to their static share (``fleet.leases``).
+Its own ``FairQueue``, the caps held to their static share (``fleet.leases``); until
+Redis has answered once, no slot at all.
 What it places is kept as leases (``keep``), written back with the rest when
 Redis answers again; and then what still waits here leaves it (``rejoin``)
 to ask the fleet's queue, since a request let go from here then would hold
@@ -23,10 +24,18 @@ from nixl_twisted.protocol.errors import ProxyError
 class AloneQueue(Generic[Placed]):
     """This replica's own queue, and the fleet's requests that wait in it."""
 
-    def __init__(self, local: FairQueue[Placed], keep: Callable[[Placed], object]) -> None:
-        """``keep``: each placement made here, kept as leases."""
+    def __init__(
+        self,
+        local: FairQueue[Placed],
+        keep: Callable[[Placed], object],
+        reached: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """``keep``: each placement made here, kept as leases; ``reached``: whether Redis has
+        answered once (before, nothing is placed here: the static share of a fleet this
+        replica has not seen would be the whole cap, ``fleet.first_contact``)."""
         self.local = local
         self.keep = keep
+        self.reached = reached
         #: The requests that wait here, each on its ``inner`` Deferred.
         self._waiting: list[FleetWaiting[Placed]] = []
 
@@ -80,6 +89,8 @@ class AloneQueue(Generic[Placed]):
 
     def _kept(self, place: Callable[[], Placed | str]) -> Callable[[], Placed | str]:
         def placed() -> Placed | str:
+            if not self.reached():
+                return "decode"  # (its slots, once Redis counts them)
             got = place()
             if not isinstance(got, str):
                 self.keep(got)

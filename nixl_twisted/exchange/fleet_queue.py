@@ -98,7 +98,7 @@ class FleetQueue(Generic[Placed]):
         self._waiting = 0
         self._grants: list[float] = []
         #: Where requests wait while Redis does not answer.
-        self.alone_queue = AloneQueue(local, self._keep)
+        self.alone_queue = AloneQueue(local, self._keep, lambda: replicas.first.reached)
         replicas.hold(self)
         replicas.on_freed(self._freed)
 

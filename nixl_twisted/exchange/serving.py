@@ -87,7 +87,8 @@ class Serving:
         return exchange.start().addBoth(ended)
 
     def stop_queueing(self) -> None:
-        """SIGTERM: every completion waiting for its slots is answered at once (503)."""
+        """The drain timeout ended: every completion still waiting for its slots is answered at
+        once (503)."""
         if self.legs.slots is not None:
             self.legs.slots.shut()
 

@@ -17,9 +17,12 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime, IStreamClientEndpoint
+from twisted.python.failure import Failure
+from zope.interface import implementer
 
+from nixl_twisted.fleet.redis_errors import unreachable
 from nixl_twisted.fleet.redis_tls import endpoint, verified
 
 #: Seconds before a connection that Redis refused is made again.
@@ -45,6 +48,8 @@ class RedisLink:
         self._stopped = False
         self._connected: list[Deferred[None]] = []
         self._refused: list[Deferred[str]] = []
+        #: Why the latest connection could not be made, in words (None since one was).
+        self.unreachable: str | None = None
 
     @property
     def open(self) -> bool:
@@ -54,9 +59,19 @@ class RedisLink:
         return bool(self.redis is not None and self.redis._factory.size)
 
     def start(self) -> None:
-        self.redis = _connect(self.url, self._opened, self._gave_up)
+        self.redis = self._connect()
+
+    def _connect(self) -> Any:
+        return _connect(
+            _Noted(endpoint(self.url, 1), self._failed), self.url, self._opened, self._gave_up
+        )
+
+    def _failed(self, failure: Failure) -> None:
+        self.unreachable = unreachable(failure, self.url)
 
     def stop(self) -> Deferred[None]:
+        if self._stopped:
+            return succeed(None)
         self._stopped = True
         if self._retry is not None and self._retry.active():
             self._retry.cancel()
@@ -86,6 +101,7 @@ class RedisLink:
         return waiting
 
     def _opened(self) -> None:
+        self.unreachable = None
         waiting, self._connected = self._connected, []
         for each in waiting:
             each.callback(None)
@@ -96,13 +112,14 @@ class RedisLink:
             return  # (its handshake cut short by the stop)
         if self._retry is None or not self._retry.active():
             self._retry = self.clock.callLater(RETRY, self._again)
+        self.unreachable = said
         self.on_refused(said)
         waiting, self._refused = self._refused, []
         for each in waiting:
             each.callback(said)
 
     def _again(self) -> None:
-        given_up, self.redis = self.redis, _connect(self.url, self._opened, self._gave_up)
+        given_up, self.redis = self.redis, self._connect()
         given_up.disconnect().addErrback(lambda _: None)  # (closed already: its pool, tidied)
 
 
@@ -120,9 +137,32 @@ def handshake_failure(why: str) -> str:
     return f"{step} failed: {said}"
 
 
-def _connect(url: str, connected: Callable[[], None], refused: Callable[[str], None]) -> Any:
-    """txredisapi's lazy connection, telling ``connected`` when one is made and
-    ``refused`` why it gave up (for ``rediss://``, a certificate it did not trust too)."""
+@implementer(IStreamClientEndpoint)
+class _Noted:
+    """An endpoint that tells ``failed`` why each connection could not be made (txredisapi
+    tries again in silence)."""
+
+    def __init__(self, inner: Any, failed: Callable[[Failure], None]) -> None:
+        self.inner = inner
+        self.failed = failed
+
+    def connect(self, factory: Any) -> Deferred[Any]:
+        connecting: Deferred[Any] = self.inner.connect(factory)
+
+        def noted(failure: Failure) -> Failure:
+            if not failure.check(CancelledError):
+                self.failed(failure)
+            return failure
+
+        return connecting.addErrback(noted)
+
+
+def _connect(
+    to: Any, url: str, connected: Callable[[], None], refused: Callable[[str], None]
+) -> Any:
+    """txredisapi's lazy connection through the endpoint ``to``, telling ``connected`` when
+    one is made and ``refused`` why it gave up (for ``rediss://``, a certificate it did not
+    trust too)."""
     txredisapi = importlib.import_module("txredisapi")
     parts = urlsplit(url)
     database = parts.path.strip("/")
@@ -156,5 +196,5 @@ def _connect(url: str, connected: Callable[[], None], refused: Callable[[str], N
     factory.addConnection = addConnection
     # (in place of failing a Deferred of its own that nobody holds)
     factory.connectionError = refused
-    factory.startConnecting(endpoint(url, 1))
+    factory.startConnecting(to)
     return factory.handler

@@ -37,6 +37,7 @@ from twisted.python.failure import Failure
 from nixl_twisted.config.words import counted
 from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
+from nixl_twisted.fleet.first_contact import FirstContact
 from nixl_twisted.fleet.heartbeat import HEARTBEAT, Beat, read_beat
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.fleet.replies import (
@@ -48,6 +49,7 @@ from nixl_twisted.fleet.replies import (
     view_of,
     why,
 )
+from nixl_twisted.fleet.sign_out import sign_out
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
@@ -126,7 +128,11 @@ class Replicas(Service):
         self._holders: list[Holder] = []
         self._freed: list[Callable[[dict[str, int], int | None], object]] = []
         self._beat: LoopingCall | None = None
+        self._beating: set[Deferred[Any]] = set()
+        self._stopped = False
         self._away_said = False
+        #: Whether Redis has answered once since the start (else: not ready, no capped slot).
+        self.first = FirstContact(url)
         self._ready = Happened()
         self._said_shared = False
         #: Seconds each heartbeat lasts (``TTL``).
@@ -155,6 +161,8 @@ class Replicas(Service):
         return {
             "redis": shown(self.url),
             "shared": self.is_shared,
+            "reached": self.first.reached,
+            "problem": self.first.problem,
             "id": self.id,
             "seen": [
                 {"id": replica, **{k: info.get(k) for k in ("host", "pid", "worker", "started")}}
@@ -178,14 +186,21 @@ class Replicas(Service):
         self._beat.start(BEAT, now=True)
 
     def stopService(self) -> Deferred[None]:
+        """Sign out (what this replica holds given back at once), then close the link."""
         if not self.running:
             return succeed(None)
         super().stopService()
-        self.is_shared = False  # (what it holds is forgotten with its heartbeat)
+        self._stopped = True  # (from now on a call that fails is no news: ``away``)
+        self.is_shared = False
         if self._beat is not None and self._beat.running:
             self._beat.stop()
-        self.channel.stop()
-        return self.link.stop()  # (the channel's closing is not waited for: it holds nothing)
+        self.channel.stop()  # (its closing is not waited for: it holds nothing)
+        for beating in list(self._beating):  # (one waiting for a connection would wait on)
+            beating.cancel()
+        signed = succeed(None)
+        if self.link.open:
+            signed = sign_out(self.link, self.prefix, self.id, self.reactor, BEAT_BUDGET, self.ttl)
+        return signed.addBoth(lambda _: self.link.stop())
 
     # -- calls ------------------------------------------------------------------------
 
@@ -244,8 +259,12 @@ class Replicas(Service):
             [self.prefix, self.id, int(self.ttl * 1000), self.info, int(TTL * 1000)],
         )
         sent.addTimeout(BEAT_BUDGET, self.reactor)
+        self._beating.add(sent)
+        sent.addBoth(_passed, lambda: self._beating.discard(sent))
 
         def beaten(beat: Beat) -> Deferred[None]:
+            if self._stopped:
+                return succeed(None)  # (signed out since: nothing to write back)
             # (each beat, not only this replica's own placements: idle, it places none)
             self.metrics.fleet_waiting.set(beat.waiting)
             if beat.purged:
@@ -285,6 +304,7 @@ class Replicas(Service):
             view, version = _restored(reply)
             was = self._away_said
             self.is_shared = True
+            self.first.made()
             self._away_said = False
             self.metrics.fallback.set(0)
             for holder in self._holders:
@@ -314,8 +334,17 @@ class Replicas(Service):
             holder.shared(view, version)
 
     def away(self, what: tuple[str, str]) -> None:
-        """Redis did not answer: every part goes on alone until a beat answers again."""
+        """Redis did not answer: every part goes on alone until a beat answers again (a call
+        cut short by this replica's own stop is no news)."""
+        if self._stopped:
+            return
         reason, said = what
+        if reason == "not_connected" and self.link.unreachable is not None:
+            said = f"could not be reached: {self.link.unreachable}"
+        if not self.first.reached:
+            self.metrics.fallback.set(1)
+            self.first.failed(said)
+            return
         if self.is_shared or not self._away_said:
             self.metrics.fallbacks.labels(reason=reason).inc()
         was_shared, self.is_shared = self.is_shared, False
@@ -341,6 +370,12 @@ class Replicas(Service):
         changed, version = freed(message)
         for told in self._freed:
             told(changed, version)
+
+
+def _passed(result: T, then: Callable[[], object]) -> T:
+    """A callback that runs ``then`` and passes ``result`` on."""
+    then()
+    return result
 
 
 def _restored(reply: Any) -> tuple[dict[str, int], int]:

@@ -153,7 +153,10 @@ class ProxyService(ProcessTree):
         return self._stopped.wait()
 
     async def _stop(self) -> None:
-        """Say not ready (and wait), stop accepting, drain, close connections, stop the backends."""
+        """Hand the clients over (each answer closes its connection), say not ready (and wait),
+        stop accepting, drain (what waits in the queue too), close connections, stop the rest."""
+        for site in {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}:
+            site.hand_over()
         delay = self.config.timeouts.shutdown_delay
         if delay > 0:
             self.served.admission.leaving = True
@@ -161,13 +164,15 @@ class ProxyService(ProcessTree):
                 "not ready now; still serving for {seconds} s before draining", seconds=delay
             )
             await deferLater(self.clock, delay)
+        # New requests are refused from now on (503, their connection closed); those that
+        # wait in the queue are served in the drain window, as those in flight are.
         self.served.admission.start_draining()
-        self.served.serving.stop_queueing()  # (each waiting request answered 503 at once)
         listeners = self.listeners()
         await DeferredList([maybeDeferred(s.stopService) for s in listeners])
         draining = Deferred.fromCoroutine(self._drain())  # its timer runs from now,
         self._ports_closed.fire()  # before whoever waits on this goes on
         if not await draining:
+            self.served.serving.stop_queueing()  # (each still waiting answered 503 at once)
             self.served.serving.shut_down()  # each told in band, before its connection closes
         await self._close_connections()
         rest = [s for s in self if s not in listeners and s.running]

@@ -140,7 +140,9 @@ class ProxyApp:
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"Content-Type", _JSON)
         if not self.admin.shows_the_fleet(request, self.config):
-            return json.dumps({"ready": ready}).encode("utf-8")
+            waiting = self.status.waiting_for()  # (why not ready, when it is Redis)
+            said = {"ready": ready} if waiting is None else {"ready": ready, "waiting_for": waiting}
+            return json.dumps(said).encode("utf-8")
         return json.dumps(self.status.healthcheck()).encode("utf-8")
 
     @app.route(routes.STATUS_PAGE, methods=["GET"], endpoint="status_page")

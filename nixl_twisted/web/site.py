@@ -90,6 +90,24 @@ class _TrackedChannel(HTTPChannel):
         self._between_requests = True
         super().requestDone(request)
 
+    def checkPersistence(self, request: http.Request, version: bytes) -> bool:
+        if not self.factory.handing_over:
+            return bool(super().checkPersistence(request, version))
+        request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+        return False
+
+    def hand_over(self) -> None:
+        """The proxy stops: an idle kept-alive connection is closed now, any other once its
+        answers end, each answer not yet begun saying ``Connection: close``."""
+        if not self.requests:
+            if self._between_requests:
+                self.loseConnection()
+            return  # (a first request on its way: ``checkPersistence`` closes after it)
+        self.persistent = False
+        for request in self.requests:
+            if not request.startedWriting:
+                request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+
     def late(self, now: float) -> bool:
         """Whether the request being received has missed its deadline."""
         if self._deadlines is None or self._deadlines.awaiting is None:
@@ -263,6 +281,8 @@ class TrackingSite(Site):
         self.refusals = refusals
         self.displayTracebacks = False
         self._open: dict[_TrackedChannel, Happened] = {}
+        #: Stopping: every answer closes its connection (``hand_over``).
+        self.handing_over = False
         #: Looks at every open connection's deadline once a second (``deadlines``).
         self._sweeping = LoopingCall(self._sweep)
         self._sweeping.clock = clock
@@ -293,6 +313,13 @@ class TrackingSite(Site):
     def connection_lost(self, channel: HTTPChannel) -> Deferred[None]:
         """Fires when an open channel's connection is gone."""
         return self._open[cast(_TrackedChannel, channel)].wait()
+
+    def hand_over(self) -> None:
+        """From now on every answer says ``Connection: close`` and closes its connection, and
+        idle kept-alive connections close now: clients reconnect through their balancer."""
+        self.handing_over = True
+        for channel in list(self._open):
+            channel.hand_over()
 
     def close_connections(self, abort: bool = True) -> Deferred[Any]:
         """Close every open connection; fires when all are gone.

@@ -64,13 +64,21 @@ class StatusPage:
 
     @property
     def ready(self) -> bool:
-        """Both pools have an instance up, and the proxy is not leaving."""
-        return self.fleet.backends.ready() and not self.admission.leaving
+        """Both pools have an instance up, the proxy is not leaving, and with
+        ``--replicas-redis`` it has reached Redis once (``fleet.first_contact``)."""
+        ready = self.fleet.backends.ready() and not self.admission.leaving
+        return ready and not self.waiting_for_redis
+
+    @property
+    def waiting_for_redis(self) -> bool:
+        """With ``--replicas-redis``: Redis has not answered this replica yet."""
+        return self.replicas is not None and not self.replicas.first.reached
 
     def healthcheck(self) -> dict[str, Any]:
         """The full ``/healthcheck`` (``protocol.md``)."""
         return {
             "ready": self.ready,
+            "waiting_for": self.waiting_for(),
             "prefill_instances": len(self.fleet.backends.prefill),
             "decode_instances": len(self.fleet.backends.decode),
             "draining": self.admission.draining,
@@ -82,6 +90,10 @@ class StatusPage:
             "queues": self.serving.queues(),
             "replicas": self.replicas.status() if self.replicas is not None else None,
         }
+
+    def waiting_for(self) -> str | None:
+        """What the proxy waits for before it is ready, when that is Redis (``"redis"``)."""
+        return "redis" if self.waiting_for_redis else None
 
     def snapshot(self) -> dict[str, Any]:
         """``/status.json`` (``docs/status-page.md``); the charts sample from now on."""

@@ -153,6 +153,8 @@ def _replicas(status: dict[str, Any]) -> str:
     if replicas is None:
         return "<p>One process: no --replicas-redis.</p>"
     said = "shared" if replicas["shared"] else "ALONE (Redis does not answer: static shares)"
+    if not replicas.get("reached", True):
+        said = f"NOT READY: Redis not reached since the start ({replicas.get('problem')})"
     rows = [
         _row(
             [

@@ -90,6 +90,7 @@ class ReplicasTests(FleetCase):
         gone = replicas_of(self.proxy)
         gone.ttl = 0.0  # its last heartbeat lapses at once: as a replica killed after it
         await gone.beat()
+        await gone.link.stop()  # (killed: no sign-out)
         await gone.stopService()
         waits = slots_of(other).entered()
         second = self.chat(other)
@@ -102,6 +103,33 @@ class ReplicasTests(FleetCase):
         await response.content()
         assert replicas_of(other).metrics.leases_expired._value.get() == 1
         assert list(replicas_of(other).seen) == [replicas_of(other).id]
+
+    async def test_a_replica_that_stops_signs_out_giving_back_what_it_holds_at_once(
+        self,
+    ) -> None:
+        other = await self.two()
+        await self.held_stream()  # the fleet's one decode slot, held through this proxy
+        waits = slots_of(other).entered()
+        second = self.chat(other)
+        await waits
+        logged = self.logged()
+        gone = replicas_of(self.proxy)
+        beating = gone.beat()  # (a heartbeat on its way as the replica stops)
+        await gone.stopService()  # (its stream still held, as one cut at the drain timeout)
+        await beating
+        mine = replicas_of(other)
+        alive = await mine.link.command("ZRANGE", mine.prefix + "alive", 0, -1)
+        info = await mine.link.command("HEXISTS", mine.prefix + "info", gone.id)
+        leases = await mine.link.command("EXISTS", f"{mine.prefix}r:{gone.id}:leases")
+        assert (alive, info, leases) == ([mine.id], 0, 0)  # now, not past its TTL
+        self.decode.release()  # (the fake held every answer after its first event)
+        response = await second  # the slot it held went to the other's request
+        assert (response.code, len(self.decode.requests_for("decode"))) == (200, 2)
+        await response.content()
+        assert mine.metrics.leases_expired._value.get() == 0  # (no heartbeat had to)
+        said = [e for e in logged if str(e.get("log_namespace")).startswith("nixl_twisted.fleet")]
+        assert [e["log_level"].name for e in said] == ["info"]
+        assert "signed out of Redis" in said[0]["log_format"]
 
     async def test_redis_away_each_replica_holds_its_share_then_shares_again(self) -> None:
         other = await self.two(decode_max_in_flight=2)

@@ -106,14 +106,15 @@ def test_a_client_that_leaves_while_its_request_waits_takes_it_out() -> None:
     assert admissions(setup) == {"at_once": 1.0, "left": 1.0}
 
 
-def test_stopping_answers_every_waiting_request_at_once() -> None:
+def test_the_drain_timeout_answers_every_waiting_request_at_once() -> None:
     setup = capped()
     setup.decode.hold_answers()
     first = setup.post(routes.CHAT_COMPLETIONS, CHAT)
     setup.proxy.flush()
     waiting = setup.post(routes.CHAT_COMPLETIONS, CHAT)
     setup.proxy.flush()
-    # What ProxyService does first on SIGTERM (tests/loopback/test_limits.py, with a real stop).
+    # What ProxyService does once the drain timeout ends (tests/loopback/test_limits.py serves
+    # what waits in the drain window, with a real stop).
     setup.proxy.app.admission.start_draining()
     setup.proxy.app.serving.stop_queueing()
     setup.proxy.flush()

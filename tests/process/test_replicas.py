@@ -1,5 +1,6 @@
 """``--replicas-redis`` between real ``twistd nixlproxy`` processes and a real redis-server:
-a cap holds for two replicas, a replica killed with SIGKILL gives its slot back within its
+a cap holds for two replicas, a replica stopped with SIGTERM serves what waits in its queue
+and signs out, a replica killed with SIGKILL gives its slot back within its
 heartbeat's life, Redis stopped and started again costs no request, ``rediss://`` with a
 certificate made in the test shares as well, and ``--workers`` are replicas too."""
 
@@ -7,11 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from typing import Any
 
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 
+from nixl_twisted.fleet.link import RedisLink
+from nixl_twisted.fleet.replies import prefix_of
 from nixl_twisted.testing import TwistdProtocol
 from tests.process.support import TwistdCase
 from tests.support import CHAT, real_redis
@@ -64,6 +69,34 @@ class ReplicaProcessTests(TwistdCase):
         assert response.code == 200
         await response.content()
         assert len(self.decode.requests_for("decode")) == 2
+        await self.terminate(second)
+
+    async def test_sigterm_serves_what_waits_then_signs_out_of_redis(self) -> None:
+        redis = await real_redis(self)
+        await self.start()
+        first, first_url = await self.replica(redis.url, "--shutdown-delay", "1")
+        second, second_url = await self.replica(redis.url)
+        found = re.search(rb"replica (\w+) shares caps", first.output)
+        assert found is not None
+        await self.held(second_url)  # the fleet's one decode slot is the second's
+        waiting = self.chat(first_url)
+        os.kill(first.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
+        # The delay has ended and the request still waits for the slot: it is not refused.
+        await first.said(b"draining 1 requests in flight")
+        self.decode.release()
+        response = await waiting
+        assert response.code == 200
+        await response.content()
+        self.assertEqual(await first.ended, 0, first.output.decode())
+        # Signed out as it stopped: no longer alive for the others, 3 s before its TTL.
+        link = RedisLink(redis.url, reactor, lambda why: None)
+        link.start()
+        self.addCleanup(link.stop)
+        alive = await link.command("ZRANGE", prefix_of(redis.url) + "alive", 0, -1)
+        assert found[1].decode() not in alive and len(alive) == 1
+        assert b"signed out of Redis" in first.output
+        assert b"could not be reached" not in first.output
+        assert b"replicas#warn" not in first.output
         await self.terminate(second)
 
     async def test_redis_stopped_and_started_again_costs_no_request(self) -> None:

@@ -316,3 +316,22 @@ def test_a_short_overload_run_serves_every_arrival_of_each_load() -> None:
     assert access_lines == dict.fromkeys(rows, 8), ran.why(
         "a row per load: 8 requests, all served, a TTFT, 8 access lines"
     )
+
+
+def test_a_short_rolling_restart_run_replaces_each_replica_and_prints_its_row() -> None:
+    """By count: 12 arrivals through two replicas sharing a redis-server the run starts, each
+    replaced in turn from half a second in (the row's figures are not asserted)."""
+    ran = run(
+        [
+            PYTHON,
+            "-m",
+            "bench.rolling",
+            *("--roll", "--requests", "12", "--replicas", "2", "--roll-at", "0.5"),
+            *("--tokens", "4", "--token-interval", "0.01"),
+        ]
+    )
+    row = re.search(r"^\| rolling restart \| 12 \| \d+ \|", ran.stdout, re.MULTILINE)
+    replaced = re.findall(r"^  replica \d: SIGTERM at [\d.]+ s, exit 0 ", ran.stdout, re.MULTILINE)
+    assert ran.code == 0 and row is not None and len(replaced) == 2, ran.why(
+        "exit 0, the row of 12 requests, and each of the two replicas replaced and exited 0"
+    )
