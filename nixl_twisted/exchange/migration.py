@@ -85,6 +85,9 @@ class Migrations:
         #: Why it never moves (None: it may), and why only before its first token.
         self.refused = refused or resumable.refused
         self.from_start = resumable.from_start
+        #: Its decode legs are asked for the ids of the tokens they stream (an attribute:
+        #: read several times a request).
+        self.tracked = self.refused is None and self.from_start is None
         self._deadline = clock.seconds() + rules.deadline if rules.deadline else None
         self.tries = 0
         #: What the decode leg relayed now stands behind (a tracked stream's transcript).
@@ -110,11 +113,6 @@ class Migrations:
         #: its first prefill answered them (None: unknown; never a decode answer's).
         given = completion.token_ids
         self.prompt: list[int] | None = list(given) if given else None
-
-    @property
-    def tracked(self) -> bool:
-        """Its decode legs are asked for the ids of the tokens they stream."""
-        return self.refused is None and self.from_start is None
 
     def filtered(self) -> Transcript | Opening | Whole | None:
         """What stands between the next decode leg's answer and the client (None: nothing:
@@ -230,7 +228,8 @@ class Migrations:
 
     def completed(self) -> None:
         """The answer ended whole: the continuation out, if any, did it."""
-        self._concluded("completed")
+        if self._continuing is not None:  # (else nothing to say: most answers never move)
+            self._concluded("completed")
 
     def _may(self) -> bool:
         """Another move is allowed: tries left, and the request not past its deadline."""
