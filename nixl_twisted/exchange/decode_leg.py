@@ -1,7 +1,7 @@
 """A completion's decode leg and its relay: decode's answer to the client as it comes.
 
 One attempt at one instance is ``decode.decode_attempt``, the bytes' path
-``relay.relay_body``; this is the leg around them: the handoff's gap
+``relay.relay``; this is the leg around them: the handoff's gap
 measured, the first byte timed (and the SSE keep-alive stopped by it),
 decode's error answer given in-band once the client has its 200, and a
 body that breaks off, goes silent, answers an error event or whose instance
@@ -32,9 +32,12 @@ from nixl_twisted.exchange.migration import Migrations, Moved, NextLeg
 from nixl_twisted.exchange.relay import (
     ClientSlow,
     Filter,
+    Passes,
+    Seen,
+    Silence,
     abandon,
     close_slow,
-    relay_body,
+    relay,
     start_response,
 )
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, account, send_leg
@@ -234,17 +237,17 @@ class DecodeLeg:
         watching = self.watch(decode.instance.url) if self.watch is not None else None
         kind = response.headers.getRawHeaders(b"content-type", [b""])[0]
         streamed = kind.startswith(b"text/event-stream")
-        self._relaying = relay_body(
+        self._relaying = relay(
             served.request,
             response,
-            self.legs.clock,
-            served.config.timeouts.stream_idle,
-            self._first_byte,
-            watching,
-            self._used,
-            UsageChunkHidden() if self.completion.hides_usage else None,
-            filtered,
-            events.terminal(self.completion.path) if streamed else (),
+            Silence(self.legs.clock, served.config.timeouts.stream_idle),
+            Passes(filtered, UsageChunkHidden() if self.completion.hides_usage else None),
+            Seen(
+                self._first_byte,
+                watching,
+                self._used,
+                events.terminal(self.completion.path) if streamed else (),
+            ),
         )
         try:
             await served.phases.track(self._relaying)
