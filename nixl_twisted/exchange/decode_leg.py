@@ -29,17 +29,8 @@ from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt, note_han
 from nixl_twisted.exchange.keepalive import KeepAlive
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import Migrations, Moved, NextLeg
-from nixl_twisted.exchange.relay import (
-    ClientSlow,
-    Filter,
-    Passes,
-    Seen,
-    Silence,
-    abandon,
-    close_slow,
-    relay,
-    start_response,
-)
+from nixl_twisted.exchange.relay import ClientSlow, abandon, close_slow, relay, start_response
+from nixl_twisted.exchange.relay_parts import Filter, Passes, Seen, Silence
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, account, send_leg
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.observe.spans import AttemptTrace

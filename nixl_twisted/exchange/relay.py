@@ -6,17 +6,16 @@ the proxy's memory. ``break_off`` ends a response whose backend broke off so
 that the client can tell it is incomplete. What they write to is an
 ``ExchangeRequest``: the client's own request, or one prompt of a batch.
 
-A relay is composed of small parts, as treq composes a body reader from a
-protocol and a finished Deferred: its ``Silence`` (the idle timer), its
-``Passes`` (what stands between the body and the client, and may change
-it) and what has ``Seen`` it (what looks at it and never changes it).
+A relay is composed of small parts (``relay_parts``), as treq composes a
+body reader from a protocol and a finished Deferred: its ``Silence`` (the
+idle timer), its ``Passes`` (what stands between the body and the client,
+and may change it) and what has ``Seen`` it (what looks at it and never
+changes it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import typing
-from collections.abc import Callable
 from typing import cast
 
 from twisted.internet.defer import Deferred
@@ -28,11 +27,11 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IRequest, IResponse
 from zope.interface import implementer
 
+from nixl_twisted.exchange.relay_parts import NO_PASSES, NO_SEEN, Passes, Seen, Silence
 from nixl_twisted.exchange.request import ExchangeRequest, connected
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import stream_error_event
 from nixl_twisted.protocol.headers import client_response_headers
-from nixl_twisted.protocol.usage import UsageChunkHidden
 
 _DONE = Failure(ResponseDone())
 
@@ -70,71 +69,6 @@ class _Paced:
     def stopProducing(self) -> None:
         self.transport.stopProducing()
 
-
-class Filter(typing.Protocol):
-    """What stands between decode's body and the client when the answer may move to another
-    instance (``protocol.transcript``): it passes what the client may have now, keeps what
-    a continuation needs, and catches an in-band error event instead of passing it."""
-
-    #: The error event caught, and what came after it (None: none).
-    error: bytes | None
-    #: Nothing more to look at: the rest passes as it comes.
-    done: bool
-
-    def __call__(self, data: bytes) -> bytes: ...
-
-    def rest(self) -> bytes:
-        """What it held when the body ended whole."""
-
-
-class Silence:
-    """How long a body may go silent (``seconds``; None: forever), by ``clock``."""
-
-    __slots__ = ("clock", "seconds")
-
-    def __init__(self, clock: IReactorTime, seconds: float | None) -> None:
-        self.clock = clock
-        self.seconds = seconds
-
-
-class Passes:
-    """What stands between a body and the client, in order: ``filtered``, what the client
-    may have of it now (an answer that may move; None: all of it), then ``hidden``, which
-    takes out the chunk the proxy asked for itself (the usage chunk)."""
-
-    __slots__ = ("filtered", "hidden")
-
-    def __init__(
-        self, filtered: Filter | None = None, hidden: UsageChunkHidden | None = None
-    ) -> None:
-        self.filtered = filtered
-        self.hidden = hidden
-
-
-class Seen:
-    """What looks at a body as it passes and never changes it: ``first_byte`` is told its
-    first chunk came; ``watch`` is shown each chunk until it says it has seen enough;
-    ``tail`` is given the last two chunks however the body ended (where vLLM puts
-    ``usage``); ``terminal``: an event stream's last events, one of which must come
-    (``protocol.events.terminal``), else the relay fails with ``StreamCutShort``."""
-
-    __slots__ = ("first_byte", "tail", "terminal", "watch")
-
-    def __init__(
-        self,
-        first_byte: Callable[[], None] | None = None,
-        watch: Callable[[bytes], bool] | None = None,
-        tail: Callable[[bytes], None] | None = None,
-        terminal: tuple[bytes, ...] = (),
-    ) -> None:
-        self.first_byte = first_byte
-        self.watch = watch
-        self.tail = tail
-        self.terminal = terminal
-
-
-NO_PASSES = Passes()
-NO_SEEN = Seen()
 
 #: Each route's last events, as the relay looks for them: at a line's start.
 _AT_LINE_START: dict[tuple[bytes, ...], tuple[bytes, ...]] = {}
