@@ -31,7 +31,7 @@ tenants' served ratio against their weights', and first-token p50 / p99.
     python -m bench.goodput --load 3                       # every shape, one proxy, 20 s each
     python -m bench.goodput --load 3 --replicas 2 --shared
     python -m bench.goodput --load 2 --targets 1000:0.5,10000:0.5 --shapes third
-    python -m bench.goodput --smoke                        # a second of arrivals, small fakes
+    python -m bench.goodput --smoke                        # 12 arrivals at 1x, small fakes
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ def measure(shape: Shape, args: argparse.Namespace, seed: int, folder: str) -> d
     """One run of ``shape``: fakes, proxies (and Redis) started for it, stopped after."""
     fleet = fleet_of(shape, args)
     rate = args.load * fleet.decode_rate
-    planned = open_loop.arrivals(rate, list(TENANTS), seed, shape.body, args.seconds, None)
+    planned = open_loop.arrivals(rate, list(TENANTS), seed, shape.body, args.seconds, args.requests)
+    window = args.seconds if args.requests is None else planned[-1].at
     targets = targeted(planned, targets_of(args.targets))
     planned = [
         replace(a, headers=((TARGET_HEADER, f"{t * 1000:.0f}"),))
@@ -227,7 +228,7 @@ def measure(shape: Shape, args: argparse.Namespace, seed: int, folder: str) -> d
         "prefill_capacity": round(fleet.prefills * fleet.max_num_seqs / shape.prefill_seconds, 2),
         "offered": round(rate, 2),
         "elapsed_s": round(elapsed, 1),
-        **figures(outcomes, targets, gauges, args.seconds, fleet),
+        **figures(outcomes, targets, gauges, window, fleet),
     }
 
 
@@ -275,13 +276,13 @@ def arguments() -> argparse.ArgumentParser:
         metavar="MS[:SHARE],...",
         help="first-token targets in x-slo-ttft-ms: 5500 (all), 1000:0.5,10000:0.5 (half each)",
     )
-    parser.add_argument("--seconds", type=float, default=20.0, help="of arrivals, per run")
+    length = parser.add_mutually_exclusive_group()
+    length.add_argument("--seconds", type=float, default=20.0, help="of arrivals, per run")
+    length.add_argument("--requests", type=int, help="instead: this many arrivals per run")
     parser.add_argument("--seed", type=int, default=56)
     parser.add_argument("--repeat", type=int, default=1, help="each shape N times, seeds +1")
     parser.add_argument("--client-timeout", type=float, default=600.0, metavar="SECONDS")
-    parser.add_argument(
-        "--smoke", action="store_true", help="a second of arrivals at 1x, small fakes"
-    )
+    parser.add_argument("--smoke", action="store_true", help="12 arrivals at 1x, small fakes")
     parser.add_argument("--json", action="store_true", help="print the raw results too")
     fleet = parser.add_argument_group("the fakes")
     fleet.add_argument("--prefills", type=int, help="prefill instances (the shape's: 2, half 3)")
@@ -301,6 +302,8 @@ def arguments() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = arguments()
     args = parser.parse_args(argv)
+    if args.requests is not None and args.requests < 1:
+        parser.error("--requests must be at least 1")
     names = args.shapes.split(",")
     if unknown := [n for n in names if n not in SHAPES]:
         parser.error(f"--shapes: {', '.join(unknown)} unknown (of {', '.join(SHAPES)})")
@@ -310,12 +313,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(bad))
     shapes = [SHAPES[n] for n in names]
     if args.smoke:
-        args.seconds, args.load, args.max_num_seqs = 1.0, 1.0, 2
+        args.requests, args.load, args.max_num_seqs = 12, 1.0, 2
         shapes = [replace(s, tokens=4, token_interval=0.05) for s in shapes]
     print(
         f"targets {args.targets} ms ({TARGET_HEADER}); tenants a and b weighted 3 : 1, sending "
         f"the same amount; caps {args.caps or args.max_num_seqs}, queue {args.queue_size} / "
-        f"{args.queue_timeout:g} s; {args.seconds:g} s of arrivals at {args.load:g}x"
+        f"{args.queue_timeout:g} s; "
+        + (f"{args.seconds:g} s" if args.requests is None else f"{args.requests}")
+        + f" arrivals at {args.load:g}x"
     )
     for shape in shapes:
         fleet = fleet_of(shape, args)
