@@ -35,6 +35,8 @@ class Outcome:
     retry_after: bool = False
     #: How late it left against its arrival time (the generator falling behind).
     lag: float = 0.0
+    #: Seconds from its leaving to its answer's status line (None: no answer began).
+    answered: float | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class Arrival:
     body: bytes
     #: Which of the targets' URLs it goes to (``bench.replicas``: a replica of the proxy).
     target: int = 0
+    #: Headers it carries besides its tenant's (``bench.goodput``: its first-token target).
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 def arrivals(
@@ -94,6 +98,7 @@ async def _exchange(
     try:
         writer.write(raw)
         head = await reader.readuntil(b"\r\n\r\n")
+        outcome.answered = time.perf_counter() - started
         outcome.status = int(head.split(b" ", 2)[1])
         lines = [line.lower() for line in head.split(b"\r\n")[1:]]
         outcome.retry_after = any(line.startswith(b"retry-after:") for line in lines)
@@ -133,7 +138,7 @@ async def send_all(
         await asyncio.sleep(max(0.0, begun + arrival.at - time.perf_counter()))
         started = time.perf_counter()
         outcome.lag = started - (begun + arrival.at)
-        raw = _request(path, arrival.body, {header: arrival.tenant})
+        raw = _request(path, arrival.body, {header: arrival.tenant, **dict(arrival.headers)})
         host, port = where[arrival.target % len(where)]
         try:
             exchange = _exchange(host, int(port), raw, begun, started, outcome)
@@ -147,9 +152,11 @@ async def send_all(
 
 @dataclass
 class Gauges:
-    """``vllm:num_requests_waiting`` summed over each role's instances, one value per sample."""
+    """``vllm:num_requests_waiting`` (and ``_running``) summed over each role's instances,
+    one value per sample."""
 
     waiting: dict[str, list[float]] = field(default_factory=dict)
+    running: dict[str, list[float]] = field(default_factory=dict)
 
 
 async def _metrics(url: str) -> str:
@@ -161,22 +168,24 @@ async def _metrics(url: str) -> str:
     return raw.partition(b"\r\n\r\n")[2].decode()
 
 
-def waiting_in(text: str) -> float:
-    """``vllm:num_requests_waiting`` in one ``/metrics`` text (every engine's, summed)."""
+def waiting_in(text: str, gauge: str = "vllm:num_requests_waiting") -> float:
+    """``gauge`` in one ``/metrics`` text (every engine's, summed)."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:num_requests_waiting")
+        if line.startswith(gauge + "{") or line.startswith(gauge + " ")
     )
 
 
 async def sample(urls: dict[str, list[str]], every: float, done: asyncio.Event) -> Gauges:
     """Each role's instances' waiting requests, every ``every`` seconds until ``done``."""
-    gauges = Gauges({role: [] for role in urls})
+    gauges = Gauges({role: [] for role in urls}, {role: [] for role in urls})
     while not done.is_set():
         for role, found in urls.items():
             texts = await asyncio.gather(*(_metrics(url) for url in found))
             gauges.waiting[role].append(sum(waiting_in(text) for text in texts))
+            running = (waiting_in(text, "vllm:num_requests_running") for text in texts)
+            gauges.running[role].append(sum(running))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done.wait(), every)
     return gauges

@@ -350,6 +350,15 @@ def weights_file(folder: str) -> str:
     return path
 
 
+def caps_options(cap: int, queue_size: int, queue_timeout: float, folder: str) -> list[str]:
+    """Issue 36's options, both caps at ``cap``, and the tenants' weights (a file in ``folder``)."""
+    return [
+        *("--decode-max-in-flight", str(cap), "--prefill-max-in-flight", str(cap)),
+        *("--queue-size", str(queue_size), "--queue-timeout", f"{queue_timeout:g}"),
+        *("--config", weights_file(folder)),
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = arguments()
     args = parser.parse_args(argv)
@@ -370,13 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.router_arg,
             )
         else:
-            caps = [
-                *("--decode-max-in-flight", str(fleet.max_num_seqs)),
-                *("--prefill-max-in-flight", str(fleet.max_num_seqs)),
-                *("--queue-size", str(args.queue_size)),
-                *("--queue-timeout", f"{args.queue_timeout:g}"),
-                *("--config", weights_file(folder)),
-            ]
+            caps = caps_options(fleet.max_num_seqs, args.queue_size, args.queue_timeout, folder)
             extra = [*(caps if args.caps else []), *args.proxy_arg]
             target = nixlproxy(["--tenant-header", TENANT_HEADER, *extra])
         print(fleet.describe())

@@ -51,12 +51,12 @@ from bench.overload import (
     TENANTS,
     Fleet,
     arguments,
+    caps_options,
     fakes,
     row,
     summary,
-    weights_file,
 )
-from bench.overload_targets import nixlproxy
+from bench.overload_targets import Log, nixlproxy
 
 
 def _free_port() -> int:
@@ -88,6 +88,25 @@ def redis_server() -> Iterator[tuple[str, subprocess.Popen[bytes], list[str]]]:
         process.terminate()
         process.wait(10)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def proxies(
+    stack: ExitStack,
+    urls: dict[str, list[str]],
+    options: Sequence[str],
+    replicas: int,
+    shared: bool,
+) -> tuple[list[tuple[str, Log]], tuple[str, subprocess.Popen[bytes], list[str]] | None]:
+    """``replicas`` proxies with ``options`` before the fakes at ``urls`` (with ``shared``,
+    on a real Redis started for them), stopped when ``stack`` closes; each one's URL and
+    log, its load begun, and Redis's URL, process and command."""
+    redis = stack.enter_context(redis_server()) if shared else None
+    if redis is not None:
+        options = [*options, "--replicas-redis", redis[0]]
+    targets = [stack.enter_context(nixlproxy(options).serving(urls)) for _ in range(replicas)]
+    for _, log in targets:
+        log.load_begins()
+    return targets, redis
 
 
 def aimed(
@@ -127,23 +146,13 @@ def measure(
     window = args.seconds if args.requests is None else planned[-1].at
     cap = fleet.max_num_seqs if not args.split else max(1, fleet.max_num_seqs // args.replicas)
     options = [
-        "--tenant-header",
-        TENANT_HEADER,
-        *("--decode-max-in-flight", str(cap), "--prefill-max-in-flight", str(cap)),
-        *("--queue-size", str(args.queue_size), "--queue-timeout", f"{args.queue_timeout:g}"),
-        *("--config", weights_file(folder)),
+        *("--tenant-header", TENANT_HEADER),
+        *caps_options(cap, args.queue_size, args.queue_timeout, folder),
         *args.proxy_arg,
     ]
     with ExitStack() as stack:
         urls = stack.enter_context(fakes(fleet))
-        redis = stack.enter_context(redis_server()) if args.shared else None
-        if redis is not None:
-            options += ["--replicas-redis", redis[0]]
-        targets = [
-            stack.enter_context(nixlproxy(options).serving(urls)) for _ in range(args.replicas)
-        ]
-        for _, log in targets:
-            log.load_begins()
+        targets, redis = proxies(stack, urls, options, args.replicas, args.shared)
         started: list[subprocess.Popen[bytes]] = []  # (a Redis started again: stopped at the end)
         stack.callback(_stop_all, started)
         events = _events(args, targets, redis, started)

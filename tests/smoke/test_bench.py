@@ -335,3 +335,24 @@ def test_a_short_rolling_restart_run_replaces_each_replica_and_prints_its_row() 
     assert ran.code == 0 and row is not None and len(replaced) == 2, ran.why(
         "exit 0, the row of 12 requests, and each of the two replicas replaced and exited 0"
     )
+
+
+def test_a_short_goodput_run_prints_a_row_through_two_replicas_sharing_redis() -> None:
+    """By count: 12 arrivals at the decode capacity of small fakes, through two replicas
+    sharing a redis-server the run starts, each arrival with its first-token target."""
+    ran = run(
+        [
+            *(PYTHON, "-m", "bench.goodput", "--smoke", "--shapes", "mixed"),
+            *("--replicas", "2", "--shared", "--targets", "1000:0.5,10000:0.5"),
+        ]
+    )
+    row = re.search(
+        r"^\| mixed \| 2 shared \| 1x \| 16/s \| 16/s \| [\d.]+/s \| [\d.]+/s \(\d+%\) "
+        r"\| \d+% \(1 s: \d+%, 10 s: \d+%\) \| 0% \(0 of 0\) \| 0 \| \d+% \| [\d.]+ / [\d.]+ "
+        r"\| [\d.]+ : 1 \| [\d.]+ / [\d.]+ s \|$",
+        ran.stdout,
+        re.MULTILINE,
+    )
+    assert ran.code == 0 and row is not None, ran.why(
+        "exit 0, and the row: 12 served, late by target, nothing refused"
+    )
