@@ -4,7 +4,7 @@ The order is ``fair_queue``'s (priority, then weighted fair queueing between
 tenants by one virtual clock per model, then first come, first served), kept
 in ``--replicas-redis`` for the fleet, so that the replica with a free slot
 lets go the request the fleet's order puts first, whichever replica holds it:
-the replica whose request is first tries it (``scripts.PLACE``) when a slot
+the replica whose request is first tries it (``scripts.place``) when a slot
 frees anywhere (a message on the ``freed`` channel), when one of its own legs
 ends, and every second. A request goes at once only when nothing of its model
 waits anywhere and both its slots are free in Redis (taken by the same script,
@@ -44,16 +44,22 @@ from nixl_twisted.exchange.fair_queue import (
     timed_out,
 )
 from nixl_twisted.exchange.fleet_alone import AloneQueue
-from nixl_twisted.exchange.fleet_waiting import (
-    FleetWaiting,
-    Placed,
-    Placement,
-    place_args,
-    read_placement,
-)
-from nixl_twisted.fleet import scripts
+from nixl_twisted.exchange.fleet_waiting import FleetWaiting, Placed
 from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.scripts import (
+    GRANTED,
+    NOT_FIRST,
+    PlaceAsk,
+    PlaceCode,
+    PlaceReply,
+    SlotAsk,
+    leave,
+    place,
+)
+from nixl_twisted.fleet.scripts import (
+    SHED as SHED_CODE,
+)
 from nixl_twisted.protocol.errors import ProxyError
 
 log = Logger()
@@ -146,15 +152,15 @@ class FleetQueue(Generic[Placed]):
     def _enter(self, waiting: FleetWaiting[Placed]) -> None:
         """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
         refused; alone when Redis does not answer."""
-        ticket, place, answered = waiting.ticket, waiting.place, waiting.deferred
-        got = place()
+        ticket, answered = waiting.ticket, waiting.deferred
+        got = waiting.place()
         decode, prefill = self._names(got)
-        args = place_args(self.local.size, waiting, "", got, decode, prefill, ticket.sheddable)
+        ask = self._ask(waiting, "", got, decode, prefill, ticket.sheddable)
 
-        def said(reply: Placement) -> None:
+        def said(reply: PlaceReply) -> None:
             code = reply.code
             self._heard(reply)
-            if code == scripts.GRANTED:
+            if code == GRANTED:
                 assert not isinstance(got, str)
                 self._granted(got, decode, prefill)
                 if waiting.gone:
@@ -166,9 +172,9 @@ class FleetQueue(Generic[Placed]):
                 return
             if not isinstance(got, str):
                 self._release(got)
-            if code in (scripts.SHED, scripts.FULL):
+            if code in (SHED_CODE, PlaceCode.FULL):
                 waiting.done = True
-                if code == scripts.SHED:
+                if code == SHED_CODE:
                     outcome, refusal = SHED, shed(ticket, self.retry_after())
                 else:
                     outcome, refusal = QUEUE_FULL, full(self.local.size, self.retry_after())
@@ -190,7 +196,7 @@ class FleetQueue(Generic[Placed]):
                 self.alone_queue.take(waiting)
             failure.trap(Unshared)
 
-        sent = self.replicas.call(scripts.PLACE, args, "place", read_placement)
+        sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
 
     def pump(self) -> None:
@@ -257,19 +263,43 @@ class FleetQueue(Generic[Placed]):
 
     # -- inside -------------------------------------------------------------------------
 
-    def _names(self, got: Placed | str) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
+    def _names(self, got: Placed | str) -> tuple[SlotAsk, SlotAsk]:
         if isinstance(got, str):
-            return ("", 0, ""), ("", 0, "")
+            return SlotAsk("", 0, ""), SlotAsk("", 0, "")
         return self.slots.names(got.decode), self.slots.names(got.prefill)
 
-    def _granted(
-        self, got: Placed, decode: tuple[str, int, str], prefill: tuple[str, int, str]
-    ) -> None:
+    def _ask(
+        self,
+        waiting: FleetWaiting[Placed],
+        member: str,
+        got: Placed | str,
+        decode: SlotAsk,
+        prefill: SlotAsk,
+        sheddable: bool,
+    ) -> PlaceAsk:
+        """What ``PLACE`` is told of ``waiting``: the request (``member``: its place, "" when
+        new), the queue's size and its slots (or the pool this replica sees full, ``got``)."""
+        ticket = waiting.ticket
+        return PlaceAsk(
+            model=waiting.model,
+            priority=ticket.priority,
+            member=member,
+            tenant=ticket.tenant or "",
+            weight=ticket.weight,
+            sheddable=sheddable,
+            queue_size=self.local.size,
+            order=waiting.order,
+            blocked=got if isinstance(got, str) else "",
+            decode=decode,
+            prefill=prefill,
+        )
+
+    def _granted(self, got: Placed, decode: SlotAsk, prefill: SlotAsk) -> None:
         self.slots.granted(got.decode, decode)
         if got.prefill is not None:
             self.slots.granted(got.prefill, prefill)
 
-    def _heard(self, reply: Placement) -> None:
+    def _heard(self, reply: PlaceReply) -> None:
         self.slots.seen(reply.view, reply.version)
         self._waiting = reply.waiting
         self._grants = reply.grants
@@ -305,14 +335,14 @@ class FleetQueue(Generic[Placed]):
             waiting.blocked = got
             return  # (full as this replica sees the fleet: a message will say when not)
         decode, prefill = self._names(got)
-        args = place_args(self.local.size, waiting, waiting.member, got, decode, prefill, False)
+        ask = self._ask(waiting, waiting.member, got, decode, prefill, False)
         self._trying.add(model)
 
-        def said(reply: Placement) -> None:
+        def said(reply: PlaceReply) -> None:
             self._trying.discard(model)
             self._heard(reply)
             code = reply.code
-            if code == scripts.GRANTED:
+            if code == GRANTED:
                 self._granted(got, decode, prefill)
                 if waiting.done:
                     got.release()  # (it left meanwhile: its slots go back)
@@ -323,7 +353,7 @@ class FleetQueue(Generic[Placed]):
             else:
                 self._release(got)
                 waiting.blocked = reply.blocked
-                if code == scripts.NOT_FIRST:
+                if code == NOT_FIRST:
                     self._behind[model] = self.clock.seconds()
             if model in self._again:
                 self._again.discard(model)
@@ -334,7 +364,7 @@ class FleetQueue(Generic[Placed]):
             self._release(got)
             failure.trap(Unshared)
 
-        sent = self.replicas.call(scripts.PLACE, args, "place", read_placement)
+        sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
 
     def _end(self, waiting: FleetWaiting[Placed], outcome: str, leave: bool = True) -> None:
@@ -355,9 +385,8 @@ class FleetQueue(Generic[Placed]):
     def _leave(self, waiting: FleetWaiting[Placed]) -> None:
         if not self.replicas.is_shared or not waiting.member:
             return  # (written back without it when Redis answers again)
-        ticket = waiting.ticket
-        args = [waiting.model, ticket.priority, waiting.member]
-        self.replicas.call(scripts.LEAVE, args, "leave").addErrback(lambda f: f.trap(Unshared))
+        sent = leave(self.replicas, waiting.model, waiting.ticket.priority, waiting.member)
+        sent.addErrback(lambda f: f.trap(Unshared))
 
     def _expire(self, waiting: FleetWaiting[Placed]) -> None:
         if waiting.done:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from twisted.logger import Logger
 
+from nixl_twisted.fleet.lua_common import COMMON
 from nixl_twisted.fleet.replies import WrongReply, count_of, text
-from nixl_twisted.fleet.scripts import COMMON
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
 log = Logger()

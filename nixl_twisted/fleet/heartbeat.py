@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nixl_twisted.fleet.lua_common import COMMON
 from nixl_twisted.fleet.replies import WrongReply, count_of, text, view_of
-from nixl_twisted.fleet.scripts import COMMON
 
 #: The most bytes of a replica's ``info`` read (its own is far less).
 INFO_MAX = 4096

@@ -1,6 +1,6 @@
 """``SharedSlots``: each instance's cap held over every replica, a slot a lease in Redis.
 
-The scripts decide (``scripts.PLACE`` takes a placement's decode and prefill
+The scripts decide (``scripts.place`` takes a placement's decode and prefill
 slots, or neither); this replica keeps a view of the fleet's legs per
 instance (from every answer and every message on the ``freed`` channel)
 so that its policies choose among instances with room: an instance's
@@ -25,9 +25,10 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
-from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.caps import CAPS, CapCheck, FleetCap, held, read_caps
+from nixl_twisted.fleet.lease_scripts import release
 from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.scripts import NO_SLOT, SlotAsk
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
 
@@ -155,18 +156,18 @@ class SharedSlots:
 
     # -- a placement's leases ------------------------------------------------------
 
-    def names(self, lease: Lease | None) -> tuple[str, int, str]:
+    def names(self, lease: Lease | None) -> SlotAsk:
         """What ``PLACE`` is told of a lease: its instance, cap and a new lease id (an empty
         name and cap 0 when there is none, or its instance has no cap)."""
         if lease is None:
-            return "", 0, ""
+            return NO_SLOT
         instance = lease.instance
         cap = held(lease.pool.caps.of(instance), self.fleet_caps.get(field(instance)))
         if cap == 0:
-            return "", 0, ""
-        return field(instance), cap, next(self._ids)
+            return NO_SLOT
+        return SlotAsk(field(instance), cap, next(self._ids))
 
-    def granted(self, lease: Lease, name: tuple[str, int, str]) -> None:
+    def granted(self, lease: Lease, name: SlotAsk) -> None:
         """Redis gave ``lease`` its slot: held until its leg ends."""
         where, _, lease_id = name
         if not where:
@@ -182,7 +183,7 @@ class SharedSlots:
         self.metrics.slots_held.labels(pool=role).dec()
         if not self.replicas.is_shared:
             return  # (written back whole, without it, when Redis answers again)
-        sent = self.replicas.call(scripts.RELEASE, [f"{where}|{lease_id}"], "release")
+        sent = release(self.replicas, [f"{where}|{lease_id}"])
         sent.addErrback(_unshared)
 
 

@@ -35,20 +35,17 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted.config.words import counted
-from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
 from nixl_twisted.fleet.first_contact import FirstContact
 from nixl_twisted.fleet.heartbeat import HEARTBEAT, Beat, read_beat
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.fleet.replies import (
-    WrongReply,
-    count_of,
     freed,
     prefix_of,
     shown,
-    view_of,
     why,
 )
+from nixl_twisted.fleet.scripts import RESTORE, Holdings, read_restored, restore_args
 from nixl_twisted.fleet.sign_out import sign_out
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
@@ -290,18 +287,17 @@ class Replicas(Service):
         return sent.addCallback(read_beat).addCallback(beaten).addErrback(failed)
 
     def _restore(self) -> Deferred[None]:
-        leases: list[str] = []
-        tenants: list[str] = []
+        held = Holdings([], [])
         for holder in self._holders:
-            held, entries = holder.held()
-            leases += held
-            tenants += entries
-        args = [int(self.ttl * 1000), self.info, len(leases), *leases, *tenants]
-        sent = self.link.eval(scripts.RESTORE, [], [self.prefix, self.id, *args])
+            leases, tenants = holder.held()
+            held.leases.extend(leases)
+            held.tenants.extend(tenants)
+        args = restore_args(int(self.ttl * 1000), self.info, held)
+        sent = self.link.eval(RESTORE, [], [self.prefix, self.id, *args])
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
         def restored(reply: Any) -> None:
-            view, version = _restored(reply)
+            view, version = read_restored(reply)
             was = self._away_said
             self.is_shared = True
             self.first.made()
@@ -376,10 +372,3 @@ def _passed(result: T, then: Callable[[], object]) -> T:
     """A callback that runs ``then`` and passes ``result`` on."""
     then()
     return result
-
-
-def _restored(reply: Any) -> tuple[dict[str, int], int]:
-    """``RESTORE``'s reply: the slots' view and its version."""
-    if not isinstance(reply, (list, tuple)) or len(reply) != 2:
-        raise WrongReply(reply)
-    return view_of(reply[0]), count_of(reply[1])

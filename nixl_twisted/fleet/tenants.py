@@ -2,7 +2,7 @@
 
 ``--tenant-max-in-flight`` (and a tenant's own ``max-in-flight``) holds for
 the whole proxy while ``--replicas-redis`` answers: a request takes one of
-its tenant's places in Redis (``scripts.TENANT_IN``) as it is admitted and
+its tenant's places in Redis (``lease_scripts.tenant_in``) as it is admitted and
 gives it back when it ends; a replica that dies gives back its own with its
 heartbeat. While Redis does not answer, each replica holds the tenant to its
 share of the limit (the limit over the replicas last seen, one at least).
@@ -11,14 +11,12 @@ share of the limit (the limit over the replicas last seen, one at least).
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
-from nixl_twisted.fleet import scripts
+from nixl_twisted.fleet.lease_scripts import tenant_in, tenant_out
 from nixl_twisted.fleet.replicas import Replicas, Unshared
-from nixl_twisted.fleet.replies import WrongReply
 
 #: What ``admit`` says when Redis could not: the replica decides alone.
 ALONE = None
@@ -56,7 +54,7 @@ class SharedTenants:
         if not self.replicas.is_shared:
             return succeed(ALONE)
         place = next(self._ids)
-        sent = self.replicas.call(scripts.TENANT_IN, [tenant, limit, place], "tenant", _granted)
+        sent = tenant_in(self.replicas, tenant, limit, place)
         # Its own Deferred: a client that leaves cancels it, not Redis's answer, so that a
         # place Redis grants after it left is given back instead of held for nobody.
         answered: Deferred[str | bool | None] = Deferred()
@@ -86,12 +84,5 @@ class SharedTenants:
         tenant = self.places.pop(place, None)
         if tenant is None or not self.replicas.is_shared:
             return  # (written back without it when Redis answers again)
-        sent = self.replicas.call(scripts.TENANT_OUT, [tenant, place], "tenant")
+        sent = tenant_out(self.replicas, tenant, place)
         sent.addErrback(lambda failure: failure.trap(Unshared))
-
-
-def _granted(reply: Any) -> bool:
-    """``TENANT_IN``'s reply: {1} taken, {0, count} refused."""
-    if isinstance(reply, (list, tuple)) and reply and type(reply[0]) is int and reply[0] in (0, 1):
-        return bool(reply[0] == 1)
-    raise WrongReply(reply)
