@@ -15,19 +15,17 @@ instance and goes, as vLLM's own queue takes it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from nixl_twisted.backends.models import named
-from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.decide import Decision
 from nixl_twisted.exchange.fair_queue import FairQueue, Ticket, Told
 from nixl_twisted.exchange.fleet_queue import FleetQueue
+from nixl_twisted.exchange.fleet_waiting import Taken
 from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.happened import Happened
@@ -38,21 +36,8 @@ from nixl_twisted.protocol.errors import ProxyError
 #: ends: an instance that came up, or joined, takes them too.
 SWEEP = 1.0
 
-
-@dataclass(frozen=True)
-class Placed:
-    """A completion's slots: its decode instance held, what was decided, and its prefill
-    instance held when it takes a prefill leg (None: chosen when the leg is sent)."""
-
-    decode: Lease
-    decision: Decision | None = None
-    prefill: Lease | None = None
-
-    def release(self) -> None:
-        """Give back what was never used (the request ended before its legs took them)."""
-        self.decode.release()
-        if self.prefill is not None:
-            self.prefill.release()
+#: What a completion's placement holds (``exchange.placing.Placed``).
+H = TypeVar("H", bound=Taken)
 
 
 class Slots:
@@ -72,10 +57,8 @@ class Slots:
         self.backends = backends
         self.clock = clock
         capacity = config.capacity
-        local: FairQueue[Placed] = FairQueue(
-            clock, capacity.queue_size, capacity.queue_timeout, told
-        )
-        self.queue: FairQueue[Placed] | FleetQueue[Placed] = local
+        local: FairQueue[Any] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, told)
+        self.queue: FairQueue[Any] | FleetQueue[Any] = local
         if fleet is not None:
             decode = backends.decode
             self.queue = FleetQueue(
@@ -97,7 +80,7 @@ class Slots:
         """Whether any instance has a cap: else completions never wait here."""
         return self.backends.capped()
 
-    def take(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
+    def take(self, ticket: Ticket, place: Callable[[], H | str]) -> H | Deferred[H]:
         """The slots ``place`` takes, now or once they free (``FairQueue.enter``)."""
         taken = self.queue.enter(ticket, place)
         if isinstance(taken, Deferred) and isinstance(self.queue, FairQueue):

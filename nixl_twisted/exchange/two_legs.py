@@ -27,12 +27,11 @@ from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import BATCH, Migrations, Moving
 from nixl_twisted.exchange.phased import Phases
-from nixl_twisted.exchange.placing import place, place_now
+from nixl_twisted.exchange.placing import Placed, place, place_now
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
 from nixl_twisted.exchange.sending import NoInstanceServed, PrefillRefused
 from nixl_twisted.exchange.served import Served
-from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_TRACE, RequestTrace

@@ -1,6 +1,6 @@
 """Whose each request is, and its tenant's limits held from its admission to its end.
 
-The tenant is the client key's (``ClientKeys``), else ``--tenant-header``'s
+The tenant is the client key's (``KeyTenants``: ``web.keys.ClientKeys``), else ``--tenant-header``'s
 value. A request is counted by ``TenantLimits`` when its tenant has a limit,
 charged while it runs the most it may use (``protocol.charges``), and, when
 it ends, the tokens vLLM's usage says it used instead. Requests and tokens per
@@ -11,8 +11,10 @@ requests in flight for every replica in ``--replicas-redis`` (``fleet.tenants``)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.config import NO_RULE, TenantRule
@@ -21,9 +23,17 @@ from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.completion import Completion
-from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.shared_limits import SharedWindows, Verdict
 from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, TenantLimits
+
+
+class KeyTenants(Protocol):
+    """The clients' keys: whether a request must carry one, and whose tenant it names."""
+
+    @property
+    def required(self) -> bool: ...
+
+    def tenant(self, headers: Headers, path: bytes) -> str | None: ...
 
 
 class Tenancy:
@@ -31,7 +41,7 @@ class Tenancy:
 
     def __init__(
         self,
-        keys: ClientKeys,
+        keys: KeyTenants,
         limits: TenantLimits,
         context_of: Callable[[object], int | None] = lambda model: None,
         shared: SharedWindows | None = None,
