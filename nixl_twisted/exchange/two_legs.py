@@ -16,13 +16,13 @@ from collections.abc import Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 
+from nixl_twisted.admission import Ticket
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.exchange.decide import FALLBACK, Decision, Mode
 from nixl_twisted.exchange.decode import DecodeRequest
 from nixl_twisted.exchange.decode_leg import DecodeLeg, Watch
-from nixl_twisted.exchange.fair_queue import Ticket
 from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import BATCH, Migrations, Moving

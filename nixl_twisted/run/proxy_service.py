@@ -20,6 +20,7 @@ from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
+from nixl_twisted.admission import Admission
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.words import counted
@@ -31,7 +32,6 @@ from nixl_twisted.observe.refusals import LogThrottle
 from nixl_twisted.run import heap, startup
 from nixl_twisted.run.ports import Announced, address, bind_error
 from nixl_twisted.run.tree import Logging, ProcessTree
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.site import TrackingSite

@@ -36,6 +36,17 @@ from twisted.internet.interfaces import (
 from twisted.logger import Logger
 from twisted.web.iweb import IAgent
 
+from nixl_twisted.admission import (
+    AT_ONCE,
+    Admission,
+    SharedSlots,
+    SharedTenants,
+    SharedWindows,
+    Slots,
+    Tenancy,
+    TenantLimits,
+    Ticket,
+)
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
@@ -46,18 +57,14 @@ from nixl_twisted.backends.upstream import Upstream, pooled_upstream
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.report import Reported
 from nixl_twisted.discovery.service import Discovery
-from nixl_twisted.exchange.fair_queue import AT_ONCE, Ticket
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
-from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.admin_changes import FleetAdmin
-from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.fleet.responses import SharedResponses
 from nixl_twisted.fleet.routes import SharedRoutes
-from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
@@ -75,17 +82,13 @@ from nixl_twisted.run.proxy_service import Configured, ProxyService, Served
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.web.admin import AdminAPI
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.deadlines import ClientLimits
 from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.intake import BodyBudget
 from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.shared_limits import SharedWindows
 from nixl_twisted.web.site import TrackingSite
 from nixl_twisted.web.status import StatusPage
-from nixl_twisted.web.tenancy import Tenancy
-from nixl_twisted.web.tenants import TenantLimits
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -230,7 +233,7 @@ def build(
         windows,
         SharedTenants(replicas) if replicas is not None else None,
     )
-    # Admission, one step for every route: the tenant, then --max-in-flight (``web.admission``).
+    # Admission, one step for every route: the tenant, then --max-in-flight (``admission.gate``).
     admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)
     fleet = Fleet(backends, kv, report)
     told = fleet_admin.tell if fleet_admin is not None else None

@@ -21,6 +21,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
+from nixl_twisted.admission import Admission, Tenancy
 from nixl_twisted.backends.models import listing
 from nixl_twisted.config import ProxyConfig, TenantRule
 from nixl_twisted.exchange.prefill import PrefillRefused
@@ -37,11 +38,9 @@ from nixl_twisted.protocol.errors import ProxyError, error_answer, json_answer, 
 from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID
 from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.status import StatusPage
-from nixl_twisted.web.tenancy import Tenancy
 
 log = Logger()
 

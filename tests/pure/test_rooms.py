@@ -32,6 +32,7 @@ ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     ("discovery", frozenset({"nixl_twisted.discovery"})),
     ("observe", frozenset({"nixl_twisted.observe"})),
     ("fleet", frozenset({"nixl_twisted.fleet"})),
+    ("admission", frozenset({"nixl_twisted.admission"})),
     ("exchange", frozenset({"nixl_twisted.exchange"})),
     ("web", frozenset({"nixl_twisted.web"})),
     ("run", frozenset({"nixl_twisted.run"})),
@@ -242,8 +243,67 @@ def test_the_architecture_doc_tells_the_same_story() -> None:
         assert {name for name in held if f"`{name}`" not in text} == set(), room
 
 
+#: The packages with a face: the rest of the house imports from each only what its
+#: ``__init__.__all__`` exports.
+FACED = ("nixl_twisted.config", "nixl_twisted.admission")
+
+
+def face_of(package: str) -> frozenset[str]:
+    """The names a package's ``__init__.py`` lists in ``__all__`` (empty: it has no face)."""
+    init = PACKAGE.parent.joinpath(*package.split("."), "__init__.py")
+    for node in ast.parse(init.read_text(), str(init)).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+def behind_the_face(name: str, path: Path, faces: Mapping[str, frozenset[str]]) -> list[str]:
+    """Each name ``name`` imports from another package's modules that its face does not
+    export (``from a.b import c`` and ``from a import c`` alike: a face is names)."""
+    wrong = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            continue
+        for package, face in faces.items():
+            inside = name == package or name.startswith(package + ".")
+            if inside or not (node.module == package or node.module.startswith(package + ".")):
+                continue
+            wrong += [
+                f"{name} imports {node.module}.{alias.name}"
+                for alias in node.names
+                if alias.name not in face
+            ]
+    return wrong
+
+
+def test_every_import_from_another_package_is_of_its_face() -> None:
+    faces = {package: face_of(package) for package in FACED}
+    assert all(faces.values())
+    found = modules()
+    assert [
+        wrong for name, path in found.items() for wrong in behind_the_face(name, path, faces)
+    ] == []
+
+
+def test_the_face_check_finds_a_name_the_face_does_not_export(tmp_path: Path) -> None:
+    source = tmp_path / "app.py"
+    source.write_text(
+        "from nixl_twisted.admission import Admission\n"
+        "from nixl_twisted.admission.fair_queue import FairQueue, Ticket\n"
+        "from nixl_twisted.admission import gate\n"
+    )
+    faces = {"nixl_twisted.admission": frozenset({"Admission", "Ticket"})}
+    assert behind_the_face("nixl_twisted.web.app", source, faces) == [
+        "nixl_twisted.web.app imports nixl_twisted.admission.fair_queue.FairQueue",
+        "nixl_twisted.web.app imports nixl_twisted.admission.gate",
+    ]
+    assert behind_the_face("nixl_twisted.admission.slots", source, faces) == []
+
+
 #: The rooms below the door, where a request is the value the door read, never its body.
-BELOW_THE_DOOR = ("exchange", "backends", "web")
+BELOW_THE_DOOR = ("admission", "exchange", "backends", "web")
 #: The door itself: where a client's bytes become that value (``web/door.py``).
 DOOR = "nixl_twisted.web.door"
 #: Annotations that are a JSON object as parsed.

@@ -6,7 +6,7 @@ The steps, in order: ``Tenancy.admit`` (whose it is, 429 past its tenant's limit
 flight, counted over every replica with ``--replicas-redis``, requests and tokens per
 minute, in Redis with ``--limits-redis``), ``admit`` (503 past ``--max-in-flight``, or while
 draining), the work (a two-leg completion then waits in the fair queue for its slots:
-``exchange.slots``), ``release``.
+``slots``), ``release``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import TypeVar
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.web.server import Request
 
+from nixl_twisted.admission.tenancy import Tenancy
 from nixl_twisted.config import NO_RULE, ProxyConfig, TenantRule
 from nixl_twisted.config.words import counted
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.web.tenancy import Tenancy
 
 T = TypeVar("T")
 

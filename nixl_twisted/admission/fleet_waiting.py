@@ -9,8 +9,8 @@ from typing import Generic, Protocol, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 
+from nixl_twisted.admission.fair_queue import Ticket
 from nixl_twisted.backends.pools import Lease
-from nixl_twisted.exchange.fair_queue import Ticket
 
 
 class Taken(Protocol):

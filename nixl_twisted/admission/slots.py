@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from nixl_twisted.admission.fair_queue import FairQueue, Ticket, Told
+from nixl_twisted.admission.fleet_queue import FleetQueue
+from nixl_twisted.admission.fleet_waiting import Taken
+from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.backends.models import named
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.fair_queue import FairQueue, Ticket, Told
-from nixl_twisted.exchange.fleet_queue import FleetQueue
-from nixl_twisted.exchange.fleet_waiting import Taken
-from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode

@@ -14,7 +14,8 @@ estimate, so that one large request is slow, not impossible.
 Counted in each process: under ``--workers N`` each worker holds every
 tenant to the limits, so a tenant may get up to N times them, unless
 ``--limits-redis`` counts the requests and tokens per minute of every
-process (``shared_limits``; in flight stays here, ``security.md``).
+process (``windows``), and ``--replicas-redis`` its requests in flight over every
+replica (``shared_tenants``).
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ class TenantLimits:
         ``estimate`` None: a request that generates nothing (models, tokenize, a stored
         response), held to the in-flight and requests limits only, and charged no tokens.
         ``windows`` False: requests and tokens per minute are counted elsewhere (Redis,
-        ``shared_limits``), in flight only here. ``in_flight`` False: its requests in
-        flight are held to their limit elsewhere (every replica's, ``fleet.tenants``),
+        ``windows``), in flight only here. ``in_flight`` False: its requests in
+        flight are held to their limit elsewhere (every replica's, ``shared_tenants``),
         counted here all the same.
         """
         if tenant is None:

@@ -23,10 +23,10 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
+from nixl_twisted.admission.lease_scripts import release
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.fleet.caps import CAPS, CapCheck, FleetCap, held, read_caps
-from nixl_twisted.fleet.lease_scripts import release
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.fleet.scripts import NO_SLOT, SlotAsk
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics

@@ -9,7 +9,7 @@ frees anywhere (a message on the ``freed`` channel), when one of its own legs
 ends, and every second. A request goes at once only when nothing of its model
 waits anywhere and both its slots are free in Redis (taken by the same script,
 or neither). Its instances are chosen here, by the pools' policies, among
-those the fleet's view says have room (``fleet.leases``).
+those the fleet's view says have room (``shared_slots``).
 
 While Redis does not answer, requests wait in this replica's own queue
 (``FairQueue``), the caps held to their static share; those that waited in
@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from nixl_twisted.exchange.fair_queue import (
+from nixl_twisted.admission.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
     LEFT,
@@ -43,9 +43,9 @@ from nixl_twisted.exchange.fair_queue import (
     shed,
     timed_out,
 )
-from nixl_twisted.exchange.fleet_alone import AloneQueue
-from nixl_twisted.exchange.fleet_waiting import FleetWaiting, Placed
-from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.admission.fleet_alone import AloneQueue
+from nixl_twisted.admission.fleet_waiting import FleetWaiting, Placed
+from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.fleet.scripts import (
     GRANTED,

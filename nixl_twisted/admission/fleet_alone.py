@@ -1,6 +1,6 @@
 """``AloneQueue``: where a replica's requests wait while Redis does not answer.
 
-Its own ``FairQueue``, the caps held to their static share (``fleet.leases``); until
+Its own ``FairQueue``, the caps held to their static share (``shared_slots``); until
 Redis has answered once, no slot at all.
 What it places is kept as leases (``keep``), written back with the rest when
 Redis answers again; and then what still waits here leaves it (``rejoin``)
@@ -16,8 +16,8 @@ from typing import Generic
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
-from nixl_twisted.exchange.fair_queue import FairQueue
-from nixl_twisted.exchange.fleet_waiting import FleetWaiting, Placed
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.fleet_waiting import FleetWaiting, Placed
 from nixl_twisted.protocol.errors import ProxyError
 
 

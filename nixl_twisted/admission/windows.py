@@ -8,9 +8,11 @@ expire with the window. A request's tokens enter the window as its estimate
 when it is admitted, and are replaced by what vLLM reported when it ends: a
 replica that dies leaves estimates that simply leave the window.
 
-Requests in flight stay counted in each process: a count shared in Redis
-would be given back by the process that took it, and a process that dies or
-loses Redis mid-request would hold it for good (``security.md``).
+Requests in flight are not counted here: a count in Redis would be given back
+by the process that took it, and a process that dies or loses Redis mid-request
+would hold it for good. ``--replicas-redis`` counts them, tied to each replica's
+heartbeat (``shared_tenants``); without it each process counts its own
+(``security.md``).
 
 Redis must never fail a request: a call not answered within ``TIMEOUT`` s,
 any error, or a reply of the wrong shape lets the process decide with its
@@ -35,11 +37,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from nixl_twisted.config.words import counted
-from nixl_twisted.fleet.link import RETRY, RedisLink
-from nixl_twisted.fleet.replies import WrongReply, shown
-from nixl_twisted.observe.metrics import ProxyMetrics
-from nixl_twisted.web.window_scripts import (
+from nixl_twisted.admission.window_scripts import (
     WINDOW_MS,
     WindowAsk,
     WindowOutcome,
@@ -48,6 +46,10 @@ from nixl_twisted.web.window_scripts import (
     charge_window,
     window_keys,
 )
+from nixl_twisted.config.words import counted
+from nixl_twisted.fleet.link import RETRY, RedisLink
+from nixl_twisted.fleet.replies import WrongReply, shown
+from nixl_twisted.observe.metrics import ProxyMetrics
 
 log = Logger()
 

@@ -4,8 +4,8 @@ The tenant is the client key's (``KeyTenants``: ``web.keys.ClientKeys``), else `
 value. A request is counted by ``TenantLimits`` when its tenant has a limit,
 charged while it runs the most it may use (``protocol.charges``), and, when
 it ends, the tokens vLLM's usage says it used instead. Requests and tokens per
-minute are counted for every process in ``--limits-redis`` (``shared_limits``),
-requests in flight for every replica in ``--replicas-redis`` (``fleet.tenants``).
+minute are counted for every process in ``--limits-redis`` (``windows``),
+requests in flight for every replica in ``--replicas-redis`` (``shared_tenants``).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
+from nixl_twisted.admission.limits import MAX_NAME, NO_TICKET, TenantLimits
+from nixl_twisted.admission.shared_tenants import SharedTenants
+from nixl_twisted.admission.windows import SharedWindows, Verdict
 from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.config.words import counted
-from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.completion import Completion
-from nixl_twisted.web.shared_limits import SharedWindows, Verdict
-from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, TenantLimits
 
 
 class KeyTenants(Protocol):

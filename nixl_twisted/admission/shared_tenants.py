@@ -15,7 +15,7 @@ import itertools
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
-from nixl_twisted.fleet.lease_scripts import tenant_in, tenant_out
+from nixl_twisted.admission.lease_scripts import tenant_in, tenant_out
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 
 #: What ``admit`` says when Redis could not: the replica decides alone.
