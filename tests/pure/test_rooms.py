@@ -187,6 +187,21 @@ def test_no_circle_of_imports_anywhere() -> None:
     assert cycles(import_graph()) == []
 
 
+def bench_graph() -> dict[str, frozenset[str]]:
+    """The benchmarks' imports of one another (they are scripts, not rooms: no order)."""
+    found = {
+        "bench" if path.stem == "__init__" else f"bench.{path.stem}": path
+        for path in sorted((PACKAGE.parent / "bench").glob("*.py"))
+    }
+    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+
+
+def test_no_circle_of_imports_in_the_benchmarks() -> None:
+    graph = bench_graph()
+    assert "bench.workloads" in graph["bench.replicas_routing"]  # (the graph is read)
+    assert cycles(graph) == []
+
+
 def test_the_graph_is_read_from_every_kind_of_import() -> None:
     graph = import_graph()
     # A TYPE_CHECKING import (metrics reads the pools only for its types).
