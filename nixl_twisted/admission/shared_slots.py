@@ -24,6 +24,7 @@ from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from nixl_twisted.admission.lease_scripts import release
+from nixl_twisted.admission.share import replica_share
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.fleet.caps import CAPS, CapCheck, FleetCap, held, read_caps
@@ -137,7 +138,6 @@ class SharedSlots:
                 cap = self.cap_of(pool, instance)
                 if cap == 0:
                     continue
-                pool.capped = True  # (another replica's cap holds it: legs wait for room)
                 where = field(instance)
                 instance.fleet_cap = self.fleet_caps.get(where)
                 if shared:
@@ -145,10 +145,9 @@ class SharedSlots:
                     slots = max(0, cap - others)
                     fleet[pool.role] = fleet.get(pool.role, 0) + self.view.get(where, 0)
                 else:
-                    slots = max(1, cap // self.replicas.count)
-                roomier = roomier or slots > (instance.slots or 0)
-                instance.slots = slots
-                instance.cap_share = cap / self.replicas.count
+                    slots = replica_share(cap, self.replicas.count)
+                more = pool.hold_to(instance, slots, cap / self.replicas.count)
+                roomier = roomier or more
             if roomier:
                 pool.notify_freed()
         for pool_role, legs in fleet.items():

@@ -16,6 +16,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
 from nixl_twisted.admission.lease_scripts import tenant_in, tenant_out
+from nixl_twisted.admission.share import replica_share
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 
 #: What ``admit`` says when Redis could not: the replica decides alone.
@@ -46,7 +47,7 @@ class SharedTenants:
 
     def share(self, limit: int) -> int:
         """This replica's share of a tenant's ``limit`` while Redis does not answer."""
-        return max(1, limit // self.replicas.count)
+        return replica_share(limit, self.replicas.count)
 
     def admit(self, tenant: str, limit: int) -> Deferred[str | bool | None]:
         """One more request of ``tenant`` in flight: its place's id, False past ``limit``
