@@ -12,9 +12,11 @@ rest of the house uses what ``__all__`` names; the scripts these run
 are called from inside this room only.
 """
 
-from nixl_twisted.admission.fair_queue import AT_ONCE, Ticket
+from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, Ticket
+from nixl_twisted.admission.fleet_queue import FleetQueue
 from nixl_twisted.admission.gate import Admission
 from nixl_twisted.admission.limits import TenantLimits, read_secret
+from nixl_twisted.admission.queue import SlotQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.shared_tenants import SharedTenants
 from nixl_twisted.admission.slots import Slots
@@ -24,10 +26,13 @@ from nixl_twisted.admission.windows import SharedWindows
 __all__ = [
     "AT_ONCE",
     "Admission",
+    "FairQueue",
+    "FleetQueue",
     "KeyTenants",
     "SharedSlots",
     "SharedTenants",
     "SharedWindows",
+    "SlotQueue",
     "Slots",
     "Tenancy",
     "TenantLimits",

@@ -172,6 +172,7 @@ class FairQueue(Generic[T]):
         self.size = size
         self.timeout = timeout
         self.told: Told = told if told is not None else _nobody
+        self._entered: Callable[[], object] = _nobody_entered
         self._models: dict[str | None, _ModelQueue] = {}
         self._order = itertools.count()
         self._waiting = 0
@@ -182,6 +183,10 @@ class FairQueue(Generic[T]):
     def __len__(self) -> int:
         """Requests waiting now."""
         return self._waiting
+
+    def on_entered(self, entered: Callable[[], object]) -> None:
+        """``entered()`` is called each time a request starts to wait."""
+        self._entered = entered
 
     def enter(
         self, ticket: Ticket, place: Callable[[], T | str], since: float | None = None
@@ -222,6 +227,7 @@ class FairQueue(Generic[T]):
         )
         heapq.heappush(queue.heap, (*key, waiting))
         self._waiting += 1
+        self._entered()
         return waiting.deferred
 
     def pump(self) -> None:
@@ -346,3 +352,7 @@ class FairQueue(Generic[T]):
 
 def _nobody(outcome: str, waited: float, ticket: Ticket) -> None:
     """No one to tell."""
+
+
+def _nobody_entered() -> None:
+    """(No one is told that a request started to wait.)"""

@@ -79,7 +79,6 @@ class FleetQueue(Generic[Placed]):
         replicas: Replicas,
         slots: SharedSlots,
         told: Told,
-        entered: Callable[[], object] = lambda: None,
         named: Callable[[str], bool] = lambda model: True,
     ) -> None:
         """``named(model)``: whether an instance is known to serve ``model`` (else its
@@ -89,7 +88,7 @@ class FleetQueue(Generic[Placed]):
         self.replicas = replicas
         self.slots = slots
         self.told = told
-        self.entered = entered
+        self.entered: Callable[[], object] = lambda: None
         self.named = named
         self._mine: dict[str, list[FleetWaiting]] = {}
         self._order = itertools.count()
@@ -128,6 +127,10 @@ class FleetQueue(Generic[Placed]):
 
     def __len__(self) -> int:
         return len(self.local) + sum(len(w) for w in self._mine.values())
+
+    def on_entered(self, entered: Callable[[], object]) -> None:
+        """``entered()`` is called each time a request starts to wait, here or alone."""
+        self.entered = entered
 
     def waiting(self) -> list[Any]:
         return [*self.local.waiting(), *(w for ws in self._mine.values() for w in ws)]

@@ -20,14 +20,11 @@ from typing import Any, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from nixl_twisted.admission.fair_queue import FairQueue, Ticket, Told
+from nixl_twisted.admission.fair_queue import FairQueue, Ticket
 from nixl_twisted.admission.fleet_queue import FleetQueue
 from nixl_twisted.admission.fleet_waiting import Taken
-from nixl_twisted.admission.shared_slots import SharedSlots
-from nixl_twisted.backends.models import named
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -47,27 +44,19 @@ class Slots:
         self,
         backends: BackendService,
         clock: IReactorTime,
-        config: ProxyConfig,
-        told: Told,
-        fleet: tuple[Replicas, SharedSlots] | None = None,
+        queue: FairQueue[Any] | FleetQueue[Any],
     ) -> None:
-        """``told``: each request's outcome at the queue, and how long it waited;
-        ``fleet``: this replica and the fleet's slots (``--replicas-redis``), whose queue
-        is then the fleet's (``fleet_queue``)."""
+        """``queue``: this process's (``FairQueue``) or every replica's (``FleetQueue``), as
+        the root chose."""
         self.backends = backends
         self.clock = clock
-        capacity = config.capacity
-        local: FairQueue[Any] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, told)
-        self.queue: FairQueue[Any] | FleetQueue[Any] = local
-        if fleet is not None:
-            decode = backends.decode
-            self.queue = FleetQueue(
-                clock, local, *fleet, told, self._waits, lambda m: named(m, decode.instances)
-            )
+        #: (Typed as either store, not ``SlotQueue``: tests read what the fleet's last said.)
+        self.queue: FairQueue[Any] | FleetQueue[Any] = queue
         self._sweep: IDelayedCall | None = None
         self._entered = Happened()
+        queue.on_entered(self._waits)
         for pool in backends.pools():
-            pool.on_freed(self.queue.pump)
+            pool.on_freed(queue.pump)
 
     def configure(self, config: ProxyConfig) -> None:
         """The queue's size and timeout from now on (those waiting keep their deadline)."""
@@ -81,11 +70,8 @@ class Slots:
         return self.backends.capped()
 
     def take(self, ticket: Ticket, place: Callable[[], H | str]) -> H | Deferred[H]:
-        """The slots ``place`` takes, now or once they free (``FairQueue.enter``)."""
-        taken = self.queue.enter(ticket, place)
-        if isinstance(taken, Deferred) and isinstance(self.queue, FairQueue):
-            self._waits()
-        return taken
+        """The slots ``place`` takes, now or once they free (``SlotQueue.enter``)."""
+        return self.queue.enter(ticket, place)
 
     def _waits(self) -> None:
         """A request starts to wait: the queue is looked at every second while one does."""

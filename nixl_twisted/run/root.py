@@ -39,9 +39,12 @@ from twisted.web.iweb import IAgent
 from nixl_twisted.admission import (
     AT_ONCE,
     Admission,
+    FairQueue,
+    FleetQueue,
     SharedSlots,
     SharedTenants,
     SharedWindows,
+    SlotQueue,
     Slots,
     Tenancy,
     TenantLimits,
@@ -50,7 +53,7 @@ from nixl_twisted.admission import (
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
-from nixl_twisted.backends.models import context_length
+from nixl_twisted.backends.models import context_length, named
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, pooled_upstream
@@ -58,6 +61,7 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.report import Reported
 from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.exchange.legs import Legs
+from nixl_twisted.exchange.placing import Placed
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.fleet.admin_changes import FleetAdmin
@@ -214,8 +218,17 @@ def build(
         fleet_admin = FleetAdmin(replicas, backends, config, metrics.replicas)
         kept = SharedResponses(replicas, outbox)
         responses = ResponseDirectory(shared=kept, per_owner=per_tenant)
-    shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
-    slots = Slots(backends, clock, config, partial(_queue_said, metrics), shared_fleet)
+    # The queue before capped instances: this process's, or every replica's (chosen here once).
+    said = partial(_queue_said, metrics)
+    capacity = config.capacity
+    local: FairQueue[Placed] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, said)
+    queue: FairQueue[Placed] | FleetQueue[Placed] = local
+    if replicas is not None and fleet_slots is not None:
+        decode = backends.decode
+        serves = lambda m: named(m, decode.instances)  # noqa: E731
+        queue = FleetQueue(clock, local, replicas, fleet_slots, said, serves)
+    _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
+    slots = Slots(backends, clock, queue)
     metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
