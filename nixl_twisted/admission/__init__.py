@@ -12,7 +12,7 @@ rest of the house uses what ``__all__`` names; the scripts these run
 are called from inside this room only.
 """
 
-from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, Ticket
+from nixl_twisted.admission.fair_queue import AT_ONCE, Claim, FairQueue
 from nixl_twisted.admission.fleet_queue import FleetQueue
 from nixl_twisted.admission.gate import Admission
 from nixl_twisted.admission.limits import TenantLimits, read_secret
@@ -26,6 +26,7 @@ from nixl_twisted.admission.windows import SharedWindows
 __all__ = [
     "AT_ONCE",
     "Admission",
+    "Claim",
     "FairQueue",
     "FleetQueue",
     "KeyTenants",
@@ -36,6 +37,5 @@ __all__ = [
     "Slots",
     "Tenancy",
     "TenantLimits",
-    "Ticket",
     "read_secret",
 ]

@@ -66,11 +66,11 @@ FAILED = "failed"
 KEPT_TAGS = 64
 
 #: (outcome, seconds waited, the request's ticket): told of every request's outcome.
-Told = Callable[[str, float, "Ticket"], None]
+QueueReport = Callable[[str, float, "Claim"], None]
 
 
 @dataclass(frozen=True)
-class Ticket:
+class Claim:
     """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
     and its model's instances."""
 
@@ -79,7 +79,7 @@ class Ticket:
     model: str | None = None
 
     @classmethod
-    def of(cls, completion: Completion) -> Ticket:
+    def of(cls, completion: Completion) -> Claim:
         """A completion's place in the queue, as its tenant's rule gives it."""
         return cls(completion.tenant, completion.rule, completion.served)
 
@@ -100,7 +100,7 @@ class Ticket:
 class Waiting(Generic[T]):
     """One request in the queue."""
 
-    ticket: Ticket
+    ticket: Claim
     place: Callable[[], T | str]
     finish: float
     arrived: float
@@ -122,7 +122,7 @@ class _ModelQueue:
     last: dict[str | None, float] = field(default_factory=dict)
 
 
-def shed(ticket: Ticket, retry_after: float) -> ProxyError:
+def shed(ticket: Claim, retry_after: float) -> ProxyError:
     """A sheddable request refused while the fleet is full (503 ``shed``)."""
     return ProxyError(
         ErrorCode.SHED,
@@ -166,12 +166,12 @@ class FairQueue(Generic[T]):
     """Requests waiting for ``place`` to find them slots; see the module's docstring."""
 
     def __init__(
-        self, clock: IReactorTime, size: int, timeout: float, told: Told | None = None
+        self, clock: IReactorTime, size: int, timeout: float, told: QueueReport | None = None
     ) -> None:
         self.clock = clock
         self.size = size
         self.timeout = timeout
-        self.told: Told = told if told is not None else _nobody
+        self.told: QueueReport = told if told is not None else _nobody
         self._entered: Callable[[], object] = _nobody_entered
         self._models: dict[str | None, _ModelQueue] = {}
         self._order = itertools.count()
@@ -189,7 +189,7 @@ class FairQueue(Generic[T]):
         self._entered = entered
 
     def enter(
-        self, ticket: Ticket, place: Callable[[], T | str], since: float | None = None
+        self, ticket: Claim, place: Callable[[], T | str], since: float | None = None
     ) -> T | Deferred[T]:
         """What ``place`` gives now, when nothing of its model waits ahead of it; else a
         Deferred that fires when it does, or fails with the 503 that says why not;
@@ -334,7 +334,7 @@ class FairQueue(Generic[T]):
         else:
             self.told(outcome, waited, waiting.ticket)
 
-    def _let_go(self, ticket: Ticket, waited: float, outcome: str) -> None:
+    def _let_go(self, ticket: Claim, waited: float, outcome: str) -> None:
         self._recent.append(self.clock.seconds())
         self.told(outcome, waited, ticket)
 
@@ -350,7 +350,7 @@ class FairQueue(Generic[T]):
             self._end(waiting, LEFT)
 
 
-def _nobody(outcome: str, waited: float, ticket: Ticket) -> None:
+def _nobody(outcome: str, waited: float, ticket: Claim) -> None:
     """No one to tell."""
 
 

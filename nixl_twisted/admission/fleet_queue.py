@@ -35,16 +35,16 @@ from nixl_twisted.admission.fair_queue import (
     SHED,
     SHUT,
     TIMED_OUT,
+    Claim,
     FairQueue,
-    Ticket,
-    Told,
+    QueueReport,
     drain_seconds,
     full,
     shed,
     timed_out,
 )
 from nixl_twisted.admission.fleet_alone import AloneQueue
-from nixl_twisted.admission.fleet_waiting import FleetWaiting, Placed
+from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.fleet.scripts import (
@@ -69,16 +69,16 @@ log = Logger()
 BEHIND = 1.0
 
 
-class FleetQueue(Generic[Placed]):
+class FleetQueue(Generic[H]):
     """Requests waiting for slots in the fleet's order; this replica's own queue while alone."""
 
     def __init__(
         self,
         clock: IReactorTime,
-        local: FairQueue[Placed],
+        local: FairQueue[H],
         replicas: Replicas,
         slots: SharedSlots,
-        told: Told,
+        told: QueueReport,
         named: Callable[[str], bool] = lambda model: True,
     ) -> None:
         """``named(model)``: whether an instance is known to serve ``model`` (else its
@@ -135,10 +135,10 @@ class FleetQueue(Generic[Placed]):
     def waiting(self) -> list[Any]:
         return [*self.local.waiting(), *(w for ws in self._mine.values() for w in ws)]
 
-    def enter(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
+    def enter(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
         """Slots for a new request: from the fleet's queue while Redis answers, else this
         replica's own."""
-        answered: Deferred[Placed] = Deferred(lambda _: self._left(waiting))
+        answered: Deferred[H] = Deferred(lambda _: self._left(waiting))
         model = ticket.model if ticket.model and self.named(ticket.model) else ""
         waiting = FleetWaiting(
             ticket, place, self.clock.seconds(), answered, next(self._order), model
@@ -152,7 +152,7 @@ class FleetQueue(Generic[Placed]):
         self._enter(waiting)
         return answered
 
-    def _enter(self, waiting: FleetWaiting[Placed]) -> None:
+    def _enter(self, waiting: FleetWaiting[H]) -> None:
         """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
         refused; alone when Redis does not answer."""
         ticket, answered = waiting.ticket, waiting.deferred
@@ -228,7 +228,7 @@ class FleetQueue(Generic[Placed]):
         self._behind.clear()
         self.pump()
 
-    def _release(self, got: Placed) -> None:
+    def _release(self, got: H) -> None:
         """A placement tried and not granted gives its slots back, quietly."""
         self._quiet = True
         try:
@@ -266,16 +266,16 @@ class FleetQueue(Generic[Placed]):
 
     # -- inside -------------------------------------------------------------------------
 
-    def _names(self, got: Placed | str) -> tuple[SlotAsk, SlotAsk]:
+    def _names(self, got: H | str) -> tuple[SlotAsk, SlotAsk]:
         if isinstance(got, str):
             return SlotAsk("", 0, ""), SlotAsk("", 0, "")
         return self.slots.names(got.decode), self.slots.names(got.prefill)
 
     def _ask(
         self,
-        waiting: FleetWaiting[Placed],
+        waiting: FleetWaiting[H],
         member: str,
-        got: Placed | str,
+        got: H | str,
         decode: SlotAsk,
         prefill: SlotAsk,
         sheddable: bool,
@@ -297,7 +297,7 @@ class FleetQueue(Generic[Placed]):
             prefill=prefill,
         )
 
-    def _granted(self, got: Placed, decode: SlotAsk, prefill: SlotAsk) -> None:
+    def _granted(self, got: H, decode: SlotAsk, prefill: SlotAsk) -> None:
         self.slots.granted(got.decode, decode)
         if got.prefill is not None:
             self.slots.granted(got.prefill, prefill)
@@ -308,7 +308,7 @@ class FleetQueue(Generic[Placed]):
         self._grants = reply.grants
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
-    def _wait(self, waiting: FleetWaiting[Placed]) -> None:
+    def _wait(self, waiting: FleetWaiting[H]) -> None:
         """It waits in the fleet's queue, until its turn, its timeout or its client leaves."""
         left = self.timeout - (self.clock.seconds() - waiting.arrived)
         waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
@@ -319,7 +319,7 @@ class FleetQueue(Generic[Placed]):
         self.entered()
         self._try(model)  # (a slot may have freed meanwhile)
 
-    def _keep(self, got: Placed) -> None:
+    def _keep(self, got: H) -> None:
         """A placement made alone, kept as leases (written back when Redis answers)."""
         decode, prefill = self._names(got)
         self._granted(got, decode, prefill)
@@ -370,7 +370,7 @@ class FleetQueue(Generic[Placed]):
         sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
 
-    def _end(self, waiting: FleetWaiting[Placed], outcome: str, leave: bool = True) -> None:
+    def _end(self, waiting: FleetWaiting[H], outcome: str, leave: bool = True) -> None:
         """It leaves the fleet's queue, ``outcome`` said of it ("": moved to this replica's)."""
         if waiting.done:
             return
@@ -385,19 +385,19 @@ class FleetQueue(Generic[Placed]):
         if leave:
             self._leave(waiting)
 
-    def _leave(self, waiting: FleetWaiting[Placed]) -> None:
+    def _leave(self, waiting: FleetWaiting[H]) -> None:
         if not self.replicas.is_shared or not waiting.member:
             return  # (written back without it when Redis answers again)
         sent = leave(self.replicas, waiting.model, waiting.ticket.priority, waiting.member)
         sent.addErrback(lambda f: f.trap(Unshared))
 
-    def _expire(self, waiting: FleetWaiting[Placed]) -> None:
+    def _expire(self, waiting: FleetWaiting[H]) -> None:
         if waiting.done:
             return
         self._end(waiting, TIMED_OUT)
         waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
 
-    def _left(self, waiting: FleetWaiting[Placed]) -> None:
+    def _left(self, waiting: FleetWaiting[H]) -> None:
         """Its client left: out of the queue, nothing sent for it (slots Redis gives it
         meanwhile go back)."""
         waiting.gone = True

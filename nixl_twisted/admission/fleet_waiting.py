@@ -9,11 +9,11 @@ from typing import Generic, Protocol, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 
-from nixl_twisted.admission.fair_queue import Ticket
+from nixl_twisted.admission.fair_queue import Claim
 from nixl_twisted.backends.pools import Lease
 
 
-class Taken(Protocol):
+class Held(Protocol):
     """What a placement holds: its decode slot, its prefill slot (None: none yet)."""
 
     @property
@@ -25,17 +25,17 @@ class Taken(Protocol):
     def release(self) -> None: ...
 
 
-Placed = TypeVar("Placed", bound=Taken)
+H = TypeVar("H", bound=Held)
 
 
 @dataclass(eq=False)
-class FleetWaiting(Generic[Placed]):
+class FleetWaiting(Generic[H]):
     """One of this replica's requests, from its arrival until it has its slots."""
 
-    ticket: Ticket
-    place: Callable[[], Placed | str]
+    ticket: Claim
+    place: Callable[[], H | str]
     arrived: float
-    deferred: Deferred[Placed]
+    deferred: Deferred[H]
     order: int
     #: The model whose queue in Redis it waits in: its own when an instance is known to
     #: serve it, else "" (with the requests that name none), so that a name a client
@@ -50,4 +50,4 @@ class FleetWaiting(Generic[Placed]):
     gone: bool = False
     done: bool = False
     #: Where it waits while this replica is alone (``FairQueue``'s Deferred).
-    inner: Deferred[Placed] | None = None
+    inner: Deferred[H] | None = None

@@ -74,7 +74,7 @@ class _Usage:
         return not (self.in_flight or self.started or self.tokens or self.refused)
 
 
-class Ticket:
+class TenantHold:
     """A request admitted for a tenant: given back once, with the tokens it used."""
 
     def __init__(self, release: Callable[[int | None], None]) -> None:
@@ -86,7 +86,7 @@ class Ticket:
             release(tokens)
 
 
-NO_TICKET = Ticket(lambda tokens: None)
+NO_HOLD = TenantHold(lambda tokens: None)
 
 
 class TenantLimits:
@@ -142,7 +142,7 @@ class TenantLimits:
         estimate: int | None,
         windows: bool = True,
         in_flight: bool = True,
-    ) -> Ticket:
+    ) -> TenantHold:
         """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits.
 
         ``estimate`` None: a request that generates nothing (models, tokenize, a stored
@@ -153,11 +153,11 @@ class TenantLimits:
         counted here all the same.
         """
         if tenant is None:
-            return NO_TICKET
+            return NO_HOLD
         tenant = tenant[:MAX_NAME]
         rule = self.rule(tenant)
         if not rule.counted:
-            return NO_TICKET
+            return NO_HOLD
         now = self.clock.seconds()
         if now - self._swept >= WINDOW:  # (tenants seen once, by header, are not kept)
             self._sweep(now)
@@ -192,7 +192,7 @@ class TenantLimits:
             if use.idle:
                 self._use.pop(tenant, None)
 
-        return Ticket(release)
+        return TenantHold(release)
 
     def in_flight(self, tenant: str) -> int:
         """``tenant``'s requests in flight in this process now."""

@@ -11,6 +11,7 @@ share of the limit (the limit over the replicas last seen, one at least).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
@@ -19,8 +20,26 @@ from nixl_twisted.admission.lease_scripts import tenant_in, tenant_out
 from nixl_twisted.admission.share import replica_share
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 
-#: What ``admit`` says when Redis could not: the replica decides alone.
-ALONE = None
+
+@dataclass(frozen=True)
+class Place:
+    """A request's place among its tenant's requests in flight over every replica."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class PlaceRefused:
+    """Past the tenant's limit over every replica."""
+
+
+@dataclass(frozen=True)
+class Alone:
+    """Redis could not say: this replica holds the tenant to its share."""
+
+
+REFUSED = PlaceRefused()
+ALONE = Alone()
 
 
 class SharedTenants:
@@ -28,13 +47,13 @@ class SharedTenants:
 
     def __init__(self, replicas: Replicas) -> None:
         self.replicas = replicas
-        #: The places this replica holds: id -> tenant.
-        self.places: dict[str, str] = {}
+        #: The places this replica holds, and whose.
+        self.places: dict[Place, str] = {}
         self._ids = (f"{n:x}" for n in itertools.count(1))
         replicas.hold(self)
 
     def held(self) -> tuple[list[str], list[str]]:
-        return [], [f"{tenant}|{place}" for place, tenant in self.places.items()]
+        return [], [f"{tenant}|{place.id}" for place, tenant in self.places.items()]
 
     def shared(self, view: dict[str, int], version: int) -> None:
         """(Nothing to read: a tenant's count is read when one of its requests comes.)"""
@@ -49,16 +68,16 @@ class SharedTenants:
         """This replica's share of a tenant's ``limit`` while Redis does not answer."""
         return replica_share(limit, self.replicas.count)
 
-    def admit(self, tenant: str, limit: int) -> Deferred[str | bool | None]:
-        """One more request of ``tenant`` in flight: its place's id, False past ``limit``
-        over every replica, or ``ALONE`` (None) when Redis could not say."""
+    def admit(self, tenant: str, limit: int) -> Deferred[Place | PlaceRefused | Alone]:
+        """One more request of ``tenant`` in flight: its place, refused past ``limit`` over
+        every replica, or alone when Redis could not say."""
         if not self.replicas.is_shared:
             return succeed(ALONE)
-        place = next(self._ids)
-        sent = tenant_in(self.replicas, tenant, limit, place)
+        place = Place(next(self._ids))
+        sent = tenant_in(self.replicas, tenant, limit, place.id)
         # Its own Deferred: a client that leaves cancels it, not Redis's answer, so that a
         # place Redis grants after it left is given back instead of held for nobody.
-        answered: Deferred[str | bool | None] = Deferred()
+        answered: Deferred[Place | PlaceRefused | Alone] = Deferred()
 
         def said(granted: bool) -> None:
             if granted:
@@ -67,7 +86,7 @@ class SharedTenants:
                 if granted:
                     self.release(place)
                 return
-            answered.callback(place if granted else False)
+            answered.callback(place if granted else REFUSED)
 
         def failed(failure: Failure) -> None:
             if answered.called:
@@ -80,10 +99,10 @@ class SharedTenants:
         sent.addCallbacks(said, failed)
         return answered
 
-    def release(self, place: str) -> None:
+    def release(self, place: Place) -> None:
         """That request ended: its place goes back (once)."""
         tenant = self.places.pop(place, None)
         if tenant is None or not self.replicas.is_shared:
             return  # (written back without it when Redis answers again)
-        sent = tenant_out(self.replicas, tenant, place)
+        sent = tenant_out(self.replicas, tenant, place.id)
         sent.addErrback(lambda failure: failure.trap(Unshared))

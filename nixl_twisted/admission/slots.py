@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from nixl_twisted.admission.fair_queue import FairQueue, Ticket
+from nixl_twisted.admission.fair_queue import Claim, FairQueue
 from nixl_twisted.admission.fleet_queue import FleetQueue
-from nixl_twisted.admission.fleet_waiting import Taken
+from nixl_twisted.admission.fleet_waiting import Held
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
@@ -34,7 +34,7 @@ from nixl_twisted.protocol.errors import ProxyError
 SWEEP = 1.0
 
 #: What a completion's placement holds (``exchange.placing.Placed``).
-H = TypeVar("H", bound=Taken)
+H = TypeVar("H", bound=Held)
 
 
 class Slots:
@@ -69,7 +69,7 @@ class Slots:
         """Whether any instance has a cap: else completions never wait here."""
         return self.backends.capped()
 
-    def take(self, ticket: Ticket, place: Callable[[], H | str]) -> H | Deferred[H]:
+    def take(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
         """The slots ``place`` takes, now or once they free (``SlotQueue.enter``)."""
         return self.queue.enter(ticket, place)
 

@@ -17,8 +17,8 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
-from nixl_twisted.admission.limits import MAX_NAME, NO_TICKET, TenantLimits
-from nixl_twisted.admission.shared_tenants import SharedTenants
+from nixl_twisted.admission.limits import MAX_NAME, NO_HOLD, TenantLimits
+from nixl_twisted.admission.shared_tenants import Alone, Place, PlaceRefused, SharedTenants
 from nixl_twisted.admission.windows import SharedWindows, Verdict
 from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.config.words import counted
@@ -88,15 +88,15 @@ class Tenancy:
         estimate = None if completion is None else 0
         if completion is not None and tpm:
             estimate = completion.charge(self.context_of(completion.model))
-        held = _Held(request, estimate)
+        held = Holding(request, estimate)
         request.notifyFinish().addBoth(held.ended)
         fleet = self.fleet if rule.max_in_flight else None
         here = fleet is None  # (in flight held here, else over every replica)
         if self.shared is None or not (rule.requests_per_minute or tpm):
-            held.ticket = self.limits.admit(tenant, estimate, in_flight=here)
+            held.hold = self.limits.admit(tenant, estimate, in_flight=here)
             return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
         # In flight here (a 429 at once), then the windows in Redis.
-        held.ticket = self.limits.admit(tenant, estimate, windows=False, in_flight=here)
+        held.hold = self.limits.admit(tenant, estimate, windows=False, in_flight=here)
         shared = self.shared
 
         def decided(verdict: Verdict | None) -> TenantRule | Deferred[TenantRule]:
@@ -106,7 +106,7 @@ class Tenancy:
                 raise CancelledError()
             if verdict is None:  # (Redis could not say: this process decides)
                 held.give_back()
-                held.ticket = self.limits.admit(tenant, estimate, in_flight=here)
+                held.hold = self.limits.admit(tenant, estimate, in_flight=here)
             elif not verdict.admitted:
                 held.give_back()
                 raise self.limits.refused(tenant, verdict.limit, verdict.wait)
@@ -117,20 +117,20 @@ class Tenancy:
         return shared.admit(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
 
     def _in_flight(
-        self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: _Held
+        self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: Holding
     ) -> Deferred[TenantRule]:
         """The tenant's requests in flight over every replica (``--replicas-redis``), or,
         while Redis does not answer, this replica's share of its limit."""
 
-        def placed(place: str | bool | None) -> TenantRule:
-            if isinstance(place, str):
+        def placed(place: Place | PlaceRefused | Alone) -> TenantRule:
+            if isinstance(place, Place):
                 if held.over:  # (its client left while Redis was asked)
                     fleet.release(place)
                     raise CancelledError()
                 held.place = lambda: fleet.release(place)
                 return rule
             limit = rule.max_in_flight
-            if place is None:  # (Redis could not say: this replica's share)
+            if isinstance(place, Alone):  # (Redis could not say: this replica's share)
                 limit = fleet.share(limit)
                 if self.limits.in_flight(tenant) <= limit:
                     return rule
@@ -140,13 +140,13 @@ class Tenancy:
         return fleet.admit(tenant, rule.max_in_flight).addCallback(placed)
 
 
-class _Held:
+class Holding:
     """What a request holds of its tenant's limits, given back when it ends."""
 
     def __init__(self, request: Request, estimate: int | None) -> None:
         self.request = request
         self.estimate = estimate
-        self.ticket = NO_TICKET
+        self.hold = NO_HOLD
         #: Given what it used, in Redis, when its windows are counted there.
         self.charge: Callable[[int], None] | None = None
         #: Its place among its tenant's requests in flight over every replica, given back.
@@ -155,8 +155,8 @@ class _Held:
 
     def give_back(self) -> None:
         """Out of flight, charged nothing (refused, or counted again another way)."""
-        ticket, self.ticket = self.ticket, NO_TICKET
-        ticket.release(0)
+        hold, self.hold = self.hold, NO_HOLD
+        hold.release(0)
 
     def ended(self, _: object) -> None:
         self.over = True
@@ -167,7 +167,7 @@ class _Held:
             used = self.estimate or 0  # (answered, but vLLM said nothing of its usage)
         else:
             used = 0  # (refused or failed: nothing generated is charged)
-        self.ticket.release(used)
+        self.hold.release(used)
         if self.charge is not None:
             self.charge(used)
         if self.place is not None:

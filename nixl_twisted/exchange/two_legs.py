@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 
-from nixl_twisted.admission import Ticket
+from nixl_twisted.admission import Claim
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.backends.routing import Routing
@@ -202,7 +202,7 @@ class Exchange:
             # request with no decode instance to go to is refused before prefill runs.
             return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
-        ticket = Ticket.of(c)
+        ticket = Claim.of(c)
         taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
         if isinstance(taken, Deferred):
             clock = legs.clock

@@ -48,7 +48,7 @@ class Configured(Protocol):
     def configure(self, config: ProxyConfig) -> None: ...
 
 
-class Served(NamedTuple):
+class StopOrder(NamedTuple):
     """What the proxy stops in order besides its children: the door's admission (not
     ready, then draining), the requests being served (cut at the drain timeout), and the
     loops of the refusals' log throttle and the client keys' file."""
@@ -70,7 +70,7 @@ class ProxyService(ProcessTree):
         checks: HealthChecks,
         reactor: Any,
         clock: IReactorTime,
-        served: Served,
+        served: StopOrder,
         discovery: Discovery | None = None,
         configured: Sequence[Configured] = (),
         logging: Logging | None = None,

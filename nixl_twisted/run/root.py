@@ -39,6 +39,7 @@ from twisted.web.iweb import IAgent
 from nixl_twisted.admission import (
     AT_ONCE,
     Admission,
+    Claim,
     FairQueue,
     FleetQueue,
     SharedSlots,
@@ -48,7 +49,6 @@ from nixl_twisted.admission import (
     Slots,
     Tenancy,
     TenantLimits,
-    Ticket,
 )
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import Thresholds
@@ -82,7 +82,7 @@ from nixl_twisted.observe.refusals import LogThrottle, Refusals
 from nixl_twisted.observe.saturation import Sampling
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import listener
-from nixl_twisted.run.proxy_service import Configured, ProxyService, Served
+from nixl_twisted.run.proxy_service import Configured, ProxyService, StopOrder
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.web.admin import AdminAPI
@@ -106,7 +106,7 @@ def _worker_hangup() -> None:
     )
 
 
-def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Ticket) -> None:
+def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Claim) -> None:
     """A request's outcome at the fair queue: counted, and how long it waited if it did."""
     metrics.admissions.labels(outcome).inc()
     metrics.saturation.told(outcome, ticket.model)
@@ -272,7 +272,7 @@ def build(
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
     if fleet_admin is not None:  # (after a reload, the fleet's changes are made again)
         configured.append(fleet_admin)
-    served = Served(admission, serving, observed.refusals.throttle, keys)
+    served = StopOrder(admission, serving, observed.refusals.throttle, keys)
     root = ProxyService(
         config, app, site, checks, reactor, clock, served, found, configured, logging
     )

@@ -21,7 +21,9 @@ from nixl_twisted.admission.fair_queue import (
     SHUT,
     TIMED_OUT,
     FairQueue,
-    Ticket,
+)
+from nixl_twisted.admission.fair_queue import (
+    Claim as Ticket,
 )
 from nixl_twisted.config import TenantRule
 from nixl_twisted.protocol.codes import ErrorCode

@@ -306,10 +306,10 @@ def test_the_face_check_finds_a_name_the_face_does_not_export(tmp_path: Path) ->
     source = tmp_path / "app.py"
     source.write_text(
         "from nixl_twisted.admission import Admission\n"
-        "from nixl_twisted.admission.fair_queue import FairQueue, Ticket\n"
+        "from nixl_twisted.admission.fair_queue import FairQueue, Claim\n"
         "from nixl_twisted.admission import gate\n"
     )
-    faces = {"nixl_twisted.admission": frozenset({"Admission", "Ticket"})}
+    faces = {"nixl_twisted.admission": frozenset({"Admission", "Claim"})}
     assert behind_the_face("nixl_twisted.web.app", source, faces) == [
         "nixl_twisted.web.app imports nixl_twisted.admission.fair_queue.FairQueue",
         "nixl_twisted.web.app imports nixl_twisted.admission.gate",
