@@ -14,7 +14,7 @@ are called from inside this room only.
 
 from nixl_twisted.admission.fair_queue import AT_ONCE, Claim, FairQueue
 from nixl_twisted.admission.fleet_queue import FleetQueue
-from nixl_twisted.admission.gate import Admission
+from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
 from nixl_twisted.admission.queue import SlotQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
@@ -27,6 +27,7 @@ __all__ = [
     "AT_ONCE",
     "Admission",
     "Claim",
+    "Counted",
     "FairQueue",
     "FleetQueue",
     "KeyTenants",

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from functools import partial
 
 from klein import Klein
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -21,7 +21,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
-from nixl_twisted.admission import Admission, Tenancy
+from nixl_twisted.admission import Admission, Counted, Tenancy
 from nixl_twisted.backends.models import listing
 from nixl_twisted.config import ProxyConfig, TenantRule
 from nixl_twisted.exchange.prefill import PrefillRefused
@@ -194,10 +194,8 @@ class ProxyApp:
         served = listing(self.backends.decode.instances)
         if served is None:  # (relayed: for any model, whatever is served)
             return self._one_leg(request, door.relayed(request, routes.MODELS, None))
-        admitted = self.tenancy.admit(request, routes.MODELS)
-        if isinstance(admitted, Deferred):  # (--limits-redis: once Redis has said)
-            return admitted.addCallback(lambda _: _json(request, 200, served))
-        return _json(request, 200, served)
+        listed = lambda _: succeed(_json(request, 200, served))  # noqa: E731
+        return self.admission.request(request, routes.MODELS, None, listed, Counted.TENANT)
 
     @app.route(routes.TOKENIZE, methods=["POST"])
     def tokenize(self, request: Request) -> Deferred[None]:
