@@ -135,7 +135,7 @@ class ProxyService(ProcessTree):
 
     def reconfigure(self, config: ProxyConfig) -> None:
         """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's):
-        each part takes it through its own ``configure``, as it did when it was made."""
+        each part takes it through its own ``configure``, the path the build took too."""
         sites = {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}
         discovery = [self.discovery] if self.discovery is not None else []
         for part in [*self._configured, self.app, *sites, self.backends, *discovery]:

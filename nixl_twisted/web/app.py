@@ -61,7 +61,8 @@ class ProxyApp:
 
     app = Klein()
     # No route has an empty segment: ``/v1//models`` is a 404, not Werkzeug's 308
-    # (a doubled leading slash, ``//v1/models``, still routes as it always did)
+    # (a doubled leading slash, ``//v1/models``, is not merged by this and routes
+    # as Werkzeug reads it)
     # (set before the routes below are added: each rule reads it then).
     app.url_map.merge_slashes = False
 
