@@ -34,6 +34,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from twisted.internet.defer import Deferred
@@ -52,21 +53,31 @@ TRIES = 8
 #: Requests let go lately, to say how fast the queue drains (``Retry-After``).
 RECENT = 64
 
-#: What happened to a request at the queue (``nixlproxy_admissions_total{outcome}``).
-AT_ONCE = "at_once"
-AFTER_WAIT = "after_wait"
-QUEUE_FULL = "queue_full"
-TIMED_OUT = "timed_out"
-SHED = "shed"
-LEFT = "left"
-SHUT = "shut"
-#: ``place`` raised: no instance at all (the request's own error).
-FAILED = "failed"
+
+class QueueOutcome(str, Enum):
+    """What happened to a request at the queue (``nixlproxy_admissions_total{outcome}``:
+    its value, as ``str()`` gives it)."""
+
+    AT_ONCE = "at_once"
+    AFTER_WAIT = "after_wait"
+    QUEUE_FULL = "queue_full"
+    TIMED_OUT = "timed_out"
+    SHED = "shed"
+    LEFT = "left"
+    SHUT = "shut"
+    #: ``place`` raised: no instance at all (the request's own error).
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = QueueOutcome
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
 KEPT_TAGS = 64
 
 #: (outcome, seconds waited, the request's ticket): told of every request's outcome.
-QueueReport = Callable[[str, float, "Claim"], None]
+QueueReport = Callable[[QueueOutcome, float, "Claim"], None]
 
 
 @dataclass(frozen=True)
@@ -322,7 +333,7 @@ class FairQueue(Generic[T]):
             if not queue.last:
                 del self._models[model]
 
-    def _end(self, waiting: Waiting[T], outcome: str) -> None:
+    def _end(self, waiting: Waiting[T], outcome: QueueOutcome) -> None:
         """The request leaves the queue, ``outcome`` said of it."""
         waiting.done = True
         self._waiting -= 1
@@ -334,7 +345,7 @@ class FairQueue(Generic[T]):
         else:
             self.told(outcome, waited, waiting.ticket)
 
-    def _let_go(self, ticket: Claim, waited: float, outcome: str) -> None:
+    def _let_go(self, ticket: Claim, waited: float, outcome: QueueOutcome) -> None:
         self._recent.append(self.clock.seconds())
         self.told(outcome, waited, ticket)
 
@@ -350,7 +361,7 @@ class FairQueue(Generic[T]):
             self._end(waiting, LEFT)
 
 
-def _nobody(outcome: str, waited: float, ticket: Claim) -> None:
+def _nobody(outcome: QueueOutcome, waited: float, ticket: Claim) -> None:
     """No one to tell."""
 
 

@@ -37,6 +37,7 @@ from nixl_twisted.admission.fair_queue import (
     TIMED_OUT,
     Claim,
     FairQueue,
+    QueueOutcome,
     QueueReport,
     drain_seconds,
     full,
@@ -251,7 +252,7 @@ class FleetQueue(Generic[H]):
     def alone(self) -> None:
         """Redis stopped answering: what waited in the fleet's queue waits in this one's."""
         for waiting in [w for ws in self._mine.values() for w in ws]:
-            self._end(waiting, "", leave=False)
+            self._end(waiting, None, leave=False)
             waiting.done = False
             self.alone_queue.take(waiting)
 
@@ -370,8 +371,11 @@ class FleetQueue(Generic[H]):
         sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
 
-    def _end(self, waiting: FleetWaiting[H], outcome: str, leave: bool = True) -> None:
-        """It leaves the fleet's queue, ``outcome`` said of it ("": moved to this replica's)."""
+    def _end(
+        self, waiting: FleetWaiting[H], outcome: QueueOutcome | None, leave: bool = True
+    ) -> None:
+        """It leaves the fleet's queue, ``outcome`` said of it (None: moved to this
+        replica's)."""
         if waiting.done:
             return
         waiting.done = True
@@ -380,7 +384,7 @@ class FleetQueue(Generic[H]):
             mine.remove(waiting)
         if waiting.timer is not None and waiting.timer.active():
             waiting.timer.cancel()
-        if outcome:
+        if outcome is not None:
             self.told(outcome, self.clock.seconds() - waiting.arrived, waiting.ticket)
         if leave:
             self._leave(waiting)

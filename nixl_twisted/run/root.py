@@ -42,6 +42,7 @@ from nixl_twisted.admission import (
     Claim,
     FairQueue,
     FleetQueue,
+    QueueOutcome,
     SharedSlots,
     SharedTenants,
     SharedWindows,
@@ -106,7 +107,7 @@ def _worker_hangup() -> None:
     )
 
 
-def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Claim) -> None:
+def _queue_said(metrics: ProxyMetrics, outcome: QueueOutcome, waited: float, ticket: Claim) -> None:
     """A request's outcome at the fair queue: counted, and how long it waited if it did."""
     metrics.admissions.labels(outcome).inc()
     metrics.saturation.told(outcome, ticket.model)
