@@ -114,7 +114,7 @@ class Tenancy:
                 held.charge = lambda used: shared.charge(tenant, verdict.member, used)
             return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
 
-        return shared.admit(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
+        return shared.ask(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
 
     def _in_flight(
         self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: Holding

@@ -95,7 +95,7 @@ class SharedWindows(Service):
         super().stopService()
         return self.link.stop()
 
-    def admit(
+    def ask(
         self, tenant: str, rpm: int, tpm: int, estimate: int | None
     ) -> Deferred[Verdict | None]:
         """Count a request for ``tenant`` in Redis; None: Redis could not say in time."""
