@@ -173,7 +173,7 @@ def drive(runtime: Sequence[str], name: str, port: int) -> None:
             if "SIGTERM" in line or "drain" in line or "not ready" in line:
                 print("proxy:", line.strip(), flush=True)
         print(f"exit code: {code}", flush=True)
-        if not any("draining 1 requests in flight" in line for line in seen):
+        if not any("draining 1 request in flight" in line for line in seen):
             raise CheckFailed("the proxy did not say it drained the stream in flight")
         if any("drain timeout" in line for line in seen):
             raise CheckFailed("the drain timed out")

@@ -3,8 +3,8 @@
 Decode's body broke off, went silent past ``--stream-idle-timeout``,
 answered an in-band error event, or its instance was marked down while it
 streamed: a ``Break``. A migration (``migration``) may continue the answer
-elsewhere; when none does, ``Break.end`` ends the request as
-``docs/failures.md`` says: a 504 or 502 if the client has had
+elsewhere; when none does, ``Break.end`` ends the request so that the
+client can tell (``docs/failures.md``): a 504 or 502 if the client has had
 nothing yet, else an in-band error event and a connection closed short,
 never a complete-looking answer; vLLM's own error event is relayed as it
 came.

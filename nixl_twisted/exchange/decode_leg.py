@@ -1,18 +1,19 @@
 """A completion's decode leg and its relay: decode's answer to the client as it comes.
 
 One attempt at one instance is ``decode.decode_attempt``, the bytes' path
-``relay.relay_body``; this is the leg around them: the handoff's gap
+``relay.relay``; this is the leg around them: the handoff's gap
 measured, the first byte timed (and the SSE keep-alive stopped by it),
 decode's error answer given in-band once the client has its 200, and a
 body that breaks off, goes silent, answers an error event or whose instance
-is marked down moved to another instance (``migration``: ``Moving``) or
-ended as such (``broken``), never passed off as whole.
+is marked down moved to another instance or ended as such (``broken``),
+never passed off as whole. A move is the leg's answer, not an exception:
+``send`` returns ``migration.Moved`` (what continues the answer, and the
+instance that failed it), and the exchange alone decides where it goes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
@@ -27,15 +28,9 @@ from nixl_twisted.exchange.decide import Decision, Mode
 from nixl_twisted.exchange.decode import DecodeRequest, decode_attempt, note_handoff
 from nixl_twisted.exchange.keepalive import KeepAlive
 from nixl_twisted.exchange.legs import Legs
-from nixl_twisted.exchange.migration import Migrations, Moving
-from nixl_twisted.exchange.relay import (
-    ClientSlow,
-    Filter,
-    abandon,
-    close_slow,
-    relay_body,
-    start_response,
-)
+from nixl_twisted.exchange.migration import Migrations, Moved, NextLeg
+from nixl_twisted.exchange.relay import ClientSlow, abandon, close_slow, relay, start_response
+from nixl_twisted.exchange.relay_parts import Filter, Passes, Seen, Silence
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Retry, account, send_leg
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.observe.spans import AttemptTrace
@@ -44,10 +39,14 @@ from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import REQUEST_ID
+from nixl_twisted.protocol.held import Whole
 from nixl_twisted.protocol.phases import Phase
 from nixl_twisted.protocol.usage import UsageChunkHidden, read_usage
 
 log = Logger()
+
+#: What a decode attempt's span says when its lost connection moves the answer.
+MOVING = "moving to another decode instance"
 
 #: Given the decode instance's URL, what watches its answer pass (the Responses API's ids).
 Watch = Callable[[str], Callable[[bytes], bool]]
@@ -55,6 +54,9 @@ Watch = Callable[[str], Callable[[bytes], bool]]
 
 class DecodeLeg:
     """Decode for one completion, as decided: its instance's answer relayed to the client."""
+
+    #: The instance whose answer is relayed now (its first byte is timed by its URL).
+    _relaying_from: Instance
 
     def __init__(
         self,
@@ -86,20 +88,29 @@ class DecodeLeg:
 
     async def send(
         self, sent: DecodeRequest, reserved: Lease, decision: Decision, handed_at: float
-    ) -> None:
+    ) -> Moved | None:
         """``sent`` to decode (first the ``reserved`` instance, then the pool's choice), and its
-        answer relayed; ``handed_at``: when prefill's params were read (a ``Mode.PD`` leg)."""
+        answer relayed; ``handed_at``: when prefill's params were read (a ``Mode.PD`` leg).
+
+        Returns what continues the answer on another decode instance (None: it ended,
+        whole or broken off as such)."""
         legs, served, pool = self.legs, self.served, self.legs.backends.decode
         phases = served.phases
         self._alone, self._handed_at = decision.mode is Mode.DECODE_ONLY, handed_at
+        retries = served.config.retries.decode
+        order = _MayMove(pool, legs.metrics, self.routing, retries, served.room)
         decode, response = await send_leg(
             pool,
             legs.metrics,
             lambda instance, span: self._attempt(instance, span, sent),
-            ByPolicy(pool, legs.metrics, self.routing, served.config.retries.decode, served.room),
+            order,
             Asked(served.trace, served.record, self._wanted),
             reserved,
         )
+        if isinstance(response, Moved):  # (lost once it had the request: the attempt failed)
+            decode.release()
+            order.failed(decode.instance)
+            return response
         served.record.decode_route = decode.decision
         served.record.decode_matched_tokens = self.routing.matched.get("decode")
         try:
@@ -111,9 +122,9 @@ class DecodeLeg:
                     request_id=self.completion.request_id,
                     why=phases.client_gone,
                 )
-                return
+                return None
             phases.enter(Phase.RELAY)
-            await self._relay(response, decode)
+            return await self._relay(response, decode)
         finally:
             decode.release()
 
@@ -123,7 +134,7 @@ class DecodeLeg:
 
     async def _attempt(
         self, instance: Instance, span: AttemptTrace, sent: DecodeRequest
-    ) -> IResponse:
+    ) -> IResponse | Moved:
         served, completion = self.served, self.completion
         served.phases.attempting(span)
         self._sent_at = self.legs.clock.seconds()
@@ -131,15 +142,17 @@ class DecodeLeg:
             ids = completion.token_ids
             instance.alone_tokens += len(ids) if ids else completion.estimate or 0
         if self.moves is not None:
-            self.moves.sent_to(instance.url)
+            self.moves.sent_to(instance)
         try:
             response = await decode_attempt(
                 self.legs, instance, span, sent, served.record, served.phases.track
             )
         except Retry as retry:
-            if retry.sent and self.moves is not None:
-                self._lost(retry, instance)
-            raise
+            moved = self._lost(retry, instance) if retry.sent else None
+            if moved is None:
+                raise
+            span.fail(MOVING)
+            return moved
         if not self._alone:
             gap = self._sent_at - self._handed_at
             served.record.handoff_gap_seconds = gap
@@ -148,21 +161,23 @@ class DecodeLeg:
         served.record.decode_status = response.code
         return response
 
-    def _first_byte(self, instance: Instance) -> None:
+    def _first_byte(self) -> None:
         if self.keepalive is not None:
             self.keepalive.stop()
         waited = self.legs.clock.seconds() - self._sent_at
-        if self.moves is None or not self.moves.tries:  # (the first decode leg's, kept)
+        if self.moves is None or self.moves.leg is NextLeg.FIRST:  # (the first leg's, kept)
             self.served.record.decode_first_byte_seconds = waited
         else:
             self.moves.first_byte()
         metrics = self.legs.metrics
-        metrics.child(metrics.decode_first_byte_seconds, instance.url).observe(waited)
+        url = self._relaying_from.url
+        metrics.child(metrics.decode_first_byte_seconds, url).observe(waited)
 
-    async def _relay(self, response: IResponse, decode: Lease) -> None:
+    async def _relay(self, response: IResponse, decode: Lease) -> Moved | None:
         served, keepalive, moves = self.served, self.keepalive, self.moves
         request, phases, timeouts = served.request, served.phases, served.config.timeouts
-        resuming = moves is not None and moves.resuming
+        leg = moves.leg if moves is not None else NextLeg.FIRST
+        resuming = leg is NextLeg.RESUMING
         if resuming and response.code != 200:
             abandon(response)  # (the client has part of an answer: this one cannot be it)
             raise ProxyError(
@@ -173,9 +188,9 @@ class DecodeLeg:
         if not resuming and keepalive is not None and keepalive.in_band(response):
             # The client has its 200 already: decode's error answer goes in-band.
             await phases.track(keepalive.answer_in_band(response, timeouts.stream_idle))
-            return
+            return None
         if not resuming and (keepalive is None or not keepalive.opened):
-            if moves is not None and moves.tries:  # (an answer again: the first one's headers go)
+            if leg is NextLeg.AFRESH:  # (an answer again: the first one's headers go)
                 request.responseHeaders = Headers({REQUEST_ID: [self._request_id]})
             start_response(request, response)
         filtered = moves.filtered() if moves is not None else None
@@ -189,40 +204,41 @@ class DecodeLeg:
         pool = self.legs.backends.decode
         if isinstance(failed, ClientSlow):
             await self._slow(failed)  # (the client's doing: decode is not judged by it)
-            return
+            return None
         if failed is None:
             if response.code < 500:  # (a 5xx was counted as its leg's error: ``decode``)
                 pool.record_success(instance)  # (judged once its answer ended whole)
             if moves is not None:
                 moves.completed()
-            return
+            return None
         caught = filtered.error if filtered is not None else None
-        held = moves is not None and moves.held
+        held = isinstance(filtered, Whole) and not filtered.done  # (nothing of it was sent)
         broke = Break(failed, instance.url, caught, held)
         if not isinstance(failed, InstanceDown):
             # A broken answer counts toward marking its instance down, as any failed leg.
             pool.record_failure(instance, f"its answer {broke.reason}")
-        await self._broken(broke, instance)
+        return await self._broken(broke, instance)
 
     async def _relayed(
         self, response: IResponse, decode: Lease, filtered: Filter | None
     ) -> Exception | None:
         """Decode's body relayed; what failed it after its headers (None: it ended whole)."""
         served = self.served
+        self._relaying_from = decode.instance
         watching = self.watch(decode.instance.url) if self.watch is not None else None
         kind = response.headers.getRawHeaders(b"content-type", [b""])[0]
         streamed = kind.startswith(b"text/event-stream")
-        self._relaying = relay_body(
+        self._relaying = relay(
             served.request,
             response,
-            self.legs.clock,
-            served.config.timeouts.stream_idle,
-            partial(self._first_byte, decode.instance),
-            watching,
-            self._used,
-            UsageChunkHidden() if self.completion.hides_usage else None,
-            filtered,
-            events.terminal(self.completion.path) if streamed else (),
+            Silence(self.legs.clock, served.config.timeouts.stream_idle),
+            Passes(filtered, UsageChunkHidden() if self.completion.hides_usage else None),
+            Seen(
+                self._first_byte,
+                watching,
+                self._used,
+                events.terminal(self.completion.path) if streamed else (),
+            ),
         )
         try:
             await served.phases.track(self._relaying)
@@ -252,19 +268,20 @@ class DecodeLeg:
         served.record.ended = "client_slow"
         await close_slow(served.request)
 
-    def _lost(self, retry: Retry, instance: Instance) -> None:
+    def _lost(self, retry: Retry, instance: Instance) -> Moved | None:
         """Decode's connection was lost once it had the request: it may have pulled prefill's
         KV, which prefill then frees, so the answer moves whole, with a prefill of its own,
-        rather than the same params going to another instance (the retry, when it cannot)."""
+        rather than the same params going to another instance (the retry, when it cannot:
+        None)."""
         moves = self.moves
         if moves is None or not moves.movable():
-            return
-        continued = moves.move(Break(retry, instance.url))
-        if continued is not None:  # (else the leg's retry counts the failure, once)
+            return None
+        moved = moves.move(Break(retry, instance.url), instance)
+        if moved is not None:  # (else the leg's retry counts the failure, once)
             account(
                 self.legs.metrics, self.legs.backends.decode, instance, retry.outcome, retry.down
             )
-            raise Moving(continued, instance)
+        return moved
 
     def _marked_down(self) -> None:
         """The instance streaming this answer was marked down: the answer moves now, if it
@@ -280,16 +297,25 @@ class DecodeLeg:
     def _request_id(self) -> bytes:
         return self.completion.request_id.encode()
 
-    async def _broken(self, broke: Break, instance: Instance) -> None:
+    async def _broken(self, broke: Break, instance: Instance) -> Moved | None:
         """Decode's answer failed after its headers: it moves to another instance
-        (``Moving``), or ends so that the client can tell (``Break.end``)."""
+        (``Moved``), or ends so that the client can tell (``Break.end``)."""
         self.served.phases.failed(broke.reason, "relay")
         if self.moves is not None:
-            continued = self.moves.move(broke)
-            if continued is not None:
-                raise Moving(continued, instance)
+            moved = self.moves.move(broke, instance)
+            if moved is not None:
+                return moved
         await broke.end(self.served)
+        return None
 
     def _used(self, tail: bytes) -> None:
         """What decode's answer reported using, from its last chunks."""
         self.served.record.usage = read_usage(tail)
+
+
+class _MayMove(ByPolicy):
+    """The decode pool's order: an attempt whose lost connection moved the answer is noted
+    as failed in the access event, as every failed attempt."""
+
+    def answered(self, served: object) -> str:
+        return "failed" if served.__class__ is Moved else "answered"

@@ -14,6 +14,9 @@ decode instances and the token it moved at) and in the trace.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
+
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
@@ -36,14 +39,25 @@ log = Logger()
 BATCH = "batch"
 
 
-class Moving(Exception):
-    """The request moves to another decode instance: ``completion`` continues the answer
-    ``source`` failed."""
+@dataclass(frozen=True)
+class Moved:
+    """The answer moves to another decode instance: ``continuation`` continues it, and
+    ``failed`` is the instance to avoid (None: the continuation failed before any decode
+    instance had it)."""
 
-    def __init__(self, completion: Completion, source: Instance) -> None:
-        super().__init__("moving to another decode instance")
-        self.completion = completion
-        self.source = source
+    continuation: Completion
+    failed: Instance | None
+
+
+class NextLeg(Enum):
+    """What the next decode leg's answer is to the client."""
+
+    #: The request's own answer: nothing has moved.
+    FIRST = "first"
+    #: A continuation the client has nothing of: its headers are the client's first.
+    AFRESH = "afresh"
+    #: A continuation of what the client has: its headers and its opening are not relayed.
+    RESUMING = "resuming"
 
 
 class Migrations:
@@ -71,20 +85,25 @@ class Migrations:
         #: Why it never moves (None: it may), and why only before its first token.
         self.refused = refused or resumable.refused
         self.from_start = resumable.from_start
+        #: Its decode legs are asked for the ids of the tokens they stream (an attribute:
+        #: read several times a request).
+        self.tracked = self.refused is None and self.from_start is None
         self._deadline = clock.seconds() + rules.deadline if rules.deadline else None
         self.tries = 0
         #: What the decode leg relayed now stands behind (a tracked stream's transcript).
         self._filter: Transcript | Opening | Whole | None = None
-        #: The client has part of the answer: legs from now on continue it (their
-        #: headers and their opening are not relayed).
-        self.resuming = False
+        #: The client has part of the answer: legs from now on continue it.
+        self._resuming = False
+        #: What the next decode leg's answer is to the client (a plain attribute: read on
+        #: every request).
+        self.leg = NextLeg.FIRST
         #: The last break, whose end is the request's if no continuation serves it.
-        self.broke: Break | None = None
+        self._broke: Break | None = None
         #: A continuation is out: the completion, where and at which token it moved,
         #: and the decode instance it went to.
         self._continuing: Completion | None = None
         self._from = ("", 0)
-        self._to: str | None = None
+        self._to: Instance | None = None
         #: When it moved, and how long its continuation took to its first byte.
         self._since = 0.0
         self._took: float | None = None
@@ -95,16 +114,6 @@ class Migrations:
         given = completion.token_ids
         self.prompt: list[int] | None = list(given) if given else None
 
-    @property
-    def out(self) -> bool:
-        """A continuation is out (its legs' failure is a failed move, not the answer's)."""
-        return self._continuing is not None
-
-    @property
-    def tracked(self) -> bool:
-        """Its decode legs are asked for the ids of the tokens they stream."""
-        return self.refused is None and self.from_start is None
-
     def filtered(self) -> Transcript | Opening | Whole | None:
         """What stands between the next decode leg's answer and the client (None: nothing:
         the answer never moves)."""
@@ -112,7 +121,7 @@ class Migrations:
             return None
         if self.tracked:
             transcript = self._filter
-            if isinstance(transcript, Transcript) and self.resuming:
+            if isinstance(transcript, Transcript) and self._resuming:
                 transcript.resume(self._cached)
             else:
                 chat = self.completion.path == routes.CHAT_COMPLETIONS
@@ -120,7 +129,7 @@ class Migrations:
                 self._filter = Transcript(chat, strip)
         elif self.completion.stream:
             opening = self._filter.opening if isinstance(self._filter, Opening) else ()
-            self._filter = Opening(opening if self.resuming else ())
+            self._filter = Opening(opening if self._resuming else ())
         else:
             self._filter = Whole()
         return self._filter
@@ -135,20 +144,10 @@ class Migrations:
         if prompt is not None and self.prompt is None and not self.tries:
             self.prompt = prompt
 
-    @property
-    def held(self) -> bool:
-        """The answer is held whole until it is complete (it is not streamed)."""
-        return isinstance(self._filter, Whole) and not self._filter.done
-
-    def sent_to(self, url: str) -> None:
-        """A continuation's decode leg went to ``url``."""
+    def sent_to(self, instance: Instance) -> None:
+        """A continuation's decode leg went to ``instance``."""
         if self._continuing is not None:
-            self._to = url
-
-    @property
-    def went_to(self) -> str | None:
-        """The decode instance the continuation out was sent to (None: none yet)."""
-        return self._to if self._continuing is not None else None
+            self._to = instance
 
     def first_byte(self) -> None:
         """The continuation out answered its first byte: the time the move took, from the
@@ -180,11 +179,11 @@ class Migrations:
             return "max_tokens_reached"
         return found
 
-    def move(self, broke: Break) -> Completion | None:
-        """The completion that continues the request after ``broke``, or None: it ends as
+    def move(self, broke: Break, instance: Instance) -> Moved | None:
+        """What continues the request after ``broke`` on ``instance``, or None: it ends as
         without migrations (``broke.end``; the access event says why)."""
         self._concluded("failed")
-        self.broke = broke
+        self._broke = broke
         if self.refused is not None:
             self._stays("refused", self.refused)
             return None
@@ -211,21 +210,26 @@ class Migrations:
             return None
         if not self._may():
             return None
-        self.resuming = passed
-        return self._out(broke.url, relayed, continued)
+        self._resuming = passed
+        return Moved(self._out(broke.url, relayed, continued), instance)
 
-    def again(self) -> Completion | None:
-        """The continuation out failed before its answer came: the same once more, or None
-        (the request then ends as ``broke`` says)."""
-        continuing, (source, relayed) = self._continuing, self._from
-        self._concluded("failed")
-        if continuing is None or not self._may():
+    def again(self) -> Moved | Break | None:
+        """A continuation's legs failed before its answer came: the same once more
+        (``Moved``), else the break the request then ends with (``Break.end``); None: no
+        continuation was out, the failure is the answer's own."""
+        continuing, (source, relayed), to = self._continuing, self._from, self._to
+        if continuing is None:
             return None
-        return self._out(source, relayed, continuing)
+        self._concluded("failed")
+        if not self._may():
+            assert self._broke is not None  # (a continuation is out only after a break)
+            return self._broke
+        return Moved(self._out(source, relayed, continuing), to)
 
     def completed(self) -> None:
         """The answer ended whole: the continuation out, if any, did it."""
-        self._concluded("completed")
+        if self._continuing is not None:  # (else nothing to say: most answers never move)
+            self._concluded("completed")
 
     def _may(self) -> bool:
         """Another move is allowed: tries left, and the request not past its deadline."""
@@ -240,6 +244,7 @@ class Migrations:
     def _out(self, source: str, relayed: int, continued: Completion) -> Completion:
         self.tries += 1
         self._continuing, self._from, self._to = continued, (source, relayed), None
+        self.leg = NextLeg.RESUMING if self._resuming else NextLeg.AFRESH
         self._since, self._took = self.clock.seconds(), None
         self.trace.moving(self.tries, relayed, source)
         log.warn(
@@ -264,7 +269,7 @@ class Migrations:
         if self._continuing is None:
             return
         self.metrics.child(self.metrics.migrations, outcome).inc()
-        (source, relayed), to = self._from, self._to or "none"
+        (source, relayed), to = self._from, self._to.url if self._to else "none"
         took = "" if self._took is None else f" ({round(self._took * 1000)} ms)"
         self.record.migrations.append(f"{source}@{relayed} -> {to} {outcome}{took}")
         self._continuing = None

@@ -5,13 +5,17 @@ request, so a client that reads slowly pauses the backend instead of growing
 the proxy's memory. ``break_off`` ends a response whose backend broke off so
 that the client can tell it is incomplete. What they write to is an
 ``ExchangeRequest``: the client's own request, or one prompt of a batch.
+
+A relay is composed of small parts (``relay_parts``), as treq composes a
+body reader from a protocol and a finished Deferred: its ``Silence`` (the
+idle timer), its ``Passes`` (what stands between the body and the client,
+and may change it) and what has ``Seen`` it (what looks at it and never
+changes it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import typing
-from collections.abc import Callable
 from typing import cast
 
 from twisted.internet.defer import Deferred
@@ -23,11 +27,11 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IRequest, IResponse
 from zope.interface import implementer
 
+from nixl_twisted.exchange.relay_parts import NO_PASSES, NO_SEEN, Passes, Seen, Silence
 from nixl_twisted.exchange.request import ExchangeRequest, connected
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import stream_error_event
 from nixl_twisted.protocol.headers import client_response_headers
-from nixl_twisted.protocol.usage import UsageChunkHidden
 
 _DONE = Failure(ResponseDone())
 
@@ -66,20 +70,14 @@ class _Paced:
         self.transport.stopProducing()
 
 
-class Filter(typing.Protocol):
-    """What stands between decode's body and the client when the answer may move to another
-    instance (``protocol.transcript``): it passes what the client may have now, keeps what
-    a continuation needs, and catches an in-band error event instead of passing it."""
+#: Each route's last events, as the relay looks for them: at a line's start.
+_AT_LINE_START: dict[tuple[bytes, ...], tuple[bytes, ...]] = {}
 
-    #: The error event caught, and what came after it (None: none).
-    error: bytes | None
-    #: Nothing more to look at: the rest passes as it comes.
-    done: bool
 
-    def __call__(self, data: bytes) -> bytes: ...
-
-    def rest(self) -> bytes:
-        """What it held when the body ended whole."""
+def _at_line_start(terminal: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """``terminal``'s events as the relay looks for them, made once a route."""
+    ends = _AT_LINE_START[terminal] = tuple(b"\n" + event for event in terminal)
+    return ends
 
 
 class _BodyRelay(Protocol):
@@ -100,29 +98,21 @@ class _BodyRelay(Protocol):
         self,
         request: ExchangeRequest,
         finished: Deferred[None],
-        clock: IReactorTime,
-        idle_timeout: float | None,
-        on_first_byte: Callable[[], None] | None = None,
-        watch: Callable[[bytes], bool] | None = None,
-        on_end: Callable[[bytes], None] | None = None,
-        hidden: UsageChunkHidden | None = None,
-        filtered: Filter | None = None,
-        terminal: tuple[bytes, ...] = (),
+        silence: Silence,
+        passes: Passes = NO_PASSES,
+        seen: Seen = NO_SEEN,
     ) -> None:
-        #: Takes out what the proxy asked for itself (the usage chunk) on the way.
-        self._hidden = hidden
-        #: Stands first: what the client may have of the body now (None: all of it).
-        self._filtered = filtered
-        self._on_first_byte = on_first_byte
-        #: Shown each chunk as it passes, until it says it has seen enough.
-        self._watch = watch
-        #: Given the body's last two chunks when it ends (where vLLM puts ``usage``).
-        self._on_end = on_end
+        # (the parts' fields copied: every chunk reads them)
+        self._hidden = passes.hidden
+        self._filtered = passes.filtered
+        self._on_first_byte = seen.first_byte
+        self._watch = seen.watch
+        self._on_end = seen.tail
         self._before_last = self._last = b""
         self._request = request
         self._finished = finished
-        self._clock = clock
-        self._idle_timeout = idle_timeout
+        self._clock = silence.clock
+        self._idle_timeout = silence.seconds
         self._timer: IDelayedCall | None = None
         #: When the last chunk came (the clock's seconds).
         self._heard = 0.0
@@ -132,7 +122,10 @@ class _BodyRelay(Protocol):
         self._producer: _Paced | None = None
         #: An event stream's last events, each at a line's start (empty: not looked for, or
         #: seen), and the end of the chunk before (where one may begin).
-        self._terminal = tuple(b"\n" + event for event in terminal)
+        terminal = seen.terminal
+        if terminal:
+            terminal = _AT_LINE_START.get(terminal) or _at_line_start(terminal)
+        self._terminal = terminal
         self._edge = b"\n"
 
     def connectionMade(self) -> None:
@@ -272,37 +265,39 @@ def start_response(request: IRequest | ExchangeRequest, response: IResponse) -> 
         )
 
 
+def relay(
+    request: ExchangeRequest,
+    response: IResponse,
+    silence: Silence,
+    passes: Passes = NO_PASSES,
+    seen: Seen = NO_SEEN,
+) -> Deferred[None]:
+    """Relay a backend body to the client; fires when the backend's body ended.
+
+    What ``seen`` looks at is the body as the client gets it, after
+    ``passes.filtered`` and before ``passes.hidden`` takes its chunk out.
+    Fails with ``StreamSilent`` after ``silence.seconds`` without data,
+    ``ClientSlow`` after as long with the client reading nothing.
+    Cancelling the Deferred closes the backend connection, which makes vLLM
+    abort the request and free its KV blocks.
+    """
+    finished: Deferred[None] = Deferred(lambda _: relaying.stop())
+    relaying = _BodyRelay(request, finished, silence, passes, seen)
+    response.deliverBody(relaying)
+    return finished
+
+
 def relay_body(
     request: ExchangeRequest,
     response: IResponse,
     clock: IReactorTime,
     idle_timeout: float | None,
-    on_first_byte: Callable[[], None] | None = None,
-    watch: Callable[[bytes], bool] | None = None,
-    on_end: Callable[[bytes], None] | None = None,
-    hidden: UsageChunkHidden | None = None,
-    filtered: Filter | None = None,
     terminal: tuple[bytes, ...] = (),
 ) -> Deferred[None]:
-    """Relay a backend body to the client; fires when the backend's body ended.
-
-    ``watch`` is shown each chunk as it passes (unchanged), until it returns
-    True; ``on_end`` is given the body's last two chunks, however it ended (as
-    the client gets them but for ``hidden``, which takes its chunk out of what
-    the client gets); ``filtered`` stands before both (an answer that may move);
-    ``terminal``: an event stream's last events, one of which must come
-    (``protocol.events.terminal``), else it fails with ``StreamCutShort``.
-
-    Fails with ``StreamSilent`` after ``idle_timeout`` seconds without data,
-    ``ClientSlow`` after as long with the client reading nothing.
-    Cancelling the Deferred closes the backend connection, which makes vLLM
-    abort the request and free its KV blocks.
-    """
-    finished: Deferred[None] = Deferred(lambda _: relay.stop())
-    hooks = (on_first_byte, watch, on_end, hidden, filtered, terminal)
-    relay = _BodyRelay(request, finished, clock, idle_timeout, *hooks)
-    response.deliverBody(relay)
-    return finished
+    """A body relayed as it is (``relay``), silent for ``idle_timeout`` seconds at most;
+    ``terminal``: an event stream's last events, one of which must come."""
+    seen = Seen(terminal=terminal) if terminal else NO_SEEN
+    return relay(request, response, Silence(clock, idle_timeout), NO_PASSES, seen)
 
 
 class _Discard(Protocol):

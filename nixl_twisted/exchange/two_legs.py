@@ -25,7 +25,7 @@ from nixl_twisted.exchange.decode import DecodeRequest
 from nixl_twisted.exchange.decode_leg import DecodeLeg, Watch
 from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import Legs
-from nixl_twisted.exchange.migration import BATCH, Migrations, Moving
+from nixl_twisted.exchange.migration import BATCH, Migrations, Moved
 from nixl_twisted.exchange.phased import Phases
 from nixl_twisted.exchange.placing import Placed, place, place_now
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
@@ -123,25 +123,29 @@ class Exchange:
                 keepalive.stop()
 
     async def _legs(self, keepalive: KeepAlive | None) -> None:
+        """The legs, and again elsewhere while the answer moves: the one place that decides
+        where a moved answer goes (each leg's own retries are ``send_leg``'s)."""
         routing = await self._rendered()
-        moving, avoid = await self._pair(routing, self.completion, keepalive)
-        while moving is not None:  # (its answer moves: the continuation, the same way)
-            moves = self.moves
-            assert moves is not None and moves.broke is not None
+        moved = await self._pair(routing, self.completion, keepalive)
+        avoid: list[Instance] = []
+        while moved is not None:  # (its answer moves: the continuation, the same way)
+            if moved.failed is not None:
+                avoid = [*avoid, moved.failed]
             self.phases.enter(Phase.PREFILL)
             try:
-                continued, failed = await self._pair(routing, moving, keepalive, avoid)
+                moved = await self._pair(routing, moved.continuation, keepalive, avoid)
             except (ProxyError, PrefillRefused):
-                if not moves.out:
-                    raise  # (the end of an answer that could move no more: its error)
                 # The continuation failed before its answer came: once more (elsewhere, while
-                # another decode instance will do), or the end.
-                failed = [i for i in self.legs.backends.decode.instances if i.url == moves.went_to]
-                continued = moves.again()
-                if continued is None:
+                # another decode instance will do), or the end its break says.
+                assert self.moves is not None
+                again = self.moves.again()
+                if again is None:
+                    raise  # (the end of an answer that could move no more: its error)
+                if not isinstance(again, Moved):
                     assert self._served is not None
-                    await moves.broke.end(self._served)
-            moving, avoid = continued, [*avoid, *failed]
+                    await again.end(self._served)
+                    return
+                moved = again
 
     async def _pair(
         self,
@@ -149,9 +153,9 @@ class Exchange:
         completion: Completion,
         keepalive: KeepAlive | None,
         avoid: list[Instance] | None = None,
-    ) -> tuple[Completion | None, list[Instance]]:
+    ) -> Moved | None:
         """``completion``'s legs, placed, handed off and relayed; what continues its answer
-        on another decode instance and the instance it failed on (None: it ended)."""
+        on another decode instance (None: it ended)."""
         first = avoid is None
         served, placed = await self._placed(routing, completion, avoid or ())
         try:
@@ -166,11 +170,7 @@ class Exchange:
         decode = DecodeLeg(
             self.legs, completion, routing, served, keepalive, self.watch, self.moves
         )
-        try:
-            await decode.send(sent, placed.decode, decision, handed_at)
-        except Moving as moving:
-            return moving.completion, [moving.source]
-        return None, []
+        return await decode.send(sent, placed.decode, decision, handed_at)
 
     async def _rendered(self) -> Routing:
         """The routing, with the prompt's token ids when a policy or the cached rule reads them

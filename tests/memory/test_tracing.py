@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from twisted.logger import LogLevel
 
+from tests.memory.migrations import STREAMS
 from tests.memory.support import FULL_CHAT, TIMEOUTS, Setup
 
 STREAM = dict(FULL_CHAT, stream=True)
@@ -337,3 +338,29 @@ def test_off_the_clients_trace_headers_pass_through_untouched() -> None:
             CLIENT_CONTEXT["traceparent"].encode()
         ]
     assert not setup.proxy.app.tracing.enabled
+
+
+def test_a_decode_lost_once_it_had_the_request_moves_as_a_failed_attempt() -> None:
+    """Its attempt fails once (its span, its count), its slot is given back, and the
+    continuation's decode is a sibling span that served: the move is not the leg's retry."""
+    setup = Traced(tokens=4, decodes=2)
+    first = setup.decodes[0]
+    first.die_after_next(0)  # (the connection closes once decode has the request)
+    assert setup.post("/v1/completions", STREAMS["/v1/completions"]).answer().complete
+    lost, again = sorted(
+        (s for s in setup.finished() if s.name == "decode"),
+        key=lambda s: s.start_time or 0,
+    )
+    assert attributes(lost)["nixlproxy.instance"] == "http://decode-0.memory"
+    assert_failed(lost, "moving to another decode instance")
+    assert again.status.status_code is StatusCode.UNSET
+    assert setup.server().status.status_code is StatusCode.UNSET
+    samples = setup.scrape()
+    counted = {
+        dict(labels)["outcome"]: value
+        for (name, labels), value in samples.items()
+        if name == "nixlproxy_backend_requests_total" and dict(labels)["pool"] == "decode"
+    }
+    assert counted == {"unreachable": 1.0, "answered": 1.0}
+    assert not [v for (n, _), v in samples.items() if n == "nixlproxy_retries_total" and v]
+    assert [i.in_flight for i in setup.proxy.service.backends.decode.instances] == [0, 0]

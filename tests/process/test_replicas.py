@@ -82,7 +82,7 @@ class ReplicaProcessTests(TwistdCase):
         waiting = self.chat(first_url)
         os.kill(first.transport.pid, signal.SIGTERM)  # type: ignore[union-attr]
         # The delay has ended and the request still waits for the slot: it is not refused.
-        await first.said(b"draining 1 requests in flight")
+        await first.said(b"draining 1 request in flight")
         self.decode.release()
         response = await waiting
         assert response.code == 200

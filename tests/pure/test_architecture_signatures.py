@@ -33,9 +33,10 @@ from nixl_twisted.discovery.service import Discovery
 from nixl_twisted.exchange.decide import decide
 from nixl_twisted.exchange.decode_leg import DecodeLeg
 from nixl_twisted.exchange.legs import Legs
+from nixl_twisted.exchange.migration import Migrations, Moved
 from nixl_twisted.exchange.placing import place, place_now
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
-from nixl_twisted.exchange.relay import relay_body
+from nixl_twisted.exchange.relay import relay
 from nixl_twisted.exchange.sending import reserve, send_leg
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.exchange.two_legs import Exchange
@@ -113,7 +114,12 @@ SIGNED: dict[str, Callable[..., Any]] = {
     "send_leg": send_leg,
     "DecodeLeg": DecodeLeg,
     "DecodeLeg.send": DecodeLeg.send,
-    "relay_body": relay_body,
+    "relay": relay,
+    "Exchange._legs": Exchange._legs,
+    "Exchange._pair": Exchange._pair,
+    "moves.move": Migrations.move,
+    "Moved": Moved,
+    "moves.again": Migrations.again,
     "lease.release": Lease.release,
 }
 
