@@ -8,9 +8,8 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
-from nixl_twisted.fleet.lua_common import COMMON
+from nixl_twisted.fleet.lua_common import COMMON, Caller
 from nixl_twisted.fleet.replies import WrongReply
-from nixl_twisted.fleet.scripts import Caller
 
 # ARGV: prefix, replica, lease entries (POOL|URL|LEASE). Legs that ended give their slots
 # back; each once, however often asked. Returns how many were held.

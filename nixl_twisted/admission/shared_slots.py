@@ -27,7 +27,7 @@ from nixl_twisted.admission.lease_scripts import release
 from nixl_twisted.admission.share import replica_share
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
-from nixl_twisted.fleet.caps import CAPS, CapCheck, FleetCap, held, read_caps
+from nixl_twisted.fleet.caps import CapCheck, FleetCap, held, share_caps
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.fleet.scripts import NO_SLOT, SlotAsk
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
@@ -78,20 +78,19 @@ class SharedSlots:
         self.caps_read()
 
     def caps_read(self) -> Deferred[None]:
-        """This replica's caps written, the fleet's read (``caps.CAPS``): at each heartbeat."""
+        """This replica's caps written, the fleet's read (``share_caps``): at each heartbeat."""
         mine = {
             field(instance): pool.caps.of(instance)
             for pool in self._pools()
             for instance in pool.instances
         }
-        args = [said for where, cap in mine.items() for said in (where, cap)]
 
         def read(fleet: dict[str, FleetCap]) -> None:
             self.fleet_caps = fleet
             self._check.check(mine, fleet)
             self.apply()
 
-        return self.replicas.call(CAPS, args, "caps", read_caps).addCallbacks(read, _unshared)
+        return share_caps(self.replicas, mine).addCallbacks(read, _unshared)
 
     def cap_of(self, pool: BackendPool, instance: Instance) -> int:
         """The cap this replica holds ``instance`` to: the fleet's (0: none)."""

@@ -7,19 +7,13 @@ import hashlib
 import math
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol
 
 from twisted.internet.defer import Deferred
 
+from nixl_twisted.fleet.lua_common import Evaluates
 from nixl_twisted.fleet.replies import WrongReply
 
 WINDOW_MS = 60_000
-
-
-class Evaluates(Protocol):
-    """The connection a script runs on (``RedisLink``)."""
-
-    def eval(self, script: str, keys: list[str], args: list[Any]) -> Deferred[Any]: ...
 
 
 #: Shared by both scripts: what a key holds is checked before use (anyone who can write to

@@ -1,6 +1,29 @@
-"""What every ``--replicas-redis`` script begins with (``scripts`` names the keys)."""
+"""What every ``--replicas-redis`` script begins with, and what runs one (``scripts`` names
+the keys)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from twisted.internet.defer import Deferred
+
+T = TypeVar("T")
+
+
+class Caller(Protocol):
+    """Who runs a script with this replica's prefix and id first (``Replicas.call``)."""
+
+    def call(
+        self, script: str, args: Sequence[object], name: str, read: Callable[[Any], T]
+    ) -> Deferred[T]: ...
+
+
+class Evaluates(Protocol):
+    """The connection a script runs on (``RedisLink``)."""
+
+    def eval(self, script: str, keys: list[str], args: list[Any]) -> Deferred[Any]: ...
+
 
 #: Shared by every script: numbers read safely, the clock, liveness, forgetting a replica.
 #: Anything read from a key is checked before use (a writer to Redis may have put anything

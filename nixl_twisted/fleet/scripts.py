@@ -31,26 +31,14 @@ there.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple
 
 from twisted.internet.defer import Deferred
 
-from nixl_twisted.fleet.lua_common import COMMON
+from nixl_twisted.fleet.lua_common import COMMON, Caller, Evaluates
 from nixl_twisted.fleet.replies import WrongReply, count_of, number_of, text, view_of
-
-T = TypeVar("T")
-
-
-class Caller(Protocol):
-    """Who runs a script with this replica's prefix and id first (``Replicas.call``)."""
-
-    def call(
-        self, script: str, args: Sequence[object], name: str, read: Callable[[Any], T]
-    ) -> Deferred[T]: ...
-
 
 # ARGV: prefix, replica, ttl (ms), its info, N, N lease entries (POOL|URL|LEASE), then
 # tenant entries (TENANT|ID). What the replica holds now, in place of whatever Redis held
@@ -339,9 +327,12 @@ class Holdings:
     tenants: list[str]
 
 
-def restore_args(ttl_ms: int, info: str, held: Holdings) -> list[object]:
-    """``RESTORE``'s arguments after the prefix and the replica."""
-    return [ttl_ms, info, len(held.leases), *held.leases, *held.tenants]
+def restore(
+    link: Evaluates, prefix: str, replica: str, ttl_ms: int, info: str, held: Holdings
+) -> Deferred[tuple[dict[str, int], int]]:
+    """Run ``RESTORE``: what ``replica`` holds written back; the slots' view and version."""
+    args = [prefix, replica, ttl_ms, info, len(held.leases), *held.leases, *held.tenants]
+    return link.eval(RESTORE, [], args).addCallback(read_restored)
 
 
 def read_restored(reply: Any) -> tuple[dict[str, int], int]:

@@ -317,6 +317,64 @@ def test_the_face_check_finds_a_name_the_face_does_not_export(tmp_path: Path) ->
     assert behind_the_face("nixl_twisted.admission.slots", source, faces) == []
 
 
+def scripts_of(path: Path) -> set[str]:
+    """The Lua scripts ``path`` defines: upper-case names bound to text that calls Redis
+    (``COMMON``, the prelude every script starts with, is no script of its own)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and "redis.call" in ast.unparse(node.value):
+            found.update(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
+    return found - {"COMMON"}
+
+
+def scripts_named_elsewhere(found: Mapping[str, Path]) -> list[str]:
+    """Each use of a script's name outside the module that defines it (imported from it, or
+    read as an attribute of it): a script is called through its module's function, with
+    named arguments and a typed reply."""
+    defined = {name: scripts_of(path) for name, path in found.items()}
+    short = {name.rpartition(".")[2]: name for name, scripts in defined.items() if scripts}
+    wrong = []
+    for name, path in found.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in defined and node.module != name:
+                wrong += [
+                    f"{name} names {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name in defined[node.module]
+                ]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner = short.get(node.value.id)
+                if owner not in (None, name) and node.attr in defined[owner]:
+                    wrong.append(f"{name} names {owner}.{node.attr}")
+    return sorted(set(wrong))
+
+
+def test_each_redis_script_is_called_only_from_its_own_module() -> None:
+    found = modules()
+    assert {"PLACE", "RELEASE", "ADMIT", "SHARE"} <= {
+        script for path in found.values() for script in scripts_of(path)
+    }
+    assert scripts_named_elsewhere(found) == []
+
+
+def test_the_script_check_finds_a_script_named_elsewhere(tmp_path: Path) -> None:
+    scripts = tmp_path / "scripts.py"
+    scripts.write_text(
+        "PLACE = COMMON + \"return redis.call('GET', KEYS[1])\"\n"
+        "LEAVE = COMMON + \"return redis.call('DEL', KEYS[1])\"\n"
+        "place(PLACE)\n"
+    )
+    queue = tmp_path / "queue.py"
+    queue.write_text(
+        "from nixl_twisted.fleet.scripts import PLACE\nreplicas.call(scripts.LEAVE, [], 'x')\n"
+    )
+    found = {"nixl_twisted.fleet.scripts": scripts, "nixl_twisted.admission.queue": queue}
+    assert scripts_named_elsewhere(found) == [
+        "nixl_twisted.admission.queue names nixl_twisted.fleet.scripts.LEAVE",
+        "nixl_twisted.admission.queue names nixl_twisted.fleet.scripts.PLACE",
+    ]
+
+
 #: The rooms below the door, where a request is the value the door read, never its body.
 BELOW_THE_DOOR = ("admission", "exchange", "backends", "web")
 #: The door itself: where a client's bytes become that value (``web/door.py``).
