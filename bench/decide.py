@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench.mixed import drive, percentile, workload
-from bench.routing import _get, _samples
+from bench.routing_run import _get, _samples
 from bench.run import _free_port, nixlproxy, served_fakes
 from nixl_twisted.testing.process import TwistdFailed
 

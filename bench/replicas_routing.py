@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from bench.routing import Run, measure
+from bench.routing_run import Run, measure
 from bench.workloads import SHAPES, at
 
 POLICIES = ("cache-aware", "kv-aware")

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.routing import redis_server
+from bench.routing_run import redis_server
 from nixl_twisted.backends.prefixes import SentPrefixes, pieces
 from nixl_twisted.fleet import messages, route_scripts
 from nixl_twisted.fleet.messages import Predicted, Sent

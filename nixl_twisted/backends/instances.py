@@ -53,7 +53,7 @@ class Instance:
     slots: int | None = None
     #: This process's share of its cap, such that the shares of every process add up to
     #: the cap (the saturation signal's slots): its static share, or under
-    #: ``--replicas-redis`` the cap over the replicas alive (``fleet.leases``).
+    #: ``--replicas-redis`` the cap over the replicas alive (``admission.shared_slots``).
     cap_share: float | None = None
     #: Under ``--replicas-redis``, its caps over the live replicas (``fleet.caps``: its
     #: ``lowest``, which the fleet holds it to, and ``highest``); None: not read.

@@ -3,8 +3,8 @@
 An instance serves what its ``GET /v1/models`` says (read by the health
 checks: base models and LoRA adapters alike). Until it has said, it serves
 what ``[models.NAME]`` lists it under, and an instance no table lists
-serves anything, as before the proxy read models: with health checks off,
-or an instance that cannot answer ``/v1/models``, routing stays as it was.
+serves anything: with health checks off, or an instance that cannot answer
+``/v1/models``, any instance may take any model's request.
 An instance listed under a model its answer does not name takes none of
 that model's requests (vLLM would refuse them): it is logged, and
 ``/healthcheck`` shows it (``not_serving``). A model is unknown (404) only
@@ -89,7 +89,7 @@ class Resolved(NamedTuple):
     known: bool
 
 
-#: A request routed as before the proxy knew of models.
+#: A request routed to any instance: no instance has said what it serves.
 ANY_MODEL = Resolved(None, False)
 
 
@@ -118,7 +118,7 @@ def resolve(requested: object, decode: Iterable[Instance]) -> Resolved:
         else:
             said = True
     if not said:
-        return ANY_MODEL  # (nothing known: routed as before models were read)
+        return ANY_MODEL  # (nothing known: any instance may take it)
     if not unread:
         raise UnknownModel(requested)
     return Resolved(requested, False)  # (only an instance that never said may serve it)
@@ -170,7 +170,7 @@ def _max_model_len(card: dict[str, Any], cards: dict[str, dict[str, Any]]) -> in
 def listing(decode: Iterable[Instance]) -> dict[str, Any] | None:
     """``GET /v1/models``' answer: each model the healthy decode instances serve, once.
 
-    None when none of them has said (the route then asks one, as before).
+    None when none of them has said (the route then asks one of them).
     """
     cards: dict[str, dict[str, Any]] = {}
     named: set[str] = set()

@@ -12,7 +12,7 @@ served ``MAX_SECONDS`` since its last one ended.
 
 No pool is emptied by it: at most half its instances (one of two) are out
 at once, and a pool of one instance never ejects it (a failing instance is
-then health's and the panic rule's, as before). The rule is pure
+then left to health and the panic rule). The rule is pure
 (``failed``); ``leg_failed`` is the pool's, and says each ejection once.
 """
 

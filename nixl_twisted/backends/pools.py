@@ -153,6 +153,16 @@ class BackendPool(Roster):
         instance.cap_share = instance.slots
         self.capped = self.capped or instance.slots is not None
 
+    def hold_to(self, instance: Instance, slots: int, cap_share: float) -> bool:
+        """``instance`` held to ``slots`` legs of this process, its cap shared with other
+        replicas (``admission.shared_slots``): the pool is capped (legs wait for room);
+        whether that is more room than it had."""
+        roomier = slots > (instance.slots or 0)
+        instance.slots = slots
+        instance.cap_share = cap_share
+        self.capped = True
+        return roomier
+
     def room_for(self, model: str | None) -> bool:
         """Whether some instance that serves ``model`` takes a leg now.
 

@@ -4,7 +4,7 @@
 and the failures counted by pool and kind (``Membership.counted``). The
 proxy's own ``Discovery`` offers it; a ``--workers`` worker, which
 discovers nothing itself, offers what its supervisor last told it
-(``Told``); with no discovery at all, nothing (``NOTHING``).
+(``HeardReport``); with no discovery at all, nothing (``NOTHING``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Reported(Protocol):
         """The failures since start, by pool and kind (``nixlproxy_discovery_errors_total``)."""
 
 
-class Told:
+class HeardReport:
     """What another process said of its discovery, as it last said it (a worker's)."""
 
     def __init__(self) -> None:
@@ -40,4 +40,4 @@ class Told:
 
 
 #: No discovery here: no source, no failure.
-NOTHING: Reported = Told()
+NOTHING: Reported = HeardReport()

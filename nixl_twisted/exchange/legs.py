@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from twisted.internet.interfaces import IReactorTime
 
+from nixl_twisted.admission import Slots
 from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.exchange.tokens import Renderer
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.metrics import ProxyMetrics

@@ -14,6 +14,7 @@ tried and put back leaves no trace in the policies' memory or their counters.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease, NoRoom
@@ -22,9 +23,24 @@ from nixl_twisted.config import Disaggregation
 from nixl_twisted.exchange.decide import FALLBACK, Decision, Mode, decide
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.sending import reserve
-from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A completion's slots: its decode instance held, what was decided, and its prefill
+    instance held when it takes a prefill leg (None: chosen when the leg is sent)."""
+
+    decode: Lease
+    decision: Decision | None = None
+    prefill: Lease | None = None
+
+    def release(self) -> None:
+        """Give back what was never used (the request ended before its legs took them)."""
+        self.decode.release()
+        if self.prefill is not None:
+            self.prefill.release()
 
 
 def place_now(

@@ -16,23 +16,22 @@ from collections.abc import Sequence
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 
+from nixl_twisted.admission import Claim
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.prompt_keys import routing_for
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.exchange.decide import FALLBACK, Decision, Mode
 from nixl_twisted.exchange.decode import DecodeRequest
 from nixl_twisted.exchange.decode_leg import DecodeLeg, Watch
-from nixl_twisted.exchange.fair_queue import Ticket
 from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import BATCH, Migrations, Moved
 from nixl_twisted.exchange.phased import Phases
-from nixl_twisted.exchange.placing import place, place_now
+from nixl_twisted.exchange.placing import Placed, place, place_now
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
 from nixl_twisted.exchange.sending import NoInstanceServed, PrefillRefused
 from nixl_twisted.exchange.served import Served
-from nixl_twisted.exchange.slots import Placed
 from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
@@ -203,7 +202,7 @@ class Exchange:
             # request with no decode instance to go to is refused before prefill runs.
             return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
-        ticket = Ticket.of(c)
+        ticket = Claim.of(c)
         taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
         if isinstance(taken, Deferred):
             clock = legs.clock

@@ -34,9 +34,9 @@ from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue, backend_url
 from nixl_twisted.fleet.channel import Channel
+from nixl_twisted.fleet.lua_common import COMMON
 from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.fleet.replies import WrongReply, text
-from nixl_twisted.fleet.scripts import COMMON
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 

@@ -15,13 +15,14 @@ both caps, ``nixlproxy_replicas_cap_mismatch``, the status page).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
+from nixl_twisted.fleet.lua_common import COMMON, Caller
 from nixl_twisted.fleet.replies import WrongReply, count_of, text
-from nixl_twisted.fleet.scripts import COMMON
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
 log = Logger()
@@ -86,6 +87,12 @@ class FleetCap:
     @property
     def differs(self) -> bool:
         return self.lowest != self.highest
+
+
+def share_caps(caller: Caller, mine: Mapping[str, int]) -> Deferred[dict[str, FleetCap]]:
+    """Run ``CAPS``: this replica's caps (``POOL|URL`` -> cap) written, the fleet's read."""
+    args = [said for where, cap in mine.items() for said in (where, cap)]
+    return caller.call(CAPS, args, "caps", read_caps)
 
 
 def read_caps(reply: object) -> dict[str, FleetCap]:

@@ -25,8 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from twisted.internet.defer import Deferred
+
+from nixl_twisted.fleet.lua_common import COMMON, Evaluates
 from nixl_twisted.fleet.replies import WrongReply, count_of, text, view_of
-from nixl_twisted.fleet.scripts import COMMON
 
 #: The most bytes of a replica's ``info`` read (its own is far less).
 INFO_MAX = 4096
@@ -207,6 +209,15 @@ class Beat:
     version: int
     #: Requests waiting in the fleet's queue, as this beat rebuilt the count.
     waiting: int
+
+
+def heartbeat(
+    link: Evaluates, prefix: str, replica: str, ttl_ms: int, info: str, longest_ttl_ms: int
+) -> Deferred[Beat]:
+    """Run ``HEARTBEAT``: ``replica`` alive for ``ttl_ms`` more, the dead forgotten and what
+    was forged healed; its reply read."""
+    sent = link.eval(HEARTBEAT, [], [prefix, replica, ttl_ms, info, longest_ttl_ms])
+    return sent.addCallback(read_beat)
 
 
 def read_beat(reply: object) -> Beat:

@@ -1,11 +1,12 @@
-"""The connection to ``--limits-redis``: txredisapi's, made again when it gives up.
+"""A connection to Redis (``--replicas-redis``, ``--limits-redis``): txredisapi's, made
+again when it gives up.
 
 txredisapi reconnects on its own when a connection cannot be made or is
 lost, but when Redis refuses one (``AUTH`` or ``SELECT`` answered with an
 error such as "max number of clients reached", with garbage, or not at all)
 it stops trying for good. ``RedisLink`` then opens a new one ``RETRY`` s
-later on the proxy's clock, and again after each refusal, so the limits
-come back once Redis lets the proxy in. txredisapi is imported only here,
+later on the proxy's clock, and again after each refusal, so what it serves
+comes back once Redis lets the proxy in. txredisapi is imported only here,
 when the option is set (it would install a reactor at import).
 """
 

@@ -2,7 +2,7 @@
 
 A routing choice (``routes``) or a stored response's instance
 (``responses``) is put here as it is made, and every choice of one turn
-of the reactor goes in one call of ``route_scripts.SHARE``, made at the
+of the reactor goes in one call of ``route_scripts.share``, made at the
 next turn and never waited for: a request never waits for Redis to hear of
 its route. A call Redis does not take (away, or over its budget) is
 dropped, as ``Replicas`` decides: each replica then routes on its own
@@ -68,8 +68,8 @@ class Outbox:
         self._sent, self._predicted, self._responses = [], [], []
         if not (sent or predicted or responses):
             return
-        args = route_scripts.share_args(sent, predicted, responses, self.per_owner)
-        self.replicas.call(route_scripts.SHARE, args, "share").addErrback(_dropped)
+        shared = route_scripts.share(self.replicas, sent, predicted, responses, self.per_owner)
+        shared.addErrback(_dropped)
 
     def stop(self) -> None:
         """Nothing more is sent (what waits for the next turn is dropped)."""

@@ -1,6 +1,6 @@
 """``Replicas``: this process as one replica of the proxy, in ``--replicas-redis``.
 
-It beats once a second (``HEARTBEAT``): its heartbeat expires ``TTL`` later,
+It beats once a second (``heartbeat``): its heartbeat expires ``TTL`` later,
 and the heartbeat of any replica forgets every replica whose own expired,
 with everything it held (slots, waiting requests, tenants' requests in
 flight), so that a replica that dies (SIGKILL, a lost node) gives its slots
@@ -35,20 +35,17 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted.config.words import counted
-from nixl_twisted.fleet import scripts
 from nixl_twisted.fleet.channel import Channel
 from nixl_twisted.fleet.first_contact import FirstContact
-from nixl_twisted.fleet.heartbeat import HEARTBEAT, Beat, read_beat
+from nixl_twisted.fleet.heartbeat import Beat, heartbeat
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.fleet.replies import (
-    WrongReply,
-    count_of,
     freed,
     prefix_of,
     shown,
-    view_of,
     why,
 )
+from nixl_twisted.fleet.scripts import Holdings, restore
 from nixl_twisted.fleet.sign_out import sign_out
 from nixl_twisted.happened import Happened
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
@@ -253,11 +250,8 @@ class Replicas(Service):
     def beat(self) -> Deferred[None]:
         """One heartbeat: alive for ``TTL`` more, the dead forgotten, the view read; written
         back whole when Redis had forgotten this replica or was away."""
-        sent = self.link.eval(
-            HEARTBEAT,
-            [],
-            [self.prefix, self.id, int(self.ttl * 1000), self.info, int(TTL * 1000)],
-        )
+        ttl_ms = int(self.ttl * 1000)
+        sent = heartbeat(self.link, self.prefix, self.id, ttl_ms, self.info, int(TTL * 1000))
         sent.addTimeout(BEAT_BUDGET, self.reactor)
         self._beating.add(sent)
         sent.addBoth(_passed, lambda: self._beating.discard(sent))
@@ -287,21 +281,19 @@ class Replicas(Service):
         def failed(failure: Failure) -> None:
             self.away(why(failure, BEAT_BUDGET, self.link.open))
 
-        return sent.addCallback(read_beat).addCallback(beaten).addErrback(failed)
+        return sent.addCallback(beaten).addErrback(failed)
 
     def _restore(self) -> Deferred[None]:
-        leases: list[str] = []
-        tenants: list[str] = []
+        held = Holdings([], [])
         for holder in self._holders:
-            held, entries = holder.held()
-            leases += held
-            tenants += entries
-        args = [int(self.ttl * 1000), self.info, len(leases), *leases, *tenants]
-        sent = self.link.eval(scripts.RESTORE, [], [self.prefix, self.id, *args])
+            leases, tenants = holder.held()
+            held.leases.extend(leases)
+            held.tenants.extend(tenants)
+        sent = restore(self.link, self.prefix, self.id, int(self.ttl * 1000), self.info, held)
         sent.addTimeout(BEAT_BUDGET, self.reactor)
 
-        def restored(reply: Any) -> None:
-            view, version = _restored(reply)
+        def restored(said: tuple[dict[str, int], int]) -> None:
+            view, version = said
             was = self._away_said
             self.is_shared = True
             self.first.made()
@@ -376,10 +368,3 @@ def _passed(result: T, then: Callable[[], object]) -> T:
     """A callback that runs ``then`` and passes ``result`` on."""
     then()
     return result
-
-
-def _restored(reply: Any) -> tuple[dict[str, int], int]:
-    """``RESTORE``'s reply: the slots' view and its version."""
-    if not isinstance(reply, (list, tuple)) or len(reply) != 2:
-        raise WrongReply(reply)
-    return view_of(reply[0]), count_of(reply[1])

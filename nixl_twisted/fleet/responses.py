@@ -46,7 +46,7 @@ class SharedResponses:
         self.outbox.stored(response_id, where.instance_url, where.owner)
 
     def find(self, response_id: str) -> Deferred[Stored | None]:
-        asked = self.replicas.call(route_scripts.RESPONSE, [response_id], "response")
+        asked = route_scripts.response(self.replicas, response_id)
 
         def said(value: Any) -> Stored | None:
             if value is None:

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from twisted.internet.defer import Deferred
+
+from nixl_twisted.fleet.lua_common import Caller
 from nixl_twisted.kv.predictions import PREDICTED_LIFE
 
 #: The choices of ``cache-aware`` kept in Redis (one entry each, at most about 2.7 KB:
@@ -102,3 +106,24 @@ def share_args(
 RESPONSE = """
 return redis.call('GET', ARGV[1] .. 'response:' .. ARGV[3])
 """
+
+
+def share(
+    caller: Caller,
+    sent: Sequence[str],
+    predicted: Sequence[str],
+    stored: Sequence[StoredResponse] = (),
+    per_owner: int = 1000,
+) -> Deferred[Any]:
+    """Run ``SHARE``: what this replica chose and predicted, and the responses it stored."""
+    return caller.call(SHARE, share_args(sent, predicted, stored, per_owner), "share", _as_is)
+
+
+def response(caller: Caller, response_id: str) -> Deferred[Any]:
+    """Run ``RESPONSE``: a stored response's decode instance and owner (``URL\\nTENANT``),
+    or None."""
+    return caller.call(RESPONSE, [response_id], "response", _as_is)
+
+
+def _as_is(reply: Any) -> Any:
+    return reply

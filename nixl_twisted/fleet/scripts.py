@@ -31,113 +31,14 @@ there.
 
 from __future__ import annotations
 
-#: Shared by every script: numbers read safely, the clock, liveness, forgetting a replica.
-#: Anything read from a key is checked before use (a writer to Redis may have put anything
-#: there): ``num`` and ``whole`` give nil for what is not a finite number or a count, an
-#: entry that does not parse is skipped, so that no value makes a script fail.
-COMMON = """
-local P, me = ARGV[1], ARGV[2]
-local function num(s)
-  local n = tonumber(s)
-  if n == nil or n ~= n or n == math.huge or n == -math.huge then return nil end
-  return n
-end
-local function whole(s)
-  local n = num(s)
-  if n == nil or n < 0 or n > 9007199254740992 or n ~= math.floor(n) then return nil end
-  return n
-end
-local function safe(...)
-  local got = redis.pcall(...)
-  if type(got) == 'table' and got.err then return nil end
-  return got
-end
-local function members(key)
-  local got = safe('SMEMBERS', key)
-  if got == nil then
-    redis.call('DEL', key)
-    return {}
-  end
-  return got
-end
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-local function alive(r, now)
-  if r == nil then return false end
-  local s = num(redis.call('ZSCORE', P .. 'alive', r))
-  return s ~= nil and s > now
-end
-local function add(key, field, by)
-  local n = (whole(redis.call('HGET', key, field)) or 0) + by
-  if n <= 0 then
-    redis.call('HDEL', key, field)
-    return 0
-  end
-  redis.call('HSET', key, field, n)
-  return n
-end
-local function bump(key, by)
-  local n = math.max(0, (whole(redis.call('GET', key)) or 0) + by)
-  redis.call('SET', key, n)
-  return n
-end
-local function lease_field(e) return string.match(e, '^([^\\t\\n]+)|[^|\\t\\n]*$') end
-local function tenant_of(e) return string.match(e, '^(.*)|[^|]*$') end
-local function wait_of(e) return string.match(e, '^(.-)\\n(.-)\\n(.*)$') end
-local function count(field, by)
-  local n = add(P .. 'slots', field, by)
-  bump(P .. 'version', 1)
-  return n
-end
-local function version()
-  return whole(redis.call('GET', P .. 'version')) or 0
-end
-local function publish(changed)
-  if #changed > 0 then
-    redis.call('PUBLISH', P .. 'freed', '#' .. version() .. '\\n' .. table.concat(changed, '\\n'))
-  end
-end
-local function unwait(model, prio, member)
-  local q = P .. 'q:' .. model .. ':' .. prio
-  if safe('ZREM', q, member) ~= 1 then return false end
-  bump(P .. 'waiting', -1)
-  if safe('ZCARD', q) == 0 then redis.call('ZREM', P .. 'qp:' .. model, prio) end
-  return true
-end
-local function forget(r, keep)
-  local n, changed = 0, {}
-  local leases = P .. 'r:' .. r .. ':leases'
-  for _, e in ipairs(members(leases)) do
-    local field = lease_field(e)
-    if field then
-      changed[#changed + 1] = field .. '\\t' .. count(field, -1)
-      n = n + 1
-    end
-  end
-  redis.call('DEL', leases)
-  local waits = P .. 'r:' .. r .. ':waits'
-  for _, e in ipairs(members(waits)) do
-    local model, prio, member = wait_of(e)
-    if model then unwait(model, prio, member) end
-  end
-  redis.call('DEL', waits)
-  local tenants = P .. 'r:' .. r .. ':tenants'
-  for _, e in ipairs(members(tenants)) do
-    local t = tenant_of(e)
-    if t then add(P .. 'tenants', t, -1) end
-  end
-  redis.call('DEL', tenants)
-  if not keep then
-    redis.call('DEL', P .. 'r:' .. r .. ':caps')
-    redis.call('ZREM', P .. 'alive', r)
-    redis.call('HDEL', P .. 'info', r)
-  end
-  publish(changed)
-  return n
-end
-"""
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, NamedTuple
+
+from twisted.internet.defer import Deferred
+
+from nixl_twisted.fleet.lua_common import COMMON, Caller, Evaluates
+from nixl_twisted.fleet.replies import WrongReply, count_of, number_of, text, view_of
 
 # ARGV: prefix, replica, ttl (ms), its info, N, N lease entries (POOL|URL|LEASE), then
 # tenant entries (TENANT|ID). What the replica holds now, in place of whatever Redis held
@@ -173,8 +74,19 @@ return {redis.call('HGETALL', P .. 'slots'), version()}
 """
 )
 
-#: What ``PLACE`` answers first.
-GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL = range(6)
+
+class PlaceCode(IntEnum):
+    """What ``PLACE`` answers first."""
+
+    GRANTED = 0
+    QUEUED = 1
+    BLOCKED = 2
+    NOT_FIRST = 3
+    SHED = 4
+    FULL = 5
+
+
+GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL = PlaceCode
 
 # ARGV: prefix, replica, model, priority, member ('': a new request), tenant, weight,
 # sheddable (0/1), queue size, local id, blocked pool ('': its instances chosen), then
@@ -304,45 +216,131 @@ return 0
 """
 )
 
-# ARGV: prefix, replica, lease entries (POOL|URL|LEASE). Legs that ended give their slots
-# back; each once, however often asked. Returns how many were held.
-RELEASE = (
-    COMMON
-    + """
-local changed, n = {}, 0
-for i = 3, #ARGV do
-  local field = lease_field(ARGV[i])
-  if field and redis.call('SREM', P .. 'r:' .. me .. ':leases', ARGV[i]) == 1 then
-    changed[#changed + 1] = field .. '\\t' .. count(field, -1)
-    n = n + 1
-  end
-end
-publish(changed)
-return n
-"""
-)
 
-# ARGV: prefix, replica, tenant, limit, id. One more request of ``tenant`` in flight, if
-# under ``limit`` over every replica: {1} taken, {0, count} refused.
-TENANT_IN = (
-    COMMON
-    + """
-local n = whole(redis.call('HGET', P .. 'tenants', ARGV[3])) or 0
-if n >= tonumber(ARGV[4]) then return {0, n} end
-add(P .. 'tenants', ARGV[3], 1)
-redis.call('SADD', P .. 'r:' .. me .. ':tenants', ARGV[3] .. '|' .. ARGV[5])
-return {1}
-"""
-)
+class SlotAsk(NamedTuple):
+    """What ``PLACE`` is told of one leg's slot: its instance (``POOL|URL``; "" for none or
+    no cap), this replica's cap of it and the lease's new id."""
 
-# ARGV: prefix, replica, tenant, id. That request ended (once, however often asked).
-TENANT_OUT = (
-    COMMON
-    + """
-if redis.call('SREM', P .. 'r:' .. me .. ':tenants', ARGV[3] .. '|' .. ARGV[4]) == 1 then
-  add(P .. 'tenants', ARGV[3], -1)
-  return 1
-end
-return 0
-"""
-)
+    field: str
+    cap: int
+    lease: str
+
+
+NO_SLOT = SlotAsk("", 0, "")
+
+
+@dataclass(frozen=True)
+class PlaceAsk:
+    """``PLACE``'s arguments after the prefix and the replica, by name."""
+
+    #: The model whose queue it waits in ("" for those that name no served model).
+    model: str
+    priority: int
+    #: Its place in the fleet's queue, "" when new.
+    member: str
+    tenant: str
+    weight: float
+    sheddable: bool
+    queue_size: int
+    #: This replica's own id of the request.
+    order: int
+    #: The pool this replica sees full ("" when its instances were chosen).
+    blocked: str
+    decode: SlotAsk
+    prefill: SlotAsk
+
+    def args(self) -> list[object]:
+        return [
+            self.model,
+            self.priority,
+            self.member,
+            self.tenant,
+            self.weight,
+            1 if self.sheddable else 0,
+            self.queue_size,
+            self.order,
+            self.blocked,
+            *self.decode,
+            *self.prefill,
+        ]
+
+
+@dataclass(frozen=True)
+class PlaceReply:
+    """What ``PLACE`` answered, each part checked (``read_place``)."""
+
+    code: PlaceCode
+    #: The fleet's slots (``POOL|URL`` -> legs) as of ``version``.
+    view: dict[str, int]
+    version: int
+    #: Requests waiting in the fleet's queue, and when the latest were let go (ms, newest
+    #: first).
+    waiting: int
+    grants: list[float]
+    #: Queued: its place in the fleet's queue and its finish tag; queued or blocked: the
+    #: pool it found full ("" when none).
+    member: str = ""
+    finish: float = 0.0
+    blocked: str = ""
+
+
+def place(caller: Caller, ask: PlaceAsk) -> Deferred[PlaceReply]:
+    """Run ``PLACE``: the request given its slots, queued, or refused."""
+    return caller.call(PLACE, ask.args(), "place", read_place)
+
+
+def read_place(reply: Any) -> PlaceReply:
+    """``PLACE``'s reply (``WrongReply`` when any part is not as the script writes it)."""
+    if not isinstance(reply, (list, tuple)) or len(reply) != 6:
+        raise WrongReply(reply)
+    code, said, view, waiting, grants, version = reply
+    # (An integer reply: the script's own codes are never text, and never a boolean.)
+    if not isinstance(code, int) or isinstance(code, bool) or not GRANTED <= code <= FULL:
+        raise WrongReply(reply)
+    if not isinstance(grants, (list, tuple)):
+        raise WrongReply(reply)
+    read = (PlaceCode(code), view_of(view), count_of(version), count_of(waiting))
+    grant_times = [number_of(g) for g in grants]
+    if code == BLOCKED:
+        return PlaceReply(*read, grant_times, blocked=text(said))
+    if code != QUEUED:
+        return PlaceReply(*read, grant_times)
+    parts = text(said).split("\n")
+    if len(parts) != 3 or not parts[0]:
+        raise WrongReply(reply)
+    member, pool, finish = parts
+    blocked = "" if pool == "queued" else pool
+    return PlaceReply(*read, grant_times, member, number_of(finish), blocked)
+
+
+def leave(caller: Caller, model: str, priority: int, member: str) -> Deferred[Any]:
+    """Run ``LEAVE``: a waiting request leaves the fleet's queue."""
+    return caller.call(LEAVE, [model, priority, member], "leave", _as_is)
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What a replica holds, written back by ``RESTORE``: its lease entries
+    (``POOL|URL|LEASE``) and its tenants' places (``TENANT|ID``)."""
+
+    leases: list[str]
+    tenants: list[str]
+
+
+def restore(
+    link: Evaluates, prefix: str, replica: str, ttl_ms: int, info: str, held: Holdings
+) -> Deferred[tuple[dict[str, int], int]]:
+    """Run ``RESTORE``: what ``replica`` holds written back; the slots' view and version."""
+    args = [prefix, replica, ttl_ms, info, len(held.leases), *held.leases, *held.tenants]
+    return link.eval(RESTORE, [], args).addCallback(read_restored)
+
+
+def read_restored(reply: Any) -> tuple[dict[str, int], int]:
+    """``RESTORE``'s reply: the slots' view and its version."""
+    if not isinstance(reply, (list, tuple)) or len(reply) != 2:
+        raise WrongReply(reply)
+    return view_of(reply[0]), count_of(reply[1])
+
+
+def _as_is(reply: Any) -> Any:
+    return reply

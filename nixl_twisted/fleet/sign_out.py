@@ -16,8 +16,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted.fleet.link import RedisLink
+from nixl_twisted.fleet.lua_common import COMMON
 from nixl_twisted.fleet.replies import count_of, shown, why
-from nixl_twisted.fleet.scripts import COMMON
 
 log = Logger()
 

@@ -95,7 +95,8 @@ def _tokens(value: Any, name: str = "token_ids") -> array[int]:
 
 def _lookahead(value: Any, blocks: int) -> tuple[array[int], ...]:
     """vLLM 0.34's ``lookahead_token_ids``: the tokens after each block hashed into it, one
-    list per block, all as long (absent or None: no lookahead hashing, as before 0.34)."""
+    list per block, all as long (absent or None: no lookahead hashing; vLLM before 0.34
+    sends none)."""
     if value is None:
         return ()
     if not isinstance(value, list) or len(value) != blocks:

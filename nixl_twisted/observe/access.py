@@ -74,7 +74,7 @@ class AccessRecord:
     #: The model it was routed on, when an instance is known to serve it: the
     #: metrics' ``model`` label, so bounded by what the fleet serves.
     served_model: str = ""
-    #: Whose the request is (``web.tenancy``): a client key's tenant, or the tenant header's.
+    #: Whose the request is (``admission.tenancy``): a client key's tenant, or the tenant header's.
     tenant: str | None = None
     #: What decode's answer reported using, when it said.
     usage: Usage | None = None

@@ -8,7 +8,7 @@ as vLLM bounds them: the route's own field (``max_tokens``,
 after the prompt (``max_model_len``, from the decode instances' ``/v1/models``
 cards), else ``UNKNOWN_CONTEXT_COMPLETION_TOKENS``. A request that asks for
 no bound is charged as if it used the whole context: it may. When the
-answer ends, vLLM's usage replaces the charge (``web.tenancy``).
+answer ends, vLLM's usage replaces the charge (``admission.tenancy``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import PoolChangeRefused
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ConfigError, Pools, ProxyConfig
-from nixl_twisted.discovery.report import Told
+from nixl_twisted.discovery.report import HeardReport
 
 log = Logger()
 
@@ -110,7 +110,7 @@ class Coordinator:
         #: What each discovery source lists now, for workers started later.
         self._discovered: dict[tuple[str, str], tuple[str, ...]] = {}
         #: What discovery last said of its sources, for workers started later.
-        self._report = Told()
+        self._report = HeardReport()
         for pool in backends.pools():
             pool.on_change = self._health_changed
 
@@ -222,7 +222,7 @@ class SupervisorLink(Service):
         self._waiting: dict[int, Deferred[None]] = {}
         self._next_id = 0
         #: What the supervisor's discovery last said of its sources (``discovery.report``).
-        self.told = Told()
+        self.told = HeardReport()
         self._telling: LoopingCall | None = None
 
     def on_reloaded(self, apply: Callable[[ProxyConfig], object]) -> None:

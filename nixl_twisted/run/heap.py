@@ -6,7 +6,8 @@ that live as long as the process. Under 64 paced streams a full collection
 held the reactor's only thread for 51-104 ms of CPU every few seconds, and
 every request in flight waited; with them frozen (``gc.freeze``, moved to a
 generation the collector never walks) it takes 14-16 ms
-(docs/performance.md). What requests make is collected as before.
+(docs/performance.md). What requests make is collected as usual: only the
+start's heap is frozen.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 
+from nixl_twisted.admission import Admission
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.words import counted
@@ -31,7 +32,6 @@ from nixl_twisted.observe.refusals import LogThrottle
 from nixl_twisted.run import heap, startup
 from nixl_twisted.run.ports import Announced, address, bind_error
 from nixl_twisted.run.tree import Logging, ProcessTree
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.site import TrackingSite
@@ -48,7 +48,7 @@ class Configured(Protocol):
     def configure(self, config: ProxyConfig) -> None: ...
 
 
-class Served(NamedTuple):
+class StopOrder(NamedTuple):
     """What the proxy stops in order besides its children: the door's admission (not
     ready, then draining), the requests being served (cut at the drain timeout), and the
     loops of the refusals' log throttle and the client keys' file."""
@@ -70,7 +70,7 @@ class ProxyService(ProcessTree):
         checks: HealthChecks,
         reactor: Any,
         clock: IReactorTime,
-        served: Served,
+        served: StopOrder,
         discovery: Discovery | None = None,
         configured: Sequence[Configured] = (),
         logging: Logging | None = None,
@@ -135,7 +135,7 @@ class ProxyService(ProcessTree):
 
     def reconfigure(self, config: ProxyConfig) -> None:
         """Apply ``config``'s live settings to the running proxy (a reload, or the supervisor's):
-        each part takes it through its own ``configure``, as it did when it was made."""
+        each part takes it through its own ``configure``, the path the build took too."""
         sites = {cast(TrackingSite, s.factory) for s in self.listeners()} | {self.site}
         discovery = [self.discovery] if self.discovery is not None else []
         for part in [*self._configured, self.app, *sites, self.backends, *discovery]:

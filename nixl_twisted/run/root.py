@@ -36,28 +36,40 @@ from twisted.internet.interfaces import (
 from twisted.logger import Logger
 from twisted.web.iweb import IAgent
 
+from nixl_twisted.admission import (
+    AT_ONCE,
+    Admission,
+    Claim,
+    FairQueue,
+    FleetQueue,
+    QueueOutcome,
+    SharedSlots,
+    SharedTenants,
+    SharedWindows,
+    SlotQueue,
+    Slots,
+    Tenancy,
+    TenantLimits,
+)
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import Thresholds
 from nixl_twisted.backends.holdings import NO_HOLDINGS, Holdings
-from nixl_twisted.backends.models import context_length
+from nixl_twisted.backends.models import context_length, named
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.backends.upstream import Upstream, pooled_upstream
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.discovery.report import Reported
 from nixl_twisted.discovery.service import Discovery
-from nixl_twisted.exchange.fair_queue import AT_ONCE, Ticket
 from nixl_twisted.exchange.legs import Legs
+from nixl_twisted.exchange.placing import Placed
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
-from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.fleet.admin_changes import FleetAdmin
-from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.fleet.responses import SharedResponses
 from nixl_twisted.fleet.routes import SharedRoutes
-from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
@@ -71,21 +83,17 @@ from nixl_twisted.observe.refusals import LogThrottle, Refusals
 from nixl_twisted.observe.saturation import Sampling
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import listener
-from nixl_twisted.run.proxy_service import Configured, ProxyService, Served
+from nixl_twisted.run.proxy_service import Configured, ProxyService, StopOrder
 from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.web.admin import AdminAPI
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.deadlines import ClientLimits
 from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.intake import BodyBudget
 from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.shared_limits import SharedWindows
 from nixl_twisted.web.site import TrackingSite
 from nixl_twisted.web.status import StatusPage
-from nixl_twisted.web.tenancy import Tenancy
-from nixl_twisted.web.tenants import TenantLimits
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -99,7 +107,7 @@ def _worker_hangup() -> None:
     )
 
 
-def _queue_said(metrics: ProxyMetrics, outcome: str, waited: float, ticket: Ticket) -> None:
+def _queue_said(metrics: ProxyMetrics, outcome: QueueOutcome, waited: float, ticket: Claim) -> None:
     """A request's outcome at the fair queue: counted, and how long it waited if it did."""
     metrics.admissions.labels(outcome).inc()
     metrics.saturation.told(outcome, ticket.model)
@@ -211,8 +219,17 @@ def build(
         fleet_admin = FleetAdmin(replicas, backends, config, metrics.replicas)
         kept = SharedResponses(replicas, outbox)
         responses = ResponseDirectory(shared=kept, per_owner=per_tenant)
-    shared_fleet = (replicas, fleet_slots) if replicas and fleet_slots else None
-    slots = Slots(backends, clock, config, partial(_queue_said, metrics), shared_fleet)
+    # The queue before capped instances: this process's, or every replica's (chosen here once).
+    said = partial(_queue_said, metrics)
+    capacity = config.capacity
+    local: FairQueue[Placed] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, said)
+    queue: FairQueue[Placed] | FleetQueue[Placed] = local
+    if replicas is not None and fleet_slots is not None:
+        decode = backends.decode
+        serves = lambda m: named(m, decode.instances)  # noqa: E731
+        queue = FleetQueue(clock, local, replicas, fleet_slots, said, serves)
+    _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
+    slots = Slots(backends, clock, queue)
     metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
@@ -230,7 +247,7 @@ def build(
         windows,
         SharedTenants(replicas) if replicas is not None else None,
     )
-    # Admission, one step for every route: the tenant, then --max-in-flight (``web.admission``).
+    # Admission, one step for every route: the tenant, then --max-in-flight (``admission.gate``).
     admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)
     fleet = Fleet(backends, kv, report)
     told = fleet_admin.tell if fleet_admin is not None else None
@@ -256,7 +273,7 @@ def build(
     configured: list[Configured] = [admission, keys, limits, admin, legs, checks, kv, slots]
     if fleet_admin is not None:  # (after a reload, the fleet's changes are made again)
         configured.append(fleet_admin)
-    served = Served(admission, serving, observed.refusals.throttle, keys)
+    served = StopOrder(admission, serving, observed.refusals.throttle, keys)
     root = ProxyService(
         config, app, site, checks, reactor, clock, served, found, configured, logging
     )

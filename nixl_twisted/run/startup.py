@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from twisted.logger import Logger
 
 from nixl_twisted import __version__
+from nixl_twisted.admission import read_secret
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.config.values import InvalidValue
 from nixl_twisted.config.words import counted
@@ -32,7 +33,6 @@ from nixl_twisted.exchange import decide
 from nixl_twisted.fleet.replies import shown
 from nixl_twisted.logs import lifecycle
 from nixl_twisted.web.keys_file import read_keys
-from nixl_twisted.web.tenants import read_secret
 
 log = Logger()
 

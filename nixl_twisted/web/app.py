@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from functools import partial
 
 from klein import Klein
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -21,6 +21,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request
 from werkzeug.exceptions import HTTPException, NotFound
 
+from nixl_twisted.admission import Admission, Counted, Tenancy
 from nixl_twisted.backends.models import listing
 from nixl_twisted.config import ProxyConfig, TenantRule
 from nixl_twisted.exchange.prefill import PrefillRefused
@@ -37,11 +38,9 @@ from nixl_twisted.protocol.errors import ProxyError, error_answer, json_answer, 
 from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID
 from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.status import StatusPage
-from nixl_twisted.web.tenancy import Tenancy
 
 log = Logger()
 
@@ -62,7 +61,8 @@ class ProxyApp:
 
     app = Klein()
     # No route has an empty segment: ``/v1//models`` is a 404, not Werkzeug's 308
-    # (a doubled leading slash, ``//v1/models``, still routes as it always did)
+    # (a doubled leading slash, ``//v1/models``, is not merged by this and routes
+    # as Werkzeug reads it)
     # (set before the routes below are added: each rule reads it then).
     app.url_map.merge_slashes = False
 
@@ -195,10 +195,8 @@ class ProxyApp:
         served = listing(self.backends.decode.instances)
         if served is None:  # (relayed: for any model, whatever is served)
             return self._one_leg(request, door.relayed(request, routes.MODELS, None))
-        admitted = self.tenancy.admit(request, routes.MODELS)
-        if isinstance(admitted, Deferred):  # (--limits-redis: once Redis has said)
-            return admitted.addCallback(lambda _: _json(request, 200, served))
-        return _json(request, 200, served)
+        listed = lambda _: succeed(_json(request, 200, served))  # noqa: E731
+        return self.admission.request(request, routes.MODELS, None, listed, Counted.TENANT)
 
     @app.route(routes.TOKENIZE, methods=["POST"])
     def tokenize(self, request: Request) -> Deferred[None]:

@@ -19,6 +19,7 @@ from typing import Any
 from twisted.web.iweb import IRequest
 
 from nixl_twisted import __version__
+from nixl_twisted.admission import Admission, Tenancy
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.fleet.replicas import Replicas
@@ -26,10 +27,8 @@ from nixl_twisted.identity import ID, VERSION
 from nixl_twisted.observe.history import INTERVAL, WINDOW, History
 from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.protocol import routes
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.status_html import CSP, asset, render
-from nixl_twisted.web.tenancy import Tenancy
 
 #: The version of ``/status.json``'s shape: a new one only for a change that is not an addition.
 STATUS_VERSION = 1

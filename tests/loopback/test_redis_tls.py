@@ -16,9 +16,9 @@ from treq.client import HTTPClient
 from twisted.internet import reactor
 from twisted.web.client import Agent, HTTPConnectionPool
 
+from nixl_twisted.admission.windows import SharedWindows
 from nixl_twisted.testing import RunningProxy
 from nixl_twisted.testing.redis import RedisServer
-from nixl_twisted.web.shared_limits import SharedWindows
 from tests.support import CHAT, ProxyCase, real_redis
 
 KEY = "sk-team-a"

@@ -13,8 +13,8 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseNeverReceived
 
-from nixl_twisted.exchange.slots import Slots
-from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.admission.shared_slots import SharedSlots
+from nixl_twisted.admission.slots import Slots
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.testing import RunningProxy
 from tests.support import CHAT, ChunkCollector, ProxyCase, real_redis, sse_events

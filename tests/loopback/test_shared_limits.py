@@ -21,10 +21,10 @@ from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool
 
+from nixl_twisted.admission.windows import SharedWindows
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.testing import RunningProxy
 from nixl_twisted.testing.resp import OK, ScriptedRedis
-from nixl_twisted.web.shared_limits import SharedWindows
 from tests.support import CHAT, ProxyCase, real_redis
 
 KEY = "sk-team-a"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from nixl_twisted.admission.gate import Admission
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.web.admission import Admission
 
 
 def test_past_the_limit_is_a_503_and_a_release_makes_room() -> None:

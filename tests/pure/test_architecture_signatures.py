@@ -17,6 +17,12 @@ from typing import Any
 import pytest
 
 import nixl_twisted
+from nixl_twisted.admission.gate import Admission
+from nixl_twisted.admission.limits import TenantLimits
+from nixl_twisted.admission.shared_slots import SharedSlots
+from nixl_twisted.admission.slots import Slots
+from nixl_twisted.admission.tenancy import Tenancy
+from nixl_twisted.admission.windows import SharedWindows
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.leases import Lease
 from nixl_twisted.backends.pools import BackendPool
@@ -33,9 +39,7 @@ from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.relay import relay
 from nixl_twisted.exchange.sending import reserve, send_leg
 from nixl_twisted.exchange.serving import Serving
-from nixl_twisted.exchange.slots import Slots
 from nixl_twisted.exchange.two_legs import Exchange
-from nixl_twisted.fleet.leases import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.fleet_metrics import FleetMetrics
@@ -47,15 +51,11 @@ from nixl_twisted.run.proxy_service import ProxyService
 from nixl_twisted.run.root import backend_pools
 from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
-from nixl_twisted.web.admission import Admission
 from nixl_twisted.web.app import ProxyApp
 from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.shared_limits import SharedWindows
 from nixl_twisted.web.site import TrackingSite
 from nixl_twisted.web.status import StatusPage
-from nixl_twisted.web.tenancy import Tenancy
-from nixl_twisted.web.tenants import TenantLimits
 from tests.pure.test_rooms import PACKAGE
 
 #: What each name the diagrams call stands for (a method by the name of what holds it).

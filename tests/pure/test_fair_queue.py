@@ -12,8 +12,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from nixl_twisted.config import TenantRule
-from nixl_twisted.exchange.fair_queue import (
+from nixl_twisted.admission.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
     LEFT,
@@ -22,8 +21,11 @@ from nixl_twisted.exchange.fair_queue import (
     SHUT,
     TIMED_OUT,
     FairQueue,
-    Ticket,
 )
+from nixl_twisted.admission.fair_queue import (
+    Claim as Ticket,
+)
+from nixl_twisted.config import TenantRule
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 

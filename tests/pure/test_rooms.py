@@ -32,6 +32,7 @@ ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     ("discovery", frozenset({"nixl_twisted.discovery"})),
     ("observe", frozenset({"nixl_twisted.observe"})),
     ("fleet", frozenset({"nixl_twisted.fleet"})),
+    ("admission", frozenset({"nixl_twisted.admission"})),
     ("exchange", frozenset({"nixl_twisted.exchange"})),
     ("web", frozenset({"nixl_twisted.web"})),
     ("run", frozenset({"nixl_twisted.run"})),
@@ -186,6 +187,21 @@ def test_no_circle_of_imports_anywhere() -> None:
     assert cycles(import_graph()) == []
 
 
+def bench_graph() -> dict[str, frozenset[str]]:
+    """The benchmarks' imports of one another (they are scripts, not rooms: no order)."""
+    found = {
+        "bench" if path.stem == "__init__" else f"bench.{path.stem}": path
+        for path in sorted((PACKAGE.parent / "bench").glob("*.py"))
+    }
+    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+
+
+def test_no_circle_of_imports_in_the_benchmarks() -> None:
+    graph = bench_graph()
+    assert "bench.workloads" in graph["bench.replicas_routing"]  # (the graph is read)
+    assert cycles(graph) == []
+
+
 def test_the_graph_is_read_from_every_kind_of_import() -> None:
     graph = import_graph()
     # A TYPE_CHECKING import (metrics reads the pools only for its types).
@@ -242,8 +258,125 @@ def test_the_architecture_doc_tells_the_same_story() -> None:
         assert {name for name in held if f"`{name}`" not in text} == set(), room
 
 
+#: The packages with a face: the rest of the house imports from each only what its
+#: ``__init__.__all__`` exports.
+FACED = ("nixl_twisted.config", "nixl_twisted.admission")
+
+
+def face_of(package: str) -> frozenset[str]:
+    """The names a package's ``__init__.py`` lists in ``__all__`` (empty: it has no face)."""
+    init = PACKAGE.parent.joinpath(*package.split("."), "__init__.py")
+    for node in ast.parse(init.read_text(), str(init)).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+        ):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+def behind_the_face(name: str, path: Path, faces: Mapping[str, frozenset[str]]) -> list[str]:
+    """Each name ``name`` imports from another package's modules that its face does not
+    export (``from a.b import c`` and ``from a import c`` alike: a face is names)."""
+    wrong = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+            continue
+        for package, face in faces.items():
+            inside = name == package or name.startswith(package + ".")
+            if inside or not (node.module == package or node.module.startswith(package + ".")):
+                continue
+            wrong += [
+                f"{name} imports {node.module}.{alias.name}"
+                for alias in node.names
+                if alias.name not in face
+            ]
+    return wrong
+
+
+def test_every_import_from_another_package_is_of_its_face() -> None:
+    faces = {package: face_of(package) for package in FACED}
+    assert all(faces.values())
+    found = modules()
+    assert [
+        wrong for name, path in found.items() for wrong in behind_the_face(name, path, faces)
+    ] == []
+
+
+def test_the_face_check_finds_a_name_the_face_does_not_export(tmp_path: Path) -> None:
+    source = tmp_path / "app.py"
+    source.write_text(
+        "from nixl_twisted.admission import Admission\n"
+        "from nixl_twisted.admission.fair_queue import FairQueue, Claim\n"
+        "from nixl_twisted.admission import gate\n"
+    )
+    faces = {"nixl_twisted.admission": frozenset({"Admission", "Claim"})}
+    assert behind_the_face("nixl_twisted.web.app", source, faces) == [
+        "nixl_twisted.web.app imports nixl_twisted.admission.fair_queue.FairQueue",
+        "nixl_twisted.web.app imports nixl_twisted.admission.gate",
+    ]
+    assert behind_the_face("nixl_twisted.admission.slots", source, faces) == []
+
+
+def scripts_of(path: Path) -> set[str]:
+    """The Lua scripts ``path`` defines: upper-case names bound to text that calls Redis
+    (``COMMON``, the prelude every script starts with, is no script of its own)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and "redis.call" in ast.unparse(node.value):
+            found.update(t.id for t in node.targets if isinstance(t, ast.Name) and t.id.isupper())
+    return found - {"COMMON"}
+
+
+def scripts_named_elsewhere(found: Mapping[str, Path]) -> list[str]:
+    """Each use of a script's name outside the module that defines it (imported from it, or
+    read as an attribute of it): a script is called through its module's function, with
+    named arguments and a typed reply."""
+    defined = {name: scripts_of(path) for name, path in found.items()}
+    short = {name.rpartition(".")[2]: name for name, scripts in defined.items() if scripts}
+    wrong = []
+    for name, path in found.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module in defined and node.module != name:
+                wrong += [
+                    f"{name} names {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name in defined[node.module]
+                ]
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner = short.get(node.value.id)
+                if owner not in (None, name) and node.attr in defined[owner]:
+                    wrong.append(f"{name} names {owner}.{node.attr}")
+    return sorted(set(wrong))
+
+
+def test_each_redis_script_is_called_only_from_its_own_module() -> None:
+    found = modules()
+    assert {"PLACE", "RELEASE", "ADMIT", "SHARE"} <= {
+        script for path in found.values() for script in scripts_of(path)
+    }
+    assert scripts_named_elsewhere(found) == []
+
+
+def test_the_script_check_finds_a_script_named_elsewhere(tmp_path: Path) -> None:
+    scripts = tmp_path / "scripts.py"
+    scripts.write_text(
+        "PLACE = COMMON + \"return redis.call('GET', KEYS[1])\"\n"
+        "LEAVE = COMMON + \"return redis.call('DEL', KEYS[1])\"\n"
+        "place(PLACE)\n"
+    )
+    queue = tmp_path / "queue.py"
+    queue.write_text(
+        "from nixl_twisted.fleet.scripts import PLACE\nreplicas.call(scripts.LEAVE, [], 'x')\n"
+    )
+    found = {"nixl_twisted.fleet.scripts": scripts, "nixl_twisted.admission.queue": queue}
+    assert scripts_named_elsewhere(found) == [
+        "nixl_twisted.admission.queue names nixl_twisted.fleet.scripts.LEAVE",
+        "nixl_twisted.admission.queue names nixl_twisted.fleet.scripts.PLACE",
+    ]
+
+
 #: The rooms below the door, where a request is the value the door read, never its body.
-BELOW_THE_DOOR = ("exchange", "backends", "web")
+BELOW_THE_DOOR = ("admission", "exchange", "backends", "web")
 #: The door itself: where a client's bytes become that value (``web/door.py``).
 DOOR = "nixl_twisted.web.door"
 #: Annotations that are a JSON object as parsed.

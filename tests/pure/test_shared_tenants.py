@@ -6,8 +6,8 @@ from typing import Any, cast
 
 from twisted.internet.defer import CancelledError, Deferred
 
+from nixl_twisted.admission.shared_tenants import SharedTenants
 from nixl_twisted.fleet.replicas import Replicas
-from nixl_twisted.fleet.tenants import SharedTenants
 
 
 class Answered:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from twisted.internet.task import Clock
 
+from nixl_twisted.admission.limits import TenantLimits
 from nixl_twisted.config import ConfigError, ProxyConfig, TenantRule
 from nixl_twisted.protocol import salts
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.run import startup
-from nixl_twisted.web.tenants import TenantLimits
 
 
 def limits(**settings: object) -> tuple[TenantLimits, Clock]:

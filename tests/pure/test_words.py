@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from nixl_twisted.admission.fair_queue import full
 from nixl_twisted.config.words import counted
-from nixl_twisted.exchange.fair_queue import full
 
 
 def test_a_count_of_one_takes_the_singular() -> None:

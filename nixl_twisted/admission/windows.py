@@ -8,9 +8,11 @@ expire with the window. A request's tokens enter the window as its estimate
 when it is admitted, and are replaced by what vLLM reported when it ends: a
 replica that dies leaves estimates that simply leave the window.
 
-Requests in flight stay counted in each process: a count shared in Redis
-would be given back by the process that took it, and a process that dies or
-loses Redis mid-request would hold it for good (``security.md``).
+Requests in flight are not counted here: a count in Redis would be given back
+by the process that took it, and a process that dies or loses Redis mid-request
+would hold it for good. ``--replicas-redis`` counts them, tied to each replica's
+heartbeat (``shared_tenants``); without it each process counts its own
+(``security.md``).
 
 Redis must never fail a request: a call not answered within ``TIMEOUT`` s,
 any error, or a reply of the wrong shape lets the process decide with its
@@ -23,13 +25,10 @@ unreachable no call is tried; its connection comes back on its own
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from twisted.application.service import Service
 from twisted.internet import defer
@@ -38,115 +37,24 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nixl_twisted.admission.window_scripts import (
+    WINDOW_MS,
+    WindowAsk,
+    WindowOutcome,
+    WindowReply,
+    admit_window,
+    charge_window,
+    window_keys,
+)
 from nixl_twisted.config.words import counted
 from nixl_twisted.fleet.link import RETRY, RedisLink
+from nixl_twisted.fleet.replies import WrongReply, shown
 from nixl_twisted.observe.metrics import ProxyMetrics
 
 log = Logger()
 
 #: Seconds a Redis call may take before the process decides alone.
 TIMEOUT = 0.1
-WINDOW_MS = 60_000
-
-#: Shared by both scripts: what a key holds is checked before use (anyone who can write to
-#: Redis may have written there). A key of the wrong type is deleted; a count that is not a
-#: whole number is 0; an entry dated after the window's end (no process dates one so) leaves
-#: it; a total with no expiry (no script writes one so) or not a count is summed again from
-#: the requests' own tokens. Each key expires with the window: whatever was forged is gone
-#: within two windows at most.
-_CHECKED = """
-local function whole(s)
-  local n = tonumber(s)
-  if n == nil or n ~= n or n < 0 or n > 9007199254740992 or n ~= math.floor(n) then return nil end
-  return n
-end
-local function typed(key, kind)
-  local t = redis.call('TYPE', key)['ok']
-  if t ~= 'none' and t ~= kind then redis.call('DEL', key) end
-end
-local function total(tokens, used, sum, window)
-  local n = whole(redis.call('GET', sum))
-  if n == nil or redis.call('PTTL', sum) == -1 then
-    n = 0
-    for _, v in ipairs(redis.call('HVALS', used)) do n = n + (whole(v) or 0) end
-    redis.call('SET', sum, n, 'PX', window)
-  end
-  return n
-end
-"""
-
-# KEYS: requests (zset), tokens (zset), tokens by member (hash), their total.
-# ARGV: now (ms), window (ms), requests limit, tokens limit, estimate (-1: none), member.
-# {0}: admitted; {1, oldest}: past the requests; {2, oldest}: past the tokens.
-ADMIT = (
-    _CHECKED
-    + """
-local now, window = tonumber(ARGV[1]), tonumber(ARGV[2])
-local since, later = now - window, '(' .. (now + window)
-local rpm, tpm, estimate = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local counted = tpm > 0 and estimate >= 0
-typed(KEYS[1], 'zset')
-typed(KEYS[2], 'zset')
-typed(KEYS[3], 'hash')
-typed(KEYS[4], 'string')
-if rpm > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', since)
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], later, '+inf')
-  if redis.call('ZCARD', KEYS[1]) >= rpm then
-    return {1, redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]}
-  end
-end
-if counted then
-  local used = total(KEYS[2], KEYS[3], KEYS[4], window)
-  local freed = 0
-  for _, range in ipairs({{'-inf', since}, {later, '+inf'}}) do
-    for _, member in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], range[1], range[2])) do
-      freed = freed + (whole(redis.call('HGET', KEYS[3], member)) or 0)
-      redis.call('HDEL', KEYS[3], member)
-      redis.call('ZREM', KEYS[2], member)
-    end
-  end
-  used = math.max(0, used - freed)
-  redis.call('SET', KEYS[4], used, 'PX', window)
-  if used > 0 and used + estimate > tpm then
-    local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-    return {2, oldest[2] or ARGV[1]}
-  end
-end
-if rpm > 0 then
-  redis.call('ZADD', KEYS[1], now, ARGV[6])
-  redis.call('PEXPIRE', KEYS[1], window)
-end
-if counted then
-  redis.call('ZADD', KEYS[2], now, ARGV[6])
-  redis.call('HSET', KEYS[3], ARGV[6], estimate)
-  redis.call('SET', KEYS[4], total(KEYS[2], KEYS[3], KEYS[4], window) + estimate, 'PX', window)
-  for i = 2, 3 do redis.call('PEXPIRE', KEYS[i], window) end
-end
-return {0}
-"""
-)
-
-# KEYS: tokens (zset), tokens by member (hash), their total.
-# ARGV: now (ms), window (ms), member, tokens. The estimate becomes what was used,
-# counted from now; one that already left the window is charged afresh.
-CHARGE = (
-    _CHECKED
-    + """
-local window = tonumber(ARGV[2])
-typed(KEYS[1], 'zset')
-typed(KEYS[2], 'hash')
-typed(KEYS[3], 'string')
-local used = total(KEYS[1], KEYS[2], KEYS[3], window)
-local before = whole(redis.call('HGET', KEYS[2], ARGV[3])) or 0
-local tokens = tonumber(ARGV[4])
-redis.call('ZADD', KEYS[1], tonumber(ARGV[1]), ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[3], tokens)
-redis.call('SET', KEYS[3], math.max(0, used + tokens - before), 'PX', window)
-for i = 1, 2 do redis.call('PEXPIRE', KEYS[i], window) end
-return 1
-"""
-)
 
 
 @dataclass(frozen=True)
@@ -158,14 +66,6 @@ class Verdict:
     wait: float = 0.0
     #: The request's name in Redis (its tokens are charged under it).
     member: str = ""
-
-
-class WrongReply(Exception):
-    """Redis answered a script with a reply of another shape than the script's."""
-
-    def __init__(self, reply: object) -> None:
-        shown = repr(reply)
-        super().__init__(shown if len(shown) <= 80 else shown[:77] + "...")
 
 
 class SharedWindows(Service):
@@ -195,7 +95,7 @@ class SharedWindows(Service):
         super().stopService()
         return self.link.stop()
 
-    def admit(
+    def ask(
         self, tenant: str, rpm: int, tpm: int, estimate: int | None
     ) -> Deferred[Verdict | None]:
         """Count a request for ``tenant`` in Redis; None: Redis could not say in time."""
@@ -204,22 +104,18 @@ class SharedWindows(Service):
             return succeed(None)  # (known unreachable: no call, no wait)
         now = self._now_ms()
         member = next(self._names)
-        sent = self.link.eval(
-            ADMIT,
-            _keys(tenant),
-            [now, WINDOW_MS, rpm, tpm, -1 if estimate is None else estimate, member],
-        )
+        ask = WindowAsk(now, rpm, tpm, estimate, member)
+        sent = admit_window(self.link, window_keys(tenant), ask)
 
-        def decided(answer: object) -> Verdict:
-            code, oldest = _admission(answer)
+        def decided(answer: WindowReply) -> Verdict:
             self._shared()
-            if code == 0:
+            if answer.outcome is WindowOutcome.ADMITTED:
                 return Verdict(True, member=member)
-            # (clocks may differ; no entry stays past two windows: ``_CHECKED``)
-            wait = min(2 * WINDOW_MS / 1000, max(1.0, (oldest + WINDOW_MS - now) / 1000))
+            # (clocks may differ; no entry stays past two windows: ``window_scripts``)
+            wait = min(2 * WINDOW_MS / 1000, max(1.0, (answer.oldest + WINDOW_MS - now) / 1000))
             limit = (
                 f"{counted(rpm, 'request')} per minute"
-                if code == 1
+                if answer.outcome is WindowOutcome.PAST_REQUESTS
                 else f"{counted(tpm, 'token')} per minute"
             )
             return Verdict(False, limit, wait)
@@ -237,13 +133,9 @@ class SharedWindows(Service):
         """What an admitted request used, in place of its estimate (best effort)."""
         if self.fallback and not self.link.open:
             return  # (its estimate leaves the window on its own)
-        sent = self.link.eval(
-            CHARGE, _keys(tenant)[1:], [self._now_ms(), WINDOW_MS, member, tokens]
-        )
+        sent = charge_window(self.link, window_keys(tenant), member, tokens, self._now_ms())
 
-        def charged(answer: object) -> None:
-            if answer != 1:
-                raise WrongReply(answer)
+        def charged(answer: None) -> None:
             self._shared()
 
         def failed(failure: Failure) -> None:
@@ -273,7 +165,7 @@ class SharedWindows(Service):
             self.fallback = False
             self.metrics.tenant_limits_fallback.set(0)
             log.info(
-                "tenant limits: Redis {url} answers again; limits are shared", url=_shown(self.url)
+                "tenant limits: Redis {url} answers again; limits are shared", url=shown(self.url)
             )
 
     def _away(self, what: str) -> None:
@@ -283,24 +175,9 @@ class SharedWindows(Service):
             log.warn(
                 "tenant limits: Redis {url} {what}; each process counts its own requests and "
                 "tokens per minute until it answers again",
-                url=_shown(self.url),
+                url=shown(self.url),
                 what=what,
             )
-
-
-def _admission(answer: object) -> tuple[int, float]:
-    """The script's answer: its code (0, 1 or 2) and, when refused, the oldest score."""
-    if isinstance(answer, list) and answer and type(answer[0]) is int:
-        if answer == [0]:
-            return 0, 0.0
-        if answer[0] in (1, 2) and len(answer) == 2 and type(answer[1]) in (int, float, str):
-            try:
-                oldest = float(answer[1])
-            except ValueError:
-                raise WrongReply(answer) from None
-            if math.isfinite(oldest):
-                return answer[0], oldest
-    raise WrongReply(answer)
 
 
 def _why(failure: Failure, connected: bool) -> tuple[str, str]:
@@ -317,15 +194,3 @@ def _why(failure: Failure, connected: bool) -> tuple[str, str]:
     if failure.check("txredisapi.ResponseError"):
         return "error", f"answered with an error ({message})"
     return "error", f"failed ({type(failure.value).__name__}: {message})"
-
-
-def _keys(tenant: str) -> list[str]:
-    tag = hashlib.sha256(tenant.encode("utf-8")).hexdigest()[:16]
-    return [f"nixlproxy:{{{tag}}}:{name}" for name in ("requests", "tokens", "used", "total")]
-
-
-def _shown(url: str) -> str:
-    """The URL without its password, as the log may show it."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"

@@ -34,6 +34,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from twisted.internet.defer import Deferred
@@ -52,25 +53,35 @@ TRIES = 8
 #: Requests let go lately, to say how fast the queue drains (``Retry-After``).
 RECENT = 64
 
-#: What happened to a request at the queue (``nixlproxy_admissions_total{outcome}``).
-AT_ONCE = "at_once"
-AFTER_WAIT = "after_wait"
-QUEUE_FULL = "queue_full"
-TIMED_OUT = "timed_out"
-SHED = "shed"
-LEFT = "left"
-SHUT = "shut"
-#: ``place`` raised: no instance at all (the request's own error).
-FAILED = "failed"
+
+class QueueOutcome(str, Enum):
+    """What happened to a request at the queue (``nixlproxy_admissions_total{outcome}``:
+    its value, as ``str()`` gives it)."""
+
+    AT_ONCE = "at_once"
+    AFTER_WAIT = "after_wait"
+    QUEUE_FULL = "queue_full"
+    TIMED_OUT = "timed_out"
+    SHED = "shed"
+    LEFT = "left"
+    SHUT = "shut"
+    #: ``place`` raised: no instance at all (the request's own error).
+    FAILED = "failed"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = QueueOutcome
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
 KEPT_TAGS = 64
 
 #: (outcome, seconds waited, the request's ticket): told of every request's outcome.
-Told = Callable[[str, float, "Ticket"], None]
+QueueReport = Callable[[QueueOutcome, float, "Claim"], None]
 
 
 @dataclass(frozen=True)
-class Ticket:
+class Claim:
     """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
     and its model's instances."""
 
@@ -79,7 +90,7 @@ class Ticket:
     model: str | None = None
 
     @classmethod
-    def of(cls, completion: Completion) -> Ticket:
+    def of(cls, completion: Completion) -> Claim:
         """A completion's place in the queue, as its tenant's rule gives it."""
         return cls(completion.tenant, completion.rule, completion.served)
 
@@ -100,7 +111,7 @@ class Ticket:
 class Waiting(Generic[T]):
     """One request in the queue."""
 
-    ticket: Ticket
+    ticket: Claim
     place: Callable[[], T | str]
     finish: float
     arrived: float
@@ -122,7 +133,7 @@ class _ModelQueue:
     last: dict[str | None, float] = field(default_factory=dict)
 
 
-def shed(ticket: Ticket, retry_after: float) -> ProxyError:
+def shed(ticket: Claim, retry_after: float) -> ProxyError:
     """A sheddable request refused while the fleet is full (503 ``shed``)."""
     return ProxyError(
         ErrorCode.SHED,
@@ -166,12 +177,13 @@ class FairQueue(Generic[T]):
     """Requests waiting for ``place`` to find them slots; see the module's docstring."""
 
     def __init__(
-        self, clock: IReactorTime, size: int, timeout: float, told: Told | None = None
+        self, clock: IReactorTime, size: int, timeout: float, told: QueueReport | None = None
     ) -> None:
         self.clock = clock
         self.size = size
         self.timeout = timeout
-        self.told: Told = told if told is not None else _nobody
+        self.told: QueueReport = told if told is not None else _nobody
+        self._entered: Callable[[], object] = _nobody_entered
         self._models: dict[str | None, _ModelQueue] = {}
         self._order = itertools.count()
         self._waiting = 0
@@ -183,8 +195,12 @@ class FairQueue(Generic[T]):
         """Requests waiting now."""
         return self._waiting
 
+    def on_entered(self, entered: Callable[[], object]) -> None:
+        """``entered()`` is called each time a request starts to wait."""
+        self._entered = entered
+
     def enter(
-        self, ticket: Ticket, place: Callable[[], T | str], since: float | None = None
+        self, ticket: Claim, place: Callable[[], T | str], since: float | None = None
     ) -> T | Deferred[T]:
         """What ``place`` gives now, when nothing of its model waits ahead of it; else a
         Deferred that fires when it does, or fails with the 503 that says why not;
@@ -222,6 +238,7 @@ class FairQueue(Generic[T]):
         )
         heapq.heappush(queue.heap, (*key, waiting))
         self._waiting += 1
+        self._entered()
         return waiting.deferred
 
     def pump(self) -> None:
@@ -316,7 +333,7 @@ class FairQueue(Generic[T]):
             if not queue.last:
                 del self._models[model]
 
-    def _end(self, waiting: Waiting[T], outcome: str) -> None:
+    def _end(self, waiting: Waiting[T], outcome: QueueOutcome) -> None:
         """The request leaves the queue, ``outcome`` said of it."""
         waiting.done = True
         self._waiting -= 1
@@ -328,7 +345,7 @@ class FairQueue(Generic[T]):
         else:
             self.told(outcome, waited, waiting.ticket)
 
-    def _let_go(self, ticket: Ticket, waited: float, outcome: str) -> None:
+    def _let_go(self, ticket: Claim, waited: float, outcome: QueueOutcome) -> None:
         self._recent.append(self.clock.seconds())
         self.told(outcome, waited, ticket)
 
@@ -344,5 +361,9 @@ class FairQueue(Generic[T]):
             self._end(waiting, LEFT)
 
 
-def _nobody(outcome: str, waited: float, ticket: Ticket) -> None:
+def _nobody(outcome: QueueOutcome, waited: float, ticket: Claim) -> None:
     """No one to tell."""
+
+
+def _nobody_entered() -> None:
+    """(No one is told that a request started to wait.)"""

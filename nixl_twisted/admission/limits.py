@@ -14,7 +14,8 @@ estimate, so that one large request is slow, not impossible.
 Counted in each process: under ``--workers N`` each worker holds every
 tenant to the limits, so a tenant may get up to N times them, unless
 ``--limits-redis`` counts the requests and tokens per minute of every
-process (``shared_limits``; in flight stays here, ``security.md``).
+process (``windows``), and ``--replicas-redis`` its requests in flight over every
+replica (``shared_tenants``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class _Usage:
         return not (self.in_flight or self.started or self.tokens or self.refused)
 
 
-class Ticket:
+class TenantHold:
     """A request admitted for a tenant: given back once, with the tokens it used."""
 
     def __init__(self, release: Callable[[int | None], None]) -> None:
@@ -85,7 +86,7 @@ class Ticket:
             release(tokens)
 
 
-NO_TICKET = Ticket(lambda tokens: None)
+NO_HOLD = TenantHold(lambda tokens: None)
 
 
 class TenantLimits:
@@ -141,22 +142,22 @@ class TenantLimits:
         estimate: int | None,
         windows: bool = True,
         in_flight: bool = True,
-    ) -> Ticket:
+    ) -> TenantHold:
         """Count a request for ``tenant``; a ``ProxyError`` (429) past one of its limits.
 
         ``estimate`` None: a request that generates nothing (models, tokenize, a stored
         response), held to the in-flight and requests limits only, and charged no tokens.
         ``windows`` False: requests and tokens per minute are counted elsewhere (Redis,
-        ``shared_limits``), in flight only here. ``in_flight`` False: its requests in
-        flight are held to their limit elsewhere (every replica's, ``fleet.tenants``),
+        ``windows``), in flight only here. ``in_flight`` False: its requests in
+        flight are held to their limit elsewhere (every replica's, ``shared_tenants``),
         counted here all the same.
         """
         if tenant is None:
-            return NO_TICKET
+            return NO_HOLD
         tenant = tenant[:MAX_NAME]
         rule = self.rule(tenant)
         if not rule.counted:
-            return NO_TICKET
+            return NO_HOLD
         now = self.clock.seconds()
         if now - self._swept >= WINDOW:  # (tenants seen once, by header, are not kept)
             self._sweep(now)
@@ -191,7 +192,7 @@ class TenantLimits:
             if use.idle:
                 self._use.pop(tenant, None)
 
-        return Ticket(release)
+        return TenantHold(release)
 
     def in_flight(self, tenant: str) -> int:
         """``tenant``'s requests in flight in this process now."""

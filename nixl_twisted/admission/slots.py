@@ -15,21 +15,16 @@ instance and goes, as vLLM's own queue takes it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from nixl_twisted.backends.models import named
-from nixl_twisted.backends.pools import Lease
+from nixl_twisted.admission.fair_queue import Claim, FairQueue
+from nixl_twisted.admission.fleet_queue import FleetQueue
+from nixl_twisted.admission.fleet_waiting import Held
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
-from nixl_twisted.exchange.decide import Decision
-from nixl_twisted.exchange.fair_queue import FairQueue, Ticket, Told
-from nixl_twisted.exchange.fleet_queue import FleetQueue
-from nixl_twisted.fleet.leases import SharedSlots
-from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -38,21 +33,8 @@ from nixl_twisted.protocol.errors import ProxyError
 #: ends: an instance that came up, or joined, takes them too.
 SWEEP = 1.0
 
-
-@dataclass(frozen=True)
-class Placed:
-    """A completion's slots: its decode instance held, what was decided, and its prefill
-    instance held when it takes a prefill leg (None: chosen when the leg is sent)."""
-
-    decode: Lease
-    decision: Decision | None = None
-    prefill: Lease | None = None
-
-    def release(self) -> None:
-        """Give back what was never used (the request ended before its legs took them)."""
-        self.decode.release()
-        if self.prefill is not None:
-            self.prefill.release()
+#: What a completion's placement holds (``exchange.placing.Placed``).
+H = TypeVar("H", bound=Held)
 
 
 class Slots:
@@ -62,29 +44,19 @@ class Slots:
         self,
         backends: BackendService,
         clock: IReactorTime,
-        config: ProxyConfig,
-        told: Told,
-        fleet: tuple[Replicas, SharedSlots] | None = None,
+        queue: FairQueue[Any] | FleetQueue[Any],
     ) -> None:
-        """``told``: each request's outcome at the queue, and how long it waited;
-        ``fleet``: this replica and the fleet's slots (``--replicas-redis``), whose queue
-        is then the fleet's (``fleet_queue``)."""
+        """``queue``: this process's (``FairQueue``) or every replica's (``FleetQueue``), as
+        the root chose."""
         self.backends = backends
         self.clock = clock
-        capacity = config.capacity
-        local: FairQueue[Placed] = FairQueue(
-            clock, capacity.queue_size, capacity.queue_timeout, told
-        )
-        self.queue: FairQueue[Placed] | FleetQueue[Placed] = local
-        if fleet is not None:
-            decode = backends.decode
-            self.queue = FleetQueue(
-                clock, local, *fleet, told, self._waits, lambda m: named(m, decode.instances)
-            )
+        #: (Typed as either store, not ``SlotQueue``: tests read what the fleet's last said.)
+        self.queue: FairQueue[Any] | FleetQueue[Any] = queue
         self._sweep: IDelayedCall | None = None
         self._entered = Happened()
+        queue.on_entered(self._waits)
         for pool in backends.pools():
-            pool.on_freed(self.queue.pump)
+            pool.on_freed(queue.pump)
 
     def configure(self, config: ProxyConfig) -> None:
         """The queue's size and timeout from now on (those waiting keep their deadline)."""
@@ -97,12 +69,9 @@ class Slots:
         """Whether any instance has a cap: else completions never wait here."""
         return self.backends.capped()
 
-    def take(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
-        """The slots ``place`` takes, now or once they free (``FairQueue.enter``)."""
-        taken = self.queue.enter(ticket, place)
-        if isinstance(taken, Deferred) and isinstance(self.queue, FairQueue):
-            self._waits()
-        return taken
+    def take(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
+        """The slots ``place`` takes, now or once they free (``SlotQueue.enter``)."""
+        return self.queue.enter(ticket, place)
 
     def _waits(self) -> None:
         """A request starts to wait: the queue is looked at every second while one does."""

@@ -1,6 +1,6 @@
 """``AloneQueue``: where a replica's requests wait while Redis does not answer.
 
-Its own ``FairQueue``, the caps held to their static share (``fleet.leases``); until
+Its own ``FairQueue``, the caps held to their static share (``shared_slots``); until
 Redis has answered once, no slot at all.
 What it places is kept as leases (``keep``), written back with the rest when
 Redis answers again; and then what still waits here leaves it (``rejoin``)
@@ -16,18 +16,18 @@ from typing import Generic
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
-from nixl_twisted.exchange.fair_queue import FairQueue
-from nixl_twisted.exchange.fleet_waiting import FleetWaiting, Placed
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
 from nixl_twisted.protocol.errors import ProxyError
 
 
-class AloneQueue(Generic[Placed]):
+class AloneQueue(Generic[H]):
     """This replica's own queue, and the fleet's requests that wait in it."""
 
     def __init__(
         self,
-        local: FairQueue[Placed],
-        keep: Callable[[Placed], object],
+        local: FairQueue[H],
+        keep: Callable[[H], object],
         reached: Callable[[], bool] = lambda: True,
     ) -> None:
         """``keep``: each placement made here, kept as leases; ``reached``: whether Redis has
@@ -37,9 +37,9 @@ class AloneQueue(Generic[Placed]):
         self.keep = keep
         self.reached = reached
         #: The requests that wait here, each on its ``inner`` Deferred.
-        self._waiting: list[FleetWaiting[Placed]] = []
+        self._waiting: list[FleetWaiting[H]] = []
 
-    def enter(self, waiting: FleetWaiting[Placed]) -> Placed | None:
+    def enter(self, waiting: FleetWaiting[H]) -> H | None:
         """A new request: its slots now, or None while it waits here (``waiting.deferred``
         fires when it goes); raises the 503 that refuses it."""
         inner = self.local.enter(waiting.ticket, self._kept(waiting.place), waiting.arrived)
@@ -48,7 +48,7 @@ class AloneQueue(Generic[Placed]):
         self._wait(waiting, inner)
         return None
 
-    def take(self, waiting: FleetWaiting[Placed]) -> None:
+    def take(self, waiting: FleetWaiting[H]) -> None:
         """A request that waited in the fleet's queue, or was about to, waits here instead."""
         try:
             got = self.enter(waiting)
@@ -60,7 +60,7 @@ class AloneQueue(Generic[Placed]):
             waiting.done = True
             waiting.deferred.callback(got)
 
-    def rejoin(self) -> list[FleetWaiting[Placed]]:
+    def rejoin(self) -> list[FleetWaiting[H]]:
         """Redis answers again: what waits here leaves, in the order it came, for the
         fleet's queue (nothing fired; its timeout there counts from its arrival)."""
         leaving = []
@@ -72,11 +72,11 @@ class AloneQueue(Generic[Placed]):
         self._waiting = []
         return leaving
 
-    def _wait(self, waiting: FleetWaiting[Placed], inner: Deferred[Placed]) -> None:
+    def _wait(self, waiting: FleetWaiting[H], inner: Deferred[H]) -> None:
         waiting.inner = inner
         self._waiting.append(waiting)
 
-        def got(placed: Placed) -> None:
+        def got(placed: H) -> None:
             waiting.done = True
             waiting.deferred.callback(placed)
 
@@ -87,8 +87,8 @@ class AloneQueue(Generic[Placed]):
 
         inner.addCallbacks(got, failed)
 
-    def _kept(self, place: Callable[[], Placed | str]) -> Callable[[], Placed | str]:
-        def placed() -> Placed | str:
+    def _kept(self, place: Callable[[], H | str]) -> Callable[[], H | str]:
+        def placed() -> H | str:
             if not self.reached():
                 return "decode"  # (its slots, once Redis counts them)
             got = place()

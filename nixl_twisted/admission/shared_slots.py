@@ -1,6 +1,6 @@
 """``SharedSlots``: each instance's cap held over every replica, a slot a lease in Redis.
 
-The scripts decide (``scripts.PLACE`` takes a placement's decode and prefill
+The scripts decide (``scripts.place`` takes a placement's decode and prefill
 slots, or neither); this replica keeps a view of the fleet's legs per
 instance (from every answer and every message on the ``freed`` channel)
 so that its policies choose among instances with room: an instance's
@@ -23,11 +23,13 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
+from nixl_twisted.admission.lease_scripts import release
+from nixl_twisted.admission.share import replica_share
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
-from nixl_twisted.fleet import scripts
-from nixl_twisted.fleet.caps import CAPS, CapCheck, FleetCap, held, read_caps
+from nixl_twisted.fleet.caps import CapCheck, FleetCap, held, share_caps
 from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.scripts import NO_SLOT, SlotAsk
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
 
@@ -76,20 +78,19 @@ class SharedSlots:
         self.caps_read()
 
     def caps_read(self) -> Deferred[None]:
-        """This replica's caps written, the fleet's read (``caps.CAPS``): at each heartbeat."""
+        """This replica's caps written, the fleet's read (``share_caps``): at each heartbeat."""
         mine = {
             field(instance): pool.caps.of(instance)
             for pool in self._pools()
             for instance in pool.instances
         }
-        args = [said for where, cap in mine.items() for said in (where, cap)]
 
         def read(fleet: dict[str, FleetCap]) -> None:
             self.fleet_caps = fleet
             self._check.check(mine, fleet)
             self.apply()
 
-        return self.replicas.call(CAPS, args, "caps", read_caps).addCallbacks(read, _unshared)
+        return share_caps(self.replicas, mine).addCallbacks(read, _unshared)
 
     def cap_of(self, pool: BackendPool, instance: Instance) -> int:
         """The cap this replica holds ``instance`` to: the fleet's (0: none)."""
@@ -136,7 +137,6 @@ class SharedSlots:
                 cap = self.cap_of(pool, instance)
                 if cap == 0:
                     continue
-                pool.capped = True  # (another replica's cap holds it: legs wait for room)
                 where = field(instance)
                 instance.fleet_cap = self.fleet_caps.get(where)
                 if shared:
@@ -144,10 +144,9 @@ class SharedSlots:
                     slots = max(0, cap - others)
                     fleet[pool.role] = fleet.get(pool.role, 0) + self.view.get(where, 0)
                 else:
-                    slots = max(1, cap // self.replicas.count)
-                roomier = roomier or slots > (instance.slots or 0)
-                instance.slots = slots
-                instance.cap_share = cap / self.replicas.count
+                    slots = replica_share(cap, self.replicas.count)
+                more = pool.hold_to(instance, slots, cap / self.replicas.count)
+                roomier = roomier or more
             if roomier:
                 pool.notify_freed()
         for pool_role, legs in fleet.items():
@@ -155,18 +154,18 @@ class SharedSlots:
 
     # -- a placement's leases ------------------------------------------------------
 
-    def names(self, lease: Lease | None) -> tuple[str, int, str]:
+    def names(self, lease: Lease | None) -> SlotAsk:
         """What ``PLACE`` is told of a lease: its instance, cap and a new lease id (an empty
         name and cap 0 when there is none, or its instance has no cap)."""
         if lease is None:
-            return "", 0, ""
+            return NO_SLOT
         instance = lease.instance
         cap = held(lease.pool.caps.of(instance), self.fleet_caps.get(field(instance)))
         if cap == 0:
-            return "", 0, ""
-        return field(instance), cap, next(self._ids)
+            return NO_SLOT
+        return SlotAsk(field(instance), cap, next(self._ids))
 
-    def granted(self, lease: Lease, name: tuple[str, int, str]) -> None:
+    def granted(self, lease: Lease, name: SlotAsk) -> None:
         """Redis gave ``lease`` its slot: held until its leg ends."""
         where, _, lease_id = name
         if not where:
@@ -182,7 +181,7 @@ class SharedSlots:
         self.metrics.slots_held.labels(pool=role).dec()
         if not self.replicas.is_shared:
             return  # (written back whole, without it, when Redis answers again)
-        sent = self.replicas.call(scripts.RELEASE, [f"{where}|{lease_id}"], "release")
+        sent = release(self.replicas, [f"{where}|{lease_id}"])
         sent.addErrback(_unshared)
 
 

@@ -2,7 +2,7 @@
 
 ``--tenant-max-in-flight`` (and a tenant's own ``max-in-flight``) holds for
 the whole proxy while ``--replicas-redis`` answers: a request takes one of
-its tenant's places in Redis (``scripts.TENANT_IN``) as it is admitted and
+its tenant's places in Redis (``lease_scripts.tenant_in``) as it is admitted and
 gives it back when it ends; a replica that dies gives back its own with its
 heartbeat. While Redis does not answer, each replica holds the tenant to its
 share of the limit (the limit over the replicas last seen, one at least).
@@ -11,17 +11,35 @@ share of the limit (the limit over the replicas last seen, one at least).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from dataclasses import dataclass
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.python.failure import Failure
 
-from nixl_twisted.fleet import scripts
+from nixl_twisted.admission.lease_scripts import tenant_in, tenant_out
+from nixl_twisted.admission.share import replica_share
 from nixl_twisted.fleet.replicas import Replicas, Unshared
-from nixl_twisted.fleet.replies import WrongReply
 
-#: What ``admit`` says when Redis could not: the replica decides alone.
-ALONE = None
+
+@dataclass(frozen=True)
+class Place:
+    """A request's place among its tenant's requests in flight over every replica."""
+
+    id: str
+
+
+@dataclass(frozen=True)
+class PlaceRefused:
+    """Past the tenant's limit over every replica."""
+
+
+@dataclass(frozen=True)
+class Alone:
+    """Redis could not say: this replica holds the tenant to its share."""
+
+
+REFUSED = PlaceRefused()
+ALONE = Alone()
 
 
 class SharedTenants:
@@ -29,13 +47,13 @@ class SharedTenants:
 
     def __init__(self, replicas: Replicas) -> None:
         self.replicas = replicas
-        #: The places this replica holds: id -> tenant.
-        self.places: dict[str, str] = {}
+        #: The places this replica holds, and whose.
+        self.places: dict[Place, str] = {}
         self._ids = (f"{n:x}" for n in itertools.count(1))
         replicas.hold(self)
 
     def held(self) -> tuple[list[str], list[str]]:
-        return [], [f"{tenant}|{place}" for place, tenant in self.places.items()]
+        return [], [f"{tenant}|{place.id}" for place, tenant in self.places.items()]
 
     def shared(self, view: dict[str, int], version: int) -> None:
         """(Nothing to read: a tenant's count is read when one of its requests comes.)"""
@@ -48,18 +66,18 @@ class SharedTenants:
 
     def share(self, limit: int) -> int:
         """This replica's share of a tenant's ``limit`` while Redis does not answer."""
-        return max(1, limit // self.replicas.count)
+        return replica_share(limit, self.replicas.count)
 
-    def admit(self, tenant: str, limit: int) -> Deferred[str | bool | None]:
-        """One more request of ``tenant`` in flight: its place's id, False past ``limit``
-        over every replica, or ``ALONE`` (None) when Redis could not say."""
+    def admit(self, tenant: str, limit: int) -> Deferred[Place | PlaceRefused | Alone]:
+        """One more request of ``tenant`` in flight: its place, refused past ``limit`` over
+        every replica, or alone when Redis could not say."""
         if not self.replicas.is_shared:
             return succeed(ALONE)
-        place = next(self._ids)
-        sent = self.replicas.call(scripts.TENANT_IN, [tenant, limit, place], "tenant", _granted)
+        place = Place(next(self._ids))
+        sent = tenant_in(self.replicas, tenant, limit, place.id)
         # Its own Deferred: a client that leaves cancels it, not Redis's answer, so that a
         # place Redis grants after it left is given back instead of held for nobody.
-        answered: Deferred[str | bool | None] = Deferred()
+        answered: Deferred[Place | PlaceRefused | Alone] = Deferred()
 
         def said(granted: bool) -> None:
             if granted:
@@ -68,7 +86,7 @@ class SharedTenants:
                 if granted:
                     self.release(place)
                 return
-            answered.callback(place if granted else False)
+            answered.callback(place if granted else REFUSED)
 
         def failed(failure: Failure) -> None:
             if answered.called:
@@ -81,17 +99,10 @@ class SharedTenants:
         sent.addCallbacks(said, failed)
         return answered
 
-    def release(self, place: str) -> None:
+    def release(self, place: Place) -> None:
         """That request ended: its place goes back (once)."""
         tenant = self.places.pop(place, None)
         if tenant is None or not self.replicas.is_shared:
             return  # (written back without it when Redis answers again)
-        sent = self.replicas.call(scripts.TENANT_OUT, [tenant, place], "tenant")
+        sent = tenant_out(self.replicas, tenant, place.id)
         sent.addErrback(lambda failure: failure.trap(Unshared))
-
-
-def _granted(reply: Any) -> bool:
-    """``TENANT_IN``'s reply: {1} taken, {0, count} refused."""
-    if isinstance(reply, (list, tuple)) and reply and type(reply[0]) is int and reply[0] in (0, 1):
-        return bool(reply[0] == 1)
-    raise WrongReply(reply)

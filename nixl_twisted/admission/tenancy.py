@@ -1,29 +1,39 @@
 """Whose each request is, and its tenant's limits held from its admission to its end.
 
-The tenant is the client key's (``ClientKeys``), else ``--tenant-header``'s
+The tenant is the client key's (``KeyTenants``: ``web.keys.ClientKeys``), else ``--tenant-header``'s
 value. A request is counted by ``TenantLimits`` when its tenant has a limit,
 charged while it runs the most it may use (``protocol.charges``), and, when
 it ends, the tokens vLLM's usage says it used instead. Requests and tokens per
-minute are counted for every process in ``--limits-redis`` (``shared_limits``),
-requests in flight for every replica in ``--replicas-redis`` (``fleet.tenants``).
+minute are counted for every process in ``--limits-redis`` (``windows``),
+requests in flight for every replica in ``--replicas-redis`` (``shared_tenants``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
+from nixl_twisted.admission.limits import MAX_NAME, NO_HOLD, TenantLimits
+from nixl_twisted.admission.shared_tenants import Alone, Place, PlaceRefused, SharedTenants
+from nixl_twisted.admission.windows import SharedWindows, Verdict
 from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.config.words import counted
-from nixl_twisted.fleet.tenants import SharedTenants
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.completion import Completion
-from nixl_twisted.web.keys import ClientKeys
-from nixl_twisted.web.shared_limits import SharedWindows, Verdict
-from nixl_twisted.web.tenants import MAX_NAME, NO_TICKET, TenantLimits
+
+
+class KeyTenants(Protocol):
+    """The clients' keys: whether a request must carry one, and whose tenant it names."""
+
+    @property
+    def required(self) -> bool: ...
+
+    def tenant(self, headers: Headers, path: bytes) -> str | None: ...
 
 
 class Tenancy:
@@ -31,7 +41,7 @@ class Tenancy:
 
     def __init__(
         self,
-        keys: ClientKeys,
+        keys: KeyTenants,
         limits: TenantLimits,
         context_of: Callable[[object], int | None] = lambda model: None,
         shared: SharedWindows | None = None,
@@ -78,15 +88,15 @@ class Tenancy:
         estimate = None if completion is None else 0
         if completion is not None and tpm:
             estimate = completion.charge(self.context_of(completion.model))
-        held = _Held(request, estimate)
+        held = Holding(request, estimate)
         request.notifyFinish().addBoth(held.ended)
         fleet = self.fleet if rule.max_in_flight else None
         here = fleet is None  # (in flight held here, else over every replica)
         if self.shared is None or not (rule.requests_per_minute or tpm):
-            held.ticket = self.limits.admit(tenant, estimate, in_flight=here)
+            held.hold = self.limits.admit(tenant, estimate, in_flight=here)
             return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
         # In flight here (a 429 at once), then the windows in Redis.
-        held.ticket = self.limits.admit(tenant, estimate, windows=False, in_flight=here)
+        held.hold = self.limits.admit(tenant, estimate, windows=False, in_flight=here)
         shared = self.shared
 
         def decided(verdict: Verdict | None) -> TenantRule | Deferred[TenantRule]:
@@ -96,7 +106,7 @@ class Tenancy:
                 raise CancelledError()
             if verdict is None:  # (Redis could not say: this process decides)
                 held.give_back()
-                held.ticket = self.limits.admit(tenant, estimate, in_flight=here)
+                held.hold = self.limits.admit(tenant, estimate, in_flight=here)
             elif not verdict.admitted:
                 held.give_back()
                 raise self.limits.refused(tenant, verdict.limit, verdict.wait)
@@ -104,23 +114,23 @@ class Tenancy:
                 held.charge = lambda used: shared.charge(tenant, verdict.member, used)
             return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
 
-        return shared.admit(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
+        return shared.ask(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
 
     def _in_flight(
-        self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: _Held
+        self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: Holding
     ) -> Deferred[TenantRule]:
         """The tenant's requests in flight over every replica (``--replicas-redis``), or,
         while Redis does not answer, this replica's share of its limit."""
 
-        def placed(place: str | bool | None) -> TenantRule:
-            if isinstance(place, str):
+        def placed(place: Place | PlaceRefused | Alone) -> TenantRule:
+            if isinstance(place, Place):
                 if held.over:  # (its client left while Redis was asked)
                     fleet.release(place)
                     raise CancelledError()
                 held.place = lambda: fleet.release(place)
                 return rule
             limit = rule.max_in_flight
-            if place is None:  # (Redis could not say: this replica's share)
+            if isinstance(place, Alone):  # (Redis could not say: this replica's share)
                 limit = fleet.share(limit)
                 if self.limits.in_flight(tenant) <= limit:
                     return rule
@@ -130,13 +140,13 @@ class Tenancy:
         return fleet.admit(tenant, rule.max_in_flight).addCallback(placed)
 
 
-class _Held:
+class Holding:
     """What a request holds of its tenant's limits, given back when it ends."""
 
     def __init__(self, request: Request, estimate: int | None) -> None:
         self.request = request
         self.estimate = estimate
-        self.ticket = NO_TICKET
+        self.hold = NO_HOLD
         #: Given what it used, in Redis, when its windows are counted there.
         self.charge: Callable[[int], None] | None = None
         #: Its place among its tenant's requests in flight over every replica, given back.
@@ -145,8 +155,8 @@ class _Held:
 
     def give_back(self) -> None:
         """Out of flight, charged nothing (refused, or counted again another way)."""
-        ticket, self.ticket = self.ticket, NO_TICKET
-        ticket.release(0)
+        hold, self.hold = self.hold, NO_HOLD
+        hold.release(0)
 
     def ended(self, _: object) -> None:
         self.over = True
@@ -157,7 +167,7 @@ class _Held:
             used = self.estimate or 0  # (answered, but vLLM said nothing of its usage)
         else:
             used = 0  # (refused or failed: nothing generated is charged)
-        self.ticket.release(used)
+        self.hold.release(used)
         if self.charge is not None:
             self.charge(used)
         if self.place is not None:

@@ -4,12 +4,12 @@ The order is ``fair_queue``'s (priority, then weighted fair queueing between
 tenants by one virtual clock per model, then first come, first served), kept
 in ``--replicas-redis`` for the fleet, so that the replica with a free slot
 lets go the request the fleet's order puts first, whichever replica holds it:
-the replica whose request is first tries it (``scripts.PLACE``) when a slot
+the replica whose request is first tries it (``scripts.place``) when a slot
 frees anywhere (a message on the ``freed`` channel), when one of its own legs
 ends, and every second. A request goes at once only when nothing of its model
 waits anywhere and both its slots are free in Redis (taken by the same script,
 or neither). Its instances are chosen here, by the pools' policies, among
-those the fleet's view says have room (``fleet.leases``).
+those the fleet's view says have room (``shared_slots``).
 
 While Redis does not answer, requests wait in this replica's own queue
 (``FairQueue``), the caps held to their static share; those that waited in
@@ -27,7 +27,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from nixl_twisted.exchange.fair_queue import (
+from nixl_twisted.admission.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
     LEFT,
@@ -35,25 +35,32 @@ from nixl_twisted.exchange.fair_queue import (
     SHED,
     SHUT,
     TIMED_OUT,
+    Claim,
     FairQueue,
-    Ticket,
-    Told,
+    QueueOutcome,
+    QueueReport,
     drain_seconds,
     full,
     shed,
     timed_out,
 )
-from nixl_twisted.exchange.fleet_alone import AloneQueue
-from nixl_twisted.exchange.fleet_waiting import (
-    FleetWaiting,
-    Placed,
-    Placement,
-    place_args,
-    read_placement,
-)
-from nixl_twisted.fleet import scripts
-from nixl_twisted.fleet.leases import SharedSlots
+from nixl_twisted.admission.fleet_alone import AloneQueue
+from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
+from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.scripts import (
+    GRANTED,
+    NOT_FIRST,
+    PlaceAsk,
+    PlaceCode,
+    PlaceReply,
+    SlotAsk,
+    leave,
+    place,
+)
+from nixl_twisted.fleet.scripts import (
+    SHED as SHED_CODE,
+)
 from nixl_twisted.protocol.errors import ProxyError
 
 log = Logger()
@@ -63,17 +70,16 @@ log = Logger()
 BEHIND = 1.0
 
 
-class FleetQueue(Generic[Placed]):
+class FleetQueue(Generic[H]):
     """Requests waiting for slots in the fleet's order; this replica's own queue while alone."""
 
     def __init__(
         self,
         clock: IReactorTime,
-        local: FairQueue[Placed],
+        local: FairQueue[H],
         replicas: Replicas,
         slots: SharedSlots,
-        told: Told,
-        entered: Callable[[], object] = lambda: None,
+        told: QueueReport,
         named: Callable[[str], bool] = lambda model: True,
     ) -> None:
         """``named(model)``: whether an instance is known to serve ``model`` (else its
@@ -83,7 +89,7 @@ class FleetQueue(Generic[Placed]):
         self.replicas = replicas
         self.slots = slots
         self.told = told
-        self.entered = entered
+        self.entered: Callable[[], object] = lambda: None
         self.named = named
         self._mine: dict[str, list[FleetWaiting]] = {}
         self._order = itertools.count()
@@ -123,13 +129,17 @@ class FleetQueue(Generic[Placed]):
     def __len__(self) -> int:
         return len(self.local) + sum(len(w) for w in self._mine.values())
 
+    def on_entered(self, entered: Callable[[], object]) -> None:
+        """``entered()`` is called each time a request starts to wait, here or alone."""
+        self.entered = entered
+
     def waiting(self) -> list[Any]:
         return [*self.local.waiting(), *(w for ws in self._mine.values() for w in ws)]
 
-    def enter(self, ticket: Ticket, place: Callable[[], Placed | str]) -> Placed | Deferred[Placed]:
+    def enter(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
         """Slots for a new request: from the fleet's queue while Redis answers, else this
         replica's own."""
-        answered: Deferred[Placed] = Deferred(lambda _: self._left(waiting))
+        answered: Deferred[H] = Deferred(lambda _: self._left(waiting))
         model = ticket.model if ticket.model and self.named(ticket.model) else ""
         waiting = FleetWaiting(
             ticket, place, self.clock.seconds(), answered, next(self._order), model
@@ -143,18 +153,18 @@ class FleetQueue(Generic[Placed]):
         self._enter(waiting)
         return answered
 
-    def _enter(self, waiting: FleetWaiting[Placed]) -> None:
+    def _enter(self, waiting: FleetWaiting[H]) -> None:
         """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
         refused; alone when Redis does not answer."""
-        ticket, place, answered = waiting.ticket, waiting.place, waiting.deferred
-        got = place()
+        ticket, answered = waiting.ticket, waiting.deferred
+        got = waiting.place()
         decode, prefill = self._names(got)
-        args = place_args(self.local.size, waiting, "", got, decode, prefill, ticket.sheddable)
+        ask = self._ask(waiting, "", got, decode, prefill, ticket.sheddable)
 
-        def said(reply: Placement) -> None:
+        def said(reply: PlaceReply) -> None:
             code = reply.code
             self._heard(reply)
-            if code == scripts.GRANTED:
+            if code == GRANTED:
                 assert not isinstance(got, str)
                 self._granted(got, decode, prefill)
                 if waiting.gone:
@@ -166,9 +176,9 @@ class FleetQueue(Generic[Placed]):
                 return
             if not isinstance(got, str):
                 self._release(got)
-            if code in (scripts.SHED, scripts.FULL):
+            if code in (SHED_CODE, PlaceCode.FULL):
                 waiting.done = True
-                if code == scripts.SHED:
+                if code == SHED_CODE:
                     outcome, refusal = SHED, shed(ticket, self.retry_after())
                 else:
                     outcome, refusal = QUEUE_FULL, full(self.local.size, self.retry_after())
@@ -190,7 +200,7 @@ class FleetQueue(Generic[Placed]):
                 self.alone_queue.take(waiting)
             failure.trap(Unshared)
 
-        sent = self.replicas.call(scripts.PLACE, args, "place", read_placement)
+        sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
 
     def pump(self) -> None:
@@ -219,7 +229,7 @@ class FleetQueue(Generic[Placed]):
         self._behind.clear()
         self.pump()
 
-    def _release(self, got: Placed) -> None:
+    def _release(self, got: H) -> None:
         """A placement tried and not granted gives its slots back, quietly."""
         self._quiet = True
         try:
@@ -242,7 +252,7 @@ class FleetQueue(Generic[Placed]):
     def alone(self) -> None:
         """Redis stopped answering: what waited in the fleet's queue waits in this one's."""
         for waiting in [w for ws in self._mine.values() for w in ws]:
-            self._end(waiting, "", leave=False)
+            self._end(waiting, None, leave=False)
             waiting.done = False
             self.alone_queue.take(waiting)
 
@@ -257,25 +267,49 @@ class FleetQueue(Generic[Placed]):
 
     # -- inside -------------------------------------------------------------------------
 
-    def _names(self, got: Placed | str) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
+    def _names(self, got: H | str) -> tuple[SlotAsk, SlotAsk]:
         if isinstance(got, str):
-            return ("", 0, ""), ("", 0, "")
+            return SlotAsk("", 0, ""), SlotAsk("", 0, "")
         return self.slots.names(got.decode), self.slots.names(got.prefill)
 
-    def _granted(
-        self, got: Placed, decode: tuple[str, int, str], prefill: tuple[str, int, str]
-    ) -> None:
+    def _ask(
+        self,
+        waiting: FleetWaiting[H],
+        member: str,
+        got: H | str,
+        decode: SlotAsk,
+        prefill: SlotAsk,
+        sheddable: bool,
+    ) -> PlaceAsk:
+        """What ``PLACE`` is told of ``waiting``: the request (``member``: its place, "" when
+        new), the queue's size and its slots (or the pool this replica sees full, ``got``)."""
+        ticket = waiting.ticket
+        return PlaceAsk(
+            model=waiting.model,
+            priority=ticket.priority,
+            member=member,
+            tenant=ticket.tenant or "",
+            weight=ticket.weight,
+            sheddable=sheddable,
+            queue_size=self.local.size,
+            order=waiting.order,
+            blocked=got if isinstance(got, str) else "",
+            decode=decode,
+            prefill=prefill,
+        )
+
+    def _granted(self, got: H, decode: SlotAsk, prefill: SlotAsk) -> None:
         self.slots.granted(got.decode, decode)
         if got.prefill is not None:
             self.slots.granted(got.prefill, prefill)
 
-    def _heard(self, reply: Placement) -> None:
+    def _heard(self, reply: PlaceReply) -> None:
         self.slots.seen(reply.view, reply.version)
         self._waiting = reply.waiting
         self._grants = reply.grants
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
-    def _wait(self, waiting: FleetWaiting[Placed]) -> None:
+    def _wait(self, waiting: FleetWaiting[H]) -> None:
         """It waits in the fleet's queue, until its turn, its timeout or its client leaves."""
         left = self.timeout - (self.clock.seconds() - waiting.arrived)
         waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
@@ -286,7 +320,7 @@ class FleetQueue(Generic[Placed]):
         self.entered()
         self._try(model)  # (a slot may have freed meanwhile)
 
-    def _keep(self, got: Placed) -> None:
+    def _keep(self, got: H) -> None:
         """A placement made alone, kept as leases (written back when Redis answers)."""
         decode, prefill = self._names(got)
         self._granted(got, decode, prefill)
@@ -305,14 +339,14 @@ class FleetQueue(Generic[Placed]):
             waiting.blocked = got
             return  # (full as this replica sees the fleet: a message will say when not)
         decode, prefill = self._names(got)
-        args = place_args(self.local.size, waiting, waiting.member, got, decode, prefill, False)
+        ask = self._ask(waiting, waiting.member, got, decode, prefill, False)
         self._trying.add(model)
 
-        def said(reply: Placement) -> None:
+        def said(reply: PlaceReply) -> None:
             self._trying.discard(model)
             self._heard(reply)
             code = reply.code
-            if code == scripts.GRANTED:
+            if code == GRANTED:
                 self._granted(got, decode, prefill)
                 if waiting.done:
                     got.release()  # (it left meanwhile: its slots go back)
@@ -323,7 +357,7 @@ class FleetQueue(Generic[Placed]):
             else:
                 self._release(got)
                 waiting.blocked = reply.blocked
-                if code == scripts.NOT_FIRST:
+                if code == NOT_FIRST:
                     self._behind[model] = self.clock.seconds()
             if model in self._again:
                 self._again.discard(model)
@@ -334,11 +368,14 @@ class FleetQueue(Generic[Placed]):
             self._release(got)
             failure.trap(Unshared)
 
-        sent = self.replicas.call(scripts.PLACE, args, "place", read_placement)
+        sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
 
-    def _end(self, waiting: FleetWaiting[Placed], outcome: str, leave: bool = True) -> None:
-        """It leaves the fleet's queue, ``outcome`` said of it ("": moved to this replica's)."""
+    def _end(
+        self, waiting: FleetWaiting[H], outcome: QueueOutcome | None, leave: bool = True
+    ) -> None:
+        """It leaves the fleet's queue, ``outcome`` said of it (None: moved to this
+        replica's)."""
         if waiting.done:
             return
         waiting.done = True
@@ -347,25 +384,24 @@ class FleetQueue(Generic[Placed]):
             mine.remove(waiting)
         if waiting.timer is not None and waiting.timer.active():
             waiting.timer.cancel()
-        if outcome:
+        if outcome is not None:
             self.told(outcome, self.clock.seconds() - waiting.arrived, waiting.ticket)
         if leave:
             self._leave(waiting)
 
-    def _leave(self, waiting: FleetWaiting[Placed]) -> None:
+    def _leave(self, waiting: FleetWaiting[H]) -> None:
         if not self.replicas.is_shared or not waiting.member:
             return  # (written back without it when Redis answers again)
-        ticket = waiting.ticket
-        args = [waiting.model, ticket.priority, waiting.member]
-        self.replicas.call(scripts.LEAVE, args, "leave").addErrback(lambda f: f.trap(Unshared))
+        sent = leave(self.replicas, waiting.model, waiting.ticket.priority, waiting.member)
+        sent.addErrback(lambda f: f.trap(Unshared))
 
-    def _expire(self, waiting: FleetWaiting[Placed]) -> None:
+    def _expire(self, waiting: FleetWaiting[H]) -> None:
         if waiting.done:
             return
         self._end(waiting, TIMED_OUT)
         waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
 
-    def _left(self, waiting: FleetWaiting[Placed]) -> None:
+    def _left(self, waiting: FleetWaiting[H]) -> None:
         """Its client left: out of the queue, nothing sent for it (slots Redis gives it
         meanwhile go back)."""
         waiting.gone = True

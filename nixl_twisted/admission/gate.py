@@ -6,26 +6,36 @@ The steps, in order: ``Tenancy.admit`` (whose it is, 429 past its tenant's limit
 flight, counted over every replica with ``--replicas-redis``, requests and tokens per
 minute, in Redis with ``--limits-redis``), ``admit`` (503 past ``--max-in-flight``, or while
 draining), the work (a two-leg completion then waits in the fair queue for its slots:
-``exchange.slots``), ``release``.
+``slots``), ``release``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 from typing import TypeVar
 
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.web.server import Request
 
+from nixl_twisted.admission.tenancy import Tenancy
 from nixl_twisted.config import NO_RULE, ProxyConfig, TenantRule
 from nixl_twisted.config.words import counted
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
-from nixl_twisted.web.tenancy import Tenancy
 
 T = TypeVar("T")
+
+
+class Counted(Enum):
+    """What a request is counted in: its tenant's limits and ``--max-in-flight`` (``ALL``),
+    or its tenant's only (``TENANT``: the proxy's own listing of the instances' models is
+    no instance's work, so it is served past ``--max-in-flight`` and while draining)."""
+
+    ALL = "all"
+    TENANT = "tenant"
 
 
 class Admission:
@@ -58,15 +68,21 @@ class Admission:
         path: str,
         completion: Completion | None,
         work: Callable[[TenantRule], Deferred[T]],
+        counted: Counted = Counted.ALL,
     ) -> Deferred[T]:
         """A route's one step of admission: its tenant admitted (at once, or once Redis has
-        said), then a slot taken, ``work`` run with the tenant's rule, the slot given back.
+        said), then a slot taken, ``work`` run with the tenant's rule, the slot given back
+        (``counted``: ``TENANT``, no slot).
 
         ``completion`` None: a request that generates no tokens (models, tokenize, a stored
         response), held to its tenant's in flight and requests per minute only.
         """
         tenancy = self.tenancy
         admitted = tenancy.admit(request, path, completion) if tenancy is not None else NO_RULE
+        if counted is Counted.TENANT:
+            if isinstance(admitted, Deferred):
+                return admitted.addCallback(work)
+            return maybeDeferred(work, admitted)
         if isinstance(admitted, Deferred):
             return admitted.addCallback(lambda rule: self.serve(lambda: work(rule)))
         return self.serve(lambda: work(admitted))
