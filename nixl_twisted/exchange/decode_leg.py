@@ -216,7 +216,8 @@ class DecodeLeg:
         broke = Break(failed, instance.url, caught, held)
         if not isinstance(failed, InstanceDown):
             # A broken answer counts toward marking its instance down, as any failed leg.
-            pool.record_failure(instance, f"its answer {broke.reason}")
+            said = f"stalled ({broke.reason})" if broke.silent else broke.reason
+            pool.record_failure(instance, f"its answer {said}")
         return await self._broken(broke, instance)
 
     async def _relayed(

@@ -35,6 +35,7 @@ class FirstContact:
 
     def failed(self, said: str) -> None:
         """Redis could not be used (``said``: how, in words), before it ever answered."""
+        said = said.rstrip(". ")  # (Redis ends its errors with a stop; the line goes on)
         self.problem = said
         fix = fix_for(said, self.url)
         if (fix or said) in self._said or (fix is None and self._fixes):

@@ -52,6 +52,7 @@ def fix_for(said: str, url: str) -> str | None:
         )
     if tls and "tls with" in text:
         return "the port did not speak TLS: use redis:// for a plain port, rediss:// for TLS"
-    if not tls and "lost connection" in text:
+    if not tls and ("lost connection" in text or "closed during" in text):
+        # (a TLS port closes a plain connection at its first command: AUTH, or SELECT)
         return "Redis closed the connection unanswered: use rediss:// if the port speaks TLS"
     return None

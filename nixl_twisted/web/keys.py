@@ -144,7 +144,7 @@ class ClientKeys:
             return
         self._problem = problem
         log.error(
-            "--api-keys-file cannot be used: {error}; {kept} in effect until it can be read",
+            "--api-keys-file cannot be used: {error}; keeping {kept} until it can be read",
             path=self._file.path if self._file is not None else None,
             error=problem,
             kept=f"the {counted(len(self._from_file), 'key')} it gave"

@@ -92,7 +92,7 @@ def test_a_broken_file_is_logged_once_per_error_and_its_mending_once(
         (
             LogLevel.error,
             f"--api-keys-file cannot be used: {path}:1: a key, then at most a tenant's name; "
-            "the 1 key it gave in effect until it can be read",
+            "keeping the 1 key it gave until it can be read",
         )
     ]
     assert tenant(keys, "sk-a") == "team-a"  # kept meanwhile
@@ -137,7 +137,7 @@ def test_a_half_written_file_keeps_the_keys_in_effect_and_says_so(
             LogLevel.error,
             f"--api-keys-file cannot be used: {path}: its last line does not end in a newline "
             "(a file still being written?); write it whole, then rename it into place; "
-            "the 1 key it gave in effect until it can be read",
+            "keeping the 1 key it gave until it can be read",
         )
     ]
     assert (tenant(keys, "sk-a"), tenant(keys, "sk-be"), tenant(keys, "sk-c")) == (
@@ -294,7 +294,7 @@ def test_a_mistaken_line_at_start_stops_the_proxy_and_at_a_reload_keeps_the_keys
             LogLevel.error,
             f"--api-keys-file cannot be used: {path}:2: this key is on line 1 already, under "
             "tenant 'team-a'; here under tenant 'team-b': give each key once; "
-            "the 1 key it gave in effect until it can be read",
+            "keeping the 1 key it gave until it can be read",
         )
     ]
     assert tenant(keys, "sk-a") == "team-a"

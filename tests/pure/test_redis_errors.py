@@ -66,6 +66,7 @@ def test_a_connection_not_made_names_its_cause() -> None:
         ),
         (TLS, "TLS with redis.example: no handshake within 1 s", "use redis:// for a plain"),
         (URL, "could not be reached (Lost connection)", "use rediss:// if the port speaks TLS"),
+        (URL, "the connection closed during AUTH", "use rediss:// if the port speaks TLS"),
     ],
 )
 def test_a_mistake_in_the_url_names_its_fix(url: str, said: str, fix: str) -> None:
