@@ -303,6 +303,7 @@ class ProxyMetrics:
             self.disaggregation_decisions,
             self.routing_decisions,
             self.refused,
+            self.ttft_outcomes,
         )
         if self._shared_dir is None:
             return [family for metric in wanted for family in metric.collect()]
