@@ -86,8 +86,8 @@ class TenantsConfig:
     max_in_flight: int
     requests_per_minute: int
     tokens_per_minute: int
-    #: Each listed tenant's own: (name, in flight, requests, tokens, priority, weight, salt);
-    #: -1 (None for the priority, the weight and the salt): the default.
+    #: Each listed tenant's own: (name, in flight, requests, tokens, priority, weight, salt,
+    #: first-token target, class); -1 (None for the rest): the default.
     table: tuple[TenantRow, ...] = ()
     #: The vLLM ``priority`` of every tenant's requests (None: the client's own).
     priority: int | None = None

@@ -319,8 +319,8 @@ SETTINGS: tuple[Setting, ...] = (
         tenant_table,
         help=(
             "Each tenant's own limits, [tenants.NAME] tables in the file (max-in-flight, "
-            "requests-per-minute, tokens-per-minute, priority, weight, cache-salt), JSON on "
-            "the command line."
+            "requests-per-minute, tokens-per-minute, priority, weight, cache-salt, ttft-slo-ms, "
+            "class), JSON on the command line."
         ),
     ),
     Setting(

@@ -7,6 +7,7 @@ Each parser takes its own output as input, as ``values``' do.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -116,7 +117,7 @@ def cache_salt(value: object) -> str:
 #: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
 TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
 #: What else a tenant's table may say.
-TENANT_KEYS = (*TENANT_LIMITS, "priority", "weight", "cache-salt")
+TENANT_KEYS = (*TENANT_LIMITS, "priority", "weight", "cache-salt", "ttft-slo-ms", "class")
 
 
 class TenantRow(NamedTuple):
@@ -133,14 +134,20 @@ class TenantRow(NamedTuple):
     priority: int | None = None
     weight: float | None = None
     cache_salt: str | None = None
+    #: Its requests' first-token target in ms when they name none (None: none), and the
+    #: class its first-token outcomes are counted under (None: its priority's).
+    ttft_slo_ms: int | None = None
+    tenant_class: str | None = None
 
 
 @dataclass(frozen=True)
 class TenantRule:
     """One tenant's rule in effect, from the configuration to its requests' ``Completion``
     and their place in the fair queue: its limits (0: none), the vLLM priority of its
-    requests (None: unset), its weight in the fair queue and its ``cache_salt`` (None: none).
-    A request with no tenant has ``NO_RULE``."""
+    requests (None: unset), its weight in the fair queue, its ``cache_salt`` (None: none),
+    the first-token target of its requests that name none (None: none) and the class its
+    first-token outcomes are counted under ("": its priority's). A request with no tenant
+    has ``NO_RULE``."""
 
     max_in_flight: int = 0
     requests_per_minute: int = 0
@@ -148,6 +155,16 @@ class TenantRule:
     priority: int | None = None
     weight: float = 1.0
     cache_salt: str | None = None
+    ttft_slo_ms: int | None = None
+    tenant_class: str = ""
+
+    @property
+    def outcome_class(self) -> str:
+        """The ``tenant_class`` label of its first-token outcomes: its ``class``, else
+        ``priority-N``, else ``default`` (never a tenant's name: the metric stays small)."""
+        if self.tenant_class:
+            return self.tenant_class
+        return "default" if self.priority is None else f"priority-{self.priority}"
 
     @property
     def counted(self) -> bool:
@@ -163,6 +180,8 @@ class TenantRule:
             self.priority if row.priority is None else row.priority,
             1.0 if row.weight is None else row.weight,
             row.cache_salt,
+            row.ttft_slo_ms,
+            row.tenant_class or "",
         )
 
 
@@ -178,12 +197,36 @@ def weight(value: object) -> float:
     return float(number)
 
 
+def ttft_slo_ms(value: object) -> int:
+    """A first-token target in ms: a whole number above 0, at most an hour (3600000), as a
+    request's ``x-slo-ttft-ms`` (``protocol.targets``)."""
+    number = as_number(value, int, "a whole number of ms")
+    if not 0 < number <= 3_600_000:
+        raise InvalidValue(f"must be above 0 and at most 3600000 (ms), not {value!r}")
+    return int(number)
+
+
+#: A tenant class, as a metric's label value: short, plain.
+_CLASS = re.compile(r"[A-Za-z0-9_.-]{1,32}")
+
+
+def tenant_class(value: object) -> str:
+    """A tenant's class, the label its first-token outcomes are counted under: 1 to 32
+    ASCII letters, digits and ``_.-``."""
+    name = text(value)
+    if _CLASS.fullmatch(name) is None:
+        raise InvalidValue(f"must be 1 to 32 ASCII letters, digits and _.-, not {name!r}")
+    return name
+
+
 def tenant_table(value: object) -> tuple[TenantRow, ...]:
     """``[tenants.NAME]`` tables (or the same as JSON text, or this parser's own output):
     each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``
     (one left out is the default's, -1), its vLLM ``priority`` (None: the default's),
-    its ``weight`` in the fair queue (None: 1) and its ``cache-salt`` (None: none), as
-    (name, in flight, requests, tokens, priority, weight, salt), sorted by name."""
+    its ``weight`` in the fair queue (None: 1), its ``cache-salt`` (None: none), its
+    requests' first-token target ``ttft-slo-ms`` (None: none) and its ``class`` (None: its
+    priority's), as (name, in flight, requests, tokens, priority, weight, salt, target,
+    class), sorted by name."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -191,9 +234,10 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             raise InvalidValue("must be a table of tenants (JSON on the command line)") from None
     if isinstance(value, list | tuple):
         rows = [tuple(row) for row in value]
-        if not all(len(row) == 7 and isinstance(row[0], str) for row in rows):
+        if not all(len(row) == 9 and isinstance(row[0], str) for row in rows):
             raise InvalidValue(
-                "must be rows of (tenant, in flight, requests, tokens, priority, weight, salt)"
+                "must be rows of (tenant, in flight, requests, tokens, priority, weight, salt, "
+                "target, class)"
             )
         value = {
             row[0]: {
@@ -229,6 +273,16 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             salt = None if limits.get("cache-salt") is None else cache_salt(limits["cache-salt"])
         except InvalidValue as error:
             raise InvalidValue(f"{where}cache-salt {error}") from None
+        try:
+            given_ms = limits.get("ttft-slo-ms")
+            target = None if given_ms is None else ttft_slo_ms(given_ms)
+        except InvalidValue as error:
+            raise InvalidValue(f"{where}ttft-slo-ms {error}") from None
+        try:
+            named = None if limits.get("class") is None else tenant_class(limits["class"])
+        except InvalidValue as error:
+            raise InvalidValue(f"{where}class {error}") from None
         in_flight, requests, tokens = numbers
-        table.append(TenantRow(str(name), in_flight, requests, tokens, own, share, salt))
+        row = TenantRow(str(name), in_flight, requests, tokens, own, share, salt, target, named)
+        table.append(row)
     return tuple(sorted(table, key=lambda row: row.name))

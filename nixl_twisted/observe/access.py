@@ -22,6 +22,7 @@ from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.lowering import printable
 from nixl_twisted.protocol.phases import Phase
 from nixl_twisted.protocol.routes import route_label
+from nixl_twisted.protocol.targets import Target
 from nixl_twisted.protocol.usage import Usage
 
 log = Logger(namespace="nixlproxy.access")
@@ -62,6 +63,12 @@ class AccessRecord:
     phase: Phase | None = None
     #: What went wrong, in words, when the proxy answered 5xx or broke off.
     error: str | None = None
+    #: The proxy refused it (an ``overloaded_error``: a limit, a full queue, draining).
+    refused: bool = False
+    #: Its first-token target (None: none), and the class its outcome is counted under
+    #: (``TenantRule.outcome_class``).
+    ttft_target: Target | None = None
+    tenant_class: str = "default"
     trace: RequestTrace = NO_TRACE
     #: How it ended, when not simply answered: "broken" (the backend broke
     #: off its answer), "client_left", "client_slow" (its client read nothing
@@ -164,6 +171,10 @@ class AccessLog:
         if route in routes.TWO_LEG and not client_left:
             self.metrics.request_seconds.observe(elapsed)
         record.trace.end(request, record)
+        target = record.ttft_target
+        if target is not None:
+            outcome = ttft_outcome(target, record, request.code)
+            self.metrics.child(self.metrics.ttft_outcomes, record.tenant_class, outcome).inc()
         if not self.emit:
             return
         path = request.path.decode("utf-8", "replace")
@@ -208,9 +219,23 @@ class AccessLog:
             fields["migrations"] = record.migrations
         if record.migration is not None:
             fields["migration"] = record.migration
+        if target is not None:
+            fields["ttft_target_ms"] = target.ms
+            fields["ttft_target_from"] = target.came_from
+            fields["ttft_outcome"] = outcome
         # Rendered here: Twisted's own formatting of fifteen fields costs
         # several times more, on every request.
         log.info("{access_line}", access_line=access_line(fields), access=fields)
+
+
+def ttft_outcome(target: Target, record: AccessRecord, status: int) -> str:
+    """How a request with a target fared: its first byte ``on_time`` or ``late`` (the time
+    from its arrival, ``AccessLog.first_byte``), else ``refused`` (a 4xx, or the proxy's own
+    refusal) or ``failed`` (a 5xx, or no byte written before it ended)."""
+    first_byte = record.time_to_first_byte_seconds
+    if status < 400 and first_byte is not None:
+        return "on_time" if first_byte * 1000 <= target.ms else "late"
+    return "refused" if record.refused or 400 <= status < 500 else "failed"
 
 
 _TOKENS = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -256,6 +281,8 @@ def access_line(f: dict[str, Any]) -> str:
         parts.append(f"migrated=[{'; '.join(f['migrations'])}]")
     if "migration" in f:
         parts.append(f"migration={quoted(f['migration'])}")
+    if "ttft_outcome" in f:
+        parts.append(f"ttft={f['ttft_outcome']} ({f['ttft_target_ms']}ms {f['ttft_target_from']})")
     if "ended" in f:
         parts.append(f"ended={f['ended']}")
     return " ".join(parts)

@@ -64,6 +64,8 @@ class Sample:
     decisions: dict[tuple[str, str], float] = field(default_factory=dict)
     routing: dict[tuple[str, str], float] = field(default_factory=dict)
     refused: dict[str, float] = field(default_factory=dict)
+    #: First-token outcomes by (tenant class, outcome).
+    ttft: dict[tuple[str, str], float] = field(default_factory=dict)
 
 
 def sample_of(families: Iterable[Metric], now: float) -> Sample:
@@ -86,6 +88,8 @@ def sample_of(families: Iterable[Metric], now: float) -> Sample:
                 _add(taken.routing, (labels["policy"], labels["decision"]), value)
             elif s.name == "nixlproxy_refused_total":
                 _add(taken.refused, labels["reason"], value)
+            elif s.name == "nixlproxy_ttft_outcomes_total":
+                _add(taken.ttft, (labels["tenant_class"], labels["outcome"]), value)
     return taken
 
 
@@ -144,6 +148,10 @@ def point(newer: Sample, older: Sample, before: Sample) -> dict[str, Any]:
     requests = newer.requests - older.requests
     requests = requests if requests >= 0 else newer.requests  # (a restart, from 0)
     refused = _grown(newer.refused, older.refused)
+    outcomes: dict[str, dict[str, int]] = {}
+    for (tenant_class, outcome), count in sorted(_grown(newer.ttft, older.ttft).items()):
+        if count:
+            outcomes.setdefault(tenant_class, {})[outcome] = round(count)
     return {
         "time": round(newer.time, 3),
         "requests_per_second": round(requests / seconds, 3),
@@ -163,6 +171,8 @@ def point(newer: Sample, older: Sample, before: Sample) -> dict[str, Any]:
         "refused_per_second": {
             reason: round(count / seconds, 3) for reason, count in sorted(refused.items()) if count
         },
+        "ttft_outcomes": outcomes,
+        "ttft_on_time": _shares(_grown(newer.ttft, before.ttft), "on_time".__eq__),
     }
 
 
@@ -215,6 +225,19 @@ class History(Service):
     def points(self) -> list[dict[str, Any]]:
         """The charts' points, oldest first (none until two samples are taken)."""
         return list(self._points)
+
+    def ttft_last_minute(self) -> dict[str, dict[str, int]]:
+        """First-token outcomes by tenant class, then outcome, over the last minute's points
+        (what was sampled of it: nothing before the page was first looked at)."""
+        since = self.clock.seconds() - 60.0
+        summed: dict[str, dict[str, int]] = {}
+        for taken in self._points:
+            if taken["time"] > since:
+                for tenant_class, outcomes in taken["ttft_outcomes"].items():
+                    into = summed.setdefault(tenant_class, {})
+                    for outcome, count in outcomes.items():
+                        into[outcome] = into.get(outcome, 0) + count
+        return summed
 
     def _stop(self) -> None:
         if self._loop is not None and self._loop.running:

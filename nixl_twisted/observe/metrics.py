@@ -86,6 +86,14 @@ class ProxyMetrics:
             ["route", "status", "model"],
             registry=r,
         )
+        self.ttft_outcomes = Counter(
+            "nixlproxy_ttft_outcomes",
+            "Two-leg requests with a first-token target, by their tenant's class (its "
+            "configured class, else its priority, never its name) and outcome: on_time, "
+            "late, refused or failed before a first byte.",
+            ["tenant_class", "outcome"],
+            registry=r,
+        )
         self.backend_requests = Counter(
             "nixlproxy_backend_requests",
             "Legs sent to each backend instance, by outcome "
@@ -295,6 +303,7 @@ class ProxyMetrics:
             self.disaggregation_decisions,
             self.routing_decisions,
             self.refused,
+            self.ttft_outcomes,
         )
         if self._shared_dir is None:
             return [family for metric in wanted for family in metric.collect()]

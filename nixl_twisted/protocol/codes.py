@@ -87,6 +87,13 @@ class ErrorCode(enum.Enum):
         "a `cache_salt` vLLM would refuse: not a non-empty string of at most 128 characters "
         "without `@`, `/`, `\\` or NUL",
     )
+    INVALID_TTFT_TARGET = (
+        "invalid_ttft_target",
+        400,
+        _CLIENT,
+        "a first-token target (`x-slo-ttft-ms` or an alias) that is not a whole number of "
+        "ms above 0 and at most 3600000",
+    )
     TOO_MANY_PROMPTS = (
         "too_many_prompts",
         400,

@@ -25,6 +25,7 @@ from nixl_twisted.protocol import charges, lowering, routes, salts, token_ids
 from nixl_twisted.protocol.lowering import BatchRequest, JSONObject
 from nixl_twisted.protocol.prompts import Measured, Rendered, measure, render
 from nixl_twisted.protocol.resumable import Resumable, continued_body, resumable
+from nixl_twisted.protocol.targets import FROM_TENANT, Target
 
 #: The facts a variant keeps (they read the prompt, which no variant changes).
 _KEPT = ("measured", "rendered")
@@ -54,6 +55,9 @@ class Completion:
     #: A chat continued on another decode instance (``continued``): the ids of its prompt
     #: and of the tokens relayed, which both legs carry instead of its messages rendered.
     resumed: tuple[int, ...] | None = None
+    #: Its first token's target from its arrival, and where it came from (None: none):
+    #: a header's (``protocol.targets``), else its tenant's ``ttft-slo-ms``.
+    ttft_target: Target | None = None
 
     @property
     def model(self) -> object:
@@ -105,8 +109,8 @@ class Completion:
     def admitted(self, tenant: str, rule: TenantRule) -> Completion:
         """As its tenant's ``rule`` sends it: with the tenant's vLLM ``priority`` and
         ``cache_salt`` (both legs are lowered from it; ``salts.combined`` with the client's
-        own), a stream asking for its usage when the tenant's tokens count, and its tenant's
-        place in the fair queue."""
+        own), a stream asking for its usage when the tenant's tokens count, its tenant's
+        place in the fair queue, and its tenant's first-token target when it named none."""
         body = self.body
         if rule.priority is not None:
             body = lowering.with_priority(self.path, body, rule.priority)
@@ -115,7 +119,9 @@ class Completion:
             own = salts.combined(rule.cache_salt, self.salt)
             body = dict(body, cache_salt=own)
         asked = lowering.usage_asked(self.path, body) if rule.tokens_per_minute else None
-        queued = {"tenant": tenant, "rule": rule, "salt": own}
+        queued: dict[str, Any] = {"tenant": tenant, "rule": rule, "salt": own}
+        if self.ttft_target is None and rule.ttft_slo_ms is not None:
+            queued["ttft_target"] = Target(rule.ttft_slo_ms, FROM_TENANT)
         if asked is not None:
             return self._variant(body=asked, hides_usage=True, **queued)
         return self._variant(body=body, **queued)
@@ -189,12 +195,14 @@ def read_completion(
     max_batch_prompts: int,
     served: Callable[[object], str | None] = lambda model: None,
     max_n: int = 128,
+    target: Target | None = None,
 ) -> Completion:
     """A two-leg route's body read: a ``ProxyError`` (400) for one the proxy cannot serve
     (``max_n``: the choices a prompt may ask for, ``--max-n``).
 
     ``served``: the model its instances must serve, given the one the body
-    names (raising the route's refusal when none serves it).
+    names (raising the route's refusal when none serves it); ``target``: its first-token
+    target, as its headers name it (``protocol.targets``).
     """
     body = lowering.parse_client_body(raw)
     lowering.check_servable(path, body)
@@ -202,7 +210,7 @@ def read_completion(
     model = served(body.get("model"))
     batch = lowering.batch_of(path, body, max_batch_prompts)
     salt = salts.client_salt(body)
-    return Completion(path, body, request_id, batch, model, salt=salt)
+    return Completion(path, body, request_id, batch, model, salt=salt, ttft_target=target)
 
 
 @dataclass(frozen=True)

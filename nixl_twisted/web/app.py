@@ -284,6 +284,8 @@ class ProxyApp:
             # usage, asked for the proxy's sake), and in its tenant's place in the queue.
             tenant = record.tenant
             admitted = read if tenant is None else read.admitted(tenant, rule)
+            if admitted.ttft_target is not None:  # (its outcome counted in its tenant's class)
+                record.ttft_target, record.tenant_class = admitted.ttft_target, rule.outcome_class
             return self.serving.completion(request, admitted, trace)
 
         return self.admission.request(request, path, read, serve)
@@ -299,9 +301,11 @@ class ProxyApp:
         """A ``ProxyError``, as the route's JSON error; a refusal counted, a 5xx logged."""
         error = failure.value
         assert isinstance(error, ProxyError)
-        record_of(request).error = error.detail
+        record = record_of(request)
+        record.error = error.detail
         code = error.code
         if code.error_type == "overloaded_error":
+            record.refused = True
             self.refusals.refused(code, error.message)
         elif error.status >= 500:
             said = f"{error.status} {code.value} for {_request_id(request)}: {error.detail}"

@@ -123,6 +123,7 @@ class StatusPage:
                 "window_seconds": WINDOW,
                 "points": self.history.points(),
             },
+            "ttft_last_minute": self.history.ttft_last_minute(),
             "warnings": self.warnings.newest_first(),
         }
 

@@ -178,6 +178,25 @@ def test_refusals_are_charted_by_reason(setup: Setup) -> None:
     assert point["refused_per_second"] == {}  # (a 404 is not a refusal of load)
 
 
+def test_first_token_outcomes_are_charted_and_summed_by_tenant_class(setup: Setup) -> None:
+    status(setup)
+    within = {"x-slo-ttft-ms": "3600000"}
+    assert setup.post("/v1/chat/completions", FULL_CHAT, within).answer().status == 200
+    assert setup.post("/v1/chat/completions", FULL_CHAT, within).answer().status == 200
+    assert setup.post("/v1/chat/completions", b"{", within).answer().status == 400
+    assert setup.post("/v1/chat/completions", FULL_CHAT).answer().status == 200  # (no target)
+    setup.proxy.advance(1)
+    said = status(setup)
+    point = said["history"]["points"][-1]
+    assert point["ttft_outcomes"] == {"default": {"on_time": 2, "refused": 1}}
+    assert point["ttft_on_time"] == {"default": 0.6667}
+    assert said["ttft_last_minute"] == {"default": {"on_time": 2, "refused": 1}}
+    for _ in range(61):
+        setup.proxy.advance(1)
+        status(setup)
+    assert status(setup)["ttft_last_minute"] == {}  # (a minute on, nothing new)
+
+
 # -- tenants and warnings -----------------------------------------------------------------
 
 

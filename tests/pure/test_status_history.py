@@ -34,6 +34,18 @@ def test_a_point_reads_rates_over_a_second_and_shares_over_its_window() -> None:
     assert said["refused_per_second"] == {"queue_full": 2.0}
     assert said["prefix_hit_rate"] == {"cache-aware": 0.75}
     assert said["first_token_p50"] is None  # (nothing observed)
+    assert (said["ttft_outcomes"], said["ttft_on_time"]) == ({}, {})
+
+
+def test_first_token_outcomes_are_counted_a_second_and_shared_over_the_window() -> None:
+    before = Sample(0.0, ttft={("gold", "on_time"): 1.0})
+    older = Sample(9.0, ttft={("gold", "on_time"): 4.0, ("gold", "late"): 1.0})
+    newer = Sample(
+        10.0, ttft={("gold", "on_time"): 6.0, ("gold", "late"): 2.0, ("default", "failed"): 1.0}
+    )
+    said = point(newer, older, before)
+    assert said["ttft_outcomes"] == {"default": {"failed": 1}, "gold": {"late": 1, "on_time": 2}}
+    assert said["ttft_on_time"] == {"default": 0.0, "gold": 0.7143}  # 5 of 7 in the window
 
 
 def test_a_counter_that_went_back_is_a_restart_not_a_negative_rate() -> None:

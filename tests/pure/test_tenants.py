@@ -124,11 +124,14 @@ def test_the_tenant_table_with_priorities_survives_the_workers_json() -> None:
     config = ProxyConfig.create(
         prefill=["http://p:1"],
         decode=["http://d:1"],
-        tenants={"vip": {"priority": -3, "cache-salt": "v"}, "free": {"requests-per-minute": 2}},
+        tenants={
+            "vip": {"priority": -3, "cache-salt": "v", "ttft-slo-ms": 500, "class": "gold"},
+            "free": {"requests-per-minute": 2},
+        },
     )
     assert config.tenants.table == (
-        ("free", -1, 2, -1, None, None, None),
-        ("vip", -1, -1, -1, -3, None, "v"),
+        ("free", -1, 2, -1, None, None, None, None, None),
+        ("vip", -1, -1, -1, -3, None, "v", 500, "gold"),
     )
     assert ProxyConfig.from_json(config.to_json()).tenants == config.tenants
 

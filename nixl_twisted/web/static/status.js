@@ -209,7 +209,10 @@
       }),
       chart("decode-only share, by reason", "", p, function (x) { return x.decode_only; }),
       chart("prefix-cache hit rate, by policy", "", p, function (x) { return x.prefix_hit_rate; }),
-      chart("refusals per second, by reason", "/s", p, function (x) { return x.refused_per_second; })
+      chart("refusals per second, by reason", "/s", p, function (x) { return x.refused_per_second; }),
+      chart("first tokens on time, share by tenant class", "", p, function (x) {
+        return x.ttft_on_time;
+      })
     );
   }
 
