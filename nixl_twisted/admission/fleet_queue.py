@@ -11,6 +11,11 @@ waits anywhere and both its slots are free in Redis (taken by the same script,
 or neither). Its instances are chosen here, by the pools' policies, among
 those the fleet's view says have room (``shared_slots``).
 
+At each heartbeat, this replica gives back each place in the fleet's queue
+and each lease that Redis records it holding and it does not hold (forged by
+a writer to Redis, or left by a call it gave up on), once every placement
+it has sent is answered (one just granted or queued is held here only then).
+
 While Redis does not answer, requests wait in this replica's own queue
 (``FairQueue``), the caps held to their static share; those that waited in
 the fleet's move there, and are let go by it.
@@ -47,7 +52,8 @@ from nixl_twisted.admission.fair_queue import (
 from nixl_twisted.admission.fleet_alone import AloneQueue
 from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
 from nixl_twisted.admission.shared_slots import SharedSlots
-from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.fleet.heartbeat import Own
+from nixl_twisted.fleet.replicas import Replicas, Unanswered, Unshared
 from nixl_twisted.fleet.scripts import (
     GRANTED,
     NOT_FIRST,
@@ -105,8 +111,11 @@ class FleetQueue(Generic[H]):
         self._grants: list[float] = []
         #: Where requests wait while Redis does not answer.
         self.alone_queue = AloneQueue(local, self._keep, lambda: replicas.first.reached)
+        #: Its placements sent and not answered yet.
+        self._placing = Unanswered()
         replicas.hold(self)
         replicas.on_freed(self._freed)
+        replicas.on_records(self._records)
 
     # -- FairQueue's face ---------------------------------------------------------------
 
@@ -200,8 +209,39 @@ class FleetQueue(Generic[H]):
                 self.alone_queue.take(waiting)
             failure.trap(Unshared)
 
+        self._place(ask, said, alone)
+
+    def _place(
+        self, ask: PlaceAsk, said: Callable[[PlaceReply], None], alone: Callable[[Failure], None]
+    ) -> None:
+        """``PLACE`` sent, its answer taken in by ``said`` (or ``alone``) before it counts as
+        answered."""
+        call = self._placing.sent()
         sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
+        sent.addBoth(lambda _: self._placing.answered(call))
+
+    def _records(self, own: Own) -> None:
+        """A heartbeat said what Redis records this replica holds: each place in the queue
+        and each lease it does not hold goes back, once every placement sent is answered."""
+
+        def reconciled() -> None:
+            held = {
+                f"{w.model}\n{w.ticket.priority}\n{w.member}"
+                for ws in self._mine.values()
+                for w in ws
+                if w.member
+            }
+            for record in own.waits:
+                parts = record.split("\n", 2)
+                if record in held or len(parts) != 3:
+                    continue
+                model, prio, member = parts
+                sent = leave(self.replicas, model, prio, member)
+                sent.addErrback(lambda f: f.trap(Unshared))
+            self.slots.reconcile(own.leases)
+
+        self._placing.after(reconciled)
 
     def pump(self) -> None:
         """Slots may have freed: this replica's first request of each model is tried (and,
@@ -368,8 +408,7 @@ class FleetQueue(Generic[H]):
             self._release(got)
             failure.trap(Unshared)
 
-        sent = place(self.replicas, ask)
-        sent.addCallbacks(said, alone).addErrback(_unexpected)
+        self._place(ask, said, alone)
 
     def _end(
         self, waiting: FleetWaiting[H], outcome: QueueOutcome | None, leave: bool = True

@@ -240,12 +240,16 @@ def build(
     windows = None
     if config.tenants.redis is not None:
         windows = SharedWindows(config.tenants.redis, clock, reactor, metrics)
+    shared_tenants = None
+    if replicas is not None:
+        shared_tenants = SharedTenants(replicas)
+        replicas.on_records(shared_tenants.records)  # (a place Redis records, not held here)
     tenancy = Tenancy(
         keys,
         limits,
         lambda model: context_length(model, backends.decode.instances),
         windows,
-        SharedTenants(replicas) if replicas is not None else None,
+        shared_tenants,
     )
     # Admission, one step for every route: the tenant, then --max-in-flight (``admission.gate``).
     admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)
