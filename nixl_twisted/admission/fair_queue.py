@@ -274,7 +274,7 @@ class FairQueue(Generic[T]):
 
     def withdraw(self, deferred: Deferred[T]) -> bool:
         """The request waiting on ``deferred`` leaves, nothing said or fired: it waits
-        elsewhere now (``fleet_queue``, when Redis answers again); whether it was here."""
+        elsewhere now (``shared_queue``, when Redis answers again); whether it was here."""
         for queue in self._models.values():
             for *_, waiting in queue.heap:
                 if waiting.deferred is deferred and not waiting.done:

@@ -1,4 +1,4 @@
-"""One of a replica's requests in the fleet's queue (``fleet_queue``)."""
+"""One of a replica's requests in the fleet's queue (``shared_queue``)."""
 
 from __future__ import annotations
 

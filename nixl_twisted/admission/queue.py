@@ -1,7 +1,7 @@
 """``SlotQueue``: where completions wait for their slots in the fair order.
 
 Two stores, one interface: this process's queue (``fair_queue``) or every
-replica's through ``--replicas-redis`` (``fleet_queue``), chosen once at the
+replica's through ``--replicas-redis`` (``shared_queue``), chosen once at the
 composition root. ``Slots`` never asks which it holds.
 """
 

@@ -41,8 +41,8 @@ from nixl_twisted.admission import (
     Admission,
     Claim,
     FairQueue,
-    FleetQueue,
     QueueOutcome,
+    SharedQueue,
     SharedSlots,
     SharedTenants,
     SharedWindows,
@@ -209,11 +209,11 @@ def build(
     # --replicas-redis: this process is one replica of the proxy; caps, queue, routing view
     # and stored responses the fleet's.
     per_tenant = config.limits.responses_per_tenant
-    replicas, fleet_slots, routes, fleet_admin = None, None, None, None
+    replicas, shared_slots, routes, fleet_admin = None, None, None, None
     responses = ResponseDirectory(per_owner=per_tenant)
     if config.replicas.redis is not None:
         replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
-        fleet_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
+        shared_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
         outbox = Outbox(replicas, reactor, metrics.replicas, per_tenant)
         routes = SharedRoutes(replicas, outbox, backends.pools, kv, metrics.replicas)
         fleet_admin = FleetAdmin(replicas, backends, config, metrics.replicas)
@@ -223,11 +223,11 @@ def build(
     said = partial(_queue_said, metrics)
     capacity = config.capacity
     local: FairQueue[Placed] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, said)
-    queue: FairQueue[Placed] | FleetQueue[Placed] = local
-    if replicas is not None and fleet_slots is not None:
+    queue: FairQueue[Placed] | SharedQueue[Placed] = local
+    if replicas is not None and shared_slots is not None:
         decode = backends.decode
         serves = lambda m: named(m, decode.instances)  # noqa: E731
-        queue = FleetQueue(clock, local, replicas, fleet_slots, said, serves)
+        queue = SharedQueue(clock, local, replicas, shared_slots, said, serves)
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
     slots = Slots(backends, clock, queue)
     metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))

@@ -1,4 +1,4 @@
-"""``FleetQueue``: one fair queue for every replica, its order and its slots kept in Redis.
+"""``SharedQueue``: one fair queue for every replica, its order and its slots kept in Redis.
 
 The order is ``fair_queue``'s (priority, then weighted fair queueing between
 tenants by one virtual clock per model, then first come, first served), kept
@@ -76,7 +76,7 @@ log = Logger()
 BEHIND = 1.0
 
 
-class FleetQueue(Generic[H]):
+class SharedQueue(Generic[H]):
     """Requests waiting for slots in the fleet's order; this replica's own queue while alone."""
 
     def __init__(
