@@ -243,9 +243,10 @@ def heartbeat(
 
 def read_beat(reply: object) -> Beat:
     """``HEARTBEAT``'s reply, each part checked (``WrongReply`` when one is not as written)."""
-    if not isinstance(reply, Sequence) or len(reply) != 8:
+    # (Its own records may be left off, as by a stand-in for Redis: then none is given back.)
+    if not isinstance(reply, Sequence) or len(reply) not in (7, 8):
         raise WrongReply(reply)
-    mine, purged, live, view, version, dead, waiting, own = reply
+    mine, purged, live, view, version, dead, waiting, own = (*reply, ([], [], []))[:8]
     if not isinstance(live, Sequence) or not isinstance(dead, Sequence) or len(live) % 2:
         raise WrongReply(reply)
     if not isinstance(own, Sequence) or len(own) != 3:
