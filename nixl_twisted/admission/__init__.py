@@ -12,7 +12,7 @@ rest of the house uses what ``__all__`` names; the scripts these run
 are called from inside this room only.
 """
 
-from nixl_twisted.admission.fair_queue import AT_ONCE, Claim, FairQueue, QueueOutcome
+from nixl_twisted.admission.fair_queue import AT_ONCE, Claim, FairQueue, Pool, QueueOutcome
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
 from nixl_twisted.admission.queue import SlotQueue
@@ -30,6 +30,7 @@ __all__ = [
     "Counted",
     "FairQueue",
     "KeyTenants",
+    "Pool",
     "QueueOutcome",
     "SharedQueue",
     "SharedSlots",

@@ -73,6 +73,20 @@ class QueueOutcome(str, Enum):
 
 
 AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = QueueOutcome
+
+
+class Pool(str, Enum):
+    """The pool a placement found full, so that its request waits (the ``pool`` label of
+    the queue's gauges and ``PLACE``'s word for it: its value). A placement answers a plain
+    ``str`` too (a test's): the queues read either."""
+
+    DECODE = "decode"
+    PREFILL = "prefill"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
 KEPT_TAGS = 64
 
@@ -112,13 +126,13 @@ class Waiting(Generic[T]):
     """One request in the queue."""
 
     ticket: Claim
-    place: Callable[[], T | str]
+    place: Callable[[], T | Pool]
     finish: float
     arrived: float
     deferred: Deferred[T] = field(default_factory=Deferred)
     timer: IDelayedCall | None = None
-    #: The pool it found full last time it was tried ("decode" or "prefill").
-    blocked: str = ""
+    #: The pool it found full last time it was tried ("": none, it waits behind another).
+    blocked: Pool | str = ""
     done: bool = False
 
 
@@ -200,7 +214,7 @@ class FairQueue(Generic[T]):
         self._entered = entered
 
     def enter(
-        self, ticket: Claim, place: Callable[[], T | str], since: float | None = None
+        self, ticket: Claim, place: Callable[[], T | Pool], since: float | None = None
     ) -> T | Deferred[T]:
         """What ``place`` gives now, when nothing of its model waits ahead of it; else a
         Deferred that fires when it does, or fails with the 503 that says why not;
@@ -218,7 +232,7 @@ class FairQueue(Generic[T]):
                     queue.last = {t: f for t, f in queue.last.items() if f > queue.now}
                 self._let_go(ticket, 0.0, AT_ONCE)
                 return got
-            blocked = got
+            blocked: Pool | str = got
         else:
             blocked = ""
         if ticket.sheddable:
@@ -317,7 +331,7 @@ class FairQueue(Generic[T]):
                 continue
             if isinstance(got, str):
                 waiting.blocked = got
-                if got != "prefill":
+                if got != Pool.PREFILL:
                     break  # (every request of this model needs a decode slot)
                 passed.append(heapq.heappop(queue.heap))
                 continue

@@ -16,7 +16,7 @@ from typing import Generic
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
-from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.fair_queue import FairQueue, Pool
 from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
 from nixl_twisted.protocol.errors import ProxyError
 
@@ -87,10 +87,10 @@ class AloneQueue(Generic[H]):
 
         inner.addCallbacks(got, failed)
 
-    def _kept(self, place: Callable[[], H | str]) -> Callable[[], H | str]:
-        def placed() -> H | str:
+    def _kept(self, place: Callable[[], H | Pool]) -> Callable[[], H | Pool]:
+        def placed() -> H | Pool:
             if not self.reached():
-                return "decode"  # (its slots, once Redis counts them)
+                return Pool.DECODE  # (its slots, once Redis counts them)
             got = place()
             if not isinstance(got, str):
                 self.keep(got)

@@ -9,7 +9,7 @@ from typing import Generic, Protocol, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall
 
-from nixl_twisted.admission.fair_queue import Claim
+from nixl_twisted.admission.fair_queue import Claim, Pool
 from nixl_twisted.backends.pools import Lease
 
 
@@ -33,7 +33,7 @@ class FleetWaiting(Generic[H]):
     """One of this replica's requests, from its arrival until it has its slots."""
 
     ticket: Claim
-    place: Callable[[], H | str]
+    place: Callable[[], H | Pool]
     arrived: float
     deferred: Deferred[H]
     order: int
@@ -44,8 +44,8 @@ class FleetWaiting(Generic[H]):
     member: str = ""
     finish: float = 0.0
     timer: IDelayedCall | None = None
-    #: The pool it found full last time it was tried ("decode" or "prefill").
-    blocked: str = ""
+    #: The pool it found full last time it was tried ("": none, it waits behind another).
+    blocked: Pool | str = ""
     #: Its client left (while Redis was asked), or it has its slots, or it left the queue.
     gone: bool = False
     done: bool = False

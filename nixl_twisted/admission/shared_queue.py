@@ -42,6 +42,7 @@ from nixl_twisted.admission.fair_queue import (
     TIMED_OUT,
     Claim,
     FairQueue,
+    Pool,
     QueueOutcome,
     QueueReport,
     drain_seconds,
@@ -145,7 +146,7 @@ class SharedQueue(Generic[H]):
     def waiting(self) -> list[Any]:
         return [*self.local.waiting(), *(w for ws in self._mine.values() for w in ws)]
 
-    def enter(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
+    def enter(self, ticket: Claim, place: Callable[[], H | Pool]) -> H | Deferred[H]:
         """Slots for a new request: from the fleet's queue while Redis answers, else this
         replica's own."""
         answered: Deferred[H] = Deferred(lambda _: self._left(waiting))
@@ -307,7 +308,7 @@ class SharedQueue(Generic[H]):
 
     # -- inside -------------------------------------------------------------------------
 
-    def _names(self, got: H | str) -> tuple[SlotAsk, SlotAsk]:
+    def _names(self, got: H | Pool) -> tuple[SlotAsk, SlotAsk]:
         if isinstance(got, str):
             return SlotAsk("", 0, ""), SlotAsk("", 0, "")
         return self.slots.names(got.decode), self.slots.names(got.prefill)
@@ -316,7 +317,7 @@ class SharedQueue(Generic[H]):
         self,
         waiting: FleetWaiting[H],
         member: str,
-        got: H | str,
+        got: H | Pool,
         decode: SlotAsk,
         prefill: SlotAsk,
         sheddable: bool,
@@ -333,7 +334,7 @@ class SharedQueue(Generic[H]):
             sheddable=sheddable,
             queue_size=self.local.size,
             order=waiting.order,
-            blocked=got if isinstance(got, str) else "",
+            blocked=str(got) if isinstance(got, str) else "",
             decode=decode,
             prefill=prefill,
         )

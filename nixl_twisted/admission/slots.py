@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from nixl_twisted.admission.fair_queue import Claim, FairQueue
+from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
 from nixl_twisted.admission.fleet_waiting import Held
 from nixl_twisted.admission.shared_queue import SharedQueue
 from nixl_twisted.backends.service import BackendService
@@ -69,7 +69,7 @@ class Slots:
         """Whether any instance has a cap: else completions never wait here."""
         return self.backends.capped()
 
-    def take(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
+    def take(self, ticket: Claim, place: Callable[[], H | Pool]) -> H | Deferred[H]:
         """The slots ``place`` takes, now or once they free (``SlotQueue.enter``)."""
         return self.queue.enter(ticket, place)
 
