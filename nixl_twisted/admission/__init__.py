@@ -12,7 +12,7 @@ rest of the house uses what ``__all__`` names; the scripts these run
 are called from inside this room only.
 """
 
-from nixl_twisted.admission.fair_queue import AT_ONCE, Claim, FairQueue, Pool, QueueOutcome
+from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, QueueOutcome
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
 from nixl_twisted.admission.queue import SlotQueue
@@ -21,6 +21,7 @@ from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.shared_tenants import SharedTenants
 from nixl_twisted.admission.slots import Slots
 from nixl_twisted.admission.tenancy import KeyTenants, Tenancy
+from nixl_twisted.admission.waiting import Claim, Pool, Waiting
 from nixl_twisted.admission.windows import SharedWindows
 
 __all__ = [
@@ -40,5 +41,6 @@ __all__ = [
     "Slots",
     "Tenancy",
     "TenantLimits",
+    "Waiting",
     "read_secret",
 ]

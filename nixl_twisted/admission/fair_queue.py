@@ -38,12 +38,11 @@ from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 
-from nixl_twisted.config import NO_RULE, TenantRule
+from nixl_twisted.admission.waiting import Claim, Pool, Waiting
 from nixl_twisted.config.words import counted
 from nixl_twisted.protocol.codes import ErrorCode
-from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
@@ -75,65 +74,11 @@ class QueueOutcome(str, Enum):
 AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = QueueOutcome
 
 
-class Pool(str, Enum):
-    """The pool a placement found full, so that its request waits (the ``pool`` label of
-    the queue's gauges and ``PLACE``'s word for it: its value). A placement answers a plain
-    ``str`` too (a test's): the queues read either."""
-
-    DECODE = "decode"
-    PREFILL = "prefill"
-
-    def __str__(self) -> str:
-        return self.value
-
-
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
 KEPT_TAGS = 64
 
 #: (outcome, seconds waited, the request's ticket): told of every request's outcome.
 QueueReport = Callable[[QueueOutcome, float, "Claim"], None]
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
-    and its model's instances."""
-
-    tenant: str | None = None
-    rule: TenantRule = NO_RULE
-    model: str | None = None
-
-    @classmethod
-    def of(cls, completion: Completion) -> Claim:
-        """A completion's place in the queue, as its tenant's rule gives it."""
-        return cls(completion.tenant, completion.rule, completion.served)
-
-    @property
-    def weight(self) -> float:
-        return self.rule.weight
-
-    @property
-    def priority(self) -> int:
-        return self.rule.priority or 0
-
-    @property
-    def sheddable(self) -> bool:
-        return self.priority < 0
-
-
-@dataclass(eq=False)
-class Waiting(Generic[T]):
-    """One request in the queue."""
-
-    ticket: Claim
-    place: Callable[[], T | Pool]
-    finish: float
-    arrived: float
-    deferred: Deferred[T] = field(default_factory=Deferred)
-    timer: IDelayedCall | None = None
-    #: The pool it found full last time it was tried ("": none, it waits behind another).
-    blocked: Pool | str = ""
-    done: bool = False
 
 
 @dataclass
@@ -244,7 +189,7 @@ class FairQueue(Generic[T]):
         queue.last[ticket.tenant] = finish
         now = self.clock.seconds()
         arrived = now if since is None else min(since, now)
-        waiting: Waiting[T] = Waiting(ticket, place, finish, arrived)
+        waiting: Waiting[T] = Waiting(ticket, place, arrived, finish=finish)
         waiting.blocked = blocked
         waiting.deferred = Deferred(lambda _: self._left(waiting))
         waiting.timer = self.clock.callLater(

@@ -51,8 +51,8 @@ from nixl_twisted.admission.fair_queue import (
     timed_out,
 )
 from nixl_twisted.admission.fleet_alone import AloneQueue
-from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
 from nixl_twisted.admission.shared_slots import SharedSlots
+from nixl_twisted.admission.waiting import H, Waiting
 from nixl_twisted.fleet.heartbeat import Own
 from nixl_twisted.fleet.replicas import Replicas, Unanswered, Unshared
 from nixl_twisted.fleet.scripts import (
@@ -90,7 +90,7 @@ class SharedQueue(Generic[H]):
         named: Callable[[str], bool] = lambda model: True,
     ) -> None:
         """``named(model)``: whether an instance is known to serve ``model`` (else its
-        requests wait in the queue of those that name none: ``FleetWaiting.model``)."""
+        requests wait in the queue of those that name none: ``Waiting.model``)."""
         self.clock = clock
         self.local = local
         self.replicas = replicas
@@ -98,7 +98,7 @@ class SharedQueue(Generic[H]):
         self.told = told
         self.entered: Callable[[], object] = lambda: None
         self.named = named
-        self._mine: dict[str, list[FleetWaiting]] = {}
+        self._mine: dict[str, list[Waiting]] = {}
         self._order = itertools.count()
         self._trying: set[str] = set()
         self._again: set[str] = set()
@@ -151,8 +151,8 @@ class SharedQueue(Generic[H]):
         replica's own."""
         answered: Deferred[H] = Deferred(lambda _: self._left(waiting))
         model = ticket.model if ticket.model and self.named(ticket.model) else ""
-        waiting = FleetWaiting(
-            ticket, place, self.clock.seconds(), answered, next(self._order), model
+        waiting = Waiting(
+            ticket, place, self.clock.seconds(), answered, order=next(self._order), model=model
         )
         if not self.replicas.is_shared:
             got = self.alone_queue.enter(waiting)
@@ -163,7 +163,7 @@ class SharedQueue(Generic[H]):
         self._enter(waiting)
         return answered
 
-    def _enter(self, waiting: FleetWaiting[H]) -> None:
+    def _enter(self, waiting: Waiting[H]) -> None:
         """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
         refused; alone when Redis does not answer."""
         ticket, answered = waiting.ticket, waiting.deferred
@@ -315,7 +315,7 @@ class SharedQueue(Generic[H]):
 
     def _ask(
         self,
-        waiting: FleetWaiting[H],
+        waiting: Waiting[H],
         member: str,
         got: H | Pool,
         decode: SlotAsk,
@@ -350,7 +350,7 @@ class SharedQueue(Generic[H]):
         self._grants = reply.grants
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
-    def _wait(self, waiting: FleetWaiting[H]) -> None:
+    def _wait(self, waiting: Waiting[H]) -> None:
         """It waits in the fleet's queue, until its turn, its timeout or its client leaves."""
         left = self.timeout - (self.clock.seconds() - waiting.arrived)
         waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
@@ -411,9 +411,7 @@ class SharedQueue(Generic[H]):
 
         self._place(ask, said, alone)
 
-    def _end(
-        self, waiting: FleetWaiting[H], outcome: QueueOutcome | None, leave: bool = True
-    ) -> None:
+    def _end(self, waiting: Waiting[H], outcome: QueueOutcome | None, leave: bool = True) -> None:
         """It leaves the fleet's queue, ``outcome`` said of it (None: moved to this
         replica's)."""
         if waiting.done:
@@ -429,19 +427,19 @@ class SharedQueue(Generic[H]):
         if leave:
             self._leave(waiting)
 
-    def _leave(self, waiting: FleetWaiting[H]) -> None:
+    def _leave(self, waiting: Waiting[H]) -> None:
         if not self.replicas.is_shared or not waiting.member:
             return  # (written back without it when Redis answers again)
         sent = leave(self.replicas, waiting.model, waiting.ticket.priority, waiting.member)
         sent.addErrback(lambda f: f.trap(Unshared))
 
-    def _expire(self, waiting: FleetWaiting[H]) -> None:
+    def _expire(self, waiting: Waiting[H]) -> None:
         if waiting.done:
             return
         self._end(waiting, TIMED_OUT)
         waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
 
-    def _left(self, waiting: FleetWaiting[H]) -> None:
+    def _left(self, waiting: Waiting[H]) -> None:
         """Its client left: out of the queue, nothing sent for it (slots Redis gives it
         meanwhile go back)."""
         waiting.gone = True

@@ -21,8 +21,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
-from nixl_twisted.admission.fleet_waiting import Held
 from nixl_twisted.admission.shared_queue import SharedQueue
+from nixl_twisted.admission.waiting import Held
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
