@@ -428,8 +428,9 @@ class SharedQueue(Generic[H]):
             self._leave(waiting)
 
     def _leave(self, waiting: Waiting[H]) -> None:
-        if not self.replicas.is_shared or not waiting.member:
-            return  # (written back without it when Redis answers again)
+        if not waiting.member:
+            return
+        # (While Redis does not answer the call fails at once: written back without it.)
         sent = leave(self.replicas, waiting.model, waiting.ticket.priority, waiting.member)
         sent.addErrback(lambda f: f.trap(Unshared))
 

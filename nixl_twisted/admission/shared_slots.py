@@ -187,8 +187,8 @@ class SharedSlots:
         if where is None:
             return
         self.metrics.slots_held.labels(pool=role).dec()
-        if not self.replicas.is_shared:
-            return  # (written back whole, without it, when Redis answers again)
+        # (While Redis does not answer the call fails at once: written back whole, without
+        # it, when Redis answers again.)
         sent = release(self.replicas, [f"{where}|{lease_id}"])
         sent.addErrback(_unshared)
 

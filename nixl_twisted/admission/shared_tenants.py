@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
 from nixl_twisted.admission.lease_scripts import tenant_in, tenant_out
@@ -75,9 +75,8 @@ class SharedTenants:
 
     def admit(self, tenant: str, limit: int) -> Deferred[Place | PlaceRefused | Alone]:
         """One more request of ``tenant`` in flight: its place, refused past ``limit`` over
-        every replica, or alone when Redis could not say."""
-        if not self.replicas.is_shared:
-            return succeed(ALONE)
+        every replica, or alone when Redis could not say (at once while it does not answer:
+        ``Replicas.call`` fails with ``Unshared`` then)."""
         place = Place(next(self._ids))
         call = self._asking.sent()
         sent = tenant_in(self.replicas, tenant, limit, place.id)
@@ -122,7 +121,8 @@ class SharedTenants:
     def release(self, place: Place) -> None:
         """That request ended: its place goes back (once)."""
         tenant = self.places.pop(place, None)
-        if tenant is None or not self.replicas.is_shared:
-            return  # (written back without it when Redis answers again)
+        if tenant is None:
+            return
+        # (While Redis does not answer the call fails at once: written back without it.)
         sent = tenant_out(self.replicas, tenant, place.id)
         sent.addErrback(lambda failure: failure.trap(Unshared))
