@@ -6,21 +6,22 @@ then ``--max-in-flight``), each tenant's limits (``limits``: in this process;
 ``--limits-redis``; ``shared_tenants``: requests in flight over every replica
 through ``--replicas-redis``), and the fair queue in front of capped
 instances (``slots``: this process's ``fair_queue``, or every replica's
-``fleet_queue`` with ``shared_slots``, the fleet's legs per instance). The
+``shared_queue`` with ``shared_slots``, the fleet's legs per instance). The
 rest of the house uses what ``__all__`` names; the scripts these run
 (``lease_scripts``, ``window_scripts``, and ``fleet.scripts``'s ``PLACE``)
 are called from inside this room only.
 """
 
-from nixl_twisted.admission.fair_queue import AT_ONCE, Claim, FairQueue, QueueOutcome
-from nixl_twisted.admission.fleet_queue import FleetQueue
+from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, QueueOutcome
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
 from nixl_twisted.admission.queue import SlotQueue
+from nixl_twisted.admission.shared_queue import SharedQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.shared_tenants import SharedTenants
 from nixl_twisted.admission.slots import Slots
 from nixl_twisted.admission.tenancy import KeyTenants, Tenancy
+from nixl_twisted.admission.waiting import Claim, Pool, Waiting
 from nixl_twisted.admission.windows import SharedWindows
 
 __all__ = [
@@ -29,9 +30,10 @@ __all__ = [
     "Claim",
     "Counted",
     "FairQueue",
-    "FleetQueue",
     "KeyTenants",
+    "Pool",
     "QueueOutcome",
+    "SharedQueue",
     "SharedSlots",
     "SharedTenants",
     "SharedWindows",
@@ -39,5 +41,6 @@ __all__ = [
     "Slots",
     "Tenancy",
     "TenantLimits",
+    "Waiting",
     "read_secret",
 ]

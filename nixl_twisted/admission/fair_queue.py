@@ -38,12 +38,11 @@ from enum import Enum
 from typing import Any, Generic, TypeVar
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IReactorTime
 
-from nixl_twisted.config import NO_RULE, TenantRule
+from nixl_twisted.admission.waiting import Claim, Pool, Waiting
 from nixl_twisted.config.words import counted
 from nixl_twisted.protocol.codes import ErrorCode
-from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
@@ -73,53 +72,13 @@ class QueueOutcome(str, Enum):
 
 
 AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = QueueOutcome
+
+
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
 KEPT_TAGS = 64
 
 #: (outcome, seconds waited, the request's ticket): told of every request's outcome.
 QueueReport = Callable[[QueueOutcome, float, "Claim"], None]
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
-    and its model's instances."""
-
-    tenant: str | None = None
-    rule: TenantRule = NO_RULE
-    model: str | None = None
-
-    @classmethod
-    def of(cls, completion: Completion) -> Claim:
-        """A completion's place in the queue, as its tenant's rule gives it."""
-        return cls(completion.tenant, completion.rule, completion.served)
-
-    @property
-    def weight(self) -> float:
-        return self.rule.weight
-
-    @property
-    def priority(self) -> int:
-        return self.rule.priority or 0
-
-    @property
-    def sheddable(self) -> bool:
-        return self.priority < 0
-
-
-@dataclass(eq=False)
-class Waiting(Generic[T]):
-    """One request in the queue."""
-
-    ticket: Claim
-    place: Callable[[], T | str]
-    finish: float
-    arrived: float
-    deferred: Deferred[T] = field(default_factory=Deferred)
-    timer: IDelayedCall | None = None
-    #: The pool it found full last time it was tried ("decode" or "prefill").
-    blocked: str = ""
-    done: bool = False
 
 
 @dataclass
@@ -200,7 +159,7 @@ class FairQueue(Generic[T]):
         self._entered = entered
 
     def enter(
-        self, ticket: Claim, place: Callable[[], T | str], since: float | None = None
+        self, ticket: Claim, place: Callable[[], T | Pool], since: float | None = None
     ) -> T | Deferred[T]:
         """What ``place`` gives now, when nothing of its model waits ahead of it; else a
         Deferred that fires when it does, or fails with the 503 that says why not;
@@ -218,7 +177,7 @@ class FairQueue(Generic[T]):
                     queue.last = {t: f for t, f in queue.last.items() if f > queue.now}
                 self._let_go(ticket, 0.0, AT_ONCE)
                 return got
-            blocked = got
+            blocked: Pool | str = got
         else:
             blocked = ""
         if ticket.sheddable:
@@ -230,7 +189,7 @@ class FairQueue(Generic[T]):
         queue.last[ticket.tenant] = finish
         now = self.clock.seconds()
         arrived = now if since is None else min(since, now)
-        waiting: Waiting[T] = Waiting(ticket, place, finish, arrived)
+        waiting: Waiting[T] = Waiting(ticket, place, arrived, finish=finish)
         waiting.blocked = blocked
         waiting.deferred = Deferred(lambda _: self._left(waiting))
         waiting.timer = self.clock.callLater(
@@ -274,7 +233,7 @@ class FairQueue(Generic[T]):
 
     def withdraw(self, deferred: Deferred[T]) -> bool:
         """The request waiting on ``deferred`` leaves, nothing said or fired: it waits
-        elsewhere now (``fleet_queue``, when Redis answers again); whether it was here."""
+        elsewhere now (``shared_queue``, when Redis answers again); whether it was here."""
         for queue in self._models.values():
             for *_, waiting in queue.heap:
                 if waiting.deferred is deferred and not waiting.done:
@@ -317,7 +276,7 @@ class FairQueue(Generic[T]):
                 continue
             if isinstance(got, str):
                 waiting.blocked = got
-                if got != "prefill":
+                if got != Pool.PREFILL:
                     break  # (every request of this model needs a decode slot)
                 passed.append(heapq.heappop(queue.heap))
                 continue

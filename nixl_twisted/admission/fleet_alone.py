@@ -16,8 +16,8 @@ from typing import Generic
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
-from nixl_twisted.admission.fair_queue import FairQueue
-from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
+from nixl_twisted.admission.fair_queue import FairQueue, Pool
+from nixl_twisted.admission.waiting import H, Waiting
 from nixl_twisted.protocol.errors import ProxyError
 
 
@@ -37,9 +37,9 @@ class AloneQueue(Generic[H]):
         self.keep = keep
         self.reached = reached
         #: The requests that wait here, each on its ``inner`` Deferred.
-        self._waiting: list[FleetWaiting[H]] = []
+        self._waiting: list[Waiting[H]] = []
 
-    def enter(self, waiting: FleetWaiting[H]) -> H | None:
+    def enter(self, waiting: Waiting[H]) -> H | None:
         """A new request: its slots now, or None while it waits here (``waiting.deferred``
         fires when it goes); raises the 503 that refuses it."""
         inner = self.local.enter(waiting.ticket, self._kept(waiting.place), waiting.arrived)
@@ -48,7 +48,7 @@ class AloneQueue(Generic[H]):
         self._wait(waiting, inner)
         return None
 
-    def take(self, waiting: FleetWaiting[H]) -> None:
+    def take(self, waiting: Waiting[H]) -> None:
         """A request that waited in the fleet's queue, or was about to, waits here instead."""
         try:
             got = self.enter(waiting)
@@ -60,7 +60,7 @@ class AloneQueue(Generic[H]):
             waiting.done = True
             waiting.deferred.callback(got)
 
-    def rejoin(self) -> list[FleetWaiting[H]]:
+    def rejoin(self) -> list[Waiting[H]]:
         """Redis answers again: what waits here leaves, in the order it came, for the
         fleet's queue (nothing fired; its timeout there counts from its arrival)."""
         leaving = []
@@ -72,7 +72,7 @@ class AloneQueue(Generic[H]):
         self._waiting = []
         return leaving
 
-    def _wait(self, waiting: FleetWaiting[H], inner: Deferred[H]) -> None:
+    def _wait(self, waiting: Waiting[H], inner: Deferred[H]) -> None:
         waiting.inner = inner
         self._waiting.append(waiting)
 
@@ -87,10 +87,10 @@ class AloneQueue(Generic[H]):
 
         inner.addCallbacks(got, failed)
 
-    def _kept(self, place: Callable[[], H | str]) -> Callable[[], H | str]:
-        def placed() -> H | str:
+    def _kept(self, place: Callable[[], H | Pool]) -> Callable[[], H | Pool]:
+        def placed() -> H | Pool:
             if not self.reached():
-                return "decode"  # (its slots, once Redis counts them)
+                return Pool.DECODE  # (its slots, once Redis counts them)
             got = place()
             if not isinstance(got, str):
                 self.keep(got)

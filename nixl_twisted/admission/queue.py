@@ -1,7 +1,7 @@
 """``SlotQueue``: where completions wait for their slots in the fair order.
 
 Two stores, one interface: this process's queue (``fair_queue``) or every
-replica's through ``--replicas-redis`` (``fleet_queue``), chosen once at the
+replica's through ``--replicas-redis`` (``shared_queue``), chosen once at the
 composition root. ``Slots`` never asks which it holds.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
 
-from nixl_twisted.admission.fair_queue import Claim
+from nixl_twisted.admission.fair_queue import Claim, Pool
 from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
@@ -28,7 +28,7 @@ class SlotQueue(Protocol[T]):
 
     def waiting(self) -> list[Any]: ...
 
-    def enter(self, ticket: Claim, place: Callable[[], T | str]) -> T | Deferred[T]: ...
+    def enter(self, ticket: Claim, place: Callable[[], T | Pool]) -> T | Deferred[T]: ...
 
     def pump(self) -> None: ...
 

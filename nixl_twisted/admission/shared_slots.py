@@ -174,13 +174,21 @@ class SharedSlots:
         self.metrics.slots_held.labels(pool=lease.instance.role).inc()
         lease.also(lambda: self._release(lease_id, lease.instance.role))
 
+    def reconcile(self, recorded: Sequence[str]) -> None:
+        """Redis records these leases (``POOL|URL|LEASE``) as this replica's: each it does not
+        hold goes back (the queue calls it once every placement it sent is answered)."""
+        held = {f"{where}|{lease}" for lease, where in self.leases.items()}
+        stray = [entry for entry in recorded if entry not in held]
+        if stray:
+            release(self.replicas, stray).addErrback(_unshared)
+
     def _release(self, lease_id: str, role: str) -> None:
         where = self.leases.pop(lease_id, None)
         if where is None:
             return
         self.metrics.slots_held.labels(pool=role).dec()
-        if not self.replicas.is_shared:
-            return  # (written back whole, without it, when Redis answers again)
+        # (While Redis does not answer the call fails at once: written back whole, without
+        # it, when Redis answers again.)
         sent = release(self.replicas, [f"{where}|{lease_id}"])
         sent.addErrback(_unshared)
 

@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
-from nixl_twisted.admission.fair_queue import Claim, FairQueue
-from nixl_twisted.admission.fleet_queue import FleetQueue
-from nixl_twisted.admission.fleet_waiting import Held
+from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
+from nixl_twisted.admission.shared_queue import SharedQueue
+from nixl_twisted.admission.waiting import Held
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
@@ -44,14 +44,14 @@ class Slots:
         self,
         backends: BackendService,
         clock: IReactorTime,
-        queue: FairQueue[Any] | FleetQueue[Any],
+        queue: FairQueue[Any] | SharedQueue[Any],
     ) -> None:
-        """``queue``: this process's (``FairQueue``) or every replica's (``FleetQueue``), as
+        """``queue``: this process's (``FairQueue``) or every replica's (``SharedQueue``), as
         the root chose."""
         self.backends = backends
         self.clock = clock
         #: (Typed as either store, not ``SlotQueue``: tests read what the fleet's last said.)
-        self.queue: FairQueue[Any] | FleetQueue[Any] = queue
+        self.queue: FairQueue[Any] | SharedQueue[Any] = queue
         self._sweep: IDelayedCall | None = None
         self._entered = Happened()
         queue.on_entered(self._waits)
@@ -69,7 +69,7 @@ class Slots:
         """Whether any instance has a cap: else completions never wait here."""
         return self.backends.capped()
 
-    def take(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
+    def take(self, ticket: Claim, place: Callable[[], H | Pool]) -> H | Deferred[H]:
         """The slots ``place`` takes, now or once they free (``SlotQueue.enter``)."""
         return self.queue.enter(ticket, place)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nixl_twisted.admission import Pool
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease, NoRoom
 from nixl_twisted.backends.routing import Routing
@@ -67,29 +68,29 @@ def place(
     completion: Completion,
     routing: Routing,
     avoid: Sequence[Instance] = (),
-) -> Placed | str:
-    """Both legs' slots held (``Placed``), or the pool with no room (``"decode"``,
-    ``"prefill"``); a ``ProxyError`` when a pool has no instance at all (503)."""
+) -> Placed | Pool:
+    """Both legs' slots held (``Placed``), or the pool with no room (``Pool``); a
+    ``ProxyError`` when a pool has no instance at all (503)."""
     backends, metrics, model = legs.backends, legs.metrics, routing.model
     if not backends.decode.room_for(model):
-        return "decode"
+        return Pool.DECODE
     if rules.always and not backends.prefill.room_for(model):
-        return "prefill"  # (two legs, whatever the decode instance: seen first)
+        return Pool.PREFILL  # (two legs, whatever the decode instance: seen first)
     try:
         decode = reserve(backends.decode, metrics, routing, room=True, avoid=avoid)
     except NoRoom:  # (in panic: every instance down, those with room taken)
-        return "decode"
+        return Pool.DECODE
     decision = _decided(legs, rules, completion, routing, decode)
     if decision.mode is not Mode.PD:
         return Placed(decode, decision)
     if not backends.prefill.room_for(model):
         decode.release()
-        return "prefill"
+        return Pool.PREFILL
     try:
         prefill = reserve(backends.prefill, metrics, routing, room=True)
     except NoRoom:
         decode.release()
-        return "prefill"
+        return Pool.PREFILL
     except ProxyError:  # (no prefill instance at all for the model)
         if rules.fallback != "decode":
             decode.release()

@@ -16,6 +16,11 @@ boundary"):
   tenant's last tag (``last:MODEL``) that the model's clock has passed
   (it no longer changes any tag), past ``LAST_MAX`` fields all of them;
 - a replica's ``info`` is read only when it is at most ``INFO_MAX`` bytes.
+
+It answers this replica's own records (``Own``), so that the replica gives
+back what Redis says it holds and it does not (``Replicas.on_records``): a
+record of a live replica is trusted by every script, and only its replica
+knows whether it is true.
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ LAST_MAX = 10_000
 # replica's heartbeat has (ms): no liveness lasts longer.
 # Returns {1 if this replica was alive still (else what it held is gone: restore it),
 # leases forgotten, {replica, info, ...} of the live ones, the slots' view (HGETALL), its
-# version, the replicas forgotten}.
+# version, the replicas forgotten, the requests waiting, this replica's own records: its
+# waits, leases and tenants' places}.
 HEARTBEAT = (
     COMMON
     + f"""
@@ -187,10 +193,23 @@ for model in pairs(models) do
     if redis.call('HLEN', lkey) > LAST_MAX then redis.call('DEL', lkey) end
   end
 end
+local mykey = P .. 'r:' .. me .. ':'
 return {mine and 1 or 0, purged, live, redis.call('HGETALL', P .. 'slots'), version(), dead,
-        waiting}
+        waiting, {members(mykey .. 'waits'), members(mykey .. 'leases'),
+                  members(mykey .. 'tenants')}}
 """
 )
+
+
+@dataclass(frozen=True)
+class Own:
+    """What Redis records this replica holds, as a heartbeat left it: its requests waiting
+    (``MODEL\\nPRIORITY\\nMEMBER``), its leases (``POOL|URL|LEASE``) and its tenants' places
+    (``TENANT|ID``)."""
+
+    waits: list[str]
+    leases: list[str]
+    tenants: list[str]
 
 
 @dataclass(frozen=True)
@@ -209,6 +228,8 @@ class Beat:
     version: int
     #: Requests waiting in the fleet's queue, as this beat rebuilt the count.
     waiting: int
+    #: This replica's own records.
+    own: Own
 
 
 def heartbeat(
@@ -222,10 +243,15 @@ def heartbeat(
 
 def read_beat(reply: object) -> Beat:
     """``HEARTBEAT``'s reply, each part checked (``WrongReply`` when one is not as written)."""
-    if not isinstance(reply, Sequence) or len(reply) != 7:
+    # (Its own records may be left off, as by a stand-in for Redis: then none is given back.)
+    if not isinstance(reply, Sequence) or len(reply) not in (7, 8):
         raise WrongReply(reply)
-    mine, purged, live, view, version, dead, waiting = reply
+    mine, purged, live, view, version, dead, waiting, own = (*reply, ([], [], []))[:8]
     if not isinstance(live, Sequence) or not isinstance(dead, Sequence) or len(live) % 2:
+        raise WrongReply(reply)
+    if not isinstance(own, Sequence) or len(own) != 3:
+        raise WrongReply(reply)
+    if not all(isinstance(records, Sequence) for records in own):
         raise WrongReply(reply)
     return Beat(
         mine=count_of(mine) == 1,
@@ -235,6 +261,7 @@ def read_beat(reply: object) -> Beat:
         view=view_of(view),
         version=count_of(version),
         waiting=count_of(waiting),
+        own=Own(*([text(record) for record in records] for records in own)),
     )
 
 

@@ -14,10 +14,17 @@ does without Redis (the caps at their static share, the queue of this
 process). At the next beat that answers, the replica writes back what it
 holds now in place of whatever Redis kept of it (``RESTORE``: no slot lost
 or counted twice) and is *shared* again.
+
+What Redis records a live replica holds (its requests waiting, its leases,
+its tenants' places) every script trusts, and only that replica knows it
+true: at each shared beat its holders are told the records (``on_records``)
+and give back each one they do not hold, once every call of theirs that may
+have added one has been answered (``Unanswered``).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -37,7 +44,7 @@ from twisted.python.failure import Failure
 from nixl_twisted.config.words import counted
 from nixl_twisted.fleet.channel import Channel
 from nixl_twisted.fleet.first_contact import FirstContact
-from nixl_twisted.fleet.heartbeat import Beat, heartbeat
+from nixl_twisted.fleet.heartbeat import Beat, Own, heartbeat
 from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.fleet.replies import (
     freed,
@@ -82,6 +89,41 @@ class Holder(Protocol):
         gone (its waiting requests, for one)."""
 
 
+class Unanswered:
+    """A holder's calls to Redis whose answers it has not taken in yet: what Redis records of
+    this replica may be ahead of what the holder holds until they are."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self._open: set[int] = set()
+        self._after: list[tuple[set[int], Callable[[], object]]] = []
+
+    def sent(self) -> int:
+        """One more call sent: its id, for ``answered`` once its answer is taken in."""
+        call = next(self._ids)
+        self._open.add(call)
+        return call
+
+    def answered(self, call: int) -> None:
+        self._open.discard(call)
+        if not self._after:
+            return
+        waiting, self._after = self._after, []
+        for calls, then in waiting:
+            calls.discard(call)
+            if calls:
+                self._after.append((calls, then))
+            else:
+                then()
+
+    def after(self, then: Callable[[], object]) -> None:
+        """``then()`` once every call unanswered now has been answered (at once if none)."""
+        if not self._open:
+            then()
+        else:
+            self._after.append((set(self._open), then))
+
+
 class Unshared(Exception):
     """Redis is not answering now: the caller goes on alone, at once."""
 
@@ -124,6 +166,7 @@ class Replicas(Service):
         self.seen: dict[str, dict[str, Any]] = {}
         self._holders: list[Holder] = []
         self._freed: list[Callable[[dict[str, int], int | None], object]] = []
+        self._records: list[Callable[[Own], object]] = []
         self._beat: LoopingCall | None = None
         self._beating: set[Deferred[Any]] = set()
         self._stopped = False
@@ -145,6 +188,11 @@ class Replicas(Service):
         """``told(changed, version)`` on each message of the fleet's: slots that changed
         (``POOL|URL`` -> legs) as of ``version``, or none (None: a request may go now)."""
         self._freed.append(told)
+
+    def on_records(self, told: Callable[[Own], object]) -> None:
+        """``told(own)`` at each heartbeat while shared: what Redis records this replica
+        holds, for ``told`` to give back what it does not."""
+        self._records.append(told)
 
     def ready(self) -> Deferred[None]:
         """Fires once the fleet's state is shared (at once if it is now): for tests and
@@ -275,6 +323,8 @@ class Replicas(Service):
             self.metrics.seen.set(len(self.seen))
             if beat.mine and self.is_shared:
                 self._shared(beat.view, beat.version)
+                for told in self._records:
+                    told(beat.own)
                 return succeed(None)
             return self._restore()
 

@@ -313,7 +313,7 @@ def read_place(reply: Any) -> PlaceReply:
     return PlaceReply(*read, grant_times, member, number_of(finish), blocked)
 
 
-def leave(caller: Caller, model: str, priority: int, member: str) -> Deferred[Any]:
+def leave(caller: Caller, model: str, priority: int | str, member: str) -> Deferred[Any]:
     """Run ``LEAVE``: a waiting request leaves the fleet's queue."""
     return caller.call(LEAVE, [model, priority, member], "leave", _as_is)
 

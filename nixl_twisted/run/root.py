@@ -41,8 +41,8 @@ from nixl_twisted.admission import (
     Admission,
     Claim,
     FairQueue,
-    FleetQueue,
     QueueOutcome,
+    SharedQueue,
     SharedSlots,
     SharedTenants,
     SharedWindows,
@@ -209,11 +209,11 @@ def build(
     # --replicas-redis: this process is one replica of the proxy; caps, queue, routing view
     # and stored responses the fleet's.
     per_tenant = config.limits.responses_per_tenant
-    replicas, fleet_slots, routes, fleet_admin = None, None, None, None
+    replicas, shared_slots, routes, fleet_admin = None, None, None, None
     responses = ResponseDirectory(per_owner=per_tenant)
     if config.replicas.redis is not None:
         replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
-        fleet_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
+        shared_slots = SharedSlots(replicas, backends.pools, metrics.replicas)
         outbox = Outbox(replicas, reactor, metrics.replicas, per_tenant)
         routes = SharedRoutes(replicas, outbox, backends.pools, kv, metrics.replicas)
         fleet_admin = FleetAdmin(replicas, backends, config, metrics.replicas)
@@ -223,11 +223,11 @@ def build(
     said = partial(_queue_said, metrics)
     capacity = config.capacity
     local: FairQueue[Placed] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, said)
-    queue: FairQueue[Placed] | FleetQueue[Placed] = local
-    if replicas is not None and fleet_slots is not None:
+    queue: FairQueue[Placed] | SharedQueue[Placed] = local
+    if replicas is not None and shared_slots is not None:
         decode = backends.decode
         serves = lambda m: named(m, decode.instances)  # noqa: E731
-        queue = FleetQueue(clock, local, replicas, fleet_slots, said, serves)
+        queue = SharedQueue(clock, local, replicas, shared_slots, said, serves)
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
     slots = Slots(backends, clock, queue)
     metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))
@@ -240,12 +240,16 @@ def build(
     windows = None
     if config.tenants.redis is not None:
         windows = SharedWindows(config.tenants.redis, clock, reactor, metrics)
+    shared_tenants = None
+    if replicas is not None:
+        shared_tenants = SharedTenants(replicas)
+        replicas.on_records(shared_tenants.records)  # (a place Redis records, not held here)
     tenancy = Tenancy(
         keys,
         limits,
         lambda model: context_length(model, backends.decode.instances),
         windows,
-        SharedTenants(replicas) if replicas is not None else None,
+        shared_tenants,
     )
     # Admission, one step for every route: the tenant, then --max-in-flight (``admission.gate``).
     admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)

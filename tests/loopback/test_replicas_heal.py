@@ -74,6 +74,59 @@ class HealTests(HealCase):
         assert await self.answered(self.other) == 200  # (not queued behind it: it is dropped)
         assert await self.write("ZCARD", "q::0") == 0
 
+    async def test_a_forged_queue_entry_in_a_live_replicas_own_record_is_given_back(
+        self,
+    ) -> None:
+        self.other = await self.forging()
+        for proxy in (self.proxy, self.other):  # (the model is named: its queue is its own)
+            for instance in proxy.app.fleet.backends.decode.instances:
+                instance.models = {"fake-model": {"id": "fake-model"}}
+        live = replicas_of(self.proxy).id
+        forged = f"0000000000000000:{live}:x"  # (first of the model's queue, and recorded as
+        await self.write("ZADD", "q:fake-model:0", 0, forged)  # its live replica's own)
+        await self.write("ZADD", "qp:fake-model", 0, "0")
+        await self.write("SADD", f"r:{live}:waits", f"fake-model\n0\n{forged}")
+        waits = slots_of(self.other).entered()
+        waiting = self.chat(self.other)
+        await waits  # queued behind it
+        await replicas_of(self.other).beat()  # (another replica cannot tell it is forged)
+        assert len(slots_of(self.other).queue) == 1
+        await replicas_of(self.proxy).beat()  # its replica holds no such: it gives it back
+        response = await waiting
+        assert response.code == 200
+        await response.content()
+        assert await self.write("ZCARD", "q:fake-model:0") == 0
+        assert await self.write("SMEMBERS", f"r:{live}:waits") == []
+        assert await self.answered(self.proxy) == 200
+
+    async def test_a_forged_lease_in_a_live_replicas_own_record_is_given_back(self) -> None:
+        self.other = await self.forging()
+        live = replicas_of(self.proxy).id
+        await self.write("SADD", f"r:{live}:leases", f"decode|{self.decode.url}|forged")
+        await replicas_of(self.other).beat()  # counted: the one slot (cap 1) looks taken
+        assert shared_of(self.other).view == {f"decode|{self.decode.url}": 1}
+        waits = slots_of(self.other).entered()
+        waiting = self.chat(self.other)
+        await waits
+        await replicas_of(self.proxy).beat()  # its replica holds no such lease: given back
+        response = await waiting
+        assert response.code == 200
+        await response.content()
+        assert await self.write("SMEMBERS", f"r:{live}:leases") == []
+
+    async def test_a_forged_tenants_place_in_a_live_replicas_own_record_is_given_back(
+        self,
+    ) -> None:
+        self.other = await self.forging(tenant_header="x-team", tenant_max_in_flight=1)
+        live = replicas_of(self.proxy).id
+        await self.write("SADD", f"r:{live}:tenants", "a|forged")
+        await replicas_of(self.other).beat()  # counted: tenant a looks at its limit
+        assert await self.answered(self.other, {"x-team": "a"}) == 429
+        await replicas_of(self.proxy).beat()  # its replica holds no such place: given back
+        assert await self.write("SMEMBERS", f"r:{live}:tenants") == []
+        await replicas_of(self.other).beat()
+        assert await self.answered(self.other, {"x-team": "a"}) == 200
+
     async def test_a_forged_tenants_count_refuses_until_the_next_heartbeat(self) -> None:
         self.other = await self.forging(tenant_header="x-team", tenant_max_in_flight=1)
         await self.write("HSET", "tenants", "a", 100)

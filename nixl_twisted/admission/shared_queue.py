@@ -1,4 +1,4 @@
-"""``FleetQueue``: one fair queue for every replica, its order and its slots kept in Redis.
+"""``SharedQueue``: one fair queue for every replica, its order and its slots kept in Redis.
 
 The order is ``fair_queue``'s (priority, then weighted fair queueing between
 tenants by one virtual clock per model, then first come, first served), kept
@@ -10,6 +10,11 @@ ends, and every second. A request goes at once only when nothing of its model
 waits anywhere and both its slots are free in Redis (taken by the same script,
 or neither). Its instances are chosen here, by the pools' policies, among
 those the fleet's view says have room (``shared_slots``).
+
+At each heartbeat, this replica gives back each place in the fleet's queue
+and each lease that Redis records it holding and it does not hold (forged by
+a writer to Redis, or left by a call it gave up on), once every placement
+it has sent is answered (one just granted or queued is held here only then).
 
 While Redis does not answer, requests wait in this replica's own queue
 (``FairQueue``), the caps held to their static share; those that waited in
@@ -37,6 +42,7 @@ from nixl_twisted.admission.fair_queue import (
     TIMED_OUT,
     Claim,
     FairQueue,
+    Pool,
     QueueOutcome,
     QueueReport,
     drain_seconds,
@@ -45,9 +51,10 @@ from nixl_twisted.admission.fair_queue import (
     timed_out,
 )
 from nixl_twisted.admission.fleet_alone import AloneQueue
-from nixl_twisted.admission.fleet_waiting import FleetWaiting, H
 from nixl_twisted.admission.shared_slots import SharedSlots
-from nixl_twisted.fleet.replicas import Replicas, Unshared
+from nixl_twisted.admission.waiting import H, Waiting
+from nixl_twisted.fleet.heartbeat import Own
+from nixl_twisted.fleet.replicas import Replicas, Unanswered, Unshared
 from nixl_twisted.fleet.scripts import (
     GRANTED,
     NOT_FIRST,
@@ -70,7 +77,7 @@ log = Logger()
 BEHIND = 1.0
 
 
-class FleetQueue(Generic[H]):
+class SharedQueue(Generic[H]):
     """Requests waiting for slots in the fleet's order; this replica's own queue while alone."""
 
     def __init__(
@@ -83,7 +90,7 @@ class FleetQueue(Generic[H]):
         named: Callable[[str], bool] = lambda model: True,
     ) -> None:
         """``named(model)``: whether an instance is known to serve ``model`` (else its
-        requests wait in the queue of those that name none: ``FleetWaiting.model``)."""
+        requests wait in the queue of those that name none: ``Waiting.model``)."""
         self.clock = clock
         self.local = local
         self.replicas = replicas
@@ -91,7 +98,7 @@ class FleetQueue(Generic[H]):
         self.told = told
         self.entered: Callable[[], object] = lambda: None
         self.named = named
-        self._mine: dict[str, list[FleetWaiting]] = {}
+        self._mine: dict[str, list[Waiting]] = {}
         self._order = itertools.count()
         self._trying: set[str] = set()
         self._again: set[str] = set()
@@ -105,8 +112,11 @@ class FleetQueue(Generic[H]):
         self._grants: list[float] = []
         #: Where requests wait while Redis does not answer.
         self.alone_queue = AloneQueue(local, self._keep, lambda: replicas.first.reached)
+        #: Its placements sent and not answered yet.
+        self._placing = Unanswered()
         replicas.hold(self)
         replicas.on_freed(self._freed)
+        replicas.on_records(self._records)
 
     # -- FairQueue's face ---------------------------------------------------------------
 
@@ -136,13 +146,13 @@ class FleetQueue(Generic[H]):
     def waiting(self) -> list[Any]:
         return [*self.local.waiting(), *(w for ws in self._mine.values() for w in ws)]
 
-    def enter(self, ticket: Claim, place: Callable[[], H | str]) -> H | Deferred[H]:
+    def enter(self, ticket: Claim, place: Callable[[], H | Pool]) -> H | Deferred[H]:
         """Slots for a new request: from the fleet's queue while Redis answers, else this
         replica's own."""
         answered: Deferred[H] = Deferred(lambda _: self._left(waiting))
         model = ticket.model if ticket.model and self.named(ticket.model) else ""
-        waiting = FleetWaiting(
-            ticket, place, self.clock.seconds(), answered, next(self._order), model
+        waiting = Waiting(
+            ticket, place, self.clock.seconds(), answered, order=next(self._order), model=model
         )
         if not self.replicas.is_shared:
             got = self.alone_queue.enter(waiting)
@@ -153,7 +163,7 @@ class FleetQueue(Generic[H]):
         self._enter(waiting)
         return answered
 
-    def _enter(self, waiting: FleetWaiting[H]) -> None:
+    def _enter(self, waiting: Waiting[H]) -> None:
         """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
         refused; alone when Redis does not answer."""
         ticket, answered = waiting.ticket, waiting.deferred
@@ -200,8 +210,39 @@ class FleetQueue(Generic[H]):
                 self.alone_queue.take(waiting)
             failure.trap(Unshared)
 
+        self._place(ask, said, alone)
+
+    def _place(
+        self, ask: PlaceAsk, said: Callable[[PlaceReply], None], alone: Callable[[Failure], None]
+    ) -> None:
+        """``PLACE`` sent, its answer taken in by ``said`` (or ``alone``) before it counts as
+        answered."""
+        call = self._placing.sent()
         sent = place(self.replicas, ask)
         sent.addCallbacks(said, alone).addErrback(_unexpected)
+        sent.addBoth(lambda _: self._placing.answered(call))
+
+    def _records(self, own: Own) -> None:
+        """A heartbeat said what Redis records this replica holds: each place in the queue
+        and each lease it does not hold goes back, once every placement sent is answered."""
+
+        def reconciled() -> None:
+            held = {
+                f"{w.model}\n{w.ticket.priority}\n{w.member}"
+                for ws in self._mine.values()
+                for w in ws
+                if w.member
+            }
+            for record in own.waits:
+                parts = record.split("\n", 2)
+                if record in held or len(parts) != 3:
+                    continue
+                model, prio, member = parts
+                sent = leave(self.replicas, model, prio, member)
+                sent.addErrback(lambda f: f.trap(Unshared))
+            self.slots.reconcile(own.leases)
+
+        self._placing.after(reconciled)
 
     def pump(self) -> None:
         """Slots may have freed: this replica's first request of each model is tried (and,
@@ -267,16 +308,16 @@ class FleetQueue(Generic[H]):
 
     # -- inside -------------------------------------------------------------------------
 
-    def _names(self, got: H | str) -> tuple[SlotAsk, SlotAsk]:
+    def _names(self, got: H | Pool) -> tuple[SlotAsk, SlotAsk]:
         if isinstance(got, str):
             return SlotAsk("", 0, ""), SlotAsk("", 0, "")
         return self.slots.names(got.decode), self.slots.names(got.prefill)
 
     def _ask(
         self,
-        waiting: FleetWaiting[H],
+        waiting: Waiting[H],
         member: str,
-        got: H | str,
+        got: H | Pool,
         decode: SlotAsk,
         prefill: SlotAsk,
         sheddable: bool,
@@ -293,7 +334,7 @@ class FleetQueue(Generic[H]):
             sheddable=sheddable,
             queue_size=self.local.size,
             order=waiting.order,
-            blocked=got if isinstance(got, str) else "",
+            blocked=str(got) if isinstance(got, str) else "",
             decode=decode,
             prefill=prefill,
         )
@@ -309,7 +350,7 @@ class FleetQueue(Generic[H]):
         self._grants = reply.grants
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
-    def _wait(self, waiting: FleetWaiting[H]) -> None:
+    def _wait(self, waiting: Waiting[H]) -> None:
         """It waits in the fleet's queue, until its turn, its timeout or its client leaves."""
         left = self.timeout - (self.clock.seconds() - waiting.arrived)
         waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
@@ -368,12 +409,9 @@ class FleetQueue(Generic[H]):
             self._release(got)
             failure.trap(Unshared)
 
-        sent = place(self.replicas, ask)
-        sent.addCallbacks(said, alone).addErrback(_unexpected)
+        self._place(ask, said, alone)
 
-    def _end(
-        self, waiting: FleetWaiting[H], outcome: QueueOutcome | None, leave: bool = True
-    ) -> None:
+    def _end(self, waiting: Waiting[H], outcome: QueueOutcome | None, leave: bool = True) -> None:
         """It leaves the fleet's queue, ``outcome`` said of it (None: moved to this
         replica's)."""
         if waiting.done:
@@ -389,19 +427,20 @@ class FleetQueue(Generic[H]):
         if leave:
             self._leave(waiting)
 
-    def _leave(self, waiting: FleetWaiting[H]) -> None:
-        if not self.replicas.is_shared or not waiting.member:
-            return  # (written back without it when Redis answers again)
+    def _leave(self, waiting: Waiting[H]) -> None:
+        if not waiting.member:
+            return
+        # (While Redis does not answer the call fails at once: written back without it.)
         sent = leave(self.replicas, waiting.model, waiting.ticket.priority, waiting.member)
         sent.addErrback(lambda f: f.trap(Unshared))
 
-    def _expire(self, waiting: FleetWaiting[H]) -> None:
+    def _expire(self, waiting: Waiting[H]) -> None:
         if waiting.done:
             return
         self._end(waiting, TIMED_OUT)
         waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
 
-    def _left(self, waiting: FleetWaiting[H]) -> None:
+    def _left(self, waiting: Waiting[H]) -> None:
         """Its client left: out of the queue, nothing sent for it (slots Redis gives it
         meanwhile go back)."""
         waiting.gone = True
