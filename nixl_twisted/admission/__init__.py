@@ -6,7 +6,8 @@ then ``--max-in-flight``), each tenant's limits (``limits``: in this process;
 ``--limits-redis``; ``shared_tenants``: requests in flight over every replica
 through ``--replicas-redis``), and the fair queue in front of capped
 instances (``slots``: this process's ``fair_queue``, or every replica's
-``shared_queue`` with ``shared_slots``, the fleet's legs per instance). The
+``shared_queue`` with ``shared_slots``, the fleet's legs per instance, behind
+``switched_queue``, which goes alone while Redis does not answer). The
 rest of the house uses what ``__all__`` names; the scripts these run
 (``lease_scripts``, ``window_scripts``, and ``fleet.scripts``'s ``PLACE``)
 are called from inside this room only.
@@ -20,6 +21,7 @@ from nixl_twisted.admission.shared_queue import SharedQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.shared_tenants import SharedTenants
 from nixl_twisted.admission.slots import Slots
+from nixl_twisted.admission.switched_queue import SwitchedQueue
 from nixl_twisted.admission.tenancy import KeyTenants, Tenancy
 from nixl_twisted.admission.waiting import Claim, Pool, Waiting
 from nixl_twisted.admission.windows import SharedWindows
@@ -39,6 +41,7 @@ __all__ = [
     "SharedWindows",
     "SlotQueue",
     "Slots",
+    "SwitchedQueue",
     "Tenancy",
     "TenantLimits",
     "Waiting",
