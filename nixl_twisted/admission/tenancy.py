@@ -95,11 +95,13 @@ class Tenancy:
         request.notifyFinish().addBoth(held.ended)
         places, limit = self.places, rule.max_in_flight
         if self.shared is None or not (rule.requests_per_minute or tpm):
-            places.check(tenant, limit)
+            if limit:
+                places.check(tenant, limit)
             held.hold = self.limits.admit(tenant, estimate, in_flight=False)
             return self._in_flight(tenant, rule, held) if limit else rule
         # In flight (a 429 at once when held here), then the windows in Redis.
-        places.check(tenant, limit)
+        if limit:
+            places.check(tenant, limit)
         held.hold = self.limits.admit(tenant, estimate, windows=False, in_flight=False)
         shared = self.shared
 
@@ -110,7 +112,8 @@ class Tenancy:
                 raise CancelledError()
             if verdict is None:  # (Redis could not say: this process decides)
                 held.give_back()
-                places.check(tenant, limit)
+                if limit:
+                    places.check(tenant, limit)
                 held.hold = self.limits.admit(tenant, estimate, in_flight=False)
             elif not verdict.admitted:
                 held.give_back()
