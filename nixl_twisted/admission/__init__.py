@@ -3,13 +3,14 @@
 The step every route passes (``gate``: the tenant admitted by ``Tenancy``,
 then ``--max-in-flight``), each tenant's limits (``limits``: in this process;
 ``windows``: requests and tokens per minute for every process through
-``--limits-redis``; ``shared_tenants``: requests in flight over every replica
-through ``--replicas-redis``), and the fair queue in front of capped
-instances (``slots``: this process's ``fair_queue``, or every replica's
-``shared_queue`` with ``shared_slots``, the fleet's legs per instance). The
-rest of the house uses what ``__all__`` names; the scripts these run
-(``lease_scripts``, ``window_scripts``, and ``fleet.scripts``'s ``PLACE``)
-are called from inside this room only.
+``--limits-redis``; requests in flight held here or, ``shared_tenants``, over
+every replica through ``--replicas-redis``, behind ``tenant_places``), and the
+fair queue in front of capped instances (``slots``: this process's
+``fair_queue``, or every replica's ``shared_queue`` with ``shared_slots``, the
+fleet's legs per instance, behind ``switched_queue``, which goes alone while
+Redis does not answer). The rest of the house uses what ``__all__`` names; the
+scripts these run (``lease_scripts``, ``window_scripts``, and
+``fleet.scripts``'s ``PLACE``) are called from inside this room only.
 """
 
 from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, QueueOutcome
@@ -20,7 +21,9 @@ from nixl_twisted.admission.shared_queue import SharedQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.shared_tenants import SharedTenants
 from nixl_twisted.admission.slots import Slots
+from nixl_twisted.admission.switched_queue import SwitchedQueue
 from nixl_twisted.admission.tenancy import KeyTenants, Tenancy
+from nixl_twisted.admission.tenant_places import LocalTenants, TenantPlaces
 from nixl_twisted.admission.waiting import Claim, Pool, Waiting
 from nixl_twisted.admission.windows import SharedWindows
 
@@ -31,6 +34,7 @@ __all__ = [
     "Counted",
     "FairQueue",
     "KeyTenants",
+    "LocalTenants",
     "Pool",
     "QueueOutcome",
     "SharedQueue",
@@ -39,8 +43,10 @@ __all__ = [
     "SharedWindows",
     "SlotQueue",
     "Slots",
+    "SwitchedQueue",
     "Tenancy",
     "TenantLimits",
+    "TenantPlaces",
     "Waiting",
     "read_secret",
 ]

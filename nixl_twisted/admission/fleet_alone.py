@@ -38,6 +38,19 @@ class AloneQueue(Generic[H]):
         self.reached = reached
         #: The requests that wait here, each on its ``inner`` Deferred.
         self._waiting: list[Waiting[H]] = []
+        #: Called each time a new request starts to wait here.
+        self.entered: Callable[[], object] = lambda: None
+
+    def arrive(self, waiting: Waiting[H]) -> H | None:
+        """A new request: its slots now, or None while it waits here (``entered`` told)."""
+        got = self.enter(waiting)
+        if got is None:
+            self.entered()
+        return got
+
+    def pump(self) -> None:
+        """Slots may have freed: the first requests waiting here go."""
+        self.local.pump()
 
     def enter(self, waiting: Waiting[H]) -> H | None:
         """A new request: its slots now, or None while it waits here (``waiting.deferred``

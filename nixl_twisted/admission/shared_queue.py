@@ -17,8 +17,8 @@ a writer to Redis, or left by a call it gave up on), once every placement
 it has sent is answered (one just granted or queued is held here only then).
 
 While Redis does not answer, requests wait in this replica's own queue
-(``FairQueue``), the caps held to their static share; those that waited in
-the fleet's move there, and are let go by it.
+(``fleet_alone``), the caps held to their static share; those that waited in
+the fleet's move there (``switched_queue`` decides when), and are let go by it.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ BEHIND = 1.0
 
 
 class SharedQueue(Generic[H]):
-    """Requests waiting for slots in the fleet's order; this replica's own queue while alone."""
+    """Requests waiting for slots in the fleet's order (a placement Redis does not answer
+    waits in this replica's own queue instead)."""
 
     def __init__(
         self,
@@ -106,7 +107,7 @@ class SharedQueue(Generic[H]):
         #: before a slot frees somewhere (a message) or ``BEHIND`` seconds pass.
         self._behind: dict[str, float] = {}
         #: A placement tried and not granted is giving its slots back: that frees no slot.
-        self._quiet = False
+        self.quiet = False
         #: What the fleet's queue said last: requests waiting, and the latest grants (ms).
         self._waiting = 0
         self._grants: list[float] = []
@@ -114,8 +115,6 @@ class SharedQueue(Generic[H]):
         self.alone_queue = AloneQueue(local, self._keep, lambda: replicas.first.reached)
         #: Its placements sent and not answered yet.
         self._placing = Unanswered()
-        replicas.hold(self)
-        replicas.on_freed(self._freed)
         replicas.on_records(self._records)
 
     # -- FairQueue's face ---------------------------------------------------------------
@@ -139,29 +138,22 @@ class SharedQueue(Generic[H]):
     def __len__(self) -> int:
         return len(self.local) + sum(len(w) for w in self._mine.values())
 
-    def on_entered(self, entered: Callable[[], object]) -> None:
-        """``entered()`` is called each time a request starts to wait, here or alone."""
-        self.entered = entered
-
     def waiting(self) -> list[Any]:
         return [*self.local.waiting(), *(w for ws in self._mine.values() for w in ws)]
 
-    def enter(self, ticket: Claim, place: Callable[[], H | Pool]) -> H | Deferred[H]:
-        """Slots for a new request: from the fleet's queue while Redis answers, else this
-        replica's own."""
+    def new(self, ticket: Claim, place: Callable[[], H | Pool]) -> Waiting[H]:
+        """A new request's record, in the order requests came (its model "" when no instance
+        is known to serve it); its Deferred, cancelled, takes it out of either queue."""
         answered: Deferred[H] = Deferred(lambda _: self._left(waiting))
         model = ticket.model if ticket.model and self.named(ticket.model) else ""
         waiting = Waiting(
             ticket, place, self.clock.seconds(), answered, order=next(self._order), model=model
         )
-        if not self.replicas.is_shared:
-            got = self.alone_queue.enter(waiting)
-            if got is not None:
-                return got
-            self.entered()
-            return answered
+        return waiting
+
+    def arrive(self, waiting: Waiting[H]) -> None:
+        """A new request asks the fleet for its slots (``waiting.deferred`` fires)."""
         self._enter(waiting)
-        return answered
 
     def _enter(self, waiting: Waiting[H]) -> None:
         """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
@@ -245,13 +237,10 @@ class SharedQueue(Generic[H]):
         self._placing.after(reconciled)
 
     def pump(self) -> None:
-        """Slots may have freed: this replica's first request of each model is tried (and,
-        when Redis answers again, what waited in this replica's own queue joins the fleet's:
-        placed from there, its slots would be counted nowhere)."""
-        if self._quiet:
-            return
-        if not self.replicas.is_shared:
-            self.local.pump()
+        """Slots may have freed: this replica's first request of each model is tried (and
+        what waited in this replica's own queue joins the fleet's: placed from there, its
+        slots would be counted nowhere)."""
+        if self.quiet:
             return
         for waiting in self.alone_queue.rejoin():
             self._enter(waiting)
@@ -265,43 +254,30 @@ class SharedQueue(Generic[H]):
             self._end(waiting, SHUT)
             waiting.deferred.errback(error())
 
-    def _freed(self, changed: dict[str, int], version: int | None) -> None:
-        """A slot freed somewhere, or a request left or went: whoever is first may go."""
+    def freed(self) -> None:
+        """A slot freed somewhere, or a request left or went: each model may be tried now."""
         self._behind.clear()
-        self.pump()
 
     def _release(self, got: H) -> None:
         """A placement tried and not granted gives its slots back, quietly."""
-        self._quiet = True
+        self.quiet = True
         try:
             got.release()
         finally:
-            self._quiet = False
+            self.quiet = False
 
-    def held(self) -> tuple[list[str], list[str]]:
-        """(Its requests' places are not written back: they wait here instead.)"""
-        return [], []
-
-    def shared(self, view: dict[str, int], version: int) -> None:
-        """Redis answers: its first requests are tried."""
-        self.pump()
-
-    def restored(self) -> None:
-        """Redis forgot this replica's places in the queue: they wait here instead."""
-        self.alone()
-
-    def alone(self) -> None:
-        """Redis stopped answering: what waited in the fleet's queue waits in this one's."""
-        for waiting in [w for ws in self._mine.values() for w in ws]:
+    def alone(self) -> list[Waiting[H]]:
+        """Redis stopped answering: what waited in the fleet's queue leaves it (for this
+        replica's own), nothing fired."""
+        moving = [w for ws in self._mine.values() for w in ws]
+        for waiting in moving:
             self._end(waiting, None, leave=False)
             waiting.done = False
-            self.alone_queue.take(waiting)
+        return moving
 
     def retry_after(self) -> float:
         """Seconds the fleet's queue takes to drain at the rate the fleet let requests go
         lately (1 at least, the timeout at most, and the timeout while none went)."""
-        if not self.replicas.is_shared:
-            return self.local.retry_after()
         grants = self._grants  # (ms, newest first)
         span = (grants[0] - grants[-1]) / 1000 if grants else 0.0
         return drain_seconds(len(grants), span, self._waiting, self.timeout)

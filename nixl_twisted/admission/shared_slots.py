@@ -61,6 +61,8 @@ class SharedSlots:
         #: Each instance's caps over the live replicas, as the last heartbeat read them.
         self.fleet_caps: dict[str, FleetCap] = {}
         self._check = CapCheck(metrics)
+        #: Whether the fleet's view counts (Redis answers), as this holder was last told.
+        self._room: Callable[[str, int, dict[str, int]], tuple[int, int]] = self._alone_room
         replicas.hold(self)
         replicas.on_freed(self._changed)
 
@@ -74,6 +76,7 @@ class SharedSlots:
         message on ``freed`` may have been forged by a writer to Redis, its version far
         ahead: the next heartbeat brings this replica back to Redis's own)."""
         self.view, self.version = view, version
+        self._room = self._fleet_room
         self.apply()
         self.caps_read()
 
@@ -97,12 +100,15 @@ class SharedSlots:
         return held(pool.caps.of(instance), self.fleet_caps.get(field(instance)))
 
     def alone(self) -> None:
+        self._room = self._alone_room
         self.apply()
 
     def restored(self) -> None:
         """Its leases were written back as they are, to a Redis that may have forgotten
-        everything (restarted): its versions may start again from nothing."""
+        everything (restarted): its versions may start again from nothing; the fleet's
+        view counts from now on."""
         self.version = -1
+        self._room = self._fleet_room
 
     def seen(self, view: dict[str, int], version: int) -> None:
         """A script's answer: the fleet's view as of ``version`` (an older one is left)."""
@@ -129,7 +135,6 @@ class SharedSlots:
         mine: dict[str, int] = {}
         for where in self.leases.values():
             mine[where] = mine.get(where, 0) + 1
-        shared = self.replicas.is_shared
         fleet = {"prefill": 0, "decode": 0}
         for pool in self._pools():
             roomier = False
@@ -139,18 +144,23 @@ class SharedSlots:
                     continue
                 where = field(instance)
                 instance.fleet_cap = self.fleet_caps.get(where)
-                if shared:
-                    others = max(0, self.view.get(where, 0) - mine.get(where, 0))
-                    slots = max(0, cap - others)
-                    fleet[pool.role] = fleet.get(pool.role, 0) + self.view.get(where, 0)
-                else:
-                    slots = replica_share(cap, self.replicas.count)
+                slots, legs = self._room(where, cap, mine)
+                fleet[pool.role] = fleet.get(pool.role, 0) + legs
                 more = pool.hold_to(instance, slots, cap / self.replicas.count)
                 roomier = roomier or more
             if roomier:
                 pool.notify_freed()
         for pool_role, legs in fleet.items():
             self.metrics.fleet_slots.labels(pool=pool_role).set(legs)
+
+    def _fleet_room(self, where: str, cap: int, mine: dict[str, int]) -> tuple[int, int]:
+        """Shared: the cap less the legs the other replicas hold on it (and the fleet's)."""
+        legs = self.view.get(where, 0)
+        return max(0, cap - max(0, legs - mine.get(where, 0))), legs
+
+    def _alone_room(self, where: str, cap: int, mine: dict[str, int]) -> tuple[int, int]:
+        """Alone: this replica's static share of the cap (the fleet's legs unknown)."""
+        return replica_share(cap, self.replicas.count), 0
 
     # -- a placement's leases ------------------------------------------------------
 

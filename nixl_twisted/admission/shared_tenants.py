@@ -69,6 +69,9 @@ class SharedTenants:
     def restored(self) -> None:
         """(Its places were written back as they are.)"""
 
+    def check(self, tenant: str, limit: int) -> None:
+        """(Its limit is held over every replica: asked in ``admit``.)"""
+
     def share(self, limit: int) -> int:
         """This replica's share of a tenant's ``limit`` while Redis does not answer."""
         return replica_share(limit, self.replicas.count)

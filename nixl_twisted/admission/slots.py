@@ -21,7 +21,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
-from nixl_twisted.admission.shared_queue import SharedQueue
+from nixl_twisted.admission.switched_queue import SwitchedQueue
 from nixl_twisted.admission.waiting import Held
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
@@ -44,14 +44,14 @@ class Slots:
         self,
         backends: BackendService,
         clock: IReactorTime,
-        queue: FairQueue[Any] | SharedQueue[Any],
+        queue: FairQueue[Any] | SwitchedQueue[Any],
     ) -> None:
-        """``queue``: this process's (``FairQueue``) or every replica's (``SharedQueue``), as
-        the root chose."""
+        """``queue``: this process's (``FairQueue``) or every replica's, this one's own while
+        Redis does not answer (``SwitchedQueue``), as the root chose."""
         self.backends = backends
         self.clock = clock
         #: (Typed as either store, not ``SlotQueue``: tests read what the fleet's last said.)
-        self.queue: FairQueue[Any] | SharedQueue[Any] = queue
+        self.queue: FairQueue[Any] | SwitchedQueue[Any] = queue
         self._sweep: IDelayedCall | None = None
         self._entered = Happened()
         queue.on_entered(self._waits)

@@ -18,7 +18,8 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from nixl_twisted.admission.limits import MAX_NAME, NO_HOLD, TenantLimits
-from nixl_twisted.admission.shared_tenants import Alone, Place, PlaceRefused, SharedTenants
+from nixl_twisted.admission.shared_tenants import Alone, Place, PlaceRefused
+from nixl_twisted.admission.tenant_places import LocalTenants, TenantPlaces
 from nixl_twisted.admission.windows import SharedWindows, Verdict
 from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.config.words import counted
@@ -45,16 +46,18 @@ class Tenancy:
         limits: TenantLimits,
         context_of: Callable[[object], int | None] = lambda model: None,
         shared: SharedWindows | None = None,
-        fleet: SharedTenants | None = None,
+        fleet: TenantPlaces | None = None,
     ) -> None:
+        """``fleet``: where requests in flight are held to their limit for every replica
+        (``SharedTenants``), else here (``LocalTenants``)."""
         self.keys = keys
         self.limits = limits
         #: A model's context length (``max_model_len``), as its instances say (None: unknown).
         self.context_of = context_of
         #: Where requests and tokens per minute are counted for every process (None: here).
         self.shared = shared
-        #: Where requests in flight are counted for every replica (None: here).
-        self.fleet = fleet
+        #: Where requests in flight are held to their limit: here, or for every replica.
+        self.places: TenantPlaces = fleet if fleet is not None else LocalTenants(limits)
 
     def tenant(self, request: Request, path: str) -> str | None:
         """Whose the request is: its client key's tenant, else the tenant header's."""
@@ -90,13 +93,16 @@ class Tenancy:
             estimate = completion.charge(self.context_of(completion.model))
         held = Holding(request, estimate)
         request.notifyFinish().addBoth(held.ended)
-        fleet = self.fleet if rule.max_in_flight else None
-        here = fleet is None  # (in flight held here, else over every replica)
+        places, limit = self.places, rule.max_in_flight
         if self.shared is None or not (rule.requests_per_minute or tpm):
-            held.hold = self.limits.admit(tenant, estimate, in_flight=here)
-            return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
-        # In flight here (a 429 at once), then the windows in Redis.
-        held.hold = self.limits.admit(tenant, estimate, windows=False, in_flight=here)
+            if limit:
+                places.check(tenant, limit)
+            held.hold = self.limits.admit(tenant, estimate, in_flight=False)
+            return self._in_flight(tenant, rule, held) if limit else rule
+        # In flight (a 429 at once when held here), then the windows in Redis.
+        if limit:
+            places.check(tenant, limit)
+        held.hold = self.limits.admit(tenant, estimate, windows=False, in_flight=False)
         shared = self.shared
 
         def decided(verdict: Verdict | None) -> TenantRule | Deferred[TenantRule]:
@@ -106,38 +112,45 @@ class Tenancy:
                 raise CancelledError()
             if verdict is None:  # (Redis could not say: this process decides)
                 held.give_back()
-                held.hold = self.limits.admit(tenant, estimate, in_flight=here)
+                if limit:
+                    places.check(tenant, limit)
+                held.hold = self.limits.admit(tenant, estimate, in_flight=False)
             elif not verdict.admitted:
                 held.give_back()
                 raise self.limits.refused(tenant, verdict.limit, verdict.wait)
             elif tpm:
                 held.charge = lambda used: shared.charge(tenant, verdict.member, used)
-            return rule if fleet is None else self._in_flight(fleet, tenant, rule, held)
+            return self._in_flight(tenant, rule, held) if limit else rule
 
         return shared.ask(tenant, rule.requests_per_minute, tpm, estimate).addCallback(decided)
 
     def _in_flight(
-        self, fleet: SharedTenants, tenant: str, rule: TenantRule, held: Holding
-    ) -> Deferred[TenantRule]:
-        """The tenant's requests in flight over every replica (``--replicas-redis``), or,
-        while Redis does not answer, this replica's share of its limit."""
+        self, tenant: str, rule: TenantRule, held: Holding
+    ) -> TenantRule | Deferred[TenantRule]:
+        """The tenant's place among its requests in flight: at once when held here, else
+        over every replica (``--replicas-redis``), or, while Redis does not answer, this
+        replica's share of its limit."""
+        places = self.places
 
         def placed(place: Place | PlaceRefused | Alone) -> TenantRule:
             if isinstance(place, Place):
                 if held.over:  # (its client left while Redis was asked)
-                    fleet.release(place)
+                    places.release(place)
                     raise CancelledError()
-                held.place = lambda: fleet.release(place)
+                held.place = lambda: places.release(place)
                 return rule
             limit = rule.max_in_flight
             if isinstance(place, Alone):  # (Redis could not say: this replica's share)
-                limit = fleet.share(limit)
+                limit = places.share(limit)
                 if self.limits.in_flight(tenant) <= limit:
                     return rule
             held.give_back()
             raise self.limits.refused(tenant, f"{counted(limit, 'request')} in flight", 1.0)
 
-        return fleet.admit(tenant, rule.max_in_flight).addCallback(placed)
+        got = places.admit(tenant, rule.max_in_flight)
+        if isinstance(got, Deferred):
+            return got.addCallback(placed)
+        return placed(got)
 
 
 class Holding:

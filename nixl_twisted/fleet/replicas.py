@@ -236,7 +236,10 @@ class Replicas(Service):
             return succeed(None)
         super().stopService()
         self._stopped = True  # (from now on a call that fails is no news: ``away``)
-        self.is_shared = False
+        was_shared, self.is_shared = self.is_shared, False
+        if was_shared:  # (each part goes on alone: its calls would fail from now on)
+            for holder in self._holders:
+                holder.alone()
         if self._beat is not None and self._beat.running:
             self._beat.stop()
         self.channel.stop()  # (its closing is not waited for: it holds nothing)

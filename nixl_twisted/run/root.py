@@ -48,6 +48,7 @@ from nixl_twisted.admission import (
     SharedWindows,
     SlotQueue,
     Slots,
+    SwitchedQueue,
     Tenancy,
     TenantLimits,
 )
@@ -223,11 +224,12 @@ def build(
     said = partial(_queue_said, metrics)
     capacity = config.capacity
     local: FairQueue[Placed] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, said)
-    queue: FairQueue[Placed] | SharedQueue[Placed] = local
+    queue: FairQueue[Placed] | SwitchedQueue[Placed] = local
     if replicas is not None and shared_slots is not None:
         decode = backends.decode
         serves = lambda m: named(m, decode.instances)  # noqa: E731
-        queue = SharedQueue(clock, local, replicas, shared_slots, said, serves)
+        fleet_queue = SharedQueue(clock, local, replicas, shared_slots, said, serves)
+        queue = SwitchedQueue(fleet_queue, replicas)
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
     slots = Slots(backends, clock, queue)
     metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))

@@ -86,3 +86,24 @@ def test_a_model_only_a_client_named_waits_in_the_queue_of_those_that_name_none(
     setup.post("/v1/chat/completions", CHAT)
     placed = [args[2] for script, args, _ in link.asked if script == scripts.PLACE]
     assert placed == ["", "m"]  # (its name is no key in Redis; a served model's is)
+
+
+def test_a_request_after_the_replicas_stopped_waits_alone_and_is_served_once() -> None:
+    """Stopping, the replica tells each part it is alone: a request that comes after waits
+    in this replica's own queue (its ``entered`` told), no ``PLACE`` sent, served once."""
+    setup = Setup(decode_max_in_flight=1, replicas_redis=REDIS)
+    setup.proxy.service.getServiceNamed("replicas").startService()  # (to be stopped)
+    replicas, link = shared(setup)
+    replicas.stopService()
+    asked = len(link.asked)
+    held = setup.held_stream()
+    slots = setup.proxy.app.serving.legs.slots
+    assert slots is not None
+    waits = slots.entered()
+    client = setup.post("/v1/chat/completions", CHAT)
+    assert waits.called
+    setup.decode.release()
+    setup.proxy.flush()
+    assert (held.answer().status, client.answer().status) == (200, 200)
+    assert len(setup.decode.requests_for("decode")) == 2
+    assert scripts.PLACE not in [script for script, _, _ in link.asked[asked:]]
