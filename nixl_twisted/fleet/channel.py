@@ -61,7 +61,7 @@ class Channel:
             connection.subscribe(name).addErrback(lambda _: None)
 
         factory.addConnection = subscribed
-        factory.startConnecting(endpoint(self.url, 1))
+        factory.startConnecting(endpoint(self.url, 1, self.reactor))
 
     def stop(self) -> Any:
         """Stop listening: the connection closed, none made again."""

@@ -38,11 +38,15 @@ _HANDSHAKE = re.compile(r"(?:Redis error: )?could not (auth|set dbid=(\d+)): (.*
 class RedisLink:
     """One connection to Redis, for calls while it is open; refusals said in words."""
 
-    def __init__(self, url: str, clock: IReactorTime, refused: Callable[[str], None]) -> None:
+    def __init__(
+        self, url: str, clock: IReactorTime, refused: Callable[[str], None], reactor: Any = None
+    ) -> None:
         """``clock``: the proxy's, for the wait before a refused connection is made
-        again; ``refused``: told why each time Redis refuses one."""
+        again; ``refused``: told why each time Redis refuses one; ``reactor``: the proxy's,
+        to connect on (None: txredisapi's global one)."""
         self.url = url
         self.clock = clock
+        self.reactor = reactor
         self.on_refused = refused
         self.redis: Any = None
         self._retry: IDelayedCall | None = None
@@ -64,7 +68,10 @@ class RedisLink:
 
     def _connect(self) -> Any:
         return _connect(
-            _Noted(endpoint(self.url, 1), self._failed), self.url, self._opened, self._gave_up
+            _Noted(endpoint(self.url, 1, self.reactor), self._failed),
+            self.url,
+            self._opened,
+            self._gave_up,
         )
 
     def _failed(self, failure: Failure) -> None:

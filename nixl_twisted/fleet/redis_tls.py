@@ -18,6 +18,7 @@ from urllib.parse import parse_qsl, urlsplit
 from OpenSSL import SSL
 from service_identity import VerificationError
 from twisted.internet import reactor, ssl
+from twisted.internet.endpoints import HostnameEndpoint
 from twisted.internet.interfaces import IDelayedCall, IHandshakeListener, IReactorTime
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -49,12 +50,18 @@ def connection_creator(url: str) -> Any:
     return ssl.optionsForClientTLS(host, trustRoot=ssl.trustRootFromCertificates(certificates))
 
 
-def endpoint(url: str, connect_timeout: float) -> Any:
-    """txredisapi's endpoint for ``url``: TCP, wrapped in verified TLS for ``rediss://``."""
+def endpoint(url: str, connect_timeout: float, on: Any = None) -> Any:
+    """The endpoint for ``url``: TCP on the reactor ``on`` (the proxy's; None: txredisapi's
+    global one), wrapped in verified TLS for ``rediss://``. On the proxy's reactor, a proxy built on
+    a test's reactor makes no real connection that outlives it."""
     txredisapi = importlib.import_module("txredisapi")
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 6379
-    return txredisapi._makeEndpoint(host, port, connect_timeout, connection_creator(url))
+    if on is None:
+        return txredisapi._makeEndpoint(host, port, connect_timeout, connection_creator(url))
+    tcp = HostnameEndpoint(on, host, port, timeout=connect_timeout)
+    creator = connection_creator(url)
+    return tcp if creator is None else txredisapi._TLSEndpoint(tcp, creator)
 
 
 def tls_failure(reason: Failure, host: str) -> str | None:

@@ -158,7 +158,7 @@ class Replicas(Service):
             },
             separators=(",", ":"),
         )
-        self.link = RedisLink(url, clock, self._refused)
+        self.link = RedisLink(url, clock, self._refused, reactor)
         self.channel = Channel(reactor, url, self.prefix + "freed", self._heard)
         #: The fleet's state is shared now (else each part goes on alone).
         self.is_shared = False
