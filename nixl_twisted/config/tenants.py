@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 from cryptography import x509
 
 from nixl_twisted.config.spelling import known_keys
 from nixl_twisted.config.values import InvalidValue, as_number, text
+
+T = TypeVar("T")
 
 #: The query parameters a Redis URL may carry (redis-py's names, so its URLs carry over).
 REDIS_PARAMETERS = ("ssl_ca_certs",)
@@ -261,28 +264,23 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             if isinstance(number, bool) or not isinstance(number, int) or number < -1:
                 raise InvalidValue(f"{where}{key} must be 0 (no limit) or more, not {number!r}")
             numbers.append(number)
-        try:
-            own = None if limits.get("priority") is None else priority(limits["priority"])
-        except InvalidValue as error:
-            raise InvalidValue(f"{where}priority {error}") from None
-        try:
-            share = None if limits.get("weight") is None else weight(limits["weight"])
-        except InvalidValue as error:
-            raise InvalidValue(f"{where}weight {error}") from None
-        try:
-            salt = None if limits.get("cache-salt") is None else cache_salt(limits["cache-salt"])
-        except InvalidValue as error:
-            raise InvalidValue(f"{where}cache-salt {error}") from None
-        try:
-            given_ms = limits.get("ttft-slo-ms")
-            target = None if given_ms is None else ttft_slo_ms(given_ms)
-        except InvalidValue as error:
-            raise InvalidValue(f"{where}ttft-slo-ms {error}") from None
-        try:
-            named = None if limits.get("class") is None else tenant_class(limits["class"])
-        except InvalidValue as error:
-            raise InvalidValue(f"{where}class {error}") from None
+        own = _optional(limits, "priority", priority, where)
+        share = _optional(limits, "weight", weight, where)
+        salt = _optional(limits, "cache-salt", cache_salt, where)
+        target = _optional(limits, "ttft-slo-ms", ttft_slo_ms, where)
+        named = _optional(limits, "class", tenant_class, where)
         in_flight, requests, tokens = numbers
         row = TenantRow(str(name), in_flight, requests, tokens, own, share, salt, target, named)
         table.append(row)
     return tuple(sorted(table, key=lambda row: row.name))
+
+
+def _optional(limits: dict[str, Any], key: str, read: Callable[[Any], T], where: str) -> T | None:
+    """A tenant's ``key``, read by ``read`` when given (None when not); a bad one names where."""
+    given = limits.get(key)
+    if given is None:
+        return None
+    try:
+        return read(given)
+    except InvalidValue as error:
+        raise InvalidValue(f"{where}{key} {error}") from None
