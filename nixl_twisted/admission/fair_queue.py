@@ -93,10 +93,10 @@ class _ModelQueue:
 
 
 def shed(ticket: Claim, retry_after: float) -> ProxyError:
-    """A sheddable request refused while the fleet is full (503 ``shed``)."""
+    """A sheddable request refused while every instance is at its cap (503 ``shed``)."""
     return ProxyError(
         ErrorCode.SHED,
-        "the fleet is full and this tenant's requests are sheddable (priority "
+        "every instance is at its cap and this tenant's requests are sheddable (priority "
         f"{ticket.priority}): try again later",
         retry_after=retry_after,
     )

@@ -1,4 +1,4 @@
-"""Which models a fleet serves, and which instances may serve a request's ``model``.
+"""Which models the backends serve, and which instances may serve a request's ``model``.
 
 An instance serves what its ``GET /v1/models`` says (read by the health
 checks: base models and LoRA adapters alike). Until it has said, it serves

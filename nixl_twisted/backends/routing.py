@@ -125,8 +125,8 @@ class Balance:
     busier when it holds at least ``margin`` more than the least busy
     candidate and at least ``factor`` times as much. Only then does a prompt
     leave the instance that holds (or was sent) its prefix: how many prompts
-    a prefix drew is never a reason to compute it again, and an idle fleet
-    never balances at all.
+    a prefix drew is never a reason to compute it again, and idle instances
+    never balance at all.
     """
 
     factor: float = 1.5

@@ -1,6 +1,6 @@
 """``[models.NAME]``: a model's own pools, and its own routing and decide rules.
 
-A fleet serving several models (or a base model and its LoRA adapters on
+Instances serving several models (or a base model and its LoRA adapters on
 different instances) lists each model's instances under its name; what a
 model's table does not say is the top level's. The keys are the top-level
 settings' own names, read by the same parsers, so a table reads as the

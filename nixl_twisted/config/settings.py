@@ -551,7 +551,7 @@ SETTINGS: tuple[Setting, ...] = (
         count(1),
         help=(
             "cache-aware and kv-aware: ... and at least this many legs busier than the "
-            "least busy instance (an idle fleet never moves a prompt from its prefix)."
+            "least busy instance (idle instances never move a prompt from its prefix)."
         ),
     ),
     Setting(

@@ -28,10 +28,10 @@ from nixl_twisted.kv.blocks import Event, Removed, Stored, block_keys, stored_ke
 from nixl_twisted.kv.predictions import NOTHING, PREDICTED_LIFE, Prediction, Predictions
 
 #: The block size predictions are keyed by while no instance of the pool has said its
-#: own (a fleet just started): any size will do, as long as matching uses the same;
+#: own (instances just started): any size will do, as long as matching uses the same;
 #: once the first ``BlockStored`` says the size, they are keyed again by it.
 PROVISIONAL_BLOCK = 16
-#: The most predictions kept to be keyed again so (a fleet's first few requests).
+#: The most predictions kept to be keyed again so (the first few requests).
 EARLY_LIMIT = 1024
 
 

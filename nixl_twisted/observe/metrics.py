@@ -3,7 +3,7 @@
 Labels are bounded: routes are the proxy's own (anything else is
 ``other``), instances are the configured backend URLs. A request id or a
 prompt is never a label. Here are the counters and histograms the requests
-move; what the fleet holds when Prometheus asks is ``fleet_metrics``.
+move; what the backends hold when Prometheus asks is ``scrape_metrics``.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
-from nixl_twisted.observe.fleet_metrics import FleetMetrics
 from nixl_twisted.observe.gc_pauses import GC_BUCKETS
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 from nixl_twisted.observe.saturation import Saturation, Summed
+from nixl_twisted.observe.scrape_metrics import ScrapeMetrics
 from nixl_twisted.protocol import routes
 
 if TYPE_CHECKING:
@@ -68,10 +68,10 @@ class ProxyMetrics:
     """Every metric the proxy exports, and the events that move them."""
 
     def __init__(self, pools: Iterable[BackendPool] = (), shared_dir: str | None = None) -> None:
-        """``pools``: what the fleet holds is read from them at each scrape (``read_fleet``
+        """``pools``: what the backends hold is read from them at each scrape (``read_at_scrape``
         adds the rest); ``shared_dir``: a worker's, its /metrics then sums every worker's
         files there."""
-        self._fleet = FleetMetrics(pools)
+        self._scraped = ScrapeMetrics(pools)
         self._shared_dir = shared_dir
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # No ``*_created`` series: one per counter and histogram child, they
@@ -262,19 +262,19 @@ class ProxyMetrics:
         #: ``--replicas-redis``: this replica's part of the fleet.
         self.replicas = ReplicaMetrics(r)
         #: Each pool's saturation and its parts, by model (``observe.saturation``); the queue
-        #: it reads is the fleet's (``read_fleet``).
-        self.saturation = Saturation(r, self._fleet.pools)
-        r.register(self._fleet)
+        #: it reads is the fleet's (``read_at_scrape``).
+        self.saturation = Saturation(r, self._scraped.pools)
+        r.register(self._scraped)
 
-    def read_fleet(self, fleet: FleetMetrics) -> None:
-        """What the fleet holds is read from ``fleet`` at each scrape from now on: the root's,
+    def read_at_scrape(self, scraped: ScrapeMetrics) -> None:
+        """What the backends hold is read from ``scraped`` at each scrape from now on: the root's,
         made once the KV events, discovery's report and the queue it reads exist (each of
         which counts into these metrics, so is made after them); the saturation reads the
         same queue."""
-        self.registry.unregister(self._fleet)
-        self._fleet = fleet
-        self.registry.register(fleet)
-        self.saturation.reads(fleet.queued)
+        self.registry.unregister(self._scraped)
+        self._scraped = scraped
+        self.registry.register(scraped)
+        self.saturation.reads(scraped.queued)
 
     def kv_event(self, role: str, url: str, kind: str) -> None:
         """A batch of an instance's KV events, a gap, a bad message (``KvEvents``' count)."""
@@ -320,5 +320,5 @@ class ProxyMetrics:
         scrape = CollectorRegistry()
         scrape.register(Summed(self._shared_dir))
         # Health is the supervisor's verdict, the same in every worker: this one's will do.
-        scrape.register(self._fleet)
+        scrape.register(self._scraped)
         return generate_latest(scrape)

@@ -1,4 +1,4 @@
-"""Each pool's saturation by model: the signal a fleet scales its vLLM pools by.
+"""Each pool's saturation by model: the signal an operator scales the vLLM pools by.
 
     saturation = (slots in use + requests queued for the pool) / slots
 

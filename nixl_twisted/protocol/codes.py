@@ -258,7 +258,7 @@ class ErrorCode(enum.Enum):
         "shed",
         503,
         _OVERLOADED,
-        "the fleet is at its caps and the tenant's priority is negative (sheddable)",
+        "every instance is at its cap and the tenant's priority is negative (sheddable)",
     )
     REQUEST_BODIES_BUFFER_FULL = (
         "request_bodies_buffer_full",

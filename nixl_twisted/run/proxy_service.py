@@ -85,7 +85,7 @@ class ProxyService(ProcessTree):
         self.app = app
         self.served = served
         self.site = site
-        self.backends = app.fleet.backends
+        self.backends = app.view.backends
         self.checks = checks
         self.clock = clock
         self.discovery = discovery

@@ -74,7 +74,6 @@ from nixl_twisted.fleet.routes import SharedRoutes
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe import tracing
 from nixl_twisted.observe.access import AccessLog
-from nixl_twisted.observe.fleet_metrics import FleetMetrics, Queued
 from nixl_twisted.observe.gc_pauses import GcPauses
 from nixl_twisted.observe.history import History
 from nixl_twisted.observe.metrics import METRICS_DIR_ENV, MetricsResource, ProxyMetrics
@@ -82,6 +81,7 @@ from nixl_twisted.observe.observed import Observed
 from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.observe.refusals import LogThrottle, Refusals
 from nixl_twisted.observe.saturation import Sampling
+from nixl_twisted.observe.scrape_metrics import Queued, ScrapeMetrics
 from nixl_twisted.run.coordination import SupervisorLink
 from nixl_twisted.run.ports import listener
 from nixl_twisted.run.proxy_service import Configured, ProxyService, StopOrder
@@ -89,8 +89,8 @@ from nixl_twisted.run.signals import SignalService
 from nixl_twisted.run.tree import Logging
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.app import ProxyApp
+from nixl_twisted.web.backends_view import BackendsView
 from nixl_twisted.web.deadlines import ClientLimits
-from nixl_twisted.web.fleet import Fleet
 from nixl_twisted.web.intake import BodyBudget
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.site import TrackingSite
@@ -195,7 +195,7 @@ def build(
     )
     pools = backend_pools(config, clock)
     # What the KV events, the queue and the rest count into, first; the fleet they hold is
-    # read from them once they exist (``read_fleet``).
+    # read from them once they exist (``read_at_scrape``).
     metrics = ProxyMetrics(pools, os.environ.get(METRICS_DIR_ENV) if shared else None)
     kv = KvEvents(reactor, clock, pools, config, metrics.kv_event, asker)
     # A worker's pools take their health from the supervisor, which checks.
@@ -232,7 +232,7 @@ def build(
         queue = SwitchedQueue(fleet_queue, replicas)
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
     slots = Slots(backends, clock, queue)
-    metrics.read_fleet(FleetMetrics(pools, kv, report.errors, partial(_queued, slots)))
+    metrics.read_at_scrape(ScrapeMetrics(pools, kv, report.errors, partial(_queued, slots)))
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)
     traces = tracing.Tracing(tracer_provider, reactor, clock)
@@ -255,18 +255,18 @@ def build(
     )
     # Admission, one step for every route: the tenant, then --max-in-flight (``admission.gate``).
     admission = Admission(config.limits.max_in_flight, metrics.in_flight.set, tenancy)
-    fleet = Fleet(backends, kv, report)
+    view = BackendsView(backends, kv, report)
     told = fleet_admin.tell if fleet_admin is not None else None
-    admin = AdminAPI(fleet, config, link.publish if link is not None else None, told)
+    admin = AdminAPI(view, config, link.publish if link is not None else None, told)
     legs = Legs(backends, kv, clock, metrics, config, slots)
     serving = Serving(legs, responses)
     # The status page's charts and warning lines: sampled and kept only while the root runs.
     history = History(clock, metrics.sampled)
     warnings = RecentWarnings()
     status = StatusPage(
-        fleet, serving, admission, tenancy, history, warnings, config.worker, replicas
+        view, serving, admission, tenancy, history, warnings, config.worker, replicas
     )
-    app = ProxyApp(config, fleet, serving, admission, tenancy, admin, observed, status)
+    app = ProxyApp(config, view, serving, admission, tenancy, admin, observed, status)
     site = TrackingSite(
         app.resource(),
         ClientLimits.of(config),

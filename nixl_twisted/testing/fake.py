@@ -144,7 +144,7 @@ class FakeVLLM(Generation, OtherRoutes):
     #: Its prompt tokens by source and NIXL failures, as ``/metrics`` says them.
     sources: PromptSources = field(default_factory=PromptSources)
     #: How this instance fails every generation request (None: it serves them):
-    #: set it on one instance of a fleet, and back to None to heal it.
+    #: set it on one instance of a pool, and back to None to heal it.
     fault: Fault | None = None
 
     #: Every fake's routes, made once (werkzeug compiles each rule, which takes

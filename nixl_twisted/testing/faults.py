@@ -4,7 +4,7 @@ A scripted behaviour (``behaviours``) is one request's; a fault is the
 instance's, as long as it lasts: a decode whose KV loads all fail, an
 engine that hangs, one that answers 500 to everything. It is what a test (or
 ``python -m nixl_twisted.testing --fault decode-1=fail-kv``) sets on one
-instance of a fleet, to rehearse "one decode dies" while the others serve.
+instance of a pool, to rehearse "one decode dies" while the others serve.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Guarded by a bearer token (``--admin-token`` or ``NIXLPROXY_ADMIN_TOKEN``);
 without one configured the API does not exist (404). A missing or wrong
 token is a 401, logged without the token. The same token opens the full
 ``/healthcheck`` and ``/metrics`` on a client endpoint while clients need a
-key (``AdminAPI.shows_the_fleet``).
+key (``AdminAPI.shows_the_backends``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from nixl_twisted.protocol import lowering
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import bearer_token
-from nixl_twisted.web.fleet import Fleet
+from nixl_twisted.web.backends_view import BackendsView
 from nixl_twisted.web.front import on_admin_port
 
 log = Logger()
@@ -41,7 +41,7 @@ class AdminAPI:
 
     def __init__(
         self,
-        fleet: Fleet,
+        view: BackendsView,
         config: ProxyConfig,
         publish: Callable[[dict[str, str]], Deferred[None]] | None = None,
         tell: Callable[[dict[str, str]], Deferred[None]] | None = None,
@@ -49,8 +49,8 @@ class AdminAPI:
         """``publish`` tells the other workers of a change (``run.coordination``), ``tell``
         the other replicas (``fleet.admin_changes``, with ``--replicas-redis``); alone,
         nobody is told."""
-        self.fleet = fleet
-        self.backends = fleet.backends
+        self.view = view
+        self.backends = view.backends
         self.publish = publish if publish is not None else _nobody
         self.tell = tell if tell is not None else _nobody
         self.configure(config)
@@ -70,7 +70,7 @@ class AdminAPI:
             self._token is not None and sent is not None and hmac.compare_digest(sent, self._token)
         )
 
-    def shows_the_fleet(self, request: IRequest, config: ProxyConfig) -> bool:
+    def shows_the_backends(self, request: IRequest, config: ProxyConfig) -> bool:
         """Whether ``/healthcheck`` in full and ``/metrics`` (every instance's URL, the
         process id, last errors) may be shown to ``request`` (``docs/security.md``).
 
@@ -98,7 +98,7 @@ class AdminAPI:
             raise ProxyError(ErrorCode.UNAUTHORIZED, "a valid admin bearer token is required")
 
     def listing(self) -> dict[str, Any]:
-        return self.fleet.instances()
+        return self.view.instances()
 
     def _target(self, body: bytes) -> tuple[BackendPool, str]:
         try:  # (as strict as a client's body: no NaN, no 1e400, no bottomless nesting)
@@ -138,7 +138,7 @@ class AdminAPI:
             raise ProxyError(ErrorCode.LAST_INSTANCE, str(error)) from None
         if not instances:
             raise ProxyError(ErrorCode.NOT_FOUND, f"no {pool.role} instance {url}")
-        described = [self.fleet.status(instance) for instance in instances]
+        described = [self.view.status(instance) for instance in instances]
         # One instance: its description; the ranks of URL#dp=N: each of theirs.
         answer = described[0] if len(described) == 1 else {"instances": described}
         # Answered once every worker has the change too, and the fleet's Redis.

@@ -38,7 +38,7 @@ from nixl_twisted.protocol.errors import ProxyError, error_answer, json_answer, 
 from nixl_twisted.protocol.headers import IDENTITY, REQUEST_ID
 from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
-from nixl_twisted.web.fleet import Fleet
+from nixl_twisted.web.backends_view import BackendsView
 from nixl_twisted.web.front import FrontDoor
 from nixl_twisted.web.status import StatusPage
 
@@ -69,7 +69,7 @@ class ProxyApp:
     def __init__(
         self,
         config: ProxyConfig,
-        fleet: Fleet,
+        view: BackendsView,
         serving: Serving,
         admission: Admission,
         tenancy: Tenancy,
@@ -78,8 +78,8 @@ class ProxyApp:
         status: StatusPage,
     ) -> None:
         #: The pools, as /healthcheck shows them.
-        self.fleet = fleet
-        self.backends = fleet.backends
+        self.view = view
+        self.backends = view.backends
         self.serving = serving
         self.admission = admission
         #: Whose each request is, and its tenant's limits.
@@ -139,7 +139,7 @@ class ProxyApp:
         ready = self.ready
         request.setResponseCode(200 if ready else 503)
         request.setHeader(b"Content-Type", _JSON)
-        if not self.admin.shows_the_fleet(request, self.config):
+        if not self.admin.shows_the_backends(request, self.config):
             waiting = self.status.waiting_for()  # (why not ready, when it is Redis)
             said = {"ready": ready} if waiting is None else {"ready": ready, "waiting_for": waiting}
             return json.dumps(said).encode("utf-8")
@@ -150,8 +150,8 @@ class ProxyApp:
     @app.route(routes.STATUS_SCRIPT, methods=["GET"], endpoint="status_script")
     @app.route(routes.STATUS_STYLE, methods=["GET"], endpoint="status_style")
     def status_page(self, request: Request) -> bytes:
-        """The status page, its JSON, script and style: to whoever may see the fleet."""
-        if not self.admin.shows_the_fleet(request, self.config):
+        """The status page, its JSON, script and style: to whoever may see the backends."""
+        if not self.admin.shows_the_backends(request, self.config):
             raise ProxyError(
                 ErrorCode.UNAUTHORIZED,
                 "while clients need a key, the status page on this endpoint needs the admin "
@@ -163,7 +163,7 @@ class ProxyApp:
     def prometheus(self, request: Request) -> bytes:
         if not self.serve_metrics:
             raise NotFound()
-        if not self.admin.shows_the_fleet(request, self.config):
+        if not self.admin.shows_the_backends(request, self.config):
             raise ProxyError(
                 ErrorCode.UNAUTHORIZED,
                 "while clients need a key, /metrics on this endpoint needs the admin token "

@@ -1,8 +1,8 @@
 """``StatusPage``: what the status page and its JSON say, read from the parts that know.
 
 The full ``/healthcheck`` and ``/status.json`` are read from the same
-places when asked (``Fleet``, the queue, admission, tenants), never copied:
-the JSON adds the fleet by model, the last minutes' charts
+places when asked (``BackendsView``, the queue, admission, tenants), never copied:
+the JSON adds the backends by model, the last minutes' charts
 (``observe.history``), the tenants against their limits and the recent
 warning lines (``observe.recent_warnings``). Its shape is a documented,
 stable contract (``docs/status-page.md``): fields are added, never renamed
@@ -27,7 +27,7 @@ from nixl_twisted.identity import ID, VERSION
 from nixl_twisted.observe.history import INTERVAL, WINDOW, History
 from nixl_twisted.observe.recent_warnings import RecentWarnings
 from nixl_twisted.protocol import routes
-from nixl_twisted.web.fleet import Fleet
+from nixl_twisted.web.backends_view import BackendsView
 from nixl_twisted.web.status_html import CSP, asset, render
 
 #: The version of ``/status.json``'s shape: a new one only for a change that is not an addition.
@@ -45,7 +45,7 @@ class StatusPage:
 
     def __init__(
         self,
-        fleet: Fleet,
+        view: BackendsView,
         serving: Serving,
         admission: Admission,
         tenancy: Tenancy,
@@ -57,7 +57,7 @@ class StatusPage:
         """``history`` and ``warnings``: the charts' samples and the log's lines, kept while
         the proxy runs; ``worker``: which one this is, under ``--workers``; ``replicas``:
         this replica of the fleet (``--replicas-redis``)."""
-        self.fleet, self.serving, self.admission, self.tenancy = fleet, serving, admission, tenancy
+        self.view, self.serving, self.admission, self.tenancy = view, serving, admission, tenancy
         self.history, self.warnings, self.worker = history, warnings, worker
         self.replicas = replicas
 
@@ -65,7 +65,7 @@ class StatusPage:
     def ready(self) -> bool:
         """Both pools have an instance up, the proxy is not leaving, and with
         ``--replicas-redis`` it has reached Redis once (``fleet.first_contact``)."""
-        ready = self.fleet.backends.ready() and not self.admission.leaving
+        ready = self.view.backends.ready() and not self.admission.leaving
         return ready and not self.waiting_for_redis
 
     @property
@@ -78,14 +78,14 @@ class StatusPage:
         return {
             "ready": self.ready,
             "waiting_for": self.waiting_for(),
-            "prefill_instances": len(self.fleet.backends.prefill),
-            "decode_instances": len(self.fleet.backends.decode),
+            "prefill_instances": len(self.view.backends.prefill),
+            "decode_instances": len(self.view.backends.decode),
             "draining": self.admission.draining,
             "shutting_down": self.admission.leaving,
             "in_flight": self.admission.in_flight,
             "pid": os.getpid(),
-            "instances": self.fleet.instances(),
-            "sources": self.fleet.report.sources(),
+            "instances": self.view.instances(),
+            "sources": self.view.report.sources(),
             "queues": self.serving.queues(),
             "replicas": self.replicas.status() if self.replicas is not None else None,
         }
@@ -148,7 +148,7 @@ class StatusPage:
         """Each model with the instances of each pool that serve it, and its queue; instances
         that have not said what they serve (and no table names) under ``null``."""
         by_model: dict[str | None, dict[str, Any]] = {}
-        for pool in self.fleet.backends.pools():
+        for pool in self.view.backends.pools():
             for instance in pool.instances:
                 for model in _served(instance):
                     entry = by_model.setdefault(

@@ -98,7 +98,7 @@ def _number(value: float | None) -> str | None:
     return None if value is None else f"{value:g}"
 
 
-def _fleet(status: dict[str, Any]) -> str:
+def _backends(status: dict[str, Any]) -> str:
     found = {(pool, i["url"]): i for pool, listed in status["instances"].items() for i in listed}
     parts = []
     for model in status["models"]:
@@ -205,7 +205,7 @@ def render(status: dict[str, Any]) -> bytes:
 <header><h1>nixlproxy</h1><p id="summary" class="{ready}">{_e(_summary(status))}</p>
 <p id="updated">as of page load</p></header>
 <main>
-<section id="fleet"><h2>Fleet</h2><div id="models">{_fleet(status)}</div></section>
+<section id="backends"><h2>Backends</h2><div id="models">{_backends(status)}</div></section>
 <section id="charts"><h2>Last minutes</h2>
 <noscript><p>The charts need JavaScript; the tables are as of this page's load.</p></noscript>
 <div id="chart-area"></div></section>

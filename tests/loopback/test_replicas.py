@@ -139,7 +139,7 @@ class ReplicasTests(FleetCase):
         await self.redis.stop()
         await mine.beat()  # (no answer: alone)
         assert (mine.is_shared, mine.metrics.fallback._value.get()) == (False, 1.0)
-        decode = other.app.fleet.backends.decode.instances[0]
+        decode = other.app.view.backends.decode.instances[0]
         assert decode.slots == 1  # the cap of 2 over the 2 replicas last seen
         response = await self.chat(other)
         assert response.code == 200

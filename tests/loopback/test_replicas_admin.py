@@ -42,7 +42,7 @@ class FleetAdminTests(FleetCase):
 
     def decodes_of(self, proxy: RunningProxy) -> dict[str, bool]:
         """Each decode instance of ``proxy``'s pool, and whether it drains."""
-        return {i.url: i.draining for i in proxy.app.fleet.backends.decode.instances}
+        return {i.url: i.draining for i in proxy.app.view.backends.decode.instances}
 
     async def served_by(self, proxy: RunningProxy, count: int) -> set[str]:
         before = {f.url: len(f.requests_for("decode")) for f in self.decodes}

@@ -79,4 +79,4 @@ class FleetCapTests(FleetCase):
         await replicas_of(roomy).beat()  # forgets it, and its caps
         await shared_of(roomy).caps_read()
         assert shared_of(roomy).fleet_caps[where].lowest == 3
-        assert roomy.app.fleet.backends.decode.instances[0].slots == 3
+        assert roomy.app.view.backends.decode.instances[0].slots == 3

@@ -79,7 +79,7 @@ class HealTests(HealCase):
     ) -> None:
         self.other = await self.forging()
         for proxy in (self.proxy, self.other):  # (the model is named: its queue is its own)
-            for instance in proxy.app.fleet.backends.decode.instances:
+            for instance in proxy.app.view.backends.decode.instances:
                 instance.models = {"fake-model": {"id": "fake-model"}}
         live = replicas_of(self.proxy).id
         forged = f"0000000000000000:{live}:x"  # (first of the model's queue, and recorded as
@@ -175,7 +175,7 @@ class HealTests(HealCase):
         assert await self.answered(self.other) == 200
         assert not replicas_of(self.other).is_shared
         assert [e for e in events if e.get("log_failure")] == []
-        decode = [i for i in self.other.app.fleet.backends.decode.instances if i.in_flight]
+        decode = [i for i in self.other.app.view.backends.decode.instances if i.in_flight]
         assert decode == []
         await replicas_of(self.other).beat()  # rebuilt, and this replica shares again
         assert await self.write("HGETALL", "slots") == []
@@ -252,7 +252,7 @@ class TagsTests(HealCase):
 
     async def test_a_model_no_instance_is_known_to_serve_makes_no_key(self) -> None:
         self.other = await self.forging(decodes=2)
-        said, _ = self.other.app.fleet.backends.decode.instances
+        said, _ = self.other.app.view.backends.decode.instances
         said.models = {"fake-model": {"id": "fake-model"}}  # (the other has not said yet)
         body = dict(CHAT, model="chosen-by-the-client")
         response = await self.chat(self.other, body)

@@ -33,7 +33,7 @@ def metrics(setup: Setup, headers: dict[str, str] | None = None) -> tuple[int, b
     return answer.status, answer.body
 
 
-def test_without_client_keys_the_client_endpoint_shows_the_fleet_to_anyone() -> None:
+def test_without_client_keys_the_client_endpoint_shows_the_backends_to_anyone() -> None:
     setup = Setup()
     status, health = healthcheck(setup)
     assert status == 200

@@ -88,7 +88,7 @@ class StatusPageInBrowserTests(TwistdCase):
                 self.fail(message)
             raise SkipTest(message)
 
-    async def test_the_page_shows_the_fleet_and_an_instance_going_down_without_a_reload(
+    async def test_the_page_shows_the_backends_and_an_instance_going_down_without_a_reload(
         self,
     ) -> None:
         self.browser_or_skip()

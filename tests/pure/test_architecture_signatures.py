@@ -42,8 +42,8 @@ from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.exchange.two_legs import Exchange
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.kv.events import KvEvents
-from nixl_twisted.observe.fleet_metrics import FleetMetrics
 from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.observe.scrape_metrics import ScrapeMetrics
 from nixl_twisted.protocol.completion import Completion, read_completion
 from nixl_twisted.run import reloads
 from nixl_twisted.run.coordination import SupervisorLink
@@ -52,7 +52,7 @@ from nixl_twisted.run.root import backend_pools
 from nixl_twisted.web import door
 from nixl_twisted.web.admin import AdminAPI
 from nixl_twisted.web.app import ProxyApp
-from nixl_twisted.web.fleet import Fleet
+from nixl_twisted.web.backends_view import BackendsView
 from nixl_twisted.web.keys import ClientKeys
 from nixl_twisted.web.site import TrackingSite
 from nixl_twisted.web.status import StatusPage
@@ -74,9 +74,9 @@ SIGNED: dict[str, Callable[..., Any]] = {
     "SupervisorLink": SupervisorLink,
     "link.on_reloaded": SupervisorLink.on_reloaded,
     "Slots": Slots,
-    "FleetMetrics": FleetMetrics,
-    "metrics.read_fleet": ProxyMetrics.read_fleet,
-    "Fleet": Fleet,
+    "ScrapeMetrics": ScrapeMetrics,
+    "metrics.read_at_scrape": ProxyMetrics.read_at_scrape,
+    "BackendsView": BackendsView,
     "AdminAPI": AdminAPI,
     "Legs": Legs,
     "Serving": Serving,

@@ -11,9 +11,9 @@ from twisted.internet.task import Clock
 from nixl_twisted.backends.capacity import Caps
 from nixl_twisted.backends.health import State
 from nixl_twisted.backends.pools import BackendPool
-from nixl_twisted.observe.fleet_metrics import FleetMetrics
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.observe.saturation import SAMPLE, Sampling
+from nixl_twisted.observe.scrape_metrics import ScrapeMetrics
 
 Rows = dict[tuple[str, str], float]
 
@@ -41,7 +41,7 @@ def hold(pool: BackendPool, legs: int, at: int = 0) -> None:
 
 def queueing(metrics: ProxyMetrics, queued: list[tuple[str, str, str]]) -> ProxyMetrics:
     """``metrics`` reading a queue that holds ``queued`` (as the root makes it read one)."""
-    metrics.read_fleet(FleetMetrics(metrics.saturation.pools, queued=lambda: queued))
+    metrics.read_at_scrape(ScrapeMetrics(metrics.saturation.pools, queued=lambda: queued))
     return metrics
 
 

@@ -76,7 +76,7 @@
     return t;
   }
 
-  function fleet(status) {
+  function backends(status) {
     var found = {};
     ["prefill", "decode"].forEach(function (pool) {
       (status.instances[pool] || []).forEach(function (i) { found[pool + " " + i.url] = i; });
@@ -224,7 +224,7 @@
       })
       .then(function (status) {
         summary(status);
-        fleet(status);
+        backends(status);
         charts(status);
         tenants(status);
         warnings(status);

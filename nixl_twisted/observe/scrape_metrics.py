@@ -1,4 +1,4 @@
-"""The fleet's metrics, read at scrape time: instances, their KV index, discovery, the queue.
+"""The backends' metrics, read at scrape time: instances, their KV index, discovery, the queue.
 
 These are no counters the hot path moves but what the pools, the KV events,
 discovery and the proxy's queue hold when Prometheus asks: one collector,
@@ -29,7 +29,7 @@ class KvStatus(Protocol):
 Queued = tuple[str, str, str]
 
 
-class FleetMetrics(Collector):
+class ScrapeMetrics(Collector):
     """Reads the pools at scrape time: health, legs in flight and vLLM's scraped load.
 
     Under ``--workers`` these are the answering worker's view: health is the

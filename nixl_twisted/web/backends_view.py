@@ -1,4 +1,4 @@
-"""``Fleet``: the backends as ``/healthcheck`` and the admin API show them.
+"""``BackendsView``: the backends as ``/healthcheck`` and the admin API show them.
 
 Each instance as its pool sees it, with what its KV events say, and
 discovery's sources (``discovery.report``): read from the parts that own
@@ -12,10 +12,10 @@ from typing import Any
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.discovery.report import Reported
-from nixl_twisted.observe.fleet_metrics import KvStatus
+from nixl_twisted.observe.scrape_metrics import KvStatus
 
 
-class Fleet:
+class BackendsView:
     """The pools, what the KV events say of each instance, and discovery's report."""
 
     def __init__(self, backends: BackendService, kv: KvStatus, report: Reported) -> None:
