@@ -283,3 +283,27 @@ def test_a_reload_that_changes_a_weight_applies_it_to_the_requests_that_come_aft
     # a2 and b1 keep the places they were given; b's next two, at weight 4, go before a3.
     order = ["a0", "a1", "a2", "b1", "b2", "b3", "a3"]
     assert [r.request_id for r in setup.decode.requests] == order
+
+
+def test_a_ready_request_near_its_kv_lease_end_is_sent_to_decode_over_its_cap(
+    access_events: list[dict[str, Any]],
+) -> None:
+    setup = capped(kv_lease_duration=3)  # (the guard at 2 s: a third of a short lease kept)
+    setup.decode.hold_answers()
+    first = setup.post(routes.CHAT_COMPLETIONS, CHAT)
+    setup.proxy.flush()
+    ready = setup.post(routes.CHAT_COMPLETIONS, CHAT)
+    setup.proxy.flush()
+    assert (len(setup.decode.requests), waits(setup)) == (1, (0, 1))
+    setup.proxy.advance(1.9)
+    assert len(setup.decode.requests) == 1
+    setup.proxy.advance(0.1)
+    # Over the decode cap of 1: inside vLLM's queue its lease is renewed.
+    assert len(setup.decode.requests) == 2 and waits(setup) == (0, 0)
+    assert setup.proxy.service.backends.decode.instances[0].in_flight == 2
+    assert setup.scrape()[("nixlproxy_lease_guard_total", ())] == 1
+    setup.decode.release()
+    setup.proxy.flush()
+    assert first.answer().status == ready.answer().status == 200
+    guarded = [e for e in access_events if e.get("ready_wait_ms")]
+    assert [(e["ready_wait_ms"], e["kv_lease_left_ms"]) for e in guarded] == [(2000, 1000)]
