@@ -51,7 +51,8 @@ class Legs:
         urls = ["http://d1:1#max-in-flight=1", "http://d2:1#max-in-flight=1"]
         self.decode = BackendPool("decode", urls, clock)
         self.decode.use_caps(Caps())
-        self.decode.use_policies(chosen(policy, Parts(sent=SentPrefixes(64))))
+        self.decode.sent = SentPrefixes(64)  # (cache-aware's memory, kv-aware's fallback's)
+        self.decode.use_policies(chosen(policy, Parts(sent=self.decode.sent)))
         self.prefill = BackendPool("prefill", ["http://p1:1#max-in-flight=1"], clock)
         self.prefill.use_caps(Caps())
         self.backends = Backends(self.prefill, self.decode)
