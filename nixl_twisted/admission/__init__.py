@@ -5,7 +5,8 @@ then ``--max-in-flight``), each tenant's limits (``limits``: in this process;
 ``windows``: requests and tokens per minute for every process through
 ``--limits-redis``; requests in flight held here or, ``shared_tenants``, over
 every replica through ``--replicas-redis``, behind ``tenant_places``), and the
-fair queue in front of capped instances (``slots``: this process's
+fair queue in front of capped instances (``slots``, prefill let run ahead of
+decode by ``run_ahead``: this process's
 ``fair_queue``, or every replica's ``shared_queue`` with ``shared_slots``, the
 fleet's legs per instance, behind ``switched_queue``, which goes alone while
 Redis does not answer). The rest of the house uses what ``__all__`` names; the
@@ -17,6 +18,8 @@ from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, QueueOutcome
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
 from nixl_twisted.admission.queue import SlotQueue
+from nixl_twisted.admission.run_ahead import RunAhead
+from nixl_twisted.admission.share import replica_share
 from nixl_twisted.admission.shared_queue import SharedQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.shared_tenants import SharedTenants
@@ -37,6 +40,7 @@ __all__ = [
     "LocalTenants",
     "Pool",
     "QueueOutcome",
+    "RunAhead",
     "SharedQueue",
     "SharedSlots",
     "SharedTenants",
@@ -49,4 +53,5 @@ __all__ = [
     "TenantPlaces",
     "Waiting",
     "read_secret",
+    "replica_share",
 ]

@@ -15,7 +15,12 @@ it got, or names the pool it found full. The order:
 - **within a tenant**: first come, first served (its tags only grow).
 
 Requests wait per model, each model's with its own order: one model's
-backlog never holds another's, since their instances differ. A model's
+backlog never holds another's, since their instances differ. Each model
+has two lanes (``Lane``): requests waiting for their first slot, and
+requests prefilled that wait for their decode slot (*ready*), in the same
+order but their own; the ready lanes are let go first (a decode slot that
+frees goes to a prefilled request before a new one starts), and a ready
+request is never refused for room, never shed and never timed out. A model's
 first request found its decode pool full: none behind it can go either;
 found its prefill pool full: a request behind it that needs no prefill
 (decode-only) may (at most ``TRIES`` tried per model per pump).
@@ -40,7 +45,7 @@ from typing import Any, Generic, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
-from nixl_twisted.admission.waiting import Claim, Pool, Waiting
+from nixl_twisted.admission.waiting import Claim, Lane, Pool, Waiting
 from nixl_twisted.config.words import counted
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -66,12 +71,16 @@ class QueueOutcome(str, Enum):
     SHUT = "shut"
     #: ``place`` raised: no instance at all (the request's own error).
     FAILED = "failed"
+    #: A prefilled request took its decode slot at once, or after it waited (ready lane).
+    READY_AT_ONCE = "ready_at_once"
+    READY_AFTER_WAIT = "ready_after_wait"
 
     def __str__(self) -> str:
         return self.value
 
 
-AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = QueueOutcome
+AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = list(QueueOutcome)[:8]
+READY_AT_ONCE, READY_AFTER_WAIT = QueueOutcome.READY_AT_ONCE, QueueOutcome.READY_AFTER_WAIT
 
 
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
@@ -143,9 +152,11 @@ class FairQueue(Generic[T]):
         self.timeout = timeout
         self.told: QueueReport = told if told is not None else _nobody
         self._entered: Callable[[], object] = _nobody_entered
-        self._models: dict[str | None, _ModelQueue] = {}
+        self._models: dict[tuple[str | None, Lane], _ModelQueue] = {}
         self._order = itertools.count()
         self._waiting = 0
+        #: Of those, the ready ones (never refused for room).
+        self._ready = 0
         self._recent: deque[float] = deque(maxlen=RECENT)
         self._pumping = False
         self._again = False
@@ -164,7 +175,7 @@ class FairQueue(Generic[T]):
         """What ``place`` gives now, when nothing of its model waits ahead of it; else a
         Deferred that fires when it does, or fails with the 503 that says why not;
         ``since``: when it began to wait elsewhere (its timeout counts from then)."""
-        queue = self._models.setdefault(ticket.model, _ModelQueue())
+        queue = self._models.setdefault((ticket.model, ticket.lane), _ModelQueue())
         start = max(queue.now, queue.last.get(ticket.tenant, 0.0))
         finish = start + 1.0 / ticket.weight
         key = (ticket.priority, finish, next(self._order))
@@ -183,7 +194,7 @@ class FairQueue(Generic[T]):
         if ticket.sheddable:
             self.told(SHED, 0.0, ticket)
             raise shed(ticket, self.retry_after())
-        if self._waiting >= self.size:
+        if not ticket.is_ready and self._waiting - self._ready >= self.size:
             self.told(QUEUE_FULL, 0.0, ticket)
             raise full(self.size, self.retry_after())
         queue.last[ticket.tenant] = finish
@@ -192,11 +203,13 @@ class FairQueue(Generic[T]):
         waiting: Waiting[T] = Waiting(ticket, place, arrived, finish=finish)
         waiting.blocked = blocked
         waiting.deferred = Deferred(lambda _: self._left(waiting))
-        waiting.timer = self.clock.callLater(
-            max(0.0, self.timeout - (now - arrived)), self._expire, waiting
-        )
+        if not ticket.is_ready:
+            waiting.timer = self.clock.callLater(
+                max(0.0, self.timeout - (now - arrived)), self._expire, waiting
+            )
         heapq.heappush(queue.heap, (*key, waiting))
         self._waiting += 1
+        self._ready += ticket.is_ready
         self._entered()
         return waiting.deferred
 
@@ -210,7 +223,7 @@ class FairQueue(Generic[T]):
             self._again = True
             while self._again:
                 self._again = False
-                for model in list(self._models):
+                for model in sorted(self._models, key=_ready_first):
                     self._pump(model)
         finally:
             self._pumping = False
@@ -239,6 +252,7 @@ class FairQueue(Generic[T]):
                 if waiting.deferred is deferred and not waiting.done:
                     waiting.done = True
                     self._waiting -= 1
+                    self._ready -= waiting.ticket.is_ready
                     if waiting.timer is not None and waiting.timer.active():
                         waiting.timer.cancel()
                     return True
@@ -256,7 +270,7 @@ class FairQueue(Generic[T]):
             heapq.heappop(queue.heap)
         return bool(queue.heap) and queue.heap[0][:3] < key
 
-    def _pump(self, model: str | None) -> None:
+    def _pump(self, model: tuple[str | None, Lane]) -> None:
         queue = self._models[model]
         tried = 0
         passed: list[tuple[int, float, int, Waiting[Any]]] = []
@@ -296,6 +310,7 @@ class FairQueue(Generic[T]):
         """The request leaves the queue, ``outcome`` said of it."""
         waiting.done = True
         self._waiting -= 1
+        self._ready -= waiting.ticket.is_ready
         if waiting.timer is not None and waiting.timer.active():
             waiting.timer.cancel()
         waited = self.clock.seconds() - waiting.arrived
@@ -305,7 +320,10 @@ class FairQueue(Generic[T]):
             self.told(outcome, waited, waiting.ticket)
 
     def _let_go(self, ticket: Claim, waited: float, outcome: QueueOutcome) -> None:
-        self._recent.append(self.clock.seconds())
+        if ticket.is_ready:
+            outcome = READY_AT_ONCE if outcome == AT_ONCE else READY_AFTER_WAIT
+        else:  # (the drain rate is of requests let go to start)
+            self._recent.append(self.clock.seconds())
         self.told(outcome, waited, ticket)
 
     def _expire(self, waiting: Waiting[T]) -> None:
@@ -318,6 +336,11 @@ class FairQueue(Generic[T]):
         """Its client left while it waited: taken out, nothing sent for it."""
         if not waiting.done:
             self._end(waiting, LEFT)
+
+
+def _ready_first(model: tuple[str | None, Lane]) -> bool:
+    """Ready lanes sort first (``False``), each model's in the order it came."""
+    return model[1] is not Lane.READY
 
 
 def _nobody(outcome: QueueOutcome, waited: float, ticket: Claim) -> None:

@@ -85,6 +85,15 @@ class AloneQueue(Generic[H]):
         self._waiting = []
         return leaving
 
+    def withdraw(self, deferred: Deferred[H]) -> bool:
+        """The request answered on ``deferred`` leaves this queue, nothing fired."""
+        for waiting in self._waiting:
+            mine = waiting.deferred is deferred and not waiting.done
+            if mine and waiting.inner is not None and self.local.withdraw(waiting.inner):
+                waiting.done = True
+                return True
+        return False
+
     def _wait(self, waiting: Waiting[H], inner: Deferred[H]) -> None:
         waiting.inner = inner
         self._waiting.append(waiting)

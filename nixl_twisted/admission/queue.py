@@ -34,5 +34,9 @@ class SlotQueue(Protocol[T]):
 
     def shut(self, error: Callable[[], ProxyError]) -> None: ...
 
+    def withdraw(self, deferred: Deferred[T]) -> bool:
+        """The request waiting on ``deferred`` leaves, nothing fired (the lease guard sends
+        it on); whether it waited."""
+
     def on_entered(self, entered: Callable[[], object]) -> None:
         """``entered()`` is called each time a request starts to wait."""

@@ -16,6 +16,11 @@ and each lease that Redis records it holding and it does not hold (forged by
 a writer to Redis, or left by a call it gave up on), once every placement
 it has sent is answered (one just granted or queued is held here only then).
 
+A prefilled request waits for its decode slot in its model's ready lane, a
+queue of its own in Redis (``waiting.ready_key``: the model's key and a
+tab, which no model's key holds), tried first, under a size that never
+refuses it and with no timeout.
+
 While Redis does not answer, requests wait in this replica's own queue
 (``fleet_alone``), the caps held to their static share; those that waited in
 the fleet's move there (``switched_queue`` decides when), and are let go by it.
@@ -52,7 +57,7 @@ from nixl_twisted.admission.fair_queue import (
 )
 from nixl_twisted.admission.fleet_alone import AloneQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
-from nixl_twisted.admission.waiting import H, Waiting
+from nixl_twisted.admission.waiting import READY_SUFFIX, H, Waiting, ready_key
 from nixl_twisted.fleet.heartbeat import Own
 from nixl_twisted.fleet.replicas import Replicas, Unanswered, Unshared
 from nixl_twisted.fleet.scripts import (
@@ -71,6 +76,9 @@ from nixl_twisted.fleet.scripts import (
 from nixl_twisted.protocol.errors import ProxyError
 
 log = Logger()
+
+#: The queue's size a ready request is asked under: never full for it.
+READY_ROOM = 2**31 - 1
 
 #: Seconds a model whose first request is another replica's waits before trying again,
 #: when no message said a slot freed (one may have been lost).
@@ -145,7 +153,9 @@ class SharedQueue(Generic[H]):
         """A new request's record, in the order requests came (its model "" when no instance
         is known to serve it); its Deferred, cancelled, takes it out of either queue."""
         answered: Deferred[H] = Deferred(lambda _: self._left(waiting))
-        model = ticket.model if ticket.model and self.named(ticket.model) else ""
+        served = ticket.model if ticket.model and "\t" not in ticket.model else ""
+        model = served if served and self.named(served) else ""
+        model = ready_key(model) if ticket.is_ready else model
         waiting = Waiting(
             ticket, place, self.clock.seconds(), answered, order=next(self._order), model=model
         )
@@ -244,7 +254,7 @@ class SharedQueue(Generic[H]):
             return
         for waiting in self.alone_queue.rejoin():
             self._enter(waiting)
-        for model in [m for m, ws in self._mine.items() if ws]:
+        for model in sorted((m for m, ws in self._mine.items() if ws), key=_ready_first):
             self._try(model)
 
     def shut(self, error: Callable[[], ProxyError]) -> None:
@@ -253,6 +263,14 @@ class SharedQueue(Generic[H]):
         for waiting in [w for ws in self._mine.values() for w in ws]:
             self._end(waiting, SHUT)
             waiting.deferred.errback(error())
+
+    def withdraw(self, deferred: Deferred[H]) -> bool:
+        """The request waiting on ``deferred`` leaves the fleet's queue, nothing fired."""
+        for waiting in [w for ws in self._mine.values() for w in ws]:
+            if waiting.deferred is deferred and not waiting.done:
+                self._end(waiting, None)
+                return True
+        return False
 
     def freed(self) -> None:
         """A slot freed somewhere, or a request left or went: each model may be tried now."""
@@ -308,7 +326,7 @@ class SharedQueue(Generic[H]):
             tenant=ticket.tenant or "",
             weight=ticket.weight,
             sheddable=sheddable,
-            queue_size=self.local.size,
+            queue_size=READY_ROOM if ticket.is_ready else self.local.size,
             order=waiting.order,
             blocked=str(got) if isinstance(got, str) else "",
             decode=decode,
@@ -316,7 +334,8 @@ class SharedQueue(Generic[H]):
         )
 
     def _granted(self, got: H, decode: SlotAsk, prefill: SlotAsk) -> None:
-        self.slots.granted(got.decode, decode)
+        if got.decode is not None:
+            self.slots.granted(got.decode, decode)
         if got.prefill is not None:
             self.slots.granted(got.prefill, prefill)
 
@@ -328,8 +347,9 @@ class SharedQueue(Generic[H]):
 
     def _wait(self, waiting: Waiting[H]) -> None:
         """It waits in the fleet's queue, until its turn, its timeout or its client leaves."""
-        left = self.timeout - (self.clock.seconds() - waiting.arrived)
-        waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
+        if not waiting.ticket.is_ready:  # (a ready request is never timed out)
+            left = self.timeout - (self.clock.seconds() - waiting.arrived)
+            waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
         model = waiting.model
         mine = self._mine.setdefault(model, [])
         mine.append(waiting)
@@ -426,6 +446,11 @@ class SharedQueue(Generic[H]):
             self._end(waiting, LEFT)
         elif not waiting.done:
             self.told(LEFT, self.clock.seconds() - waiting.arrived, waiting.ticket)
+
+
+def _ready_first(model: str) -> bool:
+    """Ready lanes' keys sort first (``False``)."""
+    return not model.endswith(READY_SUFFIX)
 
 
 def _unexpected(failure: Failure) -> None:

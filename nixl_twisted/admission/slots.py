@@ -1,12 +1,15 @@
-"""``Slots``: completions wait here for both their legs' slots while instances are at their caps.
+"""``Slots``: completions wait here for their legs' slots while instances are at their caps.
 
-A completion leaves the queue (``fair_queue``) only when its legs can all go:
-its decode instance is chosen and held first (the rules may ask what it
-holds), its prefill instance then, both under their caps
-(``backends.capacity``); a completion that skips prefill needs a decode
-slot only. The decode slot is held through the handoff, so that prefill
-never runs ahead of decode: a request the proxy holds between its legs
-gets no KV lease heartbeat from vLLM, one that waits here holds nothing.
+Each leg holds its slot only while its engine works on it. A two-leg
+completion waits first for a prefill slot (``take_prefill``), then, once
+prefill answered, for a decode slot (``take_decode``, the *ready* lane,
+let go first); a completion that skips prefill, a batch's part and a moved
+answer's continuation take what they need in one step (``take``), as
+before. Between its legs a request holds nothing but its prompt's KV on
+prefill, under vLLM's lease, which no heartbeat renews while the proxy
+holds it: so prefill runs at most ``run_ahead``'s limit ahead of decode,
+and a ready request whose lease nears its end is sent to decode over its
+cap (the lease guard), where vLLM's heartbeats renew it.
 
 With no cap anywhere none of this runs: a completion chooses its decode
 instance and goes, as vLLM's own queue takes it.
@@ -19,10 +22,12 @@ from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.logger import Logger
 
 from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
+from nixl_twisted.admission.run_ahead import RunAhead, guard_at
 from nixl_twisted.admission.switched_queue import SwitchedQueue
-from nixl_twisted.admission.waiting import Held
+from nixl_twisted.admission.waiting import Held, Lane
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
@@ -36,6 +41,12 @@ SWEEP = 1.0
 #: What a completion's placement holds (``exchange.placing.Placed``).
 H = TypeVar("H", bound=Held)
 
+log = Logger()
+
+#: A placement of phase A (``exchange.placing.place_prefill``), given how far its model's
+#: prefill runs ahead of decode.
+PlaceAhead = Callable[[RunAhead], H | Pool]
+
 
 class Slots:
     """The fair queue in front of the capped instances, and what it says of itself."""
@@ -45,23 +56,34 @@ class Slots:
         backends: BackendService,
         clock: IReactorTime,
         queue: FairQueue[Any] | SwitchedQueue[Any],
+        run_ahead: RunAhead | None = None,
+        guarded: Callable[[Claim], object] = lambda claim: None,
     ) -> None:
         """``queue``: this process's (``FairQueue``) or every replica's, this one's own while
-        Redis does not answer (``SwitchedQueue``), as the root chose."""
+        Redis does not answer (``SwitchedQueue``), as the root chose; ``run_ahead``: how far
+        prefill runs ahead of decode; ``guarded``: told of each lease guard."""
         self.backends = backends
         self.clock = clock
+        self.run_ahead = run_ahead if run_ahead is not None else RunAhead(backends.decode)
+        self.guarded = guarded
+        #: vLLM's ``kv_lease_duration`` (``--kv-lease-duration``).
+        self.kv_lease = 30.0
         #: (Typed as either store, not ``SlotQueue``: tests read what the fleet's last said.)
         self.queue: FairQueue[Any] | SwitchedQueue[Any] = queue
         self._sweep: IDelayedCall | None = None
         self._entered = Happened()
         queue.on_entered(self._waits)
+        self.run_ahead.on_behind(queue.pump)
         for pool in backends.pools():
             pool.on_freed(queue.pump)
 
     def configure(self, config: ProxyConfig) -> None:
         """The queue's size and timeout from now on (those waiting keep their deadline)."""
-        self.queue.size = config.capacity.queue_size
-        self.queue.timeout = config.capacity.queue_timeout
+        capacity = config.capacity
+        self.queue.size = capacity.queue_size
+        self.queue.timeout = capacity.queue_timeout
+        self.run_ahead.set = capacity.prefill_run_ahead
+        self.kv_lease = capacity.kv_lease_duration
         self.queue.pump()  # (and the pools pump it when their caps change: ``use_caps``)
 
     @property
@@ -72,6 +94,64 @@ class Slots:
     def take(self, ticket: Claim, place: Callable[[], H | Pool]) -> H | Deferred[H]:
         """The slots ``place`` takes, now or once they free (``SlotQueue.enter``)."""
         return self.queue.enter(ticket, place)
+
+    def take_prefill(self, ticket: Claim, place: PlaceAhead[H]) -> H | Deferred[H]:
+        """Phase A: the prefill slot ``place`` takes (or, decided decode alone, the decode
+        slot), now or once one frees and fewer than the model's limit run ahead."""
+        return self.queue.enter(ticket, lambda: place(self.run_ahead))
+
+    def take_decode(
+        self,
+        ticket: Claim,
+        place: Callable[[], H | Pool],
+        handed_at: float,
+        forced: Callable[[], H],
+    ) -> H | Deferred[H]:
+        """Phase B: the decode slot ``place`` takes once prefill answered (at ``handed_at``),
+        before any new request of its model; ``forced()``, over the cap, once its KV lease
+        nears its end (the lease guard)."""
+        ready = ticket.ready() if ticket.lane is Lane.WAIT else ticket
+        taken = self.queue.enter(ready, place)
+        if not isinstance(taken, Deferred):
+            return taken
+        answer: Deferred[H] = Deferred(lambda _: taken.cancel())
+        due = guard_at(handed_at, self.kv_lease)
+        timer = self.clock.callLater(max(0.0, due - self.clock.seconds()), lambda: guard())
+
+        def guard() -> None:
+            nonlocal timer
+            if taken.called:
+                return
+            if not self.queue.withdraw(taken):  # (its placement is being asked: soon again)
+                timer = self.clock.callLater(SWEEP, guard)
+                return
+            self.guarded(ready)
+            log.warn(
+                "lease guard: a request of {model} waited {waited:.1f} s for a decode slot; "
+                "sent over its decode instance's cap before its KV lease ends",
+                model=ticket.model,
+                waited=self.clock.seconds() - handed_at,
+            )
+            try:
+                got = forced()
+            except Exception as error:
+                answer.errback(error)
+                return
+            answer.callback(got)
+
+        def went(got: H) -> None:
+            if timer.active():
+                timer.cancel()
+            answer.callback(got)
+
+        def failed(failure: Any) -> None:
+            if timer.active():
+                timer.cancel()
+            if not answer.called:
+                answer.errback(failure)
+
+        taken.addCallbacks(went, failed)
+        return answer
 
     def _waits(self) -> None:
         """A request starts to wait: the queue is looked at every second while one does."""
@@ -100,17 +180,26 @@ class Slots:
         )
 
     def status(self) -> list[dict[str, Any]]:
-        """Each model's queue: how many wait, by tenant and the pool they wait for, and the
-        longest wait so far (``/healthcheck``)."""
+        """Each model's queue: how many wait for their first slot (``waiting``) and how many,
+        prefilled, for their decode slot (``ready``), by tenant, the longest wait so far, and
+        the requests ahead of decode against their limit (``/healthcheck``)."""
         now = self.clock.seconds()
         by_model: dict[str | None, dict[str, Any]] = {}
         for waiting in self.queue.waiting():
             ticket = waiting.ticket
             said = by_model.setdefault(
                 ticket.model,
-                {"model": ticket.model, "waiting": 0, "longest_seconds": 0.0, "tenants": {}},
+                {
+                    "model": ticket.model,
+                    "waiting": 0,
+                    "ready": 0,
+                    "longest_seconds": 0.0,
+                    "tenants": {},
+                    "ahead": self.run_ahead.ahead(ticket.model),
+                    "ahead_limit": self.run_ahead.limit(ticket.model),
+                },
             )
-            said["waiting"] += 1
+            said["ready" if ticket.is_ready else "waiting"] += 1
             said["longest_seconds"] = max(said["longest_seconds"], round(now - waiting.arrived, 3))
             tenants = said["tenants"]
             tenants[ticket.tenant or ""] = tenants.get(ticket.tenant or "", 0) + 1

@@ -94,6 +94,10 @@ class SwitchedQueue(Generic[H]):
     def shut(self, error: Callable[[], ProxyError]) -> None:
         self.fleet.shut(error)
 
+    def withdraw(self, deferred: Deferred[H]) -> bool:
+        """The request waiting on ``deferred`` leaves whichever queue holds it, nothing fired."""
+        return self.fleet.withdraw(deferred) or self.alone_queue.withdraw(deferred)
+
     # -- Replicas' holder -------------------------------------------------------------
 
     def held(self) -> tuple[list[str], list[str]]:

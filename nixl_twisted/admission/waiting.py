@@ -5,7 +5,7 @@ queue or every replica's, what its placement holds (``Held``) or the pool it fou
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
@@ -17,19 +17,40 @@ from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.protocol.completion import Completion
 
 
+class Lane(str, Enum):
+    """What a request waits for: its first slot (a prefill slot, or both of a one-step
+    placement), or, prefilled, its decode slot (``ready``: let go before any new request
+    of its model, never refused for room, never timed out)."""
+
+    WAIT = "wait"
+    READY = "ready"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Claim:
     """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
-    and its model's instances."""
+    its model's instances and what it waits for (``Lane``)."""
 
     tenant: str | None = None
     rule: TenantRule = NO_RULE
     model: str | None = None
+    lane: Lane = Lane.WAIT
 
     @classmethod
     def of(cls, completion: Completion) -> Claim:
         """A completion's place in the queue, as its tenant's rule gives it."""
         return cls(completion.tenant, completion.rule, completion.served)
+
+    def ready(self) -> Claim:
+        """The same request, prefilled: it waits for its decode slot now."""
+        return replace(self, lane=Lane.READY)
+
+    @property
+    def is_ready(self) -> bool:
+        return self.lane is Lane.READY
 
     @property
     def weight(self) -> float:
@@ -41,7 +62,17 @@ class Claim:
 
     @property
     def sheddable(self) -> bool:
-        return self.priority < 0
+        return self.priority < 0 and not self.is_ready
+
+
+#: What the ready lane's key in Redis adds to its model's: a tab, which no model's own key
+#: holds (``shared_queue`` keys a name with one as those that name none).
+READY_SUFFIX = "\tready"
+
+
+def ready_key(model: str) -> str:
+    """The key of ``model``'s ready lane in the fleet's queue (``scripts.PLACE``'s model)."""
+    return model + READY_SUFFIX
 
 
 class Pool(str, Enum):
@@ -57,10 +88,11 @@ class Pool(str, Enum):
 
 
 class Held(Protocol):
-    """What a placement holds: its decode slot, its prefill slot (None: none yet)."""
+    """What a placement holds: its decode slot (None: not yet, its prefill runs first), its
+    prefill slot (None: none, or not yet)."""
 
     @property
-    def decode(self) -> Lease: ...
+    def decode(self) -> Lease | None: ...
 
     @property
     def prefill(self) -> Lease | None: ...

@@ -115,6 +115,8 @@ GROUPS: tuple[Group, ...] = (
             ("decode-max-in-flight", "N"),
             ("queue-size", "N"),
             ("queue-timeout", "SECONDS"),
+            ("prefill-run-ahead", "N"),
+            ("kv-lease-duration", "SECONDS"),
             ("replicas-redis", "URL"),
             ("max-connections", "N"),
             ("header-timeout", "SECONDS"),

@@ -257,6 +257,10 @@ class Capacity:
     #: Requests that may wait for a slot, in all; and how long each may wait.
     queue_size: int
     queue_timeout: float
+    #: Requests of a model that may hold a prefill slot or wait ready for decode at once
+    #: (0: the sum of its decode caps); vLLM's ``kv_lease_duration`` on prefill.
+    prefill_run_ahead: int = 0
+    kv_lease_duration: float = 30.0
 
 
 @dataclass(frozen=True)

@@ -774,7 +774,28 @@ SETTINGS: tuple[Setting, ...] = (
         count(0),
         help=(
             "Legs each decode instance takes at once (0: no cap), as vLLM's --max-num-seqs "
-            "runs them; the decode slot is reserved before prefill is sent."
+            "runs them; a two-leg request takes its decode slot once prefill answered."
+        ),
+    ),
+    Setting(
+        "prefill-run-ahead",
+        "capacity.prefill_run_ahead",
+        0,
+        count(0),
+        help=(
+            "Requests of a model that may hold a prefill slot or wait, prefilled, for a "
+            "decode slot at once (0: the sum of the model's decode caps); shared through "
+            "--replicas-redis, each replica holds its share."
+        ),
+    ),
+    Setting(
+        "kv-lease-duration",
+        "capacity.kv_lease_duration",
+        30.0,
+        seconds,
+        help=(
+            "vLLM's kv_lease_duration on prefill: a prefilled request that waited for a "
+            "decode slot until this less 10 s (a third when shorter) is sent over the cap."
         ),
     ),
     Setting(

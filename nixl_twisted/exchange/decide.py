@@ -75,12 +75,13 @@ def prefill_load(instance: Instance) -> float:
 def decide(
     rules: Disaggregation,
     completion: Completion,
-    decode: Instance,
+    decode: Instance | None,
     prefill: BackendPool,
     holdings: Holdings | None = None,
     token_ids: Sequence[int] | None = None,
 ) -> Decision:
-    """Two legs, or decode alone, for this request on the ``decode`` instance chosen for it.
+    """Two legs, or decode alone, for this request on the ``decode`` instance chosen or named
+    for it (None: none yet, and the cached rule does not apply).
 
     In order: no usable prefill instance (with the fallback on); a short
     prompt; a prompt mostly cached on ``decode``; a short-ish prompt while
@@ -98,7 +99,7 @@ def decide(
         return _LONG
     if tokens < rules.short_prompt:
         return _SHORT
-    if rules.uncached and holdings is not None and token_ids is not None:
+    if rules.uncached and holdings is not None and token_ids is not None and decode is not None:
         cached = holdings.cached_tokens(decode, token_ids, completion.salt)
         if cached is not None and tokens - cached < rules.uncached:
             return _CACHED

@@ -4,26 +4,37 @@ The decode instance is chosen and held first, by the pool's policy; the
 decide rules then say whether a prefill leg pays (``decide``: they may ask
 what that decode instance holds). With no cap anywhere that is all
 (``place_now``): the prefill instance is chosen when its leg is sent. With
-caps, ``place`` is what the fair queue (``slots``) calls for a waiting
-completion each time room may have come free: both slots are taken at
-once, the prefill instance too, all or nothing. A pool with no room is seen
+caps, the fair queue (``slots``) calls a placement for a waiting completion
+each time room may have come free: a two-leg completion's prefill slot
+first (``place_prefill``), its decode slot once prefill answered
+(``place_decode``); ``place`` takes both at once, all or nothing (a
+batch's part, a moved answer's continuation). A pool with no room is seen
 before its policy is asked (``BackendPool.room_for``), so that a request
 tried and put back leaves no trace in the policies' memory or their counters.
+
+``place_prefill`` decides before any decode instance is held: the rules
+read a decode instance only for the cached rule, and then it is *named*
+(``named_decode``: the one holding most of the prompt, by the KV events),
+never chosen by a policy (which would leave traces: the cursor,
+cache-aware's memory, kv-aware's predictions, the counters). The decode
+slot later goes to the named instance when it has room, else to the
+policy's choice among those with room.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from nixl_twisted.admission import Pool
+from nixl_twisted.admission import Pool, RunAhead
+from nixl_twisted.backends.capacity import has_room
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.backends.pools import Lease, NoRoom
+from nixl_twisted.backends.pools import Lease, NoHealthyInstance, NoRoom
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.config import Disaggregation
 from nixl_twisted.exchange.decide import FALLBACK, Decision, Mode, decide
 from nixl_twisted.exchange.legs import Legs
-from nixl_twisted.exchange.sending import reserve
+from nixl_twisted.exchange.sending import reserve, unavailable
 from nixl_twisted.protocol.completion import Completion
 from nixl_twisted.protocol.errors import ProxyError
 
@@ -42,6 +53,25 @@ class Placed:
         self.decode.release()
         if self.prefill is not None:
             self.prefill.release()
+
+
+@dataclass(frozen=True)
+class Prefilling:
+    """A two-leg completion's first slot: its prefill instance held, what was decided, the
+    decode instance named for it (None: none was asked), and what gives back its place
+    ahead of decode (``run_ahead``)."""
+
+    prefill: Lease
+    decision: Decision
+    named: Instance | None
+    behind: Callable[[], None]
+    #: (No decode slot yet: ``place_decode`` takes it once prefill answered.)
+    decode: None = None
+
+    def release(self) -> None:
+        """Its prefill slot back (if still held), and its place ahead of decode."""
+        self.prefill.release()
+        self.behind()
 
 
 def place_now(
@@ -97,6 +127,88 @@ def place(
             raise
         return Placed(decode, FALLBACK)
     return Placed(decode, decision, prefill)
+
+
+def place_prefill(
+    legs: Legs,
+    rules: Disaggregation,
+    completion: Completion,
+    routing: Routing,
+    ahead: RunAhead,
+) -> Prefilling | Placed | Pool:
+    """Phase A: the prefill slot of a two-leg completion (``Prefilling``), or, decided decode
+    alone, its decode slot (``Placed``), or the pool with no room; a two-leg completion
+    whose model runs as far ahead of decode as it may (``ahead``) waits for decode. A
+    ``ProxyError`` when no decode instance serves at all (503)."""
+    backends, metrics, model = legs.backends, legs.metrics, routing.model
+    prefill = backends.prefill
+    if rules.always and not prefill.room_for(model):
+        return Pool.PREFILL  # (two legs, whatever is named: seen first)
+    named = named_decode(legs, rules, completion, routing)
+    decision = decide(rules, completion, named, prefill, legs.kv, routing.tokens)
+    if decision.mode is not Mode.PD:
+        return place_decode(legs, routing, decision, named)
+    if not ahead.room(model):
+        return Pool.DECODE  # (as far ahead of decode as it may run: decode is what is full)
+    if not prefill.room_for(model):
+        return Pool.PREFILL
+    try:
+        lease = reserve(prefill, metrics, routing, room=True)
+    except NoRoom:
+        return Pool.PREFILL
+    except ProxyError:  # (no prefill instance at all for the model)
+        if rules.fallback != "decode":
+            raise
+        return place_decode(legs, routing, FALLBACK, named)
+    return Prefilling(lease, decision, named, ahead.hold(model))
+
+
+def place_decode(
+    legs: Legs, routing: Routing, decision: Decision, named: Instance | None, force: bool = False
+) -> Placed | Pool:
+    """Phase B: the decode slot of a prefilled completion, on the ``named`` instance when it
+    has room, else the policy's choice among those with room; ``force``: whatever the caps
+    (the lease guard)."""
+    pool, metrics = legs.backends.decode, legs.metrics
+    now = legs.clock.seconds()
+    if named is not None and pool.available(named) and (force or has_room(named, now)):
+        return Placed(pool.lease(named, NAMED), decision)
+    if force:
+        return Placed(reserve(pool, metrics, routing), decision)
+    if not pool.room_for(routing.model):
+        return Pool.DECODE
+    try:
+        return Placed(reserve(pool, metrics, routing, room=True), decision)
+    except NoRoom:
+        return Pool.DECODE
+
+
+#: The routing decision of a decode slot taken on the instance named at phase A.
+NAMED = "named"
+
+
+def named_decode(
+    legs: Legs, rules: Disaggregation, completion: Completion, routing: Routing
+) -> Instance | None:
+    """The decode instance the cached rule reads (None when no rule reads one): among
+    those usable that serve the model, the one holding most of the prompt by the KV
+    events (those with room first). Chooses nothing and leaves no trace. A ``ProxyError``
+    (503) when no decode instance serves the model at all."""
+    pool, model = legs.backends.decode, routing.model
+    serving = [i for i in pool.instances if not i.draining and (model is None or i.serves(model))]
+    if not serving:
+        raise unavailable(NoHealthyInstance(pool.role, pool.retry_after(), model))
+    tokens = routing.tokens
+    if not rules.uncached or rules.always or tokens is None:
+        return None
+    now = legs.clock.seconds()
+    usable = [i for i in serving if pool.available(i)] or serving
+
+    def held(instance: Instance) -> tuple[bool, int]:
+        cached = legs.kv.cached_tokens(instance, tokens, completion.salt)
+        return has_room(instance, now), cached or 0
+
+    return max(usable, key=held)
 
 
 def _decided(

@@ -27,7 +27,14 @@ from nixl_twisted.exchange.keepalive import KeepAlive, keep_alive
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import BATCH, Migrations, Moved
 from nixl_twisted.exchange.phased import Phases
-from nixl_twisted.exchange.placing import Placed, place, place_now
+from nixl_twisted.exchange.placing import (
+    Placed,
+    Prefilling,
+    place,
+    place_decode,
+    place_now,
+    place_prefill,
+)
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
 from nixl_twisted.exchange.sending import NoInstanceServed, PrefillRefused
@@ -66,6 +73,7 @@ class Exchange:
         self.completion = completion
         self.trace = trace
         self.watch = watch
+        self.part = part
         request_id = completion.request_id
         self.record = record = record_of(request)
         record.request_id = request_id  # (a batch's part has no other place to get it)
@@ -157,11 +165,13 @@ class Exchange:
         """``completion``'s legs, placed, handed off and relayed; what continues its answer
         on another decode instance (None: it ended)."""
         first = avoid is None
-        served, placed = await self._placed(routing, completion, avoid or ())
+        served, placed = await self._placed(routing, completion, avoid or (), first)
         try:
             decision, handed_at, body = await self._handoff(
                 routing, completion, served, placed, first
             )
+            if isinstance(placed, Prefilling):
+                placed = await self._ready(routing, completion, placed, decision, handed_at)
         except BaseException:
             placed.release()  # (until send_leg takes them over, the leases are ours to give back)
             raise
@@ -170,6 +180,7 @@ class Exchange:
         decode = DecodeLeg(
             self.legs, completion, routing, served, keepalive, self.watch, self.moves
         )
+        assert placed.decode is not None
         return await decode.send(sent, placed.decode, decision, handed_at)
 
     async def _rendered(self) -> Routing:
@@ -184,11 +195,13 @@ class Exchange:
         return await self.phases.track(ensureDeferred(rendering))
 
     async def _placed(
-        self, routing: Routing, c: Completion, avoid: Sequence[Instance]
-    ) -> tuple[Served, Placed]:
+        self, routing: Routing, c: Completion, avoid: Sequence[Instance], first: bool
+    ) -> tuple[Served, Placed | Prefilling]:
         """The decode instance held (and, with caps, the prefill instance too), and whether
-        prefill pays: at once, or once the fair queue lets it go (``Phase.QUEUED``);
-        ``avoid``: decode instances a moved answer failed on."""
+        prefill pays: at once, or once the fair queue lets it go (``Phase.QUEUED``); with
+        caps, a two-leg completion's prefill slot alone (``Prefilling``: its decode slot is
+        taken once prefill answered, ``_ready``); ``avoid``: decode instances a moved answer
+        failed on; ``first``: not a moved answer's continuation."""
         legs, phases, record = self.legs, self.phases, self.record
         slots, backends = legs.slots, legs.backends
         room = slots is not None and (backends.decode.capped or backends.prefill.capped)
@@ -203,7 +216,14 @@ class Exchange:
             return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
         ticket = Claim.of(c)
-        taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
+        taken: Placed | Prefilling | Deferred[Placed | Prefilling]
+        if first and not self.part:  # (a batch's part and a continuation: both at once)
+            rules = self.rules
+            taken = slots.take_prefill(
+                ticket, lambda ahead: place_prefill(legs, rules, c, routing, ahead)
+            )
+        else:
+            taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
         if isinstance(taken, Deferred):
             clock = legs.clock
             since = clock.seconds()
@@ -215,8 +235,60 @@ class Exchange:
         phases.enter(Phase.PREFILL)
         return served, taken
 
+    async def _ready(
+        self,
+        routing: Routing,
+        c: Completion,
+        prefilling: Prefilling,
+        decision: Decision,
+        handed_at: float,
+    ) -> Placed:
+        """Prefilled (or fallen back to decode alone): its decode slot, at once or once the
+        fair queue's ready lane lets it go; over the cap once its KV lease nears its end."""
+        legs, record = self.legs, self.record
+        slots = legs.slots
+        assert slots is not None
+        clock = legs.clock
+        since = clock.seconds()
+        named = prefilling.named
+
+        def forced() -> Placed:
+            got = place_decode(legs, routing, decision, named, force=True)
+            assert isinstance(got, Placed)  # (whatever the caps: never a full pool)
+            return got
+
+        try:
+            if self.phases.client_gone:  # (left as prefill answered: its KV is left to its lease)
+                raise CancelledError()
+            taken = slots.take_decode(
+                Claim.of(c),
+                lambda: place_decode(legs, routing, decision, named),
+                handed_at if decision.mode is Mode.PD else since,
+                forced,
+            )
+            if isinstance(taken, Deferred):
+                self.phases.enter(Phase.QUEUED)
+                try:
+                    taken = await self.phases.track(taken)
+                finally:
+                    record.ready_wait_seconds = clock.seconds() - since
+                if decision.mode is Mode.PD:
+                    self.phases.enter(Phase.HANDOFF)
+                else:
+                    self.phases.enter(Phase.DECODE)
+        finally:
+            prefilling.release()  # (its place ahead of decode, whatever came of it)
+        if decision.mode is Mode.PD:
+            record.kv_lease_left_seconds = handed_at + slots.kv_lease - clock.seconds()
+        return taken
+
     async def _handoff(
-        self, routing: Routing, c: Completion, served: Served, placed: Placed, first: bool
+        self,
+        routing: Routing,
+        c: Completion,
+        served: Served,
+        placed: Placed | Prefilling,
+        first: bool,
     ) -> tuple[Decision, float, bytes]:
         """The prefill leg if placing decided it pays (decode alone when no prefill instance
         serves and the fallback is on), and what the decode leg sends after it; ``first``:

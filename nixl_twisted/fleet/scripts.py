@@ -97,6 +97,8 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL = PlaceCode
 # A new request goes at once when nothing of its model waits (in any replica) and both its
 # slots are free; else it waits in the fleet's order (or is shed, or the queue is full).
 # A waiting one (``member``) goes when it is the first of its model and its slots are free.
+# A model key with a tab is a model's ready lane (``admission.waiting.ready_key``): its grants
+# are not requests started (``grants``, the drain rate).
 # Answers {code, member or pool, the slots' view, waiting, the latest grant times (ms)}.
 PLACE = (
     COMMON
@@ -171,8 +173,10 @@ if go and blocked == '' then
     redis.call('HSET', vkey, model, finish)
     redis.call('HSET', lkey, tenant, finish)
   end
-  redis.call('LPUSH', P .. 'grants', now)
-  redis.call('LTRIM', P .. 'grants', 0, 63)
+  if not string.find(model, '\t', 1, true) then  -- (a ready lane's: not a request started)
+    redis.call('LPUSH', P .. 'grants', now)
+    redis.call('LTRIM', P .. 'grants', 0, 63)
+  end
   publish(changed)
   if member ~= '' and redis.call('EXISTS', P .. 'qp:' .. model) == 1 then
     redis.call('PUBLISH', P .. 'freed', '')

@@ -57,6 +57,10 @@ class AccessRecord:
     handoff_gap_seconds: float | None = None
     #: How long it waited in the proxy's queue for its slots (None: it did not wait).
     queued_seconds: float | None = None
+    #: Prefilled, how long it waited for its decode slot (None: it took no such wait), and
+    #: what was left of its KV lease on prefill when its decode leg went.
+    ready_wait_seconds: float | None = None
+    kv_lease_left_seconds: float | None = None
     #: The request's arrival -> the first byte written to the client.
     time_to_first_byte_seconds: float | None = None
     #: The last phase a completion entered.
@@ -187,6 +191,8 @@ class AccessLog:
             "elapsed_ms": _ms(elapsed),
             "request_id": record.request_id,
             "queued_ms": None if record.queued_seconds is None else _ms(record.queued_seconds),
+            "ready_wait_ms": _ms(record.ready_wait_seconds),
+            "kv_lease_left_ms": _ms(record.kv_lease_left_seconds),
             "prefill": record.prefill,
             "prefill_status": record.prefill_status,
             "prefill_ms": _ms(record.prefill_seconds),

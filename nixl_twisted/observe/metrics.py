@@ -226,7 +226,8 @@ class ProxyMetrics:
         self.admissions = Counter(
             "nixlproxy_admissions",
             "Completions at the proxy's queue while instances are capped, by outcome: "
-            "at_once, after_wait, queue_full, timed_out, shed, left, shut, failed.",
+            "at_once, after_wait, queue_full, timed_out, shed, left, shut, failed; and, "
+            "prefilled, for their decode slot: ready_at_once, ready_after_wait.",
             ["outcome"],
             registry=r,
         )
@@ -235,6 +236,35 @@ class ProxyMetrics:
             "How long completions waited in the proxy's queue for their slots.",
             buckets=QUEUE_BUCKETS,
             registry=r,
+        )
+        self.ready_wait_seconds = Histogram(
+            "nixlproxy_ready_wait_seconds",
+            "How long prefilled completions waited in the proxy's queue for their decode "
+            "slot (between their legs, their KV held on prefill under its lease).",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.lease_guard = Counter(
+            "nixlproxy_lease_guard",
+            "Prefilled completions sent to decode over its cap because their KV lease on "
+            "prefill neared its end (--kv-lease-duration).",
+            registry=r,
+        )
+        self.prefill_ahead = Gauge(
+            "nixlproxy_prefill_ahead",
+            "Completions of a model holding a prefill slot or waiting, prefilled, for a "
+            "decode slot (how far prefill runs ahead of decode).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.prefill_ahead_limit = Gauge(
+            "nixlproxy_prefill_ahead_limit",
+            "The most completions of a model this process lets run ahead of decode "
+            "(--prefill-run-ahead, else its decode caps; its share when replicas share).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.kv_events = Counter(
             "nixlproxy_kv_events",

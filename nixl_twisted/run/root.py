@@ -42,6 +42,7 @@ from nixl_twisted.admission import (
     Claim,
     FairQueue,
     QueueOutcome,
+    RunAhead,
     SharedQueue,
     SharedSlots,
     SharedTenants,
@@ -51,6 +52,7 @@ from nixl_twisted.admission import (
     SwitchedQueue,
     Tenancy,
     TenantLimits,
+    replica_share,
 )
 from nixl_twisted.backends.checks import HealthChecks
 from nixl_twisted.backends.health import Thresholds
@@ -112,8 +114,21 @@ def _queue_said(metrics: ProxyMetrics, outcome: QueueOutcome, waited: float, tic
     """A request's outcome at the fair queue: counted, and how long it waited if it did."""
     metrics.admissions.labels(outcome).inc()
     metrics.saturation.told(outcome, ticket.model)
-    if outcome != AT_ONCE:
+    if ticket.is_ready:
+        metrics.ready_wait_seconds.observe(waited)
+    elif outcome != AT_ONCE:
         metrics.queue_seconds.observe(waited)
+
+
+def _replica_share(replicas: Replicas, whole: int) -> int:
+    """This replica's share of a limit the replicas hold together (its static share)."""
+    return replica_share(whole, replicas.count)
+
+
+def _ahead_shown(metrics: ProxyMetrics, model: str | None, ahead: int, limit: int | None) -> None:
+    """How far a model's prefill runs ahead of decode, against its limit (the gauges)."""
+    metrics.prefill_ahead.labels(model or "").set(ahead)
+    metrics.prefill_ahead_limit.labels(model or "").set(-1 if limit is None else limit)
 
 
 def backend_pools(config: ProxyConfig, clock: IReactorTime) -> tuple[BackendPool, BackendPool]:
@@ -231,7 +246,10 @@ def build(
         fleet_queue = SharedQueue(clock, local, replicas, shared_slots, said, serves)
         queue = SwitchedQueue(fleet_queue, replicas)
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
-    slots = Slots(backends, clock, queue)
+    share = (lambda whole: whole) if replicas is None else partial(_replica_share, replicas)
+    run_ahead = RunAhead(backends.decode, share, partial(_ahead_shown, metrics))
+    slots = Slots(backends, clock, queue, run_ahead, lambda claim: metrics.lease_guard.inc())
+    slots.configure(config)
     metrics.read_at_scrape(ScrapeMetrics(pools, kv, report.errors, partial(_queued, slots)))
     if tracer_provider is None and tracing.enabled(config.traces, os.environ):
         tracer_provider = tracing.provider_for(config.traces, config.worker)

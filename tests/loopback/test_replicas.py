@@ -211,6 +211,9 @@ class ReplicasTests(FleetCase):
         other = await self.two(queue_timeout=5)
         held = await self.held_stream()
         waits = slots_of(other).entered()
+        ahead = self.chat(other)  # prefilled, ready for the decode slot: never timed out
+        await waits
+        waits = slots_of(other).entered()
         timing_out = self.chat(other)
         await waits
         waits = slots_of(other).entered()
@@ -226,18 +229,22 @@ class ReplicasTests(FleetCase):
         leaving.cancel()  # its client goes away while it waits
         leaving.addErrback(lambda failure: failure.trap(ResponseNeverReceived))
         await gone
-        assert len(slots_of(other).queue) == 1  # it left the fleet's queue, not timed out
-        self.clock.advance(5)  # the other one's queue timeout
+        assert len(slots_of(other).queue) == 2  # it left the fleet's queue, not timed out
+        self.clock.advance(5)  # the other one's queue timeout (the ready one waits on)
         refused = await timing_out
-        assert (refused.code, refused.headers.getRawHeaders("Retry-After")) == (503, ["5"])
+        assert (refused.code, refused.headers.getRawHeaders("Retry-After")) == (503, ["1"])
         assert b"queue_timeout" in await refused.content()
+        assert [w.ticket.is_ready for w in slots_of(other).queue.waiting()] == [True]
         self.decode.release()
         await held.done
+        went = await ahead
+        assert went.code == 200
+        await went.content()
         await replicas_of(other).beat()
         answered = await self.chat(other)  # nothing of theirs is left waiting ahead of it
         assert answered.code == 200
         await answered.content()
-        assert len(self.decode.requests_for("decode")) == 2
+        assert len(self.decode.requests_for("decode")) == 3
         queue = slots_of(other).queue
         assert (len(queue), queue._waiting) == (0, 0)
 
@@ -308,7 +315,10 @@ class FleetTenantsTests(FleetCase):
 
     async def test_tenants_waiting_on_different_replicas_share_the_slots_by_weight(self) -> None:
         tenants = {"a": {"weight": 3}, "b": {"weight": 1}}
-        other = await self.two(tenant_header="x-team", tenants=json.dumps(tenants))
+        # Each replica lets four run ahead: every request is prefilled and waits in the fleet's
+        # ready lane, let go in its order.
+        settings: dict[str, Any] = {"tenant_header": "x-team", "tenants": json.dumps(tenants)}
+        other = await self.two(prefill_run_ahead=8, **settings)
         held = await self.held_stream()  # the one decode slot
         waiting: list[Deferred[Any]] = []
         for proxy, team in [(self.proxy, "a")] * 4 + [(other, "b")] * 4:

@@ -37,14 +37,15 @@ def test_client_leaves_while_queued_and_nothing_is_sent() -> None:
     setup = Setup(decode_max_in_flight=1)
     setup.decode.hold_answers()
     first = setup.post("/v1/chat/completions", CHAT)  # holds the one decode slot
-    client = setup.post("/v1/chat/completions", CHAT)
+    ahead = setup.post("/v1/chat/completions", CHAT)  # prefilled, ready for decode
+    client = setup.post("/v1/chat/completions", CHAT)  # waits for its prefill
     queued = [e for e in setup.proxy.app.serving.exchanges if e.phase.value == "queued"]
-    assert len(queued) == 1
+    assert len(queued) == 2
     client.disconnect()
-    assert len(setup.prefill.requests) == 1  # the first's alone
+    assert len(setup.prefill.requests) == 2  # the first's and the one ahead's alone
     setup.decode.release()
     setup.proxy.flush()
-    assert status(first) == 200 and len(setup.decode.requests) == 1
+    assert status(first) == status(ahead) == 200 and len(setup.decode.requests) == 2
     assert setup.proxy.app.in_flight == 0
 
 

@@ -54,13 +54,15 @@ def test_a_placement_whose_answer_holds_no_number_is_served_alone_its_slots_give
     setup = Setup(decode_max_in_flight=1, replicas_redis=REDIS)
     replicas, link = shared(setup)
     decode = setup.proxy.service.backends.decode.instances[0]
+    prefill = setup.proxy.service.backends.prefill.instances[0]
     client = setup.post("/v1/chat/completions", CHAT)
-    assert decode.in_flight == 1  # (its slot, taken here while Redis is asked)
+    # (its prefill slot, taken here while Redis is asked; its decode slot comes after)
+    assert (prefill.in_flight, decode.in_flight) == (1, 0)
     slots = [f"decode|{decode.url}", "many"]  # a count someone else wrote
     link.answer(scripts.PLACE, [scripts.GRANTED, "", slots, 0, [], 7])
     setup.proxy.flush()
     assert client.answer().status == 200  # served alone, at its share of the cap
-    assert decode.in_flight == 0
+    assert (prefill.in_flight, decode.in_flight) == (0, 0)
     assert not replicas.is_shared
     fallbacks = replicas.metrics.fallbacks.labels(reason="wrong_reply")._value.get()
     assert fallbacks == 1

@@ -157,9 +157,11 @@ def test_a_refusal_after_the_first_frame_is_the_backends_error_as_an_event() -> 
     event = _late(setup, client)
     assert event["error"]["message"] == "this decode says no"
 
-    # Queued behind a stream that holds decode's only slot, then refused by prefill.
+    # Queued behind a stream that holds decode's only slot (and one prefilled ahead for
+    # it), then refused by prefill.
     setup = Setup(sse_keepalive=EVERY, decode_max_in_flight=1)
     first = setup.held_stream()
+    setup.post("/v1/chat/completions", STREAM)
     client = setup.post("/v1/chat/completions", STREAM)
     assert {e.phase.value for e in setup.proxy.app.serving.exchanges} == {"relay", "queued"}
     setup.proxy.advance(EVERY)
@@ -169,4 +171,4 @@ def test_a_refusal_after_the_first_frame_is_the_backends_error_as_an_event() -> 
     assert first.answer().complete
     event = _late(setup, client)
     assert event["error"]["message"] == "this prefill says no"
-    assert len(setup.decode.requests) == 1
+    assert len(setup.decode.requests) == 2

@@ -28,19 +28,22 @@ def test_requests_waiting_for_decode_raise_its_saturation_and_its_refusals() -> 
     setup.decode.hold_answers()
     first = setup.post(routes.CHAT_COMPLETIONS, CHAT)
     setup.proxy.flush()
+    ready = setup.post(routes.CHAT_COMPLETIONS, CHAT)  # prefilled ahead, ready for decode
+    setup.proxy.flush()
     waiting = [setup.post(routes.CHAT_COMPLETIONS, CHAT) for _ in range(2)]
     setup.proxy.flush()
-    # One decode slot taken, two waiting for it; prefill answered: its slot is free.
-    assert pools(setup, "nixlproxy_pool_saturation") == {"decode": 3.0, "prefill": 0.0}
+    # One decode slot taken, three waiting for it (one prefilled, two held back by how far
+    # prefill may run ahead); prefill answered: its slot is free.
+    assert pools(setup, "nixlproxy_pool_saturation") == {"decode": 4.0, "prefill": 0.0}
     assert_error(setup.post(routes.CHAT_COMPLETIONS, CHAT).answer(), 503, "queue_full")
     setup.proxy.advance(5)
     for client in waiting:
         assert_error(client.answer(), 503, "queue_timeout")
     assert pools(setup, "nixlproxy_pool_refused_total") == {"decode": 3.0}
-    assert pools(setup, "nixlproxy_pool_saturation") == {"decode": 1.0, "prefill": 0.0}
+    assert pools(setup, "nixlproxy_pool_saturation") == {"decode": 2.0, "prefill": 0.0}
     setup.decode.release()
     setup.proxy.flush()
-    assert first.answer().status == 200
+    assert first.answer().status == ready.answer().status == 200
     assert pools(setup, "nixlproxy_pool_saturation") == {"decode": 0.0, "prefill": 0.0}
 
 
@@ -52,7 +55,8 @@ def test_requests_waiting_for_prefill_count_there_and_hold_no_decode_slot() -> N
     clients += [setup.post(routes.CHAT_COMPLETIONS, CHAT) for _ in range(2)]
     setup.proxy.flush()
     assert pools(setup, "nixlproxy_pool_queued") == {"decode": 0.0, "prefill": 2.0}
-    assert pools(setup, "nixlproxy_pool_saturation") == {"decode": 0.5, "prefill": 3.0}
+    # (none holds a decode slot while prefill runs, the first included)
+    assert pools(setup, "nixlproxy_pool_saturation") == {"decode": 0.0, "prefill": 3.0}
     assert_error(setup.post(routes.CHAT_COMPLETIONS, CHAT).answer(), 503, "queue_full")
     assert pools(setup, "nixlproxy_pool_refused_total") == {"prefill": 1.0}
     for _ in clients:  # (each prefill answered in turn lets the next one go)

@@ -34,7 +34,7 @@ from nixl_twisted.exchange.decide import decide
 from nixl_twisted.exchange.decode_leg import DecodeLeg
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.migration import Migrations, Moved
-from nixl_twisted.exchange.placing import place, place_now
+from nixl_twisted.exchange.placing import place, place_now, place_prefill
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.relay import relay
 from nixl_twisted.exchange.sending import reserve, send_leg
@@ -104,6 +104,8 @@ SIGNED: dict[str, Callable[..., Any]] = {
     "routing_for": routing_for,
     "place_now": place_now,
     "place": place,
+    "place_prefill": place_prefill,
+    "slots.take_decode": Slots.take_decode,
     "reserve": reserve,
     "decide": decide,
     "PrefillLeg": PrefillLeg,

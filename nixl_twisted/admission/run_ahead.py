@@ -1,0 +1,107 @@
+"""``RunAhead``: how far prefill runs ahead of decode, per model, and the KV lease's guard.
+
+A two-leg completion takes its prefill slot first and its decode slot once
+prefill answered (``slots``). Between the two its prompt's KV waits on the
+prefill instance, under vLLM's lease (``kv_lease_duration``): so each model
+holds at most ``limit`` requests *ahead* (holding a prefill slot, or
+prefilled and ready for decode). The limit is ``--prefill-run-ahead`` when
+set, else the sum of the model's decode caps (one prefill per decode slot:
+never more KV parked on prefill than decode could take at once); shared
+through Redis, this replica's share of it (``share``). With no cap on some
+decode instance of the model, a ready request never waits: no limit.
+
+A ready request that waited until its lease is near its end (``guard_at``)
+is sent to decode over its cap: inside vLLM's queue its lease is renewed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from nixl_twisted.backends.pools import BackendPool
+
+#: Seconds kept before a KV lease ends, at most (a third of the lease when that is less).
+MARGIN = 10.0
+
+#: (model, ahead now, its limit or None): told each time a model's count changes.
+Shown = Callable[[str | None, int, "int | None"], None]
+
+
+def guard_at(handed_at: float, lease: float) -> float:
+    """When a request prefilled at ``handed_at`` leaves the ready lane for decode, whatever
+    the caps: its ``lease`` less a margin (``MARGIN``, or a third of the lease)."""
+    return handed_at + lease - min(MARGIN, lease / 3)
+
+
+class RunAhead:
+    """Each model's requests between their prefill slot and their decode slot, held under
+    a limit."""
+
+    def __init__(
+        self,
+        decode: BackendPool,
+        share: Callable[[int], int] = lambda whole: whole,
+        shown: Shown | None = None,
+    ) -> None:
+        """``share``: this process's part of a limit every replica holds together;
+        ``shown``: told of each change (the gauges)."""
+        self.decode = decode
+        self.share = share
+        self.shown: Shown = shown if shown is not None else _unseen
+        #: ``--prefill-run-ahead`` (0: by the decode caps).
+        self.set = 0
+        self._ahead: dict[str | None, int] = {}
+        self._behind: list[Callable[[], object]] = []
+
+    def on_behind(self, told: Callable[[], object]) -> None:
+        """``told()`` each time a request leaves the run-ahead: one more prefill may start."""
+        self._behind.append(told)
+
+    def limit(self, model: str | None) -> int | None:
+        """The most requests of ``model`` ahead at once (None: no limit)."""
+        if self.set:
+            return self.share(self.set)
+        caps = self.decode.caps
+        total = 0
+        for instance in self.decode.instances:
+            if model is not None and not instance.serves(model):
+                continue
+            slots = caps.slots(instance)
+            if slots is None:
+                return None  # (a decode instance with no cap: a ready request never waits)
+            total += slots
+        return self.share(total) if total else None
+
+    def ahead(self, model: str | None) -> int:
+        return self._ahead.get(model, 0)
+
+    def room(self, model: str | None) -> bool:
+        """Whether one more prefill of ``model`` may start."""
+        limit = self.limit(model)
+        return limit is None or self.ahead(model) < limit
+
+    def hold(self, model: str | None) -> Callable[[], None]:
+        """One more request of ``model`` ahead; what gives its place back (once)."""
+        self._change(model, 1)
+        held = [True]
+
+        def behind() -> None:
+            if held:
+                held.clear()
+                self._change(model, -1)
+                for told in self._behind:
+                    told()
+
+        return behind
+
+    def _change(self, model: str | None, by: int) -> None:
+        ahead = self._ahead.get(model, 0) + by
+        if ahead:
+            self._ahead[model] = ahead
+        else:
+            self._ahead.pop(model, None)
+        self.shown(model, ahead, self.limit(model))
+
+
+def _unseen(model: str | None, ahead: int, limit: int | None) -> None:
+    """(No gauge is told.)"""
