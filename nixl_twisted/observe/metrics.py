@@ -226,7 +226,7 @@ class ProxyMetrics:
         self.admissions = Counter(
             "nixlproxy_admissions",
             "Completions at the proxy's queue while instances are capped, by outcome: "
-            "at_once, after_wait, queue_full, timed_out, shed, left, shut, failed.",
+            "at_once, after_wait, queue_full, pushed_out, timed_out, shed, left, shut, failed.",
             ["outcome"],
             registry=r,
         )

@@ -199,3 +199,31 @@ def test_a_reload_that_changes_a_weight_applies_it_to_the_requests_that_come_aft
         setup.proxy.flush()
     # a1 and b1 keep the places they were given; b's next two, at weight 4, go before a2.
     assert [r.request_id for r in setup.decode.requests] == ["a0", "a1", "b1", "b2", "b3", "a2"]
+
+
+def test_a_full_queue_pushes_out_the_request_its_fair_order_lets_go_last(
+    access_events: list[dict[str, Any]],
+) -> None:
+    tenants = '{"a": {"weight": 3}, "b": {"weight": 1}}'
+    setup = capped(tenant_header="x-team", tenants=tenants)
+    setup.decode.hold_answers()
+    setup.post(routes.CHAT_COMPLETIONS, CHAT)  # the one decode slot
+    setup.proxy.flush()
+    sent = {}
+    for name in ("b1", "b2", "a1"):
+        sent[name] = setup.post(routes.CHAT_COMPLETIONS, CHAT, {"x-team": name[0]})
+        setup.proxy.flush()
+    # b2 (tag 2) would go after a1 (tag 1/3): it leaves the full queue for it.
+    pushed = sent["b2"].answer()
+    assert_error(pushed, 503, "queue_full")
+    assert pushed.values("Retry-After") == ["5"]
+    assert [e.get("ended") for e in access_events] == ["pushed_out"]
+    assert admissions(setup) == {"at_once": 1.0, "pushed_out": 1.0}
+    assert sent["b1"].received() == sent["a1"].received() == b""  # (both still wait)
+    (queue,) = setup.proxy.app.serving.queues()
+    assert (queue["waiting"], queue["tenants"]) == (2, {"a": 1, "b": 1})
+    for _ in range(3):
+        setup.decode.release()
+        setup.decode.hold_answers()
+        setup.proxy.flush()
+    assert (sent["a1"].answer().status, sent["b1"].answer().status) == (200, 200)
