@@ -25,10 +25,14 @@ first request found its decode pool full: none behind it can go either;
 found its prefill pool full: a request behind it that needs no prefill
 (decode-only) may (at most ``TRIES`` tried per model per pump).
 
-Past ``size`` waiting in all, or ``timeout`` seconds waited, a request is
-refused (503 with ``Retry-After``: the time the queue takes to drain at
-the rate it has let requests go lately); a request whose client left is
-taken out, and nothing is sent for it.
+With ``size`` waiting in all (one room for every model), the request the
+fair order lets go last (largest priority, finish tag past its model's
+clock, arrival) is *pushed out* for a newcomer, its tenant's last tag given
+back (it is charged for no request it was not served); a newcomer that
+would be last is refused. Past ``timeout`` seconds waited a request is
+refused. Each refusal is a 503 with ``Retry-After`` (the time the queue
+takes to drain at the rate it has let requests go lately); a request whose
+client left is taken out, and nothing is sent for it.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ class QueueOutcome(str, Enum):
     #: A prefilled request took its decode slot at once, or after it waited (ready lane).
     READY_AT_ONCE = "ready_at_once"
     READY_AFTER_WAIT = "ready_after_wait"
+    #: It waited, and left the full queue for a newcomer the fair order lets go first.
+    PUSHED_OUT = "pushed_out"
 
     def __str__(self) -> str:
         return self.value
@@ -81,6 +87,7 @@ class QueueOutcome(str, Enum):
 
 AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = list(QueueOutcome)[:8]
 READY_AT_ONCE, READY_AFTER_WAIT = QueueOutcome.READY_AT_ONCE, QueueOutcome.READY_AFTER_WAIT
+PUSHED_OUT = QueueOutcome.PUSHED_OUT
 
 
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
@@ -118,6 +125,18 @@ def full(size: int, retry_after: float) -> ProxyError:
         f"the proxy's queue is full ({counted(size, 'request')} waiting for a slot): "
         "try again later",
         retry_after=retry_after,
+    )
+
+
+def pushed_out(size: int, retry_after: float) -> ProxyError:
+    """A waiting request that left the full queue for one the fair order lets go first
+    (503 ``queue_full``; the access event's ``ended``: ``pushed_out``)."""
+    return ProxyError(
+        ErrorCode.QUEUE_FULL,
+        f"the proxy's queue is full ({counted(size, 'request')} waiting for a slot) and "
+        "this request was the one its fair order would let go last: try again later",
+        retry_after=retry_after,
+        ended=str(PUSHED_OUT),
     )
 
 
@@ -194,7 +213,11 @@ class FairQueue(Generic[T]):
         if ticket.sheddable:
             self.told(SHED, 0.0, ticket)
             raise shed(ticket, self.retry_after())
-        if not ticket.is_ready and self._waiting - self._ready >= self.size:
+        if (
+            not ticket.is_ready
+            and self._waiting - self._ready >= self.size
+            and not self._push_out(queue, key)
+        ):
             self.told(QUEUE_FULL, 0.0, ticket)
             raise full(self.size, self.retry_after())
         queue.last[ticket.tenant] = finish
@@ -269,6 +292,30 @@ class FairQueue(Generic[T]):
         while queue.heap and queue.heap[0][-1].done:
             heapq.heappop(queue.heap)
         return bool(queue.heap) and queue.heap[0][:3] < key
+
+    def _push_out(self, queue: _ModelQueue, key: tuple[int, float, int]) -> bool:
+        """The queue is full: the request the fair order lets go last leaves for a newcomer
+        (``key``, of ``queue``), unless that is the newcomer; whether one left."""
+        last = max(
+            (
+                ((p, f - q.now, n), q, w)
+                for (_, lane), q in self._models.items()
+                if lane is not Lane.READY  # (prefilled: never leaves for room)
+                for p, f, n, w in q.heap
+                if not w.done
+            ),
+            key=lambda item: item[0],
+            default=None,
+        )
+        if last is None or last[0] <= (key[0], key[1] - queue.now, key[2]):
+            return False
+        _, its, waiting = last
+        tenant = waiting.ticket.tenant
+        if its.last.get(tenant) == waiting.finish:  # (its tag back: never served)
+            its.last[tenant] = waiting.finish - 1.0 / waiting.ticket.weight
+        self._end(waiting, PUSHED_OUT)
+        waiting.deferred.errback(pushed_out(self.size, self.retry_after()))
+        return True
 
     def _pump(self, model: tuple[str | None, Lane]) -> None:
         queue = self._models[model]

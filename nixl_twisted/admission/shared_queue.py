@@ -9,7 +9,11 @@ frees anywhere (a message on the ``freed`` channel), when one of its own legs
 ends, and every second. A request goes at once only when nothing of its model
 waits anywhere and both its slots are free in Redis (taken by the same script,
 or neither). Its instances are chosen here, by the pools' policies, among
-those the fleet's view says have room (``shared_slots``).
+those the fleet's view says have room (``shared_slots``). With the fleet's
+queue full, its last waiting request is pushed out for a newcomer the order
+lets go sooner (``scripts.PLACE``): the replica that holds it answers it
+503 ``queue_full``, told by a message, or, that lost, by Redis when it asks
+at its next heartbeat (its place gone from Redis's records).
 
 At each heartbeat, this replica gives back each place in the fleet's queue
 and each lease that Redis records it holding and it does not hold (forged by
@@ -41,6 +45,7 @@ from nixl_twisted.admission.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
     LEFT,
+    PUSHED_OUT,
     QUEUE_FULL,
     SHED,
     SHUT,
@@ -52,6 +57,7 @@ from nixl_twisted.admission.fair_queue import (
     QueueReport,
     drain_seconds,
     full,
+    pushed_out,
     shed,
     timed_out,
 )
@@ -62,7 +68,9 @@ from nixl_twisted.fleet.heartbeat import Own
 from nixl_twisted.fleet.replicas import Replicas, Unanswered, Unshared
 from nixl_twisted.fleet.scripts import (
     GRANTED,
+    NO_SLOT,
     NOT_FIRST,
+    PUSHED,
     PlaceAsk,
     PlaceCode,
     PlaceReply,
@@ -124,6 +132,7 @@ class SharedQueue(Generic[H]):
         #: Its placements sent and not answered yet.
         self._placing = Unanswered()
         replicas.on_records(self._records)
+        replicas.on_pushed(self._pushed)
 
     # -- FairQueue's face ---------------------------------------------------------------
 
@@ -200,6 +209,8 @@ class SharedQueue(Generic[H]):
                 return
             waiting.member, waiting.finish = reply.member, reply.finish
             waiting.blocked = reply.blocked
+            if reply.pushed:
+                self._pushed(reply.pushed)  # (one of this replica's own: no message needed)
             if waiting.gone:
                 self._leave(waiting)
                 return
@@ -229,12 +240,15 @@ class SharedQueue(Generic[H]):
         and each lease it does not hold goes back, once every placement sent is answered."""
 
         def reconciled() -> None:
-            held = {
-                f"{w.model}\n{w.ticket.priority}\n{w.member}"
+            mine = {
+                f"{w.model}\n{w.ticket.priority}\n{w.member}": w
                 for ws in self._mine.values()
                 for w in ws
                 if w.member
             }
+            held = set(mine)
+            for record in held.difference(own.waits):
+                self._missing(mine[record])
             for record in own.waits:
                 parts = record.split("\n", 2)
                 if record in held or len(parts) != 3:
@@ -391,6 +405,9 @@ class SharedQueue(Generic[H]):
                     self._end(waiting, AFTER_WAIT, leave=False)
                     waiting.deferred.callback(got)
                 self._again.add(model)
+            elif code == PUSHED:  # (the message that said so was lost)
+                self._release(got)
+                self._refuse_pushed(waiting, leave=False)
             else:
                 self._release(got)
                 waiting.blocked = reply.blocked
@@ -429,6 +446,34 @@ class SharedQueue(Generic[H]):
         # (While Redis does not answer the call fails at once: written back without it.)
         sent = leave(self.replicas, waiting.model, waiting.ticket.priority, waiting.member)
         sent.addErrback(lambda f: f.trap(Unshared))
+
+    def _missing(self, waiting: Waiting[H]) -> None:
+        """Its place is gone from Redis's records: asked whether it was pushed out (the
+        message that said so lost), so that its client is answered now."""
+        if waiting.done:
+            return
+        ask = self._ask(waiting, waiting.member, Pool.DECODE, NO_SLOT, NO_SLOT, False)
+
+        def said(reply: PlaceReply) -> None:
+            self._heard(reply)
+            if reply.code == PUSHED:
+                self._refuse_pushed(waiting, leave=False)
+
+        self._place(ask, said, lambda failure: failure.trap(Unshared))
+
+    def _pushed(self, member: str) -> None:
+        """A request waiting in the fleet's queue was pushed out of it for a newcomer: when
+        it is this replica's, it is refused (``LEAVE`` clears Redis's record of it)."""
+        found = [w for ws in self._mine.values() for w in ws if w.member == member]
+        for waiting in found:
+            self._refuse_pushed(waiting)
+
+    def _refuse_pushed(self, waiting: Waiting[H], leave: bool = True) -> None:
+        """503 ``queue_full``: it was pushed out (``leave``: ``LEAVE`` clears Redis's record
+        that it was, which it keeps until the replica says it heard)."""
+        if not waiting.done:
+            self._end(waiting, PUSHED_OUT, leave=leave)
+            waiting.deferred.errback(pushed_out(self.size, self.retry_after()))
 
     def _expire(self, waiting: Waiting[H]) -> None:
         if waiting.done:

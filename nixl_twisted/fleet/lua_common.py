@@ -117,6 +117,7 @@ local function forget(r, keep)
     if model then unwait(model, prio, member) end
   end
   redis.call('DEL', waits)
+  redis.call('DEL', P .. 'r:' .. r .. ':pushed')
   local tenants = P .. 'r:' .. r .. ':tenants'
   for _, e in ipairs(members(tenants)) do
     local t = tenant_of(e)

@@ -49,6 +49,7 @@ from nixl_twisted.fleet.link import RETRY, RedisLink
 from nixl_twisted.fleet.replies import (
     freed,
     prefix_of,
+    pushed,
     shown,
     why,
 )
@@ -167,6 +168,7 @@ class Replicas(Service):
         self._holders: list[Holder] = []
         self._freed: list[Callable[[dict[str, int], int | None], object]] = []
         self._records: list[Callable[[Own], object]] = []
+        self._pushed: list[Callable[[str], object]] = []
         self._beat: LoopingCall | None = None
         self._beating: set[Deferred[Any]] = set()
         self._stopped = False
@@ -188,6 +190,11 @@ class Replicas(Service):
         """``told(changed, version)`` on each message of the fleet's: slots that changed
         (``POOL|URL`` -> legs) as of ``version``, or none (None: a request may go now)."""
         self._freed.append(told)
+
+    def on_pushed(self, told: Callable[[str], object]) -> None:
+        """``told(member)`` when a message says a waiting request was pushed out of the
+        fleet's full queue (any replica's: ``told`` knows its own)."""
+        self._pushed.append(told)
 
     def on_records(self, told: Callable[[Own], object]) -> None:
         """``told(own)`` at each heartbeat while shared: what Redis records this replica
@@ -412,6 +419,11 @@ class Replicas(Service):
         self.away(("refused", f"refused the connection ({why}; tried again every {RETRY:g} s)"))
 
     def _heard(self, message: str) -> None:
+        member = pushed(message)
+        if member is not None:
+            for heard in self._pushed:
+                heard(member)
+            return
         changed, version = freed(message)
         for told in self._freed:
             told(changed, version)

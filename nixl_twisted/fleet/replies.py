@@ -34,6 +34,13 @@ def freed(message: str) -> tuple[dict[str, int], int | None]:
     return changed, version
 
 
+def pushed(message: str) -> str | None:
+    """The member a ``freed`` message says was pushed out of the full queue (``pushed``,
+    then the member), or None: a message of another kind."""
+    kind, _, member = message.partition("\n")
+    return member if kind == "pushed" and member else None
+
+
 class WrongReply(Exception):
     """Redis answered a script with a reply of another shape than the script's, or a value
     no script writes (someone else wrote to its keys): Redis is not answering."""

@@ -13,7 +13,8 @@ one shard. ``ARGV[1]`` is that prefix, ``ARGV[2]`` the replica's id. The keys:
   weighted-fair finish tag, ``qp:MODEL`` the priorities with some waiting,
   ``v`` each model's virtual time, ``last:MODEL`` each tenant's last tag,
   ``r:ID:waits`` what each replica's clients wait for, ``waiting`` how many
-  wait in all and ``grants`` when the latest were let go (the drain rate);
+  wait in all and ``grants`` when the latest were let go (the drain rate),
+  ``r:ID:pushed`` its requests pushed out of the full queue, until it hears;
 - ``tenants``: each tenant's requests in flight over every replica,
   ``r:ID:tenants`` each replica's (``TENANT|ID``);
 - ``caps``: each instance's cap over the fleet, the lowest of the live
@@ -75,6 +76,59 @@ return {redis.call('HGETALL', P .. 'slots'), version()}
 )
 
 
+# ``push_out(p, lag)``, ``PLACE``'s when the queue is full: ``p`` and ``lag`` are the
+# newcomer's priority and finish tag past its model's clock (``v``). Last is the largest
+# (priority, tag past its model's clock, arrival) over every model (each model keeps its
+# own clock: a tag is compared by how far ahead of it it is; a member's arrival is its
+# ``seq``, its first field); the newcomer came last, so a tie is its. Answers the member
+# pushed out, or nil when the newcomer would be last. An entry no replica holds is dropped
+# on the way (it never counted). A ready lane (a model key with a tab) is never scanned.
+PUSH_OUT = """
+local function later(a, b)  -- (priority, lag, member: nil for a newcomer, the latest)
+  if a[1] ~= b[1] then return a[1] > b[1] end
+  if a[2] ~= b[2] then return a[2] > b[2] end
+  return b[3] ~= nil and a[3] > b[3]
+end
+local function push_out(p, lag)
+  while true do
+    local worst
+    local clocks = safe('HGETALL', P .. 'v') or {}
+    for i = 1, #clocks, 2 do
+      local m, mv = clocks[i], num(clocks[i + 1]) or 0
+      local lanes = {}  -- (a ready lane's requests, prefilled, never leave for room)
+      if not string.find(m, '\t', 1, true) then
+        lanes = safe('ZREVRANGE', P .. 'qp:' .. m, 0, -1) or {}
+      end
+      for _, q in ipairs(lanes) do
+        local got = safe('ZRANGE', P .. 'q:' .. m .. ':' .. q, -1, -1, 'WITHSCORES')
+        if tonumber(q) and got and #got == 2 then
+          local f = num(got[2]) or 0
+          local key = {tonumber(q), f - mv, got[1], m, q, f}
+          if worst == nil or later(key, worst) then worst = key end
+          break
+        end
+      end
+    end
+    if worst == nil or not later(worst, {p, lag}) then return nil end
+    local pushed, m, q, f = worst[3], worst[4], worst[5], worst[6]
+    local r = string.match(pushed, '^[^:]*:([^:]*):')
+    if r and safe('SREM', P .. 'r:' .. r .. ':waits', m .. '\\n' .. q .. '\\n' .. pushed) == 1 then
+      unwait(m, q, pushed)
+      safe('SADD', P .. 'r:' .. r .. ':pushed', pushed)
+      local s, t = string.match(pushed, '^[^:]*:[^:]*:[^:]*:([^:]*):(.*)$')
+      local lk = P .. 'last:' .. m
+      if num(s) and num(safe('HGET', lk, t)) == f then redis.call('HSET', lk, t, s) end
+      redis.call('PUBLISH', P .. 'freed', 'pushed\\n' .. pushed)
+      return pushed
+    end
+    local qk = P .. 'q:' .. m .. ':' .. q
+    redis.call('ZREM', qk, pushed)  -- (no replica holds it: it never counted)
+    if safe('ZCARD', qk) == 0 then redis.call('ZREM', P .. 'qp:' .. m, q) end
+  end
+end
+"""
+
+
 class PlaceCode(IntEnum):
     """What ``PLACE`` answers first."""
 
@@ -84,9 +138,12 @@ class PlaceCode(IntEnum):
     NOT_FIRST = 3
     SHED = 4
     FULL = 5
+    #: The waiting request was pushed out of the full queue for a newcomer (its replica
+    #: missed the message that said so).
+    PUSHED = 6
 
 
-GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL = PlaceCode
+GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL, PUSHED = PlaceCode
 
 # ARGV: prefix, replica, model, priority, member ('': a new request), tenant, weight,
 # sheddable (0/1), queue size, local id, blocked pool ('': its instances chosen), then
@@ -95,13 +152,20 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL = PlaceCode
 #   16: prefill cap, 17: prefill lease. A cap is this replica's; the fleet's (``caps``) holds
 # when it is lower.
 # A new request goes at once when nothing of its model waits (in any replica) and both its
-# slots are free; else it waits in the fleet's order (or is shed, or the queue is full).
-# A waiting one (``member``) goes when it is the first of its model and its slots are free.
+# slots are free; else it waits in the fleet's order (or is shed). With the queue full, the
+# fleet's last waiting request in that order (the largest priority, finish tag past its
+# model's clock, arrival: over every model) is pushed out for it, unless it would be last
+# itself (refused): the pushed one's replica is told on ``freed`` (``pushed`` then its
+# member; ``r:ID:pushed`` keeps it until the replica tries it or lets it go), and its tenant
+# gets its last tag back when that was the pushed one's (the member's tail holds its start
+# tag and tenant). A waiting one (``member``) goes when it is the first of its model and
+# its slots are free.
 # A model key with a tab is a model's ready lane (``admission.waiting.ready_key``): its grants
 # are not requests started (``grants``, the drain rate).
 # Answers {code, member or pool, the slots' view, waiting, the latest grant times (ms)}.
 PLACE = (
     COMMON
+    + PUSH_OUT
     + """
 local now = now_ms()
 local model, prio, member = ARGV[3], ARGV[4], ARGV[5]
@@ -141,6 +205,9 @@ local function room(field, cap)
   if fleet and fleet > 0 and (c == 0 or fleet < c) then c = fleet end
   if c == 0 then return true end
   return (whole(redis.call('HGET', P .. 'slots', field)) or 0) < c
+end
+if member ~= '' and safe('SREM', P .. 'r:' .. me .. ':pushed', member) == 1 then
+  return answer(6, '')
 end
 local fprio, fmember = first()
 local vkey, lkey = P .. 'v', P .. 'last:' .. model
@@ -185,26 +252,32 @@ if go and blocked == '' then
 end
 if member ~= '' then return answer(2, blocked) end
 if ARGV[8] == '1' then return answer(4, '') end
-if (whole(redis.call('GET', P .. 'waiting')) or 0) >= tonumber(ARGV[9]) then
-  return answer(5, '')
-end
 local v = num(redis.call('HGET', vkey, model)) or 0
-local l = num(redis.call('HGET', lkey, tenant)) or 0
-local finish = math.max(v, l) + 1 / tonumber(ARGV[7])
+local start = math.max(v, num(redis.call('HGET', lkey, tenant)) or 0)
+local finish = start + 1 / tonumber(ARGV[7])
+local pushed = ''
+if (whole(redis.call('GET', P .. 'waiting')) or 0) >= tonumber(ARGV[9]) then
+  pushed = push_out(tonumber(prio), finish - v)
+  if pushed == nil then return answer(5, '') end
+end
 redis.call('HSET', lkey, tenant, finish)
 redis.call('HSETNX', vkey, model, v)  -- (the heartbeat trims the tags of the models in v)
 local named = string.format('%016d', bump(P .. 'seq', 1)) .. ':' .. me .. ':' .. ARGV[10]
+if not string.find(tenant, '\\n', 1, true) then
+  named = named .. ':' .. string.format('%.17g', start) .. ':' .. tenant
+end
 redis.call('ZADD', P .. 'q:' .. model .. ':' .. prio, finish, named)
 redis.call('ZADD', P .. 'qp:' .. model, tonumber(prio), prio)
 redis.call('SADD', P .. 'r:' .. me .. ':waits', model .. '\\n' .. prio .. '\\n' .. named)
 bump(P .. 'waiting', 1)
 if blocked == '' then blocked = 'queued' end
-return answer(1, named .. '\\n' .. blocked .. '\\n' .. string.format('%.17g', finish))
+return answer(1, named .. '\\n' .. blocked .. '\\n' .. string.format('%.17g', finish) .. '\\n'
+                .. pushed)
 """
 )
 
 # ARGV: prefix, replica, model, priority, member. A waiting request leaves (timed out, its
-# client gone, the replica stopping); when it was the first, the next may go.
+# client gone, the replica stopping, pushed out); when it was the first, the next may go.
 LEAVE = (
     COMMON
     + """
@@ -216,6 +289,7 @@ if unwait(model, prio, member) then
   if was[1] == member then redis.call('PUBLISH', P .. 'freed', '') end
   return 1
 end
+safe('SREM', P .. 'r:' .. me .. ':pushed', member)  -- (pushed out: its replica heard)
 return 0
 """
 )
@@ -286,6 +360,8 @@ class PlaceReply:
     member: str = ""
     finish: float = 0.0
     blocked: str = ""
+    #: Queued: the member pushed out of the full queue for it ("" when none).
+    pushed: str = ""
 
 
 def place(caller: Caller, ask: PlaceAsk) -> Deferred[PlaceReply]:
@@ -299,7 +375,7 @@ def read_place(reply: Any) -> PlaceReply:
         raise WrongReply(reply)
     code, said, view, waiting, grants, version = reply
     # (An integer reply: the script's own codes are never text, and never a boolean.)
-    if not isinstance(code, int) or isinstance(code, bool) or not GRANTED <= code <= FULL:
+    if not isinstance(code, int) or isinstance(code, bool) or not GRANTED <= code <= PUSHED:
         raise WrongReply(reply)
     if not isinstance(grants, (list, tuple)):
         raise WrongReply(reply)
@@ -310,11 +386,11 @@ def read_place(reply: Any) -> PlaceReply:
     if code != QUEUED:
         return PlaceReply(*read, grant_times)
     parts = text(said).split("\n")
-    if len(parts) != 3 or not parts[0]:
+    if len(parts) != 4 or not parts[0]:
         raise WrongReply(reply)
-    member, pool, finish = parts
+    member, pool, finish, pushed = parts
     blocked = "" if pool == "queued" else pool
-    return PlaceReply(*read, grant_times, member, number_of(finish), blocked)
+    return PlaceReply(*read, grant_times, member, number_of(finish), blocked, pushed)
 
 
 def leave(caller: Caller, model: str, priority: int | str, member: str) -> Deferred[Any]:

@@ -226,8 +226,8 @@ class ProxyMetrics:
         self.admissions = Counter(
             "nixlproxy_admissions",
             "Completions at the proxy's queue while instances are capped, by outcome: "
-            "at_once, after_wait, queue_full, timed_out, shed, left, shut, failed; and, "
-            "prefilled, for their decode slot: ready_at_once, ready_after_wait.",
+            "at_once, after_wait, queue_full, pushed_out, timed_out, shed, left, shut, "
+            "failed; and, prefilled, for their decode slot: ready_at_once, ready_after_wait.",
             ["outcome"],
             registry=r,
         )

@@ -30,9 +30,11 @@ class ProxyError(Exception):
         retry_after: float | None = None,
         status: int | None = None,
         detail: str | None = None,
+        ended: str | None = None,
     ) -> None:
         """``detail``: what the log and the access event say instead of ``message``,
-        which the client gets (an instance's address is for the operator only)."""
+        which the client gets (an instance's address is for the operator only);
+        ``ended``: the access event's ``ended``, when the answer alone does not say it."""
         super().__init__(detail if detail is not None else message)
         if code.status is not None and status is not None:
             raise ValueError(f"{code.value} is always a {code.status}: give no status")
@@ -46,6 +48,7 @@ class ProxyError(Exception):
         self.retry_after = retry_after
         #: What the operator reads: the message with the instance and the cause.
         self.detail = detail if detail is not None else message
+        self.ended = ended
 
 
 def error_body(message: str, code: ErrorCode) -> bytes:

@@ -303,6 +303,8 @@ class ProxyApp:
         assert isinstance(error, ProxyError)
         record = record_of(request)
         record.error = error.detail
+        if error.ended is not None:
+            record.ended = error.ended
         code = error.code
         if code.error_type == "overloaded_error":
             record.refused = True

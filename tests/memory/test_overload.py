@@ -307,3 +307,34 @@ def test_a_ready_request_near_its_kv_lease_end_is_sent_to_decode_over_its_cap(
     assert first.answer().status == ready.answer().status == 200
     guarded = [e for e in access_events if e.get("ready_wait_ms")]
     assert [(e["ready_wait_ms"], e["kv_lease_left_ms"]) for e in guarded] == [(2000, 1000)]
+
+
+def test_a_full_queue_pushes_out_the_request_its_fair_order_lets_go_last(
+    access_events: list[dict[str, Any]],
+) -> None:
+    tenants = '{"a": {"weight": 3}, "b": {"weight": 1}}'
+    setup = capped(tenant_header="x-team", tenants=tenants)
+    setup.decode.hold_answers()
+    setup.post(routes.CHAT_COMPLETIONS, CHAT)  # the one decode slot
+    setup.proxy.flush()
+    setup.post(routes.CHAT_COMPLETIONS, CHAT)  # prefilled, ready: it takes no room
+    setup.proxy.flush()
+    sent = {}
+    for name in ("b1", "b2", "a1"):
+        sent[name] = setup.post(routes.CHAT_COMPLETIONS, CHAT, {"x-team": name[0]})
+        setup.proxy.flush()
+    # b2 (tag 2) would go after a1 (tag 1/3): it leaves the full queue for it.
+    pushed = sent["b2"].answer()
+    assert_error(pushed, 503, "queue_full")
+    assert pushed.values("Retry-After") == ["1"]  # (two let go at once: it drains fast)
+    assert [e.get("ended") for e in access_events] == ["pushed_out"]
+    assert admissions(setup) == {"at_once": 2.0, "ready_at_once": 1.0, "pushed_out": 1.0}
+    assert sent["b1"].received() == sent["a1"].received() == b""  # (both still wait)
+    (queue,) = setup.proxy.app.serving.queues()
+    assert (queue["waiting"], queue["ready"]) == (2, 1)
+    assert queue["tenants"] == {"": 1, "a": 1, "b": 1}
+    for _ in range(4):
+        setup.decode.release()
+        setup.decode.hold_answers()
+        setup.proxy.flush()
+    assert (sent["a1"].answer().status, sent["b1"].answer().status) == (200, 200)
