@@ -8,7 +8,9 @@ every replica through ``--replicas-redis``, behind ``tenant_places``), and the
 fair queue in front of capped instances (``slots``: this process's
 ``fair_queue``, or every replica's ``shared_queue`` with ``shared_slots``, the
 fleet's legs per instance, behind ``switched_queue``, which goes alone while
-Redis does not answer). The rest of the house uses what ``__all__`` names; the
+Redis does not answer), its first-token deadlines (``deadlines``: early
+refusal, the earliest deadline first within a tenant) from the rates the
+legs measured (``predictor``). The rest of the house uses what ``__all__`` names; the
 scripts these run (``lease_scripts``, ``window_scripts``, and
 ``fleet.scripts``'s ``PLACE``) are called from inside this room only.
 """
@@ -16,6 +18,7 @@ scripts these run (``lease_scripts``, ``window_scripts``, and
 from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, QueueOutcome
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
+from nixl_twisted.admission.predictor import Rates
 from nixl_twisted.admission.queue import SlotQueue
 from nixl_twisted.admission.shared_queue import SharedQueue
 from nixl_twisted.admission.shared_slots import SharedSlots
@@ -37,6 +40,7 @@ __all__ = [
     "LocalTenants",
     "Pool",
     "QueueOutcome",
+    "Rates",
     "SharedQueue",
     "SharedSlots",
     "SharedTenants",

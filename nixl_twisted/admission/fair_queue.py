@@ -12,7 +12,11 @@ it got, or names the pool it found full. The order:
   weight``, where ``V`` is the tag of the request let go last, and the
   smallest tag goes first; a tenant of weight 3 gets three requests let go
   for every one of a tenant of weight 1 while both wait;
-- **within a tenant**: first come, first served (its tags only grow).
+- **within a tenant**: first come, first served (its tags only grow), but
+  the earliest first-token deadline first when its requests have targets
+  (``deadlines``: when a tenant's tag comes up its most urgent request takes
+  it), and a request predicted to miss its target refused at once
+  (``deadlines``, from ``predictor``'s measured rates).
 
 Requests wait per model, each model's with its own order: one model's
 backlog never holds another's, since their instances differ. A model's
@@ -40,6 +44,14 @@ from typing import Any, Generic, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from nixl_twisted.admission.deadlines import (
+    latest_start,
+    missed,
+    predicted,
+    swap_most_urgent,
+    too_late,
+)
+from nixl_twisted.admission.predictor import Prediction, Rates
 from nixl_twisted.admission.waiting import Claim, Pool, Waiting
 from nixl_twisted.config.words import counted
 from nixl_twisted.protocol.codes import ErrorCode
@@ -66,12 +78,14 @@ class QueueOutcome(str, Enum):
     SHUT = "shut"
     #: ``place`` raised: no instance at all (the request's own error).
     FAILED = "failed"
+    #: Predicted to miss its first-token target, or still waiting at its latest start.
+    TTFT_REFUSED = "ttft_refused"
 
     def __str__(self) -> str:
         return self.value
 
 
-AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = QueueOutcome
+AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED, TTFT_REFUSED = QueueOutcome
 
 
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
@@ -90,6 +104,9 @@ class _ModelQueue:
     now: float = 0.0
     #: Each tenant's last tag, while it is ahead of ``now``.
     last: dict[str | None, float] = field(default_factory=dict)
+    #: A request was let go before its tenant's earlier ones (those keep first come, first
+    #: served among themselves until the queue is empty).
+    reordered: bool = False
 
 
 def shed(ticket: Claim, retry_after: float) -> ProxyError:
@@ -136,8 +153,14 @@ class FairQueue(Generic[T]):
     """Requests waiting for ``place`` to find them slots; see the module's docstring."""
 
     def __init__(
-        self, clock: IReactorTime, size: int, timeout: float, told: QueueReport | None = None
+        self,
+        clock: IReactorTime,
+        size: int,
+        timeout: float,
+        told: QueueReport | None = None,
+        rates: Rates | None = None,
     ) -> None:
+        """``rates``: what the legs measured, to predict first tokens (None: none)."""
         self.clock = clock
         self.size = size
         self.timeout = timeout
@@ -149,6 +172,9 @@ class FairQueue(Generic[T]):
         self._recent: deque[float] = deque(maxlen=RECENT)
         self._pumping = False
         self._again = False
+        self.rates = rates if rates is not None else Rates(clock)
+        #: Requests with a first-token target waiting (none: the order is today's exactly).
+        self._targeted = 0
 
     def __len__(self) -> int:
         """Requests waiting now."""
@@ -186,10 +212,15 @@ class FairQueue(Generic[T]):
         if self._waiting >= self.size:
             self.told(QUEUE_FULL, 0.0, ticket)
             raise full(self.size, self.retry_after())
-        queue.last[ticket.tenant] = finish
         now = self.clock.seconds()
         arrived = now if since is None else min(since, now)
-        waiting: Waiting[T] = Waiting(ticket, place, arrived, finish=finish)
+        prediction = predicted(self.rates, queue.heap, ticket, key, arrived, now, refusing=True)
+        refusal = prediction and missed(prediction, ticket)
+        if refusal:
+            self.told(TTFT_REFUSED, 0.0, ticket)
+            raise refusal
+        queue.last[ticket.tenant] = finish
+        waiting: Waiting[T] = Waiting(ticket, place, arrived, finish=finish, order=key[2])
         waiting.blocked = blocked
         waiting.deferred = Deferred(lambda _: self._left(waiting))
         waiting.timer = self.clock.callLater(
@@ -197,6 +228,11 @@ class FairQueue(Generic[T]):
         )
         heapq.heappush(queue.heap, (*key, waiting))
         self._waiting += 1
+        if ticket.target is not None:
+            self._targeted += 1
+            if prediction is not None:  # (its last chance: refused then if it still waits)
+                at = latest_start(ticket, arrived, prediction) - now
+                waiting.latest = self.clock.callLater(max(0.0, at), self._too_late, waiting)
         self._entered()
         return waiting.deferred
 
@@ -239,10 +275,18 @@ class FairQueue(Generic[T]):
                 if waiting.deferred is deferred and not waiting.done:
                     waiting.done = True
                     self._waiting -= 1
-                    if waiting.timer is not None and waiting.timer.active():
-                        waiting.timer.cancel()
+                    self._untimed(waiting)
                     return True
         return False
+
+    def predict(self, ticket: Claim) -> Prediction | None:
+        """The first token of a request of ``ticket`` entering now (None: no target, or
+        nothing measured yet): for its access event, as ``enter`` judges it."""
+        queue = self._models.get(ticket.model, _ModelQueue())
+        start = max(queue.now, queue.last.get(ticket.tenant, 0.0))
+        key = (ticket.priority, start + 1.0 / ticket.weight, next(self._order))
+        now = self.clock.seconds()
+        return predicted(self.rates, queue.heap, ticket, key, now, now)
 
     def waiting(self) -> list[Waiting[T]]:
         """Every request waiting now (``/healthcheck``, the depth gauge)."""
@@ -267,6 +311,9 @@ class FairQueue(Generic[T]):
                 heapq.heappop(queue.heap)
                 continue
             tried += 1
+            if self._targeted or queue.reordered:  # (its tenant's most urgent takes its tag)
+                queue.reordered |= swap_most_urgent(queue.heap, self.clock.seconds())
+                waiting = queue.heap[0][-1]
             try:
                 got = waiting.place()
             except Exception as error:  # (no instance at all: the request's own error)
@@ -287,6 +334,7 @@ class FairQueue(Generic[T]):
         for item in passed:
             heapq.heappush(queue.heap, item)
         if not queue.heap:
+            queue.reordered = False
             # Tags behind the clock are as good as none: only those ahead are kept.
             queue.last = {t: f for t, f in queue.last.items() if f > queue.now}
             if not queue.last:
@@ -296,13 +344,28 @@ class FairQueue(Generic[T]):
         """The request leaves the queue, ``outcome`` said of it."""
         waiting.done = True
         self._waiting -= 1
-        if waiting.timer is not None and waiting.timer.active():
-            waiting.timer.cancel()
+        self._untimed(waiting)
         waited = self.clock.seconds() - waiting.arrived
         if outcome == AFTER_WAIT:
             self._let_go(waiting.ticket, waited, outcome)
         else:
             self.told(outcome, waited, waiting.ticket)
+
+    def _untimed(self, waiting: Waiting[T]) -> None:
+        """Its timers cancelled (it no longer waits here)."""
+        for timer in (waiting.timer, waiting.latest):
+            if timer is not None and timer.active():
+                timer.cancel()
+        if waiting.ticket.target is not None:
+            self._targeted -= 1
+
+    def _too_late(self, waiting: Waiting[T]) -> None:
+        """Its latest start came and it still waits: refused, as at its arrival."""
+        if not waiting.done:
+            heap, now = self._models[waiting.ticket.model].heap, self.clock.seconds()
+            refusal = too_late(self.rates, heap, waiting, now)
+            self._end(waiting, TTFT_REFUSED)
+            waiting.deferred.errback(refusal)
 
     def _let_go(self, ticket: Claim, waited: float, outcome: QueueOutcome) -> None:
         self._recent.append(self.clock.seconds())

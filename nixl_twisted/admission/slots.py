@@ -21,6 +21,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
+from nixl_twisted.admission.predictor import Legged
 from nixl_twisted.admission.switched_queue import SwitchedQueue
 from nixl_twisted.admission.waiting import Held
 from nixl_twisted.backends.service import BackendService
@@ -72,6 +73,16 @@ class Slots:
     def take(self, ticket: Claim, place: Callable[[], H | Pool]) -> H | Deferred[H]:
         """The slots ``place`` takes, now or once they free (``SlotQueue.enter``)."""
         return self.queue.enter(ticket, place)
+
+    def predicted(self, ticket: Claim) -> float | None:
+        """Seconds to the first token of a request of ``ticket`` entering the queue now
+        (None: no target, or nothing measured yet: ``predictor``)."""
+        prediction = self.queue.predict(ticket)
+        return None if prediction is None else prediction.seconds
+
+    def measured(self, model: str | None, record: Legged, prefilled: bool) -> None:
+        """A completion's decode leg ended (its slot freed): what its legs took, measured."""
+        self.queue.rates.ended(model, record, prefilled)
 
     def _waits(self) -> None:
         """A request starts to wait: the queue is looked at every second while one does."""

@@ -5,7 +5,7 @@ queue or every replica's, what its placement holds (``Held``) or the pool it fou
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
@@ -15,21 +15,24 @@ from twisted.internet.interfaces import IDelayedCall
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.targets import Target
 
 
 @dataclass(frozen=True)
 class Claim:
     """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
-    and its model's instances."""
+    and its model's instances; its first-token target (None: none, ``admission.deadlines``)."""
 
     tenant: str | None = None
     rule: TenantRule = NO_RULE
     model: str | None = None
+    target: Target | None = None
 
     @classmethod
     def of(cls, completion: Completion) -> Claim:
         """A completion's place in the queue, as its tenant's rule gives it."""
-        return cls(completion.tenant, completion.rule, completion.served)
+        claim = cls(completion.tenant, completion.rule, completion.served)
+        return replace(claim, target=completion.ttft_target)
 
     @property
     def weight(self) -> float:
@@ -87,9 +90,9 @@ class Waiting(Generic[T]):
     blocked: Pool | str = ""
     #: It has its slots, or was refused, or left the queue.
     done: bool = False
-    # -- in every replica's queue (``shared_queue``) --
-    #: This replica's own id of it.
+    #: Its place in the order requests came (ties between deadlines, ``deadlines``).
     order: int = 0
+    # -- in every replica's queue (``shared_queue``) --
     #: The model whose queue in Redis it waits in: its own when an instance is known to
     #: serve it, else "" (with the requests that name none), so that a name a client
     #: chose never becomes a key.
@@ -100,3 +103,5 @@ class Waiting(Generic[T]):
     gone: bool = False
     #: Where it waits while this replica is alone (``FairQueue``'s Deferred).
     inner: Deferred[T] | None = None
+    #: At its latest start, still waiting: refused for its first-token target (``deadlines``).
+    latest: IDelayedCall | None = None

@@ -13,6 +13,7 @@ continuation the same way, into the same client answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 
@@ -170,6 +171,9 @@ class Exchange:
         decode = DecodeLeg(
             self.legs, completion, routing, served, keepalive, self.watch, self.moves
         )
+        if served.room and self.legs.slots is not None:  # (its slot's end measured)
+            measured = partial(self.legs.slots.measured, completion.served, self.record)
+            placed.decode.also(lambda: measured(decision.mode is Mode.PD))
         return await decode.send(sent, placed.decode, decision, handed_at)
 
     async def _rendered(self) -> Routing:
@@ -203,6 +207,7 @@ class Exchange:
             return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
         ticket = Claim.of(c)
+        record.ttft_predicted_seconds = slots.predicted(ticket)
         taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
         if isinstance(taken, Deferred):
             clock = legs.clock

@@ -42,6 +42,7 @@ from nixl_twisted.admission import (
     Claim,
     FairQueue,
     QueueOutcome,
+    Rates,
     SharedQueue,
     SharedSlots,
     SharedTenants,
@@ -114,6 +115,25 @@ def _queue_said(metrics: ProxyMetrics, outcome: QueueOutcome, waited: float, tic
     metrics.saturation.told(outcome, ticket.model)
     if outcome != AT_ONCE:
         metrics.queue_seconds.observe(waited)
+
+
+def _rates_said(
+    metrics: ProxyMetrics,
+    model: str | None,
+    drain: float | None,
+    prefill: float | None,
+    first_byte: float | None,
+) -> None:
+    """A model's measured rates, as the queue predicts first tokens with them (the gauges:
+    set once measured)."""
+    label = model or ""
+    for gauge, value in (
+        (metrics.decode_drain_rate, drain),
+        (metrics.measured_prefill_seconds, prefill),
+        (metrics.measured_first_byte_seconds, first_byte),
+    ):
+        if value is not None:
+            metrics.child(gauge, label).set(value)
 
 
 def backend_pools(config: ProxyConfig, clock: IReactorTime) -> tuple[BackendPool, BackendPool]:
@@ -223,7 +243,10 @@ def build(
     # The queue before capped instances: this process's, or every replica's (chosen here once).
     said = partial(_queue_said, metrics)
     capacity = config.capacity
-    local: FairQueue[Placed] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, said)
+    rates = Rates(clock, partial(_rates_said, metrics))
+    local: FairQueue[Placed] = FairQueue(
+        clock, capacity.queue_size, capacity.queue_timeout, said, rates
+    )
     queue: FairQueue[Placed] | SwitchedQueue[Placed] = local
     if replicas is not None and shared_slots is not None:
         decode = backends.decode
