@@ -179,7 +179,7 @@ class AccessLog:
             outcome = ttft_outcome(target, record, request.code)
             self.metrics.child(self.metrics.ttft_outcomes, record.tenant_class, outcome).inc()
             predicted, actual = record.ttft_predicted_seconds, record.time_to_first_byte_seconds
-            if predicted and actual is not None:
+            if predicted and actual is not None and outcome in ("on_time", "late"):
                 self.metrics.ttft_prediction_ratio.observe(actual / predicted)
         if not self.emit:
             return
