@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -136,3 +137,25 @@ def test_a_request_predicted_to_miss_its_target_is_refused_at_once_with_retry_af
     assert m[("nixlproxy_ttft_prediction_ratio_count", ())] == 1  # (the one served)
     # Freed at 0, 0.1, ... 0.7 s, then five at 1.8 s: 12 intervals in 1.8 s.
     assert m[("nixlproxy_decode_drain_rate", (("model", ""),))] == pytest.approx(12 / 1.8)
+
+
+def test_the_status_page_shows_the_rates_measured_and_a_new_requests_prediction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    setup = capped(monkeypatch)
+    setup.decode.hold_answers()
+    setup.post("/v1/chat/completions", CHAT)
+    setup.proxy.flush()
+    for n in range(2):
+        setup.post("/v1/chat/completions", CHAT, {"x-team": f"t{n}"})
+    setup.proxy.flush()
+    said = json.loads(setup.get("/status.json").answer().body)
+    (model,) = said["models"]
+    assert model["measured"] == {
+        "decode_drain_rate": pytest.approx(10.0),
+        "prefill_seconds": 0.0,
+        "first_byte_seconds": 0.0,
+        "predicted_first_token_seconds": pytest.approx(0.2),  # (two ahead at 10 a second)
+    }
+    page = setup.get("/").answer().body.decode()
+    assert "measured: 10.0 decode slots freed/s" in page and "predicted in 200 ms" in page
