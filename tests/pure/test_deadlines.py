@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from nixl_twisted.admission.deadlines import MISS_FACTOR, MISS_SLACK, misses, unreachable
+from nixl_twisted.admission.deadlines import (
+    MISS_FACTOR,
+    MISS_SLACK,
+    fleet_refusal,
+    fleet_too_late,
+    misses,
+    unreachable,
+)
 from nixl_twisted.admission.fair_queue import TTFT_REFUSED, FairQueue
 from nixl_twisted.admission.fair_queue import Claim as Ticket
 from nixl_twisted.admission.predictor import MEASURED, Rates, predict
@@ -341,3 +348,21 @@ def test_with_no_target_the_queue_is_todays(steps: list[tuple[str, Any]], size: 
     assert Counter(said) == Counter(
         {"at_once": expected.count("at_once"), "queue_full": expected.count("queue_full")}
     ) + Counter({"after_wait": len(reference.placed) - expected.count("at_once")})
+
+
+# -- every replica's queue: the fleet's count -------------------------------------------------
+
+
+def test_shared_the_fleets_waiting_count_is_all_ahead_and_the_refusal_is_503() -> None:
+    clock = Clock()
+    rates = warmed(clock, 10.0)
+    ticket = targeted("a", 1000)
+    assert fleet_refusal(rates, ticket, 0) is None  # (nothing waits: it goes if it can)
+    assert fleet_refusal(rates, ticket, 5) is None  # (0.5 s + 0.05)
+    refused = fleet_refusal(rates, ticket, 15)
+    assert refused is not None and refused.code == ErrorCode.TTFT_UNREACHABLE
+    assert fleet_refusal(rates, targeted("a", 1000, miss="serve"), 15) is None
+    assert fleet_refusal(rates, targeted("a", None), 15) is None
+    late = fleet_too_late(rates, ticket, 3)
+    assert (late.code, late.retry_after) == (ErrorCode.TTFT_UNREACHABLE, 1.0)
+    assert fleet_too_late(Rates(clock), ticket, 3).code == ErrorCode.TTFT_UNREACHABLE
