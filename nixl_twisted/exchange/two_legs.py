@@ -13,6 +13,7 @@ continuation the same way, into the same client answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
@@ -207,7 +208,10 @@ class Exchange:
             return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
         ticket = Claim.of(c)
-        record.ttft_predicted_seconds = slots.predicted(ticket)
+        if c is not self.completion:  # (a moved answer's rest: never refused for its target)
+            ticket = replace(ticket, target=None)
+        elif ticket.target is not None:
+            record.ttft_predicted_seconds = slots.predicted(ticket)
         taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
         if isinstance(taken, Deferred):
             clock = legs.clock
