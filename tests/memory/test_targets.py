@@ -159,3 +159,38 @@ def test_the_status_page_shows_the_rates_measured_and_a_new_requests_prediction(
     }
     page = setup.get("/").answer().body.decode()
     assert "measured: 10.0 decode slots freed/s" in page and "predicted in 200 ms" in page
+
+
+def test_a_moved_answers_rest_waits_for_its_slot_and_is_never_refused_for_its_target() -> None:
+    setup = Setup(
+        tokens=6,
+        decodes=2,
+        decode_max_in_flight=1,
+        queue_size=8,
+        queue_timeout=30,
+        stream_idle_timeout=2,
+        tenant_header="x-team",
+    )
+    for _ in range(8):  # (10 decode slots freed a second, as the queue measures it)
+        assert setup.post("/v1/chat/completions", CHAT).answer().status == 200
+        setup.clock.advance(0.1)
+    first, second = setup.decodes
+    second.hold_answers()
+    stream = dict(CHAT, stream=True)
+    first.hold_streams_after(3)
+    moving = setup.post("/v1/chat/completions", stream, {"x-slo-ttft-ms": "100"})
+    setup.proxy.flush()
+    setup.post("/v1/chat/completions", CHAT, {"x-team": "held"})  # (on the second)
+    setup.proxy.flush()
+    waiting = [setup.post("/v1/chat/completions", CHAT, {"x-team": f"t{n}"}) for n in range(3)]
+    setup.proxy.flush()
+    assert len(setup.proxy.app.serving.legs.slots.queue) == 3
+    # Silent for the idle timeout: its rest moves, and waits behind two (the first went).
+    setup.proxy.advance(2)
+    assert len(setup.proxy.app.serving.legs.slots.queue) == 3
+    first.release()
+    second.release()
+    setup.proxy.flush()
+    answer = moving.answer()
+    assert answer.complete and b"ttft_unreachable" not in answer.body
+    assert [c.answer().status for c in waiting] == [200] * 3
