@@ -184,10 +184,11 @@ def test_a_moved_answers_rest_waits_for_its_slot_and_is_never_refused_for_its_ta
     setup.proxy.flush()
     waiting = [setup.post("/v1/chat/completions", CHAT, {"x-team": f"t{n}"}) for n in range(3)]
     setup.proxy.flush()
-    assert len(setup.proxy.app.serving.legs.slots.queue) == 3
+    slots = setup.proxy.app.serving.legs.slots
+    assert slots is not None and len(slots.queue) == 3
     # Silent for the idle timeout: its rest moves, and waits behind two (the first went).
     setup.proxy.advance(2)
-    assert len(setup.proxy.app.serving.legs.slots.queue) == 3
+    assert len(slots.queue) == 3
     first.release()
     second.release()
     setup.proxy.flush()
