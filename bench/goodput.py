@@ -9,8 +9,9 @@ tenants' weights (``a`` 3 : ``b`` 1, sending the same amount). Open-loop
 arrivals at ``--load`` times the fleet's **decode capacity** (decodes x
 ``--max-num-seqs`` / a stream's seconds: what the decode engines can
 complete, whatever the proxy does before them). Each request carries a
-first-token target in ``x-slo-ttft-ms`` (``--targets``; the proxy ignores
-it until it schedules by it).
+first-token target in ``x-slo-ttft-ms`` (``--targets``), which the proxy's
+queue schedules by: the earliest deadline first within a tenant, a request
+predicted to miss its target refused at once.
 
 The workload shapes (``--shapes``), 32 tokens 20 ms apart (0.66 s a stream):
 
@@ -55,7 +56,7 @@ from bench.overload import FILLER, TENANT_HEADER, TENANTS, Fleet, caps_options, 
 from bench.replicas import aimed, proxies
 from nixl_twisted.testing.prefix_cache import prompt_tokens
 
-#: The header the targets go in (llm-d's older name; the proxy reads none of them yet).
+#: The header the targets go in (llm-d's older name; the proxy reads it and its aliases).
 TARGET_HEADER = "x-slo-ttft-ms"
 
 

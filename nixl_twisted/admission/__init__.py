@@ -9,7 +9,9 @@ fair queue in front of capped instances (``slots``, prefill let run ahead of
 decode by ``run_ahead``: this process's
 ``fair_queue``, or every replica's ``shared_queue`` with ``shared_slots``, the
 fleet's legs per instance, behind ``switched_queue``, which goes alone while
-Redis does not answer). The rest of the house uses what ``__all__`` names; the
+Redis does not answer), its first-token deadlines (``deadlines``: early
+refusal, the earliest deadline first within a tenant) from the rates the
+legs measured (``predictor``). The rest of the house uses what ``__all__`` names; the
 scripts these run (``lease_scripts``, ``window_scripts``, and
 ``fleet.scripts``'s ``PLACE``) are called from inside this room only.
 """
@@ -17,6 +19,7 @@ scripts these run (``lease_scripts``, ``window_scripts``, and
 from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, QueueOutcome
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
+from nixl_twisted.admission.predictor import Rates
 from nixl_twisted.admission.queue import SlotQueue
 from nixl_twisted.admission.run_ahead import RunAhead
 from nixl_twisted.admission.share import replica_share
@@ -40,6 +43,7 @@ __all__ = [
     "LocalTenants",
     "Pool",
     "QueueOutcome",
+    "Rates",
     "RunAhead",
     "SharedQueue",
     "SharedSlots",

@@ -12,7 +12,11 @@ it got, or names the pool it found full. The order:
   weight``, where ``V`` is the tag of the request let go last, and the
   smallest tag goes first; a tenant of weight 3 gets three requests let go
   for every one of a tenant of weight 1 while both wait;
-- **within a tenant**: first come, first served (its tags only grow).
+- **within a tenant**: first come, first served (its tags only grow), but
+  the earliest first-token deadline first when its requests have targets
+  (``deadlines``: when a tenant's tag comes up its most urgent request takes
+  it), and a request predicted to miss its target refused at once
+  (``deadlines``, from ``predictor``'s measured rates).
 
 Requests wait per model, each model's with its own order: one model's
 backlog never holds another's, since their instances differ. Each model
@@ -49,6 +53,14 @@ from typing import Any, Generic, TypeVar
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 
+from nixl_twisted.admission.deadlines import (
+    latest_start,
+    missed,
+    predicted,
+    swap_most_urgent,
+    too_late,
+)
+from nixl_twisted.admission.predictor import Prediction, Rates
 from nixl_twisted.admission.waiting import Claim, Lane, Pool, Waiting
 from nixl_twisted.config.words import counted
 from nixl_twisted.protocol.codes import ErrorCode
@@ -80,6 +92,8 @@ class QueueOutcome(str, Enum):
     READY_AFTER_WAIT = "ready_after_wait"
     #: It waited, and left the full queue for a newcomer the fair order lets go first.
     PUSHED_OUT = "pushed_out"
+    #: Predicted to miss its first-token target, or still waiting at its latest start.
+    TTFT_REFUSED = "ttft_refused"
 
     def __str__(self) -> str:
         return self.value
@@ -88,6 +102,7 @@ class QueueOutcome(str, Enum):
 AT_ONCE, AFTER_WAIT, QUEUE_FULL, TIMED_OUT, SHED, LEFT, SHUT, FAILED = list(QueueOutcome)[:8]
 READY_AT_ONCE, READY_AFTER_WAIT = QueueOutcome.READY_AT_ONCE, QueueOutcome.READY_AFTER_WAIT
 PUSHED_OUT = QueueOutcome.PUSHED_OUT
+TTFT_REFUSED = QueueOutcome.TTFT_REFUSED
 
 
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
@@ -106,6 +121,9 @@ class _ModelQueue:
     now: float = 0.0
     #: Each tenant's last tag, while it is ahead of ``now``.
     last: dict[str | None, float] = field(default_factory=dict)
+    #: A request was let go before its tenant's earlier ones (those keep first come, first
+    #: served among themselves until the queue is empty).
+    reordered: bool = False
 
 
 def shed(ticket: Claim, retry_after: float) -> ProxyError:
@@ -164,8 +182,14 @@ class FairQueue(Generic[T]):
     """Requests waiting for ``place`` to find them slots; see the module's docstring."""
 
     def __init__(
-        self, clock: IReactorTime, size: int, timeout: float, told: QueueReport | None = None
+        self,
+        clock: IReactorTime,
+        size: int,
+        timeout: float,
+        told: QueueReport | None = None,
+        rates: Rates | None = None,
     ) -> None:
+        """``rates``: what the legs measured, to predict first tokens (None: none)."""
         self.clock = clock
         self.size = size
         self.timeout = timeout
@@ -179,6 +203,12 @@ class FairQueue(Generic[T]):
         self._recent: deque[float] = deque(maxlen=RECENT)
         self._pumping = False
         self._again = False
+        self.rates = rates if rates is not None else Rates(clock)
+        #: A model's requests past this queue (prefilling, or ready for decode): their decode
+        #: slots come before a newcomer's (``RunAhead.ahead``, set by the root).
+        self.committed: Callable[[str | None], int] = _none_committed
+        #: Requests with a first-token target waiting (none: the order is today's exactly).
+        self._targeted = 0
 
     def __len__(self) -> int:
         """Requests waiting now."""
@@ -213,6 +243,23 @@ class FairQueue(Generic[T]):
         if ticket.sheddable:
             self.told(SHED, 0.0, ticket)
             raise shed(ticket, self.retry_after())
+        now = self.clock.seconds()
+        arrived = now if since is None else min(since, now)
+        prediction = predicted(
+            self.rates,
+            queue.heap,
+            ticket,
+            key,
+            arrived,
+            now,
+            None,
+            True,
+            self.committed(ticket.model),
+        )
+        refusal = prediction and missed(prediction, ticket)
+        if refusal:  # (before room is made for it: none pushed out for a refusal)
+            self.told(TTFT_REFUSED, 0.0, ticket)
+            raise refusal
         if (
             not ticket.is_ready
             and self._waiting - self._ready >= self.size
@@ -221,9 +268,7 @@ class FairQueue(Generic[T]):
             self.told(QUEUE_FULL, 0.0, ticket)
             raise full(self.size, self.retry_after())
         queue.last[ticket.tenant] = finish
-        now = self.clock.seconds()
-        arrived = now if since is None else min(since, now)
-        waiting: Waiting[T] = Waiting(ticket, place, arrived, finish=finish)
+        waiting: Waiting[T] = Waiting(ticket, place, arrived, finish=finish, order=key[2])
         waiting.blocked = blocked
         waiting.deferred = Deferred(lambda _: self._left(waiting))
         if not ticket.is_ready:
@@ -233,6 +278,11 @@ class FairQueue(Generic[T]):
         heapq.heappush(queue.heap, (*key, waiting))
         self._waiting += 1
         self._ready += ticket.is_ready
+        if ticket.target is not None:
+            self._targeted += 1
+            if prediction is not None:  # (its last chance: refused then if it still waits)
+                at = latest_start(ticket, arrived, prediction) - now
+                waiting.latest = self.clock.callLater(max(0.0, at), self._too_late, waiting)
         self._entered()
         return waiting.deferred
 
@@ -276,10 +326,20 @@ class FairQueue(Generic[T]):
                     waiting.done = True
                     self._waiting -= 1
                     self._ready -= waiting.ticket.is_ready
-                    if waiting.timer is not None and waiting.timer.active():
-                        waiting.timer.cancel()
+                    self._untimed(waiting)
                     return True
         return False
+
+    def predict(self, ticket: Claim) -> Prediction | None:
+        """The first token of a request of ``ticket`` entering now (None: no target, or
+        nothing measured yet): for its access event, as ``enter`` judges it."""
+        queue = self._models.get((ticket.model, ticket.lane), _ModelQueue())
+        start = max(queue.now, queue.last.get(ticket.tenant, 0.0))
+        key = (ticket.priority, start + 1.0 / ticket.weight, next(self._order))
+        now = self.clock.seconds()
+        return predicted(
+            self.rates, queue.heap, ticket, key, now, now, committed=self.committed(ticket.model)
+        )
 
     def waiting(self) -> list[Waiting[T]]:
         """Every request waiting now (``/healthcheck``, the depth gauge)."""
@@ -328,6 +388,9 @@ class FairQueue(Generic[T]):
                 heapq.heappop(queue.heap)
                 continue
             tried += 1
+            if self._targeted or queue.reordered:  # (its tenant's most urgent takes its tag)
+                queue.reordered |= swap_most_urgent(queue.heap, self.clock.seconds())
+                waiting = queue.heap[0][-1]
             try:
                 got = waiting.place()
             except Exception as error:  # (no instance at all: the request's own error)
@@ -348,6 +411,7 @@ class FairQueue(Generic[T]):
         for item in passed:
             heapq.heappush(queue.heap, item)
         if not queue.heap:
+            queue.reordered = False
             # Tags behind the clock are as good as none: only those ahead are kept.
             queue.last = {t: f for t, f in queue.last.items() if f > queue.now}
             if not queue.last:
@@ -358,13 +422,29 @@ class FairQueue(Generic[T]):
         waiting.done = True
         self._waiting -= 1
         self._ready -= waiting.ticket.is_ready
-        if waiting.timer is not None and waiting.timer.active():
-            waiting.timer.cancel()
+        self._untimed(waiting)
         waited = self.clock.seconds() - waiting.arrived
         if outcome == AFTER_WAIT:
             self._let_go(waiting.ticket, waited, outcome)
         else:
             self.told(outcome, waited, waiting.ticket)
+
+    def _untimed(self, waiting: Waiting[T]) -> None:
+        """Its timers cancelled (it no longer waits here)."""
+        for timer in (waiting.timer, waiting.latest):
+            if timer is not None and timer.active():
+                timer.cancel()
+        if waiting.ticket.target is not None:
+            self._targeted -= 1
+
+    def _too_late(self, waiting: Waiting[T]) -> None:
+        """Its latest start came and it still waits: refused, as at its arrival."""
+        if not waiting.done:
+            heap = self._models[(waiting.ticket.model, waiting.ticket.lane)].heap
+            now = self.clock.seconds()
+            refusal = too_late(self.rates, heap, waiting, now, self.committed(waiting.ticket.model))
+            self._end(waiting, TTFT_REFUSED)
+            waiting.deferred.errback(refusal)
 
     def _let_go(self, ticket: Claim, waited: float, outcome: QueueOutcome) -> None:
         if ticket.is_ready:
@@ -396,3 +476,8 @@ def _nobody(outcome: QueueOutcome, waited: float, ticket: Claim) -> None:
 
 def _nobody_entered() -> None:
     """(No one is told that a request started to wait.)"""
+
+
+def _none_committed(model: str | None) -> int:
+    """(No request of a model known past the queue.)"""
+    return 0

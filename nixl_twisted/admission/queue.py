@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 from twisted.internet.defer import Deferred
 
 from nixl_twisted.admission.fair_queue import Claim, Pool
+from nixl_twisted.admission.predictor import Prediction
 from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")
@@ -40,3 +41,6 @@ class SlotQueue(Protocol[T]):
 
     def on_entered(self, entered: Callable[[], object]) -> None:
         """``entered()`` is called each time a request starts to wait."""
+
+    def predict(self, ticket: Claim) -> Prediction | None:
+        """A new request's first token, predicted (``predictor``; None: none)."""

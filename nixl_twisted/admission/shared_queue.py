@@ -41,6 +41,12 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from nixl_twisted.admission.deadlines import (
+    fleet_prediction,
+    fleet_refusal,
+    fleet_too_late,
+    latest_start,
+)
 from nixl_twisted.admission.fair_queue import (
     AFTER_WAIT,
     AT_ONCE,
@@ -50,6 +56,7 @@ from nixl_twisted.admission.fair_queue import (
     SHED,
     SHUT,
     TIMED_OUT,
+    TTFT_REFUSED,
     Claim,
     FairQueue,
     Pool,
@@ -62,6 +69,7 @@ from nixl_twisted.admission.fair_queue import (
     timed_out,
 )
 from nixl_twisted.admission.fleet_alone import AloneQueue
+from nixl_twisted.admission.predictor import Prediction
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.waiting import READY_SUFFIX, H, Waiting, ready_key
 from nixl_twisted.fleet.heartbeat import Own
@@ -178,6 +186,12 @@ class SharedQueue(Generic[H]):
         """``waiting`` asks the fleet for its slots: granted, queued in the fleet's order, or
         refused; alone when Redis does not answer."""
         ticket, answered = waiting.ticket, waiting.deferred
+        refusal = fleet_refusal(self.local.rates, ticket, self._waiting)
+        if refusal is not None:
+            waiting.done = True
+            self.told(TTFT_REFUSED, 0.0, ticket)
+            answered.errback(refusal)
+            return
         got = waiting.place()
         decode, prefill = self._names(got)
         ask = self._ask(waiting, "", got, decode, prefill, ticket.sheddable)
@@ -307,6 +321,10 @@ class SharedQueue(Generic[H]):
             waiting.done = False
         return moving
 
+    def predict(self, ticket: Claim) -> Prediction | None:
+        """A new request's first token, the fleet's requests waiting taken as ahead of it."""
+        return fleet_prediction(self.local.rates, ticket, self._waiting)
+
     def retry_after(self) -> float:
         """Seconds the fleet's queue takes to drain at the rate the fleet let requests go
         lately (1 at least, the timeout at most, and the timeout while none went)."""
@@ -357,6 +375,7 @@ class SharedQueue(Generic[H]):
         self.slots.seen(reply.view, reply.version)
         self._waiting = reply.waiting
         self._grants = reply.grants
+        self.local.rates.fleet(reply.grants)
         self.slots.metrics.fleet_waiting.set(self._waiting)
 
     def _wait(self, waiting: Waiting[H]) -> None:
@@ -364,6 +383,7 @@ class SharedQueue(Generic[H]):
         if not waiting.ticket.is_ready:  # (a ready request is never timed out)
             left = self.timeout - (self.clock.seconds() - waiting.arrived)
             waiting.timer = self.clock.callLater(max(0.0, left), self._expire, waiting)
+        self._latest(waiting)
         model = waiting.model
         mine = self._mine.setdefault(model, [])
         mine.append(waiting)
@@ -433,8 +453,9 @@ class SharedQueue(Generic[H]):
         mine = self._mine.get(waiting.model, [])
         if waiting in mine:
             mine.remove(waiting)
-        if waiting.timer is not None and waiting.timer.active():
-            waiting.timer.cancel()
+        for timer in (waiting.timer, waiting.latest):
+            if timer is not None and timer.active():
+                timer.cancel()
         if outcome is not None:
             self.told(outcome, self.clock.seconds() - waiting.arrived, waiting.ticket)
         if leave:
@@ -480,6 +501,19 @@ class SharedQueue(Generic[H]):
             return
         self._end(waiting, TIMED_OUT)
         waiting.deferred.errback(timed_out(self.timeout, self.retry_after()))
+
+    def _latest(self, waiting: Waiting[H]) -> None:
+        """Still waiting at its latest start, it is refused (``deadlines``)."""
+        prediction = fleet_prediction(self.local.rates, waiting.ticket, self._waiting, True)
+        if prediction is not None:
+            at = latest_start(waiting.ticket, waiting.arrived, prediction) - self.clock.seconds()
+            waiting.latest = self.clock.callLater(max(0.0, at), self._too_late, waiting)
+
+    def _too_late(self, waiting: Waiting[H]) -> None:
+        if waiting.done:
+            return
+        self._end(waiting, TTFT_REFUSED)
+        waiting.deferred.errback(fleet_too_late(self.local.rates, waiting.ticket, self._waiting))
 
     def _left(self, waiting: Waiting[H]) -> None:
         """Its client left: out of the queue, nothing sent for it (slots Redis gives it

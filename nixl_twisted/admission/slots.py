@@ -25,6 +25,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
 from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
+from nixl_twisted.admission.predictor import Legged
 from nixl_twisted.admission.run_ahead import RunAhead, guard_at
 from nixl_twisted.admission.switched_queue import SwitchedQueue
 from nixl_twisted.admission.waiting import Held, Lane
@@ -33,6 +34,7 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
+from nixl_twisted.protocol.targets import MAX_TTFT_MS, Target
 
 #: Seconds between two looks at the queue while requests wait, besides each leg that
 #: ends: an instance that came up, or joined, takes them too.
@@ -152,6 +154,28 @@ class Slots:
 
         taken.addCallbacks(went, failed)
         return answer
+
+    def predicted(self, ticket: Claim) -> float | None:
+        """Seconds to the first token of a request of ``ticket`` entering the queue now
+        (None: no target, or nothing measured yet: ``predictor``)."""
+        prediction = self.queue.predict(ticket)
+        return None if prediction is None else prediction.seconds
+
+    def measured(self, model: str | None, record: Legged, prefilled: bool) -> None:
+        """A completion's decode leg ended (its slot freed): what its legs took, measured."""
+        self.queue.rates.ended(model, record, prefilled)
+
+    def rates_of(self, model: str | None) -> dict[str, float | None]:
+        """What the queue predicts ``model``'s first tokens with, and the first token it
+        predicts for a new request with a target now (the status page)."""
+        rates = self.queue.rates
+        prediction = self.queue.predict(Claim(model=model, target=Target(MAX_TTFT_MS, "status")))
+        return {
+            "decode_drain_rate": rates.drain_rate(model),
+            "prefill_seconds": rates.prefill_seconds(model),
+            "first_byte_seconds": rates.first_byte_seconds(model),
+            "predicted_first_token_seconds": None if prediction is None else prediction.seconds,
+        }
 
     def _waits(self) -> None:
         """A request starts to wait: the queue is looked at every second while one does."""

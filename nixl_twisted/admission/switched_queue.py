@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred
 
 from nixl_twisted.admission.fair_queue import Claim, Pool
 from nixl_twisted.admission.fleet_alone import AloneQueue
+from nixl_twisted.admission.predictor import Prediction, Rates
 from nixl_twisted.admission.shared_queue import SharedQueue
 from nixl_twisted.admission.waiting import H, Waiting
 from nixl_twisted.fleet.replicas import Replicas
@@ -67,6 +68,17 @@ class SwitchedQueue(Generic[H]):
 
     def waiting(self) -> list[Any]:
         return self.fleet.waiting()
+
+    @property
+    def rates(self) -> Rates:
+        """What the legs measured (the fleet's drain rate while Redis answers)."""
+        return self.fleet.local.rates
+
+    def predict(self, ticket: Claim) -> Prediction | None:
+        """A new request's first token, as the queue of the moment predicts it."""
+        if self.current is self.fleet:
+            return self.fleet.predict(ticket)
+        return self.fleet.local.predict(ticket)
 
     def on_entered(self, entered: Callable[[], object]) -> None:
         """``entered()`` is called each time a new request starts to wait, in either queue."""
@@ -121,6 +133,7 @@ class SwitchedQueue(Generic[H]):
         """Redis stopped answering (or the replicas stopped): what waited in the fleet's
         queue waits in this replica's own, and so do new requests."""
         self.current = self.alone_queue
+        self.rates.fleet(None)  # (this replica's own releases say how fast it drains)
         for waiting in self.fleet.alone():
             self.alone_queue.take(waiting)
 

@@ -15,6 +15,7 @@ from twisted.internet.interfaces import IDelayedCall
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.config import NO_RULE, TenantRule
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.targets import Target
 
 
 class Lane(str, Enum):
@@ -32,21 +33,25 @@ class Lane(str, Enum):
 @dataclass(frozen=True)
 class Claim:
     """Who waits: its tenant (None: none) and the tenant's rule (its weight and priority),
-    its model's instances and what it waits for (``Lane``)."""
+    its model's instances, what it waits for (``Lane``) and its first-token target (None:
+    none, ``admission.deadlines``)."""
 
     tenant: str | None = None
     rule: TenantRule = NO_RULE
     model: str | None = None
     lane: Lane = Lane.WAIT
+    target: Target | None = None
 
     @classmethod
     def of(cls, completion: Completion) -> Claim:
         """A completion's place in the queue, as its tenant's rule gives it."""
-        return cls(completion.tenant, completion.rule, completion.served)
+        claim = cls(completion.tenant, completion.rule, completion.served)
+        return replace(claim, target=completion.ttft_target)
 
     def ready(self) -> Claim:
-        """The same request, prefilled: it waits for its decode slot now."""
-        return replace(self, lane=Lane.READY)
+        """The same request, prefilled: it waits for its decode slot now, in the fair order
+        alone (its target is not for refusing it any more: its prefill is done)."""
+        return replace(self, lane=Lane.READY, target=None)
 
     @property
     def is_ready(self) -> bool:
@@ -119,9 +124,9 @@ class Waiting(Generic[T]):
     blocked: Pool | str = ""
     #: It has its slots, or was refused, or left the queue.
     done: bool = False
-    # -- in every replica's queue (``shared_queue``) --
-    #: This replica's own id of it.
+    #: Its place in the order requests came (ties between deadlines, ``deadlines``).
     order: int = 0
+    # -- in every replica's queue (``shared_queue``) --
     #: The model whose queue in Redis it waits in: its own when an instance is known to
     #: serve it, else "" (with the requests that name none), so that a name a client
     #: chose never becomes a key.
@@ -132,3 +137,5 @@ class Waiting(Generic[T]):
     gone: bool = False
     #: Where it waits while this replica is alone (``FairQueue``'s Deferred).
     inner: Deferred[T] | None = None
+    #: At its latest start, still waiting: refused for its first-token target (``deadlines``).
+    latest: IDelayedCall | None = None

@@ -320,7 +320,7 @@ SETTINGS: tuple[Setting, ...] = (
         help=(
             "Each tenant's own limits, [tenants.NAME] tables in the file (max-in-flight, "
             "requests-per-minute, tokens-per-minute, priority, weight, cache-salt, ttft-slo-ms, "
-            "class), JSON on the command line."
+            "class, ttft-miss), JSON on the command line."
         ),
     ),
     Setting(

@@ -120,7 +120,19 @@ def cache_salt(value: object) -> str:
 #: A tenant's own limits, as ``[tenants.NAME]`` gives them (0: no limit).
 TENANT_LIMITS = ("max-in-flight", "requests-per-minute", "tokens-per-minute")
 #: What else a tenant's table may say.
-TENANT_KEYS = (*TENANT_LIMITS, "priority", "weight", "cache-salt", "ttft-slo-ms", "class")
+TENANT_KEYS = (
+    *TENANT_LIMITS,
+    "priority",
+    "weight",
+    "cache-salt",
+    "ttft-slo-ms",
+    "class",
+    "ttft-miss",
+)
+
+#: What a tenant's request predicted to miss its first-token target gets: refused at once
+#: (429 or 503, ``admission.deadlines``), or served late.
+TTFT_MISS = ("refuse", "serve")
 
 
 class TenantRow(NamedTuple):
@@ -141,6 +153,8 @@ class TenantRow(NamedTuple):
     #: class its first-token outcomes are counted under (None: its priority's).
     ttft_slo_ms: int | None = None
     tenant_class: str | None = None
+    #: What its requests predicted to miss their target get (None: "refuse").
+    ttft_miss: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,8 @@ class TenantRule:
     cache_salt: str | None = None
     ttft_slo_ms: int | None = None
     tenant_class: str = ""
+    #: A request predicted to miss its first-token target: "refuse" (at once) or "serve" (late).
+    ttft_miss: str = "refuse"
 
     @property
     def outcome_class(self) -> str:
@@ -185,6 +201,7 @@ class TenantRule:
             row.cache_salt,
             row.ttft_slo_ms,
             row.tenant_class or "",
+            row.ttft_miss or "refuse",
         )
 
 
@@ -222,14 +239,23 @@ def tenant_class(value: object) -> str:
     return name
 
 
+def ttft_miss(value: object) -> str:
+    """What a tenant's request predicted to miss its first-token target gets: ``refuse``
+    (429 or 503 at once, with ``Retry-After``) or ``serve`` (late)."""
+    word = text(value)
+    if word not in TTFT_MISS:
+        raise InvalidValue(f"must be one of {', '.join(TTFT_MISS)}, not {word!r}")
+    return word
+
+
 def tenant_table(value: object) -> tuple[TenantRow, ...]:
     """``[tenants.NAME]`` tables (or the same as JSON text, or this parser's own output):
     each tenant's ``max-in-flight``, ``requests-per-minute`` and ``tokens-per-minute``
     (one left out is the default's, -1), its vLLM ``priority`` (None: the default's),
     its ``weight`` in the fair queue (None: 1), its ``cache-salt`` (None: none), its
-    requests' first-token target ``ttft-slo-ms`` (None: none) and its ``class`` (None: its
-    priority's), as (name, in flight, requests, tokens, priority, weight, salt, target,
-    class), sorted by name."""
+    requests' first-token target ``ttft-slo-ms`` (None: none), its ``class`` (None: its
+    priority's) and its ``ttft-miss`` (None: refuse), as (name, in flight, requests, tokens,
+    priority, weight, salt, target, class, miss), sorted by name."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -237,10 +263,10 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
             raise InvalidValue("must be a table of tenants (JSON on the command line)") from None
     if isinstance(value, list | tuple):
         rows = [tuple(row) for row in value]
-        if not all(len(row) == 9 and isinstance(row[0], str) for row in rows):
+        if not all(len(row) == 10 and isinstance(row[0], str) for row in rows):
             raise InvalidValue(
                 "must be rows of (tenant, in flight, requests, tokens, priority, weight, salt, "
-                "target, class)"
+                "target, class, miss)"
             )
         value = {
             row[0]: {
@@ -269,8 +295,11 @@ def tenant_table(value: object) -> tuple[TenantRow, ...]:
         salt = _optional(limits, "cache-salt", cache_salt, where)
         target = _optional(limits, "ttft-slo-ms", ttft_slo_ms, where)
         named = _optional(limits, "class", tenant_class, where)
+        miss = _optional(limits, "ttft-miss", ttft_miss, where)
         in_flight, requests, tokens = numbers
-        row = TenantRow(str(name), in_flight, requests, tokens, own, share, salt, target, named)
+        row = TenantRow(
+            str(name), in_flight, requests, tokens, own, share, salt, target, named, miss
+        )
         table.append(row)
     return tuple(sorted(table, key=lambda row: row.name))
 

@@ -13,6 +13,8 @@ continuation the same way, into the same client answer.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 
@@ -181,6 +183,9 @@ class Exchange:
             self.legs, completion, routing, served, keepalive, self.watch, self.moves
         )
         assert placed.decode is not None
+        if served.room and self.legs.slots is not None:  # (its slot's end measured)
+            measured = partial(self.legs.slots.measured, completion.served, self.record)
+            placed.decode.also(lambda: measured(decision.mode is Mode.PD))
         return await decode.send(sent, placed.decode, decision, handed_at)
 
     async def _rendered(self) -> Routing:
@@ -216,6 +221,10 @@ class Exchange:
             return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
         ticket = Claim.of(c)
+        if c is not self.completion:  # (a moved answer's rest: never refused for its target)
+            ticket = replace(ticket, target=None)
+        elif ticket.target is not None:
+            record.ttft_predicted_seconds = slots.predicted(ticket)
         taken: Placed | Prefilling | Deferred[Placed | Prefilling]
         if first and not self.part:  # (a batch's part and a continuation: both at once)
             rules = self.rules

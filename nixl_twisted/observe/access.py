@@ -73,6 +73,9 @@ class AccessRecord:
     #: (``TenantRule.outcome_class``).
     ttft_target: Target | None = None
     tenant_class: str = "default"
+    #: Its first token as predicted when it entered the proxy's queue (None: not predicted:
+    #: no target, no queue, or nothing measured yet; ``admission.predictor``).
+    ttft_predicted_seconds: float | None = None
     trace: RequestTrace = NO_TRACE
     #: How it ended, when not simply answered: "broken" (the backend broke
     #: off its answer), "client_left", "client_slow" (its client read nothing
@@ -179,6 +182,9 @@ class AccessLog:
         if target is not None:
             outcome = ttft_outcome(target, record, request.code)
             self.metrics.child(self.metrics.ttft_outcomes, record.tenant_class, outcome).inc()
+            predicted, actual = record.ttft_predicted_seconds, record.time_to_first_byte_seconds
+            if predicted and actual is not None and outcome in ("on_time", "late"):
+                self.metrics.ttft_prediction_ratio.observe(actual / predicted)
         if not self.emit:
             return
         path = request.path.decode("utf-8", "replace")
@@ -229,6 +235,8 @@ class AccessLog:
             fields["ttft_target_ms"] = target.ms
             fields["ttft_target_from"] = target.came_from
             fields["ttft_outcome"] = outcome
+            if record.ttft_predicted_seconds is not None:
+                fields["ttft_predicted_ms"] = _ms(record.ttft_predicted_seconds)
         # Rendered here: Twisted's own formatting of fifteen fields costs
         # several times more, on every request.
         log.info("{access_line}", access_line=access_line(fields), access=fields)
@@ -288,7 +296,9 @@ def access_line(f: dict[str, Any]) -> str:
     if "migration" in f:
         parts.append(f"migration={quoted(f['migration'])}")
     if "ttft_outcome" in f:
-        parts.append(f"ttft={f['ttft_outcome']} ({f['ttft_target_ms']}ms {f['ttft_target_from']})")
+        predicted = f", predicted {f['ttft_predicted_ms']}ms" if "ttft_predicted_ms" in f else ""
+        target = f"{f['ttft_target_ms']}ms {f['ttft_target_from']}{predicted}"
+        parts.append(f"ttft={f['ttft_outcome']} ({target})")
     if "ended" in f:
         parts.append(f"ended={f['ended']}")
     return " ".join(parts)

@@ -41,6 +41,8 @@ TOKEN_BUCKETS = (0, 16, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 QUEUE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120)
 #: Seconds, from a fast loopback leg to a long prefill or generation.
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+#: Actual over predicted: a quarter to four times, finest around right.
+RATIO_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 3, 4)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Set by a ``--workers`` supervisor for its workers: prometheus_client's multiprocess mode.
@@ -93,6 +95,36 @@ class ProxyMetrics:
             "late, refused or failed before a first byte.",
             ["tenant_class", "outcome"],
             registry=r,
+        )
+        self.ttft_prediction_ratio = Histogram(
+            "nixlproxy_ttft_prediction_ratio",
+            "Two-leg requests with a first-token target predicted when they entered the "
+            "proxy's queue: their actual first byte over the predicted one (1: right).",
+            registry=r,
+            buckets=RATIO_BUCKETS,
+        )
+        self.decode_drain_rate = Gauge(
+            "nixlproxy_decode_drain_rate",
+            "Decode slots freed per second lately, by model, as the proxy's queue predicts "
+            "first tokens with it (the fleet's grants with --replicas-redis).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.measured_prefill_seconds = Gauge(
+            "nixlproxy_measured_prefill_seconds",
+            "A prefill leg's seconds, moving average, by model (the queue's prediction).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.measured_first_byte_seconds = Gauge(
+            "nixlproxy_measured_first_byte_seconds",
+            "Decode's first byte after the handoff, seconds, moving average, by model (the "
+            "queue's prediction).",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.backend_requests = Counter(
             "nixlproxy_backend_requests",
@@ -227,7 +259,8 @@ class ProxyMetrics:
             "nixlproxy_admissions",
             "Completions at the proxy's queue while instances are capped, by outcome: "
             "at_once, after_wait, queue_full, pushed_out, timed_out, shed, left, shut, "
-            "failed; and, prefilled, for their decode slot: ready_at_once, ready_after_wait.",
+            "failed, ttft_refused; and, prefilled, for their decode slot: ready_at_once, "
+            "ready_after_wait.",
             ["outcome"],
             registry=r,
         )

@@ -260,6 +260,20 @@ class ErrorCode(enum.Enum):
         _OVERLOADED,
         "every instance is at its cap and the tenant's priority is negative (sheddable)",
     )
+    TTFT_UNREACHABLE = (
+        "ttft_unreachable",
+        503,
+        _OVERLOADED,
+        "the request's first-token target cannot be met: the queue ahead of it is predicted "
+        "to take longer (or it was still waiting at its latest start)",
+    )
+    TTFT_UNREACHABLE_FOR_TENANT = (
+        "ttft_unreachable_for_tenant",
+        429,
+        "rate_limit_error",
+        "the request's first-token target cannot be met because its own tenant's requests "
+        "waiting ahead of it, at the tenant's share of the fleet, take longer",
+    )
     REQUEST_BODIES_BUFFER_FULL = (
         "request_bodies_buffer_full",
         503,

@@ -42,6 +42,7 @@ from nixl_twisted.admission import (
     Claim,
     FairQueue,
     QueueOutcome,
+    Rates,
     RunAhead,
     SharedQueue,
     SharedSlots,
@@ -129,6 +130,25 @@ def _ahead_shown(metrics: ProxyMetrics, model: str | None, ahead: int, limit: in
     """How far a model's prefill runs ahead of decode, against its limit (the gauges)."""
     metrics.prefill_ahead.labels(model or "").set(ahead)
     metrics.prefill_ahead_limit.labels(model or "").set(-1 if limit is None else limit)
+
+
+def _rates_said(
+    metrics: ProxyMetrics,
+    model: str | None,
+    drain: float | None,
+    prefill: float | None,
+    first_byte: float | None,
+) -> None:
+    """A model's measured rates, as the queue predicts first tokens with them (the gauges:
+    set once measured)."""
+    label = model or ""
+    for gauge, value in (
+        (metrics.decode_drain_rate, drain),
+        (metrics.measured_prefill_seconds, prefill),
+        (metrics.measured_first_byte_seconds, first_byte),
+    ):
+        if value is not None:
+            metrics.child(gauge, label).set(value)
 
 
 def backend_pools(config: ProxyConfig, clock: IReactorTime) -> tuple[BackendPool, BackendPool]:
@@ -238,7 +258,10 @@ def build(
     # The queue before capped instances: this process's, or every replica's (chosen here once).
     said = partial(_queue_said, metrics)
     capacity = config.capacity
-    local: FairQueue[Placed] = FairQueue(clock, capacity.queue_size, capacity.queue_timeout, said)
+    rates = Rates(clock, partial(_rates_said, metrics))
+    local: FairQueue[Placed] = FairQueue(
+        clock, capacity.queue_size, capacity.queue_timeout, said, rates
+    )
     queue: FairQueue[Placed] | SwitchedQueue[Placed] = local
     if replicas is not None and shared_slots is not None:
         decode = backends.decode
@@ -248,6 +271,7 @@ def build(
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
     share = (lambda whole: whole) if replicas is None else partial(_replica_share, replicas)
     run_ahead = RunAhead(backends.decode, share, partial(_ahead_shown, metrics))
+    local.committed = run_ahead.ahead  # (what a first-token prediction counts ahead too)
     slots = Slots(backends, clock, queue, run_ahead, lambda claim: metrics.lease_guard.inc())
     slots.configure(config)
     metrics.read_at_scrape(ScrapeMetrics(pools, kv, report.errors, partial(_queued, slots)))

@@ -161,6 +161,9 @@ class StatusPage:
                 {"model": queue["model"], "prefill": [], "decode": [], "queue": None},
             )
             entry["queue"] = queue
+        slots = self.serving.legs.slots
+        for entry in by_model.values():
+            entry["measured"] = None if slots is None else slots.rates_of(entry["model"])
         return sorted(by_model.values(), key=lambda m: (m["model"] is None, m["model"] or ""))
 
 

@@ -122,9 +122,27 @@ def _backends(status: dict[str, Any]) -> str:
                 rows.append(_row(cells(pool, instance), attributes))
         parts.append(
             f'<section class="model"><h3>{_e(title)}</h3><p class="queue">queue: {_e(waiting)}</p>'
-            f"{_table(COLUMNS, rows)}</section>"
+            f"{_measured(model.get('measured'))}{_table(COLUMNS, rows)}</section>"
         )
     return "".join(parts) or "<p>no instance</p>"
+
+
+def _measured(measured: dict[str, float | None] | None) -> str:
+    """The rates the queue measured for a model, and a new request's predicted first token
+    (nothing while not measured)."""
+    if not measured or measured["decode_drain_rate"] is None:
+        return ""
+
+    def ms(seconds: float | None) -> str:
+        return "\u2014" if seconds is None else f"{round(seconds * 1000)} ms"
+
+    said = (
+        f"measured: {measured['decode_drain_rate']:.1f} decode slots freed/s, prefill "
+        f"{ms(measured['prefill_seconds'])}, first byte {ms(measured['first_byte_seconds'])}; "
+        f"a new request's first token predicted in "
+        f"{ms(measured['predicted_first_token_seconds'])}"
+    )
+    return f'<p class="measured">{_e(said)}</p>'
 
 
 def _tenants(status: dict[str, Any]) -> str:

@@ -109,8 +109,7 @@ def test_a_decode_only_request_takes_its_decode_slot_in_one_step_as_before() -> 
 def test_prefill_runs_no_further_ahead_than_the_decode_caps() -> None:
     setup = capped(decode_max_in_flight=2, prefill_max_in_flight=8, queue_size=10)
     setup.decode.hold_answers()
-    for _ in range(6):
-        setup.post(routes.CHAT_COMPLETIONS, CHAT)
+    clients = [setup.post(routes.CHAT_COMPLETIONS, CHAT) for _ in range(6)]
     setup.proxy.flush()
     # Two decoding, two prefilled and ready (one per decode slot), two waiting unsent,
     # though prefill has room for all.
@@ -119,16 +118,21 @@ def test_prefill_runs_no_further_ahead_than_the_decode_caps() -> None:
     gauge = setup.scrape()
     assert gauge[("nixlproxy_prefill_ahead", (("model", ""),))] == 2
     assert gauge[("nixlproxy_prefill_ahead_limit", (("model", ""),))] == 2
+    setup.decode.release()
+    setup.proxy.flush()
+    assert [c.answer().status for c in clients] == [200] * 6
 
 
 def test_prefill_run_ahead_sets_the_limit() -> None:
     setup = capped(decode_max_in_flight=2, prefill_max_in_flight=8, prefill_run_ahead=3)
     setup.decode.hold_answers()
-    for _ in range(6):
-        setup.post(routes.CHAT_COMPLETIONS, CHAT)
+    clients = [setup.post(routes.CHAT_COMPLETIONS, CHAT) for _ in range(6)]
     setup.proxy.flush()
     assert (len(setup.decode.requests), len(setup.prefill.requests)) == (2, 5)
     assert waits(setup) == (1, 3)
+    setup.decode.release()
+    setup.proxy.flush()
+    assert [c.answer().status for c in clients] == [200] * 6
 
 
 def test_a_full_queue_and_a_wait_past_the_timeout_are_503_but_never_for_a_ready_one() -> None:
@@ -251,13 +255,17 @@ def test_a_sheddable_tenant_is_refused_at_once_when_the_fleet_is_full() -> None:
     tenants = '{"batch": {"priority": -1}}'
     setup = capped(tenant_header="x-team", tenants=tenants)
     setup.decode.hold_answers()
+    clients = []
     for _ in range(2):  # room: one served, one prefilled ahead (a ready one is never shed)
-        setup.post(routes.CHAT_COMPLETIONS, CHAT, {"x-team": "batch"})
+        clients.append(setup.post(routes.CHAT_COMPLETIONS, CHAT, {"x-team": "batch"}))
         setup.proxy.flush()
     assert waits(setup) == (0, 1)
     shed = setup.post(routes.CHAT_COMPLETIONS, CHAT, {"x-team": "batch"}).answer()
     assert_error(shed, 503, "shed")
     assert shed.values("Retry-After")
+    setup.decode.release()
+    setup.proxy.flush()
+    assert [c.answer().status for c in clients] == [200, 200]
 
 
 def test_a_reload_that_changes_a_weight_applies_it_to_the_requests_that_come_after() -> None:

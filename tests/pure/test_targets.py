@@ -118,3 +118,15 @@ def test_a_tenant_s_target_and_class_are_read_and_checked() -> None:
 def test_the_door_looks_each_header_up_as_twisted_keeps_it() -> None:
     for name in TTFT_HEADERS:
         assert kept_as(name) in sent(**{name.decode().upper(): "1"})._rawHeaders
+
+
+def test_a_tenant_says_whether_a_request_predicted_to_miss_is_refused_or_served_late() -> None:
+    rows = tenant_table({"late-ok": {"ttft-miss": "serve"}, "plain": {}})
+    rules = {row.name: TenantRule().under(row) for row in rows}
+    assert (rules["late-ok"].ttft_miss, rules["plain"].ttft_miss) == ("serve", "refuse")
+    assert TenantRule().ttft_miss == "refuse"  # (no tenant)
+    assert tenant_table(rows) == rows  # (the workers' JSON)
+    with pytest.raises(ConfigError, match="ttft-miss must be one of refuse, serve"):
+        ProxyConfig.create(
+            prefill=["http://p:1"], decode=["http://d:1"], tenants={"a": {"ttft-miss": "later"}}
+        )

@@ -130,8 +130,8 @@ def test_the_tenant_table_with_priorities_survives_the_workers_json() -> None:
         },
     )
     assert config.tenants.table == (
-        ("free", -1, 2, -1, None, None, None, None, None),
-        ("vip", -1, -1, -1, -3, None, "v", 500, "gold"),
+        ("free", -1, 2, -1, None, None, None, None, None, None),
+        ("vip", -1, -1, -1, -3, None, "v", 500, "gold", None),
     )
     assert ProxyConfig.from_json(config.to_json()).tenants == config.tenants
 

@@ -24,6 +24,10 @@
     return value === null || value === undefined ? null : String(Math.round(value * 1000) / 1000);
   }
 
+  function seconds(value) {
+    return value === null || value === undefined ? "\u2014" : Math.round(value * 1000) + " ms";
+  }
+
   function stateOf(instance) {
     if (instance.draining) return "draining";
     return instance.ejected ? "ejected" : String(instance.state);
@@ -92,6 +96,13 @@
       var q = model.queue;
       section.appendChild(el("p", "queue: " + (q ? q.waiting + " waiting, the longest " +
         q.longest_seconds + " s" : "nothing waiting"), "queue"));
+      var m = model.measured;
+      if (m && m.decode_drain_rate !== null) {
+        section.appendChild(el("p", "measured: " + m.decode_drain_rate.toFixed(1) +
+          " decode slots freed/s, prefill " + seconds(m.prefill_seconds) + ", first byte " +
+          seconds(m.first_byte_seconds) + "; a new request's first token predicted in " +
+          seconds(m.predicted_first_token_seconds), "measured"));
+      }
       var rows = [];
       ["prefill", "decode"].forEach(function (pool) {
         model[pool].forEach(function (url) {
