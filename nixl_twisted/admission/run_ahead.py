@@ -6,9 +6,12 @@ prefill instance, under vLLM's lease (``kv_lease_duration``): so each model
 holds at most ``limit`` requests *ahead* (holding a prefill slot, or
 prefilled and ready for decode). The limit is ``--prefill-run-ahead`` when
 set, else the sum of the model's decode caps (one prefill per decode slot:
-never more KV parked on prefill than decode could take at once); shared
-through Redis, this replica's share of it (``share``). With no cap on some
-decode instance of the model, a ready request never waits: no limit.
+never more KV parked on prefill than decode could take at once), raised to
+what keeps decode fed once the rates are measured (``needed``: when
+prefill takes as long as a decode slot's turn, one per slot is too few);
+shared through Redis, this replica's share of it (``share``). With no cap
+on some decode instance of the model, a ready request never waits: no
+limit.
 
 A ready request that waited until its lease is near its end (``guard_at``)
 is sent to decode over its cap: inside vLLM's queue its lease is renewed.
@@ -16,15 +19,36 @@ is sent to decode over its cap: inside vLLM's queue its lease is renewed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Protocol
 
 from nixl_twisted.backends.pools import BackendPool
 
 #: Seconds kept before a KV lease ends, at most (a third of the lease when that is less).
 MARGIN = 10.0
 
+#: How much longer than measured a prefill may take, as a share of it, before decode idles
+#: for want of a ready request.
+SLACK = 0.25
+
 #: (model, ahead now, its limit or None): told each time a model's count changes.
 Shown = Callable[[str | None, int, "int | None"], None]
+
+
+class Measured(Protocol):
+    """What the queue measured of a model (``predictor.Rates``)."""
+
+    def drain_rate(self, model: str | None) -> float | None: ...
+
+    def prefill_seconds(self, model: str | None) -> float | None: ...
+
+
+def needed(drain_rate: float, prefill_seconds: float, decodes: int) -> int:
+    """How many requests must be ahead to keep decode fed (Little's law for the prefill
+    pipeline): a decode slot frees ``drain_rate`` times a second and a request takes
+    ``prefill_seconds`` (and ``SLACK`` more) to be ready; plus one per decode instance."""
+    return math.ceil(drain_rate * prefill_seconds * (1 + SLACK)) + decodes
 
 
 def guard_at(handed_at: float, lease: float) -> float:
@@ -42,10 +66,13 @@ class RunAhead:
         decode: BackendPool,
         share: Callable[[int], int] = lambda whole: whole,
         shown: Shown | None = None,
+        measured: Measured | None = None,
     ) -> None:
         """``share``: this process's part of a limit every replica holds together;
-        ``shown``: told of each change (the gauges)."""
+        ``shown``: told of each change (the gauges); ``measured``: the rates that raise
+        the limit to what keeps decode fed (None: the caps alone)."""
         self.decode = decode
+        self.measured = measured
         self.share = share
         self.shown: Shown = shown if shown is not None else _unseen
         #: ``--prefill-run-ahead`` (0: by the decode caps).
@@ -62,7 +89,7 @@ class RunAhead:
         if self.set:
             return self.share(self.set)
         caps = self.decode.caps
-        total = 0
+        total = decodes = 0
         for instance in self.decode.instances:
             if model is not None and not instance.serves(model):
                 continue
@@ -70,7 +97,15 @@ class RunAhead:
             if slots is None:
                 return None  # (a decode instance with no cap: a ready request never waits)
             total += slots
-        return self.share(total) if total else None
+            decodes += 1
+        if not total:
+            return None
+        rates = self.measured
+        rate = None if rates is None else rates.drain_rate(model)
+        prefill = None if rates is None else rates.prefill_seconds(model)
+        if rate and prefill:
+            total = max(total, needed(rate, prefill, decodes))
+        return self.share(total)
 
     def ahead(self, model: str | None) -> int:
         return self._ahead.get(model, 0)

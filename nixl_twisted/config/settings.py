@@ -784,8 +784,9 @@ SETTINGS: tuple[Setting, ...] = (
         count(0),
         help=(
             "Requests of a model that may hold a prefill slot or wait, prefilled, for a "
-            "decode slot at once (0: the sum of the model's decode caps); shared through "
-            "--replicas-redis, each replica holds its share."
+            "decode slot at once (0: the sum of the model's decode caps, raised to what keeps "
+            "decode fed once its rates are measured); shared through --replicas-redis, each "
+            "replica holds its share."
         ),
     ),
     Setting(

@@ -270,7 +270,7 @@ def build(
         queue = SwitchedQueue(fleet_queue, replicas)
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
     share = (lambda whole: whole) if replicas is None else partial(_replica_share, replicas)
-    run_ahead = RunAhead(backends.decode, share, partial(_ahead_shown, metrics))
+    run_ahead = RunAhead(backends.decode, share, partial(_ahead_shown, metrics), local.rates)
     local.committed = run_ahead.ahead  # (what a first-token prediction counts ahead too)
     slots = Slots(backends, clock, queue, run_ahead, lambda claim: metrics.lease_guard.inc())
     slots.configure(config)

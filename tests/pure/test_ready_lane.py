@@ -134,6 +134,35 @@ def test_a_replica_holds_its_share_of_the_limit_and_an_uncapped_decode_has_none(
     assert RunAhead(uncapped).limit(None) is None
 
 
+class Rates:
+    """A model's measured decode drain rate and prefill seconds (None: not yet)."""
+
+    def __init__(self, rate: float | None = None, prefill: float | None = None) -> None:
+        self.rate, self.prefill = rate, prefill
+
+    def drain_rate(self, model: str | None) -> float | None:
+        return self.rate
+
+    def prefill_seconds(self, model: str | None) -> float | None:
+        return self.prefill
+
+
+def test_measured_rates_raise_the_limit_to_what_keeps_decode_fed() -> None:
+    rates = Rates()
+    ahead = RunAhead(pool({"d1": 8, "d2": 8}), measured=rates)
+    assert ahead.limit(None) == 16  # (nothing measured: one per decode slot)
+    rates.rate, rates.prefill = 24.2, 0.66  # (16 slots freed in 0.66 s; prefill as long)
+    # 24.2/s x 0.66 s x 1.25 = 19.97: 20 in prefill or ready, and one per decode instance.
+    assert ahead.limit(None) == 22
+    rates.prefill = 0.13  # (short prompts: the caps' 16 are enough, never fewer)
+    assert ahead.limit(None) == 16
+    rates.prefill = 0.66
+    shared = RunAhead(pool({"d1": 8, "d2": 8}), lambda whole: whole // 2, measured=rates)
+    assert shared.limit(None) == 11  # (a replica's share of the fleet's)
+    ahead.set = 4
+    assert ahead.limit(None) == 4  # (--prefill-run-ahead wins)
+
+
 def test_giving_a_place_back_lets_the_queue_try_again() -> None:
     ahead = RunAhead(pool({"d1": 1}))
     tried: list[int] = []
