@@ -24,11 +24,11 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
+from nixl_twisted.admission.fair_queue import FairQueue
 from nixl_twisted.admission.predictor import Legged
 from nixl_twisted.admission.run_ahead import RunAhead, guard_at
 from nixl_twisted.admission.switched_queue import SwitchedQueue
-from nixl_twisted.admission.waiting import Held, Lane
+from nixl_twisted.admission.waiting import Claim, Held, Lane, Pool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
