@@ -13,7 +13,8 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from nixl_twisted.admission.fair_queue import (
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.outcomes import (
     AFTER_WAIT,
     AT_ONCE,
     LEFT,
@@ -22,11 +23,8 @@ from nixl_twisted.admission.fair_queue import (
     SHED,
     SHUT,
     TIMED_OUT,
-    FairQueue,
 )
-from nixl_twisted.admission.fair_queue import (
-    Claim as Ticket,
-)
+from nixl_twisted.admission.waiting import Claim as Ticket
 from nixl_twisted.config import TenantRule
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError

@@ -8,13 +8,8 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from nixl_twisted.admission.fair_queue import (
-    LEFT,
-    READY_AFTER_WAIT,
-    READY_AT_ONCE,
-    TIMED_OUT,
-    FairQueue,
-)
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.outcomes import LEFT, READY_AFTER_WAIT, READY_AT_ONCE, TIMED_OUT
 from nixl_twisted.admission.run_ahead import RunAhead, guard_at
 from nixl_twisted.admission.slots import Slots
 from nixl_twisted.admission.waiting import Claim, Pool
