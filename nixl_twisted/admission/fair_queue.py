@@ -259,8 +259,7 @@ class FairQueue(Generic[T]):
         last = last_to_go(self._models, queue, key)
         if last is None:
             return False
-        its, waiting = last
-        its.give_back(waiting)
+        _, waiting = last
         self._end(waiting, PUSHED_OUT)
         waiting.deferred.errback(pushed_out(self.size, self.retry_after()))
         return True
@@ -302,8 +301,12 @@ class FairQueue(Generic[T]):
             del self._models[model]
 
     def _end(self, waiting: Waiting[T], outcome: QueueOutcome) -> None:
-        """The request leaves the queue, ``outcome`` said of it."""
+        """The request leaves the queue, ``outcome`` said of it (unserved: its tenant is not
+        charged for it, ``ModelLane.give_back``)."""
         waiting.done = True
+        lane = self._models.get((waiting.ticket.model, waiting.ticket.lane))
+        if outcome not in (AFTER_WAIT, SHUT) and lane is not None:
+            lane.give_back(waiting)
         self._waiting -= 1
         self._ready -= waiting.ticket.is_ready
         self._untimed(waiting)

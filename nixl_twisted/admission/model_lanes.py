@@ -73,11 +73,25 @@ class ModelLane:
         self.now = max(self.now, waiting.finish)
 
     def give_back(self, waiting: Waiting[Any]) -> None:
-        """``waiting`` leaves unserved: its tenant is not charged for it, if it was the
-        tenant's last."""
-        tenant = waiting.ticket.tenant
-        if self.last.get(tenant) == waiting.finish:
-            self.last[tenant] = waiting.finish - 1.0 / waiting.ticket.weight
+        """``waiting`` leaves unserved (timed out, its client gone, pushed out, refused): its
+        tenant is charged nothing for it. The tenant's requests tagged after it move back
+        one tag (``1 / weight``), and so does its last tag: else a tenant whose requests
+        keep timing out falls ever further behind the clock, and is served less than its
+        weight says while the others are served more."""
+        tenant, finish = waiting.ticket.tenant, waiting.finish
+        step = 1.0 / waiting.ticket.weight
+        moved = False
+        for at, (priority, tag, order, other) in enumerate(self.heap):
+            if other.done or other.ticket.tenant != tenant or tag <= finish:
+                continue
+            self.heap[at] = (priority, tag - step, order, other)
+            other.finish = tag - step
+            moved = True
+        if moved:
+            heapq.heapify(self.heap)
+        last = self.last.get(tenant)
+        if last is not None and last >= finish:
+            self.last[tenant] = last - step
 
     def emptied(self) -> bool:
         """Nothing waits any more: the order within tenants starts afresh and tags behind
