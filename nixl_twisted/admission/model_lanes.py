@@ -5,7 +5,8 @@ must not hold another's), and in two lanes (``Lane``): requests waiting for
 their first slot, and prefilled ones waiting for their decode slot. A lane
 keeps self-clocked fair queueing (SCFQ): a request is tagged ``max(V, its
 tenant's last tag) + 1 / weight``, ``V`` being the tag of the request let go
-last, and goes in the order (priority, tag, arrival).
+last, and goes in the order (priority, tag, arrival); a ready lane, first
+come, first served within a priority.
 
 Tags of different models are on different clocks, so across models (which
 request a full queue pushes out, ``last_to_go``) a request stands by how
@@ -45,7 +46,12 @@ class ModelLane:
 
     def key(self, ticket: Claim, order: int) -> Key:
         """The place of a request of ``ticket`` arriving ``order``-th: its tag starts where
-        its tenant's last ended, or at the clock if that is later."""
+        its tenant's last ended, or at the clock if that is later. In a ready lane every tag
+        is the clock's: prefilled requests go first come, first served within a priority
+        (fairness chose them when they took their prefill slot; weighed again here, a
+        lighter tenant's request would wait twice for the same share)."""
+        if ticket.is_ready:
+            return (ticket.priority, self.now, order)
         start = max(self.now, self.last.get(ticket.tenant, 0.0))
         return (ticket.priority, start + 1.0 / ticket.weight, order)
 
@@ -78,6 +84,8 @@ class ModelLane:
         one tag (``1 / weight``), and so does its last tag: else a tenant whose requests
         keep timing out falls ever further behind the clock, and is served less than its
         weight says while the others are served more."""
+        if waiting.ticket.is_ready:
+            return  # (a ready lane charges no tags: first come, first served)
         tenant, finish = waiting.ticket.tenant, waiting.finish
         step = 1.0 / waiting.ticket.weight
         moved = False
