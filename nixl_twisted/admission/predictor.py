@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from twisted.internet.interfaces import IReactorTime
 
@@ -39,6 +39,15 @@ class Legged(Protocol):
     @property
     def decode_first_byte_seconds(self) -> float | None: ...
 
+    @property
+    def ttft_predicted_base_seconds(self) -> float | None: ...
+
+    @property
+    def time_to_first_byte_seconds(self) -> float | None: ...
+
+    @property
+    def ttft_target(self) -> Any: ...
+
 
 @dataclass
 class _Measured:
@@ -47,6 +56,10 @@ class _Measured:
     freed: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     prefill: float | None = None
     first_byte: float | None = None
+    #: Recent first tokens over what the model predicted them (before calibration), by
+    #: the class of their target (``urgency``): the earliest deadlines go first, so an
+    #: urgent request's error is not a patient one's.
+    ratios: dict[int, deque[float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,8 @@ class Prediction:
     own: float
     #: Prefill's and the first byte's seconds, as measured (its latest start needs them).
     legs: float
+    #: ``seconds`` before calibration (``Rates.calibration``): what the error is read of.
+    base: float = 0.0
 
     @property
     def tenant_bound(self) -> bool:
@@ -82,7 +97,21 @@ def predict(
     fleet = ahead / drain_rate
     mine = own / share / drain_rate if share > 0 else 0.0
     wait = max(fleet, mine)
-    return Prediction(max(wait, prefill) + first_byte, fleet, mine, prefill + first_byte)
+    seconds = max(wait, prefill) + first_byte
+    return Prediction(seconds, fleet, mine, prefill + first_byte, seconds)
+
+
+#: Predictions measured against their first tokens before they are calibrated, and the
+#: share of first tokens the calibrated prediction should cover.
+CALIBRATED = 16
+QUANTILE = 0.9
+#: The least and most a prediction is multiplied by.
+SCALE = (0.5, 4.0)
+
+
+def urgency(target_ms: int) -> int:
+    """A target's class for calibration: its power of two in ms (0: none)."""
+    return max(0, int(target_ms)).bit_length()
 
 
 #: Told a model's rates as they change: (model, drain rate, prefill seconds, first byte).
@@ -109,6 +138,11 @@ class Rates:
             measured.prefill = _averaged(measured.prefill, record.prefill_seconds)
         if record.decode_first_byte_seconds is not None:
             measured.first_byte = _averaged(measured.first_byte, record.decode_first_byte_seconds)
+        base, actual = record.ttft_predicted_base_seconds, record.time_to_first_byte_seconds
+        target = record.ttft_target
+        if base and actual is not None and target is not None:
+            ratios = measured.ratios.setdefault(urgency(target.ms), deque(maxlen=WINDOW))
+            ratios.append(actual / base)
         if self.said is not None:
             self.said(model, self.drain_rate(model), measured.prefill, measured.first_byte)
 
@@ -134,14 +168,32 @@ class Rates:
         measured = self._models.get(model)
         return None if measured is None else measured.first_byte
 
-    def predict(self, model: str | None, ahead: int, own: int, share: float) -> Prediction | None:
+    def predict(
+        self, model: str | None, ahead: int, own: int, share: float, target_ms: int = 0
+    ) -> Prediction | None:
         """``predict`` for ``model`` with its measured rates (None: cold, nothing measured:
         no drain rate, or no first byte)."""
         rate, first_byte = self.drain_rate(model), self.first_byte_seconds(model)
         if rate is None or first_byte is None:
             return None
         prefill = self.prefill_seconds(model) or 0.0
-        return predict(ahead, own, share, rate, prefill, first_byte)
+        made = predict(ahead, own, share, rate, prefill, first_byte)
+        return replace(made, seconds=made.seconds * self.calibration(model, target_ms))
+
+    def calibration(self, model: str | None, target_ms: int = 0) -> float:
+        """What ``model``'s predictions for a target of ``target_ms`` are multiplied by: the
+        ``QUANTILE`` of its recent first tokens of targets of that class over their
+        predictions (1 until ``CALIBRATED`` are measured; within ``SCALE``). The model above
+        leaves out what it cannot see (requests that arrive after and go before, by their
+        tenant's share; decode's own scheduling): measured so, the error is what the
+        refusals allow for, on any workload."""
+        measured = self._models.get(model)
+        ratios = None if measured is None else measured.ratios.get(urgency(target_ms))
+        if ratios is None or len(ratios) < CALIBRATED:
+            return 1.0
+        ordered = sorted(ratios)
+        at = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
+        return min(SCALE[1], max(SCALE[0], at))
 
     def models(self) -> list[str | None]:
         return list(self._models)

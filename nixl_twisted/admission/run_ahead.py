@@ -6,9 +6,12 @@ prefill instance, under vLLM's lease (``kv_lease_duration``): so each model
 holds at most ``limit`` requests *ahead* (holding a prefill slot, or
 prefilled and ready for decode). The limit is ``--prefill-run-ahead`` when
 set, else the sum of the model's decode caps (one prefill per decode slot:
-never more KV parked on prefill than decode could take at once), raised to
-what keeps decode fed once the rates are measured (``needed``: when
-prefill takes as long as a decode slot's turn, one per slot is too few);
+never more KV parked on prefill than decode could take at once) until the
+rates are measured, then what keeps decode fed (``needed``): more when
+prefill takes as long as a decode slot's turn (one per slot is too few),
+fewer when prefill is short (each request ready ahead waits in the ready
+lane, first come, first served, where deadlines and fairness no longer
+order it: a long ready lane is first-token time spent for nothing);
 shared through Redis, this replica's share of it (``share``). With no cap
 on some decode instance of the model, a ready request never waits: no
 limit.
@@ -104,7 +107,7 @@ class RunAhead:
         rate = None if rates is None else rates.drain_rate(model)
         prefill = None if rates is None else rates.prefill_seconds(model)
         if rate and prefill:
-            total = max(total, needed(rate, prefill, decodes))
+            total = needed(rate, prefill, decodes)
         return self.share(total)
 
     def ahead(self, model: str | None) -> int:

@@ -25,7 +25,7 @@ from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
 from nixl_twisted.admission.fair_queue import FairQueue
 from nixl_twisted.admission.lease_guard import LeaseGuard
-from nixl_twisted.admission.predictor import Legged
+from nixl_twisted.admission.predictor import Legged, Prediction
 from nixl_twisted.admission.run_ahead import RunAhead
 from nixl_twisted.admission.switched_queue import SwitchedQueue
 from nixl_twisted.admission.waiting import Claim, Held, Lane, Pool
@@ -126,11 +126,10 @@ class Slots:
         )
         return guard.answer
 
-    def predicted(self, ticket: Claim) -> float | None:
-        """Seconds to the first token of a request of ``ticket`` entering the queue now
-        (None: no target, or nothing measured yet: ``predictor``)."""
-        prediction = self.queue.predict(ticket)
-        return None if prediction is None else prediction.seconds
+    def predicted(self, ticket: Claim) -> Prediction | None:
+        """The first token of a request of ``ticket`` entering the queue now (None: no
+        target, or nothing measured yet: ``predictor``)."""
+        return self.queue.predict(ticket)
 
     def measured(self, model: str | None, record: Legged, prefilled: bool) -> None:
         """A completion's decode leg ended (its slot freed): what its legs took, measured."""

@@ -784,8 +784,8 @@ SETTINGS: tuple[Setting, ...] = (
         count(0),
         help=(
             "Requests of a model that may hold a prefill slot or wait, prefilled, for a "
-            "decode slot at once (0: the sum of the model's decode caps, raised to what keeps "
-            "decode fed once its rates are measured); shared through --replicas-redis, each "
+            "decode slot at once (0: the sum of the model's decode caps until its rates are "
+            "measured, then what keeps decode fed); shared through --replicas-redis, each "
             "replica holds its share."
         ),
     ),

@@ -224,7 +224,10 @@ class Exchange:
         if c is not self.completion:  # (a moved answer's rest: never refused for its target)
             ticket = replace(ticket, target=None)
         elif ticket.target is not None:
-            record.ttft_predicted_seconds = slots.predicted(ticket)
+            prediction = slots.predicted(ticket)
+            if prediction is not None:
+                record.ttft_predicted_seconds = prediction.seconds
+                record.ttft_predicted_base_seconds = prediction.base
         taken: Placed | Prefilling | Deferred[Placed | Prefilling]
         if first and not self.part:  # (a batch's part and a continuation: both at once)
             rules = self.rules

@@ -76,6 +76,8 @@ class AccessRecord:
     #: Its first token as predicted when it entered the proxy's queue (None: not predicted:
     #: no target, no queue, or nothing measured yet; ``admission.predictor``).
     ttft_predicted_seconds: float | None = None
+    #: The same before calibration (what the predictor measures its error by).
+    ttft_predicted_base_seconds: float | None = None
     trace: RequestTrace = NO_TRACE
     #: How it ended, when not simply answered: "broken" (the backend broke
     #: off its answer), "client_left", "client_slow" (its client read nothing

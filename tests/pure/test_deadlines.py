@@ -33,9 +33,21 @@ from nixl_twisted.protocol.targets import Target
 from tests.pure.test_fair_queue import Slots, outcome
 
 
-def legs(prefill: float | None = 0.2, first_byte: float | None = 0.05) -> Any:
-    """An access record's leg times."""
-    return SimpleNamespace(prefill_seconds=prefill, decode_first_byte_seconds=first_byte)
+def legs(
+    prefill: float | None = 0.2,
+    first_byte: float | None = 0.05,
+    predicted: float | None = None,
+    actual: float | None = None,
+    target_ms: int = 1000,
+) -> Any:
+    """An access record's leg times (and its first token, with what was predicted of it)."""
+    return SimpleNamespace(
+        prefill_seconds=prefill,
+        decode_first_byte_seconds=first_byte,
+        ttft_predicted_base_seconds=predicted,
+        time_to_first_byte_seconds=actual,
+        ttft_target=Target(target_ms, "x-slo-ttft-ms"),
+    )
 
 
 def warmed(clock: Clock, rate: float = 10.0, model: str | None = None, **times: Any) -> Rates:
@@ -385,3 +397,32 @@ def test_shared_the_fleets_waiting_count_is_all_ahead_and_the_refusal_is_503() -
     late = fleet_too_late(rates, ticket, 3)
     assert (late.code, late.retry_after) == (ErrorCode.TTFT_UNREACHABLE, 1.0)
     assert fleet_too_late(Rates(clock), ticket, 3).code == ErrorCode.TTFT_UNREACHABLE
+
+
+def test_predictions_are_calibrated_by_how_late_first_tokens_came_against_them() -> None:
+    """What the model cannot see (those that arrive later and go first by their tenant's
+    share, decode's own scheduling) is measured: the 90th percentile of first tokens over
+    their predictions multiplies every prediction, once 16 are measured."""
+    clock = Clock()
+    rates = Rates(clock)
+    for _ in range(16):
+        clock.advance(0.1)
+        rates.ended(None, legs(), True)
+    plain = rates.predict(None, 4, 1, 0.5, 1000)
+    assert plain is not None and plain.seconds == plain.base
+    assert rates.calibration(None, 1000) == 1.0
+    for _ in range(14):  # (first tokens at 1.5 times their predictions, then two at 3)
+        rates.ended(None, legs(predicted=0.4, actual=0.6), True)
+    rates.ended(None, legs(predicted=0.4, actual=1.2), True)
+    assert rates.calibration(None, 1000) == 1.0  # (15: not yet)
+    rates.ended(None, legs(predicted=0.4, actual=1.2), True)
+    assert rates.calibration(None, 1000) == pytest.approx(3.0)  # (16: the 90th is a 3)
+    for _ in range(16):
+        rates.ended(None, legs(predicted=0.4, actual=0.6), True)
+    assert rates.calibration(None, 1000) == pytest.approx(1.5)
+    assert rates.calibration(None, 10_000) == 1.0  # (a patient target's error is its own)
+    calibrated = rates.predict(None, 4, 1, 0.5, 1000)
+    assert calibrated is not None and calibrated.seconds == pytest.approx(calibrated.base * 1.5)
+    for _ in range(64):  # (early first tokens: never below half the prediction)
+        rates.ended(None, legs(predicted=0.4, actual=0.1), True)
+    assert rates.calibration(None, 1000) == 0.5

@@ -157,15 +157,15 @@ class Rates:
         return self.prefill
 
 
-def test_measured_rates_raise_the_limit_to_what_keeps_decode_fed() -> None:
+def test_measured_rates_set_the_limit_to_what_keeps_decode_fed() -> None:
     rates = Rates()
     ahead = RunAhead(pool({"d1": 8, "d2": 8}), measured=rates)
     assert ahead.limit(None) == 16  # (nothing measured: one per decode slot)
     rates.rate, rates.prefill = 24.2, 0.66  # (16 slots freed in 0.66 s; prefill as long)
     # 24.2/s x 0.66 s x 1.25 = 19.97: 20 in prefill or ready, and one per decode instance.
     assert ahead.limit(None) == 22
-    rates.prefill = 0.13  # (short prompts: the caps' 16 are enough, never fewer)
-    assert ahead.limit(None) == 16
+    rates.prefill = 0.13  # (short prompts: 3.93, so 4 and 2; the rest wait to be ordered)
+    assert ahead.limit(None) == 6
     rates.prefill = 0.66
     shared = RunAhead(pool({"d1": 8, "d2": 8}), lambda whole: whole // 2, measured=rates)
     assert shared.limit(None) == 11  # (a replica's share of the fleet's)
