@@ -132,18 +132,22 @@ class SharedSlots:
         self.apply()
 
     def _changed(self, changed: dict[str, int], version: int | None) -> None:
-        for lane in [where for where in changed if where.endswith(READY_SUFFIX)]:
-            # (a ready lane's count: not a slot, taken as heard, whatever its version)
-            self.ready[lane.removesuffix(READY_SUFFIX)] = changed.pop(lane)
+        slots = {}
+        for where, count in changed.items():
+            if where.endswith(READY_SUFFIX):
+                # (a ready lane's count: not a slot, taken as heard, whatever its version)
+                self.ready[where.removesuffix(READY_SUFFIX)] = count
+            else:
+                slots[where] = count
         if version is None or version <= self.version:
             return  # (a nudge, or older than what this replica knows)
         self.version = version
-        for where, legs in changed.items():
+        for where, legs in slots.items():
             if legs > 0:
                 self.view[where] = legs
             else:
                 self.view.pop(where, None)
-        if changed:
+        if slots:
             self.apply()
 
     def apply(self) -> None:

@@ -8,8 +8,9 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, DeferredList
 
+from nixl_twisted.admission.waiting import READY_SUFFIX
 from nixl_twisted.testing import RunningProxy
-from tests.loopback.test_replicas import slots_of
+from tests.loopback.test_replicas import replicas_of, shared_of, slots_of
 from tests.loopback.test_replicas_heal import HealCase
 from tests.support import CHAT
 
@@ -77,3 +78,36 @@ class FleetAheadTests(HealCase):
             response = await stream
             assert response.code == 200
             await response.content()
+
+    async def test_a_replica_hears_the_others_ready_lane_from_messages(self) -> None:
+        self.other = await self.forging(decode_max_in_flight=4, prefill_max_in_flight=8)
+        self.decode.hold_streams_after(1)
+        self.addCleanup(self.decode.release)
+        streams: list[Deferred[Any]] = []
+        for _ in range(4):  # the fleet's four decode slots
+            held = self.decode.stream_held()
+            streams.append(self.chat(self.other, dict(CHAT, stream=True)))
+            await held
+        heard: Deferred[None] = Deferred()
+
+        def told(changed: dict[str, int], version: int | None) -> None:
+            if changed.get(READY_SUFFIX) == 4 and not heard.called:
+                heard.callback(None)
+
+        replicas_of(self.proxy).on_freed(told)
+        for _ in range(4):  # the fleet's limit, all of it ready in one replica
+            waits = slots_of(self.other).entered()
+            streams.append(self.chat(self.other, dict(CHAT, stream=True)))
+            await waits
+        await heard  # (told on ``freed``: no answer of its own said it)
+        assert shared_of(self.proxy).ready == {"": 4}
+        waits = slots_of(self.proxy).entered()
+        streams.append(self.chat(self.proxy, dict(CHAT, stream=True)))
+        await waits
+        assert len(self.prefill.requests_for("prefill")) == 8  # (held back before its prefill)
+        self.decode.release()  # the ready ones decode: messages say the lane emptied
+        for stream in streams:
+            response = await stream
+            assert response.code == 200
+            await response.content()
+        assert len(self.prefill.requests_for("prefill")) == 9
