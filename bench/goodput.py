@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import math
@@ -171,6 +172,9 @@ def figures(
         "refused_inside_target": len(inside),
         "refusals": len(refused),
         "refusals_with_retry_after": said["refusals_with_retry_after"],
+        "refused_by_code": dict(
+            collections.Counter(f"{o.status} {o.code or '-'}" for o, _ in refused).most_common()
+        ),
         "decode_busy": round(statistics.fmean(busy) / (fleet.decodes * fleet.max_num_seqs), 3),
         "waiting": said["waiting"],
         "served_shares": shares,
@@ -338,6 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for run in range(args.repeat):
                 results.append(measure(shape, args, args.seed + run, folder))
                 print(row(results[-1]), flush=True)
+    for result in results:  # (each run's refusals by status and code, below the table)
+        codes = ", ".join(f"{k} {v}" for k, v in result["refused_by_code"].items())
+        print(f"refused, {result['shape']}: {codes or 'none'}")
     if args.json:
         print(json.dumps(results, indent=2))
     return 0

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import random
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ class Outcome:
     lag: float = 0.0
     #: Seconds from its leaving to its answer's status line (None: no answer began).
     answered: float | None = None
+    #: A refusal's error code, as its body says it ("" for none).
+    code: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,12 @@ async def _exchange(
                     seen = seen[-64:]
             elif outcome.status == 200:
                 seen = seen[-64:] + piece
+            else:
+                seen += piece
         outcome.served = outcome.status == 200 and b"data: [DONE]" in seen
+        if outcome.status != 200:
+            said = re.search(rb'"code"\s*:\s*"([a-z_]+)"', seen)
+            outcome.code = said.group(1).decode() if said else ""
     finally:
         writer.close()
 

@@ -21,7 +21,9 @@ token chunk as the client sees it), the run's wall time and tokens per
 second, decode's ``vllm:num_requests_waiting`` (most and mean of the
 samples) and most running, prefill's most waiting, and over the run the
 growth of ``vllm:nixl_num_kv_expired_reqs_total`` (prefill's KV leases that
-ran out) and ``vllm:num_preemptions_total``.
+ran out), ``vllm:num_preemptions_total`` and decode's prompt tokens by
+source (pulled over NIXL, or computed there: a prompt recomputed on decode
+shows as computed tokens).
 
     python -m bench.real_caps --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --proxy http://127.0.0.1:8000 --proxy http://127.0.0.1:8001
@@ -53,6 +55,10 @@ WATCHED = (
 )
 
 
+#: Prompt tokens by where they came from (``local_compute``, ``external_kv_transfer``, ...).
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
 def engine_metrics(url: str) -> dict[str, float]:
     """The watched samples of one engine, summed over its labels (engines, ranks)."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
@@ -62,6 +68,10 @@ def engine_metrics(url: str) -> dict[str, float]:
         name, _, rest = line.partition("{")
         if name in found:
             found[name] += float(rest.rpartition(" ")[2])
+        elif name == BY_SOURCE:  # (one key per source: what decode pulled, what it computed)
+            source = rest.partition('source="')[2].partition('"')[0]
+            key = f"{BY_SOURCE}:{source}"
+            found[key] = found.get(key, 0.0) + float(rest.rpartition(" ")[2])
     return found
 
 
@@ -163,9 +173,17 @@ def summary(run: Run) -> dict[str, object]:
             last[i]["vllm:num_preemptions_total"] - first[i]["vllm:num_preemptions_total"]
             for i in (0, 1)
         ),
+        "decode_pulled": _grew(first[1], last[1], "external_kv_transfer"),
+        "decode_computed": _grew(first[1], last[1], "local_compute"),
         "samples": len(run.samples) - 2,
         "errors": run.errors[:3],
     }
+
+
+def _grew(first: dict[str, float], last: dict[str, float], source: str) -> int:
+    """How many prompt tokens of ``source`` an engine counted over the run."""
+    key = f"{BY_SOURCE}:{source}"
+    return round(last.get(key, 0.0) - first.get(key, 0.0))
 
 
 COLUMNS = (
@@ -183,6 +201,8 @@ COLUMNS = (
     ("prefill_waiting_max", "prefill waiting max"),
     ("prefill_kv_expired", "KV leases expired"),
     ("preemptions", "preemptions"),
+    ("decode_pulled", "decode prompt tokens pulled"),
+    ("decode_computed", "computed"),
 )
 
 

@@ -16,10 +16,11 @@ scripts these run (``lease_scripts``, ``window_scripts``, and
 ``fleet.scripts``'s ``PLACE``) are called from inside this room only.
 """
 
-from nixl_twisted.admission.fair_queue import AT_ONCE, FairQueue, QueueOutcome
+from nixl_twisted.admission.fair_queue import FairQueue
 from nixl_twisted.admission.fleet_ahead import FleetAhead
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
+from nixl_twisted.admission.outcomes import AT_ONCE, QueueOutcome
 from nixl_twisted.admission.predictor import Rates
 from nixl_twisted.admission.queue import SlotQueue
 from nixl_twisted.admission.run_ahead import RunAhead

@@ -16,8 +16,8 @@ from typing import Generic
 from twisted.internet.defer import Deferred
 from twisted.python.failure import Failure
 
-from nixl_twisted.admission.fair_queue import FairQueue, Pool
-from nixl_twisted.admission.waiting import H, Waiting
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.waiting import H, Pool, Waiting
 from nixl_twisted.protocol.errors import ProxyError
 
 

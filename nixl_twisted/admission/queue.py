@@ -12,8 +12,8 @@ from typing import Any, Protocol, TypeVar
 
 from twisted.internet.defer import Deferred
 
-from nixl_twisted.admission.fair_queue import Claim, Pool
 from nixl_twisted.admission.predictor import Prediction
+from nixl_twisted.admission.waiting import Claim, Pool
 from nixl_twisted.protocol.errors import ProxyError
 
 T = TypeVar("T")

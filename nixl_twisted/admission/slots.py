@@ -4,12 +4,12 @@ Each leg holds its slot only while its engine works on it. A two-leg
 completion waits first for a prefill slot (``take_prefill``), then, once
 prefill answered, for a decode slot (``take_decode``, the *ready* lane,
 let go first); a completion that skips prefill, a batch's part and a moved
-answer's continuation take what they need in one step (``take``), as
-before. Between its legs a request holds nothing but its prompt's KV on
-prefill, under vLLM's lease, which no heartbeat renews while the proxy
-holds it: so prefill runs at most ``run_ahead``'s limit ahead of decode,
-and a ready request whose lease nears its end is sent to decode over its
-cap (the lease guard), where vLLM's heartbeats renew it.
+answer's continuation take what they need in one step (``take``). Between
+its legs a request holds nothing but its prompt's KV on prefill, under
+vLLM's lease, which no heartbeat renews while the proxy holds it: so
+prefill runs at most ``run_ahead``'s limit ahead of decode, and a ready
+request whose lease nears its end is sent to decode over its cap
+(``lease_guard``), where vLLM's heartbeats renew it.
 
 With no cap anywhere none of this runs: a completion chooses its decode
 instance and goes, as vLLM's own queue takes it.
@@ -22,13 +22,13 @@ from typing import Any, TypeVar
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.logger import Logger
 
-from nixl_twisted.admission.fair_queue import Claim, FairQueue, Pool
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.lease_guard import LeaseGuard
 from nixl_twisted.admission.predictor import Legged
-from nixl_twisted.admission.run_ahead import RunAhead, guard_at
+from nixl_twisted.admission.run_ahead import RunAhead
 from nixl_twisted.admission.switched_queue import SwitchedQueue
-from nixl_twisted.admission.waiting import Held, Lane
+from nixl_twisted.admission.waiting import Claim, Held, Lane, Pool
 from nixl_twisted.backends.service import BackendService
 from nixl_twisted.config import ProxyConfig
 from nixl_twisted.happened import Happened
@@ -42,8 +42,6 @@ SWEEP = 1.0
 
 #: What a completion's placement holds (``exchange.placing.Placed``).
 H = TypeVar("H", bound=Held)
-
-log = Logger()
 
 #: A placement of phase A (``exchange.placing.place_prefill``), given how far its model's
 #: prefill runs ahead of decode.
@@ -116,44 +114,17 @@ class Slots:
         taken = self.queue.enter(ready, place)
         if not isinstance(taken, Deferred):
             return taken
-        answer: Deferred[H] = Deferred(lambda _: taken.cancel())
-        due = guard_at(handed_at, self.kv_lease)
-        timer = self.clock.callLater(max(0.0, due - self.clock.seconds()), lambda: guard())
-
-        def guard() -> None:
-            nonlocal timer
-            if taken.called:
-                return
-            if not self.queue.withdraw(taken):  # (its placement is being asked: soon again)
-                timer = self.clock.callLater(SWEEP, guard)
-                return
-            self.guarded(ready)
-            log.warn(
-                "lease guard: a request of {model} waited {waited:.1f} s for a decode slot; "
-                "sent over its decode instance's cap before its KV lease ends",
-                model=ticket.model,
-                waited=self.clock.seconds() - handed_at,
-            )
-            try:
-                got = forced()
-            except Exception as error:
-                answer.errback(error)
-                return
-            answer.callback(got)
-
-        def went(got: H) -> None:
-            if timer.active():
-                timer.cancel()
-            answer.callback(got)
-
-        def failed(failure: Any) -> None:
-            if timer.active():
-                timer.cancel()
-            if not answer.called:
-                answer.errback(failure)
-
-        taken.addCallbacks(went, failed)
-        return answer
+        guard = LeaseGuard(
+            self.clock,
+            self.queue.withdraw,
+            ready,
+            taken,
+            handed_at,
+            self.kv_lease,
+            forced,
+            self.guarded,
+        )
+        return guard.answer
 
     def predicted(self, ticket: Claim) -> float | None:
         """Seconds to the first token of a request of ``ticket`` entering the queue now

@@ -15,11 +15,10 @@ from typing import Any, Generic, Protocol
 
 from twisted.internet.defer import Deferred
 
-from nixl_twisted.admission.fair_queue import Claim, Pool
 from nixl_twisted.admission.fleet_alone import AloneQueue
 from nixl_twisted.admission.predictor import Prediction, Rates
 from nixl_twisted.admission.shared_queue import SharedQueue
-from nixl_twisted.admission.waiting import H, Waiting
+from nixl_twisted.admission.waiting import Claim, H, Pool, Waiting
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.protocol.errors import ProxyError
 

@@ -43,7 +43,7 @@ log = Logger()
 
 #: Seconds between a worker's samples of its parts (one scraped answers with its own now).
 SAMPLE = 1.0
-#: The queue's outcomes that refuse a request for want of slots (``fair_queue``'s names).
+#: The queue's outcomes that refuse a request for want of slots (``admission.outcomes``' names).
 REFUSED = frozenset({"queue_full", "timed_out", "shed", "pushed_out"})
 #: The parts, by metric name: their place in a row (slots in use, queued, slots).
 IN_USE, QUEUED, SLOTS = (

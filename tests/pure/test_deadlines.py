@@ -22,9 +22,10 @@ from nixl_twisted.admission.deadlines import (
     misses,
     unreachable,
 )
-from nixl_twisted.admission.fair_queue import TTFT_REFUSED, FairQueue
-from nixl_twisted.admission.fair_queue import Claim as Ticket
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.outcomes import TTFT_REFUSED
 from nixl_twisted.admission.predictor import MEASURED, Rates, predict
+from nixl_twisted.admission.waiting import Claim as Ticket
 from nixl_twisted.config import TenantRule
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError

@@ -13,7 +13,8 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
-from nixl_twisted.admission.fair_queue import (
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.outcomes import (
     AFTER_WAIT,
     AT_ONCE,
     LEFT,
@@ -22,11 +23,8 @@ from nixl_twisted.admission.fair_queue import (
     SHED,
     SHUT,
     TIMED_OUT,
-    FairQueue,
 )
-from nixl_twisted.admission.fair_queue import (
-    Claim as Ticket,
-)
+from nixl_twisted.admission.waiting import Claim as Ticket
 from nixl_twisted.config import TenantRule
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.errors import ProxyError
@@ -392,5 +390,34 @@ def test_at_three_times_capacity_tenants_are_let_go_in_their_weights_ratio(seed:
             continue
         if isinstance(got, Deferred):
             got.addErrback(lambda _: None)  # (pushed out, or timed out: not let go)
+    went = Counter(name.split("-")[0] for name in slots.placed[len(slots.placed) // 6 :])
+    assert abs(went["a"] / went["b"] / 3 - 1) <= 0.2, went
+
+
+@pytest.mark.parametrize("seed", [56, 57])
+def test_a_tenant_whose_requests_time_out_is_charged_nothing_for_them(seed: int) -> None:
+    """Tenants of weights 3 : 1 sending the same amount at three times what goes, through
+    a queue with room for all that times out at 2 s: both tenants' requests time out, and
+    what went is still 3 : 1 within 20 % (a tenant charged a tag for each request that
+    timed out falls ever further behind the clock: b was let go not once)."""
+    rng = random.Random(seed)
+    fair, clock, said = queue(size=10_000, timeout=2.0)
+    slots = Slots()
+    rate, capacity = 3 * 24.0, 24.0
+    freed_at, arrived_at, n = 0.0, 0.0, 0
+    while clock.seconds() < 120:
+        arrived_at += rng.expovariate(rate)
+        while freed_at < arrived_at:
+            clock.advance(max(0.0, freed_at - clock.seconds()))
+            slots.free["decode"] += 1
+            fair.pump()
+            freed_at += rng.expovariate(capacity)
+        clock.advance(max(0.0, arrived_at - clock.seconds()))
+        tenant, weight = rng.choice([("a", 3), ("b", 1)])
+        n += 1
+        got = fair.enter(Ticket(tenant, TenantRule(weight=weight)), slots.place(f"{tenant}-{n}"))
+        if isinstance(got, Deferred):
+            got.addErrback(lambda failure: failure.trap(ProxyError))  # (timed out)
+    assert said.count(TIMED_OUT) > 1000 and QUEUE_FULL not in said
     went = Counter(name.split("-")[0] for name in slots.placed[len(slots.placed) // 6 :])
     assert abs(went["a"] / went["b"] / 3 - 1) <= 0.2, went

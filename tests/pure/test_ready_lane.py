@@ -8,13 +8,8 @@ from typing import Any
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 
-from nixl_twisted.admission.fair_queue import (
-    LEFT,
-    READY_AFTER_WAIT,
-    READY_AT_ONCE,
-    TIMED_OUT,
-    FairQueue,
-)
+from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.outcomes import LEFT, READY_AFTER_WAIT, READY_AT_ONCE, TIMED_OUT
 from nixl_twisted.admission.run_ahead import RunAhead, guard_at
 from nixl_twisted.admission.slots import Slots
 from nixl_twisted.admission.waiting import Claim, Pool
@@ -78,6 +73,21 @@ def test_a_ready_request_goes_at_once_only_when_no_ready_one_of_its_model_is_ahe
     decode.free = 1
     assert fair.enter(Claim("b", model="other").ready(), decode.place("other")) == ("other",)
     assert said[-1] == str(READY_AT_ONCE)
+
+
+def test_ready_requests_go_first_come_first_served_whatever_their_tenants_weights() -> None:
+    """Fairness chose them at their prefill slot: weighed again for decode, the lighter
+    tenant's prefilled requests would wait behind the heavier's that came after them."""
+    fair, _, _ = queue()
+    decode = Decode()
+    heavy, light = TenantRule(weight=3), TenantRule(weight=1)
+    came = [("b1", light), ("b2", light), ("a1", heavy), ("a2", heavy), ("b3", light)]
+    for name, rule in came:
+        assert isinstance(fair.enter(Claim(name[0], rule).ready(), decode.place(name)), Deferred)
+    for _ in range(5):
+        decode.free = 1
+        fair.pump()
+    assert decode.placed == ["b1", "b2", "a1", "a2", "b3"]
 
 
 def test_a_ready_request_is_never_refused_for_room_shed_or_timed_out() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nixl_twisted.admission.fair_queue import full
+from nixl_twisted.admission.outcomes import full
 from nixl_twisted.config.words import counted
 
 
