@@ -6,7 +6,7 @@ then ``--max-in-flight``), each tenant's limits (``limits``: in this process;
 ``--limits-redis``; requests in flight held here or, ``shared_tenants``, over
 every replica through ``--replicas-redis``, behind ``tenant_places``), and the
 fair queue in front of capped instances (``slots``, prefill let run ahead of
-decode by ``run_ahead``: this process's
+decode by ``run_ahead``, the fleet's count of it ``fleet_ahead``: this process's
 ``fair_queue``, or every replica's ``shared_queue`` with ``shared_slots``, the
 fleet's legs per instance, behind ``switched_queue``, which goes alone while
 Redis does not answer), its first-token deadlines (``deadlines``: early
@@ -17,6 +17,7 @@ scripts these run (``lease_scripts``, ``window_scripts``, and
 """
 
 from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.fleet_ahead import FleetAhead
 from nixl_twisted.admission.gate import Admission, Counted
 from nixl_twisted.admission.limits import TenantLimits, read_secret
 from nixl_twisted.admission.outcomes import AT_ONCE, QueueOutcome
@@ -40,6 +41,7 @@ __all__ = [
     "Claim",
     "Counted",
     "FairQueue",
+    "FleetAhead",
     "KeyTenants",
     "LocalTenants",
     "Pool",

@@ -12,9 +12,11 @@ prefill takes as long as a decode slot's turn (one per slot is too few),
 fewer when prefill is short (each request ready ahead waits in the ready
 lane, first come, first served, where deadlines and fairness no longer
 order it: a long ready lane is first-token time spent for nothing);
-shared through Redis, this replica's share of it (``share``). With no cap
-on some decode instance of the model, a ready request never waits: no
-limit.
+shared through Redis, the limit is the fleet's, held against this
+replica's requests ahead and the others' as last heard (``others``:
+``fleet_ahead``); while Redis is away, this replica's static share of it
+(``share``). With no cap on some decode instance of the model, a ready
+request never waits: no limit.
 
 A ready request that waited until its lease is near its end (``guard_at``)
 is sent to decode over its cap: inside vLLM's queue its lease is renewed.
@@ -37,6 +39,9 @@ SLACK = 0.25
 
 #: (model, ahead now, its limit or None): told each time a model's count changes.
 Shown = Callable[[str | None, int, "int | None"], None]
+
+#: The other replicas' requests of a model ahead, as last heard (None: not known, Redis away).
+Others = Callable[[str | None], "int | None"]
 
 
 class Measured(Protocol):
@@ -70,13 +75,16 @@ class RunAhead:
         share: Callable[[int], int] = lambda whole: whole,
         shown: Shown | None = None,
         measured: Measured | None = None,
+        others: Others | None = None,
     ) -> None:
-        """``share``: this process's part of a limit every replica holds together;
-        ``shown``: told of each change (the gauges); ``measured``: the rates that raise
-        the limit to what keeps decode fed (None: the caps alone)."""
+        """``share``: this process's part of a limit every replica holds together, while
+        the others' count is not known; ``shown``: told of each change (the gauges);
+        ``measured``: the rates that raise the limit to what keeps decode fed (None: the
+        caps alone); ``others``: the other replicas' requests ahead (None: alone)."""
         self.decode = decode
         self.measured = measured
         self.share = share
+        self.others = others
         self.shown: Shown = shown if shown is not None else _unseen
         #: ``--prefill-run-ahead`` (0: by the decode caps).
         self.set = 0
@@ -88,9 +96,16 @@ class RunAhead:
         self._behind.append(told)
 
     def limit(self, model: str | None) -> int | None:
-        """The most requests of ``model`` ahead at once (None: no limit)."""
+        """The most requests of ``model`` ahead at once (None: no limit): the fleet's while
+        the other replicas' count is known, else this replica's share."""
+        whole = self._whole(model)
+        if whole is None or self._others(model) is not None:
+            return whole
+        return self.share(whole)
+
+    def _whole(self, model: str | None) -> int | None:
         if self.set:
-            return self.share(self.set)
+            return self.set
         caps = self.decode.caps
         total = decodes = 0
         for instance in self.decode.instances:
@@ -108,15 +123,24 @@ class RunAhead:
         prefill = None if rates is None else rates.prefill_seconds(model)
         if rate and prefill:
             total = needed(rate, prefill, decodes)
-        return self.share(total)
+        return total
+
+    def _others(self, model: str | None) -> int | None:
+        return None if self.others is None else self.others(model)
 
     def ahead(self, model: str | None) -> int:
         return self._ahead.get(model, 0)
 
     def room(self, model: str | None) -> bool:
-        """Whether one more prefill of ``model`` may start."""
-        limit = self.limit(model)
-        return limit is None or self.ahead(model) < limit
+        """Whether one more prefill of ``model`` may start: this replica's requests ahead
+        and the others' under the fleet's limit, or its own under its share."""
+        whole = self._whole(model)
+        if whole is None:
+            return True
+        others = self._others(model)
+        if others is None:
+            return self.ahead(model) < self.share(whole)
+        return self.ahead(model) + others < whole
 
     def hold(self, model: str | None) -> Callable[[], None]:
         """One more request of ``model`` ahead; what gives its place back (once)."""

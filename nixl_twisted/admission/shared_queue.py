@@ -198,7 +198,7 @@ class SharedQueue(Generic[H]):
 
         def said(reply: PlaceReply) -> None:
             code = reply.code
-            self._heard(reply)
+            self._heard(reply, waiting.model)
             if code == GRANTED:
                 assert not isinstance(got, str)
                 self._granted(got, decode, prefill)
@@ -371,8 +371,13 @@ class SharedQueue(Generic[H]):
         if got.prefill is not None:
             self.slots.granted(got.prefill, prefill)
 
-    def _heard(self, reply: PlaceReply) -> None:
+    def ready_held(self, model: str) -> int:
+        """This replica's requests in the fleet's ready lane of ``model`` (its key)."""
+        return sum(1 for w in self._mine.get(ready_key(model), ()) if w.member and not w.done)
+
+    def _heard(self, reply: PlaceReply, model: str) -> None:
         self.slots.seen(reply.view, reply.version)
+        self.slots.ready[model.removesuffix(READY_SUFFIX)] = reply.ready
         self._waiting = reply.waiting
         self._grants = reply.grants
         self.local.rates.fleet(reply.grants)
@@ -415,7 +420,7 @@ class SharedQueue(Generic[H]):
 
         def said(reply: PlaceReply) -> None:
             self._trying.discard(model)
-            self._heard(reply)
+            self._heard(reply, model)
             code = reply.code
             if code == GRANTED:
                 self._granted(got, decode, prefill)
@@ -476,7 +481,7 @@ class SharedQueue(Generic[H]):
         ask = self._ask(waiting, waiting.member, Pool.DECODE, NO_SLOT, NO_SLOT, False)
 
         def said(reply: PlaceReply) -> None:
-            self._heard(reply)
+            self._heard(reply, waiting.model)
             if reply.code == PUSHED:
                 self._refuse_pushed(waiting, leave=False)
 

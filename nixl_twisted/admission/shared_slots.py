@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 
 from nixl_twisted.admission.lease_scripts import release
 from nixl_twisted.admission.share import replica_share
+from nixl_twisted.admission.waiting import READY_SUFFIX
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.fleet.caps import CapCheck, FleetCap, held, share_caps
@@ -52,6 +53,9 @@ class SharedSlots:
         self.metrics = metrics
         #: Each capped instance's legs over every replica, as Redis last said (``POOL|URL``).
         self.view: dict[str, int] = {}
+        #: Each model's requests in the fleet's ready lane (by its key in the queue), as the
+        #: last answer or message about it said.
+        self.ready: dict[str, int] = {}
         #: The version of the slots ``view`` is as of (each change in Redis counts one):
         #: an answer that left Redis before a message this replica already heard is older.
         self.version = 0
@@ -99,8 +103,18 @@ class SharedSlots:
         """The cap this replica holds ``instance`` to: the fleet's (0: none)."""
         return held(pool.caps.of(instance), self.fleet_caps.get(field(instance)))
 
+    @property
+    def is_shared(self) -> bool:
+        """Whether the fleet's view counts (Redis answers)."""
+        return self._room == self._fleet_room
+
+    def mine(self, where: str) -> int:
+        """The legs this replica holds on ``where`` (``POOL|URL``), as Redis granted them."""
+        return sum(1 for held in self.leases.values() if held == where)
+
     def alone(self) -> None:
         self._room = self._alone_room
+        self.ready.clear()
         self.apply()
 
     def restored(self) -> None:
@@ -118,15 +132,22 @@ class SharedSlots:
         self.apply()
 
     def _changed(self, changed: dict[str, int], version: int | None) -> None:
+        slots = {}
+        for where, count in changed.items():
+            if where.endswith(READY_SUFFIX):
+                # (a ready lane's count: not a slot, taken as heard, whatever its version)
+                self.ready[where.removesuffix(READY_SUFFIX)] = count
+            else:
+                slots[where] = count
         if version is None or version <= self.version:
             return  # (a nudge, or older than what this replica knows)
         self.version = version
-        for where, legs in changed.items():
+        for where, legs in slots.items():
             if legs > 0:
                 self.view[where] = legs
             else:
                 self.view.pop(where, None)
-        if changed:
+        if slots:
             self.apply()
 
     def apply(self) -> None:

@@ -17,9 +17,9 @@ def prefix_of(url: str) -> str:
 
 
 def freed(message: str) -> tuple[dict[str, int], int | None]:
-    """A ``freed`` message: the slots that changed (``POOL|URL`` -> legs) and the version
-    they are as of (None: a nudge, nothing changed). A message that does not parse is a
-    nudge: the next answer brings the whole view."""
+    """A ``freed`` message: the slots that changed (``POOL|URL`` -> legs; a ready lane's key
+    -> its requests) and the version they are as of (None: a nudge, nothing changed). A
+    message that does not parse is a nudge: the next answer brings the whole view."""
     changed, version = {}, None
     try:
         for line in message.splitlines():

@@ -20,7 +20,8 @@ one shard. ``ARGV[1]`` is that prefix, ``ARGV[2]`` the replica's id. The keys:
 - ``caps``: each instance's cap over the fleet, the lowest of the live
   replicas' own (``r:ID:caps``), which ``PLACE`` holds it to (``caps``).
 
-Every change of ``slots`` is published on ``freed`` (``FIELD\\tCOUNT`` lines),
+Every change of ``slots`` is published on ``freed`` (``FIELD\\tCOUNT`` lines, and
+a ready lane's count as ``LANE\\tCOUNT``),
 so that every replica's view of the fleet follows within a round trip, and a
 replica whose request waits first tries again at once.
 
@@ -162,13 +163,25 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL, PUSHED = PlaceCode
 # its slots are free.
 # A model key with a tab is a model's ready lane (``admission.waiting.ready_key``): its grants
 # are not requests started (``grants``, the drain rate).
-# Answers {code, member or pool, the slots' view, waiting, the latest grant times (ms)}.
+# A change to a ready lane (a request queued in it or let go from it) is published on
+# ``freed`` as a line ``LANE\tCOUNT``: the requests in it now (``fleet_ahead``).
+# Answers {code, member or pool, the slots' view, waiting, the latest grant times (ms),
+# version, the requests in the model's ready lane}.
 PLACE = (
     COMMON
     + PUSH_OUT
     + """
 local now = now_ms()
 local model, prio, member = ARGV[3], ARGV[4], ARGV[5]
+local lane = model
+if string.sub(model, -6) ~= '\tready' then lane = model .. '\tready' end
+local function ready()
+  local n = 0
+  for _, q in ipairs(safe('ZRANGE', P .. 'qp:' .. lane, 0, -1) or {}) do
+    n = n + (safe('ZCARD', P .. 'q:' .. lane .. ':' .. q) or 0)
+  end
+  return n
+end
 local function first()
   while true do
     local prios = redis.call('ZRANGE', P .. 'qp:' .. model, 0, 0)
@@ -196,7 +209,7 @@ end
 local function answer(code, said)
   return {code, said, redis.call('HGETALL', P .. 'slots'),
           whole(redis.call('GET', P .. 'waiting')) or 0,
-          redis.call('LRANGE', P .. 'grants', 0, -1), version()}
+          redis.call('LRANGE', P .. 'grants', 0, -1), version(), ready()}
 end
 local function room(field, cap)
   if field == '' then return true end
@@ -244,6 +257,7 @@ if go and blocked == '' then
     redis.call('LPUSH', P .. 'grants', now)
     redis.call('LTRIM', P .. 'grants', 0, 63)
   end
+  if lane == model then changed[#changed + 1] = lane .. '\t' .. ready() end
   publish(changed)
   if member ~= '' and redis.call('EXISTS', P .. 'qp:' .. model) == 1 then
     redis.call('PUBLISH', P .. 'freed', '')
@@ -270,6 +284,7 @@ redis.call('ZADD', P .. 'q:' .. model .. ':' .. prio, finish, named)
 redis.call('ZADD', P .. 'qp:' .. model, tonumber(prio), prio)
 redis.call('SADD', P .. 'r:' .. me .. ':waits', model .. '\\n' .. prio .. '\\n' .. named)
 bump(P .. 'waiting', 1)
+if lane == model then publish({lane .. '\t' .. ready()}) end
 if blocked == '' then blocked = 'queued' end
 return answer(1, named .. '\\n' .. blocked .. '\\n' .. string.format('%.17g', finish) .. '\\n'
                 .. pushed)
@@ -362,6 +377,8 @@ class PlaceReply:
     blocked: str = ""
     #: Queued: the member pushed out of the full queue for it ("" when none).
     pushed: str = ""
+    #: The requests in the ready lane of its model, prefilled and waiting for decode.
+    ready: int = 0
 
 
 def place(caller: Caller, ask: PlaceAsk) -> Deferred[PlaceReply]:
@@ -371,9 +388,9 @@ def place(caller: Caller, ask: PlaceAsk) -> Deferred[PlaceReply]:
 
 def read_place(reply: Any) -> PlaceReply:
     """``PLACE``'s reply (``WrongReply`` when any part is not as the script writes it)."""
-    if not isinstance(reply, (list, tuple)) or len(reply) != 6:
+    if not isinstance(reply, (list, tuple)) or len(reply) != 7:
         raise WrongReply(reply)
-    code, said, view, waiting, grants, version = reply
+    code, said, view, waiting, grants, version, ready = reply
     # (An integer reply: the script's own codes are never text, and never a boolean.)
     if not isinstance(code, int) or isinstance(code, bool) or not GRANTED <= code <= PUSHED:
         raise WrongReply(reply)
@@ -381,16 +398,18 @@ def read_place(reply: Any) -> PlaceReply:
         raise WrongReply(reply)
     read = (PlaceCode(code), view_of(view), count_of(version), count_of(waiting))
     grant_times = [number_of(g) for g in grants]
+    in_lane = count_of(ready)
     if code == BLOCKED:
-        return PlaceReply(*read, grant_times, blocked=text(said))
+        return PlaceReply(*read, grant_times, blocked=text(said), ready=in_lane)
     if code != QUEUED:
-        return PlaceReply(*read, grant_times)
+        return PlaceReply(*read, grant_times, ready=in_lane)
     parts = text(said).split("\n")
     if len(parts) != 4 or not parts[0]:
         raise WrongReply(reply)
     member, pool, finish, pushed = parts
     blocked = "" if pool == "queued" else pool
-    return PlaceReply(*read, grant_times, member, number_of(finish), blocked, pushed)
+    finished = number_of(finish)
+    return PlaceReply(*read, grant_times, member, finished, blocked, pushed, in_lane)
 
 
 def leave(caller: Caller, model: str, priority: int | str, member: str) -> Deferred[Any]:

@@ -294,7 +294,8 @@ class ProxyMetrics:
         self.prefill_ahead_limit = Gauge(
             "nixlproxy_prefill_ahead_limit",
             "The most completions of a model this process lets run ahead of decode "
-            "(--prefill-run-ahead, else its decode caps; its share when replicas share).",
+            "(--prefill-run-ahead, else its decode caps; the fleet's when replicas share, "
+            "its share while Redis is away).",
             ["model"],
             registry=r,
             multiprocess_mode="livesum",

@@ -41,6 +41,7 @@ from nixl_twisted.admission import (
     Admission,
     Claim,
     FairQueue,
+    FleetAhead,
     QueueOutcome,
     Rates,
     RunAhead,
@@ -263,14 +264,17 @@ def build(
         clock, capacity.queue_size, capacity.queue_timeout, said, rates
     )
     queue: FairQueue[Placed] | SwitchedQueue[Placed] = local
+    others = None  # (the other replicas' requests ahead of decode: none alone)
     if replicas is not None and shared_slots is not None:
         decode = backends.decode
         serves = lambda m: named(m, decode.instances)  # noqa: E731
         fleet_queue = SharedQueue(clock, local, replicas, shared_slots, said, serves)
         queue = SwitchedQueue(fleet_queue, replicas)
+        others = FleetAhead(shared_slots, backends.prefill, fleet_queue.ready_held)
     _: SlotQueue[Placed] = queue  # (each is one: ``Slots`` never asks which it holds)
     share = (lambda whole: whole) if replicas is None else partial(_replica_share, replicas)
-    run_ahead = RunAhead(backends.decode, share, partial(_ahead_shown, metrics), local.rates)
+    shown = partial(_ahead_shown, metrics)
+    run_ahead = RunAhead(backends.decode, share, shown, local.rates, others)
     local.committed = run_ahead.ahead  # (what a first-token prediction counts ahead too)
     slots = Slots(backends, clock, queue, run_ahead, lambda claim: metrics.lease_guard.inc())
     slots.configure(config)

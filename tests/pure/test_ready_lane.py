@@ -144,6 +144,24 @@ def test_a_replica_holds_its_share_of_the_limit_and_an_uncapped_decode_has_none(
     assert RunAhead(uncapped).limit(None) is None
 
 
+def test_shared_a_replica_holds_the_fleets_limit_against_the_others_ahead() -> None:
+    others: dict[str | None, int | None] = {"m": 1}
+    ahead = RunAhead(pool({"d1": 4}), lambda whole: whole // 2, others=others.get)
+    assert ahead.limit("m") == 4  # (the fleet's, not this replica's half)
+    held = [ahead.hold("m") for _ in range(3)]  # (past its half: the others hold one)
+    assert ahead.ahead("m") == 3 and not ahead.room("m")  # (3 + 1: the fleet's limit)
+    others["m"] = 0
+    assert ahead.room("m")
+    others["m"] = 2  # (heard late: past the limit, no prefill starts)
+    held[0]()
+    assert not ahead.room("m")
+    others["m"] = None  # (Redis away: its static share, 2, held against its own)
+    assert ahead.limit("m") == 2 and not ahead.room("m")
+    held[1]()
+    held[2]()
+    assert ahead.room("m")
+
+
 class Rates:
     """A model's measured decode drain rate and prefill seconds (None: not yet)."""
 
