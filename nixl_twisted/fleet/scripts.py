@@ -84,6 +84,30 @@ return {redis.call('HGETALL', P .. 'slots'), version()}
 # ``seq``, its first field); the newcomer came last, so a tie is its. Answers the member
 # pushed out, or nil when the newcomer would be last. An entry no replica holds is dropped
 # on the way (it never counted). A ready lane (a model key with a tab) is never scanned.
+# ``give_back(model, prio, member, f)``: a waiting request tagged ``f`` leaves unserved
+# (pushed out, timed out, its client gone): its tenant is charged nothing for it. Its
+# tenant's later requests in that queue move back one step, and so does its last tag; the
+# member's tail holds the step (``1 / weight``) and the tenant (none: nothing moves). Else
+# a tenant whose requests keep timing out falls ever further behind the clock.
+GIVE_BACK = """
+local function give_back(model, prio, member, f)
+  local step, t = string.match(member, '^[^:]*:[^:]*:[^:]*:([^:]*):(.*)$')
+  step = num(step)
+  if not step or step <= 0 or not f then return end
+  local qk = P .. 'q:' .. model .. ':' .. prio
+  local later = safe('ZRANGEBYSCORE', qk, '(' .. string.format('%.17g', f), '+inf',
+                     'WITHSCORES') or {}
+  for i = 1, #later, 2 do
+    local m, g = later[i], num(later[i + 1])
+    local _, mt = string.match(m, '^[^:]*:[^:]*:[^:]*:([^:]*):(.*)$')
+    if g and mt == t then redis.call('ZADD', qk, 'XX', g - step, m) end
+  end
+  local lk = P .. 'last:' .. model
+  local l = num(safe('HGET', lk, t))
+  if l and l >= f then redis.call('HSET', lk, t, l - step) end
+end
+"""
+
 PUSH_OUT = """
 local function later(a, b)  -- (priority, lag, member: nil for a newcomer, the latest)
   if a[1] ~= b[1] then return a[1] > b[1] end
@@ -116,9 +140,7 @@ local function push_out(p, lag)
     if r and safe('SREM', P .. 'r:' .. r .. ':waits', m .. '\\n' .. q .. '\\n' .. pushed) == 1 then
       unwait(m, q, pushed)
       safe('SADD', P .. 'r:' .. r .. ':pushed', pushed)
-      local s, t = string.match(pushed, '^[^:]*:[^:]*:[^:]*:([^:]*):(.*)$')
-      local lk = P .. 'last:' .. m
-      if num(s) and num(safe('HGET', lk, t)) == f then redis.call('HSET', lk, t, s) end
+      give_back(m, q, pushed, f)
       redis.call('PUBLISH', P .. 'freed', 'pushed\\n' .. pushed)
       return pushed
     end
@@ -158,9 +180,9 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL, PUSHED = PlaceCode
 # model's clock, arrival: over every model) is pushed out for it, unless it would be last
 # itself (refused): the pushed one's replica is told on ``freed`` (``pushed`` then its
 # member; ``r:ID:pushed`` keeps it until the replica tries it or lets it go), and its tenant
-# gets its last tag back when that was the pushed one's (the member's tail holds its start
-# tag and tenant). A waiting one (``member``) goes when it is the first of its model and
-# its slots are free.
+# is charged nothing for it (``give_back``: the member's tail holds its step and tenant).
+# A waiting one (``member``) goes when it is the first of its model and its slots are
+# free. A ready lane's requests are tagged at its clock: first come, first served.
 # A model key with a tab is a model's ready lane (``admission.waiting.ready_key``): its grants
 # are not requests started (``grants``, the drain rate).
 # A change to a ready lane (a request queued in it or let go from it) is published on
@@ -169,6 +191,7 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL, PUSHED = PlaceCode
 # version, the requests in the model's ready lane}.
 PLACE = (
     COMMON
+    + GIVE_BACK
     + PUSH_OUT
     + """
 local now = now_ms()
@@ -247,7 +270,7 @@ if go and blocked == '' then
     unwait(model, prio, member)
     redis.call('SREM', P .. 'r:' .. me .. ':waits', model .. '\\n' .. prio .. '\\n' .. member)
     redis.call('HSET', vkey, model, math.max(v, finish or v))
-  else
+  elseif lane ~= model then
     local l = num(redis.call('HGET', lkey, tenant)) or 0
     local finish = math.max(v, l) + 1 / tonumber(ARGV[7])
     redis.call('HSET', vkey, model, finish)
@@ -267,18 +290,20 @@ end
 if member ~= '' then return answer(2, blocked) end
 if ARGV[8] == '1' then return answer(4, '') end
 local v = num(redis.call('HGET', vkey, model)) or 0
+local step = 1 / tonumber(ARGV[7])
 local start = math.max(v, num(redis.call('HGET', lkey, tenant)) or 0)
-local finish = start + 1 / tonumber(ARGV[7])
+if lane == model then start, step = v, 0 end  -- (a ready lane: first come, first served)
+local finish = start + step
 local pushed = ''
 if (whole(redis.call('GET', P .. 'waiting')) or 0) >= tonumber(ARGV[9]) then
   pushed = push_out(tonumber(prio), finish - v)
   if pushed == nil then return answer(5, '') end
 end
-redis.call('HSET', lkey, tenant, finish)
+if lane ~= model then redis.call('HSET', lkey, tenant, finish) end
 redis.call('HSETNX', vkey, model, v)  -- (the heartbeat trims the tags of the models in v)
 local named = string.format('%016d', bump(P .. 'seq', 1)) .. ':' .. me .. ':' .. ARGV[10]
 if not string.find(tenant, '\\n', 1, true) then
-  named = named .. ':' .. string.format('%.17g', start) .. ':' .. tenant
+  named = named .. ':' .. string.format('%.17g', step) .. ':' .. tenant
 end
 redis.call('ZADD', P .. 'q:' .. model .. ':' .. prio, finish, named)
 redis.call('ZADD', P .. 'qp:' .. model, tonumber(prio), prio)
@@ -295,11 +320,14 @@ return answer(1, named .. '\\n' .. blocked .. '\\n' .. string.format('%.17g', fi
 # client gone, the replica stopping, pushed out); when it was the first, the next may go.
 LEAVE = (
     COMMON
+    + GIVE_BACK
     + """
 local model, prio, member = ARGV[3], ARGV[4], ARGV[5]
 local q = P .. 'q:' .. model .. ':' .. prio
 local was = redis.call('ZRANGE', q, 0, 0)
+local f = num(safe('ZSCORE', q, member))
 if unwait(model, prio, member) then
+  give_back(model, prio, member, f)
   redis.call('SREM', P .. 'r:' .. me .. ':waits', model .. '\\n' .. prio .. '\\n' .. member)
   if was[1] == member then redis.call('PUBLISH', P .. 'freed', '') end
   return 1

@@ -10,6 +10,9 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
+from nixl_twisted.admission.waiting import ready_key
+from nixl_twisted.fleet.replicas import Replicas
+from nixl_twisted.fleet.scripts import NO_SLOT, PlaceAsk, PlaceCode, leave, place
 from nixl_twisted.testing import RunningProxy
 from tests.loopback.test_replicas import FleetCase, replicas_of, slots_of
 from tests.support import CHAT
@@ -63,7 +66,9 @@ class FleetRoomTests(FleetCase):
             assert answered.code == 200
             await answered.content()
         users = [(r.body or {}).get("user") for r in self.decode.requests_for("decode")]
-        assert users[1:] == ["a-0", "b-0"]  # and the last never reached an instance
+        # b's first, prefilled before a's, goes first from the ready lane (first come, first
+        # served: fairness chose at the prefill slot); the pushed one never reached an instance.
+        assert users[1:] == ["b-0", "a-0"]
 
     async def test_a_replica_that_missed_the_message_answers_at_its_next_heartbeat(
         self,
@@ -88,3 +93,38 @@ class FleetRoomTests(FleetCase):
         refused = await self.chat(self.proxy, dict(CHAT, user="b-2"), {"x-team": "b"})
         assert refused.code == 503 and b"queue_full" in await refused.content()
         assert len(slots_of(other).queue) == 2 and self.pushed_out(other) == 0
+
+
+class FleetTagsTests(FleetCase):
+    """The fleet's fair tags in Redis, as ``PLACE`` and ``LEAVE`` keep them."""
+
+    async def queued(self, replicas: Replicas, model: str, tenant: str, weight: float) -> str:
+        ask = PlaceAsk(model, 0, "", tenant, weight, False, 100, 1, "decode", NO_SLOT, NO_SLOT)
+        reply = await place(replicas, ask)
+        assert reply.code is PlaceCode.QUEUED
+        return reply.member
+
+    async def tags(self, replicas: Replicas, model: str) -> list[tuple[str, float]]:
+        said = await replicas.link.command(
+            "ZRANGE", f"{replicas.prefix}q:{model}:0", 0, -1, "WITHSCORES"
+        )
+        return [(said[i], float(said[i + 1])) for i in range(0, len(said), 2)]
+
+    async def test_a_request_that_leaves_unserved_gives_its_tenant_its_tag_back(self) -> None:
+        await self.two()
+        replicas = replicas_of(self.proxy)
+        first, second, third = [await self.queued(replicas, "m", "b", 1) for _ in range(3)]
+        assert [tag for _, tag in await self.tags(replicas, "m")] == [1, 2, 3]
+        await leave(replicas, "m", 0, first)  # (timed out, or its client left)
+        # Its tenant is charged nothing for it: its later requests move back one tag each,
+        # and so does its last (its next comes at 3, not 4).
+        assert await self.tags(replicas, "m") == [(second, 1), (third, 2)]
+        fourth = await self.queued(replicas, "m", "b", 1)
+        assert (await self.tags(replicas, "m"))[-1] == (fourth, 3)
+
+    async def test_a_ready_lane_goes_first_come_first_served_whatever_the_weights(self) -> None:
+        await self.two()
+        replicas = replicas_of(self.proxy)
+        lane = ready_key("m")
+        came = [await self.queued(replicas, lane, t, w) for t, w in [("b", 1), ("a", 3)] * 2]
+        assert [member for member, _ in await self.tags(replicas, lane)] == came
