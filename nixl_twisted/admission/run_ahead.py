@@ -128,6 +128,11 @@ class RunAhead:
     def _others(self, model: str | None) -> int | None:
         return None if self.others is None else self.others(model)
 
+    def others_of(self, model: str | None) -> int | None:
+        """The other replicas' requests of ``model`` ahead as last heard (None: not known,
+        alone): what ``room`` holds against the fleet's limit (``/healthcheck``)."""
+        return self._others(model)
+
     def ahead(self, model: str | None) -> int:
         return self._ahead.get(model, 0)
 

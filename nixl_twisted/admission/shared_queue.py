@@ -33,6 +33,7 @@ the fleet's move there (``switched_queue`` decides when), and are let go by it.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any, Generic
 
@@ -436,7 +437,7 @@ class SharedQueue(Generic[H]):
             else:
                 self._release(got)
                 waiting.blocked = reply.blocked
-                if code == NOT_FIRST:
+                if code == NOT_FIRST and not self._first_is_mine(model, reply.member):
                     self._behind[model] = self.clock.seconds()
             if model in self._again:
                 self._again.discard(model)
@@ -448,6 +449,21 @@ class SharedQueue(Generic[H]):
             failure.trap(Unshared)
 
         self._place(ask, said, alone)
+
+    def _first_is_mine(self, model: str, member: str) -> bool:
+        """Redis says ``member`` is first: when it is one of this replica's, it goes to the
+        front of its own and is tried at once (its tag moved in Redis, given back by a
+        request that left unserved: this replica's order had it behind); whether it is."""
+        mine = self._mine.get(model, [])
+        first = next((w for w in mine if member and w.member == member and not w.done), None)
+        if first is None:
+            return False
+        mine.remove(first)
+        if mine and first.finish >= mine[0].finish:  # (so that it sorts first from now on)
+            first.finish = math.nextafter(mine[0].finish, -math.inf)
+        mine.insert(0, first)
+        self._again.add(model)
+        return True
 
     def _end(self, waiting: Waiting[H], outcome: QueueOutcome | None, leave: bool = True) -> None:
         """It leaves the fleet's queue, ``outcome`` said of it (None: moved to this

@@ -191,6 +191,7 @@ class Slots:
                     "tenants": {},
                     "ahead": self.run_ahead.ahead(ticket.model),
                     "ahead_limit": self.run_ahead.limit(ticket.model),
+                    "others_ahead": self.run_ahead.others_of(ticket.model),
                 },
             )
             said["ready" if ticket.is_ready else "waiting"] += 1

@@ -93,18 +93,23 @@ GIVE_BACK = """
 local function give_back(model, prio, member, f)
   local step, t = string.match(member, '^[^:]*:[^:]*:[^:]*:([^:]*):(.*)$')
   step = num(step)
-  if not step or step <= 0 or not f then return end
+  if not step or step <= 0 or not f then return false end
+  local moved = false
   local qk = P .. 'q:' .. model .. ':' .. prio
   local later = safe('ZRANGEBYSCORE', qk, '(' .. string.format('%.17g', f), '+inf',
                      'WITHSCORES') or {}
   for i = 1, #later, 2 do
     local m, g = later[i], num(later[i + 1])
     local _, mt = string.match(m, '^[^:]*:[^:]*:[^:]*:([^:]*):(.*)$')
-    if g and mt == t then redis.call('ZADD', qk, 'XX', g - step, m) end
+    if g and mt == t then
+      redis.call('ZADD', qk, 'XX', g - step, m)
+      moved = true
+    end
   end
   local lk = P .. 'last:' .. model
   local l = num(safe('HGET', lk, t))
   if l and l >= f then redis.call('HSET', lk, t, l - step) end
+  return moved
 end
 """
 
@@ -140,7 +145,9 @@ local function push_out(p, lag)
     if r and safe('SREM', P .. 'r:' .. r .. ':waits', m .. '\\n' .. q .. '\\n' .. pushed) == 1 then
       unwait(m, q, pushed)
       safe('SADD', P .. 'r:' .. r .. ':pushed', pushed)
-      give_back(m, q, pushed, f)
+      if give_back(m, q, pushed, f) then  -- (a request moved up may be the first now)
+        redis.call('PUBLISH', P .. 'freed', '')
+      end
       redis.call('PUBLISH', P .. 'freed', 'pushed\\n' .. pushed)
       return pushed
     end
@@ -248,7 +255,7 @@ end
 local fprio, fmember = first()
 local vkey, lkey = P .. 'v', P .. 'last:' .. model
 local tenant = ARGV[6]
-if member ~= '' and fmember ~= member then return answer(3, '') end
+if member ~= '' and fmember ~= member then return answer(3, fmember or '') end
 if member == '' and fmember ~= nil and ARGV[8] == '1' then return answer(4, '') end
 local blocked = ARGV[11]
 local go = member ~= '' or fmember == nil
@@ -327,9 +334,10 @@ local q = P .. 'q:' .. model .. ':' .. prio
 local was = redis.call('ZRANGE', q, 0, 0)
 local f = num(safe('ZSCORE', q, member))
 if unwait(model, prio, member) then
-  give_back(model, prio, member, f)
+  local moved = give_back(model, prio, member, f)
   redis.call('SREM', P .. 'r:' .. me .. ':waits', model .. '\\n' .. prio .. '\\n' .. member)
-  if was[1] == member then redis.call('PUBLISH', P .. 'freed', '') end
+  -- (the first left, or one moved up may be the first now: whoever holds it tries it)
+  if was[1] == member or moved then redis.call('PUBLISH', P .. 'freed', '') end
   return 1
 end
 safe('SREM', P .. 'r:' .. me .. ':pushed', member)  -- (pushed out: its replica heard)
@@ -398,8 +406,8 @@ class PlaceReply:
     #: first).
     waiting: int
     grants: list[float]
-    #: Queued: its place in the fleet's queue and its finish tag; queued or blocked: the
-    #: pool it found full ("" when none).
+    #: Queued: its place in the fleet's queue and its finish tag (not first: the member that
+    #: is); queued or blocked: the pool it found full ("" when none).
     member: str = ""
     finish: float = 0.0
     blocked: str = ""
@@ -429,6 +437,8 @@ def read_place(reply: Any) -> PlaceReply:
     in_lane = count_of(ready)
     if code == BLOCKED:
         return PlaceReply(*read, grant_times, blocked=text(said), ready=in_lane)
+    if code == NOT_FIRST:  # (the member that is first: its replica's to try)
+        return PlaceReply(*read, grant_times, member=text(said), ready=in_lane)
     if code != QUEUED:
         return PlaceReply(*read, grant_times, ready=in_lane)
     parts = text(said).split("\n")

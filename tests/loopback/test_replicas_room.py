@@ -128,3 +128,32 @@ class FleetTagsTests(FleetCase):
         lane = ready_key("m")
         came = [await self.queued(replicas, lane, t, w) for t, w in [("b", 1), ("a", 3)] * 2]
         assert [member for member, _ in await self.tags(replicas, lane)] == came
+
+    async def test_a_replica_tries_the_member_redis_says_is_first_when_its_own_order_differs(
+        self,
+    ) -> None:
+        """A request that leaves unserved moves its tenant's later ones up in Redis: this
+        replica's own order of its requests then puts one behind that Redis puts first. Told
+        so by ``PLACE`` (not first: the member that is), it tries that one at once; else it
+        asked for the same one again a second later, the fleet's order lost (and under load,
+        the fleet's queue stalled: 11-14 % of decode capacity served in ``bench.goodput``)."""
+        other = await self.two(tenant_header="x-team", tenants=TENANTS)
+        held = await self.held_stream()  # (the one decode slot)
+        self.addCleanup(lambda: held.done)
+        first = self.chat(self.proxy, dict(CHAT, user="x-0"), {"x-team": "x"})
+        await replicas_of(self.proxy).beat()  # (prefilled, ready: the one run ahead)
+        gone = await self.queued(replicas_of(other), "fake-model", "b", 1)  # (tag 3)
+        sent = []
+        for name in ["b-1", "a-1", "a-2", "a-3", "a-4"]:  # (tags 4, then 7/3 to 10/3)
+            waits = slots_of(self.proxy).entered()
+            sent.append(self.chat(self.proxy, dict(CHAT, user=name), {"x-team": name[0]}))
+            await waits
+        # b's first leaves unserved: b-1 moves to its tag (3), ahead of a-3 (3, later).
+        await leave(replicas_of(other), "fake-model", 0, gone)
+        self.decode.release()
+        for answered in (await first, *[await each for each in sent]):
+            assert answered.code == 200
+            await answered.content()
+        await held.done
+        users = [(r.body or {}).get("user") for r in self.decode.requests_for("decode")]
+        assert users[1:] == ["x-0", "a-1", "a-2", "b-1", "a-3", "a-4"]
