@@ -38,9 +38,9 @@ W = TypeVar("W", bound="Waiting[Any]")
 
 
 def refuses(ticket: Claim) -> bool:
-    """Whether ``ticket`` may be refused for its target: it has one, and its tenant does not
-    say it would rather be served late."""
-    return ticket.target is not None and ticket.rule.ttft_miss != "serve"
+    """Whether ``ticket`` may be refused for its target: it has one, its tenant does not
+    say it would rather be served late, and it is not prefilled already."""
+    return ticket.target is not None and ticket.rule.ttft_miss != "serve" and not ticket.is_ready
 
 
 def misses(prediction: Prediction, target_ms: int) -> bool:

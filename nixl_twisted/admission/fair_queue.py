@@ -137,7 +137,7 @@ class FairQueue(Generic[T]):
         Deferred that fires when it does, or fails with the 503 that says why not;
         ``since``: when it began to wait elsewhere (its timeout counts from then)."""
         queue = self._models.setdefault((ticket.model, ticket.lane), ModelLane())
-        key = queue.key(ticket, next(self._order))
+        key = queue.key(ticket, next(self._order), self.clock.seconds())
         finish = key[1]
         if not queue.ahead(key):
             got = place()
@@ -241,7 +241,7 @@ class FairQueue(Generic[T]):
         """The first token of a request of ``ticket`` entering now (None: no target, or
         nothing measured yet): for its access event, as ``enter`` judges it."""
         queue = self._models.get((ticket.model, ticket.lane), ModelLane())
-        key = queue.key(ticket, next(self._order))
+        key = queue.key(ticket, next(self._order), self.clock.seconds())
         now = self.clock.seconds()
         return predicted(
             self.rates, queue.heap, ticket, key, now, now, committed=self.committed(ticket.model)

@@ -5,8 +5,8 @@ must not hold another's), and in two lanes (``Lane``): requests waiting for
 their first slot, and prefilled ones waiting for their decode slot. A lane
 keeps self-clocked fair queueing (SCFQ): a request is tagged ``max(V, its
 tenant's last tag) + 1 / weight``, ``V`` being the tag of the request let go
-last, and goes in the order (priority, tag, arrival); a ready lane, first
-come, first served within a priority.
+last, and goes in the order (priority, tag, arrival); a ready lane, earliest
+deadline first within a priority.
 
 Tags of different models are on different clocks, so across models (which
 request a full queue pushes out, ``last_to_go``) a request stands by how
@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nixl_twisted.admission.waiting import Claim, Lane, Waiting
+
+#: Seconds a prefilled request with no first-token target is due in, in the ready lane: the
+#: KV lease's (``--kv-lease-duration``'s default), so that it is never passed for ever.
+READY_DUE = 30.0
 
 #: Tags kept per model while nothing of it waits, before those behind its clock go.
 KEPT_TAGS = 64
@@ -44,14 +48,17 @@ class ModelLane:
     #: served among themselves until the queue is empty).
     reordered: bool = False
 
-    def key(self, ticket: Claim, order: int) -> Key:
+    def key(self, ticket: Claim, order: int, at: float = 0.0) -> Key:
         """The place of a request of ``ticket`` arriving ``order``-th: its tag starts where
-        its tenant's last ended, or at the clock if that is later. In a ready lane every tag
-        is the clock's: prefilled requests go first come, first served within a priority
-        (fairness chose them when they took their prefill slot; weighed again here, a
-        lighter tenant's request would wait twice for the same share)."""
+        its tenant's last ended, or at the clock if that is later. In a ready lane the tag
+        is the request's deadline (``at``, the time, plus its first-token target, or plus
+        ``READY_DUE`` without one): prefilled requests go earliest deadline first within a
+        priority, first come, first served among equals (fairness chose them when they
+        took their prefill slot; weighed again here, a lighter tenant's request would wait
+        twice for the same share)."""
         if ticket.is_ready:
-            return (ticket.priority, self.now, order)
+            due = READY_DUE if ticket.target is None else ticket.target.ms / 1000
+            return (ticket.priority, at + due, order)
         start = max(self.now, self.last.get(ticket.tenant, 0.0))
         return (ticket.priority, start + 1.0 / ticket.weight, order)
 
@@ -85,7 +92,7 @@ class ModelLane:
         keep timing out falls ever further behind the clock, and is served less than its
         weight says while the others are served more."""
         if waiting.ticket.is_ready:
-            return  # (a ready lane charges no tags: first come, first served)
+            return  # (a ready lane charges no tags: its order is by deadline)
         tenant, finish = waiting.ticket.tenant, waiting.finish
         step = 1.0 / waiting.ticket.weight
         moved = False

@@ -10,8 +10,8 @@ never more KV parked on prefill than decode could take at once) until the
 rates are measured, then what keeps decode fed (``needed``): more when
 prefill takes as long as a decode slot's turn (one per slot is too few),
 fewer when prefill is short (each request ready ahead waits in the ready
-lane, first come, first served, where deadlines and fairness no longer
-order it: a long ready lane is first-token time spent for nothing);
+lane, where fairness no longer orders it: a long ready lane is first-token
+time spent for nothing);
 shared through Redis, the limit is the fleet's, held against this
 replica's requests ahead and the others' as last heard (``others``:
 ``fleet_ahead``); while Redis is away, this replica's static share of it

@@ -49,9 +49,9 @@ class Claim:
         return replace(claim, target=completion.ttft_target)
 
     def ready(self) -> Claim:
-        """The same request, prefilled: it waits for its decode slot now, in the fair order
-        alone (its target is not for refusing it any more: its prefill is done)."""
-        return replace(self, lane=Lane.READY, target=None)
+        """The same request, prefilled: it waits for its decode slot now (its target orders
+        it there, earliest deadline first, but never refuses it: its prefill is done)."""
+        return replace(self, lane=Lane.READY)
 
     @property
     def is_ready(self) -> bool:

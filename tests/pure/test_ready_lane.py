@@ -3,6 +3,7 @@ prefill runs ahead of decode under a limit; the lease guard sends a ready one ov
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -16,6 +17,7 @@ from nixl_twisted.admission.waiting import Claim, Pool
 from nixl_twisted.backends.capacity import Caps
 from nixl_twisted.backends.pools import BackendPool
 from nixl_twisted.config import TenantRule
+from nixl_twisted.protocol.targets import Target
 from tests.pure.test_fair_queue import outcome
 
 READY = Claim("a").ready()
@@ -88,6 +90,37 @@ def test_ready_requests_go_first_come_first_served_whatever_their_tenants_weight
         decode.free = 1
         fair.pump()
     assert decode.placed == ["b1", "b2", "a1", "a2", "b3"]
+
+
+def test_ready_requests_with_targets_go_earliest_deadline_first_and_are_never_refused() -> None:
+    """A prefilled request due sooner passes those ready before it; one with no target is
+    due in 30 s (the KV lease), so that it is never passed for ever."""
+    fair, clock, said = queue()
+    decode = Decode()
+    rates = fair.rates
+    for _ in range(16):  # (measured: a prediction could refuse a waiting request)
+        clock.advance(0.01)
+        rates.ended(
+            None,
+            SimpleNamespace(
+                prefill_seconds=0.5,
+                decode_first_byte_seconds=0.5,
+                ttft_predicted_base_seconds=None,
+                time_to_first_byte_seconds=None,
+                ttft_target=None,
+            ),
+            True,
+        )
+    came = [("none", None), ("ten", 10_000), ("one", 1_000), ("hour", 3_600_000)]
+    for name, ms in came:
+        target = None if ms is None else Target(ms, "x-slo-ttft-ms")
+        claim = Claim(name, target=target).ready()
+        assert isinstance(fair.enter(claim, decode.place(name)), Deferred)
+    for _ in range(4):
+        decode.free = 1
+        fair.pump()
+    assert decode.placed == ["one", "ten", "none", "hour"]
+    assert "ttft_refused" not in said
 
 
 def test_a_ready_request_is_never_refused_for_room_shed_or_timed_out() -> None:
