@@ -4,14 +4,14 @@ The order is ``fair_queue``'s (priority, then weighted fair queueing between
 tenants by one virtual clock per model, then first come, first served), kept
 in ``--replicas-redis`` for the fleet, so that the replica with a free slot
 lets go the request the fleet's order puts first, whichever replica holds it:
-the replica whose request is first tries it (``scripts.place``) when a slot
+the replica whose request is first tries it (``queue_scripts.place``) when a slot
 frees anywhere (a message on the ``freed`` channel), when one of its own legs
 ends, and every second. A request goes at once only when nothing of its model
 waits anywhere and both its slots are free in Redis (taken by the same script,
 or neither). Its instances are chosen here, by the pools' policies, among
 those the fleet's view says have room (``shared_slots``). With the fleet's
 queue full, its last waiting request is pushed out for a newcomer the order
-lets go sooner (``scripts.PLACE``): the replica that holds it answers it
+lets go sooner (``queue_scripts.PLACE``): the replica that holds it answers it
 503 ``queue_full``, told by a message, or, that lost, by Redis when it asks
 at its next heartbeat (its place gone from Redis's records).
 
@@ -74,7 +74,7 @@ from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.waiting import READY_SUFFIX, H, Waiting, ready_key
 from nixl_twisted.fleet.heartbeat import Own
 from nixl_twisted.fleet.replicas import Replicas, Unanswered, Unshared
-from nixl_twisted.fleet.scripts import (
+from nixl_twisted.fleet.queue_scripts import (
     GRANTED,
     NO_SLOT,
     NOT_FIRST,
@@ -86,7 +86,7 @@ from nixl_twisted.fleet.scripts import (
     leave,
     place,
 )
-from nixl_twisted.fleet.scripts import (
+from nixl_twisted.fleet.queue_scripts import (
     SHED as SHED_CODE,
 )
 from nixl_twisted.protocol.errors import ProxyError
