@@ -1,14 +1,14 @@
 """``FleetAsks``: what the fleet's queue asks Redis, and what it takes from the answers.
 
-A request is put to ``PLACE`` as a ``PlaceAsk`` (its place, the queue's
-size, its slots by name: ``shared_slots``); a prefilled one is asked under
-a size that never refuses it (``READY_ROOM``). Each answer is taken in
-before anything else reads it: the fleet's slots and its ready lanes for
-this replica's policies, and the requests waiting over every replica and
-the latest grants, from which the first-token predictions and
-``Retry-After`` are worked out. A placement counts as answered only once
-its answer is taken in (``after``): until then this replica does not yet
-hold what Redis may already record for it. A place given up is ``LEAVE``.
+A request is put to ``PLACE`` as a ``PlaceAsk``: its place, the queue's
+size (one that never refuses a prefilled request, ``READY_ROOM``) and its
+slots by name (``shared_slots``). Each answer tells this replica the
+fleet's slots and ready lanes, for its policies, and the requests waiting
+over every replica and the latest grants, from which the first-token
+predictions and ``Retry-After`` are worked out (``heard``). A placement
+counts as answered only once its answer is taken in (``after``): until
+then Redis may record for this replica what it does not hold yet. A place
+given up is ``LEAVE``'s.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ its timeout (a ready one has none), its latest start (``deadlines``), its
 client leaving, or until it is pushed out of the full queue for a newcomer
 the order lets go sooner: told by a message, or, that lost, by Redis when
 asked after its place, gone from Redis's records at a heartbeat
-(``reconcile``). Each ends once, its timers stopped and its place given up
-(``LEAVE``), unless it moves to this replica's own queue while Redis does
+(``reconcile``). Each ends once: its timers stopped, and its place given
+up (``LEAVE``) unless Redis took it out already (granted, or pushed out as
+``PLACE`` said) or it moves to this replica's own queue while Redis does
 not answer (``alone``). A place Redis records for this replica and it does
 not hold (forged by a writer to Redis, or left by a call it gave up on) is
 given up too.
