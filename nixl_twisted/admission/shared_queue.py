@@ -61,7 +61,7 @@ from nixl_twisted.admission.outcomes import (
 )
 from nixl_twisted.admission.predictor import Prediction
 from nixl_twisted.admission.shared_slots import SharedSlots
-from nixl_twisted.admission.waiting import H, Claim, Pool, Waiting, ready_key
+from nixl_twisted.admission.waiting import Claim, H, Pool, Waiting, ready_key
 from nixl_twisted.fleet.heartbeat import Own
 from nixl_twisted.fleet.queue_scripts import GRANTED, NOT_FIRST, PUSHED, PlaceCode, PlaceReply
 from nixl_twisted.fleet.queue_scripts import (

@@ -29,8 +29,8 @@ from nixl_twisted.admission.waiting import READY_SUFFIX
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.fleet.caps import CapCheck, FleetCap, held, share_caps
-from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.fleet.queue_scripts import NO_SLOT, SlotAsk
+from nixl_twisted.fleet.replicas import Replicas, Unshared
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
 
