@@ -13,7 +13,7 @@ Redis does not answer), its first-token deadlines (``deadlines``: early
 refusal, the earliest deadline first within a tenant) from the rates the
 legs measured (``predictor``). The rest of the house uses what ``__all__`` names; the
 scripts these run (``lease_scripts``, ``window_scripts``, and
-``fleet.scripts``'s ``PLACE``) are called from inside this room only.
+``fleet.queue_scripts``) are called from inside this room only.
 """
 
 from nixl_twisted.admission.fair_queue import FairQueue

@@ -1,6 +1,6 @@
 """``SharedSlots``: each instance's cap held over every replica, a slot a lease in Redis.
 
-The scripts decide (``scripts.place`` takes a placement's decode and prefill
+The scripts decide (``queue_scripts.place`` takes a placement's decode and prefill
 slots, or neither); this replica keeps a view of the fleet's legs per
 instance (from every answer and every message on the ``freed`` channel)
 so that its policies choose among instances with room: an instance's
@@ -29,8 +29,8 @@ from nixl_twisted.admission.waiting import READY_SUFFIX
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import BackendPool, Lease
 from nixl_twisted.fleet.caps import CapCheck, FleetCap, held, share_caps
+from nixl_twisted.fleet.queue_scripts import NO_SLOT, SlotAsk
 from nixl_twisted.fleet.replicas import Replicas, Unshared
-from nixl_twisted.fleet.scripts import NO_SLOT, SlotAsk
 from nixl_twisted.observe.replica_metrics import ReplicaMetrics
 
 

@@ -100,7 +100,7 @@ class SwitchedQueue(Generic[H]):
     @property
     def _waiting(self) -> int:
         """(What the fleet's queue said waits over every replica, last: for tests.)"""
-        return self.fleet._waiting
+        return self.fleet.asks.waiting
 
     def shut(self, error: Callable[[], ProxyError]) -> None:
         self.fleet.shut(error)

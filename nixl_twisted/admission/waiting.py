@@ -76,7 +76,7 @@ READY_SUFFIX = "\tready"
 
 
 def ready_key(model: str) -> str:
-    """The key of ``model``'s ready lane in the fleet's queue (``scripts.PLACE``'s model)."""
+    """The key of ``model``'s ready lane in the fleet's queue (``queue_scripts.PLACE``'s model)."""
     return model + READY_SUFFIX
 
 

@@ -6,8 +6,9 @@ proxy keeps there, in one Redis, what must hold for all of them: each
 instance's slots (its cap counted over every replica), the fair queue's
 order, tenants' requests in flight, each tied to its replica's heartbeat
 (``replicas``), so that a replica that dies gives back what it held; the
-routing view (``routes``). The scripts (``scripts``, ``heartbeat`` and the
-others beside what they serve) are the only writers; ``link`` is the
-connection, made again when Redis refuses it. What admission does with
-these (the fleet's queue, its slots, tenants' places) is ``admission``'s.
+routing view (``routes``). The scripts (``queue_scripts``, ``heartbeat`` and
+the others beside what they serve; ``scripts`` names the keys) are the only
+writers; ``link`` is the connection, made again when Redis refuses it. What
+admission does with these (the fleet's queue, its slots, tenants' places) is
+``admission``'s.
 """

@@ -11,8 +11,8 @@ from typing import Any
 from twisted.internet.defer import Deferred
 
 from nixl_twisted.admission.waiting import ready_key
+from nixl_twisted.fleet.queue_scripts import NO_SLOT, PlaceAsk, PlaceCode, leave, place
 from nixl_twisted.fleet.replicas import Replicas
-from nixl_twisted.fleet.scripts import NO_SLOT, PlaceAsk, PlaceCode, leave, place
 from nixl_twisted.testing import RunningProxy
 from tests.loopback.test_replicas import FleetCase, replicas_of, slots_of
 from tests.support import CHAT

@@ -8,7 +8,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 
-from nixl_twisted.fleet import scripts
+from nixl_twisted.fleet import queue_scripts, scripts
 from nixl_twisted.fleet.replicas import Replicas
 from tests.memory.support import CHAT, Setup
 
@@ -59,7 +59,7 @@ def test_a_placement_whose_answer_holds_no_number_is_served_alone_its_slots_give
     # (its prefill slot, taken here while Redis is asked; its decode slot comes after)
     assert (prefill.in_flight, decode.in_flight) == (1, 0)
     slots = [f"decode|{decode.url}", "many"]  # a count someone else wrote
-    link.answer(scripts.PLACE, [scripts.GRANTED, "", slots, 0, [], 7])
+    link.answer(queue_scripts.PLACE, [queue_scripts.GRANTED, "", slots, 0, [], 7])
     setup.proxy.flush()
     assert client.answer().status == 200  # served alone, at its share of the cap
     assert (prefill.in_flight, decode.in_flight) == (0, 0)
@@ -73,7 +73,7 @@ def test_a_placement_answer_of_another_shape_is_served_alone() -> None:
     replicas, link = shared(setup)
     decode = setup.proxy.service.backends.decode.instances[0]
     client = setup.post("/v1/chat/completions", CHAT)
-    link.answer(scripts.PLACE, [scripts.QUEUED, "no place", [], "x", ["soon"], 7])
+    link.answer(queue_scripts.PLACE, [queue_scripts.QUEUED, "no place", [], "x", ["soon"], 7])
     setup.proxy.flush()
     assert client.answer().status == 200
     assert (decode.in_flight, replicas.is_shared) == (0, False)
@@ -86,7 +86,7 @@ def test_a_model_only_a_client_named_waits_in_the_queue_of_those_that_name_none(
     said.models = {"m": {"id": "m"}}  # (the other has not said what it serves)
     setup.post("/v1/chat/completions", dict(CHAT, model="chosen-by-the-client"))
     setup.post("/v1/chat/completions", CHAT)
-    placed = [args[2] for script, args, _ in link.asked if script == scripts.PLACE]
+    placed = [args[2] for script, args, _ in link.asked if script == queue_scripts.PLACE]
     assert placed == ["", "m"]  # (its name is no key in Redis; a served model's is)
 
 
@@ -108,4 +108,4 @@ def test_a_request_after_the_replicas_stopped_waits_alone_and_is_served_once() -
     setup.proxy.flush()
     assert (held.answer().status, client.answer().status) == (200, 200)
     assert len(setup.decode.requests_for("decode")) == 2
-    assert scripts.PLACE not in [script for script, _, _ in link.asked[asked:]]
+    assert queue_scripts.PLACE not in [script for script, _, _ in link.asked[asked:]]

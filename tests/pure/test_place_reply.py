@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from nixl_twisted.fleet.queue_scripts import BLOCKED, GRANTED, QUEUED, read_place
 from nixl_twisted.fleet.replies import WrongReply
-from nixl_twisted.fleet.scripts import BLOCKED, GRANTED, QUEUED, read_place
 
 VIEW = [b"prefill|http://p:1", 2]
 
