@@ -169,7 +169,8 @@ def predicted(
     if ticket.target is None or (refusing and not refuses(ticket)):
         return None
     ahead, own, share = position(heap, ticket, key, deadline(ticket, arrived), now, itself)
-    return rates.predict(ticket.model, ahead + committed, own, share, ticket.target.ms)
+    target_ms = ticket.target.ms
+    return rates.predict(ticket.model, ahead + committed, own, share, target_ms, ticket.prompt)
 
 
 def missed(prediction: Prediction, ticket: Claim) -> ProxyError | None:
@@ -207,7 +208,7 @@ def fleet_prediction(
     bound, and its tenant's share unknown (so never a 429)."""
     if ticket.target is None or (refusing and not refuses(ticket)):
         return None
-    return rates.predict(ticket.model, waiting, 0, 1.0, ticket.target.ms)
+    return rates.predict(ticket.model, waiting, 0, 1.0, ticket.target.ms, ticket.prompt)
 
 
 def fleet_refusal(rates: Rates, ticket: Claim, waiting: int) -> ProxyError | None:

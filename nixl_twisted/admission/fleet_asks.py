@@ -20,6 +20,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from nixl_twisted.admission.fair_queue import FairQueue
+from nixl_twisted.admission.model_lanes import READY_DUE
 from nixl_twisted.admission.outcomes import drain_seconds
 from nixl_twisted.admission.shared_slots import SharedSlots
 from nixl_twisted.admission.waiting import READY_SUFFIX, H, Pool, Waiting
@@ -78,6 +79,7 @@ class FleetAsks(Generic[H]):
             blocked=str(got) if isinstance(got, str) else "",
             decode=decode,
             prefill=prefill,
+            due=READY_DUE if ticket.target is None else ticket.target.ms / 1000,
         )
 
     def place(

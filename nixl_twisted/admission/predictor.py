@@ -48,6 +48,9 @@ class Legged(Protocol):
     @property
     def ttft_target(self) -> Any: ...
 
+    @property
+    def prompt_estimate(self) -> int | None: ...
+
 
 @dataclass
 class _Measured:
@@ -55,6 +58,8 @@ class _Measured:
 
     freed: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     prefill: float | None = None
+    #: Prefill's seconds per prompt token (estimated from the body), a moving average.
+    per_token: float | None = None
     first_byte: float | None = None
     #: Recent first tokens over what the model predicted them (before calibration), by
     #: the class of their target (``urgency``): the earliest deadlines go first, so an
@@ -136,6 +141,9 @@ class Rates:
         measured.freed.append(self.clock.seconds())
         if prefilled and record.prefill_seconds is not None:
             measured.prefill = _averaged(measured.prefill, record.prefill_seconds)
+            tokens = record.prompt_estimate
+            if tokens:
+                measured.per_token = _averaged(measured.per_token, record.prefill_seconds / tokens)
         if record.decode_first_byte_seconds is not None:
             measured.first_byte = _averaged(measured.first_byte, record.decode_first_byte_seconds)
         base, actual = record.ttft_predicted_base_seconds, record.time_to_first_byte_seconds
@@ -169,14 +177,26 @@ class Rates:
         return None if measured is None else measured.first_byte
 
     def predict(
-        self, model: str | None, ahead: int, own: int, share: float, target_ms: int = 0
+        self,
+        model: str | None,
+        ahead: int,
+        own: int,
+        share: float,
+        target_ms: int = 0,
+        prompt: int | None = None,
     ) -> Prediction | None:
         """``predict`` for ``model`` with its measured rates (None: cold, nothing measured:
-        no drain rate, or no first byte)."""
+        no drain rate, or no first byte); its prefill from its ``prompt``'s tokens when
+        known and measured (a long prompt's prefill is not the mean's), else the mean."""
         rate, first_byte = self.drain_rate(model), self.first_byte_seconds(model)
         if rate is None or first_byte is None:
             return None
-        prefill = self.prefill_seconds(model) or 0.0
+        measured = self._models.get(model)
+        per_token = None if measured is None else measured.per_token
+        if prompt and per_token is not None:
+            prefill = per_token * prompt
+        else:
+            prefill = self.prefill_seconds(model) or 0.0
         made = predict(ahead, own, share, rate, prefill, first_byte)
         return replace(made, seconds=made.seconds * self.calibration(model, target_ms))
 

@@ -41,12 +41,15 @@ class Claim:
     model: str | None = None
     lane: Lane = Lane.WAIT
     target: Target | None = None
+    #: Its prompt's tokens, estimated from its body (None: not known): its prefill's time
+    #: is predicted from them.
+    prompt: int | None = None
 
     @classmethod
     def of(cls, completion: Completion) -> Claim:
         """A completion's place in the queue, as its tenant's rule gives it."""
         claim = cls(completion.tenant, completion.rule, completion.served)
-        return replace(claim, target=completion.ttft_target)
+        return replace(claim, target=completion.ttft_target, prompt=completion.estimate)
 
     def ready(self) -> Claim:
         """The same request, prefilled: it waits for its decode slot now (its target orders

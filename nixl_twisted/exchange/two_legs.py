@@ -221,6 +221,7 @@ class Exchange:
             return served, place_now(legs, self.rules, c, routing, avoid)
         phases.enter(Phase.QUEUED)
         ticket = Claim.of(c)
+        record.prompt_estimate = ticket.prompt
         if c is not self.completion:  # (a moved answer's rest: never refused for its target)
             ticket = replace(ticket, target=None)
         elif ticket.target is not None:

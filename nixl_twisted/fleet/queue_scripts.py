@@ -121,7 +121,8 @@ GRANTED, QUEUED, BLOCKED, NOT_FIRST, SHED, FULL, PUSHED = PlaceCode
 # pairs of (FIELD, CAP) and the lease ids, decode's first:
 #   12: decode FIELD, 13: decode cap, 14: decode lease, 15: prefill FIELD ('': none),
 #   16: prefill cap, 17: prefill lease. A cap is this replica's; the fleet's (``caps``) holds
-# when it is lower.
+# when it is lower. 18: in a ready lane, the seconds the request is due in (its first-token
+# target, or the lease's 30 s): its place there is the time it is due, earliest first.
 # A new request goes at once when nothing of its model waits (in any replica) and both its
 # slots are free; else it waits in the fleet's order (or is shed). With the queue full, the
 # fleet's last waiting request in that order (the largest priority, finish tag past its
@@ -240,7 +241,9 @@ if ARGV[8] == '1' then return answer(4, '') end
 local v = num(redis.call('HGET', vkey, model)) or 0
 local step = 1 / tonumber(ARGV[7])
 local start = math.max(v, num(redis.call('HGET', lkey, tenant)) or 0)
-if lane == model then start, step = v, 0 end  -- (a ready lane: first come, first served)
+if lane == model then  -- (a ready lane: earliest deadline first)
+  start, step = now / 1000 + (tonumber(ARGV[18]) or 30), 0
+end
 local finish = start + step
 local pushed = ''
 if (whole(redis.call('GET', P .. 'waiting')) or 0) >= tonumber(ARGV[9]) then
@@ -318,6 +321,8 @@ class PlaceAsk:
     blocked: str
     decode: SlotAsk
     prefill: SlotAsk
+    #: In a ready lane, the seconds it is due in (its first-token target, else 30).
+    due: float = 30.0
 
     def args(self) -> list[object]:
         return [
@@ -332,6 +337,7 @@ class PlaceAsk:
             self.blocked,
             *self.decode,
             *self.prefill,
+            self.due,
         ]
 
 

@@ -78,6 +78,8 @@ class AccessRecord:
     ttft_predicted_seconds: float | None = None
     #: The same before calibration (what the predictor measures its error by).
     ttft_predicted_base_seconds: float | None = None
+    #: Its prompt's tokens as estimated from the body (what prefill's time is measured by).
+    prompt_estimate: int | None = None
     trace: RequestTrace = NO_TRACE
     #: How it ended, when not simply answered: "broken" (the backend broke
     #: off its answer), "client_left", "client_slow" (its client read nothing

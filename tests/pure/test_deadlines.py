@@ -39,6 +39,7 @@ def legs(
     predicted: float | None = None,
     actual: float | None = None,
     target_ms: int = 1000,
+    prompt: int | None = None,
 ) -> Any:
     """An access record's leg times (and its first token, with what was predicted of it)."""
     return SimpleNamespace(
@@ -47,6 +48,7 @@ def legs(
         ttft_predicted_base_seconds=predicted,
         time_to_first_byte_seconds=actual,
         ttft_target=Target(target_ms, "x-slo-ttft-ms"),
+        prompt_estimate=prompt,
     )
 
 
@@ -426,3 +428,20 @@ def test_predictions_are_calibrated_by_how_late_first_tokens_came_against_them()
     for _ in range(64):  # (early first tokens: never below half the prediction)
         rates.ended(None, legs(predicted=0.4, actual=0.1), True)
     assert rates.calibration(None, 1000) == 0.5
+
+
+def test_a_prompts_prefill_is_predicted_from_its_own_length_once_measured() -> None:
+    """Prompts of 250 and 1,000 tokens at 0.8 ms a token: the mean of their prefills says
+    0.35 s for both, the tokens 0.2 and 0.8 s; unknown lengths keep the mean."""
+    clock = Clock()
+    rates = Rates(clock)
+    for n in range(16):
+        clock.advance(0.1)
+        tokens = 1000 if n % 4 == 0 else 250
+        rates.ended(None, legs(prefill=tokens * 0.0008, first_byte=0.0, prompt=tokens), True)
+    short = rates.predict(None, 0, 0, 1.0, 1000, prompt=250)
+    long = rates.predict(None, 0, 0, 1.0, 1000, prompt=1000)
+    unknown = rates.predict(None, 0, 0, 1.0, 1000)
+    assert short is not None and long is not None and unknown is not None
+    assert (short.seconds, long.seconds) == (pytest.approx(0.2), pytest.approx(0.8))
+    assert unknown.seconds == pytest.approx(rates.prefill_seconds(None))

@@ -108,6 +108,7 @@ def test_ready_requests_with_targets_go_earliest_deadline_first_and_are_never_re
                 ttft_predicted_base_seconds=None,
                 time_to_first_byte_seconds=None,
                 ttft_target=None,
+                prompt_estimate=None,
             ),
             True,
         )
