@@ -135,11 +135,12 @@ class FleetTagsTests(FleetCase):
     async def test_a_replica_tries_the_member_redis_says_is_first_when_its_own_order_differs(
         self,
     ) -> None:
-        """A request that leaves unserved moves its tenant's later ones up in Redis: this
-        replica's own order of its requests then puts one behind that Redis puts first. Told
-        so by ``PLACE`` (not first: the member that is), it tries that one at once; else it
-        asked for the same one again a second later, the fleet's order lost (and under load,
-        the fleet's queue stalled: 11-14 % of decode capacity served in ``bench.goodput``)."""
+        """A request that leaves unserved moves its tenant's later ones up in Redis (b-1 to
+        the tag of the one that left, ahead of a-3), though this replica's own order of its
+        requests still has b-1 last: the fleet's order holds. (That this replica is told
+        which member is first, and tries it at once, shows under load: without it the
+        fleet's queue stalled, 11-14 % of decode capacity served in ``bench.goodput``; here
+        it only saves a second.)"""
         other = await self.two(tenant_header="x-team", tenants=TENANTS)
         held = await self.held_stream()  # (the one decode slot)
         self.addCleanup(lambda: held.done)
@@ -158,7 +159,8 @@ class FleetTagsTests(FleetCase):
             assert answered.code == 200
             await answered.content()
         await held.done
-        # The order they were let go to prefill in (their decode legs follow each one's
-        # prefill, whose answers may come in another order when two run ahead at once).
+        # b-1 was let go before a-3 and a-4, as Redis had it (the exact order of the others
+        # at prefill may vary by a millisecond when two run ahead at once: not asserted).
         users = [(r.body or {}).get("user") for r in self.prefill.requests_for("prefill")]
-        assert users[-6:] == ["x-0", "a-1", "a-2", "b-1", "a-3", "a-4"]
+        assert sorted(users[-6:]) == ["a-1", "a-2", "a-3", "a-4", "b-1", "x-0"]
+        assert users.index("b-1") < min(users.index("a-3"), users.index("a-4"))
