@@ -161,6 +161,6 @@ class FleetTagsTests(FleetCase):
         await held.done
         # b-1 was let go before a-3 and a-4, as Redis had it (the exact order of the others
         # at prefill may vary by a millisecond when two run ahead at once: not asserted).
-        users = [(r.body or {}).get("user") for r in self.prefill.requests_for("prefill")]
+        users = [str((r.body or {}).get("user")) for r in self.prefill.requests_for("prefill")]
         assert sorted(users[-6:]) == ["a-1", "a-2", "a-3", "a-4", "b-1", "x-0"]
         assert users.index("b-1") < min(users.index("a-3"), users.index("a-4"))
