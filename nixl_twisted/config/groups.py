@@ -81,6 +81,8 @@ GROUPS: tuple[Group, ...] = (
             ("prefill-busy-at", "N"),
             ("prefill-fallback", "MODE"),
             ("token-ids-to-decode", "MODE"),
+            ("multi-turn-reuse", "MODE"),
+            ("reuse-handle-ttl", "SECONDS"),
         ),
     ),
     Group(

@@ -121,6 +121,16 @@ class Policies:
 
 
 @dataclass(frozen=True)
+class Reuse:
+    """Multi-turn reuse: a conversation's next prefill reads its earlier turns' KV back from
+    the decode instance that holds it (vLLM's ``bidirectional_kv_xfer``)."""
+
+    enabled: bool = False
+    #: vLLM's ``decoder_kv_blocks_ttl`` on decode: how long it holds a handle's blocks.
+    lifetime: float = 480.0
+
+
+@dataclass(frozen=True)
 class Disaggregation:
     """When a request skips its prefill leg (``nixl_twisted.exchange.decide``); 0: a rule off."""
 

@@ -29,6 +29,7 @@ from nixl_twisted.config.parts import (
     Pools,
     Replicas,
     Retries,
+    Reuse,
     TenantsConfig,
     Timeouts,
     Traces,
@@ -67,6 +68,7 @@ class ProxyConfig:
     access_log: bool
     #: Prefill is asked for a chat prompt's token ids, and decode is handed them.
     token_ids_to_decode: bool
+    reuse: Reuse
     backend_api_key: str | None = field(repr=False)
     #: Keys clients must send (with ``api_keys_file``'s); none: anyone is served.
     api_keys: tuple[str, ...] = field(repr=False)
@@ -229,6 +231,7 @@ _PARTS: dict[str, type] = {
     "capacity": Capacity,
     "replicas": Replicas,
     "traces": Traces,
+    "reuse": Reuse,
 }
 
 

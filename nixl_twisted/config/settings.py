@@ -719,6 +719,29 @@ SETTINGS: tuple[Setting, ...] = (
         ),
     ),
     Setting(
+        "multi-turn-reuse",
+        "reuse.enabled",
+        False,
+        switch,
+        help=(
+            "on: decode's handle on a finished conversation's KV (vLLM's "
+            "bidirectional_kv_xfer, on both instances) is kept, and the conversation's next "
+            "turn, when its prompt's token ids extend it, reads that KV back from decode "
+            "instead of computing it (docs/routing.md). Its handle never reaches a client "
+            "either way."
+        ),
+    ),
+    Setting(
+        "reuse-handle-ttl",
+        "reuse.lifetime",
+        480.0,
+        seconds,
+        help=(
+            "vLLM's decoder_kv_blocks_ttl on decode: a handle is offered for this less "
+            "10 s (a third when shorter)."
+        ),
+    ),
+    Setting(
         "max-batch-prompts",
         "limits.max_batch_prompts",
         32,

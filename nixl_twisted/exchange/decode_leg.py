@@ -37,10 +37,13 @@ from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol import events
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.decode_handle import HandleTaker
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import REQUEST_ID
 from nixl_twisted.protocol.held import Whole
 from nixl_twisted.protocol.phases import Phase
+from nixl_twisted.protocol.routes import CHAT_COMPLETIONS
+from nixl_twisted.protocol.transcript import Transcript
 from nixl_twisted.protocol.usage import UsageChunkHidden, read_usage
 
 log = Logger()
@@ -67,9 +70,11 @@ class DecodeLeg:
         keepalive: KeepAlive | None = None,
         watch: Watch | None = None,
         moves: Migrations | None = None,
+        collect: bool = False,
     ) -> None:
         """``keepalive``: the stream's comment frames until its first token (None: none);
-        ``moves``: the completion's migrations (None: off)."""
+        ``moves``: the completion's migrations (None: off); ``collect``: the ids of decode's
+        answer are read with its handle (multi-turn reuse)."""
         self.legs = legs
         self.completion = completion
         self.routing = routing
@@ -85,6 +90,11 @@ class DecodeLeg:
         self._alone = False
         self._handed_at = 0.0
         self._sent_at = 0.0
+        self.collect = collect
+        #: What took decode's handle out of its answer, and the instance that answered it,
+        #: once an answer ended whole (None: none did).
+        self.answered: tuple[HandleTaker, Instance] | None = None
+        self._taken: HandleTaker | None = None
 
     async def send(
         self, sent: DecodeRequest, reserved: Lease, decision: Decision, handed_at: float
@@ -206,13 +216,17 @@ class DecodeLeg:
             await self._slow(failed)  # (the client's doing: decode is not judged by it)
             return None
         if failed is None:
+            if self._taken is not None:
+                self.answered = (self._taken, instance)
             if response.code < 500:  # (a 5xx was counted as its leg's error: ``decode``)
                 pool.record_success(instance)  # (judged once its answer ended whole)
             if moves is not None:
                 moves.completed()
             return None
         caught = filtered.error if filtered is not None else None
-        held = isinstance(filtered, Whole) and not filtered.done  # (nothing of it was sent)
+        # (nothing of it was sent: a whole answer held until complete)
+        held = isinstance(filtered, Whole) and not filtered.done
+        held = held or (self._taken is not None and self._taken.holding)
         broke = Break(failed, instance.url, caught, held)
         if not isinstance(failed, InstanceDown):
             # A broken answer counts toward marking its instance down, as any failed leg.
@@ -229,11 +243,12 @@ class DecodeLeg:
         watching = self.watch(decode.instance.url) if self.watch is not None else None
         kind = response.headers.getRawHeaders(b"content-type", [b""])[0]
         streamed = kind.startswith(b"text/event-stream")
+        self._taken = taken = self._taker(streamed, filtered)
         self._relaying = relay(
             served.request,
             response,
             Silence(self.legs.clock, served.config.timeouts.stream_idle),
-            Passes(filtered, UsageChunkHidden() if self.completion.hides_usage else None),
+            Passes(filtered, UsageChunkHidden() if self.completion.hides_usage else None, taken),
             Seen(
                 self._first_byte,
                 watching,
@@ -253,6 +268,25 @@ class DecodeLeg:
         if filtered is not None and filtered.error is not None:
             return ErrorEvent("an error event")
         return None
+
+    def _taker(self, streamed: bool, filtered: Filter | None) -> HandleTaker:
+        """What takes decode's handle out of its answer (always: it is no client's), and with
+        ``collect`` reads its ids, shown as the client asked (a migration's transcript
+        shows them so itself)."""
+        completion, request = self.completion, self.served.request
+        collect = self.collect
+        asked = completion.body.get("return_token_ids") is True
+        strip = collect and not asked and not isinstance(filtered, Transcript)
+
+        def resized(length: int | None) -> None:
+            headers = request.responseHeaders
+            if length is None:
+                headers.removeHeader(b"content-length")
+            else:
+                headers.setRawHeaders(b"content-length", [b"%d" % length])
+
+        chat = completion.path == CHAT_COMPLETIONS
+        return HandleTaker(streamed, resized, collect, strip, chat)
 
     async def _slow(self, slow: ClientSlow) -> None:
         """The client stopped reading: its answer ends as its own doing, never decode's (no

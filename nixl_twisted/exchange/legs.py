@@ -18,6 +18,7 @@ from nixl_twisted.config import ProxyConfig
 from nixl_twisted.exchange.tokens import Renderer
 from nixl_twisted.kv.events import KvEvents
 from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.reuse import HandleStore, SharedHandles
 
 
 class Legs:
@@ -37,8 +38,10 @@ class Legs:
         metrics: ProxyMetrics,
         config: ProxyConfig,
         slots: Slots | None = None,
+        shared: SharedHandles | None = None,
     ) -> None:
-        """``slots``: where completions wait for room at capped instances (None: never)."""
+        """``slots``: where completions wait for room at capped instances (None: never);
+        ``shared``: where the replicas keep decode's handles (None: this process alone)."""
         self.backends = backends
         #: What vLLM's KV events say each instance holds (kv-aware, the cached rule).
         self.kv = kv
@@ -50,8 +53,11 @@ class Legs:
         self.slots = slots
         #: Prompts' token ids from vLLM's render endpoints, for kv-aware.
         self.renderer = Renderer(backends.upstream, clock)
+        #: Decode's handles on finished conversations' KV (``--multi-turn-reuse``).
+        self.handles = HandleStore(clock, config.reuse.lifetime, shared)
 
     def configure(self, config: ProxyConfig) -> None:
         """A reload: the next request takes ``config``'s timeouts, retries and rules."""
         self.config = config
         self.allowed = AllowedBackends(config.discovery.allowed)
+        self.handles.lifetime = config.reuse.lifetime

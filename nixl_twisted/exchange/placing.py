@@ -80,11 +80,17 @@ def place_now(
     completion: Completion,
     routing: Routing,
     avoid: Sequence[Instance] = (),
+    pinned: Instance | None = None,
 ) -> Placed:
     """No instance has a cap: the decode instance the policy chooses now, held, and whether
     prefill pays (a ``ProxyError``, 503, when no decode instance serves); ``avoid``: decode
-    instances not to choose while another will do (a migration's)."""
-    decode = reserve(legs.backends.decode, legs.metrics, routing, avoid=avoid)
+    instances not to choose while another will do (a migration's); ``pinned``: the one
+    that holds the conversation's KV (multi-turn reuse), while it is usable."""
+    pool = legs.backends.decode
+    if pinned is not None and pool.available(pinned) and not pinned.draining:
+        decode = pool.lease(pinned, REUSE)
+    else:
+        decode = reserve(pool, legs.metrics, routing, avoid=avoid)
     try:
         return Placed(decode, _decided(legs, rules, completion, routing, decode))
     except BaseException:
@@ -135,16 +141,18 @@ def place_prefill(
     completion: Completion,
     routing: Routing,
     ahead: RunAhead,
+    pinned: Instance | None = None,
 ) -> Prefilling | Placed | Pool:
     """Phase A: the prefill slot of a two-leg completion (``Prefilling``), or, decided decode
     alone, its decode slot (``Placed``), or the pool with no room; a two-leg completion
     whose model runs as far ahead of decode as it may (``ahead``) waits for decode. A
-    ``ProxyError`` when no decode instance serves at all (503)."""
+    ``ProxyError`` when no decode instance serves at all (503). ``pinned``: the decode
+    instance that holds the conversation's KV (multi-turn reuse), named instead."""
     backends, metrics, model = legs.backends, legs.metrics, routing.model
     prefill = backends.prefill
     if rules.always and not prefill.room_for(model):
         return Pool.PREFILL  # (two legs, whatever is named: seen first)
-    named = named_decode(legs, rules, completion, routing)
+    named = pinned or named_decode(legs, rules, completion, routing)
     decision = decide(rules, completion, named, prefill, legs.kv, routing.tokens)
     if decision.mode is not Mode.PD:
         return place_decode(legs, routing, decision, named)
@@ -185,6 +193,8 @@ def place_decode(
 
 #: The routing decision of a decode slot taken on the instance named at phase A.
 NAMED = "named"
+#: ... on the instance that holds the conversation's KV (multi-turn reuse).
+REUSE = "reuse"
 
 
 def named_decode(

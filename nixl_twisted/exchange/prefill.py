@@ -78,11 +78,13 @@ async def prefill_attempt(
     lowered: bytes,
     headers: Headers,
     answered: Callable[[int], None],
+    judged: bool = True,
 ) -> bytes:
     """Prefill's whole 2xx body, or why not (``Retry``: another instance may serve).
 
     ``answered(status)`` is called as soon as prefill has answered, before
-    its body is read: the handoff begins there.
+    its body is read: the handoff begins there. ``judged``: an error status
+    counts toward ejecting the instance (not a leg whose handle may be at fault).
     """
     url = instance.base + target
     try:
@@ -120,7 +122,8 @@ async def prefill_attempt(
         legs.metrics.child(
             legs.metrics.backend_requests, pool.role, instance.url, "error_status"
         ).inc()
-        pool.record_error(instance, f"answered HTTP {status}")
+        if judged:
+            pool.record_error(instance, f"answered HTTP {status}")
     elif verdict is not PrefillVerdict.PARAMS:
         # It answered: the error is this request's, not the instance's.
         account(legs.metrics, legs.backends.prefill, instance, "error_status")

@@ -10,20 +10,32 @@ decode body of.
 from __future__ import annotations
 
 from twisted.internet.defer import TimeoutError, ensureDeferred
+from twisted.logger import Logger
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
 from nixl_twisted.backends.routing import Routing
 from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.exchange.prefill import handed_over, prefill_attempt
-from nixl_twisted.exchange.sending import Asked, ByPolicy, account, send_leg, timed_out
+from nixl_twisted.exchange.reusing import Reusing
+from nixl_twisted.exchange.sending import (
+    Asked,
+    ByPolicy,
+    PrefillRefused,
+    account,
+    send_leg,
+    timed_out,
+)
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol import lowering, token_ids
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.handoff import read_prefill_answer
 from nixl_twisted.protocol.headers import for_rank
 from nixl_twisted.protocol.phases import Phase
+
+log = Logger()
 
 
 class PrefillLeg:
@@ -36,9 +48,13 @@ class PrefillLeg:
         routing: Routing,
         served: Served,
         own_ids: bool = False,
+        reusing: Reusing | None = None,
+        handle: lowering.JSONObject | None = None,
     ) -> None:
         """``own_ids``: the prompt's ids are asked for the proxy (a migration's continuation
-        starts from them, never from what a failed decode said they were)."""
+        starts from them, never from what a failed decode said they were); ``handle``:
+        decode's, claimed by ``reusing``, which its first attempt carries (once: vLLM reads
+        wrong KV for a handle read twice)."""
         self.legs = legs
         self.completion = completion
         self.routing = routing
@@ -48,6 +64,8 @@ class PrefillLeg:
         self._asks = self.asks_token_ids or own_ids
         #: The prompt's ids, as the prefill that served the leg answered them (None: not).
         self.prompt_ids: list[int] | None = None
+        self.reusing = reusing
+        self._handle = handle
 
     async def send(self, reserved: Lease | None) -> lowering.JSONObject:
         """Prefill's ``kv_transfer_params`` (its lowered body is let go once it answered);
@@ -76,6 +94,36 @@ class PrefillLeg:
     async def _attempt(
         self, instance: Instance, span: AttemptTrace, lowered: bytes
     ) -> lowering.JSONObject:
+        """One attempt; with the handle, and should its instance answer an error, once more
+        there without it (a handle that could not be read: expired, or its blocks gone)."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return await self._sent(instance, span, lowered)
+        reusing = self.reusing
+        assert reusing is not None
+        with_handle = self.completion.prefill_bytes(self._asks, handle)
+        try:
+            params = await self._sent(instance, span, with_handle, judged=False)
+        except (ProxyError, PrefillRefused) as error:
+            reusing.said("failed")
+            log.warn(
+                "prefill instance {url} failed {request_id} with decode's handle ({error}); "
+                "sent again without it",
+                url=instance.url,
+                request_id=self.completion.request_id,
+                error=error,
+            )
+            return await self._sent(instance, span, lowered)
+        except BaseException:
+            reusing.said("failed")
+            raise
+        reusing.read()
+        return params
+
+    async def _sent(
+        self, instance: Instance, span: AttemptTrace, lowered: bytes, judged: bool = True
+    ) -> lowering.JSONObject:
+        """``lowered`` sent to ``instance``; ``judged``: an error status counts against it."""
         legs, served = self.legs, self.served
         phases, record, clock = served.phases, served.record, legs.clock
         timeout = served.config.timeouts.prefill
@@ -85,7 +133,9 @@ class PrefillLeg:
         started = clock.seconds()
         headers = for_rank(served.headers, instance.rank)
         answering = ensureDeferred(
-            prefill_attempt(legs, instance, span, served.target, lowered, headers, self._answered)
+            prefill_attempt(
+                legs, instance, span, served.target, lowered, headers, self._answered, judged
+            )
         )
         try:
             answer = await phases.track(answering.addTimeout(timeout, clock))

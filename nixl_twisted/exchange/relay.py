@@ -103,6 +103,7 @@ class _BodyRelay(Protocol):
         seen: Seen = NO_SEEN,
     ) -> None:
         # (the parts' fields copied: every chunk reads them)
+        self._taken = passes.taken
         self._hidden = passes.hidden
         self._filtered = passes.filtered
         self._on_first_byte = seen.first_byte
@@ -149,6 +150,10 @@ class _BodyRelay(Protocol):
             self._heard = self._clock.seconds()
         if self._terminal:
             self._look_for_end(data)
+        if self._taken is not None:
+            data = self._taken(data)
+            if not data:
+                return
         filtered = self._filtered
         if filtered is not None:
             data = filtered(data)
@@ -232,6 +237,13 @@ class _BodyRelay(Protocol):
         if ended and self._terminal:  # (an event stream short of its last event)
             how = "closed its connection" if reason.check(PotentialDataLoss) else "ended its body"
             ended, reason = False, Failure(StreamCutShort(f"the backend {how} mid-stream"))
+        if ended and self._taken is not None and not self._finished.called:
+            taken = self._taken.rest()  # (only a body that ended whole lets it go)
+            filtered = self._filtered
+            if taken and filtered is not None:
+                taken = filtered(taken)
+            if taken:
+                self._pass(taken)
         if ended and self._filtered is not None and not self._finished.called:
             held = self._filtered.rest()  # (only a body that ended whole lets it go)
             if held:

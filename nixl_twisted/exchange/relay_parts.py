@@ -39,18 +39,33 @@ class Silence:
         self.seconds = seconds
 
 
-class Passes:
-    """What stands between a body and the client, in order: ``filtered``, what the client
-    may have of it now (an answer that may move; None: all of it), then ``hidden``, which
-    takes out the chunk the proxy asked for itself (the usage chunk)."""
+class Taker(typing.Protocol):
+    """What decode's body passes first (``protocol.decode_handle.HandleTaker``): it takes
+    out what no client may have (decode's handle), and may hold a whole answer to."""
 
-    __slots__ = ("filtered", "hidden")
+    def __call__(self, data: bytes) -> bytes: ...
+
+    def rest(self) -> bytes:
+        """What it held when the body ended whole."""
+
+
+class Passes:
+    """What stands between a body and the client, in order: ``taken``, what no client may
+    have taken out (None: nothing to take), ``filtered``, what the client may have of it
+    now (an answer that may move; None: all of it), then ``hidden``, which takes out the
+    chunk the proxy asked for itself (the usage chunk)."""
+
+    __slots__ = ("filtered", "hidden", "taken")
 
     def __init__(
-        self, filtered: Filter | None = None, hidden: UsageChunkHidden | None = None
+        self,
+        filtered: Filter | None = None,
+        hidden: UsageChunkHidden | None = None,
+        taken: Taker | None = None,
     ) -> None:
         self.filtered = filtered
         self.hidden = hidden
+        self.taken = taken
 
 
 class Seen:

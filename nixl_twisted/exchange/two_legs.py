@@ -17,6 +17,8 @@ from dataclasses import replace
 from functools import partial
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from nixl_twisted.admission import Claim
 from nixl_twisted.backends.instances import Instance
@@ -39,15 +41,19 @@ from nixl_twisted.exchange.placing import (
 )
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
+from nixl_twisted.exchange.reusing import Reusing, keep
 from nixl_twisted.exchange.sending import NoInstanceServed, PrefillRefused
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
 from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.decode_handle import HandleTaker
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import backend_request_headers
 from nixl_twisted.protocol.phases import Phase
+
+log = Logger()
 
 
 class Exchange:
@@ -97,6 +103,10 @@ class Exchange:
         self.moves: Migrations | None = None
         #: What the legs placed last were sent with (a moved answer's end is told through it).
         self._served: Served | None = None
+        #: Multi-turn reuse (None: off, or a batch's part, which reads no handle).
+        self.reusing: Reusing | None = None
+        if config.reuse.enabled and not part:
+            self.reusing = Reusing(legs.handles, completion, legs.metrics, record, legs.allowed)
         rules = config.migrations
         if rules.limit:
             refused = BATCH if part else None
@@ -136,6 +146,11 @@ class Exchange:
         """The legs, and again elsewhere while the answer moves: the one place that decides
         where a moved answer goes (each leg's own retries are ``send_leg``'s)."""
         routing = await self._rendered()
+        reusing = self.reusing
+        if reusing is not None:
+            prompt = routing.tokens or self.completion.token_ids
+            decode = self.legs.backends.decode
+            await self.phases.track(ensureDeferred(reusing.find(prompt, decode)))
         moved = await self._pair(routing, self.completion, keepalive)
         avoid: list[Instance] = []
         while moved is not None:  # (its answer moves: the continuation, the same way)
@@ -180,19 +195,51 @@ class Exchange:
         timeout = self.config.timeouts.decode
         sent = DecodeRequest(served.target, body, self.headers, timeout, True, True)
         decode = DecodeLeg(
-            self.legs, completion, routing, served, keepalive, self.watch, self.moves
+            self.legs,
+            completion,
+            routing,
+            served,
+            keepalive,
+            self.watch,
+            self.moves,
+            self._collects,
         )
         assert placed.decode is not None
         if served.room and self.legs.slots is not None:  # (its slot's end measured)
             measured = partial(self.legs.slots.measured, completion.served, self.record)
             placed.decode.also(lambda: measured(decision.mode is Mode.PD))
-        return await decode.send(sent, placed.decode, decision, handed_at)
+        moved = await decode.send(sent, placed.decode, decision, handed_at)
+        if decode.answered is not None:
+            self._keep(*decode.answered)
+        return moved
+
+    @property
+    def _collects(self) -> bool:
+        """Decode's answer is asked for its ids, kept with its handle for the next turn."""
+        return self.reusing is not None and self.reusing.keeps
+
+    def _keep(self, taken: HandleTaker, instance: Instance) -> None:
+        """The handle decode answered kept (or counted as not), never waited for: the
+        client's answer is whole already (a replica's keep is sent to Redis before the
+        client can ask again)."""
+        if taken.handle is None:
+            return
+        reusing, metrics = self.reusing, self.legs.metrics
+        if reusing is not None:
+            keeping = ensureDeferred(reusing.answered(taken, instance))
+        else:
+            keeping = ensureDeferred(keep(None, metrics, taken, instance, None))
+        keeping.addErrback(_not_kept)
 
     async def _rendered(self) -> Routing:
-        """The routing, with the prompt's token ids when a policy or the cached rule reads them
-        (rendered by vLLM: ``tokens``)."""
+        """The routing, with the prompt's token ids when a policy, the cached rule or
+        multi-turn reuse reads them (rendered by vLLM: ``tokens``)."""
         legs, routing = self.legs, self.routing
         renders = wanted(legs.backends, self.rules, routing.model, bool(legs.kv.streams))
+        reusing = self.reusing
+        keeps = reusing is not None and reusing.keeps
+        if renders is None and keeps and self.completion.token_ids is None:
+            renders = legs.backends.prefill  # (a prompt of ids is its own)
         if renders is None:
             return routing
         timeout = self.config.kv_events.render_timeout
@@ -215,10 +262,12 @@ class Exchange:
             self.request, target, self.headers, self.config, self.trace, record, phases, room
         )
         self._served = served
+        # (a conversation's handle's decode instance, for its first legs)
+        pinned = self.reusing.pinned if first and self.reusing is not None else None
         if slots is None or not room:
             # Decode first: the rules may ask what its instance holds, and a
             # request with no decode instance to go to is refused before prefill runs.
-            return served, place_now(legs, self.rules, c, routing, avoid)
+            return served, place_now(legs, self.rules, c, routing, avoid, pinned)
         phases.enter(Phase.QUEUED)
         ticket = Claim.of(c)
         record.prompt_estimate = ticket.prompt
@@ -233,7 +282,7 @@ class Exchange:
         if first and not self.part:  # (a batch's part and a continuation: both at once)
             rules = self.rules
             taken = slots.take_prefill(
-                ticket, lambda ahead: place_prefill(legs, rules, c, routing, ahead)
+                ticket, lambda ahead: place_prefill(legs, rules, c, routing, ahead, pinned)
             )
         else:
             taken = slots.take(ticket, lambda: place(legs, self.rules, c, routing, avoid))
@@ -309,9 +358,13 @@ class Exchange:
         decision = placed.decision
         assert decision is not None  # (placing decides for every completion)
         handed_at, params = 0.0, {}
-        moves = self.moves
+        moves, reusing = self.moves, self.reusing
         own_ids = first and moves is not None and moves.tracked
-        prefill = PrefillLeg(self.legs, c, routing, served, own_ids)
+        handle = None
+        if first and reusing is not None:
+            pd = decision.mode is Mode.PD
+            handle = await self.phases.track(ensureDeferred(reusing.claimed(pd)))
+        prefill = PrefillLeg(self.legs, c, routing, served, own_ids, reusing, handle)
         try:
             if decision.mode is Mode.PD:
                 try:
@@ -329,7 +382,7 @@ class Exchange:
         tracked = moves is not None and moves.tracked
         if decision.mode is Mode.PD:
             self.phases.enter(Phase.HANDOFF)
-            return decision, handed_at, c.decode_bytes(params, tracked)
+            return decision, handed_at, c.decode_bytes(params, tracked or self._collects)
         if self.phases.client_gone:  # (left while prefill's last error was being read)
             raise CancelledError()
         self.phases.enter(Phase.DECODE)
@@ -340,3 +393,7 @@ class Exchange:
         self.record.mode, self.record.decided_by = mode, reason
         metrics = self.legs.metrics
         metrics.child(metrics.disaggregation_decisions, mode, reason).inc()
+
+
+def _not_kept(failure: Failure) -> None:
+    log.failure("a handle decode answered was not kept", failure)

@@ -106,6 +106,10 @@ class AccessRecord:
     #: decode failure did not move when it did not (``refused (n)``, ``exhausted``, ...).
     migrations: list[str] = field(default_factory=list)
     migration: str | None = None
+    #: With ``--multi-turn-reuse``: what came of reading its conversation's KV back from
+    #: decode (``used``, ``mismatch``, ``expired``, ``none``, ...), and the tokens read.
+    reuse: str | None = None
+    reused_tokens: int | None = None
 
     def attempted(self, leg: str, instance: str, outcome: str, again: bool = False) -> None:
         """One attempt of a leg; ``again``: not its first."""
@@ -215,6 +219,8 @@ class AccessLog:
             "decode_matched_tokens": record.decode_matched_tokens,
             "mode": record.mode,
             "decided_by": record.decided_by,
+            "reuse": record.reuse,
+            "reused_tokens": record.reused_tokens,
             "model": record.model,
             "tenant": record.tenant,
             "ended": record.ended,
@@ -284,6 +290,9 @@ def access_line(f: dict[str, Any]) -> str:
         parts.append(f"{leg}={f[leg]}" + (f" ({', '.join(details)})" if details else ""))
     if f.get("mode") == "decode_only":
         parts.append(f"mode={f['mode']} ({f['decided_by']})")
+    if "reuse" in f:
+        reused = f.get("reused_tokens")
+        parts.append(f"reuse={f['reuse']}" + (f" ({reused} tokens)" if reused else ""))
     if "model" in f:
         parts.append(f"model={quoted(f['model'])}")
     if "tenant" in f:

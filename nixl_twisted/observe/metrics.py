@@ -255,6 +255,28 @@ class ProxyMetrics:
             buckets=LEG_BUCKETS,
             registry=r,
         )
+        self.reuse_handles = Counter(
+            "nixlproxy_reuse_handles",
+            "Handles decode answered (vLLM's bidirectional KV transfer), each taken out of "
+            "the client's answer, by outcome: kept (for the conversation's next turn), off "
+            "(--multi-turn-reuse is off), no_token_ids, too_short.",
+            ["outcome"],
+            registry=r,
+        )
+        self.reuse_lookups = Counter(
+            "nixlproxy_reuse_lookups",
+            "Two-leg completions under --multi-turn-reuse, by what came of the handle their "
+            "prompt extends: used, none, mismatch, expired, taken, failed, decode_only, "
+            "no_token_ids.",
+            ["outcome"],
+            registry=r,
+        )
+        self.reuse_tokens = Counter(
+            "nixlproxy_reuse_tokens",
+            "Prompt tokens the handles used covered: read back from decode by prefill (or "
+            "found in prefill's own cache) instead of computed.",
+            registry=r,
+        )
         self.admissions = Counter(
             "nixlproxy_admissions",
             "Completions at the proxy's queue while instances are capped, by outcome: "

@@ -164,10 +164,29 @@ class Completion:
         a continuation has its own)."""
         return self.resumed is None and token_ids.used_by_decode(self.path, self.body)
 
-    def prefill_bytes(self, ask_token_ids: bool = False) -> bytes:
+    @property
+    def keeps_handle(self) -> bool:
+        """Decode's handle on its answer's KV is worth keeping for the next turn: a chat or
+        text completion of one prompt and one choice, whose ids decode can say
+        (``return_token_ids``; a continuation's are its own)."""
+        body = self.body
+        return (
+            self.path in (routes.CHAT_COMPLETIONS, routes.COMPLETIONS)
+            and self.batch is None
+            and self.resumed is None
+            and body.get("n") in (None, 1)
+            and body.get("best_of") in (None, 1)
+            and not body.get("use_beam_search")
+            and not body.get("echo")
+        )
+
+    def prefill_bytes(self, ask_token_ids: bool = False, handle: JSONObject | None = None) -> bytes:
         """The prefill leg's body: lowered (one token, not streamed), encoded;
-        ``ask_token_ids``: asking for the prompt's token ids too."""
+        ``ask_token_ids``: asking for the prompt's token ids too; ``handle``: decode's, its
+        ``kv_transfer_params`` verbatim (prefill reads what it holds back from decode)."""
         lowered = lowering.prefill_body(self.body, self.request_id, self.path)
+        if handle is not None:
+            lowered["kv_transfer_params"] = handle
         if self.resumed is not None:
             lowered = token_ids.given(lowered, self.resumed)
         return lowering.encode(token_ids.asking(lowered) if ask_token_ids else lowered)

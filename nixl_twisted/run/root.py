@@ -71,6 +71,7 @@ from nixl_twisted.exchange.placing import Placed
 from nixl_twisted.exchange.responses import ResponseDirectory
 from nixl_twisted.exchange.serving import Serving
 from nixl_twisted.fleet.admin_changes import FleetAdmin
+from nixl_twisted.fleet.handles import FleetHandles
 from nixl_twisted.fleet.outbox import Outbox
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.fleet.responses import SharedResponses
@@ -247,6 +248,7 @@ def build(
     # and stored responses the fleet's.
     per_tenant = config.limits.responses_per_tenant
     replicas, shared_slots, routes, fleet_admin = None, None, None, None
+    handles = None
     responses = ResponseDirectory(per_owner=per_tenant)
     if config.replicas.redis is not None:
         replicas = Replicas(config.replicas.redis, reactor, clock, metrics.replicas, config.worker)
@@ -256,6 +258,7 @@ def build(
         fleet_admin = FleetAdmin(replicas, backends, config, metrics.replicas)
         kept = SharedResponses(replicas, outbox)
         responses = ResponseDirectory(shared=kept, per_owner=per_tenant)
+        handles = FleetHandles(replicas)
     # The queue before capped instances: this process's, or every replica's (chosen here once).
     said = partial(_queue_said, metrics)
     capacity = config.capacity
@@ -304,7 +307,7 @@ def build(
     view = BackendsView(backends, kv, report)
     told = fleet_admin.tell if fleet_admin is not None else None
     admin = AdminAPI(view, config, link.publish if link is not None else None, told)
-    legs = Legs(backends, kv, clock, metrics, config, slots)
+    legs = Legs(backends, kv, clock, metrics, config, slots, handles)
     serving = Serving(legs, responses)
     # The status page's charts and warning lines: sampled and kept only while the root runs.
     history = History(clock, metrics.sampled)

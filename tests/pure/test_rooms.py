@@ -29,6 +29,7 @@ ROOMS: tuple[tuple[str, frozenset[str]], ...] = (
     ("protocol", frozenset({"nixl_twisted.protocol"})),
     ("backends", frozenset({"nixl_twisted.backends"})),
     ("kv", frozenset({"nixl_twisted.kv"})),
+    ("reuse", frozenset({"nixl_twisted.reuse"})),
     ("discovery", frozenset({"nixl_twisted.discovery"})),
     ("observe", frozenset({"nixl_twisted.observe"})),
     ("fleet", frozenset({"nixl_twisted.fleet"})),

@@ -1,0 +1,136 @@
+"""One completion's multi-turn reuse: the handle its prompt extends, and the one it answers.
+
+With ``--multi-turn-reuse``, a two-leg chat or text completion whose
+prompt's token ids (rendered by vLLM) extend a handle kept for its scope
+sends its decode leg to the instance that holds that conversation's KV,
+and its prefill leg with the handle (claimed then: never read twice), so
+that prefill reads those tokens back instead of computing them
+(``docs/routing.md``, "Multi-turn reuse"). Whatever came of it is said
+once, in the access event (``reuse``) and the metrics. The handle its own
+decode answers is kept for the turn after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from twisted.logger import Logger
+
+from nixl_twisted.backends.allowed import AllowedBackends
+from nixl_twisted.backends.instances import Instance
+from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.observe.access import AccessRecord
+from nixl_twisted.observe.metrics import ProxyMetrics
+from nixl_twisted.protocol.completion import Completion
+from nixl_twisted.protocol.decode_handle import HandleTaker
+from nixl_twisted.reuse import NOTHING, Found, HandleStore, readable, scope_of
+
+log = Logger()
+
+
+class Reusing:
+    """The handle a completion reads (at most one, at most once) and the one it keeps."""
+
+    def __init__(
+        self,
+        store: HandleStore,
+        completion: Completion,
+        metrics: ProxyMetrics,
+        record: AccessRecord,
+        allowed: AllowedBackends,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.record = record
+        self.allowed = allowed
+        #: Its decode answer's handle and ids are worth keeping (one choice, chat or text).
+        self.keeps = completion.keeps_handle
+        self.scope = scope_of(completion.tenant, completion.salt, completion.served)
+        self.found: Found = NOTHING
+        #: The decode instance that holds the handle found (None: none to go to).
+        self.pinned: Instance | None = None
+        self._said = False
+
+    async def find(self, prompt: Sequence[int] | None, decode: BackendPool) -> None:
+        """The handle ``prompt`` extends, and the decode instance holding it (not taken)."""
+        if not self.keeps:
+            return self.said("none")
+        if prompt is None:
+            return self.said("no_token_ids")
+        found = await self.store.find(self.scope, prompt)
+        handle = found.handle
+        if handle is None:
+            return self.said(found.why)
+        readable_ = readable(handle.params)
+        refused = self.allowed.host_refusal(handle.params["remote_host"]) if readable_ else None
+        if refused is not None or not readable_:
+            log.warn(
+                "a kept handle names a remote_host the proxy does not allow ({refused}); not read",
+                refused=refused or "not readable",
+            )
+            return self.said("disallowed_host")
+        holder = [i for i in decode.instances if i.url == handle.instance and not i.draining]
+        if not holder or not decode.available(holder[0]):
+            return self.said("gone")  # (its decode instance is down or gone: its blocks too)
+        self.found, self.pinned = found, holder[0]
+        return None
+
+    async def claimed(self, prefilled: bool) -> dict[str, Any] | None:
+        """The handle's params for the prefill leg now (None: none, or taken since);
+        ``prefilled``: the completion takes a prefill leg (else it is left for the next)."""
+        handle = self.found.handle
+        if handle is None:
+            return None
+        if not prefilled:
+            self.said("decode_only")
+            return None
+        why = await self.store.claim(self.found)
+        if why != "used":
+            self.said(why)
+            return None
+        return handle.params
+
+    def read(self) -> None:
+        """Prefill answered the leg that carried the handle."""
+        handle = self.found.handle
+        assert handle is not None
+        self.said("used")
+        self.record.reused_tokens = handle.covered
+        self.metrics.reuse_tokens.inc(handle.covered)
+
+    def said(self, outcome: str) -> None:
+        """What came of it, said once (the first word is the one that counts)."""
+        if self._said:
+            return
+        self._said = True
+        self.record.reuse = outcome
+        self.metrics.child(self.metrics.reuse_lookups, outcome).inc()
+
+    async def answered(self, taken: HandleTaker, instance: Instance) -> None:
+        """Decode's answer ended whole: the handle it answered kept for the next turn."""
+        await keep(self.store, self.metrics, taken, instance, self.scope if self.keeps else None)
+
+
+async def keep(
+    store: HandleStore | None,
+    metrics: ProxyMetrics,
+    taken: HandleTaker,
+    instance: Instance,
+    scope: bytes | None,
+) -> None:
+    """``taken``'s handle kept under ``scope`` (None: not worth keeping), counted either way;
+    ``store`` None: ``--multi-turn-reuse`` is off."""
+    params = taken.handle
+    if params is None:
+        return
+    if store is None:
+        outcome = "off"
+    elif scope is None or taken.tokens is None:
+        outcome = "no_token_ids"
+    elif not readable(params):
+        outcome = "not_readable"
+    else:
+        made = store.made(params, instance.url, taken.tokens)
+        outcome = "kept" if await store.keep(scope, made) else "too_short"
+    metrics.child(metrics.reuse_handles, outcome).inc()

@@ -1,0 +1,78 @@
+"""The scripts and keys of decode's handles in ``--replicas-redis`` (multi-turn reuse).
+
+Beside the keys of ``scripts`` (same prefix, same hash tag, one shard):
+``handle:HEX``, one handle (``reuse.handles.Handle.to_json``) under the
+digest of the ids it covers, for decode's ``decoder_kv_blocks_ttl``.
+``KEEP`` writes one; ``FIND`` reads the first of a prompt's digests that
+holds one, without taking it; ``CLAIM`` takes it only if it is still the
+one found, so that of two replicas one reads it and the other is told no.
+What a key holds is checked by the reader (``reuse.handles.from_json``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from twisted.internet.defer import Deferred
+
+from nixl_twisted.fleet.lua_common import Caller
+from nixl_twisted.fleet.replies import WrongReply, count_of
+
+# ARGV: prefix, replica, key, handle, ms. Returns 0.
+KEEP = """
+redis.call('SET', ARGV[1] .. 'handle:' .. ARGV[3], ARGV[4], 'PX', tonumber(ARGV[5]))
+return 0
+"""
+
+# ARGV: prefix, replica, then keys, longest prefix first. The first that holds a string,
+# as {its place from 1, it}, or nil.
+FIND = """
+for i = 3, #ARGV do
+  local got = redis.pcall('GET', ARGV[1] .. 'handle:' .. ARGV[i])
+  if type(got) == 'string' then return {i - 2, got} end
+end
+return nil
+"""
+
+# ARGV: prefix, replica, key, the stamp of the handle found (letters and digits). 1: taken;
+# 0: read or replaced since.
+CLAIM = """
+local key = ARGV[1] .. 'handle:' .. ARGV[3]
+local held = redis.pcall('GET', key)
+if type(held) == 'string' and string.find(held, '"stamp":"' .. ARGV[4] .. '"', 1, true) then
+  redis.call('DEL', key)
+  return 1
+end
+return 0
+"""
+
+
+def keep(caller: Caller, key: bytes, handle: str, ms: int) -> Deferred[Any]:
+    """Run ``KEEP``: ``handle`` (as JSON) under ``key`` for ``ms``."""
+    return caller.call(KEEP, [key.hex(), handle, ms], "handle_keep", _as_is)
+
+
+def find(caller: Caller, keys: Sequence[bytes]) -> Deferred[tuple[int, bytes] | None]:
+    """Run ``FIND``: the place in ``keys`` of the first that holds a handle, and what it
+    holds (None: none does)."""
+    return caller.call(FIND, [key.hex() for key in keys], "handle_find", _found)
+
+
+def claim(caller: Caller, key: bytes, stamp: str) -> Deferred[bool]:
+    """Run ``CLAIM``: whether the handle ``stamp`` names was still under ``key``, and is now
+    taken."""
+    return caller.call(CLAIM, [key.hex(), stamp], "handle_claim", lambda r: count_of(r) == 1)
+
+
+def _found(reply: Any) -> tuple[int, bytes] | None:
+    if reply is None:
+        return None
+    if not isinstance(reply, list) or len(reply) != 2:
+        raise WrongReply(f"FIND answered {reply!r}")
+    place, held = count_of(reply[0]), reply[1]
+    return place, held if isinstance(held, bytes) else str(held).encode()
+
+
+def _as_is(reply: Any) -> Any:
+    return reply

@@ -1,0 +1,41 @@
+"""``FleetHandles``: decode's handles kept for every replica, each read by one (``reuse.kept``).
+
+A handle another replica kept is found here, and claimed here atomically
+(``handle_scripts``): a conversation whose turns reach different replicas
+still reads its KV back, and never twice. A call Redis does not answer
+within the replicas' budget fails with ``Unshared``; the store then keeps
+and finds this replica's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from twisted.internet.defer import Deferred
+
+from nixl_twisted.fleet import handle_scripts
+from nixl_twisted.fleet.replicas import Replicas
+from nixl_twisted.reuse.handles import Handle, from_json
+
+
+class FleetHandles:
+    """The handles in ``--replicas-redis``."""
+
+    def __init__(self, replicas: Replicas) -> None:
+        self.replicas = replicas
+
+    def keep(self, key: bytes, handle: Handle, seconds: float) -> Deferred[None]:
+        ms = max(1, int(seconds * 1000))
+        kept = handle_scripts.keep(self.replicas, key, handle.to_json(), ms)
+        return kept.addCallback(lambda _: None)
+
+    def find(self, keys: Sequence[bytes]) -> Deferred[tuple[bytes, Handle | None] | None]:
+        def read(found: tuple[int, bytes] | None) -> tuple[bytes, Handle | None] | None:
+            if found is None or not 1 <= found[0] <= len(keys):
+                return None
+            return keys[found[0] - 1], from_json(found[1])
+
+        return handle_scripts.find(self.replicas, keys).addCallback(read)
+
+    def claim(self, key: bytes, handle: Handle) -> Deferred[bool]:
+        return handle_scripts.claim(self.replicas, key, handle.stamp)

@@ -1,0 +1,154 @@
+"""``HandleStore``: decode's handles kept until a next turn reads one, or they expire.
+
+Each handle is read at most once (vLLM answers a handle read twice with
+wrong KV and a 200): a request first *finds* the one its prompt extends
+(``find``: placing then sends its decode leg to that instance) and
+*claims* it only when its prefill leg goes (``claim``), so that a
+follow-up decided decode-only leaves it for the turn after. With
+``--replicas-redis`` the handles are the fleet's (``shared``): kept in
+Redis, found there and claimed there atomically, so that two replicas
+never both read one; while Redis is away a replica keeps and finds its own.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+
+from nixl_twisted.reuse.handles import Handle, prefix_keys
+
+#: Handles one process keeps (the oldest let go first).
+LIMIT = 10_000
+
+
+class SharedHandles(Protocol):
+    """Where every replica keeps the handles (``fleet.handles``); each call fails with
+    ``Unshared`` while Redis is away."""
+
+    def keep(self, key: bytes, handle: Handle, seconds: float) -> Deferred[None]:
+        """Kept under ``key`` for ``seconds`` (a newer one under the same key replaces it)."""
+
+    def find(self, keys: Sequence[bytes]) -> Deferred[tuple[bytes, Handle | None] | None]:
+        """The first of ``keys`` that holds a handle, and it (None: not a handle), or None."""
+
+    def claim(self, key: bytes, handle: Handle) -> Deferred[bool]:
+        """``handle`` taken from ``key`` if it is still there (False: read or gone)."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a prompt's lookup found: its handle (None: none to use) and, in a word, why
+    (``found``, ``none``, ``mismatch``, ``expired``), and where it is kept."""
+
+    why: str
+    handle: Handle | None = None
+    key: bytes = b""
+    shared: bool = False
+
+
+NOTHING = Found("none")
+
+
+class HandleStore:
+    """The handles this proxy keeps, by the digest of the ids they cover."""
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        lifetime: float,
+        shared: SharedHandles | None = None,
+        limit: int = LIMIT,
+    ) -> None:
+        """``lifetime``: decode's ``decoder_kv_blocks_ttl``; a handle is offered for that
+        less a margin (``margin``)."""
+        self.clock = clock
+        self.lifetime = lifetime
+        self.shared = shared
+        self.limit = limit
+        self._kept: OrderedDict[bytes, Handle] = OrderedDict()
+
+    @property
+    def margin(self) -> float:
+        """Taken off a handle's life: the time from its claim to prefill reading it (10 s,
+        a third of a shorter lifetime)."""
+        return min(10.0, self.lifetime / 3)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def made(self, params: dict[str, object], instance: str, tokens: Sequence[int]) -> Handle:
+        """A handle decode answered now."""
+        until = self.clock.seconds() + self.lifetime - self.margin
+        return Handle(params, instance, tuple(tokens), until, uuid.uuid4().hex)
+
+    async def keep(self, scope: bytes, handle: Handle) -> bool:
+        """Kept for its scope's next prompts; False: it covers too few tokens to keep."""
+        key = handle.key(scope)
+        if key is None:
+            return False
+        if self.shared is not None:
+            try:
+                await self.shared.keep(key, handle, self.lifetime)
+                return True
+            except Exception:  # (Redis away: kept here, where only this replica reads it)
+                pass
+        self._kept[key] = handle
+        self._kept.move_to_end(key)
+        while len(self._kept) > self.limit:
+            self._kept.popitem(last=False)
+        return True
+
+    async def find(self, scope: bytes, prompt: Sequence[int]) -> Found:
+        """The handle ``prompt`` extends, without taking it."""
+        keys = prefix_keys(scope, prompt)
+        if not keys:
+            return NOTHING
+        found, shared = self._here(keys), False
+        if found is None and self.shared is not None:
+            try:
+                there = await self.shared.find(keys)
+            except Exception:
+                there = None  # (Redis away: only this replica's own)
+            if there is not None:
+                found, shared = there, True
+        key, handle = found if found is not None else (b"", None)
+        if handle is None:
+            return NOTHING
+        if not handle.extends(prompt):
+            return Found("mismatch", None, key, shared)
+        if self.clock.seconds() >= handle.until:
+            return Found("expired", None, key, shared)
+        return Found("found", handle, key, shared)
+
+    def _here(self, keys: Sequence[bytes]) -> tuple[bytes, Handle | None] | None:
+        for key in keys:
+            handle = self._kept.get(key)
+            if handle is not None:
+                return key, handle
+        return None
+
+    async def claim(self, found: Found) -> str:
+        """Take ``found``'s handle for a prefill leg now: ``used``, or why not (``expired``,
+        ``taken``: another request read it first)."""
+        handle = found.handle
+        assert handle is not None
+        if self.clock.seconds() >= handle.until:
+            return "expired"
+        if not found.shared:
+            taken = self._kept.get(found.key)
+            if taken is not handle:
+                return "taken"
+            del self._kept[found.key]
+            return "used"
+        assert self.shared is not None
+        try:
+            claimed = await self.shared.claim(found.key, handle)
+        except Exception:
+            return "taken"  # (Redis away: another replica may read it; never twice)
+        return "used" if claimed else "taken"
