@@ -1,0 +1,77 @@
+"""Decode's handles shared by replicas through one real Redis: kept by one, found by the
+other, read by one of them only; what a writer to Redis forged under a handle's key is
+never read as one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet import reactor
+
+from nixl_twisted.fleet.link import RedisLink
+from nixl_twisted.fleet.replies import prefix_of
+from nixl_twisted.reuse import HandleStore, scope_of
+from nixl_twisted.reuse.handles import prefix_keys
+from nixl_twisted.testing import RunningProxy
+from tests.loopback.test_replicas import FleetCase
+
+PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": "decode-0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "remote_block_ids": [[1, 2, 3]],
+    "remote_num_tokens": 199,
+}
+SCOPE = scope_of("acme", None, "fake-model")
+TURN = tuple(range(1000, 1200))
+
+
+def handles_of(proxy: RunningProxy) -> HandleStore:
+    return proxy.app.serving.legs.handles
+
+
+class SharedHandleTests(FleetCase):
+    async def test_a_handle_one_replica_kept_is_found_by_the_other_and_read_once(self) -> None:
+        other = await self.two()
+        here, there = handles_of(self.proxy), handles_of(other)
+        assert await here.keep(SCOPE, here.made(PARAMS, self.decode.url, TURN))
+        assert len(here) == 0  # (kept in Redis, not here: any replica may read it)
+        prompt = [*TURN, 1, 2, 3]
+        found_here = await here.find(SCOPE, prompt)
+        found_there = await there.find(SCOPE, prompt)
+        assert (found_here.why, found_there.why) == ("found", "found")
+        assert found_there.handle == found_here.handle
+        claims = [await there.claim(found_there), await here.claim(found_here)]
+        assert claims == ["used", "taken"]
+        assert (await here.find(SCOPE, prompt)).why == "none"
+
+    async def test_redis_keeps_a_handle_for_decodes_lifetime_and_no_longer(self) -> None:
+        await self.two()
+        here = handles_of(self.proxy)
+        here.lifetime = 0.2
+        await here.keep(SCOPE, here.made(PARAMS, self.decode.url, TURN))
+        key = here.made(PARAMS, self.decode.url, TURN).key(SCOPE)
+        assert key is not None
+        link = self.link_to_redis()
+        ttl = await link.command("PTTL", prefix_of(self.redis.url) + "handle:" + key.hex())
+        assert 0 < ttl <= 200
+
+    async def test_what_a_writer_forged_under_a_handles_key_is_not_read(self) -> None:
+        await self.two()
+        here = handles_of(self.proxy)
+        prompt = [*TURN, 1]
+        link = self.link_to_redis()
+        for forged in (b"garbage", b'{"params": {}, "instance": "x"}', b"\xff\xfe"):
+            for key in prefix_keys(SCOPE, prompt):
+                name = prefix_of(self.redis.url) + "handle:" + key.hex()
+                await link.command("SET", name, forged)
+            found = await here.find(SCOPE, prompt)
+            assert (found.why, found.handle) == ("none", None)
+
+    def link_to_redis(self) -> RedisLink:
+        link = RedisLink(self.redis.url, reactor, lambda why: None)
+        link.start()
+        self.addCleanup(link.stop)
+        return link
