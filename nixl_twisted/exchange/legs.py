@@ -56,6 +56,10 @@ class Legs:
         #: Decode's handles on finished conversations' KV (``--multi-turn-reuse``).
         self.handles = HandleStore(clock, config.reuse.lifetime, shared)
 
+    def reuse_status(self) -> dict[str, object]:
+        """Multi-turn reuse as the status page shows it (``HandleStore.status``)."""
+        return self.handles.status(self.config.reuse.enabled)
+
     def configure(self, config: ProxyConfig) -> None:
         """A reload: the next request takes ``config``'s timeouts, retries and rules."""
         self.config = config

@@ -98,6 +98,7 @@ class Reusing:
         self.said("used")
         self.record.reused_tokens = handle.covered
         self.metrics.reuse_tokens.inc(handle.covered)
+        self.store.tokens_read += handle.covered
 
     def said(self, outcome: str) -> None:
         """What came of it, said once (the first word is the one that counts)."""
@@ -106,27 +107,30 @@ class Reusing:
         self._said = True
         self.record.reuse = outcome
         self.metrics.child(self.metrics.reuse_lookups, outcome).inc()
+        self.store.lookups[outcome] += 1
 
     async def answered(self, taken: HandleTaker, instance: Instance) -> None:
         """Decode's answer ended whole: the handle it answered kept for the next turn."""
-        await keep(self.store, self.metrics, taken, instance, self.scope if self.keeps else None)
+        scope = self.scope if self.keeps else None
+        await keep(self.store, self.metrics, taken, instance, scope, "no_token_ids")
 
 
 async def keep(
-    store: HandleStore | None,
+    store: HandleStore,
     metrics: ProxyMetrics,
     taken: HandleTaker,
     instance: Instance,
     scope: bytes | None,
+    unkept: str = "off",
 ) -> None:
-    """``taken``'s handle kept under ``scope`` (None: not worth keeping), counted either way;
-    ``store`` None: ``--multi-turn-reuse`` is off."""
+    """``taken``'s handle kept under ``scope``, counted either way (None: not kept, for the
+    reason ``unkept``: ``--multi-turn-reuse`` is off, or its ids are never said)."""
     params = taken.handle
     if params is None:
         return
-    if store is None:
-        outcome = "off"
-    elif scope is None or taken.tokens is None:
+    if scope is None:
+        outcome = unkept
+    elif taken.tokens is None:
         outcome = "no_token_ids"
     elif not readable(params):
         outcome = "not_readable"
@@ -134,3 +138,4 @@ async def keep(
         made = store.made(params, instance.url, taken.tokens)
         outcome = "kept" if await store.keep(scope, made) else "too_short"
     metrics.child(metrics.reuse_handles, outcome).inc()
+    store.answered[outcome] += 1

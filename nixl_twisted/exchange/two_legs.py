@@ -228,7 +228,7 @@ class Exchange:
         if reusing is not None:
             keeping = ensureDeferred(reusing.answered(taken, instance))
         else:
-            keeping = ensureDeferred(keep(None, metrics, taken, instance, None))
+            keeping = ensureDeferred(keep(self.legs.handles, metrics, taken, instance, None))
         keeping.addErrback(_not_kept)
 
     async def _rendered(self) -> Routing:

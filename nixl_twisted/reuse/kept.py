@@ -13,7 +13,7 @@ never both read one; while Redis is away a replica keeps and finds its own.
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -72,6 +72,11 @@ class HandleStore:
         self.shared = shared
         self.limit = limit
         self._kept: OrderedDict[bytes, Handle] = OrderedDict()
+        #: What came of this process's lookups and of the handles its decode legs answered,
+        #: by outcome, and the prompt tokens the handles read covered (the status page).
+        self.lookups: Counter[str] = Counter()
+        self.answered: Counter[str] = Counter()
+        self.tokens_read = 0
 
     @property
     def margin(self) -> float:
@@ -81,6 +86,18 @@ class HandleStore:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+    def status(self, on: bool) -> dict[str, object]:
+        """What the status page says of it; ``on``: ``--multi-turn-reuse``."""
+        return {
+            "on": on,
+            "lifetime_seconds": self.lifetime,
+            "shared": self.shared is not None,
+            "kept_here": len(self._kept),
+            "handles": dict(self.answered),
+            "lookups": dict(self.lookups),
+            "tokens_read": self.tokens_read,
+        }
 
     def made(self, params: dict[str, object], instance: str, tokens: Sequence[int]) -> Handle:
         """A handle decode answered now."""

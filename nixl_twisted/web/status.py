@@ -124,6 +124,7 @@ class StatusPage:
                 "points": self.history.points(),
             },
             "ttft_last_minute": self.history.ttft_last_minute(),
+            "reuse": self.serving.legs.reuse_status(),
             "warnings": self.warnings.newest_first(),
         }
 

@@ -190,6 +190,25 @@ def _replicas(status: dict[str, Any]) -> str:
     return f"<p>{_e(replicas['redis'])}: {_e(said)}</p>" + _table(head, rows, "replica-table")
 
 
+def reuse_line(reuse: dict[str, Any]) -> str:
+    """Multi-turn reuse in a line: off, or its lookups and handles by outcome."""
+    if not reuse["on"]:
+        off = reuse["handles"].get("off")
+        if off:  # (decode pins blocks nobody reads: worth saying)
+            return f"off; yet decode answered {off} handles (bidirectional_kv_xfer is on)"
+        return "off"
+
+    def counts(named: dict[str, int]) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(named.items())) or "none yet"
+
+    where = "in Redis, for every replica" if reuse["shared"] else "here"
+    return (
+        f"on (handles for {reuse['lifetime_seconds']:g} s, kept {where}; "
+        f"{reuse['kept_here']} held by this process): lookups {counts(reuse['lookups'])}; "
+        f"handles {counts(reuse['handles'])}; {reuse['tokens_read']} prompt tokens read back"
+    )
+
+
 def _summary(status: dict[str, Any]) -> str:
     proxy = status["proxy"]
     said = [
@@ -229,6 +248,8 @@ def render(status: dict[str, Any]) -> bytes:
 <div id="chart-area"></div></section>
 <section id="tenants"><h2>Tenants</h2>{_tenants(status)}</section>
 <section id="replicas"><h2>Replicas</h2>{_replicas(status)}</section>
+<section id="reuse"><h2>Multi-turn reuse</h2>
+<p id="reuse-line">{_e(reuse_line(status["reuse"]))}</p></section>
 <section id="warnings"><h2>Recent warnings</h2><ol id="warning-lines">{warnings}</ol></section>
 </main>
 <script src="/status.js"></script>

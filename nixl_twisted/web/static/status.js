@@ -133,6 +133,24 @@
     old.replaceWith(table(head, rows, "tenant-table"));
   }
 
+  function reuse(status) {
+    var r = status.reuse, line;
+    function counts(named) {
+      var said = Object.keys(named).sort().map(function (k) { return k + " " + named[k]; });
+      return said.length ? said.join(", ") : "none yet";
+    }
+    if (!r.on) {
+      line = r.handles.off ? "off; yet decode answered " + r.handles.off +
+        " handles (bidirectional_kv_xfer is on)" : "off";
+    } else {
+      line = "on (handles for " + r.lifetime_seconds + " s, kept " +
+        (r.shared ? "in Redis, for every replica" : "here") + "; " + r.kept_here +
+        " held by this process): lookups " + counts(r.lookups) + "; handles " +
+        counts(r.handles) + "; " + r.tokens_read + " prompt tokens read back";
+    }
+    document.getElementById("reuse-line").textContent = line;
+  }
+
   function warnings(status) {
     var list = document.getElementById("warning-lines");
     list.replaceChildren.apply(list, status.warnings.map(function (w) {
@@ -238,6 +256,7 @@
         backends(status);
         charts(status);
         tenants(status);
+        reuse(status);
         warnings(status);
       })
       .catch(function (error) {
