@@ -55,7 +55,9 @@ class TransferLedger:
 
     Share one ledger between a fake prefill and a fake decode: a decode leg
     whose ``kv_transfer_params`` differ in any key (one dropped, one rebuilt)
-    from what a prefill issued fails as a KV load does.
+    from what a prefill issued fails as a KV load does. With bidirectional
+    transfer, it also keeps decodes' handles (``issue_handle``), read once by
+    prefills (``read_handle``).
     """
 
     def __init__(self) -> None:
