@@ -17,7 +17,8 @@ events (a test kills the process there: a decode that dies mid-answer).
 With ``--bidirectional``, decodes answer handles on their finished
 requests' blocks (``--decoder-blocks-ttl``; ``--streams-handle``: in a
 stream too, as vLLM 0.33+) and prefills read them back
-(``--kv-load-failure-policy`` for one they cannot read).
+(``--kv-load-failure-policy`` for one they cannot read,
+``--kv-recompute-threshold`` for a pull too small to make).
 """
 
 from __future__ import annotations
@@ -211,6 +212,14 @@ def arguments() -> argparse.ArgumentParser:
         help="what a prefill does with a handle it cannot read (expired, or unknown): "
         "fail (500) or recompute the prompt",
     )
+    parser.add_argument(
+        "--kv-recompute-threshold",
+        type=_at_least(0),
+        default=FakeVLLM.kv_recompute_threshold,
+        metavar="TOKENS",
+        help="a prefill computes instead of pulling fewer tokens than this through a "
+        "handle (vLLM's kv_recompute_threshold, 64 there; 0: every pull is made)",
+    )
     return parser
 
 
@@ -240,6 +249,7 @@ def fake_options(args: argparse.Namespace) -> dict[str, Any]:
         "decoder_blocks_ttl": args.decoder_blocks_ttl,
         "streams_handle": args.streams_handle,
         "kv_load_failure_policy": args.kv_load_failure_policy,
+        "kv_recompute_threshold": args.kv_recompute_threshold,
     }
 
 

@@ -31,13 +31,17 @@ HandleIssuer = Callable[[list[int]], JSONObject]
 
 
 def is_handle(kv: object) -> bool:
-    """``kv_transfer_params`` that are a decode's handle, not the proxy's lowering."""
+    """``kv_transfer_params`` that are a decode's handle, not the proxy's lowering (whose
+    ``remote_block_ids`` are null): vLLM's own test."""
     return (
         isinstance(kv, dict)
         and bool(kv.get("do_remote_decode"))
-        and kv.get("remote_engine_id") is not None
-        and kv.get("remote_block_ids") is not None
+        and bool(kv.get("remote_block_ids"))
+        and all(key in kv for key in _NAMES_DECODE)
     )
+
+
+_NAMES_DECODE = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
 class Bidirectional:
@@ -48,6 +52,7 @@ class Bidirectional:
     bidirectional: bool
     decoder_blocks_ttl: float
     kv_load_failure_policy: str
+    kv_recompute_threshold: int
     handles_issued: list[JSONObject]
     handles_read: list[JSONObject]
     sources: PromptSources
@@ -90,8 +95,11 @@ class Bidirectional:
             return 0, False  # recomputed here: what is computed is right
         assert isinstance(remote, int)
         pulled = max(0, min(remote, len(prompt)) - cached)
+        if pulled < self.kv_recompute_threshold:
+            pulled = 0  # too few to be worth a transfer: computed here (the handle is spent)
         extends = prompt[:remote] == read.held[:remote]
         self.handles_read.append(
             {"handle": kv, "pulled": pulled, "again": read.again, "extends": extends}
         )
-        return pulled, read.again or not extends
+        # (nothing pulled, nothing wrong: what was computed here is the prompt's own)
+        return pulled, pulled > 0 and (read.again or not extends)

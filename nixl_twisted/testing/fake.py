@@ -161,6 +161,9 @@ class FakeVLLM(Generation, Bidirectional, OtherRoutes):
     #: What a prefill leg does with a handle it cannot read (expired, or none issued it):
     #: ``fail`` (vLLM's default: 500) or ``recompute`` (computes the prompt, answers 200).
     kv_load_failure_policy: str = "fail"
+    #: A prefill leg computes instead of pulling fewer than this many tokens through a
+    #: handle (vLLM's ``kv_recompute_threshold``, 64 there; 0 here: every pull is made).
+    kv_recompute_threshold: int = 0
     #: The handles this decode answered, and those this prefill read (each a dict:
     #: ``handle``, ``pulled`` tokens, read ``again``, whether the prompt ``extends`` it).
     handles_issued: list[JSONObject] = field(default_factory=list)

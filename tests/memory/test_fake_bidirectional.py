@@ -267,6 +267,20 @@ def test_a_handle_for_another_sequence_or_read_twice_gives_a_wrong_answer() -> N
     ]
 
 
+def test_below_the_recompute_threshold_nothing_is_pulled_and_nothing_is_wrong() -> None:
+    fleet = Fleet(kv_recompute_threshold=64)  # (vLLM's default: the first turn holds fewer)
+    _, follow = first_turn(fleet)
+    handle = fleet.decode.handles_issued[0]
+    other = [{"role": "user", "content": "Something else entirely, with its own words."}]
+
+    status, answer = fleet.two_legs("/v1/chat/completions", chat(other + follow[1:]), handle)
+
+    assert status == 200
+    assert answer["choices"][0]["token_ids"] == right_answer(other + follow[1:])["token_ids"]
+    assert [r["pulled"] for r in fleet.prefill.handles_read] == [0]
+    assert fleet.prefill.sources.external_kv_transfer == 0
+
+
 @pytest.mark.parametrize("unknown", [False, True])
 def test_an_expired_or_unknown_handle_fails_the_prefill_leg_as_vllms_default(
     unknown: bool,
@@ -335,12 +349,14 @@ def test_the_shell_fakes_take_the_bidirectional_options() -> None:
                 "--streams-handle",
                 "--kv-load-failure-policy",
                 "recompute",
+                "--kv-recompute-threshold",
+                "64",
             ]
         )
     )
     fake = FakeVLLM(**options)
     assert (fake.bidirectional, fake.decoder_blocks_ttl, fake.streams_handle) == (True, 30, True)
-    assert fake.kv_load_failure_policy == "recompute"
+    assert (fake.kv_load_failure_policy, fake.kv_recompute_threshold) == ("recompute", 64)
     assert fakes_command.fake_options(parse([]))["bidirectional"] is False
 
 
