@@ -14,6 +14,11 @@ URL's), and the command line routes prefills ``kv-aware`` on them. With
 capacity: that many requests run at once, the rest wait (or are refused).
 With ``--decode-hold-after``, each decode's streams hang after that many
 events (a test kills the process there: a decode that dies mid-answer).
+With ``--bidirectional``, decodes answer handles on their finished
+requests' blocks (``--decoder-blocks-ttl``; ``--streams-handle``: in a
+stream too, as vLLM 0.33+) and prefills read them back
+(``--kv-load-failure-policy`` for one they cannot read,
+``--kv-recompute-threshold`` for a pull too small to make).
 """
 
 from __future__ import annotations
@@ -180,6 +185,41 @@ def arguments() -> argparse.ArgumentParser:
         help="publish each instance's KV cache events on ZeroMQ, as vLLM's "
         "--kv-events-config does, with a replay endpoint; their ports are printed",
     )
+    parser.add_argument(
+        "--bidirectional",
+        action="store_true",
+        help="bidirectional KV transfer, as vLLM's bidirectional_kv_xfer: a decode leg "
+        "that ends answers a handle on its blocks, a prefill leg given one reads them back",
+    )
+    parser.add_argument(
+        "--decoder-blocks-ttl",
+        type=_seconds,
+        default=FakeVLLM.decoder_blocks_ttl,
+        metavar="SECONDS",
+        help="how long a decode keeps the blocks of a handle it answered "
+        "(vLLM's decoder_kv_blocks_ttl)",
+    )
+    parser.add_argument(
+        "--streams-handle",
+        action="store_true",
+        help="a stream's chunk that carries finish_reason carries the handle too, as vLLM "
+        "0.33+ (unset: as 0.32, only whole chat and completions answers and /v1/responses)",
+    )
+    parser.add_argument(
+        "--kv-load-failure-policy",
+        choices=("fail", "recompute"),
+        default=FakeVLLM.kv_load_failure_policy,
+        help="what a prefill does with a handle it cannot read (expired, or unknown): "
+        "fail (500) or recompute the prompt",
+    )
+    parser.add_argument(
+        "--kv-recompute-threshold",
+        type=_at_least(0),
+        default=FakeVLLM.kv_recompute_threshold,
+        metavar="TOKENS",
+        help="a prefill computes instead of pulling fewer tokens than this through a "
+        "handle (vLLM's kv_recompute_threshold, 64 there; 0: every pull is made)",
+    )
     return parser
 
 
@@ -205,6 +245,11 @@ def fake_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_events": args.kv_events,
         "kv_replay": args.kv_events,
         "kv_interface": args.interface,
+        "bidirectional": args.bidirectional,
+        "decoder_blocks_ttl": args.decoder_blocks_ttl,
+        "streams_handle": args.streams_handle,
+        "kv_load_failure_policy": args.kv_load_failure_policy,
+        "kv_recompute_threshold": args.kv_recompute_threshold,
     }
 
 

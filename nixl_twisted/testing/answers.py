@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 JSONObject = dict[str, Any]
+#: A stream's event, or what makes it when it is written (one that carries a handle).
+Event = bytes | Callable[[], bytes]
 
 
 #: The id of an answer's first generated token; the next ones follow it. Beyond any id
@@ -115,7 +118,11 @@ class Answer:
         return ("chatcmpl-" if self.chat else "cmpl-") + self.id
 
     def _chunk(
-        self, choice: JSONObject, usage: JSONObject | None = None, first: bool = False
+        self,
+        choice: JSONObject,
+        usage: JSONObject | None = None,
+        first: bool = False,
+        kv: JSONObject | None = None,
     ) -> bytes:
         event: JSONObject = {
             "id": self._prefixed_id(),
@@ -128,10 +135,19 @@ class Answer:
             event["usage"] = usage
         if first:
             self._with_ids(event, choice)
+        if kv is not None:
+            event["kv_transfer_params"] = kv
         return b"data: " + encode(event) + b"\n\n"
 
-    def events(self, include_usage: bool) -> list[bytes]:
-        events = []
+    def _handing(self, choice: JSONObject, first: bool, handle: Callable[[], JSONObject]) -> bytes:
+        return self._chunk(choice, first=first, kv=handle())
+
+    def events(
+        self, include_usage: bool, handle: Callable[[], JSONObject] | None = None
+    ) -> list[Event]:
+        """The stream's events; ``handle``: what the chunk that carries ``finish_reason``
+        says as its ``kv_transfer_params``, made when it is written (vLLM 0.33+)."""
+        events: list[Event] = []
         if self.chat:
             events.append(
                 self._chunk(
@@ -164,7 +180,11 @@ class Answer:
                     "prompt_token_ids": None,
                     "token_ids": ids,
                 }
-            events.append(self._chunk(choice, first=not self.chat and index == 0))
+            first = not self.chat and index == 0
+            if last and handle is not None:
+                events.append(partial(self._handing, choice, first, handle))
+            else:
+                events.append(self._chunk(choice, first=first))
         if include_usage:
             events.append(self._chunk({}, self.usage))
         events.append(b"data: [DONE]\n\n")
@@ -299,7 +319,9 @@ class Response:
             },
         }
 
-    def events(self) -> list[bytes]:
+    def events(self, handle: Callable[[], JSONObject] | None = None) -> list[Event]:
+        """The typed events; ``handle``: the ``kv_transfer_params`` of the response in
+        ``response.completed``, made when it is written."""
         item = {
             "type": "message",
             "id": self.item,
@@ -321,7 +343,18 @@ class Response:
             ("response.output_item.done", {"output_index": 0, "item": self.whole()["output"][0]}),
             ("response.completed", {"response": self.whole()}),
         ]
-        return [
+        events: list[Event] = [
             _sse(kind, {"type": kind, "sequence_number": number, **data})
             for number, (kind, data) in enumerate(typed)
         ]
+        if handle is not None:
+            last = len(typed) - 1
+            events[last] = lambda: _sse(
+                "response.completed",
+                {
+                    "type": "response.completed",
+                    "sequence_number": last,
+                    "response": dict(self.whole(), kv_transfer_params=handle()),
+                },
+            )
+        return events

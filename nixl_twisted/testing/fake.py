@@ -25,6 +25,7 @@ from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IReactorTime
 from twisted.web.server import Request
 
+from nixl_twisted.testing.bidirectional import Bidirectional
 from nixl_twisted.testing.capacity import Capacity
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
@@ -49,7 +50,7 @@ SENTENCE_TOKENS = len(DEFAULT_TEXT.split())
 
 
 @dataclass
-class FakeVLLM(Generation, OtherRoutes):
+class FakeVLLM(Generation, Bidirectional, OtherRoutes):
     """A fake vLLM instance; ``tokens`` per answer, ``token_interval`` s apart.
 
     Its engine takes time only when told to, each wait on ``clock``: a
@@ -68,6 +69,13 @@ class FakeVLLM(Generation, OtherRoutes):
 
     With ``kv_events``, what its prefix cache stores and evicts is published
     as vLLM's KV cache events, on ZeroMQ (``kv_publisher``).
+
+    With ``bidirectional`` (set it on the prefills and decodes of a test), a
+    decode leg that ends answers a handle on its blocks, pinned for
+    ``decoder_blocks_ttl`` on ``clock`` (in a non-streaming chat or
+    completions body and in ``/v1/responses``; with ``streams_handle``, as
+    vLLM 0.33+, also in a stream's chunk that carries ``finish_reason``),
+    and a prefill leg given one reads it back (``bidirectional``).
     """
 
     name: str = "fake-vllm"
@@ -143,6 +151,23 @@ class FakeVLLM(Generation, OtherRoutes):
     recompute_silently: bool = False
     #: Its prompt tokens by source and NIXL failures, as ``/metrics`` says them.
     sources: PromptSources = field(default_factory=PromptSources)
+    #: Bidirectional transfer (vLLM's ``bidirectional_kv_xfer``): a decode leg's handle,
+    #: a prefill leg's read of one. Off: a handle is a prefill leg's params like any other.
+    bidirectional: bool = False
+    #: Seconds on ``clock`` a handle's blocks stay pinned (``decoder_kv_blocks_ttl``).
+    decoder_blocks_ttl: float = 480.0
+    #: A stream's chunk that carries ``finish_reason`` carries the handle (vLLM 0.33+).
+    streams_handle: bool = False
+    #: What a prefill leg does with a handle it cannot read (expired, or none issued it):
+    #: ``fail`` (vLLM's default: 500) or ``recompute`` (computes the prompt, answers 200).
+    kv_load_failure_policy: str = "fail"
+    #: A prefill leg computes instead of pulling fewer than this many tokens through a
+    #: handle (vLLM's ``kv_recompute_threshold``, 64 there; 0 here: every pull is made).
+    kv_recompute_threshold: int = 0
+    #: The handles this decode answered, and those this prefill read (each a dict:
+    #: ``handle``, ``pulled`` tokens, read ``again``, whether the prompt ``extends`` it).
+    handles_issued: list[JSONObject] = field(default_factory=list)
+    handles_read: list[JSONObject] = field(default_factory=list)
     #: How this instance fails every generation request (None: it serves them):
     #: set it on one instance of a pool, and back to None to heal it.
     fault: Fault | None = None
@@ -152,6 +177,10 @@ class FakeVLLM(Generation, OtherRoutes):
     routes: ClassVar[Klein] = Klein()
 
     def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ValueError(
+                f"kv_load_failure_policy is fail or recompute, not {self.kv_load_failure_policy!r}"
+            )
         Capacity.__init__(self)
         Controls.__init__(self)
         EngineTime.__init__(self)

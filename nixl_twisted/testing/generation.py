@@ -4,13 +4,15 @@ Its role read from ``kv_transfer_params`` (prefill, decode or plain), the
 body checked as vLLM's schema would, admitted to the queue and a slot, then
 computed here (its prefix cache looked up and its KV events published) or
 pulled from prefill (the ledger redeems the params, the handed token ids
-taken), and answered whole or streamed in the shape of its route.
+taken), and answered whole or streamed in the shape of its route;
+bidirectional transfer's handles are ``bidirectional``'s.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -18,6 +20,7 @@ from twisted.web.server import Request
 
 from nixl_twisted.testing import answers, prompt_ids, schema
 from nixl_twisted.testing.behaviours import Behaviour, spoiled
+from nixl_twisted.testing.bidirectional import Bidirectional, HandleIssuer
 from nixl_twisted.testing.capacity import QUEUE_FULL, QUEUE_FULL_TYPE, Capacity
 from nixl_twisted.testing.controls import Controls
 from nixl_twisted.testing.engine import EngineTime
@@ -31,7 +34,7 @@ from nixl_twisted.testing.transfers import PromptSources
 JSONObject = dict[str, Any]
 
 
-class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
+class Generation(Capacity, Controls, EngineTime, KvEventsMixin, Bidirectional):
     """Mixed into ``FakeVLLM``, whose fields these read: the engine's side of the fake."""
 
     name: str
@@ -49,6 +52,7 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
     cache: PrefixCache
     responses: dict[str, JSONObject]
     _kv_port: int
+    streams_handle: bool
 
     def _record(self, request: Request, body: JSONObject | None, role: str) -> None:
         raise NotImplementedError
@@ -116,8 +120,9 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         chat = request.path.endswith(b"/chat/completions")
         messages_api = request.path.endswith(b"/v1/messages")
         responses_api = request.path.endswith(b"/v1/responses")
-        cached = 0
-        tokens = prompt_tokens(body)
+        cached = pulled = 0
+        wrong_kv = False
+        tokens = prompt_tokens(body, self.text)
         # vLLM's chat renderer takes a prompt handed as ids on any leg (a continuation's
         # prefill, a decode-only leg); a decode leg's are taken with its KV, below.
         if role != "decode" and isinstance(kv, dict) and "prompt_token_ids" in kv:
@@ -134,16 +139,27 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
             with self._step() as step:
                 salt = body.get("cache_salt")
                 cached, _ = self.cache.compute(tokens, salt if isinstance(salt, str) else None)
-            self.sources.local_cache_hit += cached
-            self.sources.local_compute += len(tokens) - cached
             try:
-                await self._compute(len(tokens) - cached)
+                if isinstance(kv, dict) and self._reads_handle(role, kv):
+                    read = self._read_back(kv, tokens, cached)
+                    if isinstance(read, str):
+                        request.setResponseCode(500)
+                        return answers.vllm_error(500, f"KV load failed: {read}")
+                    pulled, wrong_kv = read
+                self.sources.local_cache_hit += cached
+                self.sources.external_kv_transfer += pulled
+                self.sources.local_compute += len(tokens) - cached - pulled
+                if pulled:
+                    await self._pull_kv(pulled)
+                await self._compute(len(tokens) - cached - pulled)
             finally:
                 self._stepped(step)
         kv_answer: JSONObject | None = None
         if role == "prefill" and behaviour.issues_params:
             request_id = _header(request, b"x-request-id") or uuid.uuid4().hex
-            kv_answer = self.ledger.issue(self.name, request_id, len(tokens), self._kv_port)
+            kv_answer = self.ledger.issue(
+                self.name, request_id, len(tokens), self._kv_port, wrong_kv=wrong_kv
+            )
             kv_answer = spoiled(kv_answer, behaviour.spoiled)
         elif role == "decode" and self.recompute_silently:
             self.sources.local_compute += len(tokens)
@@ -164,9 +180,11 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
             if problem is not None:
                 request.setResponseCode(500)
                 return answers.vllm_error(500, f"KV load failed: {problem}")
+            wrong_kv = self.ledger.wrong_kv(kv)
             self.sources.external_kv_transfer += len(tokens)
             cached = int(kv.get("remote_prefill_cached_tokens", 0)) if isinstance(kv, dict) else 0
             await self._pull_kv(len(tokens))
+        issue = self._handle_issuer(request, role, tokens)
 
         limit = (
             body.get("max_output_tokens")
@@ -178,7 +196,11 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         start = answers.resumed_at(tokens)
         count = max(0, self.tokens - start)
         count = count if not isinstance(limit, int) else min(count, limit)
+        # KV pulled through a stale handle: the model reads the wrong context, and says
+        # the tokens of another place.
+        start += 1 if wrong_kv else 0
         words = answers.words(self.text, count, start)
+        handle = _issuing(issue, answers.generated_ids(start, count))
         input_tokens = len(tokens)
         if responses_api:
             reply = answers.Response(
@@ -188,10 +210,10 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
                 self.responses[reply.id] = reply.whole()
             if not body.get("stream"):
                 whole = reply.whole()
-                if kv_answer is not None:
-                    whole["kv_transfer_params"] = kv_answer
+                if kv_answer is not None or handle is not None:
+                    whole["kv_transfer_params"] = handle() if handle else kv_answer
                 return answers.encode(whole)
-            await self._stream(request, reply.events(), *_cut(behaviour, 4, messages=False))
+            await self._stream(request, reply.events(handle), *_cut(behaviour, 4, messages=False))
             return None
         if messages_api:
             message = answers.Message(
@@ -230,23 +252,29 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
             ),
         )
         if not body.get("stream"):
-            return await self._whole(request, answer, kv_answer, behaviour.cut_after is not None)
+            said: JSONObject | Callable[[], JSONObject] | None = handle or kv_answer
+            return await self._whole(request, answer, said, behaviour.cut_after is not None)
         if self._firehose is not None:
             await self._pour(request, *self._firehose)
             return None
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         cut = _cut(behaviour, 1 if chat else 0, messages=False)
-        await self._stream(request, answer.events(include_usage), *cut)
+        streamed = handle if self.streams_handle else None
+        await self._stream(request, answer.events(include_usage, streamed), *cut)
         return None
 
     async def _whole(
-        self, request: Request, answer: answers.Answer, kv: JSONObject | None, broken: bool
+        self,
+        request: Request,
+        answer: answers.Answer,
+        kv: JSONObject | Callable[[], JSONObject] | None,
+        broken: bool,
     ) -> bytes | None:
         if self._hold_after is not None and not self._hold_midway:
             await self._wait_at_hold()
         whole = answer.whole()
         if kv is not None:
-            whole["kv_transfer_params"] = kv
+            whole["kv_transfer_params"] = kv() if callable(kv) else kv
         raw = answers.encode(whole)
         if not broken and not (self._hold_after is not None and self._hold_midway):
             return raw
@@ -262,7 +290,7 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
     async def _stream(
         self,
         request: Request,
-        events: list[bytes],
+        events: Sequence[answers.Event],
         cut_after: int | None = None,
         failed: list[bytes] | None = None,
     ) -> None:
@@ -271,13 +299,13 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin):
         body ends there)."""
         request.setHeader(b"Content-Type", b"text/event-stream")
         if cut_after is not None:
-            events = events[:cut_after] + (failed or [])
+            events = [*events[:cut_after], *(failed or [])]
         for index, event in enumerate(events):
             if index > 0:
                 await self._before_next_token()
             if self._hold_after is not None and index >= self._hold_after:
                 await self._wait_at_hold()
-            request.write(event)
+            request.write(event() if callable(event) else event)
         if cut_after is not None and failed is None:
             await cut_off(request)
 
@@ -304,6 +332,11 @@ def _cut(
     if behaviour.end_after_tokens is not None:
         return opening + behaviour.end_after_tokens, []  # (then its body ends)
     return behaviour.cut_after, None
+
+
+def _issuing(issue: HandleIssuer | None, output: list[int]) -> Callable[[], JSONObject] | None:
+    """What makes a decode leg's handle on its prompt and ``output``, once its answer ends."""
+    return None if issue is None else lambda: issue(output)
 
 
 def _said(tokens: list[int], behaviour: Behaviour) -> list[int]:

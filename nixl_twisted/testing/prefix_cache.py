@@ -13,6 +13,15 @@ evicted as vLLM's KV cache events do. With ``lookahead`` L (vLLM 0.34's
 lookahead hashing, under EAGLE-style speculative decoding) each block's
 hash also covers the L tokens after it, a block is cached only once they
 exist, and ``BlockStored`` carries them (``lookahead_token_ids``).
+
+A fake renders a conversation as it generated it: an assistant message
+followed by another whose content is exactly the text the fake generates
+from its start (``answers.words``) renders to the ids it generated
+(``answers.generated_ids``), and the text before and after it is
+tokenized apart. So the next turn of a chat (its messages, the answer,
+a new user message) starts with exactly the ids its decode held (the
+prompt's ids, then the answer's), as a real chat template's does; an
+earlier message changed, or an answer edited, does not.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import Any
+
+from nixl_twisted.testing.answers import generated_ids, words
 
 BYTES_PER_TOKEN = 4
 
@@ -61,18 +72,48 @@ def text_tokens(text: str) -> list[int]:
     return list(struct.unpack(f"<{whole}I", raw[: whole * BYTES_PER_TOKEN]))
 
 
-def prompt_tokens(body: dict[str, Any]) -> list[int]:
+def prompt_tokens(body: dict[str, Any], generates: str | None = None) -> list[int]:
     """The token ids the engine computes for a request: a token-id prompt's own, else the
-    rendered prompt's (``text_tokens``). ``/tokenize`` and the render endpoints answer these."""
+    rendered prompt's (``text_tokens``; a chat's answers by a fake that ``generates`` this
+    text: their generated ids). ``/tokenize`` and the render endpoints answer these."""
     prompt = body.get("prompt")
+    messages = body.get("messages")
     if (
-        not isinstance(body.get("messages"), list)
+        not isinstance(messages, list)
         and isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         return list(prompt)
+    if generates is not None and isinstance(messages, list):
+        return _conversation(messages, generates)
     return text_tokens(prompt_text(body))
+
+
+def _conversation(messages: list[Any], generates: str) -> list[int]:
+    """A chat's ids, each of its answers (``generates``'s text) as the ids generated."""
+    ids: list[int] = []
+    since = 0  # the first message not yet rendered
+    for at, message in enumerate(messages[:-1]):
+        answered = _answered(message, generates)
+        if answered is None:
+            continue
+        before = prompt_text({"messages": messages[since:at]})
+        ids += text_tokens(before) if before else []
+        ids += answered
+        since = at + 1
+    return ids + text_tokens(prompt_text({"messages": messages[since:]}))
+
+
+def _answered(message: object, generates: str) -> list[int] | None:
+    """The ids a fake generated for this message, if it is its answer (else None)."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return None
+    content = message.get("content")
+    count = len(content.split()) if isinstance(content, str) else 0
+    if count == 0 or content != "".join(words(generates, count)):
+        return None
+    return generated_ids(0, count)
 
 
 def token_count(text: str) -> int:

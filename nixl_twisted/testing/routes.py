@@ -35,6 +35,7 @@ class OtherRoutes:
     running: int
     waiting: int
     render_status: int
+    text: str
     cache: PrefixCache
     sources: PromptSources
     generations: int
@@ -95,7 +96,7 @@ class OtherRoutes:
 
     def _tokenize(self, request: Request) -> bytes:
         """vLLM's answer shape; the prompt's tokens as the prefix cache computes them."""
-        tokens = prompt_tokens(self._json(request))
+        tokens = prompt_tokens(self._json(request), self.text)
         return answers.encode(
             {
                 "count": len(tokens),
@@ -116,11 +117,11 @@ class OtherRoutes:
                 return answers.encode({"detail": "Not Found"})
             return answers.vllm_error(self.render_status, "rendering failed")
         if request.path.endswith(b"/chat/completions/render"):
-            return answers.encode(_rendered("chatcmpl", prompt_tokens(body)))
+            return answers.encode(_rendered("chatcmpl", prompt_tokens(body, self.text)))
         prompt = body.get("prompt")
         batch = isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt)
         bodies = [{**body, "prompt": p} for p in prompt] if batch and prompt else [body]
-        return answers.encode([_rendered("cmpl", prompt_tokens(b)) for b in bodies])
+        return answers.encode([_rendered("cmpl", prompt_tokens(b, self.text)) for b in bodies])
 
     def _detokenize(self, request: Request) -> bytes:
         tokens = self._json(request).get("tokens") or []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -41,6 +43,11 @@ OPTIONS = {
     "--fault": "[]",
     "--ledger": "None",
     "--kv-events": "False",
+    "--bidirectional": "False",
+    "--decoder-blocks-ttl": "480.0",
+    "--streams-handle": "False",
+    "--kv-load-failure-policy": "fail",
+    "--kv-recompute-threshold": "0",
 }
 COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 4}
 
@@ -96,6 +103,37 @@ class FakesCommandTests(TwistdCase):
         legs = [(name[event["prefill"]], name[event["decode"]]) for event in access]
         self.assertEqual(legs, [("prefill-0", "decode-1"), ("prefill-1", "decode-0")] * 2)
         await self.stop(process)
+
+    async def test_with_bidirectional_a_decodes_handle_is_read_by_another_processs_prefill(
+        self,
+    ) -> None:
+        directory = tempfile.mkdtemp(prefix="nixl-fake-ledger-")
+        self.addCleanup(shutil.rmtree, directory)
+        shared = ("--ledger", directory, "--bidirectional", "--decoder-blocks-ttl", "60")
+        one, first = await self.fakes(1, 1, *shared)
+        other, second = await self.fakes(1, 1, *shared)
+        http = self.fresh_connections()
+
+        async def legs(prefill: str, prompt: list[int], params: object) -> Any:
+            lowered = {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": params}
+            answer = await http.post(prefill + "/v1/completions", json=lowered)
+            said = json.loads(await answer.text())
+            if answer.code != 200:
+                return answer.code, said
+            leg = {"prompt": prompt, "kv_transfer_params": said["kv_transfer_params"]}
+            answer = await http.post(first["decode-0"] + "/v1/completions", json=leg)
+            return answer.code, json.loads(await answer.text())
+
+        _, answer = await legs(first["prefill-0"], [5, 6, 7], {"do_remote_decode": True})
+        handle = answer["kv_transfer_params"]
+        self.assertEqual(handle["remote_num_tokens"], 3 + 4 - 1)
+        following = [5, 6, 7, *range(1 << 40, (1 << 40) + 4), 9]  # (what decode held, then more)
+        status, _ = await legs(second["prefill-0"], following, handle)
+        self.assertEqual(status, 200)
+        status, _ = await legs(second["prefill-0"], following, dict(handle, remote_request_id="x"))
+        self.assertEqual(status, 500)  # (one no decode issued: vLLM's default policy fails it)
+        await self.stop(other)
+        await self.stop(one)
 
     async def test_the_printed_twistd_line_serves_them(self) -> None:
         process, urls = await self.fakes(2, 2)
