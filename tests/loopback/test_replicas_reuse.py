@@ -4,6 +4,7 @@ never read as one."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from twisted.internet import reactor
@@ -75,3 +76,35 @@ class SharedHandleTests(FleetCase):
         link.start()
         self.addCleanup(link.stop)
         return link
+
+
+SYSTEM = {"role": "system", "content": "You answer questions on the NIXL transfer. " * 12}
+FIRST = [SYSTEM, {"role": "user", "content": "How does decode pull the KV?"}]
+
+
+class FleetReuseTests(FleetCase):
+    async def test_a_turn_reads_back_what_another_replica_kept_and_a_retry_does_not(
+        self,
+    ) -> None:
+        other = await self.two(multi_turn_reuse=True)
+        for fake in self.prefills + self.decodes:
+            fake.bidirectional = True
+        events = self.access_events()
+        first = await self.chat(self.proxy, {"model": "fake-model", "messages": FIRST})
+        said = json.loads(await first.content())
+        content = said["choices"][0]["message"]["content"]
+        second = [
+            *FIRST,
+            {"role": "assistant", "content": content},
+            {"role": "user", "content": "And after that?"},
+        ]
+        answers = []
+        for proxy in (other, self.proxy):  # (the next turn on the other replica, then again)
+            response = await self.chat(proxy, {"model": "fake-model", "messages": second})
+            assert response.code == 200
+            answers.append(json.loads(await response.content()))
+        (read,) = self.prefill.handles_read
+        assert read["extends"] and not read["again"]
+        assert [e.get("reuse") for e in events[-2:]][0] == "used"
+        assert events[-1]["reuse"] in ("none", "mismatch")
+        assert answers[0]["choices"] == answers[1]["choices"]
