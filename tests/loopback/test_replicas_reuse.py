@@ -105,6 +105,6 @@ class FleetReuseTests(FleetCase):
             answers.append(json.loads(await response.content()))
         (read,) = self.prefill.handles_read
         assert read["extends"] and not read["again"]
-        assert [e.get("reuse") for e in events[-2:]][0] == "used"
+        assert events[-2]["reuse"] == "used"
         assert events[-1]["reuse"] in ("none", "mismatch")
         assert answers[0]["choices"] == answers[1]["choices"]
