@@ -37,7 +37,7 @@ from nixl_twisted.observe.spans import AttemptTrace
 from nixl_twisted.protocol import events
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Completion
-from nixl_twisted.protocol.decode_handle import HandleTaker
+from nixl_twisted.protocol.decode_handle import HandleTaker, resizing
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import REQUEST_ID
 from nixl_twisted.protocol.held import Whole
@@ -273,18 +273,10 @@ class DecodeLeg:
         """What takes decode's handle out of its answer (always: it is no client's), and with
         ``collect`` reads its ids, shown as the client asked (a migration's transcript
         shows them so itself)."""
-        completion, request = self.completion, self.served.request
-        collect = self.collect
+        completion, collect = self.completion, self.collect
         asked = completion.body.get("return_token_ids") is True
         strip = collect and not asked and not isinstance(filtered, Transcript)
-
-        def resized(length: int | None) -> None:
-            headers = request.responseHeaders
-            if length is None:
-                headers.removeHeader(b"content-length")
-            else:
-                headers.setRawHeaders(b"content-length", [b"%d" % length])
-
+        resized = resizing(self.served.request.responseHeaders)
         chat = completion.path == CHAT_COMPLETIONS
         return HandleTaker(streamed, resized, collect, strip, chat)
 

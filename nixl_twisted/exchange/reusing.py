@@ -15,11 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from twisted.internet.defer import ensureDeferred
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from nixl_twisted.backends.allowed import AllowedBackends
 from nixl_twisted.backends.instances import Instance
-from nixl_twisted.backends.pools import BackendPool
+from nixl_twisted.exchange.legs import Legs
 from nixl_twisted.observe.access import AccessRecord
 from nixl_twisted.observe.metrics import ProxyMetrics
 from nixl_twisted.protocol.completion import Completion
@@ -52,8 +54,9 @@ class Reusing:
         self.pinned: Instance | None = None
         self._said = False
 
-    async def find(self, prompt: Sequence[int] | None, decode: BackendPool) -> None:
+    async def find(self, prompt: Sequence[int] | None, legs: Legs) -> None:
         """The handle ``prompt`` extends, and the decode instance holding it (not taken)."""
+        decode = legs.backends.decode
         if not self.keeps:
             return self.said("none")
         if prompt is None:
@@ -135,7 +138,29 @@ async def keep(
     elif not readable(params):
         outcome = "not_readable"
     else:
-        made = store.made(params, instance.url, taken.tokens)
+        asked = len(taken.prompt) if taken.prompt is not None else 0
+        made = store.made(params, instance.url, taken.tokens, asked)
         outcome = "kept" if await store.keep(scope, made) else "too_short"
     metrics.child(metrics.reuse_handles, outcome).inc()
     store.answered[outcome] += 1
+
+
+def kept_answered(
+    legs: Legs, reusing: Reusing | None, answered: tuple[HandleTaker, Instance] | None
+) -> None:
+    """The handle a decode leg's whole answer carried kept (``reusing``'s), or counted as not,
+    never waited for: the client's answer is whole already, and a replica's keep is sent to
+    Redis before its client can ask again."""
+    if answered is None or answered[0].handle is None:
+        return
+    taken, instance = answered
+    if reusing is not None:
+        keeping = ensureDeferred(reusing.answered(taken, instance))
+    else:  # (off, or a batch's part: counted)
+        unkept = "no_token_ids" if legs.config.reuse.enabled else "off"
+        keeping = ensureDeferred(keep(legs.handles, legs.metrics, taken, instance, None, unkept))
+    keeping.addErrback(_not_kept)
+
+
+def _not_kept(failure: Failure) -> None:
+    log.failure("a handle decode answered was not kept", failure)

@@ -57,18 +57,25 @@ def token_ids(answer: Any) -> tuple[int, ...] | None:
 
 
 def wanted(
-    backends: BackendService, rules: Disaggregation, model: str | None, listening: bool
+    backends: BackendService,
+    rules: Disaggregation,
+    model: str | None,
+    listening: bool,
+    reused: bool = False,
 ) -> BackendPool | None:
     """The pool to render a prompt with, when anything in use needs its token ids.
 
     A pool's whose policy for ``model`` reads them, or, for the
     cached-on-decode rule while some instance's events are read (``listening``),
-    the decode pool's; None: nothing looks.
+    the decode pool's, or for multi-turn reuse (``reused``) the prefill pool's;
+    None: nothing looks.
     """
     for pool in backends.pools():
         if pool.policy_for(model).needs.token_ids:
             return pool
-    return backends.decode if rules.uncached and listening else None
+    if rules.uncached and listening:
+        return backends.decode
+    return backends.prefill if reused else None
 
 
 class Renderer:

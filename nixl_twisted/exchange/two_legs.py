@@ -17,8 +17,6 @@ from dataclasses import replace
 from functools import partial
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
-from twisted.logger import Logger
-from twisted.python.failure import Failure
 
 from nixl_twisted.admission import Claim
 from nixl_twisted.backends.instances import Instance
@@ -41,19 +39,16 @@ from nixl_twisted.exchange.placing import (
 )
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
-from nixl_twisted.exchange.reusing import Reusing, keep
+from nixl_twisted.exchange.reusing import Reusing, kept_answered
 from nixl_twisted.exchange.sending import NoInstanceServed, PrefillRefused
 from nixl_twisted.exchange.served import Served
 from nixl_twisted.exchange.tokens import wanted
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import NO_TRACE, RequestTrace
 from nixl_twisted.protocol.completion import Completion
-from nixl_twisted.protocol.decode_handle import HandleTaker
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import backend_request_headers
 from nixl_twisted.protocol.phases import Phase
-
-log = Logger()
 
 
 class Exchange:
@@ -146,11 +141,9 @@ class Exchange:
         """The legs, and again elsewhere while the answer moves: the one place that decides
         where a moved answer goes (each leg's own retries are ``send_leg``'s)."""
         routing = await self._rendered()
-        reusing = self.reusing
-        if reusing is not None:
-            prompt = routing.tokens or self.completion.token_ids
-            decode = self.legs.backends.decode
-            await self.phases.track(ensureDeferred(reusing.find(prompt, decode)))
+        if self.reusing is not None:  # (the handle its prompt extends, and where it is)
+            found = self.reusing.find(routing.tokens or self.completion.token_ids, self.legs)
+            await self.phases.track(ensureDeferred(found))
         moved = await self._pair(routing, self.completion, keepalive)
         avoid: list[Instance] = []
         while moved is not None:  # (its answer moves: the continuation, the same way)
@@ -209,8 +202,7 @@ class Exchange:
             measured = partial(self.legs.slots.measured, completion.served, self.record)
             placed.decode.also(lambda: measured(decision.mode is Mode.PD))
         moved = await decode.send(sent, placed.decode, decision, handed_at)
-        if decode.answered is not None:
-            self._keep(*decode.answered)
+        kept_answered(self.legs, self.reusing, decode.answered)
         return moved
 
     @property
@@ -218,28 +210,12 @@ class Exchange:
         """Decode's answer is asked for its ids, kept with its handle for the next turn."""
         return self.reusing is not None and self.reusing.keeps
 
-    def _keep(self, taken: HandleTaker, instance: Instance) -> None:
-        """The handle decode answered kept (or counted as not), never waited for: the
-        client's answer is whole already (a replica's keep is sent to Redis before the
-        client can ask again)."""
-        if taken.handle is None:
-            return
-        reusing, metrics = self.reusing, self.legs.metrics
-        if reusing is not None:
-            keeping = ensureDeferred(reusing.answered(taken, instance))
-        else:
-            keeping = ensureDeferred(keep(self.legs.handles, metrics, taken, instance, None))
-        keeping.addErrback(_not_kept)
-
     async def _rendered(self) -> Routing:
         """The routing, with the prompt's token ids when a policy, the cached rule or
         multi-turn reuse reads them (rendered by vLLM: ``tokens``)."""
         legs, routing = self.legs, self.routing
-        renders = wanted(legs.backends, self.rules, routing.model, bool(legs.kv.streams))
-        reusing = self.reusing
-        keeps = reusing is not None and reusing.keeps
-        if renders is None and keeps and self.completion.token_ids is None:
-            renders = legs.backends.prefill  # (a prompt of ids is its own)
+        reused = self._collects and self.completion.token_ids is None  # (ids are their own)
+        renders = wanted(legs.backends, self.rules, routing.model, bool(legs.kv.streams), reused)
         if renders is None:
             return routing
         timeout = self.config.kv_events.render_timeout
@@ -393,7 +369,3 @@ class Exchange:
         self.record.mode, self.record.decided_by = mode, reason
         metrics = self.legs.metrics
         metrics.child(metrics.disaggregation_decisions, mode, reason).inc()
-
-
-def _not_kept(failure: Failure) -> None:
-    log.failure("a handle decode answered was not kept", failure)

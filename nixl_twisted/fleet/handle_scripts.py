@@ -2,9 +2,10 @@
 
 Beside the keys of ``scripts`` (same prefix, same hash tag, one shard):
 ``handle:HEX``, one handle (``reuse.handles.Handle.to_json``) under the
-digest of the ids it covers, for decode's ``decoder_kv_blocks_ttl``.
-``KEEP`` writes one; ``FIND`` reads the first of a prompt's digests that
-holds one, without taking it; ``CLAIM`` takes it only if it is still the
+digest of the ids it covers, and ``turn:HEX``, its prompt's mark, each for
+decode's ``decoder_kv_blocks_ttl``. ``KEEP`` writes both; ``FIND`` reads the
+first of a prompt's digests that holds one, without taking it (else says
+whether one marks a turn); ``CLAIM`` takes it only if it is still the
 one found, so that of two replicas one reads it and the other is told no.
 What a key holds is checked by the reader (``reuse.handles.from_json``).
 """
@@ -19,18 +20,24 @@ from twisted.internet.defer import Deferred
 from nixl_twisted.fleet.lua_common import Caller
 from nixl_twisted.fleet.replies import WrongReply, count_of
 
-# ARGV: prefix, replica, key, handle, ms. Returns 0.
+# ARGV: prefix, replica, key, handle, ms, the turn's key ("" for none). Returns 0.
 KEEP = """
 redis.call('SET', ARGV[1] .. 'handle:' .. ARGV[3], ARGV[4], 'PX', tonumber(ARGV[5]))
+if ARGV[6] ~= '' then
+  redis.call('SET', ARGV[1] .. 'turn:' .. ARGV[6], '1', 'PX', tonumber(ARGV[5]))
+end
 return 0
 """
 
 # ARGV: prefix, replica, then keys, longest prefix first. The first that holds a string,
-# as {its place from 1, it}, or nil.
+# as {its place from 1, it}; else {0, ''} if one of them marks a turn; else nil.
 FIND = """
 for i = 3, #ARGV do
   local got = redis.pcall('GET', ARGV[1] .. 'handle:' .. ARGV[i])
   if type(got) == 'string' then return {i - 2, got} end
+end
+for i = 3, #ARGV do
+  if redis.call('EXISTS', ARGV[1] .. 'turn:' .. ARGV[i]) == 1 then return {0, ''} end
 end
 return nil
 """
@@ -48,14 +55,15 @@ return 0
 """
 
 
-def keep(caller: Caller, key: bytes, handle: str, ms: int) -> Deferred[Any]:
-    """Run ``KEEP``: ``handle`` (as JSON) under ``key`` for ``ms``."""
-    return caller.call(KEEP, [key.hex(), handle, ms], "handle_keep", _as_is)
+def keep(caller: Caller, key: bytes, handle: str, ms: int, turn: bytes | None) -> Deferred[Any]:
+    """Run ``KEEP``: ``handle`` (as JSON) under ``key`` for ``ms``, its turn under ``turn``."""
+    marked = turn.hex() if turn is not None else ""
+    return caller.call(KEEP, [key.hex(), handle, ms, marked], "handle_keep", _as_is)
 
 
 def find(caller: Caller, keys: Sequence[bytes]) -> Deferred[tuple[int, bytes] | None]:
-    """Run ``FIND``: the place in ``keys`` of the first that holds a handle, and what it
-    holds (None: none does)."""
+    """Run ``FIND``: the place in ``keys`` (from 1) of the first that holds a handle, and what
+    it holds; place 0: none does, but one marks a turn; None: neither."""
     return caller.call(FIND, [key.hex() for key in keys], "handle_find", _found)
 
 

@@ -16,6 +16,7 @@ from twisted.internet.defer import Deferred
 from nixl_twisted.fleet import handle_scripts
 from nixl_twisted.fleet.replicas import Replicas
 from nixl_twisted.reuse.handles import Handle, from_json
+from nixl_twisted.reuse.kept import Looked
 
 
 class FleetHandles:
@@ -24,16 +25,20 @@ class FleetHandles:
     def __init__(self, replicas: Replicas) -> None:
         self.replicas = replicas
 
-    def keep(self, key: bytes, handle: Handle, seconds: float) -> Deferred[None]:
+    def keep(
+        self, key: bytes, handle: Handle, seconds: float, turn: bytes | None
+    ) -> Deferred[None]:
         ms = max(1, int(seconds * 1000))
-        kept = handle_scripts.keep(self.replicas, key, handle.to_json(), ms)
+        kept = handle_scripts.keep(self.replicas, key, handle.to_json(), ms, turn)
         return kept.addCallback(lambda _: None)
 
-    def find(self, keys: Sequence[bytes]) -> Deferred[tuple[bytes, Handle | None] | None]:
-        def read(found: tuple[int, bytes] | None) -> tuple[bytes, Handle | None] | None:
-            if found is None or not 1 <= found[0] <= len(keys):
-                return None
-            return keys[found[0] - 1], from_json(found[1])
+    def find(self, keys: Sequence[bytes]) -> Deferred[Looked]:
+        def read(found: tuple[int, bytes] | None) -> Looked:
+            if found is None or not 0 <= found[0] <= len(keys):
+                return Looked()
+            if found[0] == 0:
+                return Looked(turn=True)
+            return Looked(keys[found[0] - 1], from_json(found[1]))
 
         return handle_scripts.find(self.replicas, keys).addCallback(read)
 

@@ -26,6 +26,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from twisted.web.http_headers import Headers
+
 from nixl_twisted.protocol.events import each, framed
 
 #: A whole answer held past this many bytes goes on as it comes, all but its tail.
@@ -75,6 +77,18 @@ def cut_handle(data: bytes) -> tuple[bytes, dict[str, Any] | None]:
         start = begin
         if isinstance(value, dict):
             taken = value
+
+
+def resizing(headers: Headers) -> Callable[[int | None], None]:
+    """What tells a client's ``headers`` the length of the whole answer sent (None: none)."""
+
+    def resized(length: int | None) -> None:
+        if length is None:
+            headers.removeHeader(b"content-length")
+        else:
+            headers.setRawHeaders(b"content-length", [b"%d" % length])
+
+    return resized
 
 
 def _ids(listed: bytes) -> list[int] | None:

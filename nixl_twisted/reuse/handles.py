@@ -43,6 +43,8 @@ class Handle:
     until: float
     #: Which one it is, whatever else is kept under its key (a claim names it).
     stamp: str = ""
+    #: How many of ``tokens`` were its prompt's (0: not known).
+    asked: int = 0
 
     @property
     def covered(self) -> int:
@@ -64,6 +66,15 @@ class Handle:
         """The digest it is kept under (None: it covers too few tokens to be worth one)."""
         aligned = self.covered // BLOCK * BLOCK
         if aligned < BLOCK:
+            return None
+        return _digests(scope, self.tokens[:aligned])[-1]
+
+    def turn_key(self, scope: bytes) -> bytes | None:
+        """The digest its prompt alone is kept under, as a mark of the turn: a next prompt
+        found there but not under ``key`` went on from its turn but not from what decode
+        holds (a ``mismatch``: a template that renders the answer otherwise)."""
+        aligned = self.asked // BLOCK * BLOCK
+        if aligned < BLOCK or aligned >= self.covered // BLOCK * BLOCK:
             return None
         return _digests(scope, self.tokens[:aligned])[-1]
 

@@ -48,6 +48,16 @@ class SharedHandleTests(FleetCase):
         assert claims == ["used", "taken"]
         assert (await here.find(SCOPE, prompt)).why == "none"
 
+    async def test_a_turn_one_replica_kept_tells_the_other_its_answer_did_not_extend(
+        self,
+    ) -> None:
+        other = await self.two()
+        here, there = handles_of(self.proxy), handles_of(other)
+        await here.keep(SCOPE, here.made(PARAMS, self.decode.url, TURN, asked=150))
+        rendered = [*TURN[:150], *range(5, 60), 9]
+        assert (await there.find(SCOPE, rendered)).why == "mismatch"
+        assert (await there.find(SCOPE, [*TURN[:100], *range(5, 120)])).why == "none"
+
     async def test_redis_keeps_a_handle_for_decodes_lifetime_and_no_longer(self) -> None:
         await self.two()
         here = handles_of(self.proxy)

@@ -62,6 +62,17 @@ def test_a_prompt_that_does_not_go_past_what_decode_holds_reads_nothing() -> Non
     assert _done(store.find(SCOPE, TURN[:199])).handle is None
 
 
+def test_a_prompt_that_went_on_from_the_turn_but_not_from_its_answer_is_a_mismatch() -> None:
+    # (a chat template that renders the answer otherwise than decode generated it)
+    clock = Clock()
+    store = _store(clock)
+    _done(store.keep(SCOPE, store.made(PARAMS, "http://d1", TURN, asked=150)))
+    rendered = [*TURN[:150], *range(5, 60), 9]
+    assert _done(store.find(SCOPE, rendered)).why == "mismatch"
+    other_turn = [*TURN[:100], *range(5, 120)]
+    assert _done(store.find(SCOPE, other_turn)).why == "none"
+
+
 def test_another_tenants_prompt_never_finds_it() -> None:
     clock = Clock()
     store = _store(clock)
