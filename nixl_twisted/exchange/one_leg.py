@@ -4,7 +4,8 @@
 prefill: one leg to a decode instance, with the same guarantees as a
 completion's decode leg (retries before the first byte, ``--decode-timeout``
 for the headers, ``--stream-idle-timeout`` for the body, a body that breaks
-off never passed off as complete). The door read the request
+off never passed off as complete; decode's handle, which vLLM keeps in a
+stored response, taken out). The door read the request
 (``protocol.completion.Relayed``: a JSON body's ``kv_transfer_params`` left
 out, the proxy's to set, never the client's).
 """
@@ -28,14 +29,16 @@ from nixl_twisted.exchange.relay import (
     abandon,
     break_off,
     close_slow,
-    relay_body,
     start_response,
 )
+from nixl_twisted.exchange.relay import relay as relay_passing
+from nixl_twisted.exchange.relay_parts import Passes, Silence
 from nixl_twisted.exchange.sending import Asked, ByPolicy, Elsewhere, reason_of, send_leg
 from nixl_twisted.observe.access import record_of
 from nixl_twisted.observe.spans import AttemptTrace, RequestTrace
 from nixl_twisted.protocol.codes import ErrorCode
 from nixl_twisted.protocol.completion import Relayed
+from nixl_twisted.protocol.decode_handle import HandleTaker, resizing
 from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.headers import backend_request_headers
 
@@ -144,7 +147,13 @@ async def _relay(
     record.decode_status = response.code
     try:
         start_response(request, response)
-        await relay_body(request, response, legs.clock, legs.config.timeouts.stream_idle)
+        # (a stored response keeps decode's handle as vLLM stored it: taken out here too)
+        kind = response.headers.getRawHeaders(b"content-type", [b""])[0]
+        taken = HandleTaker(
+            kind.startswith(b"text/event-stream"), resizing(request.responseHeaders)
+        )
+        silence = Silence(legs.clock, legs.config.timeouts.stream_idle)
+        await relay_passing(request, response, silence, Passes(taken=taken))
     except CancelledError:
         span.fail("client left during relay", "relay")
         raise

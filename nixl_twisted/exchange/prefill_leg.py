@@ -106,6 +106,9 @@ class PrefillLeg:
             params = await self._sent(instance, span, with_handle, judged=False)
         except (ProxyError, PrefillRefused) as error:
             reusing.said("failed")
+            if self.served.phases.client_gone:
+                raise  # (nobody to answer: no second prefill)
+            self.served.record.attempted("prefill", instance.url, "handle_failed", True)
             log.warn(
                 "prefill instance {url} failed {request_id} with decode's handle ({error}); "
                 "sent again without it",

@@ -43,6 +43,10 @@ class Taker(typing.Protocol):
     """What decode's body passes first (``protocol.decode_handle.HandleTaker``): it takes
     out what no client may have (decode's handle), and may hold a whole answer to."""
 
+    #: Nothing held, and a stream's whole event that does not name the handle passes as it
+    #: is: the relay need not call it.
+    idle: bool
+
     def __call__(self, data: bytes) -> bytes: ...
 
     def rest(self) -> bytes:

@@ -139,8 +139,12 @@ async def keep(
         outcome = "not_readable"
     else:
         asked = len(taken.prompt) if taken.prompt is not None else 0
-        made = store.made(params, instance.url, taken.tokens, asked)
-        outcome = "kept" if await store.keep(scope, made) else "too_short"
+        try:
+            made = store.made(params, instance.url, taken.tokens, asked)
+        except OverflowError:  # (an id no vocabulary has: not ids to check a prompt by)
+            outcome = "no_token_ids"
+        else:
+            outcome = await store.keep(scope, made)
     metrics.child(metrics.reuse_handles, outcome).inc()
     store.answered[outcome] += 1
 

@@ -163,8 +163,8 @@ class Renderer:
         if self._failing is None:
             gated = "403" in reason or "404" in reason
             log.warn(
-                "kv-aware cannot render prompts ({url}: {reason}){hint}; such requests are "
-                "routed as cache-aware until it can",
+                "cannot render prompts ({url}: {reason}){hint}; until it can, kv-aware routes "
+                "such requests as cache-aware and multi-turn reuse reads nothing back",
                 url=url,
                 reason=reason,
                 hint=": vllm serve needs --enable-scale-out" if gated else "",

@@ -353,6 +353,8 @@ class Exchange:
         finally:
             if first:
                 self._decided(decision)
+            if handle is not None and reusing is not None:  # (claimed, and never read: lost)
+                reusing.said("failed")
         if moves is not None and first:
             moves.handed(params, prefill.prompt_ids)
         tracked = moves is not None and moves.tracked

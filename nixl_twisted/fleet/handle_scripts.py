@@ -20,24 +20,25 @@ from twisted.internet.defer import Deferred
 from nixl_twisted.fleet.lua_common import Caller
 from nixl_twisted.fleet.replies import WrongReply, count_of
 
-# ARGV: prefix, replica, key, handle, ms, the turn's key ("" for none). Returns 0.
+# ARGV: prefix, replica, key, handle, ms, the turn's key and mark ("" for none). Returns 0.
 KEEP = """
 redis.call('SET', ARGV[1] .. 'handle:' .. ARGV[3], ARGV[4], 'PX', tonumber(ARGV[5]))
 if ARGV[6] ~= '' then
-  redis.call('SET', ARGV[1] .. 'turn:' .. ARGV[6], '1', 'PX', tonumber(ARGV[5]))
+  redis.call('SET', ARGV[1] .. 'turn:' .. ARGV[6], ARGV[7], 'PX', tonumber(ARGV[5]))
 end
 return 0
 """
 
 # ARGV: prefix, replica, then keys, longest prefix first. The first that holds a string,
-# as {its place from 1, it}; else {0, ''} if one of them marks a turn; else nil.
+# as {its place from 1, it}; else {0, the mark} of the first that marks a turn; else nil.
 FIND = """
 for i = 3, #ARGV do
   local got = redis.pcall('GET', ARGV[1] .. 'handle:' .. ARGV[i])
   if type(got) == 'string' then return {i - 2, got} end
 end
 for i = 3, #ARGV do
-  if redis.call('EXISTS', ARGV[1] .. 'turn:' .. ARGV[i]) == 1 then return {0, ''} end
+  local mark = redis.pcall('GET', ARGV[1] .. 'turn:' .. ARGV[i])
+  if type(mark) == 'string' then return {0, mark} end
 end
 return nil
 """
@@ -55,15 +56,18 @@ return 0
 """
 
 
-def keep(caller: Caller, key: bytes, handle: str, ms: int, turn: bytes | None) -> Deferred[Any]:
-    """Run ``KEEP``: ``handle`` (as JSON) under ``key`` for ``ms``, its turn under ``turn``."""
-    marked = turn.hex() if turn is not None else ""
-    return caller.call(KEEP, [key.hex(), handle, ms, marked], "handle_keep", _as_is)
+def keep(
+    caller: Caller, key: bytes, handle: str, ms: int, turn: tuple[bytes, str] | None
+) -> Deferred[Any]:
+    """Run ``KEEP``: ``handle`` (as JSON) under ``key`` for ``ms``, and its turn's mark
+    (``Handle.turn_mark``: its key and what it says)."""
+    marked, said = (turn[0].hex(), turn[1]) if turn is not None else ("", "")
+    return caller.call(KEEP, [key.hex(), handle, ms, marked, said], "handle_keep", _as_is)
 
 
 def find(caller: Caller, keys: Sequence[bytes]) -> Deferred[tuple[int, bytes] | None]:
     """Run ``FIND``: the place in ``keys`` (from 1) of the first that holds a handle, and what
-    it holds; place 0: none does, but one marks a turn; None: neither."""
+    it holds; place 0: none does, and what the first that marks a turn says; None: neither."""
     return caller.call(FIND, [key.hex() for key in keys], "handle_find", _found)
 
 

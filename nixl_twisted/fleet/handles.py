@@ -25,8 +25,12 @@ class FleetHandles:
     def __init__(self, replicas: Replicas) -> None:
         self.replicas = replicas
 
+    @property
+    def available(self) -> bool:
+        return self.replicas.is_shared
+
     def keep(
-        self, key: bytes, handle: Handle, seconds: float, turn: bytes | None
+        self, key: bytes, handle: Handle, seconds: float, turn: tuple[bytes, str] | None
     ) -> Deferred[None]:
         ms = max(1, int(seconds * 1000))
         kept = handle_scripts.keep(self.replicas, key, handle.to_json(), ms, turn)
@@ -37,7 +41,7 @@ class FleetHandles:
             if found is None or not 0 <= found[0] <= len(keys):
                 return Looked()
             if found[0] == 0:
-                return Looked(turn=True)
+                return Looked(turn=found[1].decode("utf-8", "replace"))
             return Looked(keys[found[0] - 1], from_json(found[1]))
 
         return handle_scripts.find(self.replicas, keys).addCallback(read)

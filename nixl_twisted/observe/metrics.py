@@ -259,15 +259,15 @@ class ProxyMetrics:
             "nixlproxy_reuse_handles",
             "Handles decode answered (vLLM's bidirectional KV transfer), each taken out of "
             "the client's answer, by outcome: kept (for the conversation's next turn), off "
-            "(--multi-turn-reuse is off), no_token_ids, too_short.",
+            "(--multi-turn-reuse is off), no_token_ids, too_short, too_long, not_readable.",
             ["outcome"],
             registry=r,
         )
         self.reuse_lookups = Counter(
             "nixlproxy_reuse_lookups",
             "Two-leg completions under --multi-turn-reuse, by what came of the handle their "
-            "prompt extends: used, none, mismatch, expired, taken, failed, decode_only, "
-            "no_token_ids.",
+            "prompt extends: used, none, mismatch, expired, taken, failed, decode_only, gone, "
+            "disallowed_host, no_token_ids.",
             ["outcome"],
             registry=r,
         )

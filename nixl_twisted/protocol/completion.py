@@ -168,10 +168,14 @@ class Completion:
     def keeps_handle(self) -> bool:
         """Decode's handle on its answer's KV is worth keeping for the next turn: a chat or
         text completion of one prompt and one choice, whose ids decode can say
-        (``return_token_ids``; a continuation's are its own)."""
+        (``return_token_ids``; a continuation's are its own), and whose ids are all it is:
+        text only (an image's placeholder ids are the same for another image of its size,
+        so ids cannot tell a changed image)."""
         body = self.body
+        chat = self.path == routes.CHAT_COMPLETIONS
         return (
-            self.path in (routes.CHAT_COMPLETIONS, routes.COMPLETIONS)
+            (token_ids.text_only(body.get("messages")) if chat else self.path == routes.COMPLETIONS)
+            and "prompt_embeds" not in body
             and self.batch is None
             and self.resumed is None
             and body.get("n") in (None, 1)

@@ -36,9 +36,12 @@ MAX_HELD = 16 * 1024 * 1024
 TAIL = 4 * 1024 * 1024
 
 _HANDLE = re.compile(rb'"kv_transfer_params"\s*:\s*\{')
-_NAME = b'"kv_transfer_params"'
+#: How decode's handle is named in its answer (a chunk without it passes as it is).
+HANDLE_NAME = b'"kv_transfer_params"'
+_NAME = HANDLE_NAME
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids"\s*:\s*\[([^\]]*)\]')
 _TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
+_ID_NAMES = (b'"token_ids"', b'"prompt_token_ids"')
 #: A chat chunk vLLM sends only to carry token ids (no text, logprobs or end).
 _EMPTY_DELTA = b'"delta":{},"logprobs":null,"finish_reason":null'
 _DECODER = json.JSONDecoder()
@@ -46,23 +49,20 @@ _SPACE = b" \t\r\n"
 
 
 def cut_handle(data: bytes) -> tuple[bytes, dict[str, Any] | None]:
-    """``data`` without its ``kv_transfer_params`` objects (and the comma that joined
-    each), and the last of them (None: none)."""
-    taken: dict[str, Any] | None = None
-    start = 0
-    while True:
-        found = _HANDLE.search(data, start)
-        if found is None:
-            return data, taken
+    """``data`` without its last ``kv_transfer_params`` object (and the comma that joined it),
+    and that object (None: none). vLLM writes the handle last in its object; an object of
+    that name anywhere before it (a tool's schema echoed) is the client's own, left as it is."""
+    for found in reversed(list(_HANDLE.finditer(data))):
         opening = found.end() - 1
         try:
             text = data[opening:].decode("utf-8", "replace")
             value, end = _DECODER.raw_decode(text)
         except ValueError:
-            return data, taken  # (not JSON after all: cut short, or not decode's)
+            continue  # (not JSON after all: cut short, or not decode's)
+        if not isinstance(value, dict):
+            continue
         closing = opening + len(text[:end].encode("utf-8", "replace"))
-        begin = found.start()
-        before = begin
+        begin = before = found.start()
         while before > 0 and data[before - 1] in _SPACE:
             before -= 1
         if before > 0 and data[before - 1 : before] == b",":
@@ -73,10 +73,8 @@ def cut_handle(data: bytes) -> tuple[bytes, dict[str, Any] | None]:
                 after += 1
             if data[after : after + 1] == b",":
                 closing = after + 1
-        data = data[:begin] + data[closing:]
-        start = begin
-        if isinstance(value, dict):
-            taken = value
+        return data[:begin] + data[closing:], value
+    return data, None
 
 
 def resizing(headers: Headers) -> Callable[[int | None], None]:
@@ -123,10 +121,15 @@ class HandleTaker:
         #: The prompt's ids and the answer's, as decode said them (None: not, or not all).
         self.prompt: list[int] | None = None
         self._output: list[int] | None = [] if collect else None
+        #: A stream's event cut short, held for its end; a whole answer's chunks, and bytes.
         self._held = b""
+        self._chunks: list[bytes] = []
+        self._size = 0
         self._looks = collect or strip_ids
         self._unsized = False
-        self._sent = 0
+        #: Nothing held and nothing to look for but the handle: a stream's whole events pass
+        #: unless they name it (the relay looks itself, without a call per token).
+        self.idle = stream and not self._looks
 
     @property
     def tokens(self) -> list[int] | None:
@@ -146,15 +149,18 @@ class HandleTaker:
         if not self._held and not self._looks and data[-2:] == b"\n\n" and _NAME not in data:
             return data  # (the steady path: a whole event with nothing to take)
         whole, self._held = framed(self._held, data)
+        self.idle = not self._held and not self._looks
         if not whole:
             return b""
         return b"".join(self._event(event) for event in each(whole))
 
     def rest(self) -> bytes:
         """What was held when decode's answer ended whole, as the client gets it."""
-        held, self._held = self._held, b""
         if self.stream:
+            held, self._held = self._held, b""
             return held  # (an event cut short: as it came)
+        held = b"".join(self._chunks)
+        self._chunks, self._size = [], 0
         body, handle = cut_handle(held)
         if handle is not None:
             self.handle = handle
@@ -167,14 +173,23 @@ class HandleTaker:
         return body
 
     def _hold(self, data: bytes) -> bytes:
-        self._held += data
-        if len(self._held) <= MAX_HELD:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size <= MAX_HELD:
             return b""
         if not self._unsized:
             self._unsized = True
             self.resized(None)
             self._output = None  # (its ids are not all read: none kept)
-        passed, self._held = self._held[:-TAIL], self._held[-TAIL:]
+        held = b"".join(self._chunks)
+        cut = len(held) - TAIL
+        if self.strip_ids:  # (a list of ids, or its name, is never split: it would pass unseen)
+            for name in _ID_NAMES:
+                opened = held.rfind(name, 0, cut + len(name))
+                if opened >= 0 and held.find(b"]", opened, cut) < 0:
+                    cut = min(cut, opened)
+        passed, rest = held[:cut], held[cut:]
+        self._chunks, self._size = [rest], len(rest)
         return self._nulled(passed) if self.strip_ids else passed
 
     def _read_whole(self, body: bytes) -> None:

@@ -37,8 +37,8 @@ class Handle:
     params: dict[str, Any]
     #: The decode instance that holds the blocks (its URL): the next decode leg goes there.
     instance: str
-    #: The ids decode holds: the prompt's, then the answer's.
-    tokens: tuple[int, ...]
+    #: The ids decode holds: the prompt's, then the answer's (8 bytes each: ``ids_of``).
+    tokens: array[int]
     #: When it stops being offered, on the proxy's clock (its lifetime less a margin).
     until: float
     #: Which one it is, whatever else is kept under its key (a claim names it).
@@ -60,7 +60,12 @@ class Handle:
         """``prompt`` begins with every id decode holds KV for, and goes on past them (vLLM
         computes at least the last token itself)."""
         covered = self.covered
-        return len(prompt) > covered and tuple(prompt[:covered]) == self.tokens[:covered]
+        if len(prompt) <= covered:
+            return False
+        try:
+            return ids_of(prompt[:covered]) == self.tokens[:covered]
+        except OverflowError:  # (an id no vocabulary has)
+            return False
 
     def key(self, scope: bytes) -> bytes | None:
         """The digest it is kept under (None: it covers too few tokens to be worth one)."""
@@ -69,14 +74,17 @@ class Handle:
             return None
         return _digests(scope, self.tokens[:aligned])[-1]
 
-    def turn_key(self, scope: bytes) -> bytes | None:
-        """The digest its prompt alone is kept under, as a mark of the turn: a next prompt
-        found there but not under ``key`` went on from its turn but not from what decode
-        holds (a ``mismatch``: a template that renders the answer otherwise)."""
+    def turn_mark(self, scope: bytes) -> tuple[bytes, str] | None:
+        """Its prompt's mark: the digest it is kept under (its prompt's ids, ``BLOCK``-aligned)
+        and what it says (how many ids the prompt had, and their digest). A next prompt that
+        begins with the whole prompt but does not extend the handle went on from its turn
+        but not from what decode holds (a ``mismatch``: a template that renders the answer
+        otherwise). None: too short to mark, or marked by the handle's own key."""
         aligned = self.asked // BLOCK * BLOCK
         if aligned < BLOCK or aligned >= self.covered // BLOCK * BLOCK:
             return None
-        return _digests(scope, self.tokens[:aligned])[-1]
+        said = f"{self.asked}:{exact_digest(scope, self.tokens[: self.asked]).hex()}"
+        return _digests(scope, self.tokens[:aligned])[-1], said
 
     def to_json(self) -> str:
         """As the replicas keep it in Redis."""
@@ -84,12 +92,23 @@ class Handle:
             {
                 "params": self.params,
                 "instance": self.instance,
-                "tokens": self.tokens,
+                "tokens": self.tokens.tolist(),
                 "until": self.until,
                 "stamp": self.stamp,
             },
             separators=(",", ":"),
         )
+
+
+#: Ids one handle covers at most (a conversation past a million tokens is not kept).
+MAX_IDS = 1 << 20
+#: Every token id is below it (eight bytes each).
+ID_BOUND = 1 << 63
+
+
+def ids_of(ids: Sequence[int]) -> array[int]:
+    """``ids`` eight bytes each (``OverflowError``: one no vocabulary has)."""
+    return array("q", ids)
 
 
 #: What a prefill instance reads decode's blocks with (vLLM's NIXL connector).
@@ -129,11 +148,13 @@ def from_json(raw: object) -> Handle | None:
         return None
     if not isinstance(stamp, str) or not stamp.isalnum():
         return None
-    if not isinstance(tokens, list) or not all(type(t) is int and t >= 0 for t in tokens):
+    if not isinstance(tokens, list) or len(tokens) > MAX_IDS:
+        return None
+    if not all(type(t) is int and 0 <= t < ID_BOUND for t in tokens):
         return None
     if not isinstance(until, int | float) or isinstance(until, bool) or not readable(params):
         return None
-    return Handle(params, instance, tuple(tokens), float(until), stamp)
+    return Handle(params, instance, ids_of(tokens), float(until), stamp)
 
 
 def scope_of(tenant: str | None, salt: str | None, model: str | None) -> bytes:
@@ -148,6 +169,22 @@ def prefix_keys(scope: bytes, prompt: Sequence[int]) -> list[bytes]:
     if usable < BLOCK:
         return []
     return _digests(scope, prompt[:usable])[::-1]
+
+
+def marks(said: str, scope: bytes, prompt: Sequence[int]) -> bool:
+    """A turn's mark (``Handle.turn_mark``) says ``prompt`` went on from that turn's prompt:
+    it begins with all of it, and has more."""
+    count, _, digest = said.partition(":")
+    if not count.isdigit() or len(prompt) <= int(count):
+        return False
+    return exact_digest(scope, prompt[: int(count)]).hex() == digest
+
+
+def exact_digest(scope: bytes, ids: Sequence[int]) -> bytes:
+    """The digest of ``scope`` and every id of ``ids``."""
+    return hashlib.blake2b(
+        hashlib.blake2b(scope).digest() + array("q", ids).tobytes(), digest_size=16
+    ).digest()
 
 
 def _digests(scope: bytes, ids: Sequence[int]) -> list[bytes]:

@@ -15,18 +15,21 @@ from __future__ import annotations
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 
-from nixl_twisted.reuse.handles import Handle, prefix_keys
+from nixl_twisted.reuse.handles import MAX_IDS, Handle, ids_of, marks, prefix_keys
 
 T = TypeVar("T")
 
-#: Handles one process keeps (the oldest let go first).
+#: Handles one process keeps (the oldest let go first), and the ids they cover in all
+#: (128 MiB of them).
 LIMIT = 10_000
+HELD_IDS = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -36,22 +39,27 @@ class Looked:
 
     key: bytes = b""
     handle: Handle | None = None
-    turn: bool = False
+    #: What a turn's mark says (``Handle.turn_mark``; None: none found).
+    turn: str | None = None
 
 
 class SharedHandles(Protocol):
     """Where every replica keeps the handles (``fleet.handles``); each call fails with
-    ``Unshared`` while Redis is away."""
+    ``Unshared`` while Redis is away, or when it does not answer in time."""
+
+    @property
+    def available(self) -> bool:
+        """Redis answers now: a handle is kept there, not here."""
 
     def keep(
-        self, key: bytes, handle: Handle, seconds: float, turn: bytes | None
+        self, key: bytes, handle: Handle, seconds: float, turn: tuple[bytes, str] | None
     ) -> Deferred[None]:
         """Kept under ``key`` for ``seconds`` (a newer one under the same key replaces it),
-        and its turn marked under ``turn`` (None: none to mark)."""
+        and its turn's mark (``Handle.turn_mark``; None: none)."""
 
     def find(self, keys: Sequence[bytes]) -> Deferred[Looked]:
         """The first of ``keys`` that holds a handle, and it (None: not a handle), or else
-        whether one of them marks a turn."""
+        what the first of them that marks a turn says."""
 
     def claim(self, key: bytes, handle: Handle) -> Deferred[bool]:
         """``handle`` taken from ``key`` if it is still there (False: read or gone)."""
@@ -87,9 +95,12 @@ class HandleStore:
         self.lifetime = lifetime
         self.shared = shared
         self.limit = limit
+        #: The ids the handles kept here cover, in all, and at most (eight bytes each).
+        self._ids = 0
+        self.held_ids = HELD_IDS
         self._kept: OrderedDict[bytes, Handle] = OrderedDict()
-        #: The turns of the handles kept here, marked (``Handle.turn_key``).
-        self._turns: OrderedDict[bytes, None] = OrderedDict()
+        #: The turns of the handles kept here, marked (``Handle.turn_mark``).
+        self._turns: OrderedDict[bytes, str] = OrderedDict()
         #: What came of this process's lookups and of the handles its decode legs answered,
         #: by outcome, and the prompt tokens the handles read covered (the status page).
         self.lookups: Counter[str] = Counter()
@@ -120,26 +131,36 @@ class HandleStore:
     def made(
         self, params: dict[str, object], instance: str, tokens: Sequence[int], asked: int = 0
     ) -> Handle:
-        """A handle decode answered now; ``asked``: how many of ``tokens`` were the prompt's."""
+        """A handle decode answered now; ``asked``: how many of ``tokens`` were the prompt's
+        (``OverflowError``: an id no vocabulary has)."""
         until = self.clock.seconds() + self.lifetime - self.margin
-        return Handle(params, instance, tuple(tokens), until, uuid.uuid4().hex, asked)
+        return Handle(params, instance, ids_of(tokens), until, uuid.uuid4().hex, asked)
 
-    async def keep(self, scope: bytes, handle: Handle) -> bool:
-        """Kept for its scope's next prompts; False: it covers too few tokens to keep."""
+    async def keep(self, scope: bytes, handle: Handle) -> str:
+        """Kept for its scope's next prompts (``kept``), or why not: it covers too few tokens
+        to be worth it (``too_short``), or more than ``MAX_IDS`` (``too_long``)."""
         key = handle.key(scope)
         if key is None:
-            return False
-        turn = handle.turn_key(scope)
-        if self.shared is not None:
-            try:
-                await self.shared.keep(key, handle, self.lifetime, turn)
-                return True
-            except Exception:  # (Redis away: kept here, where only this replica reads it)
-                pass
-        _bounded(self._kept, key, handle, self.limit)
+            return "too_short"
+        if len(handle.tokens) > MAX_IDS:
+            return "too_long"
+        turn = handle.turn_mark(scope)
+        if self.shared is not None and self.shared.available:
+            # (a call that failed may have reached Redis all the same: kept here too, two
+            # replicas could read it; lost instead, the next turn computes its prompt)
+            with suppress(Exception):
+                await self.shared.keep(key, handle, self.lifetime - self.margin, turn)
+            return "kept"
+        self._ids += len(handle.tokens)
+        gone = self._kept.pop(key, None)
+        self._ids -= len(gone.tokens) if gone is not None else 0
+        self._kept[key] = handle
+        while len(self._kept) > self.limit or self._ids > self.held_ids:
+            _, oldest = self._kept.popitem(last=False)
+            self._ids -= len(oldest.tokens)
         if turn is not None:
-            _bounded(self._turns, turn, None, self.limit)
-        return True
+            _bounded(self._turns, turn[0], turn[1], self.limit)
+        return "kept"
 
     async def find(self, scope: bytes, prompt: Sequence[int]) -> Found:
         """The handle ``prompt`` extends, without taking it."""
@@ -150,13 +171,16 @@ class HandleStore:
         if not looked.key and self.shared is not None:
             try:
                 there = await self.shared.find(keys)
+            except CancelledError:
+                raise  # (its client left)
             except Exception:
                 there = Looked()  # (Redis away: only this replica's own)
             shared = bool(there.key)
             looked = there if there.key or there.turn else looked
         key, handle = looked.key, looked.handle
         if handle is None:
-            return Found("mismatch") if looked.turn and not key else NOTHING
+            went_on = looked.turn is not None and not key and marks(looked.turn, scope, prompt)
+            return Found("mismatch") if went_on else NOTHING
         if not handle.extends(prompt):
             return Found("mismatch", None, key, shared)
         if self.clock.seconds() >= handle.until:
@@ -168,7 +192,7 @@ class HandleStore:
             handle = self._kept.get(key)
             if handle is not None:
                 return Looked(key, handle)
-        return Looked(turn=any(key in self._turns for key in keys))
+        return Looked(turn=next((self._turns[k] for k in keys if k in self._turns), None))
 
     async def claim(self, found: Found) -> str:
         """Take ``found``'s handle for a prefill leg now: ``used``, or why not (``expired``,
@@ -182,10 +206,13 @@ class HandleStore:
             if taken is not handle:
                 return "taken"
             del self._kept[found.key]
+            self._ids -= len(handle.tokens)
             return "used"
         assert self.shared is not None
         try:
             claimed = await self.shared.claim(found.key, handle)
+        except CancelledError:
+            raise  # (its client left)
         except Exception:
             return "taken"  # (Redis away: another replica may read it; never twice)
         return "used" if claimed else "taken"

@@ -206,13 +206,16 @@ class Generation(Capacity, Controls, EngineTime, KvEventsMixin, Bidirectional):
             reply = answers.Response(
                 model=str(body.get("model", self.model)), words=words, input_tokens=input_tokens
             )
-            if role != "prefill" and body.get("store", True):
-                self.responses[reply.id] = reply.whole()
+            stored = role != "prefill" and body.get("store", True)
             if not body.get("stream"):
                 whole = reply.whole()
                 if kv_answer is not None or handle is not None:
                     whole["kv_transfer_params"] = handle() if handle else kv_answer
+                if stored:  # (as vLLM stores it: decode's handle in it)
+                    self.responses[reply.id] = whole
                 return answers.encode(whole)
+            if stored:
+                self.responses[reply.id] = reply.whole()
             await self._stream(request, reply.events(handle), *_cut(behaviour, 4, messages=False))
             return None
         if messages_api:

@@ -31,7 +31,7 @@ def reusing(decodes: int = 2, ttl: float = 120.0, **options: Any) -> Setup:
     )
 
 
-def chat(setup: Setup, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+def chat(setup: Setup, messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     answer = setup.post(
         "/v1/chat/completions", {"model": "fake-model", "messages": messages, **extra}
     ).answer()
@@ -45,7 +45,7 @@ def chat(setup: Setup, messages: list[dict[str, str]], **extra: Any) -> dict[str
     return said
 
 
-def next_turn(messages: list[dict[str, str]], said: dict[str, Any]) -> list[dict[str, str]]:
+def next_turn(messages: list[dict[str, Any]], said: dict[str, Any]) -> list[dict[str, Any]]:
     content = said["choices"][0]["message"]["content"]
     asked = {"role": "user", "content": f"And after that? ({len(messages)})"}
     return [*messages, {"role": "assistant", "content": content}, asked]
@@ -263,3 +263,32 @@ def test_the_status_page_says_what_came_of_reuse() -> None:
     assert status["reuse"]["handles"] == {"kept": 2}
     assert status["reuse"]["tokens_read"] > 0
     assert status["reuse"]["kept_here"] == 1  # (turn 2's, for turn 3)
+
+
+def test_a_conversation_with_an_image_is_never_read_back() -> None:
+    # (an image's placeholder ids are the same for another image of its size)
+    setup = reusing()
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    seen: list[dict[str, Any]] = [
+        SYSTEM,
+        {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]},
+    ]
+    chat(setup, next_turn(seen, chat(setup, seen)))
+    assert setup.prefill.handles_read == []
+    handles = setup.scrape()[("nixlproxy_reuse_handles_total", (("outcome", "no_token_ids"),))]
+    assert handles == 2
+
+
+def test_a_stored_response_is_read_back_without_its_handle() -> None:
+    # (vLLM stores the whole response, decode's handle in it, and answers it as stored)
+    setup = reusing(decodes=1)
+    made = setup.post("/v1/responses", {"model": "fake-model", "input": "How?"}).answer()
+    response_id = made.json()["id"]
+    (stored,) = setup.decode.responses.values()
+    assert "kv_transfer_params" in stored  # (the fake keeps it, as vLLM does)
+    again = setup.get(f"/v1/responses/{response_id}").answer()
+    assert again.status == 200 and again.complete
+    assert int(again.headers["content-length"]) == len(again.body)
+    for word in HANDLE_WORDS:
+        assert word not in again.body
+    assert again.json()["id"] == response_id

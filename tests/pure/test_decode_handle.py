@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from nixl_twisted.protocol.decode_handle import HandleTaker, cut_handle
 
 HANDLE = {"do_remote_decode": True, "remote_block_ids": [[1, 2], [3]], "remote_num_tokens": 9}
@@ -96,3 +98,25 @@ def test_a_stream_with_nothing_to_take_passes_as_it_came() -> None:
     taker = HandleTaker(True, lambda length: None)
     event = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
     assert taker(event) is event
+
+
+def test_only_the_last_object_so_named_is_decodes_a_tools_schema_before_it_is_the_clients() -> None:
+    schema = {"type": "object", "properties": {"kv_transfer_params": {"type": "object"}}}
+    body = _whole(tools=[{"parameters": schema}], kv_transfer_params=HANDLE)
+    cut, taken = cut_handle(body)
+    assert taken == HANDLE and json.loads(cut) == json.loads(_whole(tools=[{"parameters": schema}]))
+
+
+def test_past_the_bound_a_list_of_ids_is_never_split_and_passed_unseen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nixl_twisted.protocol import decode_handle
+
+    monkeypatch.setattr(decode_handle, "MAX_HELD", 64)
+    monkeypatch.setattr(decode_handle, "TAIL", 24)
+    lengths: list[int | None] = []
+    taker = HandleTaker(False, lengths.append, strip_ids=True)
+    body = b'{"logprobs":"' + b"x" * 40 + b'","token_ids":[1,2,3,4,5,6,7,8,9,10,11,12],"a":1}'
+    sent = b"".join(taker(body[i : i + 8]) for i in range(0, len(body), 8)) + taker.rest()
+    assert lengths == [None]  # (past the bound: no length)
+    assert json.loads(sent)["token_ids"] is None

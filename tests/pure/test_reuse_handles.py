@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from twisted.internet.defer import ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, fail
 from twisted.internet.task import Clock
 
 from nixl_twisted.reuse import Handle, HandleStore, scope_of
-from nixl_twisted.reuse.handles import BLOCK, from_json
+from nixl_twisted.reuse.handles import BLOCK, from_json, ids_of
 
 PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
@@ -40,7 +40,7 @@ def _store(clock: Clock, lifetime: float = 120.0) -> HandleStore:
 def test_a_prompt_that_extends_what_decode_holds_finds_its_handle() -> None:
     clock = Clock()
     store = _store(clock)
-    assert _done(store.keep(SCOPE, store.made(PARAMS, "http://d1", TURN)))
+    assert _done(store.keep(SCOPE, store.made(PARAMS, "http://d1", TURN))) == "kept"
     found = _done(store.find(SCOPE, [*TURN, 5, 6, 7]))
     assert found.why == "found" and found.handle.instance == "http://d1"
 
@@ -114,14 +114,14 @@ def test_a_handle_covering_fewer_than_a_block_is_not_kept() -> None:
     clock = Clock()
     store = _store(clock)
     short = dict(PARAMS, remote_num_tokens=BLOCK - 1)
-    assert not _done(store.keep(SCOPE, store.made(short, "http://d1", TURN[:BLOCK])))
+    assert _done(store.keep(SCOPE, store.made(short, "http://d1", TURN[:BLOCK]))) == "too_short"
     assert len(store) == 0
 
 
 def test_covered_is_what_decode_says_it_holds_never_more_than_its_ids() -> None:
-    handle = Handle(dict(PARAMS, remote_num_tokens=10_000), "http://d1", TURN, 0.0)
+    handle = Handle(dict(PARAMS, remote_num_tokens=10_000), "http://d1", ids_of(TURN), 0.0)
     assert handle.covered == len(TURN) - 1
-    assert Handle(PARAMS, "http://d1", TURN, 0.0).covered == 199
+    assert Handle(PARAMS, "http://d1", ids_of(TURN), 0.0).covered == 199
 
 
 @pytest.mark.parametrize(
@@ -144,5 +144,64 @@ def test_what_redis_holds_is_a_handle_only_if_it_reads_as_one(raw: bytes) -> Non
 
 
 def test_a_handle_reads_back_as_it_was_kept() -> None:
-    handle = Handle(PARAMS, "http://d1", TURN, 12.5, "abc123")
+    handle = Handle(PARAMS, "http://d1", ids_of(TURN), 12.5, "abc123")
     assert from_json(handle.to_json().encode()) == handle
+
+
+def test_a_new_conversation_that_shares_only_the_opening_is_no_mismatch() -> None:
+    clock = Clock()
+    store = _store(clock)
+    _done(store.keep(SCOPE, store.made(PARAMS, "http://d1", TURN, asked=150)))
+    assert _done(store.find(SCOPE, [*TURN[:140], *range(5, 60)])).why == "none"
+
+
+class _Away:
+    """Redis that answers nothing: every call fails, or never fires."""
+
+    def __init__(self, available: bool, fires: bool = True) -> None:
+        self.available = available
+        self.fires = fires
+        self.finding: Deferred[Any] = Deferred()
+
+    def keep(self, *args: Any) -> Deferred[None]:
+        return fail(Exception("timed out after it was sent"))
+
+    def find(self, keys: Any) -> Deferred[Any]:
+        return fail(Exception("away")) if self.fires else self.finding
+
+    def claim(self, *args: Any) -> Deferred[bool]:
+        return fail(Exception("away"))
+
+
+def test_a_handle_redis_may_have_taken_is_not_kept_here_too() -> None:
+    store = HandleStore(Clock(), 120.0, _Away(available=True))
+    assert _done(store.keep(SCOPE, store.made(PARAMS, "http://d1", TURN))) == "kept"
+    assert len(store) == 0  # (two replicas would read it)
+
+
+def test_while_redis_is_away_a_replica_keeps_and_finds_its_own() -> None:
+    store = HandleStore(Clock(), 120.0, _Away(available=False))
+    _done(store.keep(SCOPE, store.made(PARAMS, "http://d1", TURN)))
+    assert _done(store.find(SCOPE, [*TURN, 5])).why == "found"
+
+
+def test_a_lookup_whose_client_left_is_cancelled_not_answered() -> None:
+    away = _Away(available=True, fires=False)
+    store = HandleStore(Clock(), 120.0, away)
+    finding = ensureDeferred(store.find(SCOPE, [*TURN, 5]))
+    finding.cancel()
+    failures: list[Any] = []
+    finding.addErrback(failures.append)
+    assert failures and failures[0].check(CancelledError)
+
+
+def test_the_ids_kept_here_are_bounded_the_oldest_let_go_first() -> None:
+    clock = Clock()
+    store = _store(clock)
+    store.held_ids = 2 * len(TURN)
+    for start in (0, 1000, 2000):
+        turn = tuple(range(start, start + len(TURN)))
+        _done(store.keep(SCOPE, store.made(PARAMS, "http://d1", turn)))
+    assert len(store) == 2
+    assert _done(store.find(SCOPE, [*range(0, 200), 5])).why == "none"
+    assert _done(store.find(SCOPE, [*range(2000, 2200), 5])).why == "found"
