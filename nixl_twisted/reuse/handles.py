@@ -24,6 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+#: A prompt's last ids a turn's mark leaves out (a generation prompt's last token, such as
+#: a space, may be rendered merged with the answer's first in the next turn).
+MARK_SLACK = 4
 #: Ids per key step; vLLM recomputes fewer remote tokens than 64 anyway
 #: (``kv_recompute_threshold``), so a handle covering fewer is not kept.
 BLOCK = 64
@@ -76,14 +79,16 @@ class Handle:
 
     def turn_mark(self, scope: bytes) -> tuple[bytes, str] | None:
         """Its prompt's mark: the digest it is kept under (its prompt's ids, ``BLOCK``-aligned)
-        and what it says (how many ids the prompt had, and their digest). A next prompt that
-        begins with the whole prompt but does not extend the handle went on from its turn
-        but not from what decode holds (a ``mismatch``: a template that renders the answer
-        otherwise). None: too short to mark, or marked by the handle's own key."""
-        aligned = self.asked // BLOCK * BLOCK
+        and what it says (how many ids it marks, and their digest: the prompt's but its last
+        ``MARK_SLACK``, which a template may render merged with the answer). A next prompt
+        that begins with those but does not extend the handle went on from its turn but not
+        from what decode holds (a ``mismatch``). None: too short to mark, or marked by the
+        handle's own key."""
+        marked = self.asked - MARK_SLACK
+        aligned = marked // BLOCK * BLOCK
         if aligned < BLOCK or aligned >= self.covered // BLOCK * BLOCK:
             return None
-        said = f"{self.asked}:{exact_digest(scope, self.tokens[: self.asked]).hex()}"
+        said = f"{marked}:{exact_digest(scope, self.tokens[:marked]).hex()}"
         return _digests(scope, self.tokens[:aligned])[-1], said
 
     def to_json(self) -> str:
