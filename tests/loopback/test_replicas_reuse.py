@@ -5,7 +5,6 @@ never read as one."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from twisted.internet import reactor
 
@@ -15,18 +14,9 @@ from nixl_twisted.reuse import HandleStore, scope_of
 from nixl_twisted.reuse.handles import prefix_keys
 from nixl_twisted.testing import RunningProxy
 from tests.loopback.test_replicas import FleetCase
+from tests.pure.test_reuse_handles import PARAMS, TURN
 
-PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": "decode-0",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5600,
-    "remote_block_ids": [[1, 2, 3]],
-    "remote_num_tokens": 199,
-}
 SCOPE = scope_of("acme", None, "fake-model")
-TURN = tuple(range(1000, 1200))
 
 
 def handles_of(proxy: RunningProxy) -> HandleStore:
