@@ -33,11 +33,11 @@ from nixl_twisted.exchange.placing import (
     Placed,
     Prefilling,
     place,
-    place_decode,
     place_now,
     place_prefill,
 )
 from nixl_twisted.exchange.prefill_leg import PrefillLeg
+from nixl_twisted.exchange.ready import ready_slot
 from nixl_twisted.exchange.request import ExchangeRequest, query_of
 from nixl_twisted.exchange.reusing import Reusing, kept_answered
 from nixl_twisted.exchange.sending import NoInstanceServed, PrefillRefused
@@ -181,7 +181,10 @@ class Exchange:
                 routing, completion, served, placed, first
             )
             if isinstance(placed, Prefilling):
-                placed = await self._ready(routing, completion, placed, decision, handed_at)
+                phases, record = self.phases, self.record
+                placed = await ready_slot(
+                    self.legs, phases, record, routing, completion, placed, decision, handed_at
+                )
         except BaseException:
             placed.release()  # (until send_leg takes them over, the leases are ours to give back)
             raise
@@ -228,8 +231,8 @@ class Exchange:
         """The decode instance held (and, with caps, the prefill instance too), and whether
         prefill pays: at once, or once the fair queue lets it go (``Phase.QUEUED``); with
         caps, a two-leg completion's prefill slot alone (``Prefilling``: its decode slot is
-        taken once prefill answered, ``_ready``); ``avoid``: decode instances a moved answer
-        failed on; ``first``: not a moved answer's continuation."""
+        taken once prefill answered, ``ready.ready_slot``); ``avoid``: decode instances a
+        moved answer failed on; ``first``: not a moved answer's continuation."""
         legs, phases, record = self.legs, self.phases, self.record
         slots, backends = legs.slots, legs.backends
         room = slots is not None and (backends.decode.capped or backends.prefill.capped)
@@ -272,53 +275,6 @@ class Exchange:
                 record.queued_seconds = (record.queued_seconds or 0.0) + waited
         phases.enter(Phase.PREFILL)
         return served, taken
-
-    async def _ready(
-        self,
-        routing: Routing,
-        c: Completion,
-        prefilling: Prefilling,
-        decision: Decision,
-        handed_at: float,
-    ) -> Placed:
-        """Prefilled (or fallen back to decode alone): its decode slot, at once or once the
-        fair queue's ready lane lets it go; over the cap once its KV lease nears its end."""
-        legs, record = self.legs, self.record
-        slots = legs.slots
-        assert slots is not None
-        clock = legs.clock
-        since = clock.seconds()
-        named = prefilling.named
-
-        def forced() -> Placed:
-            got = place_decode(legs, routing, decision, named, force=True)
-            assert isinstance(got, Placed)  # (whatever the caps: never a full pool)
-            return got
-
-        try:
-            if self.phases.client_gone:  # (left as prefill answered: its KV is left to its lease)
-                raise CancelledError()
-            taken = slots.take_decode(
-                Claim.of(c),
-                lambda: place_decode(legs, routing, decision, named),
-                handed_at if decision.mode is Mode.PD else since,
-                forced,
-            )
-            if isinstance(taken, Deferred):
-                self.phases.enter(Phase.QUEUED)
-                try:
-                    taken = await self.phases.track(taken)
-                finally:
-                    record.ready_wait_seconds = clock.seconds() - since
-                if decision.mode is Mode.PD:
-                    self.phases.enter(Phase.HANDOFF)
-                else:
-                    self.phases.enter(Phase.DECODE)
-        finally:
-            prefilling.release()  # (its place ahead of decode, whatever came of it)
-        if decision.mode is Mode.PD:
-            record.kv_lease_left_seconds = handed_at + slots.kv_lease - clock.seconds()
-        return taken
 
     async def _handoff(
         self,
