@@ -19,7 +19,7 @@ import contextlib
 from typing import cast
 
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime, ITCPTransport
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, ITCPTransport
 from twisted.internet.protocol import Protocol
 from twisted.python.failure import Failure
 from twisted.web.client import UNKNOWN_LENGTH, ResponseDone
@@ -302,19 +302,6 @@ def relay(
     relaying = _BodyRelay(request, finished, silence, passes, seen)
     response.deliverBody(relaying)
     return finished
-
-
-def relay_body(
-    request: ExchangeRequest,
-    response: IResponse,
-    clock: IReactorTime,
-    idle_timeout: float | None,
-    terminal: tuple[bytes, ...] = (),
-) -> Deferred[None]:
-    """A body relayed as it is (``relay``), silent for ``idle_timeout`` seconds at most;
-    ``terminal``: an event stream's last events, one of which must come."""
-    seen = Seen(terminal=terminal) if terminal else NO_SEEN
-    return relay(request, response, Silence(clock, idle_timeout), NO_PASSES, seen)
 
 
 class _Discard(Protocol):

@@ -21,7 +21,8 @@ from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss, Request
 from twisted.web.test.requesthelper import DummyChannel
 
-from nixl_twisted.exchange.relay import ClientSlow, StreamCutShort, StreamSilent, relay_body
+from nixl_twisted.exchange.relay import ClientSlow, StreamCutShort, StreamSilent, relay
+from nixl_twisted.exchange.relay_parts import NO_PASSES, Seen, Silence
 from nixl_twisted.protocol import events, routes
 
 IDLE = 10.0
@@ -43,7 +44,8 @@ def _relayed(terminal: tuple[bytes, ...] = ()) -> tuple[Clock, Request, _Body, D
     clock = Clock()
     request = Request(cast(Any, DummyChannel()))
     body = _Body()
-    finished = relay_body(request, cast(Any, body), clock, IDLE, terminal=terminal)
+    seen = Seen(terminal=terminal)
+    finished = relay(request, cast(Any, body), Silence(clock, IDLE), NO_PASSES, seen)
     return clock, request, body, finished
 
 
