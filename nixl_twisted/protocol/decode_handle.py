@@ -29,6 +29,7 @@ from typing import Any
 from twisted.web.http_headers import Headers
 
 from nixl_twisted.protocol.events import each, framed
+from nixl_twisted.protocol.token_ids import EMPTY_DELTA, LISTED_IDS, listed
 
 #: A whole answer held past this many bytes goes on as it comes, all but its tail.
 MAX_HELD = 16 * 1024 * 1024
@@ -40,10 +41,7 @@ _HANDLE = re.compile(rb'"kv_transfer_params"\s*:\s*\{')
 HANDLE_NAME = b'"kv_transfer_params"'
 _NAME = HANDLE_NAME
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids"\s*:\s*\[([^\]]*)\]')
-_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
 _ID_NAMES = (b'"token_ids"', b'"prompt_token_ids"')
-#: A chat chunk vLLM sends only to carry token ids (no text, logprobs or end).
-_EMPTY_DELTA = b'"delta":{},"logprobs":null,"finish_reason":null'
 _DECODER = json.JSONDecoder()
 _SPACE = b" \t\r\n"
 
@@ -204,7 +202,7 @@ class HandleTaker:
             return
         prompt = answer.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
         output = choices[0].get("token_ids")
-        prompt, output = _listed_ids(prompt), _listed_ids(output)
+        prompt, output = listed(prompt), listed(output)
         if prompt is not None and output is not None:
             self.prompt, self._output = prompt, output
 
@@ -219,7 +217,7 @@ class HandleTaker:
             self._read_event(event)
         if self.strip_ids:
             event = self._nulled(event)
-            if self.chat and _EMPTY_DELTA in event:
+            if self.chat and EMPTY_DELTA in event:
                 return b""
         return event
 
@@ -229,8 +227,8 @@ class HandleTaker:
             if found is not None:
                 self.prompt = _ids(found.group(1))
         assert self._output is not None
-        for listed in _TOKEN_IDS.findall(event):
-            ids = _ids(listed)
+        for written in LISTED_IDS.findall(event):
+            ids = _ids(written)
             if ids is None:
                 self._output = None
                 return
@@ -239,11 +237,4 @@ class HandleTaker:
     @staticmethod
     def _nulled(data: bytes) -> bytes:
         data = _PROMPT_IDS.sub(b'"prompt_token_ids":null', data)
-        return _TOKEN_IDS.sub(b'"token_ids":null', data)
-
-
-def _listed_ids(value: object) -> list[int] | None:
-    """``value`` if it is a non-empty list of token ids (None: not)."""
-    if not isinstance(value, list) or not value:
-        return None
-    return value if all(type(token) is int and token >= 0 for token in value) else None
+        return LISTED_IDS.sub(b'"token_ids":null', data)

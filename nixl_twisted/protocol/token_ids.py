@@ -11,11 +11,17 @@ the proxy asks for them only where decode uses them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from nixl_twisted.protocol import routes
 from nixl_twisted.protocol.lowering import JSONObject
+
+#: A streamed event's token ids, as vLLM writes them (``return_token_ids``).
+LISTED_IDS = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
+#: A chat chunk vLLM sends only because token ids were asked (no text, logprobs or end).
+EMPTY_DELTA = b'"delta":{},"logprobs":null,"finish_reason":null'
 
 #: vLLM's text content parts (``vllm/renderers/chat_utils.py``: ``_TEXT_CONTENT_PART_TYPES``).
 _TEXT_PARTS = frozenset(
@@ -99,7 +105,11 @@ def given(leg: JSONObject, ids: Sequence[int]) -> JSONObject:
 def prompt_ids(answer: Any) -> list[int] | None:
     """The ``prompt_token_ids`` of a prefill answer, if they are what decode accepts: a
     non-empty list of non-negative integers (vLLM answers 400 to anything else)."""
-    ids = answer.get("prompt_token_ids") if isinstance(answer, dict) else None
+    return listed(answer.get("prompt_token_ids") if isinstance(answer, dict) else None)
+
+
+def listed(ids: object) -> list[int] | None:
+    """``ids`` if they are a non-empty list of non-negative integers (None: not)."""
     if not isinstance(ids, list) or not ids:
         return None
     if any(type(token) is not int or token < 0 for token in ids):

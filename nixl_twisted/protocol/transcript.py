@@ -28,16 +28,13 @@ from typing import Any
 
 from nixl_twisted.protocol.events import each, framed
 from nixl_twisted.protocol.resumable import MAX_RELAYED_TOKENS
+from nixl_twisted.protocol.token_ids import EMPTY_DELTA, LISTED_IDS
 
 #: How an in-band error event begins (vLLM's OpenAI routes, Messages, Responses).
 _ERRORS = (b'data: {"error"', b"event: error", b"event: response.failed")
 _DONE = b"data: [DONE]"
 _TOKEN_IDS = b'"token_ids":'
-#: A token event's ids, as they are written.
-_LISTED = re.compile(rb'"token_ids":\s*\[([^\]]*)\]')
 _PROMPT_IDS = b'"prompt_token_ids":'
-#: A chat chunk vLLM sends only because token ids were asked (no text, logprobs or end).
-_EMPTY_DELTA = b'"delta":{},"logprobs":null,"finish_reason":null'
 _CHOICES = re.compile(rb'"choices":\s*\[\s*\{')
 _NO_CHOICES = re.compile(rb'"choices":\s*\[\s*\]')
 _FINISHED = re.compile(rb'"finish_reason":\s*"')
@@ -166,7 +163,7 @@ class Transcript:
             # Whole token events (vLLM writes one at a time), nothing else to look at: one
             # pass of a regular expression splits out their ids (vLLM sends ids in every
             # token event of a request, or in none: the event-by-event path saw them).
-            pieces = _LISTED.split(data)
+            pieces = LISTED_IDS.split(data)
             ids = pieces[1::2]
             if ids:
                 if self.inexact is None:
@@ -258,7 +255,7 @@ class Transcript:
             self.inexact = self.inexact or "reasoning"  # (a parser's state no request carries)
         if self.strip and listed:
             event = event[:start] + b"null" + event[end:]
-            if self.chat and _EMPTY_DELTA in event:
+            if self.chat and EMPTY_DELTA in event:
                 self._unsaid = True
                 return b""  # (vLLM sends it only to carry the ids)
         self._unsaid = False
