@@ -10,7 +10,6 @@ decode body of.
 from __future__ import annotations
 
 from twisted.internet.defer import TimeoutError, ensureDeferred
-from twisted.logger import Logger
 
 from nixl_twisted.backends.instances import Instance
 from nixl_twisted.backends.pools import Lease
@@ -34,8 +33,6 @@ from nixl_twisted.protocol.errors import ProxyError
 from nixl_twisted.protocol.handoff import read_prefill_answer
 from nixl_twisted.protocol.headers import for_rank
 from nixl_twisted.protocol.phases import Phase
-
-log = Logger()
 
 
 class PrefillLeg:
@@ -105,22 +102,15 @@ class PrefillLeg:
         try:
             params = await self._sent(instance, span, with_handle, judged=False)
         except (ProxyError, PrefillRefused) as error:
-            reusing.said("failed")
+            reusing.failed_on(instance.url, str(error), self.completion.request_id)
             if self.served.phases.client_gone:
                 raise  # (nobody to answer: no second prefill)
             self.served.record.attempted("prefill", instance.url, "handle_failed", True)
-            log.warn(
-                "prefill instance {url} failed {request_id} with decode's handle ({error}); "
-                "sent again without it",
-                url=instance.url,
-                request_id=self.completion.request_id,
-                error=error,
-            )
             return await self._sent(instance, span, lowered)
         except BaseException:
             reusing.said("failed")
             raise
-        reusing.read()
+        reusing.read(instance.url)
         return params
 
     async def _sent(

@@ -94,14 +94,32 @@ class Reusing:
             return None
         return handle.params
 
-    def read(self) -> None:
-        """Prefill answered the leg that carried the handle."""
+    def read(self, prefill: str) -> None:
+        """Prefill (its URL) answered the leg that carried the handle."""
         handle = self.found.handle
         assert handle is not None
         self.said("used")
+        self.store.failing.discard(prefill)
         self.record.reused_tokens = handle.covered
         self.metrics.reuse_tokens.inc(handle.covered)
         self.store.tokens_read += handle.covered
+
+    def failed_on(self, prefill: str, error: str, request_id: str) -> None:
+        """Prefill (its URL) answered the leg that carried the handle with an error: said in
+        a warning once until a handle is read there again (a TTL set shorter on decode than
+        ``--reuse-handle-ttl`` fails every one), each counted."""
+        self.said("failed")
+        if prefill in self.store.failing:
+            return
+        self.store.failing.add(prefill)
+        log.warn(
+            "prefill instance {url} failed {request_id} with decode's handle ({error}); sent "
+            "again without it (said once until a handle is read there again: is "
+            "--reuse-handle-ttl longer than decode's decoder_kv_blocks_ttl?)",
+            url=prefill,
+            request_id=request_id,
+            error=error,
+        )
 
     def said(self, outcome: str) -> None:
         """What came of it, said once (the first word is the one that counts)."""

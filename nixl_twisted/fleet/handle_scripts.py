@@ -1,9 +1,10 @@
 """The scripts and keys of decode's handles in ``--replicas-redis`` (multi-turn reuse).
 
 Beside the keys of ``scripts`` (same prefix, same hash tag, one shard):
-``handle:HEX``, one handle (``reuse.handles.Handle.to_json``) under the
-digest of the ids it covers, and ``turn:HEX``, its prompt's mark, each for
-decode's ``decoder_kv_blocks_ttl``. ``KEEP`` writes both; ``FIND`` reads the
+``handle:HEX``, a list of handles (``reuse.handles.Handle.to_json``, the
+newest first, ``PER_KEY`` at most) under the digest of the ids they cover,
+and ``turn:HEX``, a prompt's mark, each for decode's
+``decoder_kv_blocks_ttl`` less the margin. ``KEEP`` writes both; ``FIND`` reads the
 first of a prompt's digests that holds one, without taking it (else says
 whether one marks a turn); ``CLAIM`` takes it only if it is still the
 one found, so that of two replicas one reads it and the other is told no.
@@ -19,38 +20,55 @@ from twisted.internet.defer import Deferred
 
 from nixl_twisted.fleet.lua_common import Caller
 from nixl_twisted.fleet.replies import WrongReply, count_of
+from nixl_twisted.reuse.kept import PER_KEY
 
-# ARGV: prefix, replica, key, handle, ms, the turn's key and mark ("" for none). Returns 0.
-KEEP = """
-redis.call('SET', ARGV[1] .. 'handle:' .. ARGV[3], ARGV[4], 'PX', tonumber(ARGV[5]))
+# ARGV: prefix, replica, key, handle, ms, the turn's key and mark ("" for none). The handle
+# goes first in its key's list, PER_KEY kept (a key that is no list, as a writer left it, is
+# made one again). Returns 0.
+KEEP = f"""
+local key = ARGV[1] .. 'handle:' .. ARGV[3]
+local pushed = redis.pcall('LPUSH', key, ARGV[4])
+if type(pushed) == 'table' and pushed.err then
+  redis.call('DEL', key)
+  redis.call('LPUSH', key, ARGV[4])
+end
+redis.call('LTRIM', key, 0, {PER_KEY - 1})
+redis.call('PEXPIRE', key, tonumber(ARGV[5]))
 if ARGV[6] ~= '' then
   redis.call('SET', ARGV[1] .. 'turn:' .. ARGV[6], ARGV[7], 'PX', tonumber(ARGV[5]))
 end
 return 0
 """
 
-# ARGV: prefix, replica, then keys, longest prefix first. The first that holds a string,
-# as {its place from 1, it}; else {0, the mark} of the first that marks a turn; else nil.
-FIND = """
+# ARGV: prefix, replica, then keys, longest prefix first. The handles under the first that
+# holds any, as {its place from 1, each}; else {0, the mark} of the first that marks a turn;
+# else nil.
+FIND = f"""
 for i = 3, #ARGV do
-  local got = redis.pcall('GET', ARGV[1] .. 'handle:' .. ARGV[i])
-  if type(got) == 'string' then return {i - 2, got} end
+  local got = redis.pcall('LRANGE', ARGV[1] .. 'handle:' .. ARGV[i], 0, {PER_KEY - 1})
+  if type(got) == 'table' and not got.err and #got > 0 then
+    table.insert(got, 1, i - 2)
+    return got
+  end
 end
 for i = 3, #ARGV do
   local mark = redis.pcall('GET', ARGV[1] .. 'turn:' .. ARGV[i])
-  if type(mark) == 'string' then return {0, mark} end
+  if type(mark) == 'string' then return {{0, mark}} end
 end
 return nil
 """
 
 # ARGV: prefix, replica, key, the stamp of the handle found (letters and digits). 1: taken;
-# 0: read or replaced since.
-CLAIM = """
+# 0: read or gone since.
+CLAIM = f"""
 local key = ARGV[1] .. 'handle:' .. ARGV[3]
-local held = redis.pcall('GET', key)
-if type(held) == 'string' and string.find(held, '"stamp":"' .. ARGV[4] .. '"', 1, true) then
-  redis.call('DEL', key)
-  return 1
+local kept = redis.pcall('LRANGE', key, 0, {PER_KEY - 1})
+if type(kept) ~= 'table' or kept.err then return 0 end
+for _, held in ipairs(kept) do
+  if string.find(held, '"stamp":"' .. ARGV[4] .. '"', 1, true) then
+    redis.call('LREM', key, 1, held)
+    return 1
+  end
 end
 return 0
 """
@@ -65,8 +83,8 @@ def keep(
     return caller.call(KEEP, [key.hex(), handle, ms, marked, said], "handle_keep", _as_is)
 
 
-def find(caller: Caller, keys: Sequence[bytes]) -> Deferred[tuple[int, bytes] | None]:
-    """Run ``FIND``: the place in ``keys`` (from 1) of the first that holds a handle, and what
+def find(caller: Caller, keys: Sequence[bytes]) -> Deferred[tuple[int, list[bytes]] | None]:
+    """Run ``FIND``: the place in ``keys`` (from 1) of the first that holds handles, and what
     it holds; place 0: none does, and what the first that marks a turn says; None: neither."""
     return caller.call(FIND, [key.hex() for key in keys], "handle_find", _found)
 
@@ -77,13 +95,13 @@ def claim(caller: Caller, key: bytes, stamp: str) -> Deferred[bool]:
     return caller.call(CLAIM, [key.hex(), stamp], "handle_claim", lambda r: count_of(r) == 1)
 
 
-def _found(reply: Any) -> tuple[int, bytes] | None:
+def _found(reply: Any) -> tuple[int, list[bytes]] | None:
     if reply is None:
         return None
-    if not isinstance(reply, list) or len(reply) != 2:
+    if not isinstance(reply, list) or len(reply) < 2:
         raise WrongReply(f"FIND answered {reply!r}")
-    place, held = count_of(reply[0]), reply[1]
-    return place, held if isinstance(held, bytes) else str(held).encode()
+    held = [each if isinstance(each, bytes) else str(each).encode() for each in reply[1:]]
+    return count_of(reply[0]), held
 
 
 def _as_is(reply: Any) -> Any:

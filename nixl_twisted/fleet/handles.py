@@ -37,12 +37,14 @@ class FleetHandles:
         return kept.addCallback(lambda _: None)
 
     def find(self, keys: Sequence[bytes]) -> Deferred[Looked]:
-        def read(found: tuple[int, bytes] | None) -> Looked:
+        def read(found: tuple[int, list[bytes]] | None) -> Looked:
             if found is None or not 0 <= found[0] <= len(keys):
                 return Looked()
-            if found[0] == 0:
-                return Looked(turn=found[1].decode("utf-8", "replace"))
-            return Looked(keys[found[0] - 1], from_json(found[1]))
+            place, held = found
+            if place == 0:
+                return Looked(turn=held[0].decode("utf-8", "replace"))
+            handles = (from_json(each) for each in held)
+            return Looked(keys[place - 1], tuple(h for h in handles if h is not None))
 
         return handle_scripts.find(self.replicas, keys).addCallback(read)
 

@@ -30,16 +30,19 @@ T = TypeVar("T")
 #: (128 MiB of them).
 LIMIT = 10_000
 HELD_IDS = 16 * 1024 * 1024
+#: Handles kept under one key, the newest first: conversations whose ids are the same to a
+#: key's length (a long system prompt, short turns) do not take each other's place.
+PER_KEY = 8
 
 
 @dataclass(frozen=True)
 class Looked:
-    """What a lookup saw: the key of the first handle found and it (None: what is kept
-    there is not a handle), or, none found, whether a turn was marked under one of the keys."""
+    """What a lookup saw: the first key that holds handles and those that read as handles,
+    the newest first, or, none found, what the first turn's mark under one of the keys says
+    (``Handle.turn_mark``; None: none)."""
 
     key: bytes = b""
-    handle: Handle | None = None
-    #: What a turn's mark says (``Handle.turn_mark``; None: none found).
+    handles: tuple[Handle, ...] = ()
     turn: str | None = None
 
 
@@ -54,12 +57,12 @@ class SharedHandles(Protocol):
     def keep(
         self, key: bytes, handle: Handle, seconds: float, turn: tuple[bytes, str] | None
     ) -> Deferred[None]:
-        """Kept under ``key`` for ``seconds`` (a newer one under the same key replaces it),
+        """Kept under ``key`` for ``seconds``, before the others there (``PER_KEY`` at most),
         and its turn's mark (``Handle.turn_mark``; None: none)."""
 
     def find(self, keys: Sequence[bytes]) -> Deferred[Looked]:
-        """The first of ``keys`` that holds a handle, and it (None: not a handle), or else
-        what the first of them that marks a turn says."""
+        """The handles under the first of ``keys`` that holds any, or else what the first of
+        them that marks a turn says."""
 
     def claim(self, key: bytes, handle: Handle) -> Deferred[bool]:
         """``handle`` taken from ``key`` if it is still there (False: read or gone)."""
@@ -98,7 +101,7 @@ class HandleStore:
         #: The ids the handles kept here cover, in all, and at most (eight bytes each).
         self._ids = 0
         self.held_ids = HELD_IDS
-        self._kept: OrderedDict[bytes, Handle] = OrderedDict()
+        self._kept: OrderedDict[bytes, list[Handle]] = OrderedDict()
         #: The turns of the handles kept here, marked (``Handle.turn_mark``).
         self._turns: OrderedDict[bytes, str] = OrderedDict()
         #: What came of this process's lookups and of the handles its decode legs answered,
@@ -106,6 +109,8 @@ class HandleStore:
         self.lookups: Counter[str] = Counter()
         self.answered: Counter[str] = Counter()
         self.tokens_read = 0
+        #: Prefill instances that failed a handle since one was last read there (warned once).
+        self.failing: set[str] = set()
 
     @property
     def margin(self) -> float:
@@ -114,7 +119,8 @@ class HandleStore:
         return min(10.0, self.lifetime / 3)
 
     def __len__(self) -> int:
-        return len(self._kept)
+        """The handles kept here."""
+        return sum(len(kept) for kept in self._kept.values())
 
     def status(self, on: bool) -> dict[str, object]:
         """What the status page says of it; ``on``: ``--multi-turn-reuse``."""
@@ -122,7 +128,7 @@ class HandleStore:
             "on": on,
             "lifetime_seconds": self.lifetime,
             "shared": self.shared is not None,
-            "kept_here": len(self._kept),
+            "kept_here": len(self),
             "handles": dict(self.answered),
             "lookups": dict(self.lookups),
             "tokens_read": self.tokens_read,
@@ -151,13 +157,15 @@ class HandleStore:
             with suppress(Exception):
                 await self.shared.keep(key, handle, self.lifetime - self.margin, turn)
             return "kept"
+        kept = self._kept.pop(key, [])
+        kept.insert(0, handle)
         self._ids += len(handle.tokens)
-        gone = self._kept.pop(key, None)
-        self._ids -= len(gone.tokens) if gone is not None else 0
-        self._kept[key] = handle
+        for gone in kept[PER_KEY:]:
+            self._ids -= len(gone.tokens)
+        self._kept[key] = kept[:PER_KEY]
         while len(self._kept) > self.limit or self._ids > self.held_ids:
             _, oldest = self._kept.popitem(last=False)
-            self._ids -= len(oldest.tokens)
+            self._ids -= sum(len(each.tokens) for each in oldest)
         if turn is not None:
             _bounded(self._turns, turn[0], turn[1], self.limit)
         return "kept"
@@ -177,21 +185,23 @@ class HandleStore:
                 there = Looked()  # (Redis away: only this replica's own)
             shared = bool(there.key)
             looked = there if there.key or there.turn else looked
-        key, handle = looked.key, looked.handle
-        if handle is None:
+        key = looked.key
+        if not looked.handles:
             went_on = looked.turn is not None and not key and marks(looked.turn, scope, prompt)
             return Found("mismatch") if went_on else NOTHING
-        if not handle.extends(prompt):
+        extending = [handle for handle in looked.handles if handle.extends(prompt)]
+        if not extending:
             return Found("mismatch", None, key, shared)
+        handle = extending[0]  # (the newest: the longest the prompt extends, at that key)
         if self.clock.seconds() >= handle.until:
             return Found("expired", None, key, shared)
         return Found("found", handle, key, shared)
 
     def _here(self, keys: Sequence[bytes]) -> Looked:
         for key in keys:
-            handle = self._kept.get(key)
-            if handle is not None:
-                return Looked(key, handle)
+            kept = self._kept.get(key)
+            if kept:
+                return Looked(key, tuple(kept))
         return Looked(turn=next((self._turns[k] for k in keys if k in self._turns), None))
 
     async def claim(self, found: Found) -> str:
@@ -202,10 +212,12 @@ class HandleStore:
         if self.clock.seconds() >= handle.until:
             return "expired"
         if not found.shared:
-            taken = self._kept.get(found.key)
-            if taken is not handle:
+            kept = self._kept.get(found.key, [])
+            if not any(each is handle for each in kept):
                 return "taken"
-            del self._kept[found.key]
+            kept.remove(handle)
+            if not kept:
+                del self._kept[found.key]
             self._ids -= len(handle.tokens)
             return "used"
         assert self.shared is not None

@@ -14,7 +14,7 @@ from nixl_twisted.reuse import HandleStore, scope_of
 from nixl_twisted.reuse.handles import prefix_keys
 from nixl_twisted.testing import RunningProxy
 from tests.loopback.test_replicas import FleetCase
-from tests.pure.test_reuse_handles import PARAMS, TURN
+from tests.pure.test_reuse_handles import PARAMS, TURN, sharing_an_opening
 
 SCOPE = scope_of("acme", None, "fake-model")
 
@@ -47,6 +47,21 @@ class SharedHandleTests(FleetCase):
         rendered = [*TURN[:150], *range(5, 60), 9]
         assert (await there.find(SCOPE, rendered)).why == "mismatch"
         assert (await there.find(SCOPE, [*TURN[:100], *range(5, 120)])).why == "none"
+
+    async def test_conversations_the_same_to_a_keys_length_each_read_their_own(self) -> None:
+        other = await self.two()
+        here, there = handles_of(self.proxy), handles_of(other)
+        first, second = sharing_an_opening()
+        short = dict(PARAMS, remote_num_tokens=139)
+        for turn in (first, second):
+            assert await here.keep(SCOPE, here.made(short, self.decode.url, turn)) == "kept"
+        found = [await there.find(SCOPE, [*turn, 7]) for turn in (first, second)]
+        assert [tuple(f.handle.tokens) for f in found if f.handle] == [first, second]
+        assert [await there.claim(f) for f in found] == ["used", "used"]
+        assert [(await here.find(SCOPE, [*t, 7])).why for t in (first, second)] == [
+            "none",
+            "none",
+        ]
 
     async def test_redis_keeps_a_handle_for_decodes_lifetime_and_no_longer(self) -> None:
         await self.two()

@@ -292,3 +292,15 @@ def test_a_stored_response_is_read_back_without_its_handle() -> None:
     for word in HANDLE_WORDS:
         assert word not in again.body
     assert again.json()["id"] == response_id
+
+
+def test_handles_prefill_cannot_read_are_warned_of_once(logged: list[dict[str, Any]]) -> None:
+    setup = reusing(ttl=120.0, fakes={"decoder_blocks_ttl": 30.0})
+    openings = [FIRST, [SYSTEM, {"role": "user", "content": "And how does prefill push it?"}]]
+    firsts = [chat(setup, opening) for opening in openings]
+    setup.proxy.advance(60.0)
+    for opening, first in zip(openings, firsts, strict=True):
+        chat(setup, next_turn(opening, first))
+    assert setup.prefill.sources.failed_transfers == 2
+    warned = [e for e in logged if "with decode's handle" in e.get("log_format", "")]
+    assert len(warned) == 1

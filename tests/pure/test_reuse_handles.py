@@ -205,3 +205,22 @@ def test_the_ids_kept_here_are_bounded_the_oldest_let_go_first() -> None:
     assert len(store) == 2
     assert _done(store.find(SCOPE, [*range(0, 200), 5])).why == "none"
     assert _done(store.find(SCOPE, [*range(2000, 2200), 5])).why == "found"
+
+
+def sharing_an_opening() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Two conversations the same to 130 ids (a system prompt), then short and apart."""
+    opening = tuple(range(3000, 3130))
+    return (*opening, *range(1, 11)), (*opening, *range(50, 60))
+
+
+def test_conversations_the_same_to_a_keys_length_keep_their_own_handles() -> None:
+    clock = Clock()
+    store = _store(clock)
+    first, second = sharing_an_opening()
+    short = dict(PARAMS, remote_num_tokens=139)
+    for turn in (first, second):
+        _done(store.keep(SCOPE, store.made(short, "http://d1", turn)))
+    found = [_done(store.find(SCOPE, [*turn, 7])) for turn in (first, second)]
+    assert [f.why for f in found] == ["found", "found"]
+    assert [tuple(f.handle.tokens) for f in found] == [first, second]
+    assert [_done(store.claim(f)) for f in found] == ["used", "used"]
