@@ -304,3 +304,20 @@ def test_handles_prefill_cannot_read_are_warned_of_once(logged: list[dict[str, A
     assert setup.prefill.sources.failed_transfers == 2
     warned = [e for e in logged if "with decode's handle" in e.get("log_format", "")]
     assert len(warned) == 1
+
+
+def test_a_handle_whose_decode_went_down_is_not_read(
+    access_events: list[dict[str, Any]],
+) -> None:
+    # (its blocks went with it: the turn is served as without reuse, elsewhere)
+    setup = reusing()
+    second = next_turn(FIRST, chat(setup, FIRST))
+    pool = setup.proxy.app.serving.legs.backends.decode
+    holder = pool.instances[0]
+    for _ in range(3):  # (--unhealthy-threshold failures in a row: down)
+        pool.record_failure(holder, "connection refused")
+    assert not pool.available(holder)
+    said = chat(setup, second)
+    assert setup.prefill.handles_read == [] and access_events[-1]["reuse"] == "gone"
+    assert decode_legs(setup) == [1, 1]
+    assert said["choices"][0]["finish_reason"] is not None
